@@ -1,0 +1,56 @@
+"""Wire contract v1: the one definition of Trace, Plan and Feedback, shared by agent and service."""
+
+from client.contract.api import (
+    ErrorBody,
+    FeedbackRecord,
+    HardwareSummary,
+    ModelSummary,
+    Page,
+    PlanRecord,
+    PlanRequest,
+    TraceCreated,
+    TraceRecord,
+    TraceSummary,
+)
+from client.contract.common import SCHEMA_VERSION, ContractModel
+from client.contract.feedback import Feedback
+from client.contract.plan import (
+    ActivationMode,
+    AllocationPlan,
+    BlockPolicy,
+    BufferOffset,
+    Chunk,
+    Constraints,
+    Objective,
+    Placement,
+    Plan,
+    PlanStatus,
+    Policy,
+    Predictions,
+    SolverReport,
+    SolverStatus,
+)
+from client.contract.trace import (
+    AllocationCategory,
+    AllocationEvent,
+    AllocationTrace,
+    BandwidthCurves,
+    BandwidthSample,
+    BlockInfo,
+    BlockKind,
+    BlockMeasurement,
+    DeviceType,
+    Hardware,
+    Measurements,
+    ModelInfo,
+    OptimizerKind,
+    OptimizerMeasurement,
+    ParameterInfo,
+    Phase,
+    Precision,
+    Software,
+    Trace,
+    Workload,
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,101 @@
+"""Request and response envelopes of the HTTP API (`/v1`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel, Field
+
+from client.contract.common import ContractModel, Name
+from client.contract.feedback import Feedback
+from client.contract.plan import Constraints, Objective, Plan, PlanStatus
+from client.contract.trace import Trace
+
+T = TypeVar("T")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = None
+
+
+class TraceCreated(BaseModel):
+    id: str
+    content_hash: str
+    created: bool = Field(description="false when identical content was already stored")
+
+
+class TraceSummary(BaseModel):
+    id: str
+    content_hash: str
+    model_name: str
+    model_fingerprint: str
+    hardware_key: str
+    workload_key: str
+    created_at: datetime
+
+
+class TraceRecord(TraceSummary):
+    trace: Trace
+
+
+class PlanRequest(ContractModel):
+    trace_id: Name
+    constraints: Constraints
+    objective: Objective = Objective.min_iteration_time
+    solver: Name = Field(default="cpsat", description="policy solver: 'cpsat' (default) or 'protrain'")
+
+
+class FeedbackRecord(BaseModel):
+    id: str
+    plan_id: str
+    feedback: Feedback
+    iteration_error: float | None = Field(description="measured / predicted - 1 for iteration seconds")
+    peak_device_error: float | None = Field(description="measured / predicted - 1 for peak device bytes")
+    created_at: datetime
+
+
+class PlanRecord(BaseModel):
+    id: str
+    trace_id: str
+    status: PlanStatus
+    reused: bool = Field(default=False, description="true when an identical earlier request's plan was returned")
+    solver: str
+    constraints: Constraints
+    objective: Objective
+    model_name: str
+    model_fingerprint: str
+    hardware_key: str
+    workload_key: str
+    plan: Plan | None = None
+    error: str | None = None
+    attempts: int = 0
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    feedback: list[FeedbackRecord] = Field(default_factory=list)
+
+
+class ModelSummary(BaseModel):
+    fingerprint: str
+    name: str
+    architecture: str
+    parameter_count: int
+    traces: int
+    plans: int
+
+
+class HardwareSummary(BaseModel):
+    key: str
+    device_type: str
+    device_name: str
+    device_memory_bytes: int
+    device_count: int
+    traces: int
+    plans: int
+
+
+class ErrorBody(BaseModel):
+    error: str
+    detail: object | None = None

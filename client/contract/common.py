@@ -1,0 +1,44 @@
+"""Shared building blocks of the wire contract: the strict base model, unit-carrying types, limits."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION: Final = 1
+
+# Declared limits. Anything larger is rejected by validation (and, in the service, before parsing).
+MAX_BLOCKS: Final = 4_096
+MAX_PARAMETERS: Final = 200_000
+MAX_BANDWIDTH_SAMPLES: Final = 64
+MAX_ALLOCATION_EVENTS: Final = 2_000_000
+MAX_NAME_CHARS: Final = 512
+
+# Units live in field names (`_bytes`, `_s`, `_bytes_per_s`); these aliases carry the range checks.
+Bytes = Annotated[int, Field(ge=0, le=2**62, description="a size in bytes")]
+PositiveBytes = Annotated[int, Field(gt=0, le=2**62, description="a non-zero size in bytes")]
+Seconds = Annotated[float, Field(ge=0.0, le=1e9, description="a duration in seconds")]
+BytesPerSecond = Annotated[float, Field(gt=0.0, le=1e15, description="a throughput in bytes per second")]
+Count = Annotated[int, Field(ge=0, le=2**62)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+
+
+class ContractModel(BaseModel):
+    """Base of every wire model: unknown fields, NaN and infinity are errors, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=False)
+
+    def canonical_json(self) -> bytes:
+        """Deterministic JSON (sorted keys, no whitespace): the input of content hashes."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
+    def content_hash(self) -> str:
+        """SHA-256 of the canonical JSON, hex: equal content gives an equal hash, on every machine."""
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

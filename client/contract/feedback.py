@@ -1,0 +1,17 @@
+"""Feedback: what the runtime measured while applying a plan, to check the plan's predictions."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Seconds
+from typing import Literal
+
+
+class Feedback(ContractModel):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    iteration_s: Seconds = Field(description="measured median iteration seconds")
+    peak_device_bytes: Bytes
+    peak_host_bytes: Bytes
+    steps_measured: int = Field(ge=1, le=10_000_000)
+    notes: str = Field(default="", max_length=4096)

@@ -1,0 +1,159 @@
+"""Plan: the memory policy and allocation the planner chose for a Trace, with its evidence."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from client.contract.common import (
+    MAX_ALLOCATION_EVENTS,
+    MAX_BLOCKS,
+    MAX_PARAMETERS,
+    SCHEMA_VERSION,
+    Bytes,
+    ContractModel,
+    Name,
+    PositiveBytes,
+    Seconds,
+)
+
+
+class Placement(StrEnum):
+    persistent = "persistent"  # parameters, gradients and optimizer state stay on the device
+    offloaded = "offloaded"  # fp32 master + optimizer state in pinned host memory, streamed through buffers
+
+
+class ActivationMode(StrEnum):
+    keep = "keep"
+    checkpoint = "checkpoint"
+    swap = "swap"
+
+
+class SolverStatus(StrEnum):
+    optimal = "optimal"
+    feasible = "feasible"
+    infeasible = "infeasible"
+    unknown = "unknown"
+
+
+class Objective(StrEnum):
+    min_iteration_time = "min_iteration_time"
+
+
+class Constraints(ContractModel):
+    """What a plan must respect. Unset host limit: the trace's host memory."""
+
+    device_memory_bytes: PositiveBytes
+    host_memory_bytes: PositiveBytes | None = None
+    pinned_memory_bytes: PositiveBytes | None = None
+    time_limit_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+
+
+class Chunk(ContractModel):
+    index: int = Field(ge=0)
+    placement: Placement
+    parameters: list[Name] = Field(description="parameter names in execution order, packed contiguously")
+    blocks: list[int] = Field(description="blocks whose parameters live in this chunk")
+    used_bytes: Bytes = Field(description="bytes of parameters in the chunk (the rest is padding)")
+
+
+class BlockPolicy(ContractModel):
+    block: int = Field(ge=0)
+    mode: ActivationMode
+
+
+class Policy(ContractModel):
+    """The model-state and activation decisions."""
+
+    chunk_size_bytes: PositiveBytes
+    chunks: list[Chunk] = Field(max_length=MAX_PARAMETERS)
+    n_buffers: int = Field(ge=0, le=1024, description="device buffers for offloaded chunks")
+    blocks: list[BlockPolicy] = Field(max_length=MAX_BLOCKS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Policy:
+        for i, c in enumerate(self.chunks):
+            if c.index != i:
+                raise ValueError(f"chunks[{i}].index: is {c.index}, must equal its position {i}")
+            if c.used_bytes > self.chunk_size_bytes:
+                raise ValueError(f"chunks[{i}].used_bytes: {c.used_bytes} exceeds chunk_size_bytes")
+        for i, b in enumerate(self.blocks):
+            if b.block != i:
+                raise ValueError(f"blocks[{i}].block: is {b.block}, must equal its position {i}")
+        if self.n_buffers == 0 and any(c.placement == Placement.offloaded for c in self.chunks):
+            raise ValueError("n_buffers: offloaded chunks need at least one buffer")
+        return self
+
+    @property
+    def persistent_chunks(self) -> list[int]:
+        return [c.index for c in self.chunks if c.placement == Placement.persistent]
+
+    def mode_strip(self) -> str:
+        """One character per block: K keep, C checkpoint, S swap."""
+        return "".join({"keep": "K", "checkpoint": "C", "swap": "S"}[b.mode.value] for b in self.blocks)
+
+
+class BufferOffset(ContractModel):
+    id: int = Field(ge=0, description="`AllocationEvent.id` of the buffer")
+    offset_bytes: Bytes
+
+
+class AllocationPlan(ContractModel):
+    arena_bytes: Bytes = Field(description="peak address used: the arena to reserve")
+    lower_bound_bytes: Bytes = Field(description="max over time of live bytes: no placement can do better")
+    alignment_bytes: PositiveBytes = 512
+    offsets: list[BufferOffset] = Field(max_length=MAX_ALLOCATION_EVENTS)
+    status: SolverStatus
+    solve_s: Seconds
+    solver: Name
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.lower_bound_bytes == 0 else self.arena_bytes / self.lower_bound_bytes - 1.0
+
+
+class Predictions(ContractModel):
+    iteration_s: Seconds
+    forward_s: Seconds
+    backward_s: Seconds
+    device_optimizer_s: Seconds
+    host_optimizer_s: Seconds
+    peak_device_bytes: Bytes
+    peak_host_bytes: Bytes
+    breakdown: dict[Name, float] = Field(default_factory=dict, description="named terms of the cost model")
+
+
+class SolverReport(ContractModel):
+    solver: Name = Field(description="'cpsat', 'protrain', ...")
+    solver_version: Name
+    status: SolverStatus
+    objective: float | None = Field(default=None, description="predicted iteration seconds of the answer")
+    best_bound: float | None = Field(default=None, description="proven lower bound on the objective")
+    gap: float | None = Field(default=None, ge=0.0, description="(objective - bound) / objective")
+    solve_s: Seconds
+    min_device_memory_bytes: Bytes | None = Field(
+        default=None, description="when infeasible: the smallest device memory that would fit"
+    )
+    message: str = Field(default="", max_length=4096)
+
+
+class Plan(ContractModel):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    trace_hash: Name = Field(description="content hash of the Trace this plan was solved for")
+    constraints: Constraints
+    objective: Objective = Objective.min_iteration_time
+    policy: Policy | None = Field(default=None, description="absent when infeasible")
+    allocation: AllocationPlan | None = None
+    predictions: Predictions | None = None
+    solver: SolverReport
+
+    @model_validator(mode="after")
+    def _policy_unless_infeasible(self) -> Plan:
+        if self.solver.status in (SolverStatus.optimal, SolverStatus.feasible) and self.policy is None:
+            raise ValueError("policy: a feasible plan must carry a policy")
+        return self
+
+
+PlanStatus = Literal["queued", "running", "done", "failed", "infeasible"]

@@ -1,0 +1,296 @@
+"""Trace: what the agent measured about one training job (hardware, model, workload, per-block costs)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from client.contract.common import (
+    MAX_ALLOCATION_EVENTS,
+    MAX_BANDWIDTH_SAMPLES,
+    MAX_BLOCKS,
+    MAX_PARAMETERS,
+    SCHEMA_VERSION,
+    Bytes,
+    BytesPerSecond,
+    ContractModel,
+    Count,
+    Name,
+    PositiveBytes,
+    Seconds,
+)
+
+
+class DeviceType(StrEnum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OptimizerKind(StrEnum):
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+
+
+class BlockKind(StrEnum):
+    prologue = "prologue"  # embeddings and whatever runs before the first repeated block
+    block = "block"  # one of the repeated transformer blocks
+    epilogue = "epilogue"  # final norm, head, loss
+
+
+class AllocationCategory(StrEnum):
+    param = "param"
+    grad = "grad"
+    optimizer = "optimizer"
+    activation = "activation"
+    temp = "temp"
+
+
+class Phase(StrEnum):
+    forward = "forward"
+    backward = "backward"
+    optimizer = "optimizer"
+
+
+# --------------------------------------------------------------------------------------------- hardware
+class BandwidthSample(ContractModel):
+    """One measured copy: `size_bytes` moved at `bytes_per_s` (median of repetitions)."""
+
+    size_bytes: PositiveBytes
+    bytes_per_s: BytesPerSecond
+
+
+class BandwidthCurves(ContractModel):
+    """Host<->device copy bandwidth by transfer size; each curve sorted by size, sizes unique."""
+
+    h2d_pinned: list[BandwidthSample] = Field(min_length=1, max_length=MAX_BANDWIDTH_SAMPLES)
+    d2h_pinned: list[BandwidthSample] = Field(min_length=1, max_length=MAX_BANDWIDTH_SAMPLES)
+    h2d_pageable: list[BandwidthSample] = Field(default_factory=list, max_length=MAX_BANDWIDTH_SAMPLES)
+    d2h_pageable: list[BandwidthSample] = Field(default_factory=list, max_length=MAX_BANDWIDTH_SAMPLES)
+
+    @model_validator(mode="after")
+    def _sorted_unique(self) -> BandwidthCurves:
+        for name in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
+            sizes = [s.size_bytes for s in getattr(self, name)]
+            if sizes != sorted(set(sizes)):
+                raise ValueError(f"{name}: samples must be sorted by size_bytes with no repeated size")
+        return self
+
+
+class Hardware(ContractModel):
+    """The machine the trace was measured on."""
+
+    device_type: DeviceType
+    device_name: Name = Field(description="e.g. 'NVIDIA H100 80GB HBM3', or the CPU model for cpu")
+    device_count: int = Field(ge=1, le=4096, description="devices per node that the job uses")
+    device_memory_bytes: PositiveBytes = Field(description="capacity of one device")
+    host_memory_bytes: PositiveBytes = Field(description="host RAM of the node")
+    pinned_memory_limit_bytes: Bytes | None = Field(default=None, description="page-locked limit, if known")
+    cpu_cores: int = Field(ge=1, le=100_000)
+    bandwidth: BandwidthCurves
+
+    @property
+    def key(self) -> str:
+        """Stable identity used to group traces and plans by hardware."""
+        gib = self.device_memory_bytes // 2**30
+        return f"{self.device_type.value}:{self.device_name}:{gib}GiB:x{self.device_count}"
+
+
+class Software(ContractModel):
+    torch_version: Name
+    cuda_version: str | None = Field(default=None, max_length=64)
+    python_version: Name
+    memplan_version: Name
+
+
+# ------------------------------------------------------------------------------------------------ model
+class BlockInfo(ContractModel):
+    """A unit of execution: the prologue, one repeated block, or the epilogue, in execution order."""
+
+    index: int = Field(ge=0, description="position in `ModelInfo.blocks`; equals the list index")
+    name: Name = Field(description="module path, e.g. 'transformer.h.3'")
+    kind: BlockKind
+    module_class: Name
+    parameter_bytes: Bytes = Field(description="sum of `bytes` of the parameters mapped to this block")
+
+
+class ParameterInfo(ContractModel):
+    """One parameter, listed in execution order (first use); a shared parameter appears once."""
+
+    name: Name = Field(description="qualified name as in `model.named_parameters()`")
+    block: int = Field(ge=0, description="index of the block that uses it first")
+    shape: list[int] = Field(max_length=16)
+    dtype: Name = Field(description="torch dtype name of the training copy, e.g. 'float32'")
+    numel: Count
+    bytes: Bytes = Field(description="numel * element size of `dtype`")
+    aliases: list[Name] = Field(default_factory=list, description="other names of a shared (tied) parameter")
+
+
+class ModelInfo(ContractModel):
+    name: Name = Field(description="human name, e.g. 'llama-12L-1024H'")
+    architecture: Name = Field(description="model class, e.g. 'LlamaForCausalLM'")
+    fingerprint: Name = Field(description="hash of the architecture: classes, parameter names and shapes")
+    parameter_count: Count
+    dtype: Name
+    blocks: list[BlockInfo] = Field(min_length=1, max_length=MAX_BLOCKS)
+    parameters: list[ParameterInfo] = Field(max_length=MAX_PARAMETERS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelInfo:
+        for i, b in enumerate(self.blocks):
+            if b.index != i:
+                raise ValueError(f"blocks[{i}].index: is {b.index}, must equal its position {i}")
+        per_block = [0] * len(self.blocks)
+        seen: set[str] = set()
+        for i, p in enumerate(self.parameters):
+            if p.block >= len(self.blocks):
+                raise ValueError(f"parameters[{i}].block: {p.block} names no block (there are {len(self.blocks)})")
+            if p.name in seen:
+                raise ValueError(f"parameters[{i}].name: {p.name!r} appears twice")
+            seen.add(p.name)
+            per_block[p.block] += p.bytes
+        for i, b in enumerate(self.blocks):
+            if b.parameter_bytes != per_block[i]:
+                raise ValueError(
+                    f"blocks[{i}].parameter_bytes: is {b.parameter_bytes}, its parameters add up to {per_block[i]}"
+                )
+        total = sum(p.numel for p in self.parameters)
+        if self.parameters and total != self.parameter_count:
+            raise ValueError(f"parameter_count: is {self.parameter_count}, parameters add up to {total}")
+        return self
+
+    @property
+    def repeated_blocks(self) -> list[BlockInfo]:
+        return [b for b in self.blocks if b.kind == BlockKind.block]
+
+
+class Workload(ContractModel):
+    batch_size: int = Field(ge=1, le=1_000_000)
+    sequence_length: int = Field(ge=1, le=100_000_000)
+    precision: Precision
+    optimizer: OptimizerKind
+    optimizer_state_bytes_per_param: int = Field(
+        ge=0, le=64, description="optimizer state per parameter, e.g. 8 for Adam's two fp32 moments"
+    )
+    master_bytes_per_param: int = Field(
+        default=0, ge=0, le=16, description="extra fp32 master copy per parameter in mixed precision (4), else 0"
+    )
+    gradient_bytes_per_param: int = Field(ge=1, le=16, description="bytes of one gradient element")
+
+    @property
+    def key(self) -> str:
+        return f"b{self.batch_size}:s{self.sequence_length}:{self.precision.value}:{self.optimizer.value}"
+
+
+# ------------------------------------------------------------------------------------------ measurement
+class BlockMeasurement(ContractModel):
+    """Measured costs of one block (median of repetitions, hook overhead removed)."""
+
+    block: int = Field(ge=0, description="index into `ModelInfo.blocks`")
+    forward_s: Seconds
+    backward_s: Seconds
+    recompute_s: Seconds = Field(description="forward re-run under checkpointing during backward")
+    activation_bytes: Bytes = Field(description="bytes saved for backward by this block (saved-tensor hooks)")
+    input_bytes: Bytes = Field(description="bytes of the block's inputs: what checkpointing must keep")
+    forward_transient_peak_bytes: Bytes = Field(description="peak above the resident level during forward")
+    backward_transient_peak_bytes: Bytes = Field(description="peak above the resident level during backward")
+
+
+class OptimizerMeasurement(ContractModel):
+    device_bytes_per_s: BytesPerSecond = Field(description="real optimizer step on the device, parameter bytes/s")
+    host_bytes_per_s: BytesPerSecond = Field(description="fused/foreach optimizer on the host, parameter bytes/s")
+
+
+class Measurements(ContractModel):
+    blocks: list[BlockMeasurement] = Field(min_length=1, max_length=MAX_BLOCKS)
+    optimizer: OptimizerMeasurement
+    iteration_s: Seconds = Field(description="wall time of one un-hooked training iteration")
+    peak_device_bytes: Bytes = Field(description="peak device memory of one un-hooked iteration")
+    extrapolated: bool = Field(
+        default=False, description="true when some repeated blocks copy a representative block's figures"
+    )
+    profiled_blocks: list[int] = Field(
+        default_factory=list, description="indices measured directly when `extrapolated` is true"
+    )
+
+
+class AllocationEvent(ContractModel):
+    """One buffer of a steady-state iteration: live over [alloc_index, free_index) in logical time."""
+
+    id: int = Field(ge=0)
+    size_bytes: PositiveBytes
+    alloc_index: int = Field(ge=0, description="logical time (event index) of the allocation")
+    free_index: int | None = Field(
+        default=None, ge=1, description="logical time of the free; None: lives across iterations (long-lived)"
+    )
+    category: AllocationCategory
+    block: int | None = Field(default=None, ge=0, description="block active at allocation, if any")
+    phase: Phase
+
+    @model_validator(mode="after")
+    def _free_after_alloc(self) -> AllocationEvent:
+        if self.free_index is not None and self.free_index <= self.alloc_index:
+            raise ValueError(f"free_index: {self.free_index} is not after alloc_index {self.alloc_index}")
+        return self
+
+
+class AllocationTrace(ContractModel):
+    source: Literal["cuda_caching_allocator", "dispatch_tracker"]
+    horizon: int = Field(ge=1, description="number of logical time steps in one iteration")
+    events: list[AllocationEvent] = Field(max_length=MAX_ALLOCATION_EVENTS)
+
+    @model_validator(mode="after")
+    def _within_horizon(self) -> AllocationTrace:
+        ids: set[int] = set()
+        for i, e in enumerate(self.events):
+            if e.id in ids:
+                raise ValueError(f"events[{i}].id: {e.id} appears twice")
+            ids.add(e.id)
+            if e.alloc_index >= self.horizon:
+                raise ValueError(f"events[{i}].alloc_index: {e.alloc_index} is not below horizon {self.horizon}")
+            if e.free_index is not None and e.free_index > self.horizon:
+                raise ValueError(f"events[{i}].free_index: {e.free_index} is beyond horizon {self.horizon}")
+        return self
+
+
+# ------------------------------------------------------------------------------------------------ trace
+class Trace(ContractModel):
+    """Everything the planner needs about one job. Every number in it was measured by the agent."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    hardware: Hardware
+    software: Software
+    model: ModelInfo
+    workload: Workload
+    measurements: Measurements
+    allocation_trace: AllocationTrace | None = None
+
+    @model_validator(mode="after")
+    def _measured_every_block(self) -> Trace:
+        n = len(self.model.blocks)
+        got = [m.block for m in self.measurements.blocks]
+        if got != list(range(n)):
+            raise ValueError(
+                f"measurements.blocks: must list blocks 0..{n - 1} in order once each, got indices {got[:8]}..."
+            )
+        for i, b in enumerate(self.measurements.profiled_blocks):
+            if b >= n:
+                raise ValueError(f"measurements.profiled_blocks[{i}]: {b} names no block")
+        if self.allocation_trace is not None:
+            for i, e in enumerate(self.allocation_trace.events):
+                if e.block is not None and e.block >= n:
+                    raise ValueError(f"allocation_trace.events[{i}].block: {e.block} names no block")
+        return self
+
+    @property
+    def model_state_bytes_per_param_element(self) -> int:
+        w = self.workload
+        return w.gradient_bytes_per_param + w.optimizer_state_bytes_per_param + w.master_bytes_per_param

@@ -1,0 +1,136 @@
+"""Synthetic traces shaped like real transformer models, for solver tests and benchmarks.
+
+These numbers are *modelled*, not measured: a synthetic trace is never used to plan a real job. The
+shapes follow the usual decoder-only accounting (12*h^2 parameters per block; activations of roughly
+34*b*s*h + 5*a*b*s^2 bytes per block in half precision, Korthikanti et al. 2022) and a throughput
+guess, so solver benchmarks see realistic ratios between compute, memory and bandwidth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from client.contract import (
+    BandwidthCurves,
+    BandwidthSample,
+    BlockInfo,
+    BlockKind,
+    BlockMeasurement,
+    DeviceType,
+    Hardware,
+    Measurements,
+    ModelInfo,
+    OptimizerKind,
+    OptimizerMeasurement,
+    ParameterInfo,
+    Precision,
+    Software,
+    Trace,
+    Workload,
+)
+
+GiB = 2**30
+
+
+def _curve(peak_bytes_per_s: float) -> list[BandwidthSample]:
+    # Latency-limited at small sizes, saturating at large ones: bw(s) = peak * s / (s + 1 MiB).
+    sizes = [64 * 2**10, 1 * 2**20, 16 * 2**20, 64 * 2**20, 256 * 2**20]
+    return [BandwidthSample(size_bytes=s, bytes_per_s=peak_bytes_per_s * s / (s + 2**20)) for s in sizes]
+
+
+def synthetic_hardware(device_memory_bytes: int = 80 * GiB, host_memory_bytes: int = 512 * GiB) -> Hardware:
+    return Hardware(
+        device_type=DeviceType.cuda,
+        device_name="Synthetic GPU (modelled)",
+        device_count=1,
+        device_memory_bytes=device_memory_bytes,
+        host_memory_bytes=host_memory_bytes,
+        pinned_memory_limit_bytes=None,
+        cpu_cores=32,
+        bandwidth=BandwidthCurves(
+            h2d_pinned=_curve(24e9), d2h_pinned=_curve(24e9), h2d_pageable=_curve(10e9), d2h_pageable=_curve(10e9)
+        ),
+    )
+
+
+def synthetic_trace(
+    *,
+    n_blocks: int = 8,
+    hidden: int = 1024,
+    vocab: int = 32000,
+    heads: int = 16,
+    batch: int = 4,
+    seq: int = 1024,
+    precision: Precision = Precision.bf16,
+    device_flops: float = 300e12,
+    device_memory_bytes: int = 80 * GiB,
+    host_memory_bytes: int = 512 * GiB,
+    name: str | None = None,
+) -> Trace:
+    """A valid Trace for a decoder-only model with `n_blocks` blocks of width `hidden`."""
+    elt = 2 if precision != Precision.fp32 else 4
+    tokens = batch * seq
+    blocks: list[BlockInfo] = []
+    params: list[ParameterInfo] = []
+    meas: list[BlockMeasurement] = []
+
+    def add_block(kind: BlockKind, bname: str, cls: str, shapes: dict[str, list[int]], flops: float,
+                  act: int, inp: int) -> None:
+        idx = len(blocks)
+        pbytes = 0
+        for pname, shape in shapes.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            params.append(ParameterInfo(name=f"{bname}.{pname}", block=idx, shape=shape,
+                                        dtype="bfloat16" if elt == 2 else "float32", numel=numel, bytes=numel * elt))
+            pbytes += numel * elt
+        blocks.append(BlockInfo(index=idx, name=bname, kind=kind, module_class=cls, parameter_bytes=pbytes))
+        fwd = flops / device_flops
+        meas.append(BlockMeasurement(
+            block=idx, forward_s=fwd, backward_s=2 * fwd, recompute_s=fwd, activation_bytes=act, input_bytes=inp,
+            forward_transient_peak_bytes=4 * tokens * hidden * elt, backward_transient_peak_bytes=8 * tokens * hidden * elt,
+        ))
+
+    h = hidden
+    add_block(BlockKind.prologue, "embed", "Embedding", {"weight": [vocab, h]}, 2 * tokens * h,
+              tokens * h * elt, tokens * 8)
+    for i in range(n_blocks):
+        shapes = {"attn.qkv.weight": [3 * h, h], "attn.out.weight": [h, h], "mlp.up.weight": [4 * h, h],
+                  "mlp.down.weight": [h, 4 * h], "norm1.weight": [h], "norm2.weight": [h]}
+        flops = 2 * tokens * 12 * h * h + 4 * batch * seq * seq * h
+        act = (34 * tokens * h + 5 * heads * batch * seq * seq) * elt // 2
+        add_block(BlockKind.block, f"layers.{i}", "DecoderLayer", shapes, flops, act, tokens * h * elt)
+    add_block(BlockKind.epilogue, "head", "LMHead", {"norm.weight": [h], "lm_head.weight": [vocab, h]},
+              6 * tokens * h * vocab / 3, tokens * vocab * 4, tokens * h * elt)
+
+    n_params = sum(p.numel for p in params)
+    fp = hashlib.sha256(f"synthetic:{n_blocks}:{hidden}:{vocab}:{heads}".encode()).hexdigest()[:16]
+    fwd_total = sum(m.forward_s for m in meas)
+    return Trace(
+        hardware=synthetic_hardware(device_memory_bytes, host_memory_bytes),
+        software=Software(torch_version="synthetic", cuda_version=None, python_version="3.11", memplan_version="0.1.0"),
+        model=ModelInfo(name=name or f"synthetic-{n_blocks}L-{hidden}H", architecture="SyntheticDecoder",
+                        fingerprint=fp, parameter_count=n_params, dtype="bfloat16" if elt == 2 else "float32",
+                        blocks=blocks, parameters=params),
+        workload=Workload(batch_size=batch, sequence_length=seq, precision=precision, optimizer=OptimizerKind.adamw,
+                          optimizer_state_bytes_per_param=8, master_bytes_per_param=4 if elt == 2 else 0,
+                          gradient_bytes_per_param=elt),
+        measurements=Measurements(
+            blocks=meas,
+            optimizer=OptimizerMeasurement(device_bytes_per_s=200e9, host_bytes_per_s=2e9),
+            iteration_s=3 * fwd_total,
+            peak_device_bytes=0,
+            extrapolated=False,
+        ),
+    )
+
+
+# Published shapes (hidden, layers, heads) of the model families the benchmarks use.
+MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
+    "gpt2-1.5b": (1600, 48, 25),
+    "llama-7b": (4096, 32, 32),
+    "llama-13b": (5120, 40, 40),
+    "llama-34b": (8192, 48, 64),
+    "llama-70b": (8192, 80, 64),
+}
