@@ -60,7 +60,8 @@ class Chunk(ContractModel):
 
 
 class BlockPolicy(ContractModel):
-    block: int = Field(ge=0)
+    block: int = Field(ge=0, description="index into the trace's `ModelInfo.blocks`")
+    module: Name = Field(description="the block's module path, copied from the trace, so a plan applies alone")
     mode: ActivationMode
 
 

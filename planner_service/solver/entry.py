@@ -34,7 +34,7 @@ def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed
     chunk = Chunk(index=0, placement=Placement.persistent, parameters=[p.name for p in params],
                   blocks=sorted({p.block for p in params}), used_bytes=sum(p.bytes for p in params))
     policy = Policy(chunk_size_bytes=total, chunks=[chunk], n_buffers=0,
-                    blocks=[BlockPolicy(block=b.index, mode=ActivationMode.keep) for b in trace.model.blocks])
+                    blocks=[BlockPolicy(block=b.index, module=b.name, mode=ActivationMode.keep) for b in trace.model.blocks])
     m = trace.measurements
     fwd = sum(b.forward_s for b in m.blocks)
     bwd = sum(b.backward_s for b in m.blocks)
