@@ -1,0 +1,141 @@
+"""Build Hugging Face causal-LM architectures from config objects with random weights (nothing downloaded).
+
+Used by `memplan profile`, tests and benchmarks across the project: every model here is a real
+transformers model class (`GPT2LMHeadModel`, `LlamaForCausalLM`, ...) initialised from a config, so the
+profiler and runtime see the same module tree, parameter names and kernels as a pretrained checkpoint of
+that family would give, without any network access.
+
+`transformers` is an optional dependency (`pip install memplan[models]`); it is imported inside the
+functions so that importing `agent` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+KINDS: Final[tuple[str, ...]] = ("gpt2", "llama", "mistral", "qwen2", "gpt_neox")
+"""Architectures `build` knows, by their Hugging Face `model_type`."""
+
+DEFAULT_VOCAB: Final = 1000
+DEFAULT_SEQ: Final = 128
+
+
+def _heads_for(hidden: int) -> int:
+    """A head count that divides `hidden`, aiming at a head dimension of 64 (at least 1 head)."""
+    heads = max(1, hidden // 64)
+    while hidden % heads:
+        heads -= 1
+    return heads
+
+
+def make_config(
+    kind: str,
+    layers: int,
+    hidden: int,
+    heads: int | None = None,
+    vocab: int = DEFAULT_VOCAB,
+    seq: int = DEFAULT_SEQ,
+) -> PretrainedConfig:
+    """The transformers config of a `kind` model with `layers` blocks of width `hidden` (no weights)."""
+    import transformers
+
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {', '.join(KINDS)}")
+    if layers < 1:
+        raise ValueError(f"layers: must be at least 1, got {layers}")
+    if hidden < 1:
+        raise ValueError(f"hidden: must be at least 1, got {hidden}")
+    if vocab < 2:
+        raise ValueError(f"vocab: must be at least 2, got {vocab}")
+    if seq < 1:
+        raise ValueError(f"seq: must be at least 1, got {seq}")
+    n_heads = heads if heads is not None else _heads_for(hidden)
+    if n_heads < 1 or hidden % n_heads:
+        raise ValueError(f"heads: {n_heads} must be at least 1 and divide hidden={hidden}")
+
+    common: dict[str, Any] = {"vocab_size": vocab}
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            n_layer=layers, n_embd=hidden, n_head=n_heads, n_positions=seq, **common
+        )
+    if kind == "gpt_neox":
+        return transformers.GPTNeoXConfig(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=n_heads,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=seq,
+            **common,
+        )
+    # Llama-family: SwiGLU MLP of width ~8/3 h rounded to a multiple of 16, RMSNorm, rotary positions.
+    intermediate = max(16, (8 * hidden // 3 + 15) // 16 * 16)
+    llama_like: dict[str, Any] = {
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_heads,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": seq,
+        **common,
+    }
+    if kind == "llama":
+        return transformers.LlamaConfig(**llama_like)
+    if kind == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **llama_like)
+    return transformers.Qwen2Config(**llama_like)
+
+
+def build(
+    kind: str,
+    layers: int,
+    hidden: int,
+    heads: int | None = None,
+    vocab: int = DEFAULT_VOCAB,
+    seq: int = DEFAULT_SEQ,
+    *,
+    seed: int = 0,
+) -> tuple[PreTrainedModel, PretrainedConfig]:
+    """A randomly initialised causal LM of `kind` (see `KINDS`) and its config, in training mode on CPU.
+
+    `heads` defaults to `hidden // 64` (rounded down to a divisor of `hidden`); `seq` is the longest
+    sequence the model accepts. Weights come from `torch.manual_seed(seed)`, so equal arguments give an
+    equal model.
+    """
+    import torch
+    import transformers
+
+    config = make_config(kind, layers, hidden, heads, vocab, seq)
+    # Eager attention: the same kernels on every machine, and a module tree without SDPA dispatch surprises.
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.train()
+    return model, config
+
+
+def sample_batch(
+    config: PretrainedConfig, batch: int, seq: int, *, device: torch.device | str | None = None, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A random batch `{"input_ids", "labels"}` of shape (batch, seq) for a model built from `config`.
+
+    Labels equal the inputs (Hugging Face causal LMs shift them internally), so `model(**batch).loss` is
+    the usual next-token loss.
+    """
+    import torch
+
+    if batch < 1:
+        raise ValueError(f"batch: must be at least 1, got {batch}")
+    if seq < 1:
+        raise ValueError(f"seq: must be at least 1, got {seq}")
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq > limit:
+        raise ValueError(f"seq: {seq} is longer than the model's {limit} positions")
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, int(config.vocab_size), (batch, seq), generator=generator)
+    if device is not None:
+        ids = ids.to(device)
+    return {"input_ids": ids, "labels": ids.clone()}
