@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -44,7 +44,7 @@ class PlanRequest(ContractModel):
     trace_id: Name
     constraints: Constraints
     objective: Objective = Objective.min_iteration_time
-    solver: Name = Field(default="cpsat", description="policy solver: 'cpsat' (default) or 'protrain'")
+    solver: Literal["cpsat", "protrain"] = Field(default="cpsat", description="policy solver")
 
 
 class FeedbackRecord(BaseModel):

@@ -1,0 +1,91 @@
+"""/v1/plans: request (queued for a worker, identical requests reuse), fetch with long-poll, list, feedback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+from starlette.concurrency import run_in_threadpool
+
+from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
+from planner_service.api.deps import DatabaseDep, SessionDep, SettingsDep
+from planner_service.api.errors import ApiError
+from planner_service.api.present import feedback_record, plan_record
+from planner_service.db.cursor import BadCursor
+from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
+from planner_service.db.session import Database
+
+router = APIRouter(prefix="/v1/plans", tags=["plans"])
+FINAL = ("done", "failed", "infeasible")
+
+
+def _solver_version() -> str:
+    from planner_service.solver import SOLVER_VERSION
+
+    return SOLVER_VERSION
+
+
+@router.post("", status_code=202, response_model=PlanRecord,
+             responses={200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused"}})
+def request_plan(body: PlanRequest, response: Response, session: SessionDep) -> PlanRecord:
+    trace = TraceRepository(session).get(body.trace_id)
+    if trace is None:
+        raise ApiError(404, f"trace_id: trace {body.trace_id} not found")
+    repo = PlanRepository(session)
+    version = _solver_version()
+    existing = repo.reusable(request_key(trace.content_hash, body.constraints, body.objective, body.solver, version))
+    if existing is not None:
+        response.status_code = 200
+        return plan_record(existing, reused=True)
+    row = repo.create(trace, body.constraints, body.objective, body.solver, version)
+    return plan_record(row, with_feedback=False)
+
+
+def _load(db: Database, plan_id: str) -> PlanRecord | None:
+    with db.session() as s:
+        row = PlanRepository(s).get(plan_id)
+        return None if row is None else plan_record(row)
+
+
+@router.get("/{plan_id}", response_model=PlanRecord)
+async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep,
+                   wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds")] = 0.0,
+                   ) -> PlanRecord:
+    deadline = time.monotonic() + min(wait, settings.max_wait_s)
+    while True:
+        record = await run_in_threadpool(_load, db, plan_id)
+        if record is None:
+            raise ApiError(404, f"plan {plan_id} not found")
+        if record.status in FINAL or time.monotonic() >= deadline:
+            return record
+        await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+@router.get("", response_model=Page[PlanRecord])
+def list_plans(session: SessionDep, settings: SettingsDep,
+               model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
+               hardware: Annotated[str | None, Query(description="hardware key")] = None,
+               status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
+               sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
+               limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+               cursor: str | None = None) -> Page[PlanRecord]:
+    try:
+        page = PlanRepository(session).list(model=model, hardware=hardware, status=status,
+                                            limit=min(limit, settings.list_limit_max), cursor=cursor,
+                                            descending=sort.startswith("-"))
+    except BadCursor as exc:
+        raise ApiError(400, str(exc)) from exc
+    return Page[PlanRecord](items=[plan_record(r, with_feedback=False) for r in page.items],
+                            next_cursor=page.next_cursor)
+
+
+@router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
+def post_feedback(plan_id: str, body: Feedback, session: SessionDep) -> FeedbackRecord:
+    plan = PlanRepository(session).get(plan_id)
+    if plan is None:
+        raise ApiError(404, f"plan {plan_id} not found")
+    if plan.status != "done":
+        raise ApiError(409, f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)")
+    return feedback_record(FeedbackRepository(session).add(plan, body))

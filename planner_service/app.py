@@ -1,0 +1,71 @@
+"""FastAPI app factory: settings -> database (schema checked or upgraded) -> routers -> worker pool."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from client.contract import Trace
+from planner_service.api import catalog, errors, health, plans, traces
+from planner_service.db import migrate
+from planner_service.db.session import Database
+from planner_service.jobs.worker import WorkerPool
+from planner_service.settings import Settings, get_settings
+
+log = logging.getLogger("memplan.service")
+
+
+def prepare_database(settings: Settings) -> Database:
+    """Upgrade automatically for the embedded SQLite default; elsewhere refuse an out-of-date schema."""
+    if settings.should_auto_upgrade:
+        migrate.upgrade(settings.database_url)
+    db = Database(settings.database_url)
+    migrate.require_current(db.engine)
+    return db
+
+
+def create_app(settings: Settings | None = None, *, workers: int | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    n_workers = settings.workers if workers is None else workers
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = prepare_database(settings)
+        app.state.db = db
+        app.state.settings = settings
+        pool = WorkerPool(db, settings, n_workers)
+        pool.start()
+        try:
+            yield
+        finally:
+            pool.stop()
+            db.dispose()
+
+    app = FastAPI(title="memplan planner", version="0.1.0", lifespan=lifespan,
+                  description="Stores training traces, solves memory plans in workers, keeps the history.")
+    errors.install(app)
+    for router in (traces.router, plans.router, catalog.router, health.router):
+        app.include_router(router)
+    # Trace is read from the raw body (gzip support), so register its schema for the OpenAPI document.
+    _register_trace_schema(app)
+    return app
+
+
+def _register_trace_schema(app: FastAPI) -> None:
+    original = app.openapi
+
+    def openapi() -> dict:  # type: ignore[type-arg]
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        defs = Trace.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs.pop("$defs", {}))
+        components["Trace"] = defs
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

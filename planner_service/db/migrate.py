@@ -1,0 +1,55 @@
+"""Run Alembic programmatically (`memplan db upgrade|downgrade`) and check the schema is current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+
+UPGRADE_HINT = "run `memplan db upgrade` (with the same MEMPLAN_DATABASE_URL) to bring the schema to head"
+
+
+class SchemaOutOfDate(RuntimeError):
+    """The database schema is not at the code's migration head."""
+
+
+def migrations_dir() -> Path:
+    here = Path(__file__).resolve().parent.parent
+    packaged = here / "_migrations"  # wheel installs ship the migrations inside the package
+    return packaged if packaged.is_dir() else here.parent / "migrations"
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.set_main_option("file_template", "%%(year)d_%%(month).2d_%%(day).2d_%%(rev)s_%%(slug)s")
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "-1") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def require_current(engine: Engine) -> None:
+    """Refuse to run on an out-of-date schema, naming the command that fixes it."""
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        raise SchemaOutOfDate(f"database schema is at {current or 'no revision'}, code needs {head}: {UPGRADE_HINT}")

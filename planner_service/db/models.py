@@ -1,0 +1,115 @@
+"""ORM models: hardware, model, trace, plan, feedback. The schema itself is made only by migrations."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from planner_service.db.base import Base, UTCDateTime, utcnow
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class HardwareRow(Base):
+    __tablename__ = "hardware"
+
+    key: Mapped[str] = mapped_column(String(600), primary_key=True)
+    device_type: Mapped[str] = mapped_column(String(16))
+    device_name: Mapped[str] = mapped_column(String(512))
+    device_memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    device_count: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ModelRow(Base):
+    __tablename__ = "model"
+
+    fingerprint: Mapped[str] = mapped_column(String(512), primary_key=True)
+    name: Mapped[str] = mapped_column(String(512))
+    architecture: Mapped[str] = mapped_column(String(512))
+    parameter_count: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TraceRow(Base):
+    __tablename__ = "trace"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    content_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    model_fingerprint: Mapped[str] = mapped_column(ForeignKey("model.fingerprint"))
+    hardware_key: Mapped[str] = mapped_column(ForeignKey("hardware.key"))
+    workload_key: Mapped[str] = mapped_column(String(200))
+    schema_version: Mapped[int] = mapped_column(Integer)
+    payload_gzip: Mapped[bytes] = mapped_column(LargeBinary, doc="gzip of the canonical JSON")
+    payload_bytes: Mapped[int] = mapped_column(BigInteger, doc="uncompressed size")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    model: Mapped[ModelRow] = relationship()
+
+    __table_args__ = (
+        Index("ix_trace_model_created", "model_fingerprint", "created_at", "id"),
+        Index("ix_trace_hardware_created", "hardware_key", "created_at", "id"),
+        Index("ix_trace_created", "created_at", "id"),
+    )
+
+
+class PlanRow(Base):
+    __tablename__ = "plan"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    trace_id: Mapped[str] = mapped_column(ForeignKey("trace.id", ondelete="CASCADE"))
+    # Denormalised from the trace so history can be browsed by model and hardware without a join.
+    model_fingerprint: Mapped[str] = mapped_column(String(512))
+    hardware_key: Mapped[str] = mapped_column(String(600))
+    workload_key: Mapped[str] = mapped_column(String(200))
+    request_key: Mapped[str] = mapped_column(String(64), doc="hash of trace, constraints, objective, solver, version")
+    solver: Mapped[str] = mapped_column(String(64))
+    solver_version: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    constraints: Mapped[dict[str, Any]] = mapped_column(JSON)
+    objective: Mapped[str] = mapped_column(String(64))
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, doc="the Plan, JSON")
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    trace: Mapped[TraceRow] = relationship()
+    model: Mapped[ModelRow] = relationship(
+        primaryjoin="foreign(PlanRow.model_fingerprint) == ModelRow.fingerprint", viewonly=True
+    )
+    feedback: Mapped[list[FeedbackRow]] = relationship(back_populates="plan", order_by="FeedbackRow.created_at")
+
+    __table_args__ = (
+        Index("ix_plan_status_created", "status", "created_at"),
+        Index("ix_plan_request_key", "request_key"),
+        Index("ix_plan_model_created", "model_fingerprint", "created_at", "id"),
+        Index("ix_plan_hardware_created", "hardware_key", "created_at", "id"),
+        Index("ix_plan_created", "created_at", "id"),
+    )
+
+
+class FeedbackRow(Base):
+    __tablename__ = "feedback"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    plan_id: Mapped[str] = mapped_column(ForeignKey("plan.id", ondelete="CASCADE"), index=True)
+    iteration_s: Mapped[float] = mapped_column(Float)
+    peak_device_bytes: Mapped[int] = mapped_column(BigInteger)
+    peak_host_bytes: Mapped[int] = mapped_column(BigInteger)
+    steps_measured: Mapped[int] = mapped_column(Integer)
+    notes: Mapped[str] = mapped_column(Text, default="")
+    iteration_error: Mapped[float | None] = mapped_column(Float, nullable=True)
+    peak_device_error: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    plan: Mapped[PlanRow] = relationship(back_populates="feedback")

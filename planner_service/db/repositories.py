@@ -1,0 +1,254 @@
+"""Typed repositories: every query the service makes, in one place per table."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from client.contract import Constraints, Feedback, Objective, Plan, Trace
+from planner_service.db.base import utcnow
+from planner_service.db.cursor import after, encode_cursor
+from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
+
+R = TypeVar("R")
+ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
+
+
+@dataclass
+class PageResult(Generic[R]):
+    items: list[R]
+    next_cursor: str | None
+
+
+def _page(session: Session, stmt: Any, model: Any, limit: int, cursor: str | None, descending: bool) -> PageResult[Any]:
+    if cursor:
+        stmt = stmt.where(after(model.created_at, model.id, cursor, descending))
+    order = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
+    rows = list(session.scalars(stmt.order_by(*order).limit(limit + 1)))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    nxt = encode_cursor(rows[-1].created_at, rows[-1].id) if more and rows else None
+    return PageResult(rows, nxt)
+
+
+# ------------------------------------------------------------------------------------------- traces
+def compress_trace(trace: Trace) -> tuple[bytes, int]:
+    raw = trace.canonical_json()
+    return gzip.compress(raw, compresslevel=6, mtime=0), len(raw)
+
+
+def decompress_trace(row: TraceRow) -> Trace:
+    return Trace.model_validate_json(gzip.decompress(row.payload_gzip))
+
+
+class TraceRepository:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def get(self, trace_id: str) -> TraceRow | None:
+        return self.s.get(TraceRow, trace_id)
+
+    def by_hash(self, content_hash: str) -> TraceRow | None:
+        return self.s.scalar(select(TraceRow).where(TraceRow.content_hash == content_hash))
+
+    def add(self, trace: Trace) -> tuple[TraceRow, bool]:
+        """Store a trace; identical content returns the existing row (created=False)."""
+        content_hash = trace.content_hash()
+        existing = self.by_hash(content_hash)
+        if existing is not None:
+            return existing, False
+        self._ensure_model(trace)
+        self._ensure_hardware(trace)
+        payload, size = compress_trace(trace)
+        row = TraceRow(content_hash=content_hash, model_fingerprint=trace.model.fingerprint,
+                       hardware_key=trace.hardware.key, workload_key=trace.workload.key,
+                       schema_version=trace.schema_version, payload_gzip=payload, payload_bytes=size,
+                       created_at=utcnow())
+        try:
+            with self.s.begin_nested():
+                self.s.add(row)
+        except IntegrityError:  # a concurrent upload of the same content won the race
+            winner = self.by_hash(content_hash)
+            if winner is None:
+                raise
+            return winner, False
+        return row, True
+
+    def _ensure_model(self, trace: Trace) -> None:
+        m = trace.model
+        if self.s.get(ModelRow, m.fingerprint) is None:
+            try:
+                with self.s.begin_nested():
+                    self.s.add(ModelRow(fingerprint=m.fingerprint, name=m.name, architecture=m.architecture,
+                                        parameter_count=m.parameter_count, created_at=utcnow()))
+            except IntegrityError:
+                pass
+
+    def _ensure_hardware(self, trace: Trace) -> None:
+        h = trace.hardware
+        if self.s.get(HardwareRow, h.key) is None:
+            try:
+                with self.s.begin_nested():
+                    self.s.add(HardwareRow(key=h.key, device_type=h.device_type.value, device_name=h.device_name,
+                                           device_memory_bytes=h.device_memory_bytes, device_count=h.device_count,
+                                           created_at=utcnow()))
+            except IntegrityError:
+                pass
+
+    def list(self, *, model: str | None, hardware: str | None, limit: int, cursor: str | None,
+             descending: bool = True) -> PageResult[TraceRow]:
+        stmt = select(TraceRow).join(ModelRow)
+        if model:
+            stmt = stmt.where(or_(TraceRow.model_fingerprint == model, ModelRow.name == model))
+        if hardware:
+            stmt = stmt.where(TraceRow.hardware_key == hardware)
+        return _page(self.s, stmt, TraceRow, limit, cursor, descending)
+
+
+# -------------------------------------------------------------------------------------------- plans
+def request_key(trace_hash: str, constraints: Constraints, objective: Objective, solver: str,
+                solver_version: str) -> str:
+    blob = json.dumps([trace_hash, constraints.model_dump(mode="json"), objective.value, solver, solver_version],
+                      sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+class PlanRepository:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def get(self, plan_id: str) -> PlanRow | None:
+        return self.s.get(PlanRow, plan_id)
+
+    def reusable(self, key: str) -> PlanRow | None:
+        """An earlier identical request that is queued, running or finished (not failed)."""
+        return self.s.scalar(select(PlanRow).where(PlanRow.request_key == key, PlanRow.status.in_(ACTIVE_STATUSES))
+                             .order_by(PlanRow.created_at).limit(1))
+
+    def create(self, trace: TraceRow, constraints: Constraints, objective: Objective, solver: str,
+               solver_version: str) -> PlanRow:
+        key = request_key(trace.content_hash, constraints, objective, solver, solver_version)
+        row = PlanRow(trace_id=trace.id, model_fingerprint=trace.model_fingerprint, hardware_key=trace.hardware_key,
+                      workload_key=trace.workload_key, request_key=key, solver=solver, solver_version=solver_version,
+                      status="queued", constraints=constraints.model_dump(mode="json"), objective=objective.value,
+                      attempts=0, created_at=utcnow())
+        self.s.add(row)
+        self.s.flush()
+        return row
+
+    def list(self, *, model: str | None, hardware: str | None, status: str | None, limit: int, cursor: str | None,
+             descending: bool = True) -> PageResult[PlanRow]:
+        stmt = select(PlanRow).join(ModelRow, ModelRow.fingerprint == PlanRow.model_fingerprint)
+        if model:
+            stmt = stmt.where(or_(PlanRow.model_fingerprint == model, ModelRow.name == model))
+        if hardware:
+            stmt = stmt.where(PlanRow.hardware_key == hardware)
+        if status:
+            stmt = stmt.where(PlanRow.status == status)
+        return _page(self.s, stmt, PlanRow, limit, cursor, descending)
+
+    def queue_depth(self) -> int:
+        return int(self.s.scalar(select(func.count()).select_from(PlanRow).where(PlanRow.status == "queued")) or 0)
+
+    # --- job lifecycle (workers) ---------------------------------------------------------------
+    def claim(self, worker_id: str, lease_s: float) -> PlanRow | None:
+        """Take the oldest queued plan (or one whose lease expired) with an optimistic conditional update."""
+        now = utcnow()
+        claimable = or_(PlanRow.status == "queued",
+                        (PlanRow.status == "running") & (PlanRow.lease_expires_at < now))
+        candidates = list(self.s.scalars(select(PlanRow.id).where(claimable).order_by(PlanRow.created_at).limit(8)))
+        for plan_id in candidates:
+            res = self.s.execute(
+                update(PlanRow).where(PlanRow.id == plan_id, claimable)
+                .values(status="running", lease_owner=worker_id, lease_expires_at=now + timedelta(seconds=lease_s),
+                        attempts=PlanRow.attempts + 1, started_at=now)
+                .execution_options(synchronize_session=False)
+            )
+            if res.rowcount == 1:  # type: ignore[attr-defined]
+                self.s.flush()
+                row = self.s.get(PlanRow, plan_id, populate_existing=True)
+                return row
+        return None
+
+    def extend_lease(self, plan_id: str, worker_id: str, lease_s: float) -> bool:
+        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.lease_owner == worker_id,
+                                                   PlanRow.status == "running")
+                             .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s)))
+        return res.rowcount == 1  # type: ignore[attr-defined]
+
+    def finish(self, plan_id: str, worker_id: str, status: str, result: dict[str, Any] | None,
+               error: str | None) -> bool:
+        """Record the outcome if this worker still holds the lease (a re-claimed plan is not overwritten)."""
+        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.lease_owner == worker_id,
+                                                   PlanRow.status == "running")
+                             .values(status=status, result=result, error=error, finished_at=utcnow(),
+                                     lease_owner=None, lease_expires_at=None))
+        return res.rowcount == 1  # type: ignore[attr-defined]
+
+    def fail_exhausted(self, max_attempts: int) -> int:
+        """Plans whose lease expired after their last allowed attempt are failed, not retried forever."""
+        res = self.s.execute(update(PlanRow).where(PlanRow.status == "running", PlanRow.lease_expires_at < utcnow(),
+                                                   PlanRow.attempts >= max_attempts)
+                             .values(status="failed", error=f"worker lost {max_attempts} times (lease expired)",
+                                     finished_at=utcnow(), lease_owner=None, lease_expires_at=None))
+        return int(res.rowcount or 0)  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------------------- feedback
+def relative_error(measured: float, predicted: float | None) -> float | None:
+    if predicted is None or predicted <= 0:
+        return None
+    return measured / predicted - 1.0
+
+
+class FeedbackRepository:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def add(self, plan: PlanRow, feedback: Feedback) -> FeedbackRow:
+        predicted = Plan.model_validate(plan.result).predictions if plan.result else None
+        row = FeedbackRow(plan_id=plan.id, iteration_s=feedback.iteration_s,
+                          peak_device_bytes=feedback.peak_device_bytes, peak_host_bytes=feedback.peak_host_bytes,
+                          steps_measured=feedback.steps_measured, notes=feedback.notes,
+                          iteration_error=relative_error(feedback.iteration_s,
+                                                         predicted.iteration_s if predicted else None),
+                          peak_device_error=relative_error(feedback.peak_device_bytes,
+                                                           predicted.peak_device_bytes if predicted else None),
+                          created_at=utcnow())
+        self.s.add(row)
+        self.s.flush()
+        return row
+
+
+# ----------------------------------------------------------------------------------------- catalog
+class CatalogRepository:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def models(self) -> list[tuple[ModelRow, int, int]]:
+        traces = select(TraceRow.model_fingerprint, func.count().label("n")).group_by(TraceRow.model_fingerprint).subquery()
+        plans = select(PlanRow.model_fingerprint, func.count().label("n")).group_by(PlanRow.model_fingerprint).subquery()
+        stmt = (select(ModelRow, func.coalesce(traces.c.n, 0), func.coalesce(plans.c.n, 0))
+                .outerjoin(traces, traces.c.model_fingerprint == ModelRow.fingerprint)
+                .outerjoin(plans, plans.c.model_fingerprint == ModelRow.fingerprint)
+                .order_by(ModelRow.name, ModelRow.fingerprint))
+        return [(m, int(t), int(p)) for m, t, p in self.s.execute(stmt)]
+
+    def hardware(self) -> list[tuple[HardwareRow, int, int]]:
+        traces = select(TraceRow.hardware_key, func.count().label("n")).group_by(TraceRow.hardware_key).subquery()
+        plans = select(PlanRow.hardware_key, func.count().label("n")).group_by(PlanRow.hardware_key).subquery()
+        stmt = (select(HardwareRow, func.coalesce(traces.c.n, 0), func.coalesce(plans.c.n, 0))
+                .outerjoin(traces, traces.c.hardware_key == HardwareRow.key)
+                .outerjoin(plans, plans.c.hardware_key == HardwareRow.key)
+                .order_by(HardwareRow.key))
+        return [(h, int(t), int(p)) for h, t, p in self.s.execute(stmt)]
+
+

@@ -1,0 +1,51 @@
+"""Service settings from the environment (`MEMPLAN_` prefix) via pydantic-settings."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    """The user's data directory: $XDG_DATA_HOME/memplan, else ~/.local/share/memplan."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "memplan"
+
+
+def default_database_url() -> str:
+    return f"sqlite:///{default_data_dir() / 'memplan.db'}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MEMPLAN_", extra="ignore")
+
+    database_url: str = Field(default_factory=default_database_url,
+                              description="SQLAlchemy URL; SQLite file under the user's data dir by default")
+    auto_upgrade: bool | None = Field(
+        default=None, description="run migrations at start; default: yes for SQLite, never otherwise"
+    )
+    workers: int = Field(default=1, ge=0, le=64, description="in-process solve workers (0: only external workers)")
+    lease_s: float = Field(default=60.0, gt=0, description="a running plan whose lease expires is re-queued")
+    poll_interval_s: float = Field(default=0.2, gt=0, description="how often idle workers look for queued plans")
+    max_attempts: int = Field(default=3, ge=1, description="solve attempts before a plan is marked failed")
+    max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="largest request body accepted (413 beyond)")
+    max_decompressed_bytes: int = Field(default=256 * 2**20, gt=0, description="largest gunzipped body accepted")
+    max_wait_s: float = Field(default=60.0, gt=0, description="longest long-poll `?wait=` honoured")
+    list_limit_max: int = Field(default=200, gt=0)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def should_auto_upgrade(self) -> bool:
+        return self.is_sqlite if self.auto_upgrade is None else self.auto_upgrade
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
