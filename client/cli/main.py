@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import typer
 
-from client.cli import alloc, policy, profile
+from client.cli import alloc, demo, policy, profile, remote, service
 
 app = typer.Typer(no_args_is_help=True, help="memplan: plan GPU memory for LLM training.")
+
 plans_app = typer.Typer(no_args_is_help=True, help="Request, inspect and solve plans.")
+plans_app.command("request")(remote.plans_request)
+plans_app.command("get")(remote.plans_get)
+plans_app.command("list")(remote.plans_list)
 plans_app.command("solve")(policy.solve)
+
+app.command("serve")(service.serve)
+app.command("worker")(service.worker)
+app.add_typer(service.db_app, name="db")
+app.add_typer(remote.traces_app, name="traces")
 app.add_typer(plans_app, name="plans")
-app.add_typer(plans_app, name="plan", hidden=True)
+app.add_typer(plans_app, name="plan", hidden=True)  # `memplan plan solve` reads naturally too
 app.add_typer(alloc.app, name="alloc")
 app.command("profile")(profile.profile)
+app.command("demo")(demo.demo)

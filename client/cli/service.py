@@ -1,0 +1,93 @@
+"""`memplan serve`, `memplan worker`, `memplan db ...`: run and administer the planner service."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Annotated
+
+import typer
+
+from client.cli.common import console
+
+db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic migrations).")
+DbUrlOpt = Annotated[str | None, typer.Option("--database-url", envvar="MEMPLAN_DATABASE_URL",
+                                              help="SQLAlchemy URL (default: SQLite under the user's data dir)")]
+
+
+def _settings(database_url: str | None, **kw: object):  # type: ignore[no-untyped-def]
+    from planner_service.settings import Settings
+
+    values = {k: v for k, v in kw.items() if v is not None}
+    if database_url:
+        values["database_url"] = database_url
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+          workers: Annotated[int | None, typer.Option(help="in-process solve workers (0: external only)")] = None,
+          database_url: DbUrlOpt = None,
+          log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info") -> None:
+    """Run the planner service (API + in-process workers)."""
+    import uvicorn
+
+    from planner_service.app import create_app
+
+    settings = _settings(database_url, workers=workers)
+    console.print(f"memplan serving on http://{host}:{port} (database: {settings.database_url})")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+
+
+def worker(database_url: DbUrlOpt = None,
+           once: Annotated[bool, typer.Option(help="solve at most one plan, then exit")] = False) -> None:
+    """Run a solve worker against the service's database (scale out: run many, on any machine)."""
+    from planner_service.app import prepare_database
+    from planner_service.jobs.worker import Worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = _settings(database_url)
+    db = prepare_database(settings)
+    w = Worker(db, settings)
+    if once:
+        w.run_once()
+        return
+    signal.signal(signal.SIGTERM, lambda *_: w.stop())
+    try:
+        w.run_forever()
+    except KeyboardInterrupt:
+        w.stop()
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head",
+               database_url: DbUrlOpt = None) -> None:
+    """Apply migrations up to REVISION (default head)."""
+    from planner_service.db.migrate import upgrade
+
+    settings = _settings(database_url)
+    upgrade(settings.database_url, revision)
+    console.print(f"schema upgraded to {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision, e.g. -1 or base")] = "-1",
+                 database_url: DbUrlOpt = None) -> None:
+    """Revert migrations down to REVISION."""
+    from planner_service.db.migrate import downgrade
+
+    settings = _settings(database_url)
+    downgrade(settings.database_url, revision)
+    console.print(f"schema downgraded to {revision}")
+
+
+@db_app.command("current")
+def db_current(database_url: DbUrlOpt = None) -> None:
+    """Show the schema revision of the database and the code's head."""
+    from planner_service.db.migrate import current_revision, head_revision
+    from planner_service.db.session import Database
+
+    settings = _settings(database_url)
+    db = Database(settings.database_url)
+    console.print(f"database: {current_revision(db.engine) or '(empty)'}  code head: {head_revision()}")
+    db.dispose()

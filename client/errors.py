@@ -1,0 +1,58 @@
+"""One exception class per kind of failure, all under `MemplanError`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MemplanError(Exception):
+    """Base of every error the SDK raises."""
+
+
+class APIConnectionError(MemplanError):
+    """The service could not be reached (after retries)."""
+
+
+class APITimeoutError(APIConnectionError):
+    """The service did not answer in time (after retries)."""
+
+
+class APIStatusError(MemplanError):
+    """The service answered with an error status."""
+
+    status_code: int = 0
+
+    def __init__(self, message: str, *, status_code: int, body: Any = None) -> None:
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
+        self.body = body
+        self.detail = body.get("detail") if isinstance(body, dict) else None
+
+
+class BadRequestError(APIStatusError): ...
+class AuthenticationError(APIStatusError): ...
+class PermissionDeniedError(APIStatusError): ...
+class NotFoundError(APIStatusError): ...
+class ConflictError(APIStatusError): ...
+class PayloadTooLargeError(APIStatusError): ...
+class UnprocessableEntityError(APIStatusError): ...
+class RateLimitError(APIStatusError): ...
+class InternalServerError(APIStatusError): ...
+class ServiceUnavailableError(InternalServerError): ...
+
+
+_BY_STATUS: dict[int, type[APIStatusError]] = {
+    400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
+    409: ConflictError, 413: PayloadTooLargeError, 422: UnprocessableEntityError, 429: RateLimitError,
+    503: ServiceUnavailableError,
+}
+
+
+def error_for_status(status: int, body: Any) -> APIStatusError:
+    cls = _BY_STATUS.get(status) or (InternalServerError if status >= 500 else APIStatusError)
+    message = body.get("error", "") if isinstance(body, dict) else str(body)[:500]
+    if isinstance(body, dict) and isinstance(body.get("detail"), list):
+        fields = "; ".join(f"{d.get('field')}: {d.get('message')}" for d in body["detail"][:5] if isinstance(d, dict))
+        if fields:
+            message = f"{message} ({fields})"
+    return cls(message, status_code=status, body=body)
