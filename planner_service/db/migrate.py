@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -9,6 +10,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
+
+from planner_service.db.session import make_engine
 
 UPGRADE_HINT = "run `memplan db upgrade` (with the same MEMPLAN_DATABASE_URL) to bring the schema to head"
 
@@ -31,12 +34,24 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+def _run(url: str, fn: Callable[[Config, str], None], revision: str) -> None:
+    """Run an Alembic command on our own engine (SQLite pragmas, parent directory created)."""
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config(url)
+            cfg.attributes["connection"] = conn
+            fn(cfg, revision)
+    finally:
+        engine.dispose()
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(url), revision)
+    _run(url, command.upgrade, revision)
 
 
 def downgrade(url: str, revision: str = "-1") -> None:
-    command.downgrade(alembic_config(url), revision)
+    _run(url, command.downgrade, revision)
 
 
 def head_revision() -> str | None:

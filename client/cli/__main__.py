@@ -1,0 +1,5 @@
+"""`python -m client.cli` runs the `memplan` command."""
+
+from client.cli.main import app
+
+app()

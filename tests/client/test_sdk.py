@@ -1,0 +1,120 @@
+"""The SDK against real HTTP servers on loopback: retries honour Retry-After, errors are typed, lists follow cursors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from client import AsyncClient, Client
+from client.cli.embedded import EmbeddedServer, free_port
+from client.contract import Constraints, Feedback
+from client.errors import APIConnectionError, NotFoundError, ServiceUnavailableError, UnprocessableEntityError
+from client.sdk import retry_delay
+from planner_service.solver.synthetic import synthetic_trace
+
+
+class FlakyServer:
+    """Answers 503 (Retry-After: 0) `failures` times, then 200; records when each request came."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: list[float] = []
+
+        async def healthz(_: Request) -> JSONResponse:
+            self.calls.append(time.monotonic())
+            if len(self.calls) <= self.failures:
+                return JSONResponse({"error": "busy"}, status_code=503, headers={"Retry-After": "0"})
+            return JSONResponse({"status": "ok"})
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/healthz", healthz)]),
+                                                    host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_retries_5xx_then_succeeds() -> None:
+    flaky = FlakyServer(failures=2)
+    with flaky as url, Client(url, max_retries=2) as c:
+        assert c.health() == {"status": "ok"}
+    assert len(flaky.calls) == 3
+
+
+def test_gives_up_after_max_retries_with_a_typed_error() -> None:
+    flaky = FlakyServer(failures=10)
+    with flaky as url, Client(url, max_retries=1) as c, pytest.raises(ServiceUnavailableError) as info:
+        c.health()
+    assert info.value.status_code == 503 and len(flaky.calls) == 2
+
+
+def test_connection_refused_is_an_api_connection_error() -> None:
+    with Client(f"http://127.0.0.1:{free_port()}", max_retries=1) as c, pytest.raises(APIConnectionError):
+        c.health()
+
+
+def test_retry_delay_honours_retry_after_and_caps_backoff() -> None:
+    import httpx
+
+    r = httpx.Response(429, headers={"Retry-After": "3"})
+    assert retry_delay(0, r) == 3.0
+    assert all(0 <= retry_delay(10, None) <= 8.0 for _ in range(100))
+
+
+def test_missing_server_url_is_a_clear_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from client.errors import MemplanError
+
+    monkeypatch.delenv("MEMPLAN_SERVER", raising=False)
+    with pytest.raises(MemplanError, match="MEMPLAN_SERVER"):
+        Client()
+
+
+@pytest.fixture
+def service(settings) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    with EmbeddedServer(settings) as url:
+        yield url
+
+
+def test_sync_client_full_cycle_against_the_real_service(service: str) -> None:
+    with Client(service) as c:
+        created = c.upload_trace(synthetic_trace(n_blocks=2, hidden=64, vocab=100))
+        assert c.upload_trace(synthetic_trace(n_blocks=2, hidden=64, vocab=100)).created is False
+        record = c.request_plan(created.id, Constraints(device_memory_bytes=2**34))
+        done = c.wait_for_plan(record.id, timeout_s=30)
+        assert done.status in ("done", "infeasible") and done.plan is not None
+        fb = c.post_feedback(done.id, Feedback(iteration_s=1.0, peak_device_bytes=1, peak_host_bytes=1,
+                                               steps_measured=3))
+        assert fb.plan_id == done.id
+        with pytest.raises(NotFoundError):
+            c.get_plan("missing")
+        with pytest.raises(UnprocessableEntityError, match="constraints.device_memory_bytes"):
+            c._request("POST", "/v1/plans", json={"trace_id": created.id, "constraints": {"device_memory_bytes": 0}})
+        assert [m.name for m in c.models()] == ["synthetic-2L-64H"]
+
+
+def test_async_client_lists_follow_cursors(service: str) -> None:
+    async def run() -> list[str]:
+        async with AsyncClient(service) as c:
+            for i in range(5):
+                await c.upload_trace(synthetic_trace(n_blocks=1 + i, hidden=64, vocab=100, name="m"))
+            return [t.id async for t in c.list_traces(model="m", limit=2)]
+
+    ids = asyncio.run(run())
+    assert len(ids) == 5 == len(set(ids))

@@ -1,0 +1,94 @@
+"""Shared fixtures: databases (SQLite file, real PostgreSQL), a migrated database per test, the app."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+POSTGRES_ADMIN_URL = os.environ.get("MEMPLAN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def _postgres_reachable() -> str | None:
+    try:
+        import psycopg
+
+        dsn = POSTGRES_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(dsn, connect_timeout=3):
+            return None
+    except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.fixture(scope="session")
+def postgres_admin() -> str:
+    """URL of a reachable PostgreSQL admin database. `.ci/run` (via scripts/ensure_postgres.sh) provides one."""
+    problem = _postgres_reachable()
+    if problem:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is required in CI and is not reachable at {POSTGRES_ADMIN_URL}: {problem}")
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL} (run scripts/ensure_postgres.sh): {problem}")
+    return POSTGRES_ADMIN_URL
+
+
+def _fresh_postgres(admin_url: str) -> Iterator[str]:
+    import psycopg
+
+    name = f"memplan_test_{uuid.uuid4().hex[:12]}"
+    dsn = admin_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = admin_url.rsplit("/", 1)[0]
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL of an empty database (no schema), on each backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'memplan.db'}"
+    else:
+        yield from _fresh_postgres(request.getfixturevalue("postgres_admin"))
+
+
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
+    """A database migrated to head by the real Alembic migrations."""
+    from planner_service.db.migrate import upgrade
+
+    upgrade(empty_db_url)
+    return empty_db_url
+
+
+@pytest.fixture
+def settings(db_url: str):  # type: ignore[no-untyped-def]
+    from planner_service.settings import Settings
+
+    return Settings(database_url=db_url, workers=1, poll_interval_s=0.05, lease_s=5.0, auto_upgrade=False)
+
+
+@pytest.fixture
+def api(settings):  # type: ignore[no-untyped-def]
+    """The real app (with its in-process worker) behind Starlette's test client."""
+    from fastapi.testclient import TestClient
+
+    from planner_service.app import create_app
+
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.fixture
+def trace():  # type: ignore[no-untyped-def]
+    from planner_service.solver.synthetic import synthetic_trace
+
+    return synthetic_trace(n_blocks=4, hidden=256, vocab=1000, batch=2, seq=128)

@@ -1,0 +1,127 @@
+"""The wire contract rejects impossible values with field paths, hashes stably, and stays light to import."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from client.contract import Constraints, Feedback, Plan, Trace
+from client.units import format_bytes, parse_bytes
+from planner_service.solver.synthetic import synthetic_trace
+
+
+def _raw() -> dict:
+    return json.loads(synthetic_trace(n_blocks=3, hidden=64, vocab=100, batch=1, seq=16).canonical_json())
+
+
+def _error_fields(raw: dict) -> list[str]:
+    with pytest.raises(ValidationError) as info:
+        Trace.model_validate(raw)
+    return [".".join(str(p) for p in e["loc"]) + " :: " + e["msg"] for e in info.value.errors()]
+
+
+def test_valid_trace_round_trips_through_json_unchanged() -> None:
+    t = synthetic_trace(n_blocks=3, hidden=64, vocab=100)
+    again = Trace.model_validate_json(t.model_dump_json())
+    assert again == t
+    assert again.content_hash() == t.content_hash()
+
+
+def test_negative_size_is_rejected_naming_the_field() -> None:
+    raw = _raw()
+    raw["model"]["parameters"][0]["bytes"] = -4
+    assert any(f.startswith("model.parameters.0.bytes") for f in _error_fields(raw))
+
+
+def test_nan_and_infinity_are_rejected() -> None:
+    for bad in (math.nan, math.inf):
+        raw = _raw()
+        raw["measurements"]["blocks"][1]["forward_s"] = bad
+        assert any(f.startswith("measurements.blocks.1.forward_s") for f in _error_fields(raw))
+
+
+def test_parameter_referencing_unknown_block_is_rejected() -> None:
+    raw = _raw()
+    raw["model"]["parameters"][-1]["block"] = 99
+    assert any("parameters[" in f and "names no block" in f for f in _error_fields(raw))
+
+
+def test_block_bytes_must_match_its_parameters() -> None:
+    raw = _raw()
+    raw["model"]["blocks"][1]["parameter_bytes"] += 1
+    assert any("blocks[1].parameter_bytes" in f for f in _error_fields(raw))
+
+
+def test_free_before_alloc_is_rejected() -> None:
+    raw = _raw()
+    raw["allocation_trace"] = {"source": "dispatch_tracker", "horizon": 10, "events": [
+        {"id": 0, "size_bytes": 512, "alloc_index": 5, "free_index": 3, "category": "temp", "phase": "forward"}]}
+    assert any("free_index" in f for f in _error_fields(raw))
+
+
+def test_unknown_fields_and_wrong_schema_version_are_rejected() -> None:
+    raw = _raw()
+    raw["surprise"] = 1
+    assert any(f.startswith("surprise") for f in _error_fields(raw))
+    raw = _raw()
+    raw["schema_version"] = 2
+    assert any(f.startswith("schema_version") for f in _error_fields(raw))
+
+
+def test_measurements_must_cover_every_block_in_order() -> None:
+    raw = _raw()
+    raw["measurements"]["blocks"].pop()
+    assert any("measurements.blocks" in f for f in _error_fields(raw))
+
+
+def test_more_blocks_than_the_declared_limit_are_rejected() -> None:
+    from client.contract.common import MAX_BLOCKS
+
+    raw = _raw()
+    raw["model"]["blocks"] = raw["model"]["blocks"] * (MAX_BLOCKS // 3 + 2)
+    assert any(f.startswith("model.blocks") and "at most" in f for f in _error_fields(raw))
+
+
+def test_content_hash_ignores_key_order_but_not_content() -> None:
+    t = synthetic_trace(n_blocks=2, hidden=64, vocab=100)
+    shuffled = Trace.model_validate(dict(reversed(list(json.loads(t.model_dump_json()).items()))))
+    assert shuffled.content_hash() == t.content_hash()
+    other = synthetic_trace(n_blocks=2, hidden=64, vocab=101)
+    assert other.content_hash() != t.content_hash()
+
+
+def test_feasible_plan_without_policy_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="policy"):
+        Plan.model_validate({"trace_hash": "x", "constraints": {"device_memory_bytes": 1},
+                             "solver": {"solver": "s", "solver_version": "1", "status": "optimal", "solve_s": 0}})
+
+
+def test_feedback_and_constraints_validate_ranges() -> None:
+    with pytest.raises(ValidationError, match="steps_measured"):
+        Feedback(iteration_s=1.0, peak_device_bytes=1, peak_host_bytes=1, steps_measured=0)
+    with pytest.raises(ValidationError, match="device_memory_bytes"):
+        Constraints(device_memory_bytes=0)
+
+
+@pytest.mark.parametrize(("text", "value"), [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                             ("4096", 4096), ("2 kib", 2048)])
+def test_byte_sizes_parse(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+def test_bad_byte_size_names_the_input() -> None:
+    with pytest.raises(ValueError, match="8 parsecs"):
+        parse_bytes("8 parsecs")
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_client_imports_without_torch_fastapi_or_ortools() -> None:
+    code = ("import sys, client, client.sdk, client.cli.main; "
+            "bad=[m for m in ('torch','fastapi','ortools','sqlalchemy') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

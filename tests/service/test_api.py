@@ -1,0 +1,162 @@
+"""The /v1 API on SQLite and PostgreSQL: idempotent uploads, clean rejections, plans, history, feedback."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from sqlalchemy import create_engine, func, select
+
+from client.contract import Trace
+from planner_service.db.models import HardwareRow, ModelRow, TraceRow
+from planner_service.solver.synthetic import synthetic_trace
+
+LIMITS = {"device_memory_bytes": 16 * 2**30}
+
+
+def _upload(api, trace: Trace) -> str:  # type: ignore[no-untyped-def]
+    r = api.post("/v1/traces", content=trace.canonical_json(), headers={"content-type": "application/json"})
+    assert r.status_code in (200, 201), r.text
+    return str(r.json()["id"])
+
+
+def _count(db_url: str, model: type) -> int:
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        n = conn.execute(select(func.count()).select_from(model)).scalar_one()
+    engine.dispose()
+    return int(n)
+
+
+def test_upload_returns_201_then_200_with_the_same_id(api, trace) -> None:  # type: ignore[no-untyped-def]
+    first = api.post("/v1/traces", content=trace.canonical_json())
+    again = api.post("/v1/traces", content=gzip.compress(trace.canonical_json()), headers={"content-encoding": "gzip"})
+    assert first.status_code == 201 and first.json()["created"] is True
+    assert again.status_code == 200 and again.json()["created"] is False
+    assert again.json()["id"] == first.json()["id"]
+
+
+def test_fetched_trace_is_identical_to_the_upload(api, trace) -> None:  # type: ignore[no-untyped-def]
+    trace_id = _upload(api, trace)
+    got = api.get(f"/v1/traces/{trace_id}").json()
+    assert Trace.model_validate(got["trace"]) == trace
+    assert got["content_hash"] == trace.content_hash()
+
+
+def test_bad_upload_names_the_field_and_stores_nothing(api, trace, db_url) -> None:  # type: ignore[no-untyped-def]
+    raw = json.loads(trace.canonical_json())
+    raw["measurements"]["blocks"][2]["backward_s"] = -1.0
+    r = api.post("/v1/traces", json=raw)
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["field"] == "body.measurements.blocks[2].backward_s"
+    for table in (TraceRow, ModelRow, HardwareRow):
+        assert _count(db_url, table) == 0
+
+
+def test_malformed_bodies_get_4xx(api) -> None:  # type: ignore[no-untyped-def]
+    assert api.post("/v1/traces", content=b"{not json").status_code == 400
+    assert api.post("/v1/traces", content=b"garbage", headers={"content-encoding": "gzip"}).status_code == 400
+    assert api.post("/v1/traces", content=b"{}", headers={"content-encoding": "br"}).status_code == 415
+    assert api.post("/v1/traces", json=[1, 2]).status_code == 422
+
+
+def test_gzip_bomb_is_refused_with_413(api) -> None:  # type: ignore[no-untyped-def]
+    bomb = gzip.compress(b" " * (300 * 2**20))  # ~300 KiB on the wire, 300 MiB inflated
+    r = api.post("/v1/traces", content=bomb, headers={"content-encoding": "gzip"})
+    assert r.status_code == 413
+    assert "decompressed" in r.json()["error"]
+
+
+def test_plan_is_solved_by_a_worker_and_long_poll_returns_it(api, trace) -> None:  # type: ignore[no-untyped-def]
+    trace_id = _upload(api, trace)
+    r = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS})
+    assert r.status_code == 202 and r.json()["status"] == "queued"
+    done = api.get(f"/v1/plans/{r.json()['id']}", params={"wait": 30}).json()
+    assert done["status"] in ("done", "infeasible"), done
+    plan = done["plan"]
+    assert plan["trace_hash"] == trace.content_hash()
+    assert plan["constraints"]["device_memory_bytes"] == LIMITS["device_memory_bytes"]
+    assert done["attempts"] == 1 and done["finished_at"] is not None
+
+
+def test_identical_request_reuses_the_stored_plan(api, trace) -> None:  # type: ignore[no-untyped-def]
+    trace_id = _upload(api, trace)
+    first = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()
+    api.get(f"/v1/plans/{first['id']}", params={"wait": 30})
+    again = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS})
+    assert again.status_code == 200 and again.json()["reused"] is True and again.json()["id"] == first["id"]
+    other = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": {"device_memory_bytes": 2**33}})
+    assert other.status_code == 202 and other.json()["id"] != first["id"]
+
+
+def test_plan_request_errors_name_the_problem(api, trace) -> None:  # type: ignore[no-untyped-def]
+    r = api.post("/v1/plans", json={"trace_id": "nope", "constraints": LIMITS})
+    assert r.status_code == 404 and "trace_id" in r.json()["error"]
+    trace_id = _upload(api, trace)
+    r = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": {"device_memory_bytes": -5}})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "body.constraints.device_memory_bytes"
+    r = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS, "solver": "magic"})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "body.solver"
+    assert api.get("/v1/plans/does-not-exist").status_code == 404
+
+
+def test_plans_are_browsable_by_model_and_hardware_with_stable_cursors(api) -> None:  # type: ignore[no-untyped-def]
+    ids_by_model: dict[str, set[str]] = {"small": set(), "wide": set()}
+    for i in range(7):
+        kind = "small" if i % 2 else "wide"
+        t = synthetic_trace(n_blocks=2 + i, hidden=64 if kind == "small" else 128, vocab=100, name=f"model-{kind}")
+        tid = _upload(api, t)
+        ids_by_model[kind].add(api.post("/v1/plans", json={"trace_id": tid, "constraints": LIMITS}).json()["id"])
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params = {"limit": 2, "model": "model-wide"} | ({"cursor": cursor} if cursor else {})
+        page = api.get("/v1/plans", params=params).json()
+        seen += [p["id"] for p in page["items"]]
+        assert all(p["model_name"] == "model-wide" for p in page["items"])
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert len(seen) == len(set(seen)) and set(seen) == ids_by_model["wide"]
+    newest_first = api.get("/v1/plans", params={"limit": 100}).json()["items"]
+    stamps = [(p["created_at"], p["id"]) for p in newest_first]
+    assert stamps == sorted(stamps, reverse=True)
+    oldest_first = api.get("/v1/plans", params={"limit": 100, "sort": "created_at"}).json()["items"]
+    assert [p["id"] for p in oldest_first] == [p["id"] for p in reversed(newest_first)]
+    hw = api.get("/v1/hardware").json()
+    assert len(hw) == 1 and hw[0]["plans"] == 7
+    by_hw = api.get("/v1/plans", params={"hardware": hw[0]["key"], "limit": 100}).json()["items"]
+    assert len(by_hw) == 7
+    plans_by_name: dict[str, int] = {}
+    for m in api.get("/v1/models").json():  # each depth is its own architecture fingerprint
+        plans_by_name[m["name"]] = plans_by_name.get(m["name"], 0) + m["plans"]
+    assert plans_by_name == {"model-wide": 4, "model-small": 3}
+    assert api.get("/v1/plans", params={"cursor": "!!bad"}).status_code == 400
+    traces = api.get("/v1/traces", params={"model": "model-small", "limit": 100}).json()["items"]
+    assert len(traces) == 3
+
+
+def test_feedback_records_prediction_errors(api, trace) -> None:  # type: ignore[no-untyped-def]
+    trace_id = _upload(api, trace)
+    plan = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()
+    done = api.get(f"/v1/plans/{plan['id']}", params={"wait": 30}).json()
+    predicted = done["plan"]["predictions"]["iteration_s"]
+    fb = {"iteration_s": predicted * 1.1, "peak_device_bytes": 1000, "peak_host_bytes": 0, "steps_measured": 20}
+    r = api.post(f"/v1/plans/{plan['id']}/feedback", json=fb)
+    assert r.status_code == 201
+    assert abs(r.json()["iteration_error"] - 0.1) < 1e-9
+    assert api.get(f"/v1/plans/{plan['id']}").json()["feedback"][0]["feedback"]["steps_measured"] == 20
+    bad = api.post(f"/v1/plans/{plan['id']}/feedback", json=fb | {"steps_measured": 0})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "body.steps_measured"
+
+
+def test_health_and_readiness(api) -> None:  # type: ignore[no-untyped-def]
+    assert api.get("/healthz").json() == {"status": "ok"}
+    assert api.get("/readyz").json()["status"] == "ready"
+
+
+def test_openapi_document_describes_the_trace_body(api) -> None:  # type: ignore[no-untyped-def]
+    doc = api.get("/openapi.json").json()
+    body = doc["paths"]["/v1/traces"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/Trace"}
+    assert "Hardware" in doc["components"]["schemas"]
