@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up and run the whole test suite (what CI runs). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+./scripts/ensure_postgres.sh
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
