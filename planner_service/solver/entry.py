@@ -1,14 +1,18 @@
-"""PLACEHOLDER solver entry point (issue 'Foundation' only) -- replaced by the CP-SAT policy solver.
+"""Solver entry point: Trace + Constraints -> Plan with the fastest memory policy that fits, and its evidence.
 
-!!! This is NOT a memory planner. It keeps every chunk persistent and every block's activations,
-!!! predicts nothing beyond sums of measured times, and reports status 'unknown'. It exists only so the
-!!! service, SDK and CLI can be exercised end to end before the issue 'Cost model and CP-SAT
-!!! memory-policy solver' lands.
+`solve` tries every candidate chunk layout (the chunk-size grid, see `layout.py`), runs ProTrain's
+4-knob search on each, and for `cpsat` (the default) solves the full decision with CP-SAT, hinted with
+ProTrain's answer and cut off at the best time found so far. The plan reports the best answer, the
+proven lower bound over all layouts, and the gap. When nothing fits it returns status infeasible with
+the smallest device memory that would fit (never an exception). `Plan.allocation` is left None: the
+allocation planner fills it (the service composes the two).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 from client.contract import (
     ActivationMode,
@@ -18,34 +22,149 @@ from client.contract import (
     Placement,
     Plan,
     Policy,
-    Predictions,
     SolverReport,
     SolverStatus,
     Trace,
 )
+from planner_service.solver import cpsat_solve, protrain
+from planner_service.solver.cost_model import Cost, predictions_of
+from planner_service.solver.instance import (
+    CostParams,
+    Decision,
+    Mode,
+    PolicyInstance,
+    alpha_for,
+    build_instance,
+)
+from planner_service.solver.layout import ChunkLayout, candidate_layouts
 
-SOLVER_VERSION = "placeholder-0"
+# Bump whenever a change can alter a plan (cost model, model, search, defaults): the service dedups by it.
+SOLVER_VERSION = "policy-1.0"
+SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
+
+_ACTIVATION = {Mode.keep: ActivationMode.keep, Mode.checkpoint: ActivationMode.checkpoint, Mode.swap: ActivationMode.swap}
+
+
+@dataclass(frozen=True)
+class _Best:
+    inst: PolicyInstance
+    decision: Decision
+    cost: Cost
+
+
+def policy_of(trace: Trace, layout: ChunkLayout, decision: Decision) -> Policy:
+    """The wire policy for a decision on a layout (chunk parameters in the trace's execution order)."""
+    params = trace.model.parameters
+    chunks = [
+        Chunk(
+            index=c,
+            placement=Placement.offloaded if decision.offloaded[c] else Placement.persistent,
+            parameters=[params[i].name for i in range(start, stop)],
+            blocks=list(layout.chunk_blocks[c]),
+            used_bytes=layout.used_bytes[c],
+        )
+        for c, (start, stop) in enumerate(layout.param_ranges)
+    ]
+    blocks = [
+        BlockPolicy(block=b.index, module=b.name, mode=_ACTIVATION[decision.modes[b.index]]) for b in trace.model.blocks
+    ]
+    return Policy(chunk_size_bytes=layout.chunk_size_bytes, chunks=chunks, n_buffers=decision.n_buffers, blocks=blocks)
+
+
+def _min_device_memory(
+    trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams, seed: int, budget_s: float
+) -> tuple[int | None, bool]:
+    """Smallest device limit (bytes) under which some policy fits: min peak over layouts, times (1 + alpha)."""
+    best: int | None = None
+    proven = True
+    for i, lay in enumerate(layouts):
+        inst = build_instance(trace, lay, constraints, params)
+        peak, optimal = cpsat_solve.min_peak_bytes(inst, time_limit_s=max(0.05, budget_s / (len(layouts) - i)), seed=seed)
+        proven = proven and optimal
+        if peak is not None and (best is None or peak < best):
+            best = peak
+    if best is None:
+        return None, False
+    limit = math.ceil(best * (1.0 + params.alpha))
+    while int(limit // (1.0 + params.alpha)) < best:  # match build_instance's floor exactly
+        limit += 1
+    return limit, proven
 
 
 def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed: int = 0) -> Plan:
+    """Fastest memory policy for `trace` under `constraints` (see the module docstring)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver: unknown {solver!r}; choose one of {', '.join(SOLVERS)}")
     t0 = time.perf_counter()
-    params = trace.model.parameters
-    total = sum(p.bytes for p in params) or 1
-    chunk = Chunk(index=0, placement=Placement.persistent, parameters=[p.name for p in params],
-                  blocks=sorted({p.block for p in params}), used_bytes=sum(p.bytes for p in params))
-    policy = Policy(chunk_size_bytes=total, chunks=[chunk], n_buffers=0,
-                    blocks=[BlockPolicy(block=b.index, module=b.name, mode=ActivationMode.keep) for b in trace.model.blocks])
-    m = trace.measurements
-    fwd = sum(b.forward_s for b in m.blocks)
-    bwd = sum(b.backward_s for b in m.blocks)
-    opt = total / m.optimizer.device_bytes_per_s
+    deadline = t0 + constraints.time_limit_s
+    params = CostParams(alpha=alpha_for(trace))
+    layouts = candidate_layouts(trace)
+    best: _Best | None = None
+    bounds: list[float] = []
+    statuses: list[str] = []
+    for i, lay in enumerate(layouts):
+        inst = build_instance(trace, lay, constraints, params)
+        base = protrain.search(inst)
+        if base.decision is not None and base.cost is not None and (
+                best is None or base.cost.iteration_ns < best.cost.iteration_ns):
+            best = _Best(inst, base.decision, base.cost)
+        if solver == "protrain":
+            continue
+        budget = (deadline - time.perf_counter()) / (len(layouts) - i)
+        cutoff = best.cost.iteration_ns if best is not None else None
+        res = cpsat_solve.solve_layout(inst, hint=base.decision, time_limit_s=budget, seed=seed, cutoff_ns=cutoff)
+        statuses.append(res.status)
+        bounds.append(res.lower_bound_ns)
+        if res.decision is not None and res.cost is not None and res.cost.fits and (
+                best is None or res.cost.iteration_ns < best.cost.iteration_ns):
+            best = _Best(inst, res.decision, res.cost)
+
+    report = dict(solver=solver, solver_version=SOLVER_VERSION)
+    sizes = ", ".join(f"{lay.chunk_size_bytes >> 20}MiB" for lay in layouts)
+    if best is None:
+        all_proven = solver == "cpsat" and all(s == "infeasible" for s in statuses)
+        remaining = max(0.5, deadline - time.perf_counter())
+        min_bytes, _ = _min_device_memory(trace, layouts, constraints, params, seed, remaining)
+        status = SolverStatus.infeasible if (all_proven or solver == "protrain") else SolverStatus.unknown
+        message = (
+            f"nothing fits {constraints.device_memory_bytes} device bytes (alpha {params.alpha:.3f}) within the host "
+            f"limits; smallest device memory that fits: {min_bytes} bytes (chunk sizes tried: {sizes})"
+            if status == SolverStatus.infeasible
+            else f"no policy found within {constraints.time_limit_s}s (chunk sizes tried: {sizes}); statuses {statuses}"
+        )
+        return Plan(
+            trace_hash=trace.content_hash(),
+            constraints=constraints,
+            policy=None,
+            predictions=None,
+            solver=SolverReport(**report, status=status, solve_s=time.perf_counter() - t0,
+                                min_device_memory_bytes=min_bytes, message=message),
+        )
+
+    objective_ns = best.cost.iteration_ns
+    if solver == "cpsat":
+        bound_ns = min(bounds) if bounds else 0.0
+        bound_ns = min(bound_ns, float(objective_ns))
+        gap = (objective_ns - bound_ns) / objective_ns if objective_ns > 0 else 0.0
+        status = SolverStatus.optimal if gap <= 0.0 else SolverStatus.feasible
+        best_bound: float | None = bound_ns / 1e9
+        gap_out: float | None = max(0.0, gap)
+    else:
+        status, best_bound, gap_out = SolverStatus.feasible, None, None
+    policy = policy_of(trace, best.inst.layout, best.decision)
     return Plan(
         trace_hash=trace.content_hash(),
         constraints=constraints,
         policy=policy,
-        predictions=Predictions(iteration_s=fwd + bwd + opt, forward_s=fwd, backward_s=bwd, device_optimizer_s=opt,
-                                host_optimizer_s=0.0, peak_device_bytes=m.peak_device_bytes, peak_host_bytes=0),
-        solver=SolverReport(solver=f"placeholder(requested {solver})", solver_version=SOLVER_VERSION,
-                            status=SolverStatus.unknown, solve_s=time.perf_counter() - t0,
-                            message="PLACEHOLDER policy: everything persistent; not a real solve"),
+        predictions=predictions_of(best.inst, best.cost),
+        solver=SolverReport(
+            **report,
+            status=status,
+            objective=objective_ns / 1e9,
+            best_bound=best_bound,
+            gap=gap_out,
+            solve_s=time.perf_counter() - t0,
+            message=f"chunk size {best.inst.layout.chunk_size_bytes >> 20}MiB of [{sizes}]; "
+            f"layout statuses {statuses or ['protrain search']}; alpha {params.alpha:.3f}",
+        ),
     )

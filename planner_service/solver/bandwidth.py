@@ -1,0 +1,30 @@
+"""Copy time by transfer size, read off a measured bandwidth curve (log-size interpolation)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from client.contract import BandwidthSample
+
+
+def bytes_per_s_at(curve: list[BandwidthSample], size_bytes: int) -> float:
+    """Bandwidth for a copy of `size_bytes`: linear in log(size) between samples, flat beyond the ends."""
+    if not curve:
+        raise ValueError("bandwidth curve: needs at least one sample")
+    sizes = [s.size_bytes for s in curve]
+    if size_bytes <= sizes[0]:
+        return curve[0].bytes_per_s
+    if size_bytes >= sizes[-1]:
+        return curve[-1].bytes_per_s
+    i = bisect.bisect_right(sizes, size_bytes)
+    lo, hi = curve[i - 1], curve[i]
+    w = (math.log(size_bytes) - math.log(lo.size_bytes)) / (math.log(hi.size_bytes) - math.log(lo.size_bytes))
+    return lo.bytes_per_s + w * (hi.bytes_per_s - lo.bytes_per_s)
+
+
+def transfer_ns(curve: list[BandwidthSample], size_bytes: int) -> int:
+    """Integer nanoseconds to copy `size_bytes` in one transfer (0 for nothing)."""
+    if size_bytes <= 0:
+        return 0
+    return max(1, round(size_bytes / bytes_per_s_at(curve, size_bytes) * 1e9))

@@ -1,0 +1,262 @@
+"""Cost model: predicted iteration time and peak memory of a memory policy, from a trace's measurements.
+
+Reference: ProTrain (arXiv 2406.08334, App. A), extended where the trace allows. Times are integer ns,
+memory integer bytes (see `instance.py`); `evaluate` converts to seconds at the end. The CP-SAT model in
+`cpsat_model.py` encodes exactly these formulas, so its optimum equals `evaluate_decision` of its answer.
+
+Execution is cut into *windows*, one per chunk: the blocks whose parameters live in the chunk (a block
+without parameters joins the window of the chunk before it). With `o[c]` = chunk c offloaded:
+
+Forward (chunks 0..C-1):
+  Tf[c] = max(F[c], H2D, D2H)              full duplex (separate copy engines per direction)
+        = max(F[c], H2D + D2H)              half duplex (ProTrain: swap shares the link with prefetch)
+    F[c]  = sum of block forward times in the window
+    H2D   = o[c+1] * upload(c+1)           prefetch of the next chunk while this one computes
+    D2H   = sum of swap-out copies of the window's swapped blocks
+    with one buffer, an offloaded chunk followed by an offloaded chunk cannot prefetch:
+    Tf[c] >= F[c] + upload(c+1)
+  T_fwd = o[0] * upload(0) + sum Tf[c]     (the first upload is exposed)
+
+Backward (chunks C-1..0):
+  resident[c] = o[c] and fewer than n_buffers offloaded chunks come after c: it is still in a buffer at
+  the end of forward and is not uploaded again ("chunks still in a buffer after forward are not re-fetched").
+  Tb[c] = max(Bk[c], H2D, D2H)   (or max(Bk, H2D + D2H) half duplex)
+    Bk[c] = sum of block backward times + recompute of checkpointed blocks in the window
+    H2D   = need[c-1] * upload(c-1) + swap-in of the swapped blocks of window c-1 (prefetch one window ahead)
+    D2H   = o[c+1] * grad_offload(c+1)     (gradients of the chunk that just finished go to host)
+    one buffer: Tb[c] >= Bk[c] + upload(c-1) when c and c-1 are both offloaded
+  T_bwd = need[C-1] * upload(C-1) + swap-in of window C-1 + sum Tb[c]
+
+Optimizer:
+  T_dev_opt = sum over persistent chunks of used bytes / device optimizer rate.
+  Host optimizer: one worker thread steps offloaded chunks in the order their gradients arrive (C-1..0);
+  chunk c's gradients arrive at done(c) + grad_offload(c), where done(c) is backward time through window c.
+  For a FIFO single worker the finish time is exactly
+    T_host_end = max over c of (done(c) + o[c] * grad_offload(c) + sum_{c' <= c} o[c'] * host_step(c'))
+  (measured from the start of backward).
+  T_iter = T_fwd + max(T_bwd + T_dev_opt, T_host_end)    (ProTrain: max(T_bwd + T_gpu_optim, T_cpu_optim))
+
+Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
+  static = persistent chunks' model states + n_buffers device buffers
+  retained(b) = activation bytes (keep), input bytes (checkpoint), 0 (swap, copied out)
+  forward of b:  static + sum_{b'<b} retained(b') + (act(b) | input(b) if checkpoint) + fwd transient peak(b)
+  backward of b: static + sum_{b'<b} retained(b') + act(b) [+ input(b) if checkpoint: one block's
+                 recomputed activations] + bwd transient peak(b) + act(b-1) if b-1 is swapped (prefetched)
+  peak = max over both walks; the plan fits when peak * (1 + alpha) <= device limit.
+Host (pinned) memory: offloaded chunks' model states + swapped activations; must fit the host limit and
+the pinned limit when one is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from client.contract import ActivationMode, Constraints, Placement, Policy, Predictions, Trace
+from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
+from planner_service.solver.layout import layout_from_chunks
+
+_MODE_OF = {ActivationMode.keep: Mode.keep, ActivationMode.checkpoint: Mode.checkpoint, ActivationMode.swap: Mode.swap}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Integer result of the cost model for one decision (ns and bytes)."""
+
+    iteration_ns: int
+    forward_ns: int
+    backward_ns: int
+    device_optim_ns: int
+    host_optim_ns: int  # total host optimizer work
+    host_end_ns: int  # host optimizer finish, from the start of backward
+    forward_compute_ns: int
+    backward_compute_ns: int
+    recompute_ns: int
+    peak_device_bytes: int
+    static_device_bytes: int
+    activation_peak_bytes: int
+    host_bytes: int
+    fits_device: bool
+    fits_host: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+
+def _combine(compute: int, h2d: int, d2h: int, full_duplex: bool) -> int:
+    return max(compute, h2d, d2h) if full_duplex else max(compute, h2d + d2h)
+
+
+def residency(offloaded: tuple[bool, ...], n_buffers: int) -> list[bool]:
+    """Offloaded chunks still in a buffer at the end of forward: the last `n_buffers` offloaded ones."""
+    out = [False] * len(offloaded)
+    after = 0
+    for c in range(len(offloaded) - 1, -1, -1):
+        if offloaded[c]:
+            out[c] = after < n_buffers
+            after += 1
+    return out
+
+
+def activation_peak(inst: PolicyInstance, modes: tuple[Mode, ...]) -> int:
+    """Peak of activation-related bytes over the forward and backward walks (model states excluded)."""
+    prefix = 0
+    peak = 0
+    act, inp = inst.act_bytes, inst.inp_bytes
+    for b, mode in enumerate(modes):
+        if mode == Mode.checkpoint:
+            fwd_own = inp[b] + inst.fwd_peak_bytes[b]
+            bwd_own = inp[b] + act[b] + inst.bwd_peak_bytes[b]
+            retained = inp[b]
+        else:
+            fwd_own = act[b] + inst.fwd_peak_bytes[b]
+            bwd_own = act[b] + inst.bwd_peak_bytes[b]
+            retained = act[b] if mode == Mode.keep else 0
+        if b > 0 and modes[b - 1] == Mode.swap:
+            bwd_own += act[b - 1]
+        peak = max(peak, prefix + fwd_own, prefix + bwd_own)
+        prefix += retained
+    return peak
+
+
+def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
+    """The cost model on integers. See the module docstring for every formula."""
+    d.check(inst)
+    C = inst.n_chunks
+    o = d.offloaded
+    nb = d.n_buffers
+    duplex = inst.params.full_duplex
+    U, G = inst.upload_ns, inst.grad_offload_ns
+    windows = max(C, 1)
+    F = [0] * windows
+    Bk = [0] * windows
+    SO = [0] * windows
+    SI = [0] * windows
+    rec_total = 0
+    for b, w in enumerate(inst.layout.chunk_of_block):
+        F[w] += inst.fwd_ns[b]
+        Bk[w] += inst.bwd_ns[b]
+        if d.modes[b] == Mode.checkpoint:
+            Bk[w] += inst.rec_ns[b]
+            rec_total += inst.rec_ns[b]
+        elif d.modes[b] == Mode.swap:
+            SO[w] += inst.swap_out_ns[b]
+            SI[w] += inst.swap_in_ns[b]
+    off = lambda c: 0 <= c < C and o[c]  # noqa: E731
+    res = residency(o, nb)
+    need = [o[c] and not res[c] for c in range(C)]
+
+    fwd = U[0] if off(0) else 0
+    for c in range(windows):
+        h2d = U[c + 1] if off(c + 1) else 0
+        t = _combine(F[c], h2d, SO[c], duplex)
+        if nb == 1 and off(c) and off(c + 1):
+            t = max(t, F[c] + U[c + 1])
+        fwd += t
+
+    head = (U[C - 1] if C and need[C - 1] else 0) + SI[windows - 1]
+    Tb = [0] * windows
+    for c in range(windows):
+        h2d = ((U[c - 1] if need[c - 1] else 0) + SI[c - 1]) if c >= 1 else 0
+        d2h = G[c + 1] if off(c + 1) else 0
+        t = _combine(Bk[c], h2d, d2h, duplex)
+        if nb == 1 and off(c) and off(c - 1):
+            t = max(t, Bk[c] + U[c - 1])
+        Tb[c] = t
+    bwd = head + sum(Tb)
+
+    dev_opt = sum(inst.device_optim_ns[c] for c in range(C) if not o[c])
+    host_total = sum(inst.host_optim_ns[c] for c in range(C) if o[c])
+    host_end = 0
+    queued = host_total  # sum over c' <= c of offloaded host steps, walking c downwards
+    dones = [0] * windows  # backward time through window c (windows run C-1..0)
+    acc = head
+    for c in range(windows - 1, -1, -1):
+        acc += Tb[c]
+        dones[c] = acc
+    for c in range(C - 1, -1, -1):
+        host_end = max(host_end, dones[c] + (G[c] if o[c] else 0) + queued)
+        if o[c]:
+            queued -= inst.host_optim_ns[c]
+    iteration = fwd + max(bwd + dev_opt, host_end)
+
+    n_off = sum(o)
+    static = (C - n_off) * inst.chunk_state_bytes + nb * inst.buffer_bytes
+    act_peak = activation_peak(inst, d.modes)
+    peak = static + act_peak
+    host = n_off * inst.chunk_state_bytes + sum(inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
+    fits_host = host <= inst.host_limit_bytes and (inst.pinned_limit_bytes is None or host <= inst.pinned_limit_bytes)
+    return Cost(
+        iteration_ns=iteration,
+        forward_ns=fwd,
+        backward_ns=bwd,
+        device_optim_ns=dev_opt,
+        host_optim_ns=host_total,
+        host_end_ns=host_end,
+        forward_compute_ns=sum(F),
+        backward_compute_ns=sum(Bk) - rec_total,
+        recompute_ns=rec_total,
+        peak_device_bytes=peak,
+        static_device_bytes=static,
+        activation_peak_bytes=act_peak,
+        host_bytes=host,
+        fits_device=peak <= inst.usable_device_bytes,
+        fits_host=fits_host,
+    )
+
+
+def predictions_of(inst: PolicyInstance, cost: Cost) -> Predictions:
+    """Seconds and named terms for the wire contract."""
+    s = lambda ns: ns / 1e9  # noqa: E731
+    return Predictions(
+        iteration_s=s(cost.iteration_ns),
+        forward_s=s(cost.forward_ns),
+        backward_s=s(cost.backward_ns),
+        device_optimizer_s=s(cost.device_optim_ns),
+        host_optimizer_s=s(cost.host_optim_ns),
+        peak_device_bytes=cost.peak_device_bytes,
+        peak_host_bytes=cost.host_bytes,
+        breakdown={
+            "forward_compute_s": s(cost.forward_compute_ns),
+            "forward_exposed_copy_s": s(cost.forward_ns - cost.forward_compute_ns),
+            "backward_compute_s": s(cost.backward_compute_ns),
+            "recompute_s": s(cost.recompute_ns),
+            "backward_exposed_copy_s": s(cost.backward_ns - cost.backward_compute_ns - cost.recompute_ns),
+            "host_optimizer_end_s": s(cost.host_end_ns),
+            "host_optimizer_exposed_s": s(max(0, cost.host_end_ns - cost.backward_ns - cost.device_optim_ns)),
+            "static_device_bytes": float(cost.static_device_bytes),
+            "activation_peak_bytes": float(cost.activation_peak_bytes),
+            "peak_device_with_margin_bytes": float(cost.peak_device_bytes * (1.0 + inst.params.alpha)),
+            "usable_device_bytes": float(inst.usable_device_bytes),
+            "alpha": inst.params.alpha,
+            "full_duplex": 1.0 if inst.params.full_duplex else 0.0,
+            "chunk_state_bytes": float(inst.chunk_state_bytes),
+            "buffer_bytes": float(inst.buffer_bytes),
+        },
+    )
+
+
+def decision_of(inst: PolicyInstance, policy: Policy) -> Decision:
+    return Decision(
+        offloaded=tuple(c.placement == Placement.offloaded for c in policy.chunks),
+        n_buffers=policy.n_buffers,
+        modes=tuple(_MODE_OF[b.mode] for b in policy.blocks),
+    )
+
+
+def instance_for_policy(
+    trace: Trace, policy: Policy, constraints: Constraints, params: CostParams | None = None
+) -> PolicyInstance:
+    if len(policy.blocks) != len(trace.model.blocks):
+        raise ValueError(f"policy.blocks: {len(policy.blocks)} entries, the trace has {len(trace.model.blocks)} blocks")
+    layout = layout_from_chunks(trace, policy.chunk_size_bytes, [c.parameters for c in policy.chunks])
+    return build_instance(trace, layout, constraints, params)
+
+
+def evaluate(trace: Trace, policy: Policy, constraints: Constraints, params: CostParams | None = None) -> Predictions:
+    """Predicted iteration time and peaks of `policy` on `trace` (the runtime compares these with measurements).
+
+    Raises ValueError (naming the field) when the policy's layout does not match the trace.
+    """
+    inst = instance_for_policy(trace, policy, constraints, params)
+    return predictions_of(inst, evaluate_decision(inst, decision_of(inst, policy)))

@@ -1,0 +1,282 @@
+"""CP-SAT model of the memory-policy decision for one chunk layout: the cost model as linear constraints.
+
+Every integer is in the units of `PolicyInstance`: times in nanoseconds, memory in bytes. Each
+`_add_*` function adds one family of constraints; `build` composes them. The model encodes exactly the
+formulas of `cost_model.py` (each max() becomes lower bounds on a window variable that the objective
+pushes down), so at the optimum the objective equals `evaluate_decision` of the extracted decision.
+
+Decision variables
+  mode[b] in {keep, checkpoint, swap}  (booleans keep/ckpt/swap, exactly one; prologue/epilogue fixed keep)
+  off[c]  chunk c offloaded (else persistent)
+  res[c]  offloaded chunk c still in a buffer after forward (allowed iff fewer than n_buffers offloaded after it)
+  nbuf    number of device buffers, 0..#offloaded, >= 1 when anything is offloaded
+  nbuf1   nbuf == 1 (one buffer: no prefetch between two offloaded chunks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from planner_service.solver.instance import Decision, Mode, PolicyInstance
+
+LinearExpr = cp_model.LinearExprT
+
+
+@dataclass
+class PolicyModel:
+    """A built CP-SAT model and the handles needed to hint it and read a decision back."""
+
+    model: cp_model.CpModel
+    inst: PolicyInstance
+    keep: list[LinearExpr] = field(default_factory=list)
+    ckpt: list[LinearExpr] = field(default_factory=list)
+    swap: list[LinearExpr] = field(default_factory=list)
+    off: list[cp_model.IntVar] = field(default_factory=list)
+    res: list[cp_model.IntVar] = field(default_factory=list)
+    nbuf: cp_model.IntVar | None = None
+    nbuf1: cp_model.IntVar | None = None
+    iteration: cp_model.IntVar | None = None
+    peak: cp_model.IntVar | None = None
+
+    def decision(self, solver: cp_model.CpSolver) -> Decision:
+        assert self.nbuf is not None
+        modes = []
+        for b in range(self.inst.n_blocks):
+            if solver.value(self.ckpt[b]):
+                modes.append(Mode.checkpoint)
+            elif solver.value(self.swap[b]):
+                modes.append(Mode.swap)
+            else:
+                modes.append(Mode.keep)
+        return Decision(
+            offloaded=tuple(bool(solver.value(v)) for v in self.off),
+            n_buffers=int(solver.value(self.nbuf)),
+            modes=tuple(modes),
+        )
+
+    def hint(self, d: Decision) -> None:
+        """Hint the decision variables (the derived integers are left to the solver's propagation)."""
+        from planner_service.solver.cost_model import residency
+
+        m = self.model
+        assert self.nbuf is not None and self.nbuf1 is not None
+        for b, mode in enumerate(d.modes):
+            for expr, want in ((self.keep[b], Mode.keep), (self.ckpt[b], Mode.checkpoint), (self.swap[b], Mode.swap)):
+                if isinstance(expr, cp_model.IntVar):
+                    m.add_hint(expr, int(mode == want))
+        res = residency(d.offloaded, d.n_buffers)
+        for c, v in enumerate(self.off):
+            m.add_hint(v, int(d.offloaded[c]))
+            m.add_hint(self.res[c], int(res[c]))
+        m.add_hint(self.nbuf, d.n_buffers)
+        m.add_hint(self.nbuf1, int(d.n_buffers == 1))
+
+
+def _add_modes(pm: PolicyModel) -> None:
+    m, inst = pm.model, pm.inst
+    for b in range(inst.n_blocks):
+        if not inst.optimisable[b]:
+            pm.keep.append(1)
+            pm.ckpt.append(0)
+            pm.swap.append(0)
+            continue
+        k, c, s = (m.new_bool_var(f"{n}[{b}]") for n in ("keep", "ckpt", "swap"))
+        m.add_exactly_one(k, c, s)
+        pm.keep.append(k)
+        pm.ckpt.append(c)
+        pm.swap.append(s)
+
+
+def _add_placement(pm: PolicyModel) -> None:
+    """off/res/nbuf and the residency rule: res[c] needs fewer than nbuf offloaded chunks after c."""
+    m, C = pm.model, pm.inst.n_chunks
+    pm.off = [m.new_bool_var(f"off[{c}]") for c in range(C)]
+    pm.res = [m.new_bool_var(f"res[{c}]") for c in range(C)]
+    pm.nbuf = m.new_int_var(0, C, "nbuf")
+    pm.nbuf1 = m.new_bool_var("nbuf1")
+    m.add(pm.nbuf == 1).only_enforce_if(pm.nbuf1)
+    m.add(pm.nbuf != 1).only_enforce_if(~pm.nbuf1)
+    m.add(pm.nbuf <= sum(pm.off))
+    for c in range(C):
+        m.add(pm.nbuf >= 1).only_enforce_if(pm.off[c])
+        m.add_implication(pm.res[c], pm.off[c])
+        if c + 1 < C:
+            # offloaded chunks after c, plus c itself, must all fit in the buffers
+            m.add(sum(pm.off[c + 1:]) + 1 <= pm.nbuf).only_enforce_if(pm.res[c])
+
+
+Terms = list[tuple[int, LinearExpr]]  # (coefficient, 0/1 expression) pairs
+
+
+def _window_terms(pm: PolicyModel) -> tuple[list[int], list[int], list[Terms], list[Terms], list[Terms]]:
+    """Per window: forward compute, backward compute (constants, ns); recompute, swap-out, swap-in terms."""
+    inst = pm.inst
+    W = max(inst.n_chunks, 1)
+    F, Bk = [0] * W, [0] * W
+    rec: list[Terms] = [[] for _ in range(W)]
+    so: list[Terms] = [[] for _ in range(W)]
+    si: list[Terms] = [[] for _ in range(W)]
+    for b, w in enumerate(inst.layout.chunk_of_block):
+        F[w] += inst.fwd_ns[b]
+        Bk[w] += inst.bwd_ns[b]
+        if inst.optimisable[b]:
+            rec[w].append((inst.rec_ns[b], pm.ckpt[b]))
+            so[w].append((inst.swap_out_ns[b], pm.swap[b]))
+            si[w].append((inst.swap_in_ns[b], pm.swap[b]))
+    return F, Bk, rec, so, si
+
+
+def _total(terms: Terms) -> LinearExpr:
+    return sum(a * x for a, x in terms)
+
+
+def _add_window(m: cp_model.CpModel, t: cp_model.IntVar, compute: int, extra: Terms, h2d: Terms, d2h: Terms,
+                full_duplex: bool) -> None:
+    """t >= max(compute + recompute, H2D copies, D2H copies) (or H2D + D2H on a half-duplex link).
+
+    Plus, for every single copy term a*x, the cut t >= compute + (a - compute) * x when a > compute: valid
+    because t >= max(compute, a*x) for x in {0, 1}, and it is the convex hull of that max. Without it the
+    LP relaxation hides a fractional offload entirely behind compute, and the bound stays weak.
+    """
+    m.add(t >= compute + _total(extra))
+    if full_duplex:
+        m.add(t >= _total(h2d))
+        m.add(t >= _total(d2h))
+    else:
+        m.add(t >= _total(h2d) + _total(d2h))
+    for a, x in h2d + d2h:
+        if a > compute:
+            m.add(t >= compute + (a - compute) * x)
+
+
+def _add_time(pm: PolicyModel) -> None:
+    """Forward and backward windows, optimizer terms and the iteration-time objective (all in ns)."""
+    m, inst = pm.model, pm.inst
+    C, W = inst.n_chunks, max(inst.n_chunks, 1)
+    U, G = inst.upload_ns, inst.grad_offload_ns
+    duplex = inst.params.full_duplex
+    assert pm.nbuf1 is not None
+    F, Bk, REC, SO, SI = _window_terms(pm)
+    upper = sum(inst.fwd_ns) + sum(inst.bwd_ns) + sum(inst.rec_ns) + sum(inst.swap_out_ns) + sum(inst.swap_in_ns) \
+        + sum(U) * 2 + sum(G) + sum(inst.device_optim_ns) + sum(inst.host_optim_ns)
+    off = lambda c: [(U[c], pm.off[c])] if 0 <= c < C else []  # noqa: E731
+    need = lambda c: [(U[c], pm.off[c] - pm.res[c])] if 0 <= c < C else []  # noqa: E731
+    grad = lambda c: [(G[c], pm.off[c])] if 0 <= c < C else []  # noqa: E731
+
+    # forward
+    tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
+    for c in range(W):
+        _add_window(m, tf[c], F[c], [], off(c + 1), SO[c], duplex)
+        if c + 1 < C:
+            m.add(tf[c] >= F[c] + U[c + 1]).only_enforce_if([pm.off[c], pm.off[c + 1], pm.nbuf1])
+    fwd = _total(off(0)) + sum(tf)
+
+    # backward
+    tb = [m.new_int_var(Bk[c], upper, f"tb[{c}]") for c in range(W)]
+    for c in range(W):
+        h2d = (need(c - 1) + SI[c - 1]) if c >= 1 else []
+        _add_window(m, tb[c], Bk[c], REC[c], h2d, grad(c + 1), duplex)
+        if 1 <= c < C:
+            m.add(tb[c] >= Bk[c] + _total(REC[c]) + U[c - 1]).only_enforce_if([pm.off[c], pm.off[c - 1], pm.nbuf1])
+    head = _total(need(C - 1) + SI[W - 1])
+    bwd = head + sum(tb)
+
+    # optimizer: device steps for persistent chunks; one FIFO host worker for offloaded chunks
+    dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
+    host_end = m.new_int_var(0, upper, "host_end")
+    done = m.new_int_var(0, upper, f"done[{W - 1}]")
+    m.add(done == head + tb[W - 1])
+    dones = [done]
+    for c in range(W - 2, -1, -1):
+        nxt = m.new_int_var(0, upper, f"done[{c}]")
+        m.add(nxt == dones[-1] + tb[c])
+        dones.append(nxt)
+    dones.reverse()
+    queued: LinearExpr = 0
+    for c in range(C):
+        queued = queued + inst.host_optim_ns[c] * pm.off[c]
+        m.add(host_end >= dones[c] + G[c] * pm.off[c] + queued)
+
+    tail = m.new_int_var(0, upper, "after_forward")
+    m.add(tail >= bwd + dev_opt)
+    m.add(tail >= host_end)
+    pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
+    m.add(pm.iteration == fwd + tail)
+
+
+def _static_device(pm: PolicyModel) -> LinearExpr:
+    inst = pm.inst
+    assert pm.nbuf is not None
+    return sum(inst.chunk_state_bytes * (1 - v) for v in pm.off) + inst.buffer_bytes * pm.nbuf
+
+
+def _activation_walk(pm: PolicyModel) -> list[LinearExpr]:
+    """Device bytes above the static ones at every forward/backward step of the walk (one expr per step)."""
+    m, inst = pm.model, pm.inst
+    act, inp = inst.act_bytes, inst.inp_bytes
+    top = sum(max(a, i) for a, i in zip(act, inp, strict=True))
+    prefix: LinearExpr = 0
+    steps: list[LinearExpr] = []
+    for b in range(inst.n_blocks):
+        fwd_own = (act[b] + inst.fwd_peak_bytes[b]) * (pm.keep[b] + pm.swap[b]) \
+            + (inp[b] + inst.fwd_peak_bytes[b]) * pm.ckpt[b]
+        bwd_own = act[b] + inst.bwd_peak_bytes[b] + inp[b] * pm.ckpt[b]
+        if b > 0:
+            bwd_own = bwd_own + act[b - 1] * pm.swap[b - 1]
+        steps.append(prefix + fwd_own)
+        steps.append(prefix + bwd_own)
+        retained = act[b] * pm.keep[b] + inp[b] * pm.ckpt[b]
+        p = m.new_int_var(0, top, f"prefix[{b + 1}]")
+        m.add(p == prefix + retained)
+        prefix = p
+    return steps
+
+
+def _add_device_memory(pm: PolicyModel, limit_bytes: int | None) -> None:
+    """peak >= static + every walk step; with a limit, peak <= limit (the usable bytes after alpha)."""
+    m, inst = pm.model, pm.inst
+    static = _static_device(pm)
+    top = inst.n_chunks * inst.chunk_state_bytes + inst.n_chunks * inst.buffer_bytes \
+        + 2 * sum(inst.act_bytes) + sum(inst.inp_bytes) + max(inst.fwd_peak_bytes + inst.bwd_peak_bytes, default=0)
+    pm.peak = m.new_int_var(0, top, "peak_device_bytes")
+    for step in _activation_walk(pm):
+        m.add(pm.peak >= static + step)
+    if limit_bytes is not None:
+        m.add(pm.peak <= limit_bytes)
+
+
+def _add_host_memory(pm: PolicyModel) -> None:
+    """Offloaded chunks' states + swapped activations fit the host limit and the pinned limit (bytes)."""
+    inst = pm.inst
+    host = sum(inst.chunk_state_bytes * v for v in pm.off) + sum(
+        inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks)
+    )
+    pm.model.add(host <= inst.host_limit_bytes)
+    if inst.pinned_limit_bytes is not None:
+        pm.model.add(host <= inst.pinned_limit_bytes)
+
+
+def build(inst: PolicyInstance, *, objective: str = "time", cutoff_ns: int | None = None) -> PolicyModel:
+    """The full model. objective 'time': min iteration ns within the usable device bytes;
+    'memory': min peak device bytes (host limits still apply), used to report the smallest device that fits.
+    `cutoff_ns`: only solutions strictly faster than this (prunes a layout against an incumbent)."""
+    pm = PolicyModel(model=cp_model.CpModel(), inst=inst)
+    _add_modes(pm)
+    _add_placement(pm)
+    _add_host_memory(pm)
+    if objective == "time":
+        _add_device_memory(pm, inst.usable_device_bytes)
+        _add_time(pm)
+        assert pm.iteration is not None
+        if cutoff_ns is not None:
+            pm.model.add(pm.iteration <= cutoff_ns - 1)
+        pm.model.minimize(pm.iteration)
+    elif objective == "memory":
+        _add_device_memory(pm, None)
+        assert pm.peak is not None
+        pm.model.minimize(pm.peak)
+    else:
+        raise ValueError(f"objective: unknown {objective!r} (use 'time' or 'memory')")
+    return pm

@@ -1,0 +1,111 @@
+"""Run the CP-SAT policy model on one layout: hint, parameters, status and bound, decision read back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from planner_service.solver import cpsat_model
+from planner_service.solver.cost_model import Cost, evaluate_decision
+from planner_service.solver.instance import Decision, PolicyInstance
+
+# One worker: CP-SAT is deterministic for a fixed seed only when it searches sequentially, and on the
+# project's 2-core machines one worker with linearization level 2 (MIR/knapsack cuts on the memory rows)
+# proved the benchmark instances faster than the 2- and 4-worker portfolios (see docs/architecture/solver.md).
+NUM_WORKERS = 1
+LINEARIZATION_LEVEL = 2
+
+
+@dataclass(frozen=True)
+class LayoutSolve:
+    """Outcome of one CP-SAT solve on one layout (times in ns, as the model)."""
+
+    status: str  # 'optimal' | 'feasible' | 'infeasible' | 'unknown' ('infeasible' under a cutoff: none faster)
+    decision: Decision | None
+    cost: Cost | None
+    lower_bound_ns: float  # valid lower bound on every solution of this layout (inf when none exists)
+    solve_s: float
+
+
+def _parameters(solver: cp_model.CpSolver, time_limit_s: float, seed: int) -> None:
+    p = solver.parameters
+    p.num_workers = NUM_WORKERS
+    p.random_seed = seed
+    p.linearization_level = LINEARIZATION_LEVEL
+    p.max_time_in_seconds = max(0.01, time_limit_s)
+
+
+def complete_hint(pm: cpsat_model.PolicyModel, decision: Decision, seed: int) -> bool:
+    """Hint every variable: fix the decision in a copy of the model, let CP-SAT derive the rest, copy it back.
+
+    A hint on the decision booleans alone leaves CP-SAT to complete the window and memory integers, which it
+    may do sub-optimally; a full assignment makes the hint's objective the starting incumbent. Returns
+    False when the decision violates the model (then only the booleans are hinted).
+    """
+    pm.hint(decision)
+    probe = pm.model.clone()
+    probe.clear_objective()
+    hints = probe.proto.solution_hint
+    for var_index, value in zip(hints.vars, hints.values, strict=True):
+        probe.add(probe.get_int_var_from_proto_index(var_index) == value)
+    probe.clear_hints()
+    # minimising the same objective on the fixed decision gives the tight window values
+    assert pm.iteration is not None or pm.peak is not None
+    target = pm.iteration if pm.iteration is not None else pm.peak
+    probe.minimize(probe.get_int_var_from_proto_index(target.index))
+    s = cp_model.CpSolver()
+    _parameters(s, 5.0, seed)
+    if s.solve(probe) != cp_model.OPTIMAL:
+        return False
+    pm.model.clear_hints()
+    for i in range(len(pm.model.proto.variables)):
+        pm.model.add_hint(pm.model.get_int_var_from_proto_index(i), s.value(probe.get_int_var_from_proto_index(i)))
+    return True
+
+
+def solve_layout(
+    inst: PolicyInstance, *, hint: Decision | None, time_limit_s: float, seed: int, cutoff_ns: int | None = None
+) -> LayoutSolve:
+    """Minimise iteration time on one layout. With `cutoff_ns`, only strictly faster answers are sought."""
+    t0 = time.perf_counter()
+    pm = cpsat_model.build(inst, objective="time", cutoff_ns=cutoff_ns)
+    if hint is not None:
+        hint_cost = evaluate_decision(inst, hint)
+        if cutoff_ns is None or hint_cost.iteration_ns < cutoff_ns:
+            complete_hint(pm, hint, seed)
+        else:
+            pm.hint(hint)  # not a solution under the cutoff, still a direction for the search
+    solver = cp_model.CpSolver()
+    _parameters(solver, time_limit_s - (time.perf_counter() - t0), seed)
+    status = solver.solve(pm.model)
+    elapsed = time.perf_counter() - t0
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        decision = pm.decision(solver)
+        cost = evaluate_decision(inst, decision)
+        bound = float(solver.best_objective_bound)
+        if cutoff_ns is not None:
+            bound = min(bound, float(cutoff_ns))
+        return LayoutSolve("optimal" if status == cp_model.OPTIMAL else "feasible", decision, cost, bound, elapsed)
+    if status == cp_model.INFEASIBLE:
+        bound = float(cutoff_ns) if cutoff_ns is not None else float("inf")
+        return LayoutSolve("infeasible", None, None, bound, elapsed)
+    bound = float(solver.best_objective_bound) if status == cp_model.UNKNOWN else 0.0
+    if cutoff_ns is not None:
+        bound = min(bound, float(cutoff_ns))
+    return LayoutSolve("unknown", None, None, bound, elapsed)
+
+
+def min_peak_bytes(inst: PolicyInstance, *, time_limit_s: float, seed: int) -> tuple[int | None, bool]:
+    """Smallest peak device bytes over the decision space of this layout (host limits respected).
+
+    Returns (peak or None when no answer in time, proven optimal).
+    """
+    pm = cpsat_model.build(inst, objective="memory")
+    solver = cp_model.CpSolver()
+    _parameters(solver, time_limit_s, seed)
+    status = solver.solve(pm.model)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return int(solver.objective_value), status == cp_model.OPTIMAL
+    return None, False

@@ -1,0 +1,182 @@
+"""The integer-scaled planning instance: every constant the cost model and the solvers read, in ns and bytes.
+
+One instance = one trace + one chunk layout + one set of limits. The cost model (`cost_model.py`), the
+ProTrain search and the CP-SAT model all read the same integers, so the CP-SAT objective equals the cost
+model's prediction exactly (no second rounding). Units: times are integer nanoseconds (`_ns`), memory is
+integer bytes. Conversions from the trace's seconds round to the nearest nanosecond once, here.
+
+Model-state accounting (what the runtime must match; see docs/architecture/solver.md):
+- element size `elt` of the compute copy: 4 bytes for fp32, 2 for bf16/fp16; a chunk of `S` bytes holds S/elt elements.
+- persistent chunk on device: S + (S/elt) * (grad + optimizer state + master) bytes (every chunk is allocated
+  at the full chunk size: equal-size chunks, padding included).
+- offloaded chunk: the same bytes on pinned host memory (compute-dtype copy to upload from, fp32 master if
+  mixed precision, optimizer state, gradient landing area); on device only the shared buffers.
+- one device buffer: S + (S/elt) * grad bytes (the uploaded compute copy and its gradient before copy-back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from client.contract import BlockKind, Constraints, Precision, Trace
+from planner_service.solver.bandwidth import transfer_ns
+from planner_service.solver.layout import ChunkLayout
+
+DEFAULT_ALPHA = 0.10
+
+
+class Mode(IntEnum):
+    """Per-block activation mode, as small integers for the solvers (maps to `ActivationMode`)."""
+
+    keep = 0
+    checkpoint = 1
+    swap = 2
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Knobs of the cost model that are not in the trace.
+
+    alpha: fragmentation margin; a plan fits when peak * (1 + alpha) <= device limit. Default 0.10 until
+      the trace measures it (`alpha_for(trace)` derives it from a measured allocation trace when present).
+    full_duplex: H2D and D2H copies use separate links (CUDA GPUs have separate copy engines). False gives
+      ProTrain's reference model, where swap traffic and prefetch share one link.
+    """
+
+    alpha: float = DEFAULT_ALPHA
+    full_duplex: bool = True
+
+
+def alpha_for(trace: Trace, default: float = DEFAULT_ALPHA) -> float:
+    """Fragmentation margin from the trace: measured peak over the live-bytes lower bound, else `default`.
+
+    Uses `measurements.peak_device_bytes` against the max live bytes of `allocation_trace` (what a perfect
+    placement would need). Clamped to [0.02, 0.5]; without both measurements the default applies.
+    """
+    at = trace.allocation_trace
+    peak = trace.measurements.peak_device_bytes
+    if at is None or peak <= 0 or not at.events:
+        return default
+    deltas: dict[int, int] = {}
+    for e in at.events:
+        deltas[e.alloc_index] = deltas.get(e.alloc_index, 0) + e.size_bytes
+        end = e.free_index if e.free_index is not None else at.horizon
+        deltas[end] = deltas.get(end, 0) - e.size_bytes
+    live = best = 0
+    for t in sorted(deltas):
+        live += deltas[t]
+        best = max(best, live)
+    if best <= 0:
+        return default
+    return min(0.5, max(0.02, peak / best - 1.0))
+
+
+def element_bytes(precision: Precision) -> int:
+    return 4 if precision == Precision.fp32 else 2
+
+
+@dataclass(frozen=True)
+class PolicyInstance:
+    """Integer constants of one (trace, layout, limits) triple. Block lists are indexed by block."""
+
+    layout: ChunkLayout
+    params: CostParams
+    # blocks
+    optimisable: tuple[bool, ...]  # repeated blocks may checkpoint/swap; prologue/epilogue always keep
+    fwd_ns: tuple[int, ...]
+    bwd_ns: tuple[int, ...]
+    rec_ns: tuple[int, ...]
+    act_bytes: tuple[int, ...]
+    inp_bytes: tuple[int, ...]
+    fwd_peak_bytes: tuple[int, ...]
+    bwd_peak_bytes: tuple[int, ...]
+    swap_out_ns: tuple[int, ...]
+    swap_in_ns: tuple[int, ...]
+    # chunks
+    upload_ns: tuple[int, ...]
+    grad_offload_ns: tuple[int, ...]
+    device_optim_ns: tuple[int, ...]
+    host_optim_ns: tuple[int, ...]
+    chunk_state_bytes: int  # device bytes of a persistent chunk == host bytes of an offloaded one
+    buffer_bytes: int
+    # limits
+    device_limit_bytes: int
+    usable_device_bytes: int  # floor(device_limit / (1 + alpha))
+    host_limit_bytes: int
+    pinned_limit_bytes: int | None
+    block_names: tuple[str, ...] = field(default=())
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.fwd_ns)
+
+    @property
+    def n_chunks(self) -> int:
+        return self.layout.n_chunks
+
+    def blocks_in_window(self, c: int) -> list[int]:
+        return [b for b, w in enumerate(self.layout.chunk_of_block) if w == c]
+
+
+def build_instance(
+    trace: Trace, layout: ChunkLayout, constraints: Constraints, params: CostParams | None = None
+) -> PolicyInstance:
+    """Scale the trace's measurements to integers for one layout and one set of limits."""
+    params = params or CostParams(alpha=alpha_for(trace))
+    w = trace.workload
+    m = trace.measurements
+    bw = trace.hardware.bandwidth
+    elt = element_bytes(w.precision)
+    S = layout.chunk_size_bytes
+    state_per_elt = w.gradient_bytes_per_param + w.optimizer_state_bytes_per_param + w.master_bytes_per_param
+    ns = lambda s: round(s * 1e9)  # noqa: E731
+    blocks = trace.model.blocks
+    meas = m.blocks
+    params_list = trace.model.parameters
+    numels = [sum(params_list[i].numel for i in range(a, b)) for a, b in layout.param_ranges]
+    grad_bytes = [n * w.gradient_bytes_per_param for n in numels]
+    host_limit = constraints.host_memory_bytes or trace.hardware.host_memory_bytes
+    pinned = constraints.pinned_memory_bytes or trace.hardware.pinned_memory_limit_bytes
+    return PolicyInstance(
+        layout=layout,
+        params=params,
+        optimisable=tuple(b.kind == BlockKind.block for b in blocks),
+        fwd_ns=tuple(ns(x.forward_s) for x in meas),
+        bwd_ns=tuple(ns(x.backward_s) for x in meas),
+        rec_ns=tuple(ns(x.recompute_s) for x in meas),
+        act_bytes=tuple(x.activation_bytes for x in meas),
+        inp_bytes=tuple(x.input_bytes for x in meas),
+        fwd_peak_bytes=tuple(x.forward_transient_peak_bytes for x in meas),
+        bwd_peak_bytes=tuple(x.backward_transient_peak_bytes for x in meas),
+        swap_out_ns=tuple(transfer_ns(bw.d2h_pinned, x.activation_bytes) for x in meas),
+        swap_in_ns=tuple(transfer_ns(bw.h2d_pinned, x.activation_bytes) for x in meas),
+        upload_ns=tuple(transfer_ns(bw.h2d_pinned, u) for u in layout.used_bytes),
+        grad_offload_ns=tuple(transfer_ns(bw.d2h_pinned, g) for g in grad_bytes),
+        device_optim_ns=tuple(ns(u / m.optimizer.device_bytes_per_s) for u in layout.used_bytes),
+        host_optim_ns=tuple(ns(u / m.optimizer.host_bytes_per_s) for u in layout.used_bytes),
+        chunk_state_bytes=S + (S // elt) * state_per_elt,
+        buffer_bytes=S + (S // elt) * w.gradient_bytes_per_param,
+        device_limit_bytes=constraints.device_memory_bytes,
+        usable_device_bytes=int(constraints.device_memory_bytes // (1.0 + params.alpha)),
+        host_limit_bytes=host_limit,
+        pinned_limit_bytes=pinned,
+        block_names=tuple(b.name for b in blocks),
+    )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One point of the decision space: chunk placements, buffer count, per-block modes."""
+
+    offloaded: tuple[bool, ...]  # per chunk
+    n_buffers: int
+    modes: tuple[Mode, ...]  # per block
+
+    def check(self, inst: PolicyInstance) -> None:
+        if len(self.offloaded) != inst.n_chunks:
+            raise ValueError(f"offloaded: {len(self.offloaded)} entries for {inst.n_chunks} chunks")
+        if len(self.modes) != inst.n_blocks:
+            raise ValueError(f"modes: {len(self.modes)} entries for {inst.n_blocks} blocks")
+        if any(self.offloaded) and self.n_buffers < 1:
+            raise ValueError("n_buffers: offloaded chunks need at least one buffer")

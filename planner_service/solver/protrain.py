@@ -1,0 +1,115 @@
+"""ProTrain's baseline search: exhaustive over its four knobs, scored by the shared cost model.
+
+Knobs (arXiv 2406.08334, Sec. 3.4): n_persist (a prefix of chunks stays on the device), n_buffer (device
+buffers for the offloaded rest), n_swap and n_checkpoint (repeated blocks, laid out from the first block:
+swap and checkpoint blocks interleaved early, unoptimised blocks last; the prologue and epilogue are kept).
+
+The search is exhaustive in effect, with two exact pruning rules (each switchable for ablation):
+- `prune_memory`: knob settings whose peak device or host bytes exceed the limits are skipped without
+  timing them (activation peaks of every (n_swap, n_checkpoint) pair are computed once, vectorised).
+- `prune_bound`: an (n_persist, n_buffer) pair is skipped when even keeping every block (the fastest mode
+  setting: checkpointing only adds recompute, swapping only adds copies) is no faster than the best found;
+  within a pair, settings are timed in increasing order of a lower bound (compute + recompute + device
+  optimizer) and the rest is skipped once the bound reaches the best time found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner_service.solver.cost_model import Cost, evaluate_decision
+from planner_service.solver.instance import Decision, Mode, PolicyInstance
+
+
+@dataclass(frozen=True)
+class ProTrainResult:
+    decision: Decision | None
+    cost: Cost | None
+    evaluated: int  # full cost-model evaluations
+
+
+def knob_modes(n_blocks: int, repeated: list[int], n_swap: int, n_ckpt: int) -> tuple[Mode, ...]:
+    """ProTrain's block layout: S C S C ... (interleaved from the first repeated block), then keep."""
+    seq: list[Mode] = []
+    s, c = n_swap, n_ckpt
+    while s or c:
+        if s:
+            seq.append(Mode.swap)
+            s -= 1
+        if c:
+            seq.append(Mode.checkpoint)
+            c -= 1
+    modes = [Mode.keep] * n_blocks
+    for b, mode in zip(repeated, seq, strict=False):
+        modes[b] = mode
+    return tuple(modes)
+
+
+def _activation_tables(inst: PolicyInstance, combos: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
+    """Per (n_swap, n_ckpt): activation peak bytes, swapped bytes (host), total recompute ns."""
+    B = inst.n_blocks
+    repeated = [b for b in range(B) if inst.optimisable[b]]
+    M = np.array([knob_modes(B, repeated, s, c) for s, c in combos], dtype=np.int8).reshape(len(combos), B)
+    act = np.array(inst.act_bytes, dtype=np.int64)
+    inp = np.array(inst.inp_bytes, dtype=np.int64)
+    ftp = np.array(inst.fwd_peak_bytes, dtype=np.int64)
+    btp = np.array(inst.bwd_peak_bytes, dtype=np.int64)
+    ck, sw = M == Mode.checkpoint, M == Mode.swap
+    retained = np.where(M == Mode.keep, act, np.where(ck, inp, 0))
+    prefix = np.cumsum(retained, axis=1) - retained
+    fwd_own = np.where(ck, inp, act) + ftp
+    bwd_own = act + btp + np.where(ck, inp, 0)
+    bwd_own[:, 1:] += np.where(sw[:, :-1], act[:-1], 0)
+    peak = np.maximum(prefix + fwd_own, prefix + bwd_own).max(axis=1)
+    swapped = np.where(sw, act, 0).sum(axis=1)
+    rec = np.where(ck, np.array(inst.rec_ns, dtype=np.int64), 0).sum(axis=1)
+    return peak, swapped, rec
+
+
+def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool = True) -> ProTrainResult:
+    """Best decision over ProTrain's knobs under the instance's limits (None when nothing fits)."""
+    B, C = inst.n_blocks, inst.n_chunks
+    repeated = [b for b in range(B) if inst.optimisable[b]]
+    n_rep = len(repeated)
+    combos = [(s, c) for s in range(n_rep + 1) for c in range(n_rep + 1 - s)]
+    peak, swapped, rec = _activation_tables(inst, combos)
+    order = np.argsort(rec, kind="stable")
+    base = sum(inst.fwd_ns) + sum(inst.bwd_ns)
+    best: tuple[int, Decision, Cost] | None = None
+    evaluated = 0
+    host_cap = inst.host_limit_bytes if inst.pinned_limit_bytes is None else min(
+        inst.host_limit_bytes, inst.pinned_limit_bytes)
+    for n_persist in range(C, -1, -1):
+        n_off = C - n_persist
+        offloaded = tuple([False] * n_persist + [True] * n_off)
+        dev_opt = sum(inst.device_optim_ns[:n_persist])
+        for nb in (range(1, n_off + 1) if n_off else (0,)):
+            static = n_persist * inst.chunk_state_bytes + nb * inst.buffer_bytes
+            host_chunks = n_off * inst.chunk_state_bytes
+            if prune_memory and static > inst.usable_device_bytes:
+                break  # more buffers only add memory
+            if prune_bound and best is not None:
+                # keeping every block is the fastest mode setting for these placements: a lower bound
+                keep_all = Decision(offloaded=offloaded, n_buffers=nb, modes=tuple([Mode.keep] * B))
+                evaluated += 1
+                if evaluate_decision(inst, keep_all).iteration_ns >= best[0]:
+                    continue
+            if prune_memory:
+                ok = (static + peak[order] <= inst.usable_device_bytes) & (host_chunks + swapped[order] <= host_cap)
+                candidates = order[ok]
+            else:
+                candidates = order
+            for k in candidates:
+                if prune_bound and best is not None and base + int(rec[k]) + dev_opt >= best[0]:
+                    break
+                s, c = combos[int(k)]
+                d = Decision(offloaded=offloaded, n_buffers=nb, modes=knob_modes(B, repeated, s, c))
+                cost = evaluate_decision(inst, d)
+                evaluated += 1
+                if cost.fits and (best is None or cost.iteration_ns < best[0]):
+                    best = (cost.iteration_ns, d, cost)
+    if best is None:
+        return ProTrainResult(None, None, evaluated)
+    return ProTrainResult(best[1], best[2], evaluated)
