@@ -29,6 +29,7 @@ from client.contract.plan import (
     Predictions,
     SolverReport,
     SolverStatus,
+    TimelinePoint,
 )
 from client.contract.trace import (
     AllocationCategory,

@@ -115,6 +115,14 @@ class AllocationPlan(ContractModel):
         return 0.0 if self.lower_bound_bytes == 0 else self.arena_bytes / self.lower_bound_bytes - 1.0
 
 
+class TimelinePoint(ContractModel):
+    """Predicted device memory in use at one step of the iteration (for charts and checks)."""
+
+    label: Name = Field(description="e.g. 'fwd layers.3', 'bwd layers.3', 'optimizer'")
+    phase: Literal["forward", "backward", "optimizer"]
+    device_bytes: Bytes
+
+
 class Predictions(ContractModel):
     iteration_s: Seconds
     forward_s: Seconds
@@ -124,6 +132,9 @@ class Predictions(ContractModel):
     peak_device_bytes: Bytes
     peak_host_bytes: Bytes
     breakdown: dict[Name, float] = Field(default_factory=dict, description="named terms of the cost model")
+    device_memory_timeline: list[TimelinePoint] = Field(
+        default_factory=list, max_length=4 * MAX_BLOCKS + 8,
+        description="predicted device bytes in use step by step (empty if the solver gives none)")
 
 
 class SolverReport(ContractModel):
