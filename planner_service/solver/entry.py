@@ -102,14 +102,18 @@ def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed
     best: _Best | None = None
     bounds: list[float] = []
     statuses: list[str] = []
-    for i, lay in enumerate(layouts):
+    baselines: list[tuple[PolicyInstance, protrain.ProTrainResult]] = []
+    for lay in layouts:
         inst = build_instance(trace, lay, constraints, params)
         base = protrain.search(inst)
+        baselines.append((inst, base))
         if base.decision is not None and base.cost is not None and (
                 best is None or base.cost.iteration_ns < best.cost.iteration_ns):
             best = _Best(inst, base.decision, base.cost)
-        if solver == "protrain":
-            continue
+    if solver == "cpsat":
+        # most promising layout first (ProTrain's time), so later layouts only need to prove "no faster"
+        baselines.sort(key=lambda ib: ib[1].cost.iteration_ns if ib[1].cost is not None else 2**62)
+    for i, (inst, base) in enumerate(baselines if solver == "cpsat" else []):
         budget = (deadline - time.perf_counter()) / (len(layouts) - i)
         cutoff = best.cost.iteration_ns if best is not None else None
         res = cpsat_solve.solve_layout(inst, hint=base.decision, time_limit_s=budget, seed=seed, cutoff_ns=cutoff)

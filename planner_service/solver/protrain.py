@@ -9,8 +9,8 @@ The search is exhaustive in effect, with two exact pruning rules (each switchabl
   timing them (activation peaks of every (n_swap, n_checkpoint) pair are computed once, vectorised).
 - `prune_bound`: an (n_persist, n_buffer) pair is skipped when even keeping every block (the fastest mode
   setting: checkpointing only adds recompute, swapping only adds copies) is no faster than the best found;
-  within a pair, settings are timed in increasing order of a lower bound (compute + recompute + device
-  optimizer) and the rest is skipped once the bound reaches the best time found.
+  within a pair, settings whose lower bound (compute + recompute + device optimizer) reaches the best time
+  are dropped, and the rest are timed together (`cost_model.iteration_ns_batch`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner_service.solver.cost_model import Cost, evaluate_decision
+from planner_service.solver.cost_model import Cost, evaluate_decision, iteration_ns_batch
 from planner_service.solver.instance import Decision, Mode, PolicyInstance
 
 
@@ -27,7 +27,7 @@ from planner_service.solver.instance import Decision, Mode, PolicyInstance
 class ProTrainResult:
     decision: Decision | None
     cost: Cost | None
-    evaluated: int  # full cost-model evaluations
+    evaluated: int  # knob settings timed by the cost model
 
 
 def knob_modes(n_blocks: int, repeated: list[int], n_swap: int, n_ckpt: int) -> tuple[Mode, ...]:
@@ -48,7 +48,7 @@ def knob_modes(n_blocks: int, repeated: list[int], n_swap: int, n_ckpt: int) -> 
 
 
 def _activation_tables(inst: PolicyInstance, combos: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
-    """Per (n_swap, n_ckpt): activation peak bytes, swapped bytes (host), total recompute ns."""
+    """Per (n_swap, n_ckpt): the mode rows, activation peak bytes, swapped bytes (host), total recompute ns."""
     B = inst.n_blocks
     repeated = [b for b in range(B) if inst.optimisable[b]]
     M = np.array([knob_modes(B, repeated, s, c) for s, c in combos], dtype=np.int8).reshape(len(combos), B)
@@ -65,7 +65,7 @@ def _activation_tables(inst: PolicyInstance, combos: list[tuple[int, int]]) -> t
     peak = np.maximum(prefix + fwd_own, prefix + bwd_own).max(axis=1)
     swapped = np.where(sw, act, 0).sum(axis=1)
     rec = np.where(ck, np.array(inst.rec_ns, dtype=np.int64), 0).sum(axis=1)
-    return peak, swapped, rec
+    return M, peak, swapped, rec
 
 
 def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool = True) -> ProTrainResult:
@@ -74,7 +74,7 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
     repeated = [b for b in range(B) if inst.optimisable[b]]
     n_rep = len(repeated)
     combos = [(s, c) for s in range(n_rep + 1) for c in range(n_rep + 1 - s)]
-    peak, swapped, rec = _activation_tables(inst, combos)
+    modes, peak, swapped, rec = _activation_tables(inst, combos)
     order = np.argsort(rec, kind="stable")
     base = sum(inst.fwd_ns) + sum(inst.bwd_ns)
     best: tuple[int, Decision, Cost] | None = None
@@ -90,26 +90,35 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
             host_chunks = n_off * inst.chunk_state_bytes
             if prune_memory and static > inst.usable_device_bytes:
                 break  # more buffers only add memory
-            if prune_bound and best is not None:
+            floor = 0
+            if prune_bound:
                 # keeping every block is the fastest mode setting for these placements: a lower bound
                 keep_all = Decision(offloaded=offloaded, n_buffers=nb, modes=tuple([Mode.keep] * B))
                 evaluated += 1
-                if evaluate_decision(inst, keep_all).iteration_ns >= best[0]:
+                floor = evaluate_decision(inst, keep_all).iteration_ns
+                if best is not None and floor >= best[0]:
                     continue
             if prune_memory:
                 ok = (static + peak[order] <= inst.usable_device_bytes) & (host_chunks + swapped[order] <= host_cap)
                 candidates = order[ok]
             else:
                 candidates = order
-            for k in candidates:
-                if prune_bound and best is not None and base + int(rec[k]) + dev_opt >= best[0]:
+            if prune_bound and best is not None:
+                candidates = candidates[base + rec[candidates] + dev_opt < best[0]]
+            if candidates.size == 0:
+                continue
+            times = iteration_ns_batch(inst, offloaded, nb, modes[candidates])
+            evaluated += int(candidates.size)
+            for j in np.argsort(times, kind="stable"):
+                k = int(candidates[j])
+                if best is not None and int(times[j]) >= best[0]:
                     break
-                s, c = combos[int(k)]
+                s, c = combos[k]
                 d = Decision(offloaded=offloaded, n_buffers=nb, modes=knob_modes(B, repeated, s, c))
                 cost = evaluate_decision(inst, d)
-                evaluated += 1
-                if cost.fits and (best is None or cost.iteration_ns < best[0]):
+                if cost.fits:  # always true after memory pruning; checked for the unpruned ablation
                     best = (cost.iteration_ns, d, cost)
+                    break
     if best is None:
         return ProTrainResult(None, None, evaluated)
     return ProTrainResult(best[1], best[2], evaluated)

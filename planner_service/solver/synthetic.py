@@ -9,6 +9,7 @@ guess, so solver benchmarks see realistic ratios between compute, memory and ban
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 from client.contract import (
     BandwidthCurves,
@@ -134,3 +135,77 @@ MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
     "llama-34b": (8192, 48, 64),
     "llama-70b": (8192, 80, 64),
 }
+
+
+# ------------------------------------------------------------------------------ hand-built traces (tests)
+@dataclass(frozen=True)
+class BlockSpec:
+    """Round numbers for one block of a hand-built trace (one parameter tensor per block)."""
+
+    parameter_bytes: int
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    activation_bytes: int
+    input_bytes: int
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+    kind: BlockKind = BlockKind.block
+
+
+def hand_trace(
+    specs: list[BlockSpec],
+    *,
+    h2d_bytes_per_s: float = 10e9,
+    d2h_bytes_per_s: float = 10e9,
+    device_optimizer_bytes_per_s: float = 100e9,
+    host_optimizer_bytes_per_s: float = 1e9,
+    device_memory_bytes: int = 80 * GiB,
+    host_memory_bytes: int = 512 * GiB,
+    pinned_memory_limit_bytes: int | None = None,
+    name: str = "hand-built",
+) -> Trace:
+    """A fp32 + Adam trace with exactly the given per-block numbers and flat copy bandwidths (tests only).
+
+    fp32: 4-byte elements, gradients 4 bytes, optimizer state 8 bytes, no master copy, so a chunk of S bytes
+    carries 4*S bytes of model state. Each block owns one parameter `blocks.{i}.weight` of `parameter_bytes`
+    (a multiple of 4).
+    """
+    blocks: list[BlockInfo] = []
+    params: list[ParameterInfo] = []
+    meas: list[BlockMeasurement] = []
+    for i, s in enumerate(specs):
+        if s.parameter_bytes % 4:
+            raise ValueError(f"specs[{i}].parameter_bytes: {s.parameter_bytes} is not a multiple of 4 (fp32)")
+        if s.parameter_bytes:
+            params.append(ParameterInfo(name=f"blocks.{i}.weight", block=i, shape=[s.parameter_bytes // 4],
+                                        dtype="float32", numel=s.parameter_bytes // 4, bytes=s.parameter_bytes))
+        blocks.append(BlockInfo(index=i, name=f"blocks.{i}", kind=s.kind, module_class="HandBlock",
+                                parameter_bytes=s.parameter_bytes))
+        meas.append(BlockMeasurement(
+            block=i, forward_s=s.forward_s, backward_s=s.backward_s, recompute_s=s.recompute_s,
+            activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
+            forward_transient_peak_bytes=s.forward_peak_bytes, backward_transient_peak_bytes=s.backward_peak_bytes,
+        ))
+    flat = lambda bw: [BandwidthSample(size_bytes=1, bytes_per_s=bw)]  # noqa: E731
+    hw = Hardware(
+        device_type=DeviceType.cuda, device_name="Hand-built GPU", device_count=1,
+        device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory_bytes,
+        pinned_memory_limit_bytes=pinned_memory_limit_bytes, cpu_cores=8,
+        bandwidth=BandwidthCurves(h2d_pinned=flat(h2d_bytes_per_s), d2h_pinned=flat(d2h_bytes_per_s)),
+    )
+    return Trace(
+        hardware=hw,
+        software=Software(torch_version="synthetic", cuda_version=None, python_version="3.11", memplan_version="0.1.0"),
+        model=ModelInfo(name=name, architecture="HandModel", fingerprint=hashlib.sha256(repr(specs).encode()).hexdigest()[:16],
+                        parameter_count=sum(p.numel for p in params), dtype="float32", blocks=blocks, parameters=params),
+        workload=Workload(batch_size=1, sequence_length=1, precision=Precision.fp32, optimizer=OptimizerKind.adam,
+                          optimizer_state_bytes_per_param=8, master_bytes_per_param=0, gradient_bytes_per_param=4),
+        measurements=Measurements(
+            blocks=meas,
+            optimizer=OptimizerMeasurement(device_bytes_per_s=device_optimizer_bytes_per_s,
+                                           host_bytes_per_s=host_optimizer_bytes_per_s),
+            iteration_s=sum(s.forward_s + s.backward_s for s in specs),
+            peak_device_bytes=0,
+        ),
+    )

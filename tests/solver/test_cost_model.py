@@ -1,0 +1,151 @@
+"""Hand-checked cost-model cases: everything fits, all-checkpoint, bandwidth-bound offload.
+
+Every expected figure below is derived by hand from the trace's round numbers (the derivation is in the
+comments), not by calling the model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client.contract import (
+    ActivationMode,
+    BlockKind,
+    BlockPolicy,
+    Chunk,
+    Constraints,
+    Placement,
+    Policy,
+)
+from planner_service.solver.cost_model import evaluate, evaluate_decision, iteration_ns_batch
+from planner_service.solver.instance import CostParams, Decision, Mode, build_instance
+from planner_service.solver.layout import pack
+from planner_service.solver.synthetic import BlockSpec, hand_trace, synthetic_trace
+
+MiB = 2**20
+GiB = 2**30
+NO_MARGIN = CostParams(alpha=0.0)
+
+
+def five_block_trace(fwd: float, bwd: float, rec: float, host_rate: float = 1e12):
+    """prologue (4 MiB params) + 3 blocks (8 MiB) + epilogue (4 MiB); fp32 Adam: a chunk of S bytes = 4S of state."""
+    edge = dict(forward_s=fwd, backward_s=bwd, recompute_s=rec)
+    return hand_trace(
+        [BlockSpec(4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge)]
+        + [BlockSpec(8 * MiB, activation_bytes=16 * MiB, input_bytes=1 * MiB, forward_peak_bytes=2 * MiB,
+                     backward_peak_bytes=4 * MiB, **edge)] * 3
+        + [BlockSpec(4 * MiB, activation_bytes=2 * MiB, input_bytes=1 * MiB, kind=BlockKind.epilogue, **edge)],
+        h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, device_optimizer_bytes_per_s=100e9,
+        host_optimizer_bytes_per_s=host_rate,
+    )
+
+
+def policy(trace, chunk_size: int, groups: list[list[int]], placement: Placement, n_buffers: int,
+           modes: list[ActivationMode]) -> Policy:
+    return Policy(
+        chunk_size_bytes=chunk_size,
+        chunks=[Chunk(index=i, placement=placement, parameters=[f"blocks.{b}.weight" for b in g], blocks=g,
+                      used_bytes=sum(trace.model.blocks[b].parameter_bytes for b in g)) for i, g in enumerate(groups)],
+        n_buffers=n_buffers,
+        blocks=[BlockPolicy(block=b.index, module=b.name, mode=m) for b, m in zip(trace.model.blocks, modes, strict=True)],
+    )
+
+
+K, C, S = ActivationMode.keep, ActivationMode.checkpoint, ActivationMode.swap
+ROOMY = Constraints(device_memory_bytes=80 * GiB)
+
+
+def test_everything_fits_costs_compute_plus_device_optimizer_and_sums_activations():
+    trace = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    pol = policy(trace, 32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K] * 5)
+    p = evaluate(trace, pol, ROOMY, NO_MARGIN)
+    # no copies: forward = 5 * 2 ms, backward = 5 * 4 ms, device Adam on 32 MiB at 100 GB/s
+    assert p.forward_s == pytest.approx(0.010, abs=1e-9)
+    assert p.backward_s == pytest.approx(0.020, abs=1e-9)
+    assert p.device_optimizer_s == pytest.approx(32 * MiB / 100e9, abs=1e-9)
+    assert p.iteration_s == pytest.approx(0.030 + 32 * MiB / 100e9, abs=1e-9)
+    assert p.host_optimizer_s == 0.0 and p.peak_host_bytes == 0
+    # static: one persistent 32 MiB chunk * 4 (param + grad + two Adam moments, fp32) = 128 MiB.
+    # walk (MiB): prologue 0+1; blocks fwd/bwd = prefix + 16 + 2 / prefix + 16 + 4 with prefixes 1, 17, 33;
+    # the third block's backward is the peak: 33 + 20 = 53; epilogue 49 + 2 = 51.
+    assert p.peak_device_bytes == 128 * MiB + 53 * MiB
+
+
+def test_all_checkpoint_adds_recompute_and_keeps_only_inputs():
+    trace = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    pol = policy(trace, 32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K, C, C, C, K])
+    p = evaluate(trace, pol, ROOMY, NO_MARGIN)
+    assert p.forward_s == pytest.approx(0.010, abs=1e-9)
+    assert p.backward_s == pytest.approx(0.020 + 3 * 0.002, abs=1e-9)  # three recomputes in backward
+    assert p.breakdown["recompute_s"] == pytest.approx(0.006, abs=1e-9)
+    # walk (MiB): prologue keeps 1; each checkpointed block keeps its 1 MiB input (prefixes 1, 2, 3) and in
+    # backward holds input + recomputed 16 + transient 4 = 21: peaks 22, 23, 24; epilogue 4 + 2 = 6.
+    assert p.peak_device_bytes == 128 * MiB + 24 * MiB
+
+
+def test_bandwidth_bound_offload_is_paced_by_uploads_and_gradient_copies():
+    trace = five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
+    pol = policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
+    p = evaluate(trace, pol, ROOMY, NO_MARGIN)
+    up4, up8 = 419_430, 838_861  # 4 MiB and 8 MiB at 10 GB/s, in ns (rounded once)
+    # forward: first upload exposed, then each window waits for the next chunk's upload (compute 0.1 ms)
+    fwd = up4 + 3 * up8 + max(100_000, up4) + 100_000
+    assert round(p.forward_s * 1e9) == fwd
+    # backward: with 2 buffers chunks 3 and 4 are still resident; chunks 2, 1, 0 are uploaded again.
+    # window 4: compute 0.2 ms; windows 3..0 are paced by an 8 MiB upload or gradient copy (838 861 ns)
+    bwd = 200_000 + 4 * up8
+    assert round(p.backward_s * 1e9) == bwd
+    # host Adam at 1e12 B/s (4 MiB: 4 194 ns, 8 MiB: 8 389 ns) steps chunk 0 last: its gradients land at the
+    # end of backward + a 4 MiB copy (419 430 ns), then its step runs; chunk 1's bound (bwd - 838 861 +
+    # 838 861 + 4 194 + 8 389) and the later ones are smaller
+    host_end = bwd + up4 + 4_194
+    assert round(p.breakdown["host_optimizer_end_s"] * 1e9) == host_end
+    assert round(p.iteration_s * 1e9) == fwd + host_end
+    # device: two buffers of 8 MiB params + 8 MiB grads; host: five chunks of 4 * 8 MiB state
+    assert p.breakdown["static_device_bytes"] == 2 * 16 * MiB
+    assert p.peak_host_bytes == 5 * 32 * MiB
+
+
+def test_half_duplex_link_adds_swap_to_prefetch_time():
+    trace = five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
+    pol = policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K, S, S, S, K])
+    full = evaluate(trace, pol, ROOMY, CostParams(alpha=0.0, full_duplex=True))
+    half = evaluate(trace, pol, ROOMY, CostParams(alpha=0.0, full_duplex=False))
+    # forward windows (ns), compute 100 000; uploads 838 861 (8 MiB) / 419 430 (4 MiB); swap-out of 16 MiB
+    # 1 677 722. Full duplex: windows 1..3 are paced by the swap-out alone (max). Half duplex: windows 1 and 2
+    # take upload + swap-out = 2 516 583, window 3 takes 419 430 + 1 677 722 = 2 097 152.
+    assert round((half.forward_s - full.forward_s) * 1e9) == 2 * 838_861 + 419_430
+
+
+def test_fragmentation_margin_shrinks_the_usable_device_memory():
+    trace = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    lay = pack(trace, 32 * MiB)
+    limit = Constraints(device_memory_bytes=200 * MiB)
+    inst = build_instance(trace, lay, limit, CostParams(alpha=0.25))
+    assert inst.usable_device_bytes == 160 * MiB
+    cost = evaluate_decision(inst, Decision(offloaded=(False,), n_buffers=0, modes=(Mode.keep,) * 5))
+    assert cost.peak_device_bytes == 181 * MiB and not cost.fits_device
+
+
+def test_batch_timing_equals_the_reference_model_on_random_decisions():
+    rng = np.random.default_rng(7)
+    trace = synthetic_trace(n_blocks=6, hidden=512, vocab=5000, batch=2, seq=256)
+    for size in (8 * MiB, 32 * MiB):
+        inst = build_instance(trace, pack(trace, size), ROOMY)
+        for _ in range(20):
+            off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
+            nb = int(rng.integers(1, sum(off) + 1)) if any(off) else 0
+            rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
+            rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
+            batch = iteration_ns_batch(inst, off, nb, rows)
+            for r in range(5):
+                d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
+                assert int(batch[r]) == evaluate_decision(inst, d).iteration_ns
+
+
+def test_evaluate_rejects_a_policy_whose_chunks_do_not_follow_the_trace():
+    trace = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    pol = policy(trace, 32 * MiB, [[0, 2, 1, 3, 4]], Placement.persistent, 0, [K] * 5)
+    with pytest.raises(ValueError, match=r"policy.chunks: parameter #1"):
+        evaluate(trace, pol, ROOMY)
