@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.contract import ActivationMode, Constraints, Placement, Policy, Predictions, Trace
+from client.contract import ActivationMode, Constraints, Placement, Policy, Predictions, TimelinePoint, Trace
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
 from planner_service.solver.layout import layout_from_chunks
 
@@ -100,10 +100,11 @@ def residency(offloaded: tuple[bool, ...], n_buffers: int) -> list[bool]:
     return out
 
 
-def activation_peak(inst: PolicyInstance, modes: tuple[Mode, ...]) -> int:
-    """Peak of activation-related bytes over the forward and backward walks (model states excluded)."""
+def activation_steps(inst: PolicyInstance, modes: tuple[Mode, ...]) -> tuple[list[int], list[int]]:
+    """Device bytes above the static ones during each block's forward and each block's backward (by block)."""
     prefix = 0
-    peak = 0
+    fwd: list[int] = []
+    bwd: list[int] = []
     act, inp = inst.act_bytes, inst.inp_bytes
     for b, mode in enumerate(modes):
         if mode == Mode.checkpoint:
@@ -116,9 +117,28 @@ def activation_peak(inst: PolicyInstance, modes: tuple[Mode, ...]) -> int:
             retained = act[b] if mode == Mode.keep else 0
         if b > 0 and modes[b - 1] == Mode.swap:
             bwd_own += act[b - 1]
-        peak = max(peak, prefix + fwd_own, prefix + bwd_own)
+        fwd.append(prefix + fwd_own)
+        bwd.append(prefix + bwd_own)
         prefix += retained
-    return peak
+    return fwd, bwd
+
+
+def activation_peak(inst: PolicyInstance, modes: tuple[Mode, ...]) -> int:
+    """Peak of activation-related bytes over the forward and backward walks (model states excluded)."""
+    fwd, bwd = activation_steps(inst, modes)
+    return max(fwd + bwd, default=0)
+
+
+def device_timeline(inst: PolicyInstance, d: Decision, static_bytes: int) -> list[TimelinePoint]:
+    """Predicted device bytes at every step: forward blocks in order, backward in reverse, then the optimizer."""
+    fwd, bwd = activation_steps(inst, d.modes)
+    name = lambda b: inst.block_names[b] if inst.block_names else str(b)  # noqa: E731
+    points = [TimelinePoint(label=f"fwd {name(b)}", phase="forward", device_bytes=static_bytes + x)
+              for b, x in enumerate(fwd)]
+    points += [TimelinePoint(label=f"bwd {name(b)}", phase="backward", device_bytes=static_bytes + bwd[b])
+               for b in range(len(bwd) - 1, -1, -1)]
+    points.append(TimelinePoint(label="optimizer", phase="optimizer", device_bytes=static_bytes))
+    return points
 
 
 def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
@@ -207,7 +227,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     )
 
 
-def predictions_of(inst: PolicyInstance, cost: Cost) -> Predictions:
+def predictions_of(inst: PolicyInstance, decision: Decision, cost: Cost) -> Predictions:
     """Seconds and named terms for the wire contract."""
     s = lambda ns: ns / 1e9  # noqa: E731
     return Predictions(
@@ -235,6 +255,7 @@ def predictions_of(inst: PolicyInstance, cost: Cost) -> Predictions:
             "chunk_state_bytes": float(inst.chunk_state_bytes),
             "buffer_bytes": float(inst.buffer_bytes),
         },
+        device_memory_timeline=device_timeline(inst, decision, cost.static_device_bytes),
     )
 
 
@@ -261,7 +282,8 @@ def evaluate(trace: Trace, policy: Policy, constraints: Constraints, params: Cos
     Raises ValueError (naming the field) when the policy's layout does not match the trace.
     """
     inst = instance_for_policy(trace, policy, constraints, params)
-    return predictions_of(inst, evaluate_decision(inst, decision_of(inst, policy)))
+    decision = decision_of(inst, policy)
+    return predictions_of(inst, decision, evaluate_decision(inst, decision))
 
 
 def iteration_ns_batch(inst: PolicyInstance, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray) -> np.ndarray:

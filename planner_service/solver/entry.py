@@ -160,7 +160,7 @@ def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed
         trace_hash=trace.content_hash(),
         constraints=constraints,
         policy=policy,
-        predictions=predictions_of(best.inst, best.cost),
+        predictions=predictions_of(best.inst, best.decision, best.cost),
         solver=SolverReport(
             **report,
             status=status,

@@ -70,6 +70,12 @@ def test_everything_fits_costs_compute_plus_device_optimizer_and_sums_activation
     # walk (MiB): prologue 0+1; blocks fwd/bwd = prefix + 16 + 2 / prefix + 16 + 4 with prefixes 1, 17, 33;
     # the third block's backward is the peak: 33 + 20 = 53; epilogue 49 + 2 = 51.
     assert p.peak_device_bytes == 128 * MiB + 53 * MiB
+    # the timeline walks forward, then backward in reverse, then the optimizer; its top is the peak
+    timeline = p.device_memory_timeline
+    assert [t.label for t in timeline][:2] == ["fwd blocks.0", "fwd blocks.1"]
+    assert timeline[5].label == "bwd blocks.4" and timeline[-1].label == "optimizer"
+    assert max(t.device_bytes for t in timeline) == p.peak_device_bytes
+    assert timeline[-1].device_bytes == 128 * MiB
 
 
 def test_all_checkpoint_adds_recompute_and_keeps_only_inputs():
