@@ -57,7 +57,8 @@ def make_config(
     if n_heads < 1 or hidden % n_heads:
         raise ValueError(f"heads: {n_heads} must be at least 1 and divide hidden={hidden}")
 
-    common: dict[str, Any] = {"vocab_size": vocab}
+    # No KV cache in training; special tokens inside the (usually small) vocabulary.
+    common: dict[str, Any] = {"vocab_size": vocab, "use_cache": False, "bos_token_id": 0, "eos_token_id": vocab - 1}
     if kind == "gpt2":
         return transformers.GPT2Config(
             n_layer=layers, n_embd=hidden, n_head=n_heads, n_positions=seq, **common

@@ -1,0 +1,131 @@
+"""CUDA memory: the caching allocator's own history of one iteration, and a live/peak gauge.
+
+`CudaAllocatorHistory` turns on `torch.cuda.memory._record_memory_history` for the window, reads
+`torch.cuda.memory._snapshot()["device_traces"]` at the end and always turns recording off again (on
+success or error). Each `alloc` entry becomes a `StorageRecord` (size is the allocator's rounded block
+size, what a plan must place); the matching `free_completed` entry (same address, the moment the block is
+reusable on its stream) is its free. Blocks are attributed to the profiler's cursor without timestamps:
+at every cursor mark the gauge reads the allocator's cumulative allocation count
+(`memory_stats()["allocation.all.allocated"]`), and the n-th `alloc` entry of the window belongs to the
+last mark whose count is at most n. Saved-for-backward storages are matched by (address, allocation
+count at pack time), so a later reuse of the same address is not confused with them.
+
+Written against the PyTorch 2.x API; the development machine has no GPU, so this path was not run there.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agent.profiler.storage_tracker import StorageRecord
+from client.contract import AllocationCategory, Phase
+
+_COUNT_KEY = "allocation.all.allocated"
+
+
+@dataclass
+class CudaGauge:
+    """Live and peak allocated bytes from the caching allocator's statistics; counts allocations at marks."""
+
+    device: torch.device
+    mark_counts: list[int] = field(default_factory=list)  # allocations since the gauge started, per mark
+
+    def __post_init__(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base_count = self.alloc_count()
+
+    def alloc_count(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get(_COUNT_KEY, 0))
+
+    def live_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def take_peak(self) -> int:
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.mark_counts.append(self.alloc_count() - self.base_count)
+        return peak
+
+
+class CudaAllocatorHistory:
+    """Context manager recording the caching allocator's events for one window on `device`."""
+
+    def __init__(self, device: torch.device, max_entries: int = 2_000_000) -> None:
+        self.device = device
+        self.max_entries = max_entries
+        self.entries: list[dict[str, Any]] = []
+        self.saved: list[tuple[int, int]] = []  # (address, allocations so far) of storages saved for backward
+        self._count_base = 0
+
+    def __enter__(self) -> CudaAllocatorHistory:
+        torch.cuda.synchronize(self.device)
+        self._count_base = int(torch.cuda.memory_stats(self.device).get(_COUNT_KEY, 0))
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context=None, stacks="python", max_entries=self.max_entries, device=self.device,
+            clear_history=True, skip_actions=["segment_alloc", "segment_free", "segment_map", "segment_unmap"],
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                torch.cuda.synchronize(self.device)
+                snap = torch.cuda.memory._snapshot(self.device)
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                traces = snap.get("device_traces", [])
+                self.entries = list(traces[index]) if index < len(traces) else []
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def mark_saved(self, tensor: torch.Tensor) -> None:
+        count = int(torch.cuda.memory_stats(self.device).get(_COUNT_KEY, 0)) - self._count_base
+        self.saved.append((tensor.untyped_storage().data_ptr(), count))
+
+    def records(
+        self,
+        first_event: int,
+        first_sid: int,
+        mark_counts: list[int],
+        mark_cursor: list[tuple[int | None, Phase]],
+    ) -> tuple[list[StorageRecord], int, dict[int, list[tuple[int, int]]]]:
+        """Records of the window's allocations, numbered after `first_event`/`first_sid`.
+
+        Returns the records, the next free event index, and per address the (allocation number, sid)
+        pairs in order, for matching gradients and saved tensors to records.
+        """
+        records: list[StorageRecord] = []
+        live: dict[int, StorageRecord] = {}
+        by_addr: dict[int, list[tuple[int, int]]] = {}
+        event = first_event
+        n_alloc = 0
+        for e in self.entries:
+            action = e.get("action")
+            if action == "alloc":
+                k = bisect.bisect_right(mark_counts, n_alloc) - 1
+                block, phase = mark_cursor[k] if k >= 0 else (None, Phase.forward)
+                sid = first_sid + len(records)
+                rec = StorageRecord(sid, int(e["size"]), event, block, phase)
+                records.append(rec)
+                live[int(e["addr"])] = rec
+                by_addr.setdefault(int(e["addr"]), []).append((n_alloc, sid))
+                event += 1
+                n_alloc += 1
+            elif action == "free_completed":
+                rec = live.pop(int(e["addr"]), None)
+                if rec is not None:
+                    rec.free_event = event
+                    event += 1
+        for addr, count in self.saved:
+            pairs = by_addr.get(addr, [])
+            i = bisect.bisect_right(pairs, (count, 2**62)) - 1
+            if i >= 0:
+                records[pairs[i][1] - first_sid].saved_for_backward = True
+        return records, event, by_addr
+
+
+def existing_record(sid: int, event: int, nbytes: int, category: AllocationCategory, block: int | None) -> StorageRecord:
+    return StorageRecord(sid, nbytes, event, block, Phase.forward, category)

@@ -1,0 +1,142 @@
+"""Hardware probe: device name and capacity, host memory and cores, measured host<->device copy bandwidth.
+
+Bandwidth is measured by real copies at sizes from 64 KiB to 256 MiB: for each size the copy is run a few
+times (after one warm-up copy) and the median time kept. On CUDA, "pinned" copies use page-locked host
+buffers (`pin_memory=True`) and "pageable" ones ordinary host memory; copies are synchronised before the
+clock is read. On CPU the device *is* host memory: every curve is a real `memcpy` between two host
+buffers (pinned and pageable are the same memory there, yet each curve is still measured, not copied
+from another). The probe takes well under a second on CPU and is cached per process and device, since the
+machine does not change between profiles; pass `hardware=` to `profile` to reuse one explicitly.
+The CUDA branch follows the PyTorch API but was not run on the development machine (no GPU there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from client.contract import BandwidthCurves, BandwidthSample, DeviceType, Hardware
+
+KiB = 2**10
+MiB = 2**20
+BANDWIDTH_SIZES: tuple[int, ...] = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+
+
+def cpu_model_name() -> str:
+    """The CPU model from /proc/cpuinfo (`model name`), else what the platform module reports."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def host_memory_bytes() -> int:
+    """Total host RAM from /proc/meminfo (MemTotal), else from sysconf."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _time_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, reps: int) -> float:
+    cuda = device.type == "cuda"
+    dst.copy_(src, non_blocking=cuda)  # warm-up: page faults, first-touch
+    if cuda:
+        torch.cuda.synchronize(device)
+    times: list[float] = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _reps(size: int) -> int:
+    return 5 if size <= 4 * MiB else (3 if size <= 64 * MiB else 2)
+
+
+def measure_bandwidth(device: torch.device, sizes: tuple[int, ...] = BANDWIDTH_SIZES) -> BandwidthCurves:
+    """H2D and D2H copy bandwidth, pinned and pageable, at each size (median of repetitions)."""
+    curves: dict[str, list[BandwidthSample]] = {"h2d_pinned": [], "d2h_pinned": [], "h2d_pageable": [],
+                                                "d2h_pageable": []}
+    pin = device.type == "cuda"
+    for size in sorted(set(sizes)):
+        dev = torch.empty(size, dtype=torch.uint8, device=device)
+        dev.fill_(1)
+        reps = _reps(size)
+        for pinned in (True, False):
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=pin and pinned)
+            host.fill_(2)
+            kind = "pinned" if pinned else "pageable"
+            h2d = _time_copy(dev, host, device, reps)
+            d2h = _time_copy(host, dev, device, reps)
+            curves[f"h2d_{kind}"].append(BandwidthSample(size_bytes=size, bytes_per_s=size / h2d))
+            curves[f"d2h_{kind}"].append(BandwidthSample(size_bytes=size, bytes_per_s=size / d2h))
+            del host
+        del dev
+    return BandwidthCurves(**curves)
+
+
+def _device_count() -> int:
+    # Devices per node that the job uses: the launcher's local world size when distributed, else one.
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(device_key: str, device_memory_limit: int | None) -> Hardware:
+    device = torch.device(device_key)
+    host = host_memory_bytes()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        dtype, name, capacity = DeviceType.cuda, str(props.name), int(props.total_memory)
+    elif device.type == "cpu":
+        dtype, name, capacity = DeviceType.cpu, cpu_model_name(), host
+    else:
+        raise ValueError(f"device: {device_key!r} is not supported (cpu or cuda)")
+    if device_memory_limit is not None:
+        capacity = min(capacity, device_memory_limit)
+    return Hardware(
+        device_type=dtype,
+        device_name=name,
+        device_count=_device_count(),
+        device_memory_bytes=capacity,
+        host_memory_bytes=host,
+        pinned_memory_limit_bytes=None,
+        cpu_cores=cpu_cores(),
+        bandwidth=measure_bandwidth(device),
+    )
+
+
+def probe_hardware(device: torch.device, device_memory_limit: int | None = None) -> Hardware:
+    """The Hardware of `device` (measured once per process and device, then reused)."""
+    if device_memory_limit is not None and device_memory_limit <= 0:
+        raise ValueError(f"device_memory_limit: must be positive, got {device_memory_limit}")
+    key = str(device if device.index is not None or device.type == "cpu" else torch.device("cuda", torch.cuda.current_device()))
+    return _probe(key, device_memory_limit).model_copy(deep=True)

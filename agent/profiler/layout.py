@@ -1,0 +1,102 @@
+"""Block layout of a model: the prologue, the repeated blocks and the epilogue, found by module structure.
+
+Detection rule: the repeated blocks are the children of the longest `nn.ModuleList` whose children all
+have the same class (`GPT2Block` in `transformer.h`, `LlamaDecoderLayer` in `model.layers`, or the
+modules of a plain model's `blocks` list). Every parameter outside those blocks belongs to the prologue
+(used before the first block runs) or the epilogue (used after the last block; final norm, head, loss);
+which of the two is settled by first use during a real forward (see `parameters.py`).
+
+Names: a repeated block's name is its module path (`transformer.h.3`), so the runtime can find it with
+`model.get_submodule(name)`. The prologue and epilogue are not single modules; they are named
+`prologue[<paths>]` and `epilogue[<paths>]`, listing the module paths that own their parameters (for
+example `prologue[transformer.wte,transformer.wpe]`, `epilogue[transformer.ln_f]`), truncated to the
+contract's name limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from client.contract.common import MAX_NAME_CHARS
+
+
+class BlockDetectionError(ValueError):
+    """The model has no repeated blocks that the profiler can find by itself."""
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """The repeated blocks of a model, in execution order, with their module paths."""
+
+    names: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
+    container_name: str | None  # path of the ModuleList holding them, when they share one
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def index_of_path(self, module_path: str) -> int | None:
+        """The block that contains the module at `module_path` (itself or a descendant), if any."""
+        for i, name in enumerate(self.names):
+            if module_path == name or module_path.startswith(name + "."):
+                return i
+        return None
+
+
+def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> RepeatedBlocks:
+    """The repeated blocks of `model`: `blocks` if given (each must be a submodule), else detected."""
+    path_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    if blocks is not None:
+        if len(blocks) == 0:
+            raise BlockDetectionError("blocks: is empty; pass the model's repeated blocks, e.g. list(model.layers)")
+        names: list[str] = []
+        for i, b in enumerate(blocks):
+            if not isinstance(b, nn.Module):
+                raise BlockDetectionError(f"blocks[{i}]: is a {type(b).__name__}, not an nn.Module")
+            name = path_of.get(id(b))
+            if name is None or name == "":
+                raise BlockDetectionError(
+                    f"blocks[{i}]: a {type(b).__name__} that is not a submodule of the model (or is the model itself)"
+                )
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise BlockDetectionError("blocks: lists the same module twice")
+        for i, a in enumerate(names):
+            for j, b2 in enumerate(names):
+                if i != j and b2.startswith(a + "."):
+                    raise BlockDetectionError(f"blocks[{j}]: {b2!r} is inside blocks[{i}] {a!r}; blocks must not nest")
+        parents = {n.rsplit(".", 1)[0] if "." in n else "" for n in names}
+        container = parents.pop() if len(parents) == 1 else None
+        return RepeatedBlocks(tuple(names), tuple(blocks), container)
+
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(child) for child in module}
+        if len(classes) != 1:
+            continue
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
+    if best is None:
+        raise BlockDetectionError(
+            f"{type(model).__name__}: found no nn.ModuleList of same-class blocks. Pass the repeated blocks "
+            "explicitly: profile(model, batch, blocks=[...]) with the block modules in execution order "
+            "(e.g. blocks=list(model.layers)), or keep them in an nn.ModuleList attribute such as `self.blocks`."
+        )
+    container_name, container = best
+    prefix = f"{container_name}." if container_name else ""
+    names = [f"{prefix}{i}" for i in range(len(container))]
+    return RepeatedBlocks(tuple(names), tuple(container), container_name)
+
+
+def edge_name(kind: str, module_paths: Sequence[str]) -> str:
+    """`prologue[a,b]` / `epilogue[c]`: the descriptive name of a non-module block, within the name limit."""
+    inner = ",".join(p if p else "<root>" for p in module_paths) or "-"
+    name = f"{kind}[{inner}]"
+    if len(name) > MAX_NAME_CHARS:
+        name = name[: MAX_NAME_CHARS - 4] + "...]"
+    return name

@@ -1,0 +1,93 @@
+"""Parameters in execution order, mapped to blocks; the model's architecture fingerprint.
+
+The order is first use during a real forward (module forward pre-hooks, see `hooks.py`): a parameter
+belongs to the block running when its owning module is first called. A tied parameter (GPT-2's `lm_head`
+shares `transformer.wte.weight`) appears once, under the name `named_parameters()` gives it, with its
+other names in `aliases`; it is placed where it is first used. Parameters never used in the forward are
+appended at the end, in registration order, mapped to the block that owns them by module path
+(outside every repeated block: the epilogue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from agent.profiler.layout import RepeatedBlocks
+from client.contract import ParameterInfo
+
+
+@dataclass(frozen=True)
+class OrderedParameter:
+    param: nn.Parameter
+    name: str
+    module_path: str
+    block: int
+    aliases: tuple[str, ...]
+
+
+def dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def order_parameters(
+    model: nn.Module, repeated: RepeatedBlocks, first_use: Sequence[tuple[nn.Parameter, str, int]]
+) -> list[OrderedParameter]:
+    """All distinct parameters of `model` in execution order with their block (contract indices)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    epilogue = len(repeated) + 1
+
+    def block_of_path(path: str, used_block: int | None) -> int:
+        if used_block is not None:
+            return used_block  # the block that was running at first use
+        inside = repeated.index_of_path(path)
+        return inside + 1 if inside is not None else epilogue
+
+    out: list[OrderedParameter] = []
+    seen: set[int] = set()
+    for p, path, block in first_use:
+        if id(p) in seen or id(p) not in canonical:
+            continue
+        seen.add(id(p))
+        name = canonical[id(p)]
+        out.append(OrderedParameter(p, name, path, block_of_path(path, block),
+                                    tuple(n for n in names[id(p)] if n != name)))
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        path = name.rsplit(".", 1)[0] if "." in name else ""
+        out.append(OrderedParameter(p, name, path, block_of_path(path, None),
+                                    tuple(n for n in names[id(p)] if n != name)))
+    return out
+
+
+def parameter_infos(ordered: Sequence[OrderedParameter]) -> list[ParameterInfo]:
+    return [
+        ParameterInfo(
+            name=o.name,
+            block=o.block,
+            shape=list(o.param.shape),
+            dtype=dtype_name(o.param.dtype),
+            numel=o.param.numel(),
+            bytes=o.param.numel() * o.param.element_size(),
+            aliases=list(o.aliases),
+        )
+        for o in ordered
+    ]
+
+
+def fingerprint(model: nn.Module) -> str:
+    """SHA-256 of the architecture class and every parameter's name, shape and dtype (stable across machines)."""
+    h = hashlib.sha256()
+    cls = type(model)
+    h.update(f"{cls.__module__}.{cls.__qualname__}\n".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{dtype_name(p.dtype)}\n".encode())
+    return h.hexdigest()

@@ -1,0 +1,511 @@
+"""`profile`: measure a real training iteration of a model and return a wire-contract v1 `Trace`.
+
+The session, in order (every iteration is a real forward, loss, backward and optimizer step):
+1. warm-up iteration with first-use hooks: parameter execution order and block mapping; lazy state
+   (optimizer moments, allocator caches) is created here, so later iterations are steady-state;
+2. `repeats` plain iterations, no hooks: `iteration_s` (median) and the optimizer step time;
+3. `repeats - 1` (at least 2) hooked iterations: per-block forward and backward seconds (median), then
+   calibrated: scaled so that their sum equals the plain iteration's compute time (hook overhead removed);
+4. recompute: each repeated block's forward re-run on its captured inputs with grad enabled (what
+   checkpointing does during backward);
+5. one tracked iteration: a storage tracker (CPU: `TorchDispatchMode`; CUDA: allocator history) plus
+   saved-tensor hooks give per-block activation bytes, input bytes, transient peaks, the peak and the
+   allocation trace;
+6. host optimizer throughput and the hardware probe (cached per process).
+Parameters, gradients, optimizer state and RNG are restored afterwards; every hook, dispatch mode and
+allocator history is removed or turned off on return and on error.
+
+Models larger than the device: `max_blocks=k` profiles the prologue, the first k repeated blocks and the
+epilogue only (the block list is truncated while profiling) and copies the last profiled block's figures
+to the other, identical blocks; the trace says so (`measurements.extrapolated`, `profiled_blocks`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from agent.profiler.allocation_trace import AllocationTraceTooLarge, build_allocation_trace
+from agent.profiler.clock import DeviceClock
+from agent.profiler.cuda_history import CudaAllocatorHistory, CudaGauge
+from agent.profiler.cursor import Cursor, Gauge, seconds_by_block, segments, transient_peaks
+from agent.profiler.hardware import probe_hardware
+from agent.profiler.hooks import BlockHooks
+from agent.profiler.layout import BlockDetectionError, RepeatedBlocks, detect_blocks, edge_name
+from agent.profiler.optimizer_probe import (
+    host_step_throughput,
+    optimizer_kind,
+    state_bytes_per_param,
+    state_tensors,
+)
+from agent.profiler.parameters import OrderedParameter, dtype_name, fingerprint, order_parameters, parameter_infos
+from agent.profiler.session import LossFn, ProfilerInputError, TrainingStep, move_batch, preserved_training_state
+from agent.profiler.storage_tracker import StorageRecord, StorageTracker
+from agent.profiler.tensors import iter_tensors, storage_key, unique_storage_bytes
+from client.contract import (
+    AllocationCategory,
+    AllocationTrace,
+    BlockInfo,
+    BlockKind,
+    BlockMeasurement,
+    Hardware,
+    Measurements,
+    ModelInfo,
+    OptimizerMeasurement,
+    Phase,
+    Precision,
+    Software,
+    Trace,
+    Workload,
+)
+
+log = logging.getLogger(__name__)
+
+_PRECISION = {torch.float32: Precision.fp32, torch.bfloat16: Precision.bf16, torch.float16: Precision.fp16}
+
+
+def profile(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: torch.device | str | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+    allocation_trace: bool = True,
+    max_blocks: int | None = None,
+    repeats: int = 3,
+    hardware: Hardware | None = None,
+    device_memory_limit: int | None = None,
+    name: str | None = None,
+) -> Trace:
+    """Profile one training iteration of `model` on `sample_batch`; every number in the Trace is measured.
+
+    `optimizer` defaults to AdamW over the trainable parameters (created and discarded here); `device`
+    defaults to where the parameters are; `blocks` overrides block detection with the repeated blocks in
+    execution order. `max_blocks` profiles only that many repeated blocks and extrapolates to the rest.
+    `hardware` reuses an earlier probe; `device_memory_limit` caps the reported device capacity.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats: must be at least 1, got {repeats}")
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        raise ProfilerInputError(f"model: {type(model).__name__} has no parameters to profile")
+    dev = torch.device(device) if device is not None else first.device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    repeated_all = detect_blocks(model, blocks)
+    if max_blocks is not None and not 1 <= max_blocks:
+        raise ValueError(f"max_blocks: must be at least 1, got {max_blocks}")
+    n_profiled = len(repeated_all) if max_blocks is None else min(max_blocks, len(repeated_all))
+    full_fingerprint = fingerprint(model)
+    all_params_named = dict(model.named_parameters())
+
+    with _truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
+        opt = optimizer if optimizer is not None else torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        kind = optimizer_kind(opt)
+        batch = move_batch(sample_batch, dev)
+        with preserved_training_state(model, optimizer):
+            result = _measure(model, batch, loss_fn, opt, dev, repeated, allocation_trace, repeats)
+        extrapolated = n_profiled < len(repeated_all)
+
+    ordered = result.ordered
+    block_meas = result.blocks
+    iteration_s, peak = result.iteration_s, result.peak_bytes
+    alloc = result.allocation
+    if extrapolated:
+        ordered, block_meas, iteration_s, peak = _extrapolate(
+            repeated_all, n_profiled, ordered, block_meas, iteration_s, peak, all_params_named,
+            model_state_bytes_per_byte=result.model_state_bytes_per_param_byte)
+        alloc = None  # the trace of a truncated iteration would not be the real one's
+
+    infos = parameter_infos(ordered)
+    n_blocks = len(repeated_all) + 2
+    per_block = [0] * n_blocks
+    paths: list[list[str]] = [[] for _ in range(n_blocks)]
+    classes: list[list[str]] = [[] for _ in range(n_blocks)]
+    for o, info in zip(ordered, infos, strict=True):
+        per_block[info.block] += info.bytes
+        if o.module_path not in paths[info.block]:
+            paths[info.block].append(o.module_path)
+            cls = type(model.get_submodule(o.module_path)).__name__
+            if cls not in classes[info.block]:
+                classes[info.block].append(cls)
+    block_infos = [BlockInfo(index=0, name=edge_name("prologue", paths[0]), kind=BlockKind.prologue,
+                             module_class="+".join(classes[0]) or "none", parameter_bytes=per_block[0])]
+    for i, (bname, module) in enumerate(zip(repeated_all.names, repeated_all.modules, strict=True)):
+        block_infos.append(BlockInfo(index=i + 1, name=bname, kind=BlockKind.block,
+                                     module_class=type(module).__name__, parameter_bytes=per_block[i + 1]))
+    block_infos.append(BlockInfo(index=n_blocks - 1, name=edge_name("epilogue", paths[-1]), kind=BlockKind.epilogue,
+                                 module_class="+".join(classes[-1]) or "none", parameter_bytes=per_block[-1]))
+
+    params = [o.param for o in ordered]
+    p_dtype = _majority_dtype(params)
+    hidden = _hidden_size(model)
+    arch = type(model).__name__
+    model_info = ModelInfo(
+        name=name or f"{arch}-{len(repeated_all)}L" + (f"-{hidden}H" if hidden else ""),
+        architecture=arch,
+        fingerprint=full_fingerprint,
+        parameter_count=sum(p.numel() for p in params),
+        dtype=dtype_name(p_dtype),
+        blocks=block_infos,
+        parameters=infos,
+    )
+    batch_size, seq = _batch_shape(sample_batch)
+    if p_dtype not in _PRECISION:
+        raise ProfilerInputError(f"model: parameters of dtype {p_dtype} are not fp32, bf16 or fp16")
+    workload = Workload(
+        batch_size=batch_size,
+        sequence_length=seq,
+        precision=_PRECISION[p_dtype],
+        optimizer=kind,
+        optimizer_state_bytes_per_param=result.optimizer_state_bytes_per_param,
+        master_bytes_per_param=0,
+        gradient_bytes_per_param=result.gradient_bytes_per_param,
+    )
+    hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
+    measurements = Measurements(
+        blocks=block_meas,
+        optimizer=OptimizerMeasurement(device_bytes_per_s=result.device_opt_bytes_per_s,
+                                       host_bytes_per_s=host_step_throughput(params)),
+        iteration_s=iteration_s,
+        peak_device_bytes=peak,
+        extrapolated=extrapolated,
+        profiled_blocks=list(range(n_profiled + 1)) + [n_blocks - 1] if extrapolated else [],
+    )
+    return Trace(hardware=hw, software=_software(), model=model_info, workload=workload,
+                 measurements=measurements, allocation_trace=alloc)
+
+
+# ------------------------------------------------------------------------------------------- measuring
+class _Result:
+    ordered: list[OrderedParameter]
+    blocks: list[BlockMeasurement]
+    iteration_s: float
+    peak_bytes: int
+    allocation: AllocationTrace | None
+    device_opt_bytes_per_s: float
+    optimizer_state_bytes_per_param: int
+    gradient_bytes_per_param: int
+    model_state_bytes_per_param_byte: float
+    hook_overhead_s: float
+
+
+def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.optim.Optimizer,
+             dev: torch.device, repeated: RepeatedBlocks, want_trace: bool, repeats: int) -> _Result:
+    clock = DeviceClock(dev)
+    n_blocks = len(repeated) + 2
+    step = TrainingStep(model, batch, loss_fn, opt, n_blocks)
+    res = _Result()
+
+    # 1. warm-up with first-use hooks
+    cursor = Cursor(clock)
+    with BlockHooks(model, repeated, cursor, first_use=True) as hooks:
+        step.run(cursor)
+        first_use = list(hooks.param_order)
+    res.ordered = order_parameters(model, repeated, first_use)
+    stepped = [p for p in model.parameters() if p.grad is not None]
+    if not stepped:
+        raise ProfilerInputError("loss_fn: the loss reaches no parameter (no gradients after backward)")
+    grad_elt = stepped[0].grad.element_size()  # type: ignore[union-attr]
+    res.gradient_bytes_per_param = grad_elt
+    res.optimizer_state_bytes_per_param = state_bytes_per_param(opt, stepped)
+    stepped_bytes = sum(p.numel() * p.element_size() for p in stepped)
+    res.model_state_bytes_per_param_byte = 1.0 + (grad_elt + res.optimizer_state_bytes_per_param) / max(
+        1, stepped[0].element_size())
+
+    # 2. plain iterations
+    totals, steps = [], []
+    peak_plain: int | None = None
+    for i in range(repeats):
+        if dev.type == "cuda" and i == repeats - 1:
+            torch.cuda.reset_peak_memory_stats(dev)
+        total, step_s = step.timed(clock)
+        totals.append(total)
+        steps.append(step_s)
+        if dev.type == "cuda" and i == repeats - 1:
+            peak_plain = int(torch.cuda.max_memory_allocated(dev))
+    res.iteration_s = statistics.median(totals)
+    opt_step_s = statistics.median(steps)
+    res.device_opt_bytes_per_s = stepped_bytes / max(opt_step_s, 1e-9)
+
+    # 3. hooked timing iterations (inputs captured on the last one, for recompute)
+    n_hooked = max(2, repeats - 1)
+    fwd_runs: list[list[float]] = []
+    bwd_runs: list[list[float]] = []
+    hooked_walls: list[float] = []
+    captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    for r in range(n_hooked):
+        cursor = Cursor(clock)
+        with BlockHooks(model, repeated, cursor) as hooks:
+            hooks.keep_inputs = r == n_hooked - 1
+            step.run(cursor)
+            captured = dict(hooks.block_inputs)
+        segs = segments(cursor.marks)
+        fwd_runs.append(seconds_by_block(segs, n_blocks, Phase.forward))
+        bwd_runs.append(seconds_by_block(segs, n_blocks, Phase.backward))
+        hooked_walls.append(cursor.marks[-1].time_s - cursor.marks[0].time_s)
+    fwd = [statistics.median(run[b] for run in fwd_runs) for b in range(n_blocks)]
+    bwd = [statistics.median(run[b] for run in bwd_runs) for b in range(n_blocks)]
+    compute_plain = max(res.iteration_s - opt_step_s, 0.0)
+    hooked_sum = sum(fwd) + sum(bwd)
+    scale = compute_plain / hooked_sum if hooked_sum > 0 else 1.0
+    res.hook_overhead_s = statistics.median(hooked_walls) - res.iteration_s
+    log.debug("hooked iteration %.4fs vs plain %.4fs; per-block times scaled by %.3f",
+              statistics.median(hooked_walls), res.iteration_s, scale)
+
+    # 4. recompute: each repeated block's forward re-run on its captured inputs, grad enabled
+    recompute = [0.0] * n_blocks
+    for idx, (args, kwargs) in captured.items():
+        module = repeated.modules[idx - 1]
+        with torch.enable_grad():
+            t0 = clock.now()
+            out = module(*args, **kwargs)
+            t1 = clock.now()
+        del out
+        recompute[idx] = t1 - t0
+    captured.clear()
+    recompute[0], recompute[-1] = fwd[0] * scale, fwd[-1] * scale  # edges are not checkpointed: their forward
+
+    # 5. tracked iteration: memory (after recompute, so no captured input is alive during it)
+    act, inp, fwd_tr, bwd_tr, peak, alloc = _track_memory(model, step, opt, batch, dev, repeated, res.ordered,
+                                                          want_trace)
+    res.peak_bytes = peak_plain if peak_plain is not None else peak
+    res.allocation = alloc
+
+    res.blocks = [
+        BlockMeasurement(block=b, forward_s=fwd[b] * scale, backward_s=bwd[b] * scale, recompute_s=recompute[b],
+                         activation_bytes=act[b], input_bytes=inp[b], forward_transient_peak_bytes=fwd_tr[b],
+                         backward_transient_peak_bytes=bwd_tr[b])
+        for b in range(n_blocks)
+    ]
+    return res
+
+
+def _track_memory(
+    model: nn.Module, step: TrainingStep, opt: torch.optim.Optimizer, batch: Any, dev: torch.device,
+    repeated: RepeatedBlocks, ordered: list[OrderedParameter], want_trace: bool,
+) -> tuple[list[int], list[int], list[int], list[int], int, AllocationTrace | None]:
+    """One iteration under a storage tracker: activations, inputs, transients, peak, allocation trace."""
+    n_blocks = len(repeated) + 2
+    clock = DeviceClock(dev)
+    block_of_param = {id(o.param): o.block for o in ordered}
+    opt.zero_grad(set_to_none=True)
+    excluded: set[tuple[str, int]] = set()
+    long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]] = []
+    for p in model.parameters():
+        long_lived.append((p, AllocationCategory.param, block_of_param.get(id(p))))
+    for mod_path, module in model.named_modules():
+        for b in module.buffers(recurse=False):
+            inside = repeated.index_of_path(mod_path)
+            long_lived.append((b, AllocationCategory.param, inside + 1 if inside is not None else None))
+    for p, v in state_tensors(opt):
+        long_lived.append((v, AllocationCategory.optimizer, block_of_param.get(id(p))))
+    batch_tensors = list(iter_tensors(batch))
+    for t, _, _ in long_lived:
+        excluded.add(storage_key(t))
+    for t in batch_tensors:
+        excluded.add(storage_key(t))
+
+    cuda = dev.type == "cuda"
+    tracker: StorageTracker | None = None
+    history: CudaAllocatorHistory | None = None
+    gauge: Gauge
+    if cuda:
+        gauge = CudaGauge(dev)
+        history = CudaAllocatorHistory(dev)
+        on_saved: Callable[[torch.Tensor], None] = history.mark_saved
+    else:
+        tracker = StorageTracker()
+        for t, cat, blk in long_lived:
+            tracker.register_existing(t, cat, blk)
+        for t in batch_tensors:
+            tracker.register_external(t)
+        gauge = tracker
+        on_saved = tracker.mark_saved
+    cursor = Cursor(clock, gauge=gauge)
+    if tracker is not None:
+        tracker.cursor = cursor
+    grad_keys: dict[tuple[str, int], int] = {}
+    with BlockHooks(model, repeated, cursor, saved_tensors=True, excluded_storages=excluded,
+                    on_saved=on_saved) as hooks:
+        with tracker if tracker is not None else (history if history is not None else nullcontext()):
+            step.run(cursor)
+            if tracker is not None:
+                grad_sids = {rec.sid for p in model.parameters() if p.grad is not None
+                             for rec in [tracker.record_of(p.grad)] if rec is not None}
+                grad_blocks = {rec.sid: block_of_param.get(id(p), rec.block) for p in model.parameters()
+                               if p.grad is not None for rec in [tracker.record_of(p.grad)] if rec is not None}
+            else:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        grad_keys[(str(p.grad.device), p.grad.untyped_storage().data_ptr())] = \
+                            block_of_param.get(id(p), 0)
+        act, inp = list(hooks.activation_bytes), list(hooks.input_bytes)
+    inp[0] = unique_storage_bytes(batch_tensors, set())
+    segs = segments(cursor.marks)
+    fwd_tr = transient_peaks(segs, n_blocks, Phase.forward)
+    bwd_tr = transient_peaks(segs, n_blocks, Phase.backward)
+    peak = max([s.peak for s in segs] + [0])
+
+    alloc: AllocationTrace | None = None
+    if want_trace:
+        if tracker is not None:
+            records, n_events = tracker.records, tracker.n_events
+            source = "dispatch_tracker"
+        else:
+            assert history is not None and isinstance(gauge, CudaGauge)
+            records, n_events, grad_sids, grad_blocks = _cuda_records(long_lived, history, gauge, cursor, grad_keys)
+            source = "cuda_caching_allocator"
+        try:
+            alloc = build_allocation_trace(records, n_events, grad_sids=grad_sids, grad_blocks=grad_blocks,
+                                           source=source)
+        except AllocationTraceTooLarge as e:
+            log.warning("%s; the trace is sent without one", e)
+    return act, inp, fwd_tr, bwd_tr, peak, alloc
+
+
+def _cuda_records(
+    long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]], history: CudaAllocatorHistory,
+    gauge: CudaGauge, cursor: Cursor, grad_keys: dict[tuple[str, int], int],
+) -> tuple[list[StorageRecord], int, set[int], dict[int, int]]:
+    """Pre-existing model state first, then the allocator's events of the window (see cuda_history)."""
+    records: list[StorageRecord] = []
+    seen: set[tuple[str, int]] = set()
+    for t, cat, blk in long_lived:
+        key = storage_key(t)
+        nbytes = int(t.untyped_storage().nbytes())
+        if key in seen or nbytes == 0:
+            continue
+        seen.add(key)
+        records.append(StorageRecord(len(records), nbytes, len(records), blk, Phase.forward, cat))
+    window, n_events, by_addr = history.records(len(records), len(records), gauge.mark_counts,
+                                                [(m.block, m.phase) for m in cursor.marks])
+    grad_sids: set[int] = set()
+    grad_blocks: dict[int, int] = {}
+    for (_, addr), blk in grad_keys.items():
+        pairs = by_addr.get(addr)
+        if pairs:
+            sid = pairs[-1][1]
+            grad_sids.add(sid)
+            grad_blocks[sid] = blk
+    return records + window, n_events, grad_sids, grad_blocks
+
+
+# ------------------------------------------------------------------------------------------- helpers
+@contextmanager
+def _truncated(model: nn.Module, repeated: RepeatedBlocks, k: int) -> Iterator[RepeatedBlocks]:
+    """While open, the model's block list holds only its first `k` blocks (for extrapolation)."""
+    if k >= len(repeated):
+        yield repeated
+        return
+    if repeated.container_name is None:
+        raise BlockDetectionError(
+            "max_blocks: extrapolation needs the repeated blocks in one nn.ModuleList; the given blocks are not")
+    container = model.get_submodule(repeated.container_name)
+    parent_path, _, attr = repeated.container_name.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    if not isinstance(container, nn.ModuleList):
+        raise BlockDetectionError(f"max_blocks: {repeated.container_name!r} is not an nn.ModuleList")
+    setattr(parent, attr, nn.ModuleList(list(container)[:k]))
+    try:
+        yield RepeatedBlocks(repeated.names[:k], repeated.modules[:k], repeated.container_name)
+    finally:
+        setattr(parent, attr, container)
+
+
+@contextmanager
+def _on_device(model: nn.Module, dev: torch.device, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Move the (possibly truncated) model to `dev` for profiling, and back afterwards."""
+    devices = {p.device for p in model.parameters()}
+    if devices == {dev}:
+        yield
+        return
+    if optimizer is not None:
+        raise ProfilerInputError(
+            f"device: the model's parameters are on {sorted(map(str, devices))}, not {dev}; move the model to the "
+            "device before creating its optimizer, or pass optimizer=None to profile with a fresh AdamW")
+    home = next(iter(model.parameters())).device
+    model.to(dev)
+    try:
+        yield
+    finally:
+        model.to(home)
+
+
+def _extrapolate(
+    repeated: RepeatedBlocks, k: int, ordered: list[OrderedParameter], blocks: list[BlockMeasurement],
+    iteration_s: float, peak: int, named: dict[str, nn.Parameter], model_state_bytes_per_byte: float,
+) -> tuple[list[OrderedParameter], list[BlockMeasurement], float, int]:
+    """Copy the last profiled block's figures (and its parameter order) to the unprofiled identical blocks."""
+    n = len(repeated)
+    rep = k  # contract index of the last profiled repeated block
+    rep_prefix = repeated.names[k - 1] + "."
+    rep_params = [o for o in ordered if o.block == rep]
+    epilogue_old = k + 1
+    head = [o for o in ordered if o.block <= k]
+    tail = [OrderedParameter(o.param, o.name, o.module_path, n + 1, o.aliases) for o in ordered
+            if o.block == epilogue_old]
+    middle: list[OrderedParameter] = []
+    for j in range(k, n):
+        prefix = repeated.names[j] + "."
+        for o in rep_params:
+            if not o.name.startswith(rep_prefix):
+                raise BlockDetectionError(f"max_blocks: parameter {o.name!r} of block {rep} is outside its module")
+            pname = prefix + o.name[len(rep_prefix):]
+            if pname not in named:
+                raise BlockDetectionError(f"max_blocks: block {repeated.names[j]!r} has no {pname!r}; blocks differ")
+            middle.append(OrderedParameter(named[pname], pname, prefix + o.module_path[len(rep_prefix):], j + 1, ()))
+    rb = blocks[rep]
+    new_blocks = blocks[: k + 1]
+    for j in range(k + 1, n + 1):
+        new_blocks.append(rb.model_copy(update={"block": j}))
+    new_blocks.append(blocks[epilogue_old].model_copy(update={"block": n + 1}))
+    extra = n - k
+    rep_bytes = sum(o.param.numel() * o.param.element_size() for o in rep_params)
+    iteration_s += extra * (rb.forward_s + rb.backward_s)
+    peak += extra * (rb.activation_bytes + int(rep_bytes * model_state_bytes_per_byte))
+    return head + middle + tail, new_blocks, iteration_s, peak
+
+
+def _majority_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    by: dict[torch.dtype, int] = {}
+    for p in params:
+        by[p.dtype] = by.get(p.dtype, 0) + p.numel()
+    return max(by, key=lambda d: by[d])
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    h = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    return int(h) if isinstance(h, int) else None
+
+
+def _batch_shape(batch: Any) -> tuple[int, int]:
+    """(batch size, sequence length) from `input_ids` if present, else the first tensor of the batch."""
+    t = batch.get("input_ids") if isinstance(batch, dict) else None
+    if not isinstance(t, torch.Tensor):
+        t = next(iter_tensors(batch), None)
+    if t is None or t.dim() == 0:
+        raise ProfilerInputError("sample_batch: holds no tensor with a batch dimension")
+    return int(t.shape[0]), int(t.shape[1]) if t.dim() > 1 else 1
+
+
+def _software() -> Software:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        memplan_version = version("memplan")
+    except PackageNotFoundError:
+        memplan_version = "unknown"
+    return Software(torch_version=torch.__version__, cuda_version=torch.version.cuda,
+                    python_version=sys.version.split()[0], memplan_version=memplan_version)

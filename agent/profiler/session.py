@@ -1,0 +1,154 @@
+"""One profiling session's training step: run iterations of the user's model and put everything back after.
+
+`TrainingStep` calls the model the way the user's batch asks (`model(**batch)` for a mapping,
+`model(*batch)` for a tuple or list, else `model(batch)`), computes the loss (`loss_fn(output, batch)`,
+default `output.loss`), runs backward and the optimizer step. Errors raised by the model keep their type
+and traceback; the profiler adds a note saying where it was.
+
+`preserved_training_state` snapshots what profiling iterations change (parameter values to host memory,
+optimizer state, gradients, RNG states) and restores it on exit, so profiling a live job leaves its
+weights and optimizer exactly as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from agent.profiler.clock import DeviceClock
+from agent.profiler.cursor import Cursor
+from client.contract import Phase
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class ProfilerInputError(ValueError):
+    """The model, batch or loss function cannot be profiled as given."""
+
+
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    """Hugging Face convention: the model computed the loss itself (`output.loss`)."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None:
+        raise ProfilerInputError(
+            "loss_fn: the model's output has no `loss` (Hugging Face models return one when the batch has "
+            "`labels`); pass loss_fn=lambda output, batch: ... returning a scalar tensor"
+        )
+    return loss
+
+
+def move_batch(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(move_batch(v, device) for v in batch)
+    if isinstance(batch, list):
+        return [move_batch(v, device) for v in batch]
+    return batch
+
+
+class TrainingStep:
+    """forward -> loss -> backward -> optimizer step, marking phases on an optional cursor."""
+
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizer: torch.optim.Optimizer,
+                 n_blocks: int) -> None:
+        self.model = model
+        self.batch = batch
+        self.loss_fn = loss_fn or default_loss
+        self.optimizer = optimizer
+        self.epilogue = n_blocks - 1
+
+    def forward_loss(self) -> torch.Tensor:
+        try:
+            if isinstance(self.batch, Mapping):
+                output = self.model(**self.batch)
+            elif isinstance(self.batch, (tuple, list)):
+                output = self.model(*self.batch)
+            else:
+                output = self.model(self.batch)
+        except Exception as e:
+            e.add_note(f"memplan profiler: raised by the forward of {type(self.model).__name__} on the sample batch "
+                       "(check that sample_batch is what model(**batch) or model(*batch) takes)")
+            raise
+        loss = self.loss_fn(output, self.batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ProfilerInputError(
+                "loss_fn: must return a scalar tensor that requires grad, got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+            )
+        del output
+        return loss
+
+    def run(self, cursor: Cursor | None = None) -> None:
+        """One iteration, moving `cursor` (if any) at the phase boundaries."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if cursor is not None:
+            cursor.move(0, Phase.forward)
+        loss = self.forward_loss()
+        if cursor is not None:
+            cursor.move(self.epilogue, Phase.backward)
+        loss.backward()
+        del loss
+        if cursor is not None:
+            cursor.move(None, Phase.optimizer)
+        self.optimizer.step()
+        if cursor is not None:
+            cursor.move(None, Phase.optimizer)  # closes the optimizer segment
+
+    def timed(self, clock: DeviceClock) -> tuple[float, float]:
+        """One un-hooked iteration: (wall seconds of the whole iteration, seconds of the optimizer step)."""
+        t0 = clock.now()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_loss()
+        loss.backward()
+        del loss
+        t1 = clock.now()
+        self.optimizer.step()
+        t2 = clock.now()
+        return t2 - t0, t2 - t1
+
+
+@contextmanager
+def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Restore parameters, gradients, optimizer state and RNG states after the block, even on error."""
+    params = [p for p in model.parameters()]
+    values = [p.detach().to("cpu", copy=True) for p in params]
+    grads = [p.grad for p in params]
+    opt_state = _host_copy(optimizer.state_dict()) if optimizer is not None else None
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, values, strict=True):
+                p.copy_(v.to(p.device))
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        if optimizer is not None and opt_state is not None:
+            optimizer.state.clear()
+            optimizer.load_state_dict(opt_state)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _host_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_host_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_host_copy(v) for v in value)
+    return copy.deepcopy(value)
