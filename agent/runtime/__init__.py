@@ -1,0 +1,27 @@
+"""Agent runtime: applies a plan's model-state policy (chunks, offload, host optimizer) to a training job.
+
+Modules, each with one job: `layout` (plan -> parameter offsets, checked against the model), `chunks`
+(chunk memory), `buffers` (device buffer pool), `schedule` (recorded access order, prefetch, eviction),
+`device` (streams and events; no-ops on CPU), `host_worker` (host optimizer thread), `optimizer`
+(the user's optimizer reproduced per chunk), `manager` (the orchestration), `accounting` (bytes held),
+`manual` (hand-built plans). Activation management (checkpoint/swap) is issue 7 and is not here yet.
+"""
+
+from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport
+from agent.runtime.layout import ChunkLayout, PlanMismatchError
+from agent.runtime.manual import manual_plan, manual_policy
+from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError
+from agent.runtime.options import RuntimeOptions
+
+__all__ = [
+    "ChunkLayout",
+    "ChunkedOptimizer",
+    "Counters",
+    "MemoryReport",
+    "PlanMismatchError",
+    "RuntimeOptions",
+    "RuntimeReport",
+    "UnsupportedOptimizerError",
+    "manual_plan",
+    "manual_policy",
+]

@@ -1,0 +1,65 @@
+"""Accounting: the bytes the runtime holds on the device and on the host, and what it moved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MemoryReport:
+    """Bytes held, by category. Optimizer state is counted once it exists (after the first step)."""
+
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    pinned_host_bytes: int = 0
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+
+@dataclass
+class Counters:
+    """What the runtime did since it was applied (uploads, reuse, gradient copies, host work)."""
+
+    uploads: int = 0
+    upload_bytes: int = 0
+    prefetches: int = 0  # uploads issued ahead of use
+    demand_uploads: int = 0  # uploads issued when the chunk was already needed
+    resident_hits: int = 0  # demands served by a chunk already in a buffer (no upload)
+    evictions: int = 0
+    grad_flushes: int = 0
+    grad_flush_bytes: int = 0
+    host_steps: int = 0
+    host_step_s: float = 0.0
+    device_steps: int = 0
+    iterations: int = 0  # completed backward passes
+
+
+@dataclass
+class RuntimeReport:
+    memory: MemoryReport
+    counters: Counters
+    chunks: int
+    offloaded_chunks: int
+    n_buffers: int
+    chunk_size_bytes: int
+    compute_dtype: str
+    device: str
+    host_optimizer: str  # 'fused', 'foreach' or 'none'
+    upload_s: float | None = None  # CUDA with measure_uploads: summed upload copy time
+
+    def __str__(self) -> str:
+        gib = 2**30
+        m = self.memory
+        return (
+            f"chunks {self.chunks} ({self.offloaded_chunks} offloaded, {self.n_buffers} buffers of "
+            f"{self.chunk_size_bytes / 2**20:.1f} MiB), {self.compute_dtype} on {self.device}; "
+            f"device {m.device_bytes / gib:.3f} GiB, host {m.host_bytes / gib:.3f} GiB "
+            f"(pinned {m.pinned_host_bytes / gib:.3f} GiB); uploads {self.counters.uploads}, "
+            f"resident hits {self.counters.resident_hits}, host optimizer {self.host_optimizer}"
+        )

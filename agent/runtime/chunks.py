@@ -1,0 +1,113 @@
+"""Chunk storage: the flat buffers a chunk's parameters, master copy and gradients live in.
+
+A persistent chunk owns device memory: compute copy (parameters are views into it), gradient (the
+parameters' `.grad` are views into it) and, in mixed precision, an fp32 master. An offloaded chunk owns
+host memory: compute copy (the upload source; parameters point here while the chunk is not resident),
+fp32 master (the same tensor as the compute copy in fp32 training), fp32 gradient, and a staging buffer
+for gradient copies that must be added rather than written. Optimizer state is held by the chunk's
+optimizer (see `optimizer.py`) on the same side as the master.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from agent.runtime.device import DeviceContext, Event
+from agent.runtime.layout import ChunkSpec, ParamEntry
+
+
+def views(flat: torch.Tensor, entries: list[ParamEntry]) -> list[torch.Tensor]:
+    """Per-parameter views of a flat chunk buffer, shaped like the parameters."""
+    return [flat[e.offset : e.end].view(e.shape) for e in entries]
+
+
+def bind(flat: torch.Tensor, entries: list[ParamEntry]) -> None:
+    """Point every parameter of the chunk at its slice of `flat` (no copy; autograd sees the same leaf)."""
+    with torch.no_grad():
+        for e, v in zip(entries, views(flat, entries), strict=True):
+            e.param.data = v
+
+
+@dataclass
+class ChunkState:
+    """One chunk's memory and its per-iteration bookkeeping (entry indices are positions in spec.entries)."""
+
+    spec: ChunkSpec
+    mixed: bool  # compute dtype is not fp32: a separate fp32 master exists
+    # persistent (device)
+    params: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    # both: fp32 master (device for persistent, host for offloaded); equals params/host_params in fp32
+    master: torch.Tensor | None = None
+    # offloaded (host)
+    host_params: torch.Tensor | None = None
+    host_grad: torch.Tensor | None = None
+    stage: torch.Tensor | None = None
+    # residency (offloaded only)
+    slot: int | None = None
+    ready: Event = None  # upload finished (on the upload stream)
+    # gradient bookkeeping
+    expected: set[int] = field(default_factory=set)  # entries used with grad enabled since last backward
+    received: set[int] = field(default_factory=set)  # entries whose grad arrived in this backward
+    in_slot: set[int] = field(default_factory=set)  # received entries whose grad is still in the device slot
+    touched: set[int] = field(default_factory=set)  # entries with a gradient since zero_grad
+    flushes: int = 0  # gradient copies into host_grad since zero_grad (0: the next one overwrites)
+    complete: bool = False  # all expected grads of this backward have reached the host
+    stepped: bool = False  # the host optimizer step for this chunk ran since the last optimizer.step()
+    host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
+    pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def offloaded(self) -> bool:
+        return self.spec.offloaded
+
+    @property
+    def numel(self) -> int:
+        return self.spec.used_numel
+
+    def wait_host(self) -> None:
+        """Block until this chunk's host work (gradient absorb, optimizer step) has finished."""
+        if self.host_work is not None:
+            self.host_work.result()
+            self.host_work = None
+
+
+def allocate(spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype) -> ChunkState:
+    """Allocate a chunk's memory on its side and copy the parameters' current values into it."""
+    n = spec.used_numel
+    mixed = compute_dtype != torch.float32
+    state = ChunkState(spec=spec, mixed=mixed)
+    with torch.no_grad():
+        if spec.offloaded:
+            state.host_params = ctx.host_empty(n, compute_dtype, pinned=True)
+            state.master = ctx.host_empty(n, torch.float32, pinned=False) if mixed else state.host_params
+            state.host_grad = ctx.host_empty(n, torch.float32, pinned=not mixed)
+            target = state.master
+        else:
+            state.params = ctx.device_empty(n, compute_dtype)
+            state.grad = ctx.device_empty(n, compute_dtype).zero_()
+            state.master = ctx.device_empty(n, torch.float32) if mixed else state.params
+            target = state.master
+        for e, v in zip(spec.entries, views(target, spec.entries), strict=True):
+            v.copy_(e.param.detach().reshape(e.shape))  # fp32 master from the original values
+        if mixed:
+            (state.host_params if spec.offloaded else state.params).copy_(state.master)  # type: ignore[union-attr]
+        bind(state.host_params if spec.offloaded else state.params, spec.entries)  # type: ignore[arg-type]
+        if not spec.offloaded:
+            for e, g in zip(spec.entries, views(state.grad, spec.entries), strict=True):  # type: ignore[arg-type]
+                e.param.grad = g if e.param.requires_grad else None
+    return state
+
+
+def stage_for(state: ChunkState, ctx: DeviceContext, compute_dtype: torch.dtype) -> torch.Tensor:
+    """The chunk's pinned staging buffer for gradient copies that must be added or cast (made on first use)."""
+    if state.stage is None:
+        state.stage = ctx.host_empty(state.numel, compute_dtype, pinned=True)
+    return state.stage

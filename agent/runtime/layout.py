@@ -1,0 +1,134 @@
+"""Chunk layout: which parameter lives in which chunk at which offset, checked against the model.
+
+The plan names parameters as `model.named_parameters()` does (a tied parameter may be named by any of
+its aliases) and packs them contiguously, in the listed order, into chunks of `chunk_size_bytes`.
+Bytes are counted in the training (compute) dtype. A plan that does not match the model is refused
+with an error naming the chunk and the parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from agent.runtime.device import element_size
+from client.contract import Placement, Policy
+
+
+class PlanMismatchError(ValueError):
+    """The plan's chunk layout does not describe this model."""
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter's place: chunk, element offset and length inside the chunk's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    chunk: int
+    offset: int  # elements of the compute dtype from the start of the chunk
+    numel: int
+    shape: torch.Size
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass
+class ChunkSpec:
+    index: int
+    placement: Placement
+    entries: list[ParamEntry] = field(default_factory=list)
+
+    @property
+    def used_numel(self) -> int:
+        return self.entries[-1].end if self.entries else 0
+
+    @property
+    def offloaded(self) -> bool:
+        return self.placement == Placement.offloaded
+
+
+@dataclass
+class ChunkLayout:
+    chunk_numel: int  # capacity of every chunk, in elements of the compute dtype
+    compute_dtype: torch.dtype
+    chunks: list[ChunkSpec]
+    n_buffers: int
+    by_param: dict[int, ParamEntry]  # id(parameter) -> entry
+
+    @property
+    def offloaded(self) -> list[ChunkSpec]:
+        return [c for c in self.chunks if c.offloaded]
+
+    @property
+    def persistent(self) -> list[ChunkSpec]:
+        return [c for c in self.chunks if not c.offloaded]
+
+    def entry(self, param: torch.Tensor) -> ParamEntry | None:
+        return self.by_param.get(id(param))
+
+    @classmethod
+    def from_policy(cls, policy: Policy, model: nn.Module, compute_dtype: torch.dtype) -> ChunkLayout:
+        """Check `policy` against `model` and compute every parameter's offset. Raises PlanMismatchError."""
+        model_name = type(model).__name__
+        named: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        canonical: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        esize = element_size(compute_dtype)
+        if policy.chunk_size_bytes % esize:
+            raise PlanMismatchError(
+                f"policy.chunk_size_bytes: {policy.chunk_size_bytes} is not a multiple of the "
+                f"{compute_dtype} element size {esize}"
+            )
+        chunk_numel = policy.chunk_size_bytes // esize
+        placed: dict[int, str] = {}  # id(param) -> "chunks[i].parameters[j]"
+        by_param: dict[int, ParamEntry] = {}
+        chunks: list[ChunkSpec] = []
+        for ci, chunk in enumerate(policy.chunks):
+            spec = ChunkSpec(index=ci, placement=chunk.placement)
+            offset = 0
+            for pj, name in enumerate(chunk.parameters):
+                where = f"policy.chunks[{ci}].parameters[{pj}]"
+                param = named.get(name)
+                if param is None:
+                    raise PlanMismatchError(f"{where}: {name!r} is not a parameter of this {model_name}")
+                if id(param) in placed:
+                    raise PlanMismatchError(
+                        f"{where}: {name!r} is the parameter already placed at {placed[id(param)]} "
+                        f"(a tied parameter must be listed once)"
+                    )
+                placed[id(param)] = where
+                if not param.is_floating_point():
+                    raise PlanMismatchError(f"{where}: {name!r} has dtype {param.dtype}; chunks hold floats only")
+                if offset + param.numel() > chunk_numel:
+                    raise PlanMismatchError(
+                        f"{where}: {name!r} ({param.numel() * esize} bytes) overflows the chunk: "
+                        f"{offset * esize} bytes already used of chunk_size_bytes {policy.chunk_size_bytes}"
+                    )
+                entry = ParamEntry(name=canonical.get(id(param), name), param=param, chunk=ci, offset=offset,
+                                   numel=param.numel(), shape=param.shape)
+                spec.entries.append(entry)
+                by_param[id(param)] = entry
+                offset += param.numel()
+            if offset * esize != chunk.used_bytes:
+                raise PlanMismatchError(
+                    f"policy.chunks[{ci}].used_bytes: is {chunk.used_bytes}, but its parameters take "
+                    f"{offset * esize} bytes in {compute_dtype} (was the plan solved for another precision?)"
+                )
+            chunks.append(spec)
+        missing = [n for n, p in model.named_parameters() if id(p) not in placed]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5])
+            raise PlanMismatchError(
+                f"policy.chunks: {len(missing)} parameter(s) of this {model_name} are in no chunk, e.g. {shown}"
+            )
+        if any(c.offloaded for c in chunks) and policy.n_buffers < 2:
+            raise PlanMismatchError(
+                f"policy.n_buffers: is {policy.n_buffers}; the runtime needs at least 2 device buffers when "
+                "chunks are offloaded (one backward operation may read parameters from two adjacent chunks)"
+            )
+        return cls(chunk_numel=chunk_numel, compute_dtype=compute_dtype, chunks=chunks,
+                   n_buffers=policy.n_buffers, by_param=by_param)

@@ -1,0 +1,621 @@
+"""Model-state manager: keeps every parameter where the plan puts it and moves it when it is needed.
+
+The flow of one iteration (offloaded chunks; persistent chunks simply stay on the device):
+- forward: a pre-hook on each module that owns parameters makes its chunks resident (demand upload
+  into a device buffer, or a hit) and pins them for the module's forward; the next chunks in the
+  recorded access order are prefetched into buffers whose chunks are needed later or never.
+- saved tensors: while the model's forward runs, a saved-tensor hook replaces any tensor that lives
+  in a device buffer (a parameter, or a view of one such as `weight.t()`) by (chunk, geometry); in
+  backward it is rebuilt from wherever the chunk is resident then, uploading it if needed. So a buffer
+  can be reused after forward without any saved tensor reading another chunk's data.
+- backward: chunks still resident after forward are used as they are (no re-upload). Each parameter's
+  gradient is gathered into its chunk's gradient area (post-accumulate-grad hook); when every
+  parameter of the chunk used in forward has its gradient, the gradient area is copied to the host on
+  the offload stream and the chunk leaves its buffer; with `overlap_host_step` the host worker then
+  steps that chunk while backward goes on. A callback at the end of backward settles stragglers.
+- step: persistent chunks step on the device; offloaded chunks not yet stepped are queued on the host
+  worker. `step()` does not wait for host work: a chunk's next upload (or any state access) does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport
+from agent.runtime.buffers import BufferPool, Slot
+from agent.runtime.chunks import ChunkState, allocate, bind, stage_for, views
+from agent.runtime.device import DeviceContext, Event, element_size
+from agent.runtime.host_worker import HostWorker
+from agent.runtime.layout import ChunkLayout
+from agent.runtime.options import RuntimeOptions
+from agent.runtime.schedule import AccessSchedule, Direction
+
+if TYPE_CHECKING:
+    from agent.runtime.optimizer import ChunkedOptimizer, ChunkStepper
+
+
+@dataclass(frozen=True)
+class SavedChunkView:
+    """A saved tensor that lived in a device buffer, recorded as the chunk and its geometry in it."""
+
+    chunk: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class ModelStateManager:
+    def __init__(self, model: nn.Module, layout: ChunkLayout, ctx: DeviceContext, options: RuntimeOptions) -> None:
+        self.model = model
+        self.layout = layout
+        self.ctx = ctx
+        self.options = options
+        self.counters = Counters()
+        self._original = {id(e.param): (e.param.dtype, e.param.device) for e in layout.by_param.values()}
+        self.states: list[ChunkState] = [allocate(spec, ctx, layout.compute_dtype) for spec in layout.chunks]
+        self._pos = {id(e.param): (e.chunk, j) for spec in layout.chunks for j, e in enumerate(spec.entries)}
+        self.has_offload = bool(layout.offloaded)
+        self.pool = BufferPool(ctx, layout.n_buffers, layout.chunk_numel, layout.compute_dtype) if self.has_offload else None
+        self._slot_by_storage = self.pool.storage_ids() if self.pool else {}
+        self.schedule = AccessSchedule([c.index for c in layout.offloaded])
+        self.worker = HostWorker() if self.has_offload else None
+        self.optimizer: ChunkedOptimizer | None = None
+        self.steppers: list[ChunkStepper] = []
+        self._handles: list[RemovableHandle] = []
+        self._phase = "idle"
+        self._clock = 0
+        self._recent: list[int] = []  # the last two distinct chunks demanded (never evicted by a prefetch)
+        self._saved_hooks: list[Any] = []
+        self._upload_timings: list[tuple[Event, Event]] = []
+        self._esize = element_size(layout.compute_dtype)
+        self._move_buffers_to_device()
+        self._install_hooks()
+
+    # ================================================================================== setup/teardown
+    def attach_optimizer(self, optimizer: ChunkedOptimizer) -> None:
+        from agent.runtime.optimizer import ChunkStepper
+
+        self.optimizer = optimizer
+        group_of = optimizer.group_of()
+        self.steppers = [
+            ChunkStepper(st, optimizer.user_class, optimizer.param_groups, group_of, optimizer.device_impl)
+            for st in self.states
+        ]
+
+    def _move_buffers_to_device(self) -> None:
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != self.ctx.device:
+                    module._buffers[name] = buf.to(self.ctx.device)
+
+    def _install_hooks(self) -> None:
+        for e in self.layout.by_param.values():
+            if e.param.requires_grad:
+                self._handles.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+        m = self.model
+        self._handles.append(m.register_forward_pre_hook(self._on_root_forward, prepend=True))
+        self._handles.append(m.register_forward_hook(self._after_root_forward, always_call=True))
+        self._handles.append(m.register_state_dict_pre_hook(self._before_state_dict))
+        self._handles.append(m.register_load_state_dict_pre_hook(self._before_load_state_dict))
+        self._handles.append(m.register_load_state_dict_post_hook(self._after_load_state_dict))
+        if not self.has_offload:
+            return
+        seen: set[int] = set()
+        for module in m.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            chunks: set[int] = set()
+            expected: dict[int, list[int]] = {}
+            for p in module._parameters.values():
+                if p is None or id(p) not in self._pos:
+                    continue
+                c, j = self._pos[id(p)]
+                if self.states[c].offloaded:
+                    chunks.add(c)
+                    if p.requires_grad:
+                        expected.setdefault(c, []).append(j)
+            if chunks:
+                if len(chunks) > self.layout.n_buffers:
+                    raise ValueError(
+                        f"policy.n_buffers: module {type(module).__name__} needs {len(chunks)} offloaded chunks "
+                        f"resident at once, more than the {self.layout.n_buffers} buffers"
+                    )
+                ordered = sorted(chunks)
+                self._handles.append(module.register_forward_pre_hook(partial(self._before_module, ordered, expected)))
+                self._handles.append(
+                    module.register_forward_hook(partial(self._after_module, ordered), always_call=True)
+                )
+
+    def detach(self) -> None:
+        """Remove every hook and turn parameters back into ordinary tensors with their trained values."""
+        self.synchronize()
+        self.evict_all()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        with torch.no_grad():
+            for st in self.states:
+                source = st.master if st.mixed or st.offloaded else st.params
+                assert source is not None
+                for e, v in zip(st.spec.entries, views(source, st.spec.entries), strict=True):
+                    dtype, device = self._original[id(e.param)]
+                    e.param.data = v.to(device=device, dtype=dtype, copy=True)
+                    e.param.grad = None
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.states = []
+        self.steppers = []
+        self.pool = None
+
+    # ======================================================================================= phases
+    def _on_root_forward(self, module: nn.Module, args: Any) -> None:
+        if self._phase == "backward":
+            return  # a forward re-run inside backward (recomputation): chunks are fetched on demand
+        self._phase = "forward"
+        self.schedule.start(Direction.forward, record=True)
+        if self.has_offload and torch.is_grad_enabled():
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            self._saved_hooks.append(hooks)
+
+    def _after_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+        if self._phase == "forward":
+            self._phase = "idle"
+
+    def _ensure_backward(self) -> None:
+        if self._phase == "backward":
+            return
+        self._phase = "backward"
+        self.schedule.start(Direction.backward, record=True)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        for st in self.states:
+            if st.offloaded and (st.in_slot or (st.received and not st.complete)):
+                self._complete(st)
+        for st in self.states:
+            st.expected.clear()
+            st.received.clear()
+            st.complete = False
+        if self.pool is not None:
+            for slot in self.pool.slots:
+                slot.pins = 0
+        self.schedule.finish_recording()
+        self._phase = "idle"
+        self.counters.iterations += 1
+
+    # ================================================================================ module hooks
+    def _before_module(self, chunks: list[int], expected: dict[int, list[int]], module: nn.Module, args: Any) -> None:
+        for c in chunks:
+            self._acquire(c, pin=True)
+        if torch.is_grad_enabled():
+            for c, js in expected.items():
+                self.states[c].expected.update(js)
+
+    def _after_module(self, chunks: list[int], module: nn.Module, args: Any, output: Any) -> None:
+        assert self.pool is not None
+        for c in chunks:
+            st = self.states[c]
+            if st.slot is not None:
+                slot = self.pool.slots[st.slot]
+                slot.pins = max(0, slot.pins - 1)
+
+    # ============================================================================== saved tensors
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device != self.ctx.device:
+            return t
+        slot = self._slot_by_storage.get(t.untyped_storage().data_ptr())
+        if slot is None or slot.chunk is None:
+            return t
+        if t.dtype != self.layout.compute_dtype:
+            return t.clone()  # a dtype-reinterpreting view of a buffer: keep a private copy
+        return SavedChunkView(slot.chunk, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, SavedChunkView):
+            return packed  # type: ignore[no-any-return]
+        if self._phase != "forward":
+            self._ensure_backward()
+        slot = self._acquire(packed.chunk)
+        return slot.params.as_strided(packed.size, packed.stride, packed.offset)
+
+    # ================================================================================== residency
+    def _acquire(self, c: int, *, pin: bool = False) -> Slot:
+        assert self.pool is not None
+        st = self.states[c]
+        self._clock += 1
+        self.schedule.demand(c)
+        if st.slot is None:
+            self._upload(st, self._victim(demand=True))
+            self.counters.demand_uploads += 1
+        else:
+            self.counters.resident_hits += 1
+        slot = self.pool.slots[st.slot]  # type: ignore[index]
+        slot.last_use = self._clock
+        if pin:
+            slot.pins += 1
+        if not self._recent or self._recent[-1] != c:
+            self._recent = [*self._recent[-1:], c]
+        self.ctx.wait(st.ready)
+        self._prefetch()
+        return slot
+
+    def _victim(self, *, demand: bool, before: float = float("inf")) -> Slot | None:
+        assert self.pool is not None
+        for slot in self.pool.slots:
+            if slot.chunk is None:
+                return slot
+        protected = set(self._recent[-1:]) if demand else set(self._recent)
+        candidates = [s for s in self.pool.slots if s.pins == 0 and s.chunk not in protected]
+        if not candidates:
+            if demand:
+                held = [s.chunk for s in self.pool.slots]
+                raise RuntimeError(
+                    f"chunk runtime: all {len(self.pool.slots)} device buffers hold chunks in use {held}; "
+                    "the plan needs more buffers (policy.n_buffers) for this model"
+                )
+            return None
+        best = max(candidates, key=lambda s: (self.schedule.next_use(s.chunk), -s.last_use))  # type: ignore[arg-type]
+        if not demand and self.schedule.next_use(best.chunk) <= before:  # type: ignore[arg-type]
+            return None
+        return best
+
+    def _prefetch(self) -> None:
+        assert self.pool is not None
+        for t in self.schedule.upcoming(len(self.pool.slots) - 1):
+            st = self.states[t]
+            if st.slot is not None or not st.offloaded:
+                continue
+            if st.host_work is not None and not st.host_work.done():
+                break  # its host step is still running: do not block the training thread for a prefetch
+            victim = self._victim(demand=False, before=self.schedule.next_use(t))
+            if victim is None:
+                break
+            self._upload(st, victim)
+            self.counters.prefetches += 1
+
+    def _upload(self, st: ChunkState, slot: Slot | None) -> None:
+        assert slot is not None and st.host_params is not None
+        if slot.chunk is not None:
+            self._evict(slot)
+        st.wait_host()  # the host step must have finished writing the upload source
+        n = st.numel
+        stream = self.ctx.upload_stream
+        with self.ctx.on(stream):
+            for ev in slot.free_after:
+                self.ctx.wait(ev, stream)
+            slot.free_after.clear()
+            start = self.ctx.record(stream) if self.options.measure_uploads else None
+            slot.params[:n].copy_(st.host_params, non_blocking=True)
+            slot.grad[:n].zero_()
+            st.ready = self.ctx.record(stream)
+            if start is not None:
+                self._upload_timings.append((start, st.ready))
+        slot.chunk = st.index
+        st.slot = slot.index
+        bind(slot.params, st.spec.entries)
+        self.counters.uploads += 1
+        self.counters.upload_bytes += n * self._esize
+
+    def _evict(self, slot: Slot) -> None:
+        assert slot.chunk is not None
+        st = self.states[slot.chunk]
+        if st.in_slot:
+            self._flush(st, slot)
+        slot.free_after.append(self.ctx.record())  # compute that read the buffer so far
+        assert st.host_params is not None
+        bind(st.host_params, st.spec.entries)
+        slot.chunk = None
+        st.slot = None
+        st.ready = None
+        self.counters.evictions += 1
+
+    def evict_all(self) -> None:
+        if self.pool is not None:
+            for slot in self.pool.slots:
+                if slot.chunk is not None:
+                    self._evict(slot)
+
+    # ================================================================================== gradients
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._ensure_backward()
+        if param.grad is None:
+            return
+        c, j = self._pos[id(param)]
+        st = self.states[c]
+        e = st.spec.entries[j]
+        if not st.offloaded:
+            assert st.grad is not None
+            view = st.grad[e.offset : e.end].view(e.shape)
+            if param.grad.data_ptr() != view.data_ptr():  # the user replaced .grad: take it back
+                view.copy_(param.grad)
+                param.grad = view
+            st.touched.add(j)
+            return
+        if st.stepped and self.options.overlap_host_step:
+            raise RuntimeError(
+                f"chunk runtime: parameter {e.name!r} got a gradient after its chunk's host optimizer step ran "
+                "(a second backward before optimizer.step(), i.e. gradient accumulation, or a parameter used "
+                "outside its module's forward). Use RuntimeOptions(overlap_host_step=False) for accumulation."
+            )
+        if st.slot is None:
+            self._acquire(c)
+        assert self.pool is not None and st.slot is not None
+        dst = self.pool.slots[st.slot].grad[e.offset : e.end]
+        if j in st.in_slot:
+            dst.add_(param.grad.reshape(-1))
+        else:
+            dst.copy_(param.grad.reshape(-1))
+        param.grad = None
+        st.in_slot.add(j)
+        st.received.add(j)
+        if st.expected and st.expected <= st.received:
+            self._complete(st)
+
+    def _complete(self, st: ChunkState) -> None:
+        """Every expected gradient of the chunk has arrived: send them to the host, step if overlapping."""
+        assert self.pool is not None
+        if st.slot is not None:
+            slot = self.pool.slots[st.slot]
+            if slot.pins == 0:
+                self._evict(slot)
+            elif st.in_slot:
+                self._flush(st, slot, keep=True)
+        st.complete = True
+        if self.options.overlap_host_step and st.touched and not st.stepped and self.optimizer is not None:
+            self._submit_step(st)
+
+    def _flush(self, st: ChunkState, slot: Slot, *, keep: bool = False) -> None:
+        """Copy the chunk's gradient area to the host (overwrite after zero_grad, else add)."""
+        assert st.host_grad is not None and self.worker is not None
+        st.wait_host()  # host work may still read host_grad or the staging buffer
+        n = st.numel
+        first = st.flushes == 0
+        direct = first and not st.mixed
+        target = st.host_grad if direct else stage_for(st, self.ctx, self.layout.compute_dtype)
+        computed = self.ctx.record()
+        stream = self.ctx.offload_stream
+        with self.ctx.on(stream):
+            self.ctx.wait(computed, stream)
+            target[:n].copy_(slot.grad[:n], non_blocking=True)
+            copied = self.ctx.record(stream)
+        slot.free_after.append(copied)
+        if keep:
+            self.ctx.wait(copied)
+            slot.grad[:n].zero_()
+        st.flushes += 1
+        st.touched |= st.in_slot
+        st.in_slot.clear()
+        events = [*st.pending_events, copied]
+        st.pending_events = []
+        if direct:
+            st.pending_events = events
+        else:
+            st.host_work = self.worker.submit(self._absorb, st, events, first)
+        self.counters.grad_flushes += 1
+        self.counters.grad_flush_bytes += n * self._esize
+
+    def _absorb(self, st: ChunkState, events: list[Event], first: bool) -> None:
+        """Host worker: fold the staged gradient copy into the fp32 host gradient."""
+        for ev in events:
+            self.ctx.host_wait(ev)
+        assert st.host_grad is not None and st.stage is not None
+        if first:
+            st.host_grad.copy_(st.stage)
+        else:
+            st.host_grad.add_(st.stage)
+
+    # ================================================================================== optimizer
+    def _submit_step(self, st: ChunkState) -> None:
+        assert self.optimizer is not None and self.worker is not None
+        hypers = self.optimizer.hyper_snapshot()
+        events = st.pending_events
+        st.pending_events = []
+        st.host_work = self.worker.submit(self._host_step, st, hypers, set(st.touched), events)
+        st.stepped = True
+
+    def _host_step(self, st: ChunkState, hypers: list[dict[str, Any]], touched: set[int], events: list[Event]) -> None:
+        """Host worker: the chunk's optimizer step on its fp32 master, then refresh the upload source."""
+        for ev in events:
+            self.ctx.host_wait(ev)
+        t0 = time.perf_counter()
+        assert st.host_grad is not None and st.host_params is not None and st.master is not None
+        self.steppers[st.index].step(hypers, views(st.host_grad, st.spec.entries), touched)
+        if st.mixed:
+            st.host_params.copy_(st.master)
+        self.counters.host_step_s += time.perf_counter() - t0
+        self.counters.host_steps += 1
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self._phase == "backward":
+            raise RuntimeError("optimizer.step(): called during backward")
+        assert self.optimizer is not None
+        hypers = self.optimizer.hyper_snapshot()
+        for st in self.states:
+            if st.offloaded or not st.touched:
+                continue
+            assert st.grad is not None and st.params is not None and st.master is not None
+            grad = st.grad.float() if st.mixed else st.grad
+            self.steppers[st.index].step(hypers, views(grad, st.spec.entries), st.touched)
+            if st.mixed:
+                st.params.copy_(st.master)
+            self.counters.device_steps += 1
+        for st in self.states:
+            if not st.offloaded:
+                continue
+            if not st.stepped and st.touched:
+                if st.slot is not None:
+                    assert self.pool is not None
+                    self._evict(self.pool.slots[st.slot])
+                self._submit_step(st)
+            st.stepped = False
+
+    @torch.no_grad()
+    def zero_grad(self, *, set_to_none: bool = True) -> None:
+        for st in self.states:
+            requiring = {j for j, e in enumerate(st.spec.entries) if e.param.requires_grad}
+            st.touched = set() if set_to_none else requiring
+            if not st.offloaded:
+                assert st.grad is not None
+                st.grad.zero_()
+                for e, g in zip(st.spec.entries, views(st.grad, st.spec.entries), strict=True):
+                    if e.param.requires_grad and e.param.grad is not g:
+                        e.param.grad = g
+                continue
+            st.flushes = 0
+            if not set_to_none:
+                st.wait_host()
+                assert st.host_grad is not None
+                for ev in st.pending_events:
+                    self.ctx.host_wait(ev)
+                st.pending_events = []
+                st.host_grad.zero_()
+                st.flushes = 1
+
+    def synchronize(self) -> None:
+        """Wait for all host work and device copies: parameters and states are then safe to read."""
+        for st in self.states:
+            st.wait_host()
+            for ev in st.pending_events:
+                self.ctx.host_wait(ev)
+            st.pending_events = []
+        self.ctx.synchronize()
+
+    @torch.no_grad()
+    def refresh_compute_from_master(self) -> None:
+        """After masters were loaded: rebuild the compute copies (mixed precision) and drop stale buffers."""
+        self.evict_all()
+        for st in self.states:
+            if not st.mixed:
+                continue
+            target = st.host_params if st.offloaded else st.params
+            assert target is not None and st.master is not None
+            target.copy_(st.master)
+
+    def clip_grad_norm_(self, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip all gradients (persistent on the device, offloaded on the host) by their global norm.
+
+        Same arithmetic as `torch.nn.utils.clip_grad_norm_`. Call it after backward and before
+        `optimizer.step()`; with offloaded chunks this needs RuntimeOptions(overlap_host_step=False),
+        because overlapped host steps have already used the unclipped gradients during backward.
+        """
+        if self._phase == "backward":
+            raise RuntimeError("clip_grad_norm_: called during backward")
+        stepped = [st.index for st in self.states if st.offloaded and st.stepped]
+        if stepped:
+            raise RuntimeError(
+                f"clip_grad_norm_: the host optimizer already stepped offloaded chunk(s) {stepped[:8]} during "
+                "backward (RuntimeOptions.overlap_host_step=True), so their gradients can no longer be clipped. "
+                "Wrap with RuntimeOptions(overlap_host_step=False) to clip: host steps then wait for optimizer.step()."
+            )
+        self.synchronize()
+        device_grads: list[torch.Tensor] = []
+        host_grads: list[torch.Tensor] = []
+        for st in self.states:
+            if st.offloaded:
+                assert st.host_grad is not None
+                gv = views(st.host_grad, st.spec.entries)
+                host_grads.extend(gv[j] for j in sorted(st.touched))
+            else:
+                assert st.grad is not None
+                gv = views(st.grad, st.spec.entries)
+                device_grads.extend(gv[j] for j in sorted(st.touched))
+        norms = [
+            torch.nn.utils.get_total_norm(g, norm_type, error_if_nonfinite).to(self.ctx.device)
+            for g in (device_grads, host_grads)
+            if g
+        ]
+        if not norms:
+            return torch.tensor(0.0, device=self.ctx.device)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if device_grads:
+            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+        if host_grads:
+            torch._foreach_mul_(host_grads, coef.to("cpu"))
+        return total
+
+    # ================================================================================ state dicts
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.synchronize()
+        self.evict_all()  # offloaded parameters now point at their host copies
+
+    def _before_load_state_dict(self, module: nn.Module, *args: Any) -> None:
+        self.synchronize()
+        self.evict_all()
+
+    @torch.no_grad()
+    def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
+        for st in self.states:
+            if st.mixed:
+                source = st.host_params if st.offloaded else st.params
+                assert st.master is not None and source is not None
+                st.master.copy_(source)
+
+    # ================================================================================= accounting
+    def memory_report(self) -> MemoryReport:
+        rep = MemoryReport()
+        dev, host = rep.device, rep.host
+
+        def add(d: dict[str, int], key: str, n: int) -> None:
+            d[key] = d.get(key, 0) + n
+
+        seen: set[int] = set()
+        for st in self.states:
+            side = host if st.offloaded else dev
+            tensors = {
+                "parameters": st.host_params if st.offloaded else st.params,
+                "gradients": st.host_grad if st.offloaded else st.grad,
+                "master": st.master if st.mixed else None,
+                "gradient_staging": st.stage,
+            }
+            for key, t in tensors.items():
+                if t is None or t.untyped_storage().data_ptr() in seen:
+                    continue
+                seen.add(t.untyped_storage().data_ptr())
+                add(side, key, t.nbytes)
+                if t.is_pinned():
+                    rep.pinned_host_bytes += t.nbytes
+            if self.steppers and self.steppers[st.index].inner is not None:
+                for s in self.steppers[st.index].inner.state.values():
+                    for v in s.values():
+                        if isinstance(v, torch.Tensor):
+                            on_host = st.offloaded or (self.ctx.is_cuda and v.device.type == "cpu")
+                            add(host if on_host else dev, "optimizer_state", v.nbytes)
+        if self.pool is not None:
+            dev["buffers"] = self.pool.nbytes
+        return rep
+
+    def report(self, host_optimizer: str) -> RuntimeReport:
+        self.synchronize()
+        upload_s = None
+        if self._upload_timings:
+            upload_s = sum(a.elapsed_time(b) for a, b in self._upload_timings if a is not None and b is not None) / 1e3
+        return RuntimeReport(
+            memory=self.memory_report(),
+            counters=self.counters,
+            chunks=len(self.states),
+            offloaded_chunks=sum(st.offloaded for st in self.states),
+            n_buffers=self.layout.n_buffers,
+            chunk_size_bytes=self.layout.chunk_numel * self._esize,
+            compute_dtype=str(self.layout.compute_dtype).removeprefix("torch."),
+            device=str(self.ctx.device),
+            host_optimizer=host_optimizer,
+            upload_s=upload_s,
+        )
+
+    def reset_upload_timings(self) -> list[tuple[Event, Event]]:
+        out, self._upload_timings = self._upload_timings, []
+        return out
+
