@@ -1,10 +1,115 @@
-"""`memplan alloc`: allocation planner on MiniMalloc CSV files. (Built by the issue 'Allocation planner'.)"""
+"""`memplan alloc`: allocation planner on MiniMalloc CSV files, and the caching-allocator comparison.
+
+Heavy modules (numba, the solver) are imported inside the commands, so `import client` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(help="Static allocation planning (MiniMalloc CSV in/out) and caching-allocator simulation.")
+from client.cli.common import bytes_option, console, err_console
+from client.units import format_bytes
+
+app = typer.Typer(
+    no_args_is_help=True,
+    help="Static allocation planning (MiniMalloc CSV in/out) and caching-allocator simulation.",
+)
 
 
 @app.command()
-def solve() -> None:
-    raise typer.Exit("memplan alloc solve: NOT BUILT YET (issue 'Allocation planner')")
+def solve(
+    input_csv: Annotated[Path, typer.Argument(help="MiniMalloc CSV: id,lower,upper,size")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="write id,lower,upper,size,offset here")],
+    capacity: Annotated[str | None, typer.Option(help="fit under this many bytes, e.g. 1048576 or 1MiB")] = None,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="seconds for the whole solve")] = 10.0,
+    alignment: Annotated[int, typer.Option(help="offset alignment in bytes (1: none)")] = 1,
+) -> None:
+    """Place every buffer of IN.csv; print status, arena, lower bound and gap; write OUT.csv."""
+    from planner_service.solver.allocation import (
+        AllocationInputError,
+        plan_buffers,
+        read_minimalloc_csv,
+        validate_placement,
+        write_minimalloc_csv,
+    )
+
+    cap = bytes_option(capacity)
+    try:
+        buffers = read_minimalloc_csv(input_csv)
+        plan = plan_buffers(buffers, capacity_bytes=cap, alignment_bytes=alignment, time_limit_s=time_limit)
+    except (AllocationInputError, OSError) as exc:
+        err_console.print(f"[red]{input_csv}[/]: {exc}")
+        raise typer.Exit(2) from exc
+    console.print(f"buffers       {len(buffers)}")
+    console.print(f"lower bound   {plan.lower_bound_bytes} B ({format_bytes(plan.lower_bound_bytes)})")
+    if plan.status.value == "infeasible":
+        console.print(f"[red]infeasible[/]: capacity {cap} B is below the {plan.proven_bound_bytes} B needed")
+        raise typer.Exit(1)
+    validate_placement(buffers, plan.offsets, capacity=cap if plan.status.value != "unknown" else None,
+                       alignment=alignment)
+    write_minimalloc_csv(output, buffers, plan.offsets)
+    console.print(f"arena         {plan.arena_bytes} B ({format_bytes(plan.arena_bytes)})")
+    console.print(f"gap           {plan.gap:.2%}")
+    console.print(f"status        {plan.status.value} ({plan.method}, {plan.solve_s:.2f} s)")
+    console.print(f"wrote         {output}")
+    if plan.status.value == "unknown":
+        err_console.print(f"[yellow]no placement under {cap} B found in {time_limit} s[/]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def simulate(
+    trace_json: Annotated[Path, typer.Argument(help="a Trace (with allocation_trace) or an AllocationTrace, JSON")],
+    time_limit: Annotated[float, typer.Option("--time-limit", help="seconds for the plan")] = 10.0,
+    alignment: Annotated[int, typer.Option(help="offset alignment in bytes")] = 512,
+    iterations: Annotated[int, typer.Option(help="iterations replayed back to back")] = 2,
+) -> None:
+    """Print PyTorch's caching allocator figures on TRACE.json beside the planned arena's."""
+    from pydantic import ValidationError
+    from rich.table import Table
+
+    from client.contract import AllocationTrace, Trace
+    from planner_service.solver.allocation import (
+        plan_allocation,
+        simulate_caching_allocator,
+        validate_allocation,
+    )
+
+    try:
+        data = json.loads(trace_json.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        err_console.print(f"[red]{trace_json}[/]: {exc}")
+        raise typer.Exit(2) from exc
+    try:
+        if isinstance(data, dict) and "allocation_trace" in data:
+            alloc = Trace.model_validate(data).allocation_trace
+            if alloc is None:
+                err_console.print(f"[red]{trace_json}[/]: allocation_trace is null (profile with allocation_trace=True)")
+                raise typer.Exit(2)
+        else:
+            alloc = AllocationTrace.model_validate(data)
+    except ValidationError as exc:
+        err_console.print(f"[red]{trace_json}[/]: {exc}")
+        raise typer.Exit(2) from exc
+    plan = plan_allocation(alloc, alignment_bytes=alignment, time_limit_s=time_limit)
+    validate_allocation(alloc, plan)
+    sim = simulate_caching_allocator(alloc, iterations=iterations)
+    table = Table(title=f"{trace_json.name}: {len(alloc.events)} buffers, horizon {alloc.horizon}")
+    table.add_column("")
+    table.add_column("planned arena", justify="right")
+    table.add_column("caching allocator", justify="right")
+    table.add_row("lower bound (live bytes)", format_bytes(plan.lower_bound_bytes), format_bytes(plan.lower_bound_bytes))
+    table.add_row("peak reserved", format_bytes(plan.arena_bytes), format_bytes(sim.peak_reserved_bytes))
+    table.add_row("peak allocated", format_bytes(plan.lower_bound_bytes), format_bytes(sim.peak_allocated_bytes))
+    plan_frag = 0.0 if plan.arena_bytes == 0 else 1 - plan.lower_bound_bytes / plan.arena_bytes
+    table.add_row("fragmentation (1 - allocated/reserved)", f"{plan_frag:.2%}", f"{sim.fragmentation_ratio:.2%}")
+    table.add_row("over lower bound", f"{plan.gap:.2%}",
+                  f"{sim.peak_reserved_bytes / max(plan.lower_bound_bytes, 1) - 1:.2%}")
+    table.add_row("segments (small/large)", "1 arena",
+                  f"{sim.segments_allocated} ({sim.small_segments_allocated}/{sim.large_segments_allocated})")
+    table.add_row("status", f"{plan.status.value} ({plan.solve_s:.2f} s)", "out of memory" if sim.out_of_memory else "ok")
+    console.print(table)

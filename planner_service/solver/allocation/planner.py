@@ -76,8 +76,12 @@ def _ceil_div(a: int, b: int) -> int:
 def plan_buffers(
     buffers: Sequence[Buffer], *, capacity_bytes: int | None = None, alignment_bytes: int = 1,
     time_limit_s: float = 10.0, rules: SearchRules | None = None, base_offset_bytes: int = 0,
+    minimize: bool = True,
 ) -> BufferPlan:
     """Place `buffers` (validated first) minimising the arena, under `capacity_bytes` when given.
+
+    With `minimize=False` and a capacity, stop at the first placement under the capacity (MiniMalloc's
+    question); the status is then optimal only if that placement happens to meet the bound.
 
     `base_offset_bytes` (a multiple of the alignment) shifts every offset; it is used to plan above
     buffers already placed, and counts against the capacity.
@@ -145,7 +149,7 @@ def plan_buffers(
     # 4. Tighten towards the proven bound while time is left: the bound itself first, then bisection.
     lo_try = proven  # no target below this is worth trying (proven infeasible, or timed out)
     first = True
-    while not infeasible_proven and lo_try < best_arena:
+    while minimize and not infeasible_proven and lo_try < best_arena:
         left = deadline - time.perf_counter()
         if left <= 0.05:
             break
