@@ -3,7 +3,8 @@
 What the service runs before it stores any allocation plan: every event has exactly one offset, each
 offset is aligned, nothing ends beyond the plan's arena or the capacity, the plan's lower bound is the
 trace's, and no two buffers live at the same time share an address, with the iteration repeated once
-(times of the second copy shifted by the horizon; long-lived buffers live across both), which is the
+(times of the second copy shifted by the horizon; a long-lived buffer lives from its allocation in
+the first copy to the end of the second, so the second copy is the steady state), which is the
 periodic steady state a training loop runs.
 """
 
@@ -58,7 +59,7 @@ def validate_allocation(trace: AllocationTrace, plan: AllocationPlan, *, capacit
     for e in trace.events:
         off = by_id[e.id]
         if e.free_index is None:
-            buffers.append(Buffer(str(e.id), 0, 2 * h, e.size_bytes))
+            buffers.append(Buffer(str(e.id), e.alloc_index, 2 * h, e.size_bytes))
             offsets.append(off)
         else:
             buffers.append(Buffer(str(e.id), e.alloc_index, e.free_index, e.size_bytes))
