@@ -5,8 +5,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from planner_service.db.base import Base
 from planner_service.db import models  # noqa: F401  (registers the tables on Base.metadata)
+from planner_service.db.base import Base
 
 config = context.config
 target_metadata = Base.metadata

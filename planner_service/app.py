@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -10,6 +11,7 @@ from fastapi import FastAPI
 
 from client.contract import Trace
 from planner_service.api import catalog, errors, health, plans, traces
+from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
 from planner_service.db.session import Database
 from planner_service.jobs.worker import WorkerPool
@@ -27,6 +29,21 @@ def prepare_database(settings: Settings) -> Database:
     return db
 
 
+class InsecureBind(RuntimeError):
+    """Serving beyond loopback without authentication."""
+
+
+def check_bind(host: str, settings: Settings) -> None:
+    """Refuse to serve a non-loopback address without auth: traces describe private models and clusters."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not settings.auth:
+        raise InsecureBind(f"refusing to serve on {host} without authentication: set MEMPLAN_AUTH=true and create "
+                           "tokens with `memplan tokens create --project NAME`, or bind to 127.0.0.1")
+
+
 def create_app(settings: Settings | None = None, *, workers: int | None = None) -> FastAPI:
     settings = settings or get_settings()
     n_workers = settings.workers if workers is None else workers
@@ -36,6 +53,7 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
         db = prepare_database(settings)
         app.state.db = db
         app.state.settings = settings
+        app.state.rate_limiter = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)
         pool = WorkerPool(db, settings, n_workers)
         pool.start()
         try:

@@ -17,6 +17,7 @@ plans_app.command("solve")(policy.solve)
 app.command("serve")(service.serve)
 app.command("worker")(service.worker)
 app.add_typer(service.db_app, name="db")
+app.add_typer(service.tokens_app, name="tokens")
 app.add_typer(remote.traces_app, name="traces")
 app.add_typer(plans_app, name="plans")
 app.add_typer(plans_app, name="plan", hidden=True)  # `memplan plan solve` reads naturally too

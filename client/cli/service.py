@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from client.cli.common import console
+from client.cli.common import console, err_console
 
 db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic migrations).")
+tokens_app = typer.Typer(no_args_is_help=True, help="API tokens (each scoped to one project).")
 DbUrlOpt = Annotated[str | None, typer.Option("--database-url", envvar="MEMPLAN_DATABASE_URL",
                                               help="SQLAlchemy URL (default: SQLite under the user's data dir)")]
 
@@ -32,9 +33,14 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     """Run the planner service (API + in-process workers)."""
     import uvicorn
 
-    from planner_service.app import create_app
+    from planner_service.app import InsecureBind, check_bind, create_app
 
     settings = _settings(database_url, workers=workers)
+    try:
+        check_bind(host, settings)
+    except InsecureBind as exc:
+        err_console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from exc
     console.print(f"memplan serving on http://{host}:{port} (database: {settings.database_url})")
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
 
@@ -91,3 +97,36 @@ def db_current(database_url: DbUrlOpt = None) -> None:
     db = Database(settings.database_url)
     console.print(f"database: {current_revision(db.engine) or '(empty)'}  code head: {head_revision()}")
     db.dispose()
+
+
+@tokens_app.command("create")
+def tokens_create(project: Annotated[str, typer.Option(help="project the token may see and write")],
+                  name: Annotated[str, typer.Option(help="label for listings")] = "",
+                  database_url: DbUrlOpt = None) -> None:
+    """Create a token for PROJECT (created if missing); the token is printed once and stored only hashed."""
+    from planner_service.app import prepare_database
+    from planner_service.auth import create_token
+
+    db = prepare_database(_settings(database_url))
+    with db.session() as s:
+        token, row = create_token(s, project, name)
+        token_id = row.id
+    db.dispose()
+    console.print(f"token id {token_id} for project {project!r} (shown once, store it safely):")
+    print(token)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(token_id: str, database_url: DbUrlOpt = None) -> None:
+    """Revoke a token by id."""
+    from planner_service.app import prepare_database
+    from planner_service.auth import revoke_token
+
+    db = prepare_database(_settings(database_url))
+    with db.session() as s:
+        ok = revoke_token(s, token_id)
+    db.dispose()
+    if not ok:
+        err_console.print(f"[red]no active token {token_id}[/]")
+        raise typer.Exit(1)
+    console.print(f"revoked {token_id}")

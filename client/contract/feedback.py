@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Seconds
-from typing import Literal
 
 
 class Feedback(ContractModel):

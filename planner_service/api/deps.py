@@ -1,4 +1,4 @@
-"""Request-scoped dependencies: the database session (commit on success, roll back on error), settings."""
+"""Request-scoped dependencies: database session (commit on success, roll back on error), settings, principal."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
+from planner_service.api.errors import ApiError
+from planner_service.api.ratelimit import TokenBuckets, retry_after_header
+from planner_service.auth import ANONYMOUS, Principal, resolve
 from planner_service.db.session import Database
 from planner_service.settings import Settings
 
@@ -27,6 +30,32 @@ def get_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
         yield s
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+def get_principal(request: Request, db: Annotated[Database, Depends(get_db)],
+                  settings: Annotated[Settings, Depends(get_settings)]) -> Principal:
+    """Who is asking: the token's project when auth is on, the default project when it is off; rate-limited."""
+    principal = ANONYMOUS
+    if settings.auth:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "missing bearer token (Authorization: Bearer mp_...)",
+                           headers={"WWW-Authenticate": "Bearer"})
+        with db.session() as s:
+            found = resolve(s, token.strip())
+        if found is None:
+            raise ApiError(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})
+        principal = found
+    buckets: TokenBuckets = request.app.state.rate_limiter
+    wait = buckets.take(principal.rate_key if settings.auth else f"client:{request.client.host if request.client else '?'}")
+    if wait > 0:
+        raise ApiError(429, "rate limit exceeded", headers={"Retry-After": retry_after_header(wait)})
+    request.state.project_id = principal.project_id
+    return principal
+
+
+# scope="function": the session commits when the endpoint returns, before the response is sent, so a client
+# that reads right after a 201/202 always sees what was written.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_db)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]

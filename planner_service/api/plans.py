@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
-from planner_service.api.deps import DatabaseDep, SessionDep, SettingsDep
+from planner_service.api.deps import DatabaseDep, PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ApiError
 from planner_service.api.present import feedback_record, plan_record
 from planner_service.db.cursor import BadCursor
@@ -29,13 +29,13 @@ def _solver_version() -> str:
 
 @router.post("", status_code=202, response_model=PlanRecord,
              responses={200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused"}})
-def request_plan(body: PlanRequest, response: Response, session: SessionDep) -> PlanRecord:
-    trace = TraceRepository(session).get(body.trace_id)
+def request_plan(body: PlanRequest, response: Response, session: SessionDep, principal: PrincipalDep) -> PlanRecord:
+    trace = TraceRepository(session).get(body.trace_id, principal.project_id)
     if trace is None:
         raise ApiError(404, f"trace_id: trace {body.trace_id} not found")
     repo = PlanRepository(session)
     version = _solver_version()
-    existing = repo.reusable(request_key(trace.content_hash, body.constraints, body.objective, body.solver, version))
+    existing = repo.reusable(principal.project_id, request_key(trace.content_hash, body.constraints, body.objective, body.solver, version))
     if existing is not None:
         response.status_code = 200
         return plan_record(existing, reused=True)
@@ -43,19 +43,19 @@ def request_plan(body: PlanRequest, response: Response, session: SessionDep) -> 
     return plan_record(row, with_feedback=False)
 
 
-def _load(db: Database, plan_id: str) -> PlanRecord | None:
+def _load(db: Database, plan_id: str, project_id: str) -> PlanRecord | None:
     with db.session() as s:
-        row = PlanRepository(s).get(plan_id)
+        row = PlanRepository(s).get(plan_id, project_id)
         return None if row is None else plan_record(row)
 
 
 @router.get("/{plan_id}", response_model=PlanRecord)
-async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep,
+async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep, principal: PrincipalDep,
                    wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds")] = 0.0,
                    ) -> PlanRecord:
     deadline = time.monotonic() + min(wait, settings.max_wait_s)
     while True:
-        record = await run_in_threadpool(_load, db, plan_id)
+        record = await run_in_threadpool(_load, db, plan_id, principal.project_id)
         if record is None:
             raise ApiError(404, f"plan {plan_id} not found")
         if record.status in FINAL or time.monotonic() >= deadline:
@@ -64,7 +64,7 @@ async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep,
 
 
 @router.get("", response_model=Page[PlanRecord])
-def list_plans(session: SessionDep, settings: SettingsDep,
+def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
                model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
                hardware: Annotated[str | None, Query(description="hardware key")] = None,
                status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
@@ -72,7 +72,7 @@ def list_plans(session: SessionDep, settings: SettingsDep,
                limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                cursor: str | None = None) -> Page[PlanRecord]:
     try:
-        page = PlanRepository(session).list(model=model, hardware=hardware, status=status,
+        page = PlanRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, status=status,
                                             limit=min(limit, settings.list_limit_max), cursor=cursor,
                                             descending=sort.startswith("-"))
     except BadCursor as exc:
@@ -82,8 +82,8 @@ def list_plans(session: SessionDep, settings: SettingsDep,
 
 
 @router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
-def post_feedback(plan_id: str, body: Feedback, session: SessionDep) -> FeedbackRecord:
-    plan = PlanRepository(session).get(plan_id)
+def post_feedback(plan_id: str, body: Feedback, session: SessionDep, principal: PrincipalDep) -> FeedbackRecord:
+    plan = PlanRepository(session).get(plan_id, principal.project_id)
     if plan is None:
         raise ApiError(404, f"plan {plan_id} not found")
     if plan.status != "done":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client.contract import FeedbackRecord, Feedback, Plan, PlanRecord, TraceSummary
+from client.contract import Feedback, FeedbackRecord, Plan, PlanRecord, TraceSummary
 from planner_service.db.models import FeedbackRow, PlanRow, TraceRow
 
 

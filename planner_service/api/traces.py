@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from client.contract import Page, Trace, TraceCreated, TraceRecord, TraceSummary
 from planner_service.api.bodies import read_json
-from planner_service.api.deps import SessionDep, SettingsDep
+from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ApiError, validation_detail
 from planner_service.api.present import trace_summary
 from planner_service.db.cursor import BadCursor
@@ -22,35 +22,35 @@ router = APIRouter(prefix="/v1/traces", tags=["traces"])
              responses={200: {"model": TraceCreated, "description": "identical content already stored"}},
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/json": {"schema": {"$ref": "#/components/schemas/Trace"}}}}})
-async def upload_trace(request: Request, response: Response, session: SessionDep,
-                       settings: SettingsDep) -> TraceCreated:
+async def upload_trace(request: Request, response: Response, session: SessionDep, settings: SettingsDep,
+                       principal: PrincipalDep) -> TraceCreated:
     raw = await read_json(request, settings)
     try:
         trace = Trace.model_validate(raw)
     except ValidationError as exc:
         raise ApiError(422, "validation failed", validation_detail(exc.errors(), ("body",))) from exc
-    row, created = TraceRepository(session).add(trace)
+    row, created = TraceRepository(session).add(trace, principal.project_id)
     response.status_code = 201 if created else 200
     return TraceCreated(id=row.id, content_hash=row.content_hash, created=created)
 
 
 @router.get("/{trace_id}", response_model=TraceRecord)
-def get_trace(trace_id: str, session: SessionDep) -> TraceRecord:
-    row = TraceRepository(session).get(trace_id)
+def get_trace(trace_id: str, session: SessionDep, principal: PrincipalDep) -> TraceRecord:
+    row = TraceRepository(session).get(trace_id, principal.project_id)
     if row is None:
         raise ApiError(404, f"trace {trace_id} not found")
     return TraceRecord(**trace_summary(row).model_dump(), trace=decompress_trace(row))
 
 
 @router.get("", response_model=Page[TraceSummary])
-def list_traces(session: SessionDep, settings: SettingsDep,
+def list_traces(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
                 model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
                 hardware: Annotated[str | None, Query(description="hardware key")] = None,
                 sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
                 limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                 cursor: str | None = None) -> Page[TraceSummary]:
     try:
-        page = TraceRepository(session).list(model=model, hardware=hardware, limit=min(limit, settings.list_limit_max),
+        page = TraceRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, limit=min(limit, settings.list_limit_max),
                                              cursor=cursor, descending=sort.startswith("-"))
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc

@@ -6,7 +6,18 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from planner_service.db.base import Base, UTCDateTime, utcnow
@@ -14,6 +25,33 @@ from planner_service.db.base import Base, UTCDateTime, utcnow
 
 def new_id() -> str:
     return uuid.uuid4().hex
+
+
+DEFAULT_PROJECT = "default"
+
+
+class ProjectRow(Base):
+    """A tenant: every trace and plan belongs to one; tokens are scoped to one."""
+
+    __tablename__ = "project"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiTokenRow(Base):
+    """An API token, stored as a SHA-256 digest (tokens are 256-bit random strings; the clear text is shown once)."""
+
+    __tablename__ = "api_token"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(16), doc="first characters, to recognise a token in listings")
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class HardwareRow(Base):
@@ -41,7 +79,8 @@ class TraceRow(Base):
     __tablename__ = "trace"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
-    content_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"))
+    content_hash: Mapped[str] = mapped_column(String(64))
     model_fingerprint: Mapped[str] = mapped_column(ForeignKey("model.fingerprint"))
     hardware_key: Mapped[str] = mapped_column(ForeignKey("hardware.key"))
     workload_key: Mapped[str] = mapped_column(String(200))
@@ -56,6 +95,7 @@ class TraceRow(Base):
         Index("ix_trace_model_created", "model_fingerprint", "created_at", "id"),
         Index("ix_trace_hardware_created", "hardware_key", "created_at", "id"),
         Index("ix_trace_created", "created_at", "id"),
+        UniqueConstraint("project_id", "content_hash", name="uq_trace_project_content"),
     )
 
 
@@ -64,6 +104,7 @@ class PlanRow(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     trace_id: Mapped[str] = mapped_column(ForeignKey("trace.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
     # Denormalised from the trace so history can be browsed by model and hardware without a join.
     model_fingerprint: Mapped[str] = mapped_column(String(512))
     hardware_key: Mapped[str] = mapped_column(String(600))

@@ -6,7 +6,7 @@ import gzip
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import func, or_, select, update
@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from client.contract import Constraints, Feedback, Objective, Plan, Trace
 from planner_service.db.base import utcnow
 from planner_service.db.cursor import after, encode_cursor
-from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
+from planner_service.db.models import DEFAULT_PROJECT, FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
 
 R = TypeVar("R")
 ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
@@ -53,22 +53,25 @@ class TraceRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
 
-    def get(self, trace_id: str) -> TraceRow | None:
-        return self.s.get(TraceRow, trace_id)
+    def get(self, trace_id: str, project_id: str | None = None) -> TraceRow | None:
+        """A trace by id; with `project_id`, only if it belongs to that project."""
+        row = self.s.get(TraceRow, trace_id)
+        return row if row is not None and (project_id is None or row.project_id == project_id) else None
 
-    def by_hash(self, content_hash: str) -> TraceRow | None:
-        return self.s.scalar(select(TraceRow).where(TraceRow.content_hash == content_hash))
+    def by_hash(self, project_id: str, content_hash: str) -> TraceRow | None:
+        return self.s.scalar(select(TraceRow).where(TraceRow.project_id == project_id,
+                                                    TraceRow.content_hash == content_hash))
 
-    def add(self, trace: Trace) -> tuple[TraceRow, bool]:
-        """Store a trace; identical content returns the existing row (created=False)."""
+    def add(self, trace: Trace, project_id: str = DEFAULT_PROJECT) -> tuple[TraceRow, bool]:
+        """Store a trace in a project; identical content there returns the existing row (created=False)."""
         content_hash = trace.content_hash()
-        existing = self.by_hash(content_hash)
+        existing = self.by_hash(project_id, content_hash)
         if existing is not None:
             return existing, False
         self._ensure_model(trace)
         self._ensure_hardware(trace)
         payload, size = compress_trace(trace)
-        row = TraceRow(content_hash=content_hash, model_fingerprint=trace.model.fingerprint,
+        row = TraceRow(project_id=project_id, content_hash=content_hash, model_fingerprint=trace.model.fingerprint,
                        hardware_key=trace.hardware.key, workload_key=trace.workload.key,
                        schema_version=trace.schema_version, payload_gzip=payload, payload_bytes=size,
                        created_at=utcnow())
@@ -76,7 +79,7 @@ class TraceRepository:
             with self.s.begin_nested():
                 self.s.add(row)
         except IntegrityError:  # a concurrent upload of the same content won the race
-            winner = self.by_hash(content_hash)
+            winner = self.by_hash(project_id, content_hash)
             if winner is None:
                 raise
             return winner, False
@@ -103,9 +106,9 @@ class TraceRepository:
             except IntegrityError:
                 pass
 
-    def list(self, *, model: str | None, hardware: str | None, limit: int, cursor: str | None,
+    def list(self, *, project_id: str, model: str | None, hardware: str | None, limit: int, cursor: str | None,
              descending: bool = True) -> PageResult[TraceRow]:
-        stmt = select(TraceRow).join(ModelRow)
+        stmt = select(TraceRow).join(ModelRow).where(TraceRow.project_id == project_id)
         if model:
             stmt = stmt.where(or_(TraceRow.model_fingerprint == model, ModelRow.name == model))
         if hardware:
@@ -125,18 +128,21 @@ class PlanRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
 
-    def get(self, plan_id: str) -> PlanRow | None:
-        return self.s.get(PlanRow, plan_id)
+    def get(self, plan_id: str, project_id: str | None = None) -> PlanRow | None:
+        """A plan by id; with `project_id`, only if it belongs to that project."""
+        row = self.s.get(PlanRow, plan_id)
+        return row if row is not None and (project_id is None or row.project_id == project_id) else None
 
-    def reusable(self, key: str) -> PlanRow | None:
-        """An earlier identical request that is queued, running or finished (not failed)."""
-        return self.s.scalar(select(PlanRow).where(PlanRow.request_key == key, PlanRow.status.in_(ACTIVE_STATUSES))
+    def reusable(self, project_id: str, key: str) -> PlanRow | None:
+        """An earlier identical request of the project that is queued, running or finished (not failed)."""
+        return self.s.scalar(select(PlanRow).where(PlanRow.project_id == project_id, PlanRow.request_key == key,
+                                                   PlanRow.status.in_(ACTIVE_STATUSES))
                              .order_by(PlanRow.created_at).limit(1))
 
     def create(self, trace: TraceRow, constraints: Constraints, objective: Objective, solver: str,
                solver_version: str) -> PlanRow:
         key = request_key(trace.content_hash, constraints, objective, solver, solver_version)
-        row = PlanRow(trace_id=trace.id, model_fingerprint=trace.model_fingerprint, hardware_key=trace.hardware_key,
+        row = PlanRow(trace_id=trace.id, project_id=trace.project_id, model_fingerprint=trace.model_fingerprint, hardware_key=trace.hardware_key,
                       workload_key=trace.workload_key, request_key=key, solver=solver, solver_version=solver_version,
                       status="queued", constraints=constraints.model_dump(mode="json"), objective=objective.value,
                       attempts=0, created_at=utcnow())
@@ -144,9 +150,10 @@ class PlanRepository:
         self.s.flush()
         return row
 
-    def list(self, *, model: str | None, hardware: str | None, status: str | None, limit: int, cursor: str | None,
-             descending: bool = True) -> PageResult[PlanRow]:
-        stmt = select(PlanRow).join(ModelRow, ModelRow.fingerprint == PlanRow.model_fingerprint)
+    def list(self, *, project_id: str, model: str | None, hardware: str | None, status: str | None, limit: int,
+             cursor: str | None, descending: bool = True) -> PageResult[PlanRow]:
+        stmt = (select(PlanRow).join(ModelRow, ModelRow.fingerprint == PlanRow.model_fingerprint)
+                .where(PlanRow.project_id == project_id))
         if model:
             stmt = stmt.where(or_(PlanRow.model_fingerprint == model, ModelRow.name == model))
         if hardware:
@@ -164,7 +171,9 @@ class PlanRepository:
         now = utcnow()
         claimable = or_(PlanRow.status == "queued",
                         (PlanRow.status == "running") & (PlanRow.lease_expires_at < now))
-        candidates = list(self.s.scalars(select(PlanRow.id).where(claimable).order_by(PlanRow.created_at).limit(8)))
+        # SKIP LOCKED (PostgreSQL) lets concurrent workers pass each other's candidates; SQLite serialises writers.
+        candidates = list(self.s.scalars(select(PlanRow.id).where(claimable).order_by(PlanRow.created_at).limit(8)
+                                         .with_for_update(skip_locked=True)))
         for plan_id in candidates:
             res = self.s.execute(
                 update(PlanRow).where(PlanRow.id == plan_id, claimable)
@@ -233,20 +242,26 @@ class CatalogRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
 
-    def models(self) -> list[tuple[ModelRow, int, int]]:
-        traces = select(TraceRow.model_fingerprint, func.count().label("n")).group_by(TraceRow.model_fingerprint).subquery()
-        plans = select(PlanRow.model_fingerprint, func.count().label("n")).group_by(PlanRow.model_fingerprint).subquery()
-        stmt = (select(ModelRow, func.coalesce(traces.c.n, 0), func.coalesce(plans.c.n, 0))
-                .outerjoin(traces, traces.c.model_fingerprint == ModelRow.fingerprint)
+    def models(self, project_id: str) -> list[tuple[ModelRow, int, int]]:
+        """Models the project has traces of (other projects' models are invisible), with counts."""
+        traces = (select(TraceRow.model_fingerprint, func.count().label("n")).where(TraceRow.project_id == project_id)
+                  .group_by(TraceRow.model_fingerprint).subquery())
+        plans = (select(PlanRow.model_fingerprint, func.count().label("n")).where(PlanRow.project_id == project_id)
+                 .group_by(PlanRow.model_fingerprint).subquery())
+        stmt = (select(ModelRow, traces.c.n, func.coalesce(plans.c.n, 0))
+                .join(traces, traces.c.model_fingerprint == ModelRow.fingerprint)
                 .outerjoin(plans, plans.c.model_fingerprint == ModelRow.fingerprint)
                 .order_by(ModelRow.name, ModelRow.fingerprint))
         return [(m, int(t), int(p)) for m, t, p in self.s.execute(stmt)]
 
-    def hardware(self) -> list[tuple[HardwareRow, int, int]]:
-        traces = select(TraceRow.hardware_key, func.count().label("n")).group_by(TraceRow.hardware_key).subquery()
-        plans = select(PlanRow.hardware_key, func.count().label("n")).group_by(PlanRow.hardware_key).subquery()
-        stmt = (select(HardwareRow, func.coalesce(traces.c.n, 0), func.coalesce(plans.c.n, 0))
-                .outerjoin(traces, traces.c.hardware_key == HardwareRow.key)
+    def hardware(self, project_id: str) -> list[tuple[HardwareRow, int, int]]:
+        """Hardware the project has traces from, with counts."""
+        traces = (select(TraceRow.hardware_key, func.count().label("n")).where(TraceRow.project_id == project_id)
+                  .group_by(TraceRow.hardware_key).subquery())
+        plans = (select(PlanRow.hardware_key, func.count().label("n")).where(PlanRow.project_id == project_id)
+                 .group_by(PlanRow.hardware_key).subquery())
+        stmt = (select(HardwareRow, traces.c.n, func.coalesce(plans.c.n, 0))
+                .join(traces, traces.c.hardware_key == HardwareRow.key)
                 .outerjoin(plans, plans.c.hardware_key == HardwareRow.key)
                 .order_by(HardwareRow.key))
         return [(h, int(t), int(p)) for h, t, p in self.s.execute(stmt)]
