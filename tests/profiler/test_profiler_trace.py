@@ -1,0 +1,106 @@
+"""The Trace is valid, faithful (allocation trace replays to the peak), extrapolates, and round-trips the service."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.model_zoo import build, sample_batch
+from agent.profiler import profile
+from client.contract import AllocationCategory, BlockKind, DeviceType, Hardware, Phase, Trace
+
+
+@pytest.fixture(scope="module")
+def gpt2_trace(cpu_hardware: Hardware) -> Trace:
+    model, config = build("gpt2", layers=3, hidden=64, vocab=256, seq=32)
+    return profile(model, sample_batch(config, 2, 32), hardware=cpu_hardware, repeats=2)
+
+
+def test_trace_passes_contract_validation_after_a_json_round_trip(gpt2_trace: Trace) -> None:
+    again = Trace.model_validate_json(gpt2_trace.model_dump_json())
+    assert again == gpt2_trace
+    assert again.content_hash() == gpt2_trace.content_hash()
+
+
+def test_hardware_is_measured_on_cpu(gpt2_trace: Trace) -> None:
+    hw = gpt2_trace.hardware
+    assert hw.device_type == DeviceType.cpu
+    assert hw.device_memory_bytes == hw.host_memory_bytes > 2**30
+    curve = hw.bandwidth.h2d_pinned
+    assert curve[0].size_bytes == 64 * 2**10 and curve[-1].size_bytes == 256 * 2**20
+    for name in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
+        assert len(getattr(hw.bandwidth, name)) == 7
+
+
+def test_allocation_trace_replays_to_the_measured_peak(gpt2_trace: Trace) -> None:
+    alloc = gpt2_trace.allocation_trace
+    assert alloc is not None and alloc.source == "dispatch_tracker"
+    delta = [0] * (alloc.horizon + 1)
+    for e in alloc.events:
+        delta[e.alloc_index] += e.size_bytes
+        if e.free_index is not None:
+            delta[e.free_index] -= e.size_bytes
+    live, peak = 0, 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    assert peak == gpt2_trace.measurements.peak_device_bytes
+
+
+def test_allocation_trace_categories_follow_the_convention(gpt2_trace: Trace) -> None:
+    alloc = gpt2_trace.allocation_trace
+    assert alloc is not None
+    by_cat: dict[AllocationCategory, list] = {}
+    for e in alloc.events:
+        by_cat.setdefault(e.category, []).append(e)
+    assert set(by_cat) == set(AllocationCategory)
+    for cat in (AllocationCategory.param, AllocationCategory.grad, AllocationCategory.optimizer):
+        assert all(e.free_index is None for e in by_cat[cat]), cat
+    assert all(e.free_index is not None for e in by_cat[AllocationCategory.activation])
+    assert all(e.phase == Phase.backward for e in by_cat[AllocationCategory.grad])
+    assert all(e.phase == Phase.forward for e in by_cat[AllocationCategory.activation])
+    # parameter bytes in the trace equal the model's parameter bytes (buffers come on top)
+    param_bytes = sum(e.size_bytes for e in by_cat[AllocationCategory.param])
+    assert param_bytes >= sum(p.bytes for p in gpt2_trace.model.parameters)
+    assert sum(e.size_bytes for e in by_cat[AllocationCategory.grad]) == sum(
+        p.bytes for p in gpt2_trace.model.parameters)
+    # every repeated block allocated something in forward and in backward
+    blocks = [b.index for b in gpt2_trace.model.blocks if b.kind == BlockKind.block]
+    for phase in (Phase.forward, Phase.backward):
+        seen = {e.block for e in alloc.events if e.phase == phase}
+        assert set(blocks) <= seen, phase
+
+
+def test_measurements_are_positive_and_workload_is_measured(gpt2_trace: Trace) -> None:
+    m = gpt2_trace.measurements
+    assert m.iteration_s > 0 and m.peak_device_bytes > 0
+    assert m.optimizer.device_bytes_per_s > 0 and m.optimizer.host_bytes_per_s > 0
+    assert abs(sum(b.forward_s + b.backward_s for b in m.blocks) - m.iteration_s) < m.iteration_s
+    w = gpt2_trace.workload
+    assert (w.batch_size, w.sequence_length) == (2, 32)
+    assert w.optimizer_state_bytes_per_param == 8 and w.gradient_bytes_per_param == 4
+
+
+def test_max_blocks_profiles_one_block_and_extrapolates_to_the_rest(cpu_hardware: Hardware) -> None:
+    model, config = build("llama", layers=4, hidden=64, vocab=128, seq=16)
+    layers_before = model.model.layers
+    trace = profile(model, sample_batch(config, 2, 16), hardware=cpu_hardware, max_blocks=1, repeats=1)
+    assert model.model.layers is layers_before and len(model.model.layers) == 4
+    m = trace.measurements
+    assert m.extrapolated and m.profiled_blocks == [0, 1, 5]
+    assert trace.allocation_trace is None
+    assert len(trace.model.blocks) == 6
+    assert {p.name for p in trace.model.parameters} == {n for n, _ in model.named_parameters()}
+    assert [b.parameter_bytes for b in trace.model.blocks[1:-1]] == [trace.model.blocks[1].parameter_bytes] * 4
+    for b in m.blocks[2:5]:
+        assert b.model_dump(exclude={"block"}) == m.blocks[1].model_dump(exclude={"block"})
+
+
+def test_trace_round_trips_through_the_service(api, gpt2_trace: Trace) -> None:  # type: ignore[no-untyped-def]
+    created = api.post("/v1/traces", content=gpt2_trace.canonical_json(),
+                       headers={"content-type": "application/json"})
+    assert created.status_code in (200, 201), created.text
+    trace_id = created.json()["id"]
+    fetched = api.get(f"/v1/traces/{trace_id}")
+    assert fetched.status_code == 200
+    assert Trace.model_validate(fetched.json()["trace"]) == gpt2_trace
