@@ -1,0 +1,236 @@
+"""The wrapped optimizer behaves as the user's: hyper-parameters, groups, schedulers, state dicts, clipping."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+
+import pytest
+import torch
+from runtime_helpers import (
+    Trainer,
+    alternate,
+    batches,
+    clone,
+    max_rel_diff,
+    param_rel_diff,
+    plain_trainer,
+    plan_for,
+    tiny_model,
+    train,
+)
+
+from agent.runtime import RuntimeOptions
+from agent.wrap import Wrapped, unwrap, wrap
+
+TOL = 1e-5
+MakeOpt = Callable[[torch.nn.Module], torch.optim.Optimizer]
+
+
+def grouped_adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+    """The usual LLM set-up: no weight decay on biases and norms (two groups interleaved in every chunk)."""
+    decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=2e-3, betas=(0.8, 0.95), eps=1e-6, fused=True)
+
+
+OPTIMIZERS: dict[str, MakeOpt] = {
+    "adamw-groups": grouped_adamw,
+    "adam-l2-amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True,
+                                                  fused=True),
+    "sgd-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                                              weight_decay=1e-4, fused=True),
+}
+
+
+def wrapped_run(base: torch.nn.Module, make_opt: MakeOpt, data: list[torch.Tensor], *, offload: object = alternate,
+                options: RuntimeOptions | None = None, **train_args: object) -> tuple[list[float], Wrapped]:
+    model = clone(base)
+    w = wrap(model, make_opt(model), plan=plan_for(model, offload), options=options)  # type: ignore[arg-type]
+    losses = train(Trainer(w.model, w.optimizer, clip=w.clip_grad_norm_), data, **train_args)  # type: ignore[arg-type]
+    return losses, w
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_hyper_parameters_and_groups_are_reproduced(name: str) -> None:
+    base = tiny_model("llama")
+    data = batches(8)
+    ref_model = clone(base)
+    ref = train(plain_trainer(ref_model, OPTIMIZERS[name]), data)
+    got, w = wrapped_run(base, OPTIMIZERS[name], data)
+    assert max_rel_diff(got, ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+
+
+def test_lr_scheduler_on_the_wrapped_optimizer_drives_device_and_host_steps() -> None:
+    base = tiny_model("gpt2")
+    data = batches(10)
+
+    def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-3, total_steps=len(data))
+
+    ref_model = clone(base)
+    ref_t = plain_trainer(ref_model, grouped_adamw)
+    ref_t.scheduler = sched(ref_t.optimizer)
+    ref = train(ref_t, data)
+
+    model = clone(base)
+    w = wrap(model, grouped_adamw(model), plan=plan_for(model, "all"))
+    t = Trainer(w.model, w.optimizer, scheduler=sched(w.optimizer))
+    got = train(t, data)
+    assert max_rel_diff(got, ref) <= TOL
+    assert w.optimizer.param_groups[0]["lr"] == ref_t.optimizer.param_groups[0]["lr"]
+    w.synchronize()
+    assert param_rel_diff(model, ref_model)[0] <= TOL
+
+
+def test_optimizer_state_dict_has_the_plain_pytorch_format_and_values() -> None:
+    base = tiny_model("llama")
+    data = batches(3)
+    ref_model = clone(base)
+    ref_t = plain_trainer(ref_model, grouped_adamw)
+    train(ref_t, data)
+    _, w = wrapped_run(base, grouped_adamw, data)
+    ours, theirs = w.optimizer.state_dict(), ref_t.optimizer.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for k, st in theirs["state"].items():
+        assert ours["state"][k].keys() == st.keys()
+        for key, v in st.items():
+            torch.testing.assert_close(ours["state"][k][key], v, rtol=TOL, atol=1e-7)
+
+
+def test_checkpoint_and_resume_mid_run_gives_the_same_trajectory() -> None:
+    base = tiny_model("gpt2")
+    data = batches(20)
+    ref_model = clone(base)
+    ref = train(plain_trainer(ref_model, grouped_adamw), data)
+
+    # first half, then save model and optimizer exactly as one would with plain PyTorch
+    first, w = wrapped_run(base, grouped_adamw, data[:10], offload="all")
+    buf = io.BytesIO()
+    torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()}, buf)
+
+    # a fresh process would build a differently initialised model and wrap it with the same plan
+    fresh = tiny_model("gpt2")
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)
+    w2 = wrap(fresh, grouped_adamw(fresh), plan=plan_for(fresh, "all"))
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    w2.model.load_state_dict(ckpt["model"])
+    w2.optimizer.load_state_dict(ckpt["optimizer"])
+    second = train(Trainer(w2.model, w2.optimizer), data[10:], seed=4321)
+
+    # the reference continues from its own step 10 with the same dropout seed
+    ref_resumed_model = clone(base)
+    ref_t = plain_trainer(ref_resumed_model, grouped_adamw)
+    train(ref_t, data[:10])
+    ref_second = train(ref_t, data[10:], seed=4321)
+    assert max_rel_diff(first, ref[:10]) <= TOL
+    assert max_rel_diff(second, ref_second) <= TOL
+    w2.synchronize()
+    assert param_rel_diff(fresh, ref_resumed_model)[0] <= TOL
+
+
+def test_plain_pytorch_checkpoint_loads_into_the_wrapped_optimizer() -> None:
+    base = tiny_model("llama")
+    data = batches(8)
+    ref_model = clone(base)
+    ref_t = plain_trainer(ref_model, grouped_adamw)
+    train(ref_t, data[:4])
+    model = clone(base)
+    model.load_state_dict(ref_model.state_dict())
+    w = wrap(model, grouped_adamw(model), plan=plan_for(model, alternate))
+    # a copy, as a checkpoint file would give (a live state dict shares tensors, as in plain PyTorch)
+    w.optimizer.load_state_dict(copy.deepcopy(ref_t.optimizer.state_dict()))
+    got = train(Trainer(w.model, w.optimizer), data[4:], seed=7)
+    ref = train(ref_t, data[4:], seed=7)
+    assert max_rel_diff(got, ref) <= TOL
+
+
+@pytest.mark.parametrize("offload", ["none", "all", "alternate"])
+def test_clip_grad_norm_spans_persistent_and_offloaded_chunks(offload: str) -> None:
+    base = tiny_model("llama")
+    data = batches(10)
+    ref_model = clone(base)
+    ref_t = plain_trainer(ref_model, grouped_adamw)
+    ref = train(ref_t, data, clip=0.05)  # small: clipping is active every step
+    deferred = RuntimeOptions(overlap_host_step=False)
+    got, w = wrapped_run(base, grouped_adamw, data, offload=alternate if offload == "alternate" else offload,
+                         options=deferred, clip=0.05)
+    assert max_rel_diff(got, ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+
+
+def test_clip_grad_norm_returns_the_plain_pytorch_total_norm() -> None:
+    base = tiny_model("gpt2")
+    x = batches(1)[0]
+    ref_model = clone(base)
+    torch.manual_seed(0)  # same dropout masks
+    ref_model(input_ids=x, labels=x).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e9)
+    model = clone(base)
+    w = wrap(model, grouped_adamw(model), plan=plan_for(model, alternate),
+             options=RuntimeOptions(overlap_host_step=False))
+    torch.manual_seed(0)
+    w.model(input_ids=x, labels=x).loss.backward()
+    torch.testing.assert_close(w.clip_grad_norm_(1e9), expected, rtol=1e-6, atol=0.0)
+
+
+def test_clipping_after_overlapped_host_steps_is_refused_with_the_fix() -> None:
+    base = tiny_model("gpt2")
+    x = batches(1)[0]
+    model = clone(base)
+    w = wrap(model, grouped_adamw(model), plan=plan_for(model, "all"))
+    w.model(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="overlap_host_step=False"):
+        w.clip_grad_norm_(1.0)
+
+
+def test_gradient_accumulation_with_deferred_host_steps_matches_plain_pytorch() -> None:
+    base = tiny_model("llama")
+    data = batches(6)
+    ref_model = clone(base)
+    ref = train(plain_trainer(ref_model, grouped_adamw), data, micro=2)
+    got, w = wrapped_run(base, grouped_adamw, data, offload="all", options=RuntimeOptions(overlap_host_step=False),
+                         micro=2)
+    assert max_rel_diff(got, ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+
+
+def test_gradient_accumulation_with_overlapped_host_steps_is_refused() -> None:
+    model = tiny_model("gpt2")
+    w = wrap(model, grouped_adamw(model), plan=plan_for(model, "all"))
+    x = batches(1)[0]
+    w.model(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        w.model(input_ids=x, labels=x).loss.backward()
+
+
+def test_unwrap_gives_ordinary_parameters_and_training_continues_in_plain_pytorch() -> None:
+    base = tiny_model("gpt2")
+    data = batches(8)
+    ref_model = clone(base)
+    ref_t = plain_trainer(ref_model, grouped_adamw)
+    ref = train(ref_t, data[:4]) + train(ref_t, data[4:])
+
+    model = clone(base)
+    user_opt = grouped_adamw(model)
+    w = wrap(model, user_opt, plan=plan_for(model, alternate))
+    first = train(Trainer(w.model, w.optimizer), data[:4])
+    model = unwrap(w)
+    for p in model.parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()  # its own storage, not a chunk view
+        assert p.grad is None
+    second = train(Trainer(model, user_opt), data[4:])
+    assert max_rel_diff(first + second, ref) <= TOL
+    assert param_rel_diff(model, ref_model)[0] <= TOL
+    with pytest.raises(RuntimeError, match="unwrapped"):
+        w.report()
