@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from client.contract import Trace
+from planner_service import observability
 from planner_service.api import catalog, errors, health, plans, traces
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
     app = FastAPI(title="memplan planner", version="0.1.0", lifespan=lifespan,
                   description="Stores training traces, solves memory plans in workers, keeps the history.")
     errors.install(app)
+    observability.install(app)
     for router in (traces.router, plans.router, catalog.router, health.router):
         app.include_router(router)
     # Trace is read from the raw body (gzip support), so register its schema for the OpenAPI document.

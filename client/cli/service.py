@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 from typing import Annotated
 
@@ -41,8 +40,18 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     except InsecureBind as exc:
         err_console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from exc
-    console.print(f"memplan serving on http://{host}:{port} (database: {settings.database_url})")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    from planner_service.observability import configure_logging
+
+    configure_logging(log_level.upper())
+    console.print(f"memplan serving on http://{host}:{port} (database: {_redact(settings.database_url)})")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False)
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a database URL before printing it."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def worker(database_url: DbUrlOpt = None,
@@ -51,7 +60,9 @@ def worker(database_url: DbUrlOpt = None,
     from planner_service.app import prepare_database
     from planner_service.jobs.worker import Worker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from planner_service.observability import configure_logging
+
+    configure_logging()
     settings = _settings(database_url)
     db = prepare_database(settings)
     w = Worker(db, settings)

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 import uuid
 
@@ -13,6 +14,7 @@ from client.contract import PlanRequest, SolverStatus
 from planner_service.db.repositories import PlanRepository, TraceRepository, decompress_trace
 from planner_service.db.session import Database
 from planner_service.jobs.tasks import solve_request
+from planner_service.observability import PLAN_OUTCOMES, SOLVE_SECONDS
 from planner_service.settings import Settings
 
 log = logging.getLogger("memplan.worker")
@@ -61,6 +63,7 @@ class Worker:
         log.info("solving plan", extra={"plan_id": plan_id, "worker": self.id})
         heartbeat = _Heartbeat(self.db, plan_id, self.id, self.settings.lease_s)
         heartbeat.start()
+        started = time.perf_counter()
         try:
             plan = solve_request(trace, request)
         except Exception as exc:
@@ -68,10 +71,14 @@ class Worker:
             self._record_error(plan_id, exc)
             return True
         heartbeat.stop()
+        SOLVE_SECONDS.labels(request.solver).observe(time.perf_counter() - started)
         status = "infeasible" if plan.solver.status == SolverStatus.infeasible else "done"
         with self.db.session() as s:
             if not PlanRepository(s).finish(plan_id, self.id, status, plan.model_dump(mode="json"), None):
                 log.warning("lost the lease of plan %s before finishing; result dropped", plan_id)
+                return True
+        PLAN_OUTCOMES.labels(status).inc()
+        log.info("plan solved", extra={"plan_id": plan_id, "status": status, "solver": request.solver})
         return True
 
     def _record_error(self, plan_id: str, exc: Exception) -> None:
@@ -82,6 +89,7 @@ class Worker:
             final = row is not None and row.attempts >= self.settings.max_attempts
             if final or isinstance(exc, ValueError):  # bad requests do not get better by retrying
                 repo.finish(plan_id, self.id, "failed", None, detail[:4000])
+                PLAN_OUTCOMES.labels("failed").inc()
             else:
                 repo.finish(plan_id, self.id, "queued", None, detail[:4000])
         log.warning("plan %s failed: %s", plan_id, detail)

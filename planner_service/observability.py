@@ -1,0 +1,90 @@
+"""Operations: Prometheus metrics, JSON logs with request ids, and the middleware that ties them to requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+request_id_var: ContextVar[str | None] = ContextVar("memplan_request_id", default=None)
+
+# One registry per process; metric objects are module-level as prometheus_client expects.
+REGISTRY = CollectorRegistry(auto_describe=True)
+REQUEST_SECONDS = Histogram("memplan_http_request_seconds", "HTTP request latency", ["method", "route", "status"],
+                            registry=REGISTRY,
+                            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60))
+QUEUE_DEPTH = Gauge("memplan_plan_queue_depth", "plans waiting for a worker", registry=REGISTRY)
+SOLVE_SECONDS = Histogram("memplan_solve_seconds", "wall time of one plan solve", ["solver"], registry=REGISTRY,
+                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+PLAN_OUTCOMES = Counter("memplan_plan_outcomes_total", "finished plans by outcome", ["status"], registry=REGISTRY)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id and any `extra` fields."""
+
+    _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        rid = request_id_var.get()
+        if rid:
+            out["request_id"] = rid
+        for key, value in vars(record).items():
+            if key not in self._STANDARD and not key.startswith("_"):
+                out[key] = value if isinstance(value, int | float | str | bool | None) else str(value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("memplan")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+access_log = logging.getLogger("memplan.access")
+
+
+def install(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        token = request_id_var.set(rid[:64])
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            response.headers["x-request-id"] = rid[:64]
+            return response
+        finally:
+            elapsed = time.perf_counter() - start
+            route = request.scope.get("route")
+            template = getattr(route, "path", "unmatched")
+            REQUEST_SECONDS.labels(request.method, template, str(status)).observe(elapsed)
+            # Never the headers (they carry tokens) nor the query string (it may carry cursors): path only.
+            access_log.info("request", extra={"method": request.method, "path": template, "status": status,
+                                              "duration_ms": round(elapsed * 1e3, 2)})
+            request_id_var.reset(token)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        try:
+            from planner_service.db.repositories import PlanRepository
+
+            with app.state.db.session() as s:
+                QUEUE_DEPTH.set(PlanRepository(s).queue_depth())
+        except Exception:  # metrics must answer even when the database does not
+            logging.getLogger("memplan.metrics").warning("queue depth unavailable")
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
