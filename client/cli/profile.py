@@ -1,7 +1,79 @@
-"""`memplan profile`: profile a Hugging Face architecture built from config. (Built by 'Agent profiler'.)"""
+"""`memplan profile`: build a Hugging Face architecture from config (random weights) and profile it to a Trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from client.cli.common import bytes_option, console, err_console, write_json
 
-def profile() -> None:
-    raise typer.Exit("memplan profile: NOT BUILT YET (issue 'Agent profiler')")
+
+def profile(
+    model: Annotated[str, typer.Option("--model", help="architecture: gpt2, llama, mistral, qwen2 or gpt_neox")],
+    layers: Annotated[int, typer.Option("--layers", min=1, help="number of transformer blocks")],
+    hidden: Annotated[int, typer.Option("--hidden", min=1, help="hidden size")],
+    batch: Annotated[int, typer.Option("--batch", min=1, help="micro-batch size")] = 4,
+    seq: Annotated[int, typer.Option("--seq", min=1, help="sequence length")] = 128,
+    output: Annotated[Path, typer.Option("-o", "--output", help="write the Trace JSON here")] = Path("trace.json"),
+    heads: Annotated[int | None, typer.Option("--heads", help="attention heads (default hidden/64)")] = None,
+    vocab: Annotated[int, typer.Option("--vocab", min=2, help="vocabulary size")] = 32000,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="parameter dtype: fp32, bf16 or fp16")] = "fp32",
+    max_blocks: Annotated[int | None, typer.Option(
+        "--max-blocks", min=1, help="profile only this many blocks and extrapolate (models larger than the device)")
+    ] = None,
+    device_memory: Annotated[str | None, typer.Option(
+        "--device-memory", help="report this device capacity instead of the measured one, e.g. 24GiB")] = None,
+    no_allocation_trace: Annotated[bool, typer.Option(
+        "--no-allocation-trace", help="leave out the allocation trace")] = False,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="timed repetitions (medians)")] = 3,
+    seed: Annotated[int, typer.Option("--seed", help="weight initialisation seed")] = 0,
+) -> None:
+    """Build MODEL from a transformers config (nothing downloaded), profile one training step, write the Trace."""
+    import torch
+
+    from agent.model_zoo import KINDS, build, sample_batch
+    from agent.profiler import BlockDetectionError, ProfilerInputError
+    from agent.profiler import profile as run_profile
+
+    if model not in KINDS:
+        raise typer.BadParameter(f"{model!r} is not one of {', '.join(KINDS)}", param_hint="--model")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(dtypes)}", param_hint="--dtype")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA is not available on this machine", param_hint="--device")
+    limit = bytes_option(device_memory)
+
+    try:
+        net, config = build(model, layers, hidden, heads=heads, vocab=vocab, seq=seq, seed=seed)
+        sample = sample_batch(config, batch, seq)
+    except ValueError as exc:
+        err_console.print(f"[red]model[/]: {exc}")
+        raise typer.Exit(2) from exc
+    net = net.to(dtype=dtypes[dtype])
+    if max_blocks is None:
+        net = net.to(dev)  # with --max-blocks the profiler moves only the profiled blocks
+    try:
+        trace = run_profile(net, sample, device=dev, allocation_trace=not no_allocation_trace, max_blocks=max_blocks,
+                            repeats=repeats, device_memory_limit=limit,
+                            name=f"{model}-{layers}L-{hidden}H")
+    except (BlockDetectionError, ProfilerInputError) as exc:
+        err_console.print(f"[red]profile[/]: {exc}")
+        raise typer.Exit(2) from exc
+    write_json(output, trace.model_dump_json())
+    m = trace.measurements
+    alloc = trace.allocation_trace
+    console.print(
+        f"{trace.model.name}: {len(trace.model.blocks)} blocks, {trace.model.parameter_count:,} parameters; "
+        f"iteration {m.iteration_s * 1e3:.1f} ms, peak {m.peak_device_bytes / 2**20:.1f} MiB"
+        + (f", {len(alloc.events):,} allocation events" if alloc is not None else "")
+        + (" (extrapolated)" if m.extrapolated else "")
+    )
+    console.print(f"wrote {output}")
