@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     max_decompressed_bytes: int = Field(default=256 * 2**20, gt=0, description="largest gunzipped body accepted")
     max_wait_s: float = Field(default=60.0, gt=0, description="longest long-poll `?wait=` honoured")
     list_limit_max: int = Field(default=200, gt=0)
+    fault_solve_delay_s: float = Field(
+        default=0.0, ge=0, description="FAULT INJECTION for tests: hold each solve this long (keeps the lease alive)")
     auth: bool = Field(default=False, description="require a bearer token on /v1 (mandatory off loopback)")
     rate_limit_per_s: float = Field(default=50.0, gt=0, description="sustained requests/s per token (or client)")
     rate_limit_burst: int = Field(default=200, gt=0, description="requests a token may make at once")

@@ -65,6 +65,8 @@ class Worker:
         heartbeat.start()
         started = time.perf_counter()
         try:
+            if self.settings.fault_solve_delay_s:
+                self._stop.wait(self.settings.fault_solve_delay_s)
             plan = solve_request(trace, request)
         except Exception as exc:
             heartbeat.stop()
