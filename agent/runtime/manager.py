@@ -71,7 +71,10 @@ class ModelStateManager:
         self._handles: list[RemovableHandle] = []
         self._phase = "idle"
         self._clock = 0
-        self._recent: list[int] = []  # the last two distinct chunks demanded (never evicted by a prefetch)
+        # chunks whose saved tensors the running backward node has unpacked: it is about to read them,
+        # so no upload may overwrite their buffers until the next node runs
+        self._node: Any = None
+        self._node_chunks: set[int] = set()
         self._saved_hooks: list[Any] = []
         self._upload_timings: list[tuple[Event, Event]] = []
         self._esize = element_size(layout.compute_dtype)
@@ -191,6 +194,8 @@ class ModelStateManager:
             for slot in self.pool.slots:
                 slot.pins = 0
         self.schedule.finish_recording()
+        self._node = None
+        self._node_chunks = set()
         self._phase = "idle"
         self.counters.iterations += 1
 
@@ -226,7 +231,11 @@ class ModelStateManager:
             return packed  # type: ignore[no-any-return]
         if self._phase != "forward":
             self._ensure_backward()
+        node = torch._C._current_autograd_node()
+        if node is not self._node:
+            self._node, self._node_chunks = node, set()
         slot = self._acquire(packed.chunk)
+        self._node_chunks.add(packed.chunk)
         return slot.params.as_strided(packed.size, packed.stride, packed.offset)
 
     # ================================================================================== residency
@@ -244,8 +253,6 @@ class ModelStateManager:
         slot.last_use = self._clock
         if pin:
             slot.pins += 1
-        if not self._recent or self._recent[-1] != c:
-            self._recent = [*self._recent[-1:], c]
         self.ctx.wait(st.ready)
         self._prefetch()
         return slot
@@ -255,8 +262,7 @@ class ModelStateManager:
         for slot in self.pool.slots:
             if slot.chunk is None:
                 return slot
-        protected = set(self._recent[-1:]) if demand else set(self._recent)
-        candidates = [s for s in self.pool.slots if s.pins == 0 and s.chunk not in protected]
+        candidates = [s for s in self.pool.slots if s.pins == 0 and s.chunk not in self._node_chunks]
         if not candidates:
             if demand:
                 held = [s.chunk for s in self.pool.slots]
