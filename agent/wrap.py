@@ -93,7 +93,7 @@ def wrap(
     from agent.runtime.device import DeviceContext
     from agent.runtime.layout import ChunkLayout
     from agent.runtime.manager import ModelStateManager
-    from agent.runtime.optimizer import ChunkedOptimizer, check_supported
+    from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
     from agent.runtime.options import RuntimeOptions
 
     if plan.policy is None:
@@ -116,6 +116,7 @@ def wrap(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     layout = ChunkLayout.from_policy(plan.policy, model, compute_dtype)
+    check_parameters(optimizer, layout)  # every check before the model is touched
     user_state = optimizer.state_dict() if optimizer.state else None
     manager = ModelStateManager(model, layout, DeviceContext(device), opts)
     wrapped_opt = ChunkedOptimizer(optimizer, layout, manager)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -172,11 +173,17 @@ def profile(
         master_bytes_per_param=0,
         gradient_bytes_per_param=result.gradient_bytes_per_param,
     )
+    t0 = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
+    t1 = time.perf_counter()
+    host_opt = host_step_throughput(params)
+    t2 = time.perf_counter()
+    log.debug("profile stages (s): %s", {**result.stages, "hardware": t1 - t0, "host_optimizer": t2 - t1,
+                                         "hook_overhead_per_iteration": result.hook_overhead_s})
     measurements = Measurements(
         blocks=block_meas,
         optimizer=OptimizerMeasurement(device_bytes_per_s=result.device_opt_bytes_per_s,
-                                       host_bytes_per_s=host_step_throughput(params)),
+                                       host_bytes_per_s=host_opt),
         iteration_s=iteration_s,
         peak_device_bytes=peak,
         extrapolated=extrapolated,
@@ -198,6 +205,7 @@ class _Result:
     gradient_bytes_per_param: int
     model_state_bytes_per_param_byte: float
     hook_overhead_s: float
+    stages: dict[str, float]
 
 
 def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.optim.Optimizer,
@@ -206,6 +214,15 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     n_blocks = len(repeated) + 2
     step = TrainingStep(model, batch, loss_fn, opt, n_blocks)
     res = _Result()
+
+    stages: dict[str, float] = {}
+    mark = time.perf_counter()
+
+    def stage(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        stages[name] = now - mark
+        mark = now
 
     # 1. warm-up with first-use hooks
     cursor = Cursor(clock)
@@ -223,6 +240,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     res.model_state_bytes_per_param_byte = 1.0 + (grad_elt + res.optimizer_state_bytes_per_param) / max(
         1, stepped[0].element_size())
 
+    stage("warmup")
+
     # 2. plain iterations
     totals, steps = [], []
     peak_plain: int | None = None
@@ -237,6 +256,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     res.iteration_s = statistics.median(totals)
     opt_step_s = statistics.median(steps)
     res.device_opt_bytes_per_s = stepped_bytes / max(opt_step_s, 1e-9)
+
+    stage("plain")
 
     # 3. hooked timing iterations (inputs captured on the last one, for recompute)
     n_hooked = max(2, repeats - 1)
@@ -263,6 +284,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     log.debug("hooked iteration %.4fs vs plain %.4fs; per-block times scaled by %.3f",
               statistics.median(hooked_walls), res.iteration_s, scale)
 
+    stage("hooked")
+
     # 4. recompute: each repeated block's forward re-run on its captured inputs, grad enabled
     recompute = [0.0] * n_blocks
     for idx, (args, kwargs) in captured.items():
@@ -276,11 +299,15 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     captured.clear()
     recompute[0], recompute[-1] = fwd[0] * scale, fwd[-1] * scale  # edges are not checkpointed: their forward
 
+    stage("recompute")
+
     # 5. tracked iteration: memory (after recompute, so no captured input is alive during it)
     act, inp, fwd_tr, bwd_tr, peak, alloc = _track_memory(model, step, opt, batch, dev, repeated, res.ordered,
                                                           want_trace)
     res.peak_bytes = peak_plain if peak_plain is not None else peak
     res.allocation = alloc
+    stage("tracked")
+    res.stages = stages
 
     res.blocks = [
         BlockMeasurement(block=b, forward_s=fwd[b] * scale, backward_s=bwd[b] * scale, recompute_s=recompute[b],

@@ -56,6 +56,14 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
             raise UnsupportedOptimizerError(f"optimizer.param_groups[{i}].differentiable: must be False")
 
 
+def check_parameters(optimizer: torch.optim.Optimizer, layout: ChunkLayout) -> None:
+    """Every parameter the optimizer holds must be one the plan places."""
+    for gi, g in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            if layout.entry(p) is None:
+                raise ValueError(f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model")
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in IMPL_KEYS}
 
@@ -149,13 +157,8 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     def __init__(self, user: torch.optim.Optimizer, layout: ChunkLayout, manager: ModelStateManager) -> None:
         check_supported(user)
         self._ready = False
+        check_parameters(user, layout)
         groups = [{**g, "params": list(g["params"])} for g in user.param_groups]
-        for gi, g in enumerate(groups):
-            for pi, p in enumerate(g["params"]):
-                if layout.entry(p) is None:
-                    raise ValueError(
-                        f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model"
-                    )
         super().__init__(groups, copy.deepcopy(user.defaults))
         self._ready = True
         self.user_class: type[torch.optim.Optimizer] = type(user)
