@@ -1,0 +1,118 @@
+"""Every database read the history pages make, in two functions (list page, plan page).
+
+Tenancy: both take the caller's project (`Principal.project_id`) and pass it to the repositories, so
+a page never shows another project's plans, models or hardware; the router only calls these two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import ValidationError
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from client.contract import PlanRecord, Predictions, SolverReport, Trace
+from planner_service.api.present import plan_record
+from planner_service.db.models import FeedbackRow
+from planner_service.db.repositories import CatalogRepository, PlanRepository, decompress_trace
+
+PLAN_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "infeasible")
+SortOrder = Literal["-created_at", "created_at"]
+
+
+@dataclass(frozen=True)
+class PlanFilters:
+    """The list page's query: already checked by the router."""
+
+    model: str | None = None
+    hardware: str | None = None
+    status: str | None = None
+    sort: SortOrder = "-created_at"
+    limit: int = 25
+    cursor: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanListItem:
+    """One row of the plans table (read from the stored JSON without parsing the whole plan)."""
+
+    id: str
+    status: str
+    model_name: str
+    model_fingerprint: str
+    hardware_key: str
+    workload_key: str
+    solver: str
+    device_limit_bytes: int
+    created_at: datetime
+    predictions: Predictions | None
+    report: SolverReport | None
+    feedback_count: int
+
+
+@dataclass(frozen=True)
+class PlanListPage:
+    items: list[PlanListItem]
+    next_cursor: str | None
+    models: list[tuple[str, str]]  # (fingerprint, label) for the filter
+    hardware: list[str]
+
+
+@dataclass(frozen=True)
+class PlanDetail:
+    record: PlanRecord
+    trace: Trace | None
+    trace_problem: str | None  # why the trace could not be read, if it could not
+
+
+def _part(result: dict[str, Any] | None, key: str, model: type[Any]) -> Any:
+    """One validated sub-object of a stored plan, or None when absent (or from an older schema)."""
+    if not result or result.get(key) is None:
+        return None
+    try:
+        return model.model_validate(result[key])
+    except ValidationError:
+        return None
+
+
+def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> PlanListPage:
+    """A page of the project's plans (newest first unless asked), the filter choices, feedback counts."""
+    page = PlanRepository(session).list(project_id=project_id, model=filters.model, hardware=filters.hardware, status=filters.status,
+                                        limit=filters.limit, cursor=filters.cursor,
+                                        descending=filters.sort.startswith("-"))
+    ids = [r.id for r in page.items]
+    counts: dict[str, int] = {}
+    if ids:
+        stmt = select(FeedbackRow.plan_id, func.count()).where(FeedbackRow.plan_id.in_(ids)).group_by(FeedbackRow.plan_id)
+        counts = {pid: int(n) for pid, n in session.execute(stmt)}
+    items = [
+        PlanListItem(
+            id=r.id, status=r.status, model_name=r.model.name if r.model else r.model_fingerprint,
+            model_fingerprint=r.model_fingerprint, hardware_key=r.hardware_key, workload_key=r.workload_key,
+            solver=r.solver, device_limit_bytes=int(r.constraints.get("device_memory_bytes", 0)),
+            created_at=r.created_at, predictions=_part(r.result, "predictions", Predictions),
+            report=_part(r.result, "solver", SolverReport), feedback_count=counts.get(r.id, 0),
+        )
+        for r in page.items
+    ]
+    catalog = CatalogRepository(session)
+    models = [(m.fingerprint, f"{m.name} ({m.fingerprint[:8]})") for m, _, plans in catalog.models(project_id) if plans]
+    hardware = [h.key for h, _, plans in catalog.hardware(project_id) if plans]
+    return PlanListPage(items=items, next_cursor=page.next_cursor, models=models, hardware=hardware)
+
+
+def load_plan_detail(session: Session, project_id: str, plan_id: str) -> PlanDetail | None:
+    """The plan with its feedback and its trace (for the fallback charts); None if not the project's."""
+    row = PlanRepository(session).get(plan_id, project_id)
+    if row is None:
+        return None
+    record = plan_record(row)
+    try:
+        trace: Trace | None = decompress_trace(row.trace)
+        problem = None
+    except (ValidationError, OSError, ValueError) as exc:  # a trace stored by an older schema: page still renders
+        trace, problem = None, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return PlanDetail(record=record, trace=trace, trace_problem=problem)

@@ -1,0 +1,147 @@
+"""The history UI's routes: `/` -> `/ui/plans`, the plans list, one plan's page, and the stylesheet.
+
+Server-rendered with Jinja2 (autoescape on for every template: model names and messages are user
+input), no JavaScript and no build step. Bad query parameters get a 400 page naming the parameter.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib.resources import files
+from typing import Any
+from urllib.parse import urlencode
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+
+from client.units import format_bytes
+from planner_service.api.deps import DatabaseDep, PrincipalDep
+from planner_service.db.cursor import BadCursor
+from planner_service.ui.queries import (
+    PLAN_STATUSES,
+    PlanFilters,
+    SortOrder,
+    load_plan_detail,
+    load_plan_list,
+)
+from planner_service.ui.views import format_error, format_seconds, plan_page
+
+PAGE_SIZES: tuple[int, ...] = (10, 25, 50, 100)
+MAX_PAGE_SIZE = 100
+MAX_FILTER_CHARS = 600
+
+router = APIRouter(include_in_schema=False)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("planner_service.ui", "templates"),
+        autoescape=True,  # every template, whatever its extension
+        undefined=jinja2.StrictUndefined,  # a typo in a template is an error in tests, not a blank
+        trim_blocks=True, lstrip_blocks=True,
+    )
+    env.filters.update(bytes=lambda n: "—" if n is None else format_bytes(n), seconds=format_seconds,
+                       error=format_error)
+    return env
+
+
+templates = Jinja2Templates(env=_environment())
+
+
+@lru_cache(maxsize=1)
+def _stylesheet() -> bytes:
+    return files("planner_service.ui").joinpath("static/ui.css").read_bytes()
+
+
+class BadQuery(ValueError):
+    """A query parameter the page cannot use; the message names it."""
+
+
+def _filters(request: Request) -> PlanFilters:
+    q = request.query_params
+
+    def text(name: str) -> str | None:
+        value = q.get(name, "").strip()
+        if len(value) > MAX_FILTER_CHARS:
+            raise BadQuery(f"{name}: longer than {MAX_FILTER_CHARS} characters")
+        return value or None
+
+    status = text("status")
+    if status is not None and status not in PLAN_STATUSES:
+        raise BadQuery(f"status: {status!r} is not one of {', '.join(PLAN_STATUSES)}")
+    sort = text("sort") or "-created_at"
+    if sort not in ("-created_at", "created_at"):
+        raise BadQuery(f"sort: {sort!r} is not -created_at or created_at")
+    raw_limit = text("limit") or "25"
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        raise BadQuery(f"limit: {raw_limit!r} is not a whole number") from None
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise BadQuery(f"limit: {limit} is not between 1 and {MAX_PAGE_SIZE}")
+    sort_order: SortOrder = "-created_at" if sort == "-created_at" else "created_at"
+    return PlanFilters(model=text("model"), hardware=text("hardware"), status=status, sort=sort_order,
+                       limit=limit, cursor=text("cursor"))
+
+
+def _query(filters: PlanFilters, **changes: Any) -> str:
+    """The list page's query string for `filters` with `changes` applied (empty values left out)."""
+    values = {"model": filters.model, "hardware": filters.hardware, "status": filters.status,
+              "sort": None if filters.sort == "-created_at" else filters.sort,
+              "limit": None if filters.limit == 25 else filters.limit, "cursor": filters.cursor}
+    values.update(changes)
+    return urlencode({k: v for k, v in values.items() if v not in (None, "")})
+
+
+def _error_page(request: Request, status_code: int, title: str, message: str) -> Response:
+    return templates.TemplateResponse(request, "error.html", {"title": title, "message": message},
+                                      status_code=status_code)
+
+
+@router.get("/", response_class=RedirectResponse)
+def home() -> RedirectResponse:
+    return RedirectResponse("/ui/plans", status_code=307)
+
+
+@router.get("/ui", response_class=RedirectResponse)
+def ui_home() -> RedirectResponse:
+    return RedirectResponse("/ui/plans", status_code=307)
+
+
+@router.get("/ui/static/ui.css")
+def stylesheet() -> Response:
+    return Response(_stylesheet(), media_type="text/css", headers={"cache-control": "public, max-age=3600"})
+
+
+# Sync handlers: FastAPI runs them in its thread pool, so database reads and chart building
+# never block the event loop.
+@router.get("/ui/plans", response_class=HTMLResponse)
+def plans_page(request: Request, db: DatabaseDep, principal: PrincipalDep) -> Response:
+    try:
+        filters = _filters(request)
+        with db.session() as s:
+            page = load_plan_list(s, principal.project_id, filters)
+    except (BadQuery, BadCursor) as exc:
+        return _error_page(request, 400, "Bad request", str(exc))
+    context = {
+        "filters": filters, "page": page, "statuses": PLAN_STATUSES, "page_sizes": PAGE_SIZES,
+        "next_query": _query(filters, cursor=page.next_cursor) if page.next_cursor else None,
+        "first_query": _query(filters, cursor=None) if filters.cursor else None,
+    }
+    return templates.TemplateResponse(request, "plans.html", context)
+
+
+@router.get("/ui/plans/{plan_id}", response_class=HTMLResponse)
+def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal: PrincipalDep) -> Response:
+    if len(plan_id) > 64:
+        return _error_page(request, 404, "Plan not found", f"plan_id: no plan {plan_id[:64]!r}…")
+    with db.session() as s:
+        detail = load_plan_detail(s, principal.project_id, plan_id)
+    if detail is None:
+        return _error_page(request, 404, "Plan not found", f"plan_id: no plan {plan_id!r}")
+    page = plan_page(detail.record, detail.trace, detail.trace_problem)
+    refresh = detail.record.status in ("queued", "running")
+    return templates.TemplateResponse(request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh,
+                                                             "trace_problem": detail.trace_problem})

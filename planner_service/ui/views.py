@@ -1,0 +1,211 @@
+"""View models of the plan page: mode strip, chunk row, predicted vs measured, solver report, formatting.
+
+Plain data built from the wire contract (`PlanRecord`, `Plan`), so the templates only lay things out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from markupsafe import Markup
+
+from client.contract import ActivationMode, FeedbackRecord, Placement, Plan, PlanRecord, Trace
+from client.units import format_bytes
+from planner_service.ui.chart import render_svg
+from planner_service.ui.memory_series import memory_charts
+
+GOOD_ERROR, FAIR_ERROR = 0.10, 0.25  # |relative error| bands for colouring predicted vs measured
+
+_LETTER = {ActivationMode.keep: "K", ActivationMode.checkpoint: "C", ActivationMode.swap: "S"}
+
+
+def format_seconds(s: float | None) -> str:
+    """0.0123 -> '12.3 ms'; None -> '—'."""
+    if s is None:
+        return "—"
+    a = abs(s)
+    if a >= 1.0 or a == 0.0:
+        return f"{s:.3f} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+def format_error(e: float | None) -> str:
+    """measured / predicted - 1 as a signed percentage: 0.052 -> '+5.2%'."""
+    return "—" if e is None else f"{e * 100:+.1f}%"
+
+
+def error_class(e: float | None) -> str:
+    if e is None:
+        return "err-none"
+    a = abs(e)
+    return "err-good" if a <= GOOD_ERROR else "err-fair" if a <= FAIR_ERROR else "err-bad"
+
+
+def format_optional_bytes(n: int | float | None) -> str:
+    return "—" if n is None else format_bytes(n)
+
+
+# ------------------------------------------------------------------------------------- mode strip
+@dataclass(frozen=True)
+class ModeCell:
+    block: int
+    module: str
+    mode: str
+    letter: str
+
+    @property
+    def tooltip(self) -> str:
+        return f"block {self.block}: {self.module} ({self.mode})"
+
+
+def mode_cells(plan: Plan) -> list[ModeCell]:
+    if plan.policy is None:
+        return []
+    return [ModeCell(b.block, b.module, b.mode.value, _LETTER[b.mode]) for b in plan.policy.blocks]
+
+
+# ------------------------------------------------------------------------------------------ chunks
+@dataclass(frozen=True)
+class ChunkCell:
+    index: int
+    placement: str
+    used_bytes: int
+    chunk_size_bytes: int
+    blocks: list[int]
+    n_parameters: int
+
+    @property
+    def fill(self) -> float:
+        return self.used_bytes / self.chunk_size_bytes if self.chunk_size_bytes else 0.0
+
+    @property
+    def tooltip(self) -> str:
+        span = "no blocks" if not self.blocks else (
+            f"block {self.blocks[0]}" if len(self.blocks) == 1 else f"blocks {self.blocks[0]}–{self.blocks[-1]}")
+        return (f"chunk {self.index}: {self.placement}, {format_bytes(self.used_bytes)} of "
+                f"{format_bytes(self.chunk_size_bytes)} used, {self.n_parameters} parameters, {span}")
+
+
+def chunk_cells(plan: Plan) -> list[ChunkCell]:
+    if plan.policy is None:
+        return []
+    size = plan.policy.chunk_size_bytes
+    return [ChunkCell(c.index, c.placement.value, c.used_bytes, size, list(c.blocks), len(c.parameters))
+            for c in plan.policy.chunks]
+
+
+# --------------------------------------------------------------------------- predicted vs measured
+@dataclass(frozen=True)
+class Comparison:
+    quantity: str
+    predicted: str
+    measured: str
+    error: str
+    css: str
+
+
+def comparisons(plan: Plan, latest: FeedbackRecord | None) -> list[Comparison]:
+    """Iteration time, peak device and peak host memory: predicted, measured (latest feedback), relative error."""
+    p = plan.predictions
+    if p is None:
+        return []
+    if latest is None:
+        return [Comparison("iteration time", format_seconds(p.iteration_s), "—", "—", "err-none"),
+                Comparison("peak device memory", format_bytes(p.peak_device_bytes), "—", "—", "err-none"),
+                Comparison("peak host memory", format_bytes(p.peak_host_bytes), "—", "—", "err-none")]
+    f = latest.feedback
+    host_err = f.peak_host_bytes / p.peak_host_bytes - 1.0 if p.peak_host_bytes > 0 else None
+    return [
+        Comparison("iteration time", format_seconds(p.iteration_s), format_seconds(f.iteration_s),
+                   format_error(latest.iteration_error), error_class(latest.iteration_error)),
+        Comparison("peak device memory", format_bytes(p.peak_device_bytes), format_bytes(f.peak_device_bytes),
+                   format_error(latest.peak_device_error), error_class(latest.peak_device_error)),
+        Comparison("peak host memory", format_bytes(p.peak_host_bytes), format_bytes(f.peak_host_bytes),
+                   format_error(host_err), error_class(host_err)),
+    ]
+
+
+# ----------------------------------------------------------------------------------- solver report
+def solver_rows(plan: Plan) -> list[tuple[str, str]]:
+    r = plan.solver
+    rows = [
+        ("status", r.status.value),
+        ("objective (predicted iteration)", format_seconds(r.objective)),
+        ("best bound", format_seconds(r.best_bound)),
+        ("gap", "—" if r.gap is None else f"{r.gap * 100:.2f}%"),
+        ("solve time", format_seconds(r.solve_s)),
+        ("solver", r.solver),
+        ("solver version", r.solver_version),
+    ]
+    if r.min_device_memory_bytes is not None:
+        rows.append(("smallest device memory that fits", format_bytes(r.min_device_memory_bytes)))
+    rows.append(("message", r.message or "—"))
+    return rows
+
+
+def allocation_rows(plan: Plan) -> list[tuple[str, str]]:
+    a = plan.allocation
+    if a is None:
+        return []
+    return [("arena", format_bytes(a.arena_bytes)), ("lower bound (peak live bytes)", format_bytes(a.lower_bound_bytes)),
+            ("gap", f"{a.gap * 100:.2f}%"), ("buffers placed", str(len(a.offsets))),
+            ("alignment", format_bytes(a.alignment_bytes)), ("status", a.status.value),
+            ("solver", a.solver), ("solve time", format_seconds(a.solve_s))]
+
+
+# ------------------------------------------------------------------------------------------ the page
+@dataclass(frozen=True)
+class PlanPage:
+    record: PlanRecord
+    plan: Plan | None
+    charts: list[tuple[str, Markup]]  # (title, svg)
+    chart_note: str
+    modes: list[ModeCell]
+    chunks: list[ChunkCell]
+    comparisons: list[Comparison]
+    solver: list[tuple[str, str]]
+    allocation: list[tuple[str, str]]
+    latest_feedback: FeedbackRecord | None
+
+    @property
+    def mode_counts(self) -> dict[str, int]:
+        out = {"keep": 0, "checkpoint": 0, "swap": 0}
+        for c in self.modes:
+            out[c.mode] += 1
+        return out
+
+    @property
+    def chunk_counts(self) -> dict[str, int]:
+        out = {Placement.persistent.value: 0, Placement.offloaded.value: 0}
+        for c in self.chunks:
+            out[c.placement] += 1
+        return out
+
+
+def plan_page(record: PlanRecord, trace: Trace | None, trace_problem: str | None = None) -> PlanPage:
+    plan = record.plan
+    latest = record.feedback[-1] if record.feedback else None
+    charts: list[tuple[str, Markup]] = []
+    note = ""
+    if plan is None:
+        note = {"queued": "Queued: a worker has not picked this plan up yet.",
+                "running": "Running: a worker is solving this plan."}.get(record.status, "This plan has no result.")
+    else:
+        try:
+            found = memory_charts(plan, trace, latest.feedback.peak_device_bytes if latest else None)
+        except ValueError as exc:  # a plan that does not match its trace: say so, keep the rest of the page
+            found, note = [], f"No chart: {exc}"
+        ids = ("memory-chart", "allocation-chart")
+        charts = [(c.title, render_svg(c, element_id=ids[i])) for i, c in enumerate(found)]
+        if not found and not note:
+            note = (f"No chart: the plan predicts no device memory (status {plan.solver.status.value})."
+                    if plan.predictions is None else
+                    f"No chart: the plan has no timeline and its trace is unavailable ({trace_problem}).")
+    return PlanPage(
+        record=record, plan=plan, charts=charts, chart_note=note,
+        modes=mode_cells(plan) if plan else [], chunks=chunk_cells(plan) if plan else [],
+        comparisons=comparisons(plan, latest) if plan else [], solver=solver_rows(plan) if plan else [],
+        allocation=allocation_rows(plan) if plan else [], latest_feedback=latest,
+    )
