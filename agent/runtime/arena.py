@@ -95,14 +95,26 @@ def runtime_buffers(layout: ChunkLayout) -> list[RuntimeBuffer]:
         n = spec.used_numel
         if spec.offloaded or n == 0:
             continue
-        out.append(RuntimeBuffer(f"chunk{spec.index}.params", n, layout.compute_dtype, AllocationCategory.param))
+        out.append(
+            RuntimeBuffer(f"chunk{spec.index}.params", n, layout.compute_dtype, AllocationCategory.param)
+        )
         out.append(RuntimeBuffer(f"chunk{spec.index}.grad", n, layout.compute_dtype, AllocationCategory.grad))
         if mixed:
-            out.append(RuntimeBuffer(f"chunk{spec.index}.master", n, torch.float32, AllocationCategory.optimizer))
+            out.append(
+                RuntimeBuffer(f"chunk{spec.index}.master", n, torch.float32, AllocationCategory.optimizer)
+            )
     if layout.offloaded and layout.chunk_numel > 0:
         for i in range(layout.n_buffers):
-            out.append(RuntimeBuffer(f"buffer{i}.params", layout.chunk_numel, layout.compute_dtype, AllocationCategory.param))
-            out.append(RuntimeBuffer(f"buffer{i}.grad", layout.chunk_numel, layout.compute_dtype, AllocationCategory.grad))
+            out.append(
+                RuntimeBuffer(
+                    f"buffer{i}.params", layout.chunk_numel, layout.compute_dtype, AllocationCategory.param
+                )
+            )
+            out.append(
+                RuntimeBuffer(
+                    f"buffer{i}.grad", layout.chunk_numel, layout.compute_dtype, AllocationCategory.grad
+                )
+            )
     return out
 
 
@@ -110,7 +122,12 @@ def runtime_allocation_trace(buffers: Sequence[RuntimeBuffer]) -> AllocationTrac
     """The buffers as an allocation trace: made in order at construction, alive for the whole run."""
     events = [
         AllocationEvent(
-            id=k, size_bytes=b.nbytes, alloc_index=k, free_index=None, category=b.category, phase=Phase.forward
+            id=k,
+            size_bytes=b.nbytes,
+            alloc_index=k,
+            free_index=None,
+            category=b.category,
+            phase=Phase.forward,
         )
         for k, b in enumerate(buffers)
     ]
@@ -138,7 +155,11 @@ class ArenaDeviceContext(DeviceContext):
     """A DeviceContext whose `device_empty` serves the planned buffers from one pre-allocated arena."""
 
     def __init__(
-        self, device: torch.device, allocation: AllocationPlan, events: Sequence[AllocationEvent], *,
+        self,
+        device: torch.device,
+        allocation: AllocationPlan,
+        events: Sequence[AllocationEvent],
+        *,
         strict: bool = False,
     ) -> None:
         super().__init__(device)
@@ -197,7 +218,11 @@ class ArenaDeviceContext(DeviceContext):
         """Whether `t`'s bytes lie inside the arena."""
         base = self.arena.data_ptr()
         start = t.untyped_storage().data_ptr()
-        return t.device == self.arena.device and base <= start and start + t.untyped_storage().nbytes() <= base + self.arena.numel()
+        return (
+            t.device == self.arena.device
+            and base <= start
+            and start + t.untyped_storage().nbytes() <= base + self.arena.numel()
+        )
 
 
 def runtime_arena_context(
