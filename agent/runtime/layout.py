@@ -125,10 +125,14 @@ class ChunkLayout:
             raise PlanMismatchError(
                 f"policy.chunks: {len(missing)} parameter(s) of this {model_name} are in no chunk, e.g. {shown}"
             )
-        if any(c.offloaded for c in chunks) and policy.n_buffers < 2:
-            raise PlanMismatchError(
-                f"policy.n_buffers: is {policy.n_buffers}; the runtime needs at least 2 device buffers when "
-                "chunks are offloaded (one backward operation may read parameters from two adjacent chunks)"
-            )
+        for path, module in model.named_modules():
+            needed = {by_param[id(p)].chunk for p in module._parameters.values()
+                      if p is not None and chunks[by_param[id(p)].chunk].offloaded}
+            if len(needed) > policy.n_buffers:
+                raise PlanMismatchError(
+                    f"policy.n_buffers: module {path or '<root>'} ({type(module).__name__}) needs "
+                    f"{len(needed)} offloaded chunks {sorted(needed)} resident at once, more than the "
+                    f"{policy.n_buffers} buffer(s)"
+                )
         return cls(chunk_numel=chunk_numel, compute_dtype=compute_dtype, chunks=chunks,
                    n_buffers=policy.n_buffers, by_param=by_param)

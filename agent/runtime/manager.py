@@ -126,11 +126,7 @@ class ModelStateManager:
                     if p.requires_grad:
                         expected.setdefault(c, []).append(j)
             if chunks:
-                if len(chunks) > self.layout.n_buffers:
-                    raise ValueError(
-                        f"policy.n_buffers: module {type(module).__name__} needs {len(chunks)} offloaded chunks "
-                        f"resident at once, more than the {self.layout.n_buffers} buffers"
-                    )
+                assert len(chunks) <= self.layout.n_buffers  # checked by ChunkLayout.from_policy
                 ordered = sorted(chunks)
                 self._handles.append(module.register_forward_pre_hook(partial(self._before_module, ordered, expected)))
                 self._handles.append(

@@ -11,7 +11,7 @@ from runtime_helpers import Trainer, batches, chunk_bytes_for, clone, plan_for, 
 from agent.runtime import PlanMismatchError, RuntimeOptions, UnsupportedOptimizerError, manual_plan
 from agent.runtime.device import element_size
 from agent.wrap import wrap
-from client.contract import Placement, Plan
+from client.contract import Chunk, Placement, Plan, Policy
 
 
 def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
@@ -76,10 +76,32 @@ def test_parameter_overflowing_its_chunk_is_refused() -> None:
         wrap(model, adamw(model), plan=bad)
 
 
-def test_offloading_with_one_buffer_is_refused() -> None:
+def test_one_buffer_trains_when_no_module_needs_two_offloaded_chunks() -> None:
+    base = tiny_model("llama")
+    data = batches(4)
+    ref_model = clone(base)
+    ref = train(Trainer(ref_model, adamw(ref_model)), data)
+    model = clone(base)
+    w = wrap(model, adamw(model), plan=manual_plan(model, chunk_size_bytes=chunk_bytes_for(model, 4),
+                                                   offload="all", n_buffers=1))
+    assert train(Trainer(w.model, w.optimizer), data) == ref
+
+
+def test_one_buffer_for_a_module_split_across_two_offloaded_chunks_is_refused() -> None:
     model = tiny_model("gpt2")
-    with pytest.raises(PlanMismatchError, match="policy.n_buffers: is 1"):
-        wrap(model, adamw(model), plan=plan_for(model, "all", n_buffers=1))
+    names = [n for n, _ in model.named_parameters()]
+    sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    cut = names.index("transformer.h.0.attn.c_attn.weight") + 1  # weight | bias in the next chunk
+    groups = [names[:cut], names[cut:]]
+    size = max(sum(sizes[n] for n in g) for g in groups)
+    plan = manual_plan(model, chunk_size_bytes=size * 2, offload="all", n_buffers=1)
+    chunks = [Chunk(index=i, placement=Placement.offloaded, parameters=g, blocks=[],
+                    used_bytes=sum(sizes[n] for n in g)) for i, g in enumerate(groups)]
+    plan = plan.model_copy(update={"policy": Policy(chunk_size_bytes=size, chunks=chunks, n_buffers=1, blocks=[])})
+    with pytest.raises(PlanMismatchError,
+                       match=r"policy.n_buffers: module transformer.h.0.attn.c_attn \(Conv1D\) needs 2 offloaded"):
+        wrap(model, adamw(model), plan=plan)
+    assert not any(m._forward_pre_hooks for m in model.modules())  # refused before the model was touched
 
 
 def test_optimizer_over_other_parameters_is_refused_before_the_model_is_touched() -> None:
