@@ -39,6 +39,7 @@ class PolicyModel:
     nbuf1: cp_model.IntVar | None = None
     iteration: cp_model.IntVar | None = None
     peak: cp_model.IntVar | None = None
+    pairs: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
 
     def decision(self, solver: cp_model.CpSolver) -> Decision:
         assert self.nbuf is not None
@@ -99,12 +100,17 @@ def _add_placement(pm: PolicyModel) -> None:
     m.add(pm.nbuf == 1).only_enforce_if(pm.nbuf1)
     m.add(pm.nbuf != 1).only_enforce_if(~pm.nbuf1)
     m.add(pm.nbuf <= sum(pm.off))
-    for c in range(C):
+    # after[c] = number of offloaded chunks after c (a chain keeps the model linear in C, not quadratic)
+    after: LinearExpr = 0
+    for c in range(C - 1, -1, -1):
         m.add(pm.nbuf >= 1).only_enforce_if(pm.off[c])
         m.add_implication(pm.res[c], pm.off[c])
         if c + 1 < C:
             # offloaded chunks after c, plus c itself, must all fit in the buffers
-            m.add(sum(pm.off[c + 1:]) + 1 <= pm.nbuf).only_enforce_if(pm.res[c])
+            m.add(after + 1 <= pm.nbuf).only_enforce_if(pm.res[c])
+        count = m.new_int_var(0, C - c, f"offloaded_from[{c}]")
+        m.add(count == after + pm.off[c])
+        after = count
 
 
 Terms = list[tuple[int, LinearExpr]]  # (coefficient, 0/1 expression) pairs
@@ -151,6 +157,21 @@ def _add_window(m: cp_model.CpModel, t: cp_model.IntVar, compute: int, extra: Te
             m.add(t >= compute + (a - compute) * x)
 
 
+def _serial_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
+    """A 0/1 variable forced to 1 when chunks a and b are both offloaded and there is one buffer.
+
+    Written as pair >= off[a] + off[b] + nbuf1 - 2 (a plain linear row, not an enforced constraint), so
+    the LP relaxation sees the serialisation cost of a single buffer; the objective pushes it to 0 otherwise.
+    """
+    assert pm.nbuf1 is not None
+    key = (min(a, b), max(a, b))
+    if key not in pm.pairs:
+        pair = pm.model.new_bool_var(f"serial[{key[0]},{key[1]}]")
+        pm.model.add(pair >= pm.off[a] + pm.off[b] + pm.nbuf1 - 2)
+        pm.pairs[key] = pair
+    return pm.pairs[key]
+
+
 def _add_time(pm: PolicyModel) -> None:
     """Forward and backward windows, optimizer terms and the iteration-time objective (all in ns)."""
     m, inst = pm.model, pm.inst
@@ -170,7 +191,7 @@ def _add_time(pm: PolicyModel) -> None:
     for c in range(W):
         _add_window(m, tf[c], F[c], [], off(c + 1), SO[c], duplex)
         if c + 1 < C:
-            m.add(tf[c] >= F[c] + U[c + 1]).only_enforce_if([pm.off[c], pm.off[c + 1], pm.nbuf1])
+            m.add(tf[c] >= F[c] + U[c + 1] * _serial_pair(pm, c, c + 1))
     fwd = _total(off(0)) + sum(tf)
 
     # backward
@@ -179,7 +200,7 @@ def _add_time(pm: PolicyModel) -> None:
         h2d = (need(c - 1) + SI[c - 1]) if c >= 1 else []
         _add_window(m, tb[c], Bk[c], REC[c], h2d, grad(c + 1), duplex)
         if 1 <= c < C:
-            m.add(tb[c] >= Bk[c] + _total(REC[c]) + U[c - 1]).only_enforce_if([pm.off[c], pm.off[c - 1], pm.nbuf1])
+            m.add(tb[c] >= Bk[c] + _total(REC[c]) + U[c - 1] * _serial_pair(pm, c - 1, c))
     head = _total(need(C - 1) + SI[W - 1])
     bwd = head + sum(tb)
 
@@ -194,9 +215,12 @@ def _add_time(pm: PolicyModel) -> None:
         m.add(nxt == dones[-1] + tb[c])
         dones.append(nxt)
     dones.reverse()
-    queued: LinearExpr = 0
+    queued: LinearExpr = 0  # host optimizer work of offloaded chunks 0..c (ns), as a chain of variables
+    total_host = sum(inst.host_optim_ns)
     for c in range(C):
-        queued = queued + inst.host_optim_ns[c] * pm.off[c]
+        q = m.new_int_var(0, total_host, f"host_queued[{c}]")
+        m.add(q == queued + inst.host_optim_ns[c] * pm.off[c])
+        queued = q
         m.add(host_end >= dones[c] + G[c] * pm.off[c] + queued)
 
     tail = m.new_int_var(0, upper, "after_forward")
@@ -206,10 +230,14 @@ def _add_time(pm: PolicyModel) -> None:
     m.add(pm.iteration == fwd + tail)
 
 
-def _static_device(pm: PolicyModel) -> LinearExpr:
+def _static_device(pm: PolicyModel) -> cp_model.IntVar:
+    """One variable for the model-state bytes on the device (persistent chunks + buffers), shared by all steps."""
     inst = pm.inst
     assert pm.nbuf is not None
-    return sum(inst.chunk_state_bytes * (1 - v) for v in pm.off) + inst.buffer_bytes * pm.nbuf
+    C = inst.n_chunks
+    static = pm.model.new_int_var(0, C * (inst.chunk_state_bytes + inst.buffer_bytes), "static_device_bytes")
+    pm.model.add(static == sum(inst.chunk_state_bytes * (1 - v) for v in pm.off) + inst.buffer_bytes * pm.nbuf)
+    return static
 
 
 def _activation_walk(pm: PolicyModel) -> list[LinearExpr]:

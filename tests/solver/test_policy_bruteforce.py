@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from client.contract import BlockKind, Constraints
-from planner_service.solver import solve
+from planner_service.solver.entry import solve_with_gap
 from planner_service.solver.cost_model import activation_peak, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.instance import CostParams, Mode, PolicyInstance, build_instance
@@ -82,7 +82,7 @@ def test_cpsat_optimum_equals_brute_force_on_every_layout(seed: int):
             continue  # keep the enumeration small: the largest layouts of 8-block models are skipped
         inst = build_instance(trace, lay, cons, params)
         expected = brute_force(inst)
-        got = solve_layout(inst, hint=None, time_limit_s=60, seed=0)
+        got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
         if expected is None:
             assert got.status == "infeasible"
             continue
@@ -97,7 +97,7 @@ def test_solve_returns_the_brute_force_optimum_over_all_chunk_sizes(seed: int):
     rng = np.random.default_rng(2000 + seed)
     trace = random_trace(rng, n_blocks=int(rng.integers(3, 7)))
     cons = limits_between_extremes(rng, trace)
-    plan = solve(trace, cons, solver="cpsat")
+    plan = solve_with_gap(trace, cons, solver="cpsat", seed=0, gap_limit=0.0)
     alpha = plan.predictions.breakdown["alpha"] if plan.predictions else None
     expected = [brute_force(build_instance(trace, lay, cons, CostParams(alpha=alpha) if alpha is not None else None))
                 for lay in candidate_layouts(trace)]

@@ -23,7 +23,8 @@ def test_plan_solve_writes_the_plan_and_prints_modes_and_prediction(tmp_path: Pa
                                       "--host-memory", "64GiB", "--time-limit", "10", "-o", str(out)])
     assert result.exit_code == 0, result.output
     plan = Plan.model_validate_json(out.read_text())
-    assert plan.solver.status == SolverStatus.optimal
+    assert plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible)
+    assert plan.solver.gap is not None and plan.solver.gap <= 1e-3
     assert plan.constraints.device_memory_bytes == 3 * 2**30
     assert plan.policy is not None and plan.policy.mode_strip() in result.output
     assert "persistent chunks" in result.output and "ms/iter" in result.output
