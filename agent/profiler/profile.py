@@ -46,8 +46,20 @@ from agent.profiler.optimizer_probe import (
     state_bytes_per_param,
     state_tensors,
 )
-from agent.profiler.parameters import OrderedParameter, dtype_name, fingerprint, order_parameters, parameter_infos
-from agent.profiler.session import LossFn, ProfilerInputError, TrainingStep, move_batch, preserved_training_state
+from agent.profiler.parameters import (
+    OrderedParameter,
+    dtype_name,
+    fingerprint,
+    order_parameters,
+    parameter_infos,
+)
+from agent.profiler.session import (
+    LossFn,
+    ProfilerInputError,
+    TrainingStep,
+    move_batch,
+    preserved_training_state,
+)
 from agent.profiler.storage_tracker import StorageRecord, StorageTracker
 from agent.profiler.tensors import iter_tensors, storage_key, unique_storage_bytes
 from client.contract import (
@@ -335,8 +347,10 @@ def _track_memory(
         for b in module.buffers(recurse=False):
             inside = repeated.index_of_path(mod_path)
             long_lived.append((b, AllocationCategory.param, inside + 1 if inside is not None else None))
+    in_model = {id(p) for p in model.parameters()}  # with max_blocks: only the profiled blocks' state
     for p, v in state_tensors(opt):
-        long_lived.append((v, AllocationCategory.optimizer, block_of_param.get(id(p))))
+        if id(p) in in_model:
+            long_lived.append((v, AllocationCategory.optimizer, block_of_param.get(id(p))))
     batch_tensors = list(iter_tensors(batch))
     for t, _, _ in long_lived:
         excluded.add(storage_key(t))

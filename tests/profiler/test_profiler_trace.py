@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from agent.model_zoo import build, sample_batch
 from agent.profiler import profile

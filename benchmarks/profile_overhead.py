@@ -1,0 +1,140 @@
+"""Benchmark: profiler wall time in units of one plain training iteration, gpt2 and llama at 4, 12, 24 layers.
+
+For each configuration: build the model from a transformers config (random weights), run one warm-up
+iteration, time `--plain` plain iterations (forward, loss, backward, AdamW step; median = the reference
+iteration), then time one whole `agent.profile(...)` call (allocation trace on). The ratio
+profile_s / iteration_s is the figure; the issue's target is at most 10.
+
+Once per process, before the rows, the hardware probe (bandwidth curves; cached per process afterwards)
+and a tiny throw-away profile (first use of TorchDispatchMode imports torch._dynamo, a one-time cost of a
+process) are timed and reported separately, not inside the rows.
+
+Usage: .venv/bin/python benchmarks/profile_overhead.py [--hidden 256] [--seq 128] [--batch 4] [--device cpu]
+Prints a table and writes benchmarks/results/profile_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from agent.model_zoo import build, sample_batch
+from agent.profiler import profile
+from agent.profiler.hardware import cpu_model_name, probe_hardware
+
+RESULTS = Path(__file__).resolve().parent / "results" / "profile_overhead.json"
+KINDS = ("gpt2", "llama")
+LAYERS = (4, 12, 24)
+
+
+class StageCapture(logging.Handler):
+    """Keeps the stage durations the profiler logs at DEBUG level (`profile stages (s): {...}`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.stages: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("profile stages") and isinstance(record.args, dict):
+            self.stages = dict(record.args)
+
+
+def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, n: int) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()  # warm-up: optimizer state, allocator caches
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--plain", type=int, default=3, help="plain iterations timed for the reference (median)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--layers", default=",".join(map(str, LAYERS)))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    capture = StageCapture()
+    prof_log = logging.getLogger("agent.profiler.profile")
+    prof_log.setLevel(logging.DEBUG)
+    prof_log.addHandler(capture)
+
+    t0 = time.perf_counter()
+    hardware = probe_hardware(device)
+    probe_s = time.perf_counter() - t0
+    tiny, tiny_cfg = build("gpt2", 1, 32, vocab=64, seq=8)
+    t0 = time.perf_counter()
+    profile(tiny.to(device), sample_batch(tiny_cfg, 1, 8, device=device), hardware=hardware)
+    first_use_s = time.perf_counter() - t0
+
+    rows = []
+    print(f"device {hardware.device_name} ({device.type}), {os.cpu_count()} cores; hidden {args.hidden}, "
+          f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, AdamW")
+    print(f"hardware probe {probe_s:.2f} s (once per process); first profile in a process {first_use_s:.2f} s")
+    print(f"{'model':<14}{'params':>12}{'iter s':>10}{'profile s':>11}{'ratio':>8}{'events':>9}{'trace MiB':>11}")
+    for kind in args.kinds.split(","):
+        for layers in map(int, args.layers.split(",")):
+            model, config = build(kind, layers, args.hidden, vocab=args.vocab, seq=args.seq)
+            model.to(device)
+            batch = sample_batch(config, args.batch, args.seq, device=device)
+            iteration_s = plain_iteration_s(model, batch, device, args.plain)
+            t0 = time.perf_counter()
+            trace = profile(model, batch, hardware=hardware)
+            profile_s = time.perf_counter() - t0
+            events = len(trace.allocation_trace.events) if trace.allocation_trace else 0
+            size_mib = len(trace.canonical_json()) / 2**20
+            row = {
+                "model": f"{kind}-{layers}L-{args.hidden}H", "kind": kind, "layers": layers,
+                "parameters": trace.model.parameter_count, "iteration_s": iteration_s,
+                "profiler_iteration_s": trace.measurements.iteration_s, "profile_s": profile_s,
+                "ratio": profile_s / iteration_s, "allocation_events": events, "trace_mib": size_mib,
+                "peak_device_bytes": trace.measurements.peak_device_bytes,
+                "stages_s": capture.stages,
+            }
+            rows.append(row)
+            print(f"{row['model']:<14}{row['parameters']:>12,}{iteration_s:>10.3f}{profile_s:>11.2f}"
+                  f"{row['ratio']:>8.2f}{events:>9,}{size_mib:>11.2f}")
+            print("    stages in iterations: " + ", ".join(
+                f"{k} {v / iteration_s:.2f}" for k, v in capture.stages.items()))
+            del model, batch, trace
+    worst = max(r["ratio"] for r in rows)
+    print(f"worst ratio {worst:.2f} (target <= 10)")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "benchmark": "profile_overhead",
+        "machine": {"device": hardware.device_name, "device_type": device.type, "cpu": cpu_model_name(),
+                    "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        "config": {"hidden": args.hidden, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
+                   "plain_iterations": args.plain, "dtype": "float32", "optimizer": "AdamW"},
+        "hardware_probe_s": probe_s, "first_profile_in_process_s": first_use_s,
+        "rows": rows, "worst_ratio": worst, "target_ratio": 10.0,
+    }, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
