@@ -38,6 +38,13 @@ def reference_markers(plan: Plan, measured_peak_bytes: int | None) -> list[Marke
     return markers
 
 
+def needs_trace(plan: Plan) -> bool:
+    """Whether `memory_charts` reads the trace for this plan (so a page can skip parsing a large one)."""
+    if plan.allocation is not None:
+        return True
+    return plan.predictions is not None and plan.policy is not None and not plan.predictions.device_memory_timeline
+
+
 def memory_chart(plan: Plan, trace: Trace | None, measured_peak_bytes: int | None = None) -> MemoryChart | None:
     """The main chart of a plan page, or None when the plan predicts nothing to draw."""
     markers = reference_markers(plan, measured_peak_bytes)
@@ -102,16 +109,15 @@ def timeline_chart(plan: Plan, markers: list[Marker]) -> MemoryChart:
 # --------------------------------------------------------------------------------------- allocation
 def live_bytes(trace: AllocationTrace) -> np.ndarray:
     """Bytes live during each logical time step [t, t+1) of one iteration; long-lived buffers count always."""
-    horizon = trace.horizon
-    delta = np.zeros(horizon + 1, dtype=np.int64)
-    long_lived = 0
-    for e in trace.events:
-        if e.free_index is None:
-            long_lived += e.size_bytes
-        else:
-            delta[e.alloc_index] += e.size_bytes
-            delta[e.free_index] -= e.size_bytes
-    return np.cumsum(delta[:horizon]) + long_lived
+    n = len(trace.events)
+    sizes = np.fromiter((e.size_bytes for e in trace.events), dtype=np.int64, count=n)
+    starts = np.fromiter((e.alloc_index for e in trace.events), dtype=np.int64, count=n)
+    stops = np.fromiter((-1 if e.free_index is None else e.free_index for e in trace.events), dtype=np.int64, count=n)
+    long_lived = stops < 0
+    delta = np.zeros(trace.horizon + 1, dtype=np.int64)
+    np.add.at(delta, starts[~long_lived], sizes[~long_lived])
+    np.add.at(delta, stops[~long_lived], -sizes[~long_lived])
+    return np.cumsum(delta[: trace.horizon]) + int(sizes[long_lived].sum())
 
 
 def reduce_to_maxima(values: np.ndarray, max_points: int = MAX_CURVE_POINTS) -> tuple[np.ndarray, np.ndarray]:

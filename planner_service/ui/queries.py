@@ -6,6 +6,7 @@ a page never shows another project's plans, models or hardware; the router only 
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 from client.contract import PlanRecord, Predictions, SolverReport, Trace
 from planner_service.api.present import plan_record
 from planner_service.db.models import FeedbackRow
-from planner_service.db.repositories import CatalogRepository, PlanRepository, decompress_trace
+from planner_service.db.repositories import CatalogRepository, PlanRepository
 
 PLAN_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "infeasible")
 SortOrder = Literal["-created_at", "created_at"]
@@ -62,10 +63,20 @@ class PlanListPage:
 
 
 @dataclass(frozen=True)
+class StoredTrace:
+    """A plan's trace as stored (gzip of the canonical JSON); parsed only when a chart needs it."""
+
+    content_hash: str
+    payload_gzip: bytes
+
+    def parse(self) -> Trace:
+        return Trace.model_validate_json(gzip.decompress(self.payload_gzip))
+
+
+@dataclass(frozen=True)
 class PlanDetail:
     record: PlanRecord
-    trace: Trace | None
-    trace_problem: str | None  # why the trace could not be read, if it could not
+    trace: StoredTrace
 
 
 def _part(result: dict[str, Any] | None, key: str, model: type[Any]) -> Any:
@@ -105,14 +116,8 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
 
 
 def load_plan_detail(session: Session, project_id: str, plan_id: str) -> PlanDetail | None:
-    """The plan with its feedback and its trace (for the fallback charts); None if not the project's."""
+    """The plan with its feedback and its stored trace (for the fallback charts); None if not the project's."""
     row = PlanRepository(session).get(plan_id, project_id)
     if row is None:
         return None
-    record = plan_record(row)
-    try:
-        trace: Trace | None = decompress_trace(row.trace)
-        problem = None
-    except (ValidationError, OSError, ValueError) as exc:  # a trace stored by an older schema: page still renders
-        trace, problem = None, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return PlanDetail(record=record, trace=trace, trace_problem=problem)
+    return PlanDetail(record=plan_record(row), trace=StoredTrace(row.trace.content_hash, row.trace.payload_gzip))

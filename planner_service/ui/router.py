@@ -141,7 +141,6 @@ def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal:
         detail = load_plan_detail(s, principal.project_id, plan_id)
     if detail is None:
         return _error_page(request, 404, "Plan not found", f"plan_id: no plan {plan_id!r}")
-    page = plan_page(detail.record, detail.trace, detail.trace_problem)
+    page = plan_page(detail.record, detail.trace)
     refresh = detail.record.status in ("queued", "running")
-    return templates.TemplateResponse(request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh,
-                                                             "trace_problem": detail.trace_problem})
+    return templates.TemplateResponse(request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh})

@@ -5,14 +5,18 @@ Plain data built from the wire contract (`PlanRecord`, `Plan`), so the templates
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from markupsafe import Markup
+from pydantic import ValidationError
 
 from client.contract import ActivationMode, FeedbackRecord, Placement, Plan, PlanRecord, Trace
 from client.units import format_bytes
 from planner_service.ui.chart import render_svg
-from planner_service.ui.memory_series import memory_charts
+from planner_service.ui.memory_series import memory_charts, needs_trace
+from planner_service.ui.queries import StoredTrace
 
 GOOD_ERROR, FAIR_ERROR = 0.10, 0.25  # |relative error| bands for colouring predicted vs measured
 
@@ -184,25 +188,75 @@ class PlanPage:
         return out
 
 
-def plan_page(record: PlanRecord, trace: Trace | None, trace_problem: str | None = None) -> PlanPage:
+class ChartCache:
+    """Rendered charts of finished plans, by (plan id, finish time, latest feedback id): LRU, thread-safe.
+
+    A finished plan and its trace never change, so its charts only change with new feedback; caching them
+    spares a page view the parse of a large trace (an allocation trace can hold millions of events).
+    """
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple[str, ...], list[tuple[str, Markup]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, ...]) -> list[tuple[str, Markup]] | None:
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+            return found
+
+    def put(self, key: tuple[str, ...], charts: list[tuple[str, Markup]]) -> None:
+        with self._lock:
+            self._items[key] = charts
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+CHARTS = ChartCache()
+FINAL_STATUSES = ("done", "failed", "infeasible")
+
+
+def _charts(plan: Plan, stored: StoredTrace | None, measured_peak: int | None) -> tuple[list[tuple[str, Markup]], str]:
+    """The rendered charts and, when there are none, why (a plan that does not match its trace, no trace)."""
+    trace: Trace | None = None
+    problem = ""
+    if needs_trace(plan) and stored is not None:
+        try:
+            trace = stored.parse()
+        except (ValidationError, OSError, ValueError) as exc:  # e.g. stored by an older schema: page still renders
+            problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        found = memory_charts(plan, trace, measured_peak)
+    except ValueError as exc:  # a plan that does not match its trace: say so, keep the rest of the page
+        return [], f"No chart: {exc}"
+    ids = ("memory-chart", "allocation-chart")
+    charts = [(c.title, render_svg(c, element_id=ids[i])) for i, c in enumerate(found)]
+    if charts:
+        return charts, ""
+    if plan.predictions is None:
+        return [], f"No chart: the plan predicts no device memory (status {plan.solver.status.value})."
+    return [], f"No chart: the plan has no timeline and its trace is unavailable ({problem or 'not stored'})."
+
+
+def plan_page(record: PlanRecord, stored: StoredTrace | None, cache: ChartCache = CHARTS) -> PlanPage:
     plan = record.plan
     latest = record.feedback[-1] if record.feedback else None
     charts: list[tuple[str, Markup]] = []
-    note = ""
     if plan is None:
         note = {"queued": "Queued: a worker has not picked this plan up yet.",
                 "running": "Running: a worker is solving this plan."}.get(record.status, "This plan has no result.")
     else:
-        try:
-            found = memory_charts(plan, trace, latest.feedback.peak_device_bytes if latest else None)
-        except ValueError as exc:  # a plan that does not match its trace: say so, keep the rest of the page
-            found, note = [], f"No chart: {exc}"
-        ids = ("memory-chart", "allocation-chart")
-        charts = [(c.title, render_svg(c, element_id=ids[i])) for i, c in enumerate(found)]
-        if not found and not note:
-            note = (f"No chart: the plan predicts no device memory (status {plan.solver.status.value})."
-                    if plan.predictions is None else
-                    f"No chart: the plan has no timeline and its trace is unavailable ({trace_problem}).")
+        key = (record.id, str(record.finished_at), latest.id if latest else "")
+        cached = cache.get(key) if record.status in FINAL_STATUSES else None
+        if cached is not None:
+            charts, note = cached, ""
+        else:
+            charts, note = _charts(plan, stored, latest.feedback.peak_device_bytes if latest else None)
+            if charts and record.status in FINAL_STATUSES:
+                cache.put(key, charts)
     return PlanPage(
         record=record, plan=plan, charts=charts, chart_note=note,
         modes=mode_cells(plan) if plan else [], chunks=chunk_cells(plan) if plan else [],
