@@ -7,7 +7,9 @@
 - optionally (`first_use=True`) forward pre-hooks on every module record the order in which parameters
   are first used, and the block active at that moment;
 - optionally (`saved_tensors=True`) `torch.autograd.graph.saved_tensors_hooks` count the bytes each block
-  saves for backward, and the forward pre-hooks count each block's input bytes.
+  saves for backward, and the forward pre-hooks count each block's input bytes. A storage counts once per
+  iteration, in the first block that saves it (or takes it as input): tensors every block uses, such as
+  rotary cos/sin or the attention mask, land in the first block, so sums over blocks are exact.
 On exit (normal or exception) every handle is removed and the saved-tensor hooks are popped, so the model
 is left exactly as it was; `tests/profiler` checks that no hook survives.
 """
@@ -60,6 +62,7 @@ class BlockHooks:
         self.keep_inputs = False
         self._seen_params: set[int] = set()
         self._saved_keys: set[tuple[str, int]] = set()
+        self._input_keys: set[tuple[str, int]] = set()
         self._bwd_started: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -85,6 +88,7 @@ class BlockHooks:
         """Forget the per-iteration state (backward marks, saved storages) before another iteration."""
         self._bwd_started.clear()
         self._saved_keys.clear()
+        self._input_keys.clear()
         self.activation_bytes = [0] * self.n_blocks
         self.input_bytes = [0] * self.n_blocks
 
@@ -105,7 +109,10 @@ class BlockHooks:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.cursor.move(idx, Phase.forward)
             if self._saved_tensors:
-                self.input_bytes[idx] = unique_storage_bytes(list(iter_tensors((args, kwargs))), self._excluded)
+                # Inputs shared by every block (attention mask, rotary cos/sin) count once, in the first block.
+                tensors = list(iter_tensors((args, kwargs)))
+                self.input_bytes[idx] = unique_storage_bytes(tensors, self._excluded | self._input_keys)
+                self._input_keys.update(storage_key(t) for t in tensors if t.layout == torch.strided)
             if self.keep_inputs:
                 self.block_inputs[idx] = (
                     tuple(_detached(a) for a in args),

@@ -104,7 +104,9 @@ def profile(
     `optimizer` defaults to AdamW over the trainable parameters (created and discarded here); `device`
     defaults to where the parameters are; `blocks` overrides block detection with the repeated blocks in
     execution order. `max_blocks` profiles only that many repeated blocks and extrapolates to the rest.
-    `hardware` reuses an earlier probe; `device_memory_limit` caps the reported device capacity.
+    `hardware` reuses an earlier probe; `device_memory_limit` caps the reported device capacity. When the
+    model's states would not fit the device (see `_blocks_that_fit`), fewer blocks are profiled
+    automatically and the rest extrapolated.
     """
     if repeats < 1:
         raise ValueError(f"repeats: must be at least 1, got {repeats}")
@@ -117,6 +119,8 @@ def profile(
     repeated_all = detect_blocks(model, blocks)
     if max_blocks is not None and not 1 <= max_blocks:
         raise ValueError(f"max_blocks: must be at least 1, got {max_blocks}")
+    if max_blocks is None:
+        max_blocks = _blocks_that_fit(model, repeated_all, dev, device_memory_limit)
     n_profiled = len(repeated_all) if max_blocks is None else min(max_blocks, len(repeated_all))
     full_fingerprint = fingerprint(model)
     all_params_named = dict(model.named_parameters())
@@ -516,6 +520,37 @@ def _extrapolate(
     iteration_s += extra * (rb.forward_s + rb.backward_s)
     peak += extra * (rb.activation_bytes + int(rep_bytes * model_state_bytes_per_byte))
     return head + middle + tail, new_blocks, iteration_s, peak
+
+
+def _blocks_that_fit(model: nn.Module, repeated: RepeatedBlocks, dev: torch.device, limit: int | None) -> int | None:
+    """How many repeated blocks to profile when the whole model would not fit the device, else None.
+
+    Capacity: `device_memory_limit` if given, and on CUDA the free device memory when the model is not on
+    the device yet. Model states are estimated at parameter + gradient + two fp32 Adam moments per element
+    and must stay within half the capacity (the other half is left for activations); as many blocks as
+    fit that budget are profiled (at least one) and the rest extrapolated.
+    """
+    capacity = limit
+    params = list(model.parameters())
+    if dev.type == "cuda" and any(p.device != dev for p in params):
+        free, _ = torch.cuda.mem_get_info(dev)
+        capacity = free if capacity is None else min(capacity, free)
+    if capacity is None:
+        return None
+
+    def state_bytes(ps: Iterator[nn.Parameter] | list[nn.Parameter]) -> int:
+        return sum(p.numel() * (2 * p.element_size() + 8) for p in ps)
+
+    total = state_bytes(params)
+    budget = capacity // 2
+    if total <= budget:
+        return None
+    per_block = max(1, state_bytes(list(repeated.modules[0].parameters())))
+    others = max(0, total - per_block * len(repeated))
+    fit = max(1, min(len(repeated) - 1, (budget - others) // per_block))
+    log.warning("model states (~%d MiB) exceed half of the device's %d MiB: profiling %d of %d blocks and "
+                "extrapolating the rest", total >> 20, capacity >> 20, fit, len(repeated))
+    return int(fit)
 
 
 def _majority_dtype(params: list[nn.Parameter]) -> torch.dtype:

@@ -95,6 +95,17 @@ def test_max_blocks_profiles_one_block_and_extrapolates_to_the_rest(cpu_hardware
         assert b.model_dump(exclude={"block"}) == m.blocks[1].model_dump(exclude={"block"})
 
 
+def test_a_model_too_large_for_the_device_is_profiled_in_part_and_extrapolated(cpu_hardware: Hardware) -> None:
+    model, config = build("gpt2", layers=6, hidden=64, vocab=128, seq=16)
+    elements = sum(p.numel() for p in model.parameters())
+    limit = elements * 16  # model states (param, grad, two Adam moments) take the whole device
+    trace = profile(model, sample_batch(config, 2, 16), hardware=cpu_hardware, device_memory_limit=limit, repeats=1)
+    m = trace.measurements
+    assert m.extrapolated
+    assert 1 <= len(m.profiled_blocks) - 2 < 6
+    assert len(trace.model.blocks) == 8
+
+
 def test_trace_round_trips_through_the_service(api, gpt2_trace: Trace) -> None:  # type: ignore[no-untyped-def]
     created = api.post("/v1/traces", content=gpt2_trace.canonical_json(),
                        headers={"content-type": "application/json"})
