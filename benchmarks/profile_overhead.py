@@ -92,6 +92,8 @@ def main() -> None:
     first_use_s = time.perf_counter() - t0
 
     rows = []
+    load_before = os.getloadavg()
+    print(f"load average before: {load_before[0]:.1f} (1 min) on {os.cpu_count()} cores")
     print(f"device {hardware.device_name} ({device.type}), {os.cpu_count()} cores; hidden {args.hidden}, "
           f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, AdamW")
     print(f"hardware probe {probe_s:.2f} s (once per process); first profile in a process {first_use_s:.2f} s")
@@ -121,8 +123,9 @@ def main() -> None:
             print("    stages in iterations: " + ", ".join(
                 f"{k} {v / iteration_s:.2f}" for k, v in capture.stages.items()))
             del model, batch, trace
+    load_after = os.getloadavg()
     worst = max(r["ratio"] for r in rows)
-    print(f"worst ratio {worst:.2f} (target <= 10)")
+    print(f"worst ratio {worst:.2f} (target <= 10); load average after: {load_after[0]:.1f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "profile_overhead",
@@ -130,6 +133,7 @@ def main() -> None:
                     "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "config": {"hidden": args.hidden, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
                    "plain_iterations": args.plain, "dtype": "float32", "optimizer": "AdamW"},
+        "load_average_1min": {"before": load_before[0], "after": load_after[0]},
         "hardware_probe_s": probe_s, "first_profile_in_process_s": first_use_s,
         "rows": rows, "worst_ratio": worst, "target_ratio": 10.0,
     }, indent=2))
