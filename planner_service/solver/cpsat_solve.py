@@ -16,10 +16,11 @@ from planner_service.solver.instance import Decision, PolicyInstance
 # proved the benchmark instances faster than the 2- and 4-worker portfolios (see docs/architecture/solver.md).
 NUM_WORKERS = 1
 LINEARIZATION_LEVEL = 2
-# Stop once the answer is proven within 0.1% of optimal. The remaining gaps on large models come from
-# near-ties (which of many identical chunks stay persistent moves the time by milliseconds out of
-# seconds); closing them exactly costs seconds and buys nothing. Tests pass 0.0 to demand exact optima.
-RELATIVE_GAP_LIMIT = 1e-3
+# Stop once the answer is proven within 0.5% of optimal (the bar is 1%). The remaining gaps on
+# large models come from near-ties (which of many identical chunks stay persistent moves the time by
+# milliseconds out of seconds) and from the LP bound; closing them exactly can take seconds. Tests pass
+# 0.0 to demand exact optima.
+RELATIVE_GAP_LIMIT = 5e-3
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
     for i, (inst, base) in enumerate(baselines if solver == "cpsat" else []):
         budget = (deadline - time.perf_counter()) / (len(layouts) - i)
         # only an answer faster than the incumbent by more than the gap limit is worth finding
-        cutoff = math.ceil(best.cost.iteration_ns * (1.0 - gap_limit)) if best is not None else None
+        # (the first layout holds the incumbent itself: it is solved without a cutoff, hinted with it)
+        cutoff = math.ceil(best.cost.iteration_ns * (1.0 - gap_limit)) if (best is not None and i > 0) else None
         res = cpsat_solve.solve_layout(inst, hint=base.decision, time_limit_s=budget, seed=seed, cutoff_ns=cutoff,
                                        gap_limit=gap_limit)
         statuses.append(res.status)

@@ -47,11 +47,26 @@ def knob_modes(n_blocks: int, repeated: list[int], n_swap: int, n_ckpt: int) -> 
     return tuple(modes)
 
 
+def knob_table(n_blocks: int, repeated: list[int], combos: list[tuple[int, int]]) -> np.ndarray:
+    """`knob_modes` for every (n_swap, n_ckpt) at once: one row of Mode values per combination."""
+    k = np.arange(len(repeated))
+    ns = np.array([s for s, _ in combos], dtype=np.int64)[:, None]
+    nc = np.array([c for _, c in combos], dtype=np.int64)[:, None]
+    m = np.minimum(ns, nc)
+    # position k of the optimised prefix: alternating S, C while both last, then the rest of the larger one
+    alternating = np.where(k % 2 == 0, Mode.swap, Mode.checkpoint)
+    tail = np.where(ns > nc, Mode.swap, Mode.checkpoint)
+    rep = np.where(k < 2 * m, alternating, np.where(k < ns + nc, tail, Mode.keep)).astype(np.int8)
+    out = np.full((len(combos), n_blocks), Mode.keep, dtype=np.int8)
+    out[:, repeated] = rep
+    return out
+
+
 def _activation_tables(inst: PolicyInstance, combos: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
     """Per (n_swap, n_ckpt): the mode rows, activation peak bytes, swapped bytes (host), total recompute ns."""
     B = inst.n_blocks
     repeated = [b for b in range(B) if inst.optimisable[b]]
-    M = np.array([knob_modes(B, repeated, s, c) for s, c in combos], dtype=np.int8).reshape(len(combos), B)
+    M = knob_table(B, repeated, combos)
     act = np.array(inst.act_bytes, dtype=np.int64)
     inp = np.array(inst.inp_bytes, dtype=np.int64)
     ftp = np.array(inst.fwd_peak_bytes, dtype=np.int64)

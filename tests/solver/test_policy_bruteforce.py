@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from client.contract import BlockKind, Constraints
-from planner_service.solver.entry import solve_with_gap
 from planner_service.solver.cost_model import activation_peak, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
+from planner_service.solver.entry import solve_with_gap
 from planner_service.solver.instance import CostParams, Mode, PolicyInstance, build_instance
 from planner_service.solver.layout import candidate_layouts
 from planner_service.solver.synthetic import BlockSpec, hand_trace

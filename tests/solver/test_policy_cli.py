@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from client.cli.main import app
 from client.contract import Plan, SolverStatus
+from planner_service.solver.cpsat_solve import RELATIVE_GAP_LIMIT
 from planner_service.solver.synthetic import synthetic_trace
 
 
@@ -24,7 +25,7 @@ def test_plan_solve_writes_the_plan_and_prints_modes_and_prediction(tmp_path: Pa
     assert result.exit_code == 0, result.output
     plan = Plan.model_validate_json(out.read_text())
     assert plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible)
-    assert plan.solver.gap is not None and plan.solver.gap <= 1e-3
+    assert plan.solver.gap is not None and plan.solver.gap <= RELATIVE_GAP_LIMIT
     assert plan.constraints.device_memory_bytes == 3 * 2**30
     assert plan.policy is not None and plan.policy.mode_strip() in result.output
     assert "persistent chunks" in result.output and "ms/iter" in result.output

@@ -6,8 +6,9 @@ import pytest
 
 from client.contract import ActivationMode, BlockKind, Constraints, Placement, Plan, SolverStatus
 from planner_service.solver import SOLVER_VERSION, solve
-from planner_service.solver.entry import solve_with_gap
 from planner_service.solver.cost_model import evaluate
+from planner_service.solver.cpsat_solve import RELATIVE_GAP_LIMIT
+from planner_service.solver.entry import solve_with_gap
 from planner_service.solver.synthetic import MODEL_SHAPES, synthetic_trace
 
 GiB = 2**30
@@ -38,7 +39,7 @@ def test_cpsat_is_strictly_faster_than_protrain_on_llama_7b_in_24_gib(llama7b_tr
     base = solve(llama7b_trace, cons, solver="protrain")
     best = solve(llama7b_trace, cons, solver="cpsat")
     assert base.solver.objective is not None and best.solver.objective is not None
-    assert best.solver.gap is not None and best.solver.gap <= 1e-3
+    assert best.solver.gap is not None and best.solver.gap <= RELATIVE_GAP_LIMIT
     assert best.solver.objective < base.solver.objective * 0.995
 
 
@@ -88,7 +89,7 @@ def test_default_solve_lies_within_its_reported_gap_of_the_exact_optimum(small_t
     cons = Constraints(device_memory_bytes=device_gib * GiB, time_limit_s=30)
     fast, best = solve(small_trace, cons), exact(small_trace, cons)
     assert best.solver.status == SolverStatus.optimal and best.solver.gap == 0.0
-    assert fast.solver.gap is not None and fast.solver.gap <= 1e-3
+    assert fast.solver.gap is not None and fast.solver.gap <= RELATIVE_GAP_LIMIT
     assert fast.solver.best_bound <= best.solver.objective + 1e-12
     assert best.solver.objective <= fast.solver.objective <= best.solver.objective * (1 + fast.solver.gap) + 1e-12
 

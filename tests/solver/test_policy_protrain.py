@@ -1,0 +1,43 @@
+"""ProTrain baseline: its block layout, and pruning rules that never change the answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from client.contract import Constraints
+from planner_service.solver import protrain
+from planner_service.solver.instance import Mode, build_instance
+from planner_service.solver.layout import candidate_layouts
+from planner_service.solver.synthetic import synthetic_trace
+
+GiB = 2**30
+K, C, S = Mode.keep, Mode.checkpoint, Mode.swap
+
+
+def test_swap_and_checkpoint_blocks_interleave_early_and_unoptimised_blocks_come_last():
+    repeated = [1, 2, 3, 4, 5, 6]
+    assert protrain.knob_modes(8, repeated, 2, 3) == (K, S, C, S, C, C, K, K)
+    assert protrain.knob_modes(8, repeated, 3, 1) == (K, S, C, S, S, K, K, K)
+    assert protrain.knob_modes(8, repeated, 0, 0) == (K,) * 8
+
+
+def test_vectorised_knob_table_matches_the_layout_rule():
+    repeated = [1, 2, 3, 5, 6, 7, 8]
+    combos = [(s, c) for s in range(8) for c in range(8 - s)]
+    table = protrain.knob_table(10, repeated, combos)
+    for row, (s, c) in zip(table, combos, strict=True):
+        assert tuple(Mode(int(x)) for x in row) == protrain.knob_modes(10, repeated, s, c)
+
+
+@pytest.mark.parametrize("device_gib", [2, 3, 5])
+def test_pruning_rules_do_not_change_the_baseline_answer(device_gib):
+    trace = synthetic_trace(n_blocks=8, hidden=1024, batch=8, seq=1024)
+    cons = Constraints(device_memory_bytes=device_gib * GiB)
+    for layout in candidate_layouts(trace)[:2]:
+        inst = build_instance(trace, layout, cons)
+        pruned = protrain.search(inst)
+        full = protrain.search(inst, prune_memory=False, prune_bound=False)
+        assert (pruned.cost is None) == (full.cost is None)
+        if full.cost is not None and pruned.cost is not None:
+            assert pruned.cost.iteration_ns == full.cost.iteration_ns
+            assert pruned.evaluated < full.evaluated
