@@ -63,7 +63,7 @@ def profiled_trace(kind: str, layers: int, hidden: int, heads: int, ckpt: bool, 
 
     model, _ = build(kind, layers=layers, hidden=hidden, heads=heads, vocab=VOCAB, seq=CPU_SEQ, seed=0)
     if ckpt:
-        model.gradient_checkpointing_enable()
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.to(device)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (CPU_BATCH, CPU_SEQ), generator=g).to(device)
@@ -220,7 +220,7 @@ def _cuda_setup(cfg: tuple[Any, ...]) -> tuple[Any, Any, Any]:
     _, kind, layers, hidden, heads, batch, seq, ckpt, offload = cfg
     model, _ = build(kind, layers=layers, hidden=hidden, heads=heads, vocab=32000, seq=seq, seed=0)
     if ckpt:
-        model.gradient_checkpointing_enable()
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
     if offload:

@@ -31,7 +31,9 @@ class MatchRules:
     lookahead: a request may match one of the next `lookahead_slots` expected slots (resynchronise);
     shrink: a smaller request is served inside the larger iteration slot at the cursor;
     pool: unmatched requests go to a best-fit pool in the arena's free gaps before a plain allocation;
-    guard: the pool avoids the ranges of the next `guard_window` planned slots.
+    guard: the pool avoids the ranges of the next `guard_window` planned slots, except after
+        `relax_after` consecutive requests that missed the plan (0: never relax): a program not
+        following the plan (another batch size) would otherwise be pushed out of the arena.
     """
 
     lookahead: bool = True
@@ -40,6 +42,7 @@ class MatchRules:
     guard: bool = True
     lookahead_slots: int = 16
     guard_window: int = 64
+    relax_after: int = 8
 
     @property
     def bits(self) -> int:
@@ -59,8 +62,8 @@ class PlannedCore:
     """Owns one `mp_core`. Not thread-safe to destroy while others use it; everything else is (C++ mutex)."""
 
     def __init__(self, lib: Library, slots: Slots, *, device: int, debug: bool, rules: MatchRules) -> None:
-        if rules.lookahead_slots < 0 or rules.guard_window < 0:
-            raise ValueError("rules: lookahead_slots and guard_window must be >= 0")
+        if rules.lookahead_slots < 0 or rules.guard_window < 0 or rules.relax_after < 0:
+            raise ValueError("rules: lookahead_slots, guard_window and relax_after must be >= 0")
         self.lib = lib
         self.slots = slots
         n = len(slots.sizes)
@@ -75,6 +78,7 @@ class PlannedCore:
             rules.bits,
             rules.lookahead_slots,
             rules.guard_window,
+            rules.relax_after,
             1 if debug else 0,
         )
         if not handle:

@@ -36,6 +36,7 @@ STAT_FIELDS: tuple[str, ...] = (
     "unknown_frees",
     "debug_violations",
     "failed_allocs",
+    "unguarded_pool_fallbacks",
 )
 
 
@@ -64,6 +65,7 @@ class Library:
                     c_uint64,
                     c_int,
                     c_uint32,
+                    c_uint64,
                     c_uint64,
                     c_uint64,
                     c_int,

@@ -48,6 +48,7 @@ class AllocatorStats:
     unknown_frees: int
     debug_violations: int
     failed_allocs: int
+    unguarded_pool_fallbacks: int
 
     @property
     def fallbacks(self) -> int:

@@ -142,3 +142,19 @@ def test_a_skipped_allocation_is_passed_over_by_lookahead() -> None:
         # every free byte is promised to the next slots (b, c): the pool keeps out, plain allocation serves
         assert (s.resyncs, s.mismatches, s.pool_fallbacks, s.device_fallbacks) == (0, 1, 0, 1)
         pa.free(c)
+
+
+def test_the_guard_is_lifted_while_the_program_does_not_follow_the_plan() -> None:
+    evs, plan = _activation_trace()
+    big = _scaled(iteration_ops(evs), 1.25)  # every iteration buffer misses its slot
+    seen = {}
+    for relax_after in (0, 2):
+        rules = MatchRules(relax_after=relax_after)
+        with PlannedAllocator(plan, evs, debug=True, rules=rules) as pa:
+            pa.replay(3, big, free_at_end=False)
+            pa.check()
+            seen[relax_after] = pa.stats()
+    never, relaxed = seen[0], seen[2]
+    assert never.unguarded_pool_fallbacks == 0 and relaxed.unguarded_pool_fallbacks > 0
+    assert relaxed.device_fallbacks < never.device_fallbacks
+    assert relaxed.peak_reserved_bytes < never.peak_reserved_bytes

@@ -51,6 +51,8 @@ struct mp_core {
     uint32_t rules = MP_RULES_ALL;
     uint64_t lookahead = 16;
     uint64_t window = 64;
+    uint64_t relax_after = 8;  // consecutive misses after which the pool's guard is lifted (0: never)
+    uint64_t miss_run = 0;     // consecutive requests during the replay that missed the plan
     bool debug = false;
     bool cycling = false;   // replaying the iteration's slots (from the first begin_iteration on)
     std::vector<Slot> slots;
@@ -145,9 +147,11 @@ struct mp_core {
         int kind = shrunk ? kShrunk : slots[j].persistent ? kPersistent : kPlanned;
         if (serve(slots[j].offset, extent, size, kind, j, b)) {
             (kind == kPlanned ? st.planned : kind == kShrunk ? st.shrunk : st.persistent)++;
+            miss_run = 0;
             return true;
         }
         st.displaced++;  // the range is still held: liveness differs from the plan
+        miss_run++;
         return false;
     }
 
@@ -190,12 +194,20 @@ struct mp_core {
             }
         }
         st.mismatches++;
+        miss_run++;
         return false;
+    }
+
+    // The guard is lifted while the program is not following the plan (a different batch size, say):
+    // the next slots' ranges would not be used by their planned buffers anyway, and keeping them free
+    // would only push requests out of the arena.
+    bool guard_on() const {
+        return (rules & MP_RULE_GUARD) && !(relax_after > 0 && miss_run >= relax_after);
     }
 
     // Does [off, off+len) overlap a range of the next `window` planned slots not yet served?
     bool conflicts_upcoming(uint64_t off, uint64_t len) const {
-        if (!(rules & MP_RULE_GUARD) || cyc.empty()) return false;
+        if (!guard_on() || cyc.empty()) return false;
         uint64_t n = std::min<uint64_t>(window, cyc.size());
         for (uint64_t i = 0, j = cursor % cyc.size(); i < n; ++i, j = (j + 1) % cyc.size()) {
             const Slot& s = slots[cyc[j]];
@@ -282,7 +294,10 @@ struct mp_core {
             if (!served && cycling && (rules & MP_RULE_POOL)) {
                 uint64_t off = pool_place(extent);
                 served = off != UINT64_MAX && serve(off, extent, size, kPool, -1, &b);
-                if (served) st.pool_fallbacks++;
+                if (served) {
+                    st.pool_fallbacks++;
+                    if (!guard_on() && (rules & MP_RULE_GUARD)) st.unguarded_pool_fallbacks++;
+                }
             }
         }
         void* ptr = nullptr;
@@ -424,7 +439,7 @@ const char* mp_last_error(void) { return g_error.c_str(); }
 
 mp_core* mp_create(uint64_t arena_bytes, uint64_t alignment, const uint64_t* sizes, const uint64_t* offsets,
                    const uint8_t* persistent, uint64_t n_slots, int device, uint32_t rules, uint64_t lookahead,
-                   uint64_t window, int debug) {
+                   uint64_t window, uint64_t relax_after, int debug) {
     if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
         g_error = "alignment_bytes: must be a power of two, got " + std::to_string(alignment);
         return nullptr;
@@ -436,6 +451,7 @@ mp_core* mp_create(uint64_t arena_bytes, uint64_t alignment, const uint64_t* siz
     c->rules = rules;
     c->lookahead = lookahead;
     c->window = window;
+    c->relax_after = relax_after;
     c->debug = debug != 0;
     c->slots.reserve(n_slots);
     for (uint64_t i = 0; i < n_slots; ++i) {

@@ -17,7 +17,8 @@ enum {
     MP_RULE_LOOKAHEAD = 1,  // a request not matching the cursor's slot may match one of the next `lookahead` slots
     MP_RULE_SHRINK = 2,     // a request smaller than the cursor's slot is served inside that slot
     MP_RULE_POOL = 4,       // unplanned requests go to a best-fit pool in the arena's free gaps
-    MP_RULE_GUARD = 8,      // the pool avoids ranges of the next `window` planned slots
+    MP_RULE_GUARD = 8,      // the pool avoids ranges of the next `window` planned slots, unless the last
+                            // `relax_after` requests all missed the plan (it is not being followed)
     MP_RULES_ALL = 15,
 };
 
@@ -49,6 +50,7 @@ typedef struct {
     uint64_t unknown_frees;          // frees of pointers this allocator never handed out (ignored)
     uint64_t debug_violations;       // debug mode: overlapping live ranges or inconsistent frees found
     uint64_t failed_allocs;          // the backend had no memory (nullptr returned)
+    uint64_t unguarded_pool_fallbacks;  // pool fallbacks made while the guard was lifted (after `relax_after` misses)
 } mp_stats;
 
 typedef struct mp_core mp_core;
@@ -65,7 +67,7 @@ const char* mp_backend_name(void);
 // Returns nullptr and sets mp_last_error() on invalid input.
 mp_core* mp_create(uint64_t arena_bytes, uint64_t alignment, const uint64_t* sizes, const uint64_t* offsets,
                    const uint8_t* persistent, uint64_t n_slots, int device, uint32_t rules, uint64_t lookahead,
-                   uint64_t window, int debug);
+                   uint64_t window, uint64_t relax_after, int debug);
 void mp_destroy(mp_core* core);  // releases the arena and every plain allocation still live
 const char* mp_last_error(void);
 
