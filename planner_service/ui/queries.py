@@ -1,7 +1,7 @@
-"""Every database read the history pages make, in two functions (list page, plan page).
+"""Every database read the history pages make: one function per page (plans, plan, catalog).
 
-Tenancy: both take the caller's project (`Principal.project_id`) and pass it to the repositories, so
-a page never shows another project's plans, models or hardware; the router only calls these two.
+Tenancy: each takes the caller's project (`Principal.project_id`) and passes it to the repositories,
+so a page never shows another project's plans, models or hardware; the router only calls these.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from client.contract import PlanRecord, Predictions, SolverReport, Trace
 from planner_service.api.present import plan_record
-from planner_service.db.models import FeedbackRow
+from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow
 from planner_service.db.repositories import CatalogRepository, PlanRepository
 
 PLAN_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "infeasible")
@@ -60,6 +60,14 @@ class PlanListPage:
     next_cursor: str | None
     models: list[tuple[str, str]]  # (fingerprint, label) for the filter
     hardware: list[str]
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What the project's history holds, by model and by hardware, with trace and plan counts."""
+
+    models: list[tuple[ModelRow, int, int]]
+    hardware: list[tuple[HardwareRow, int, int]]
 
 
 @dataclass(frozen=True)
@@ -121,3 +129,8 @@ def load_plan_detail(session: Session, project_id: str, plan_id: str) -> PlanDet
     if row is None:
         return None
     return PlanDetail(record=plan_record(row), trace=StoredTrace(row.trace.content_hash, row.trace.payload_gzip))
+
+
+def load_catalog(session: Session, project_id: str) -> Catalog:
+    catalog = CatalogRepository(session)
+    return Catalog(models=catalog.models(project_id), hardware=catalog.hardware(project_id))

@@ -23,6 +23,7 @@ from planner_service.ui.queries import (
     PLAN_STATUSES,
     PlanFilters,
     SortOrder,
+    load_catalog,
     load_plan_detail,
     load_plan_list,
 )
@@ -144,3 +145,10 @@ def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal:
     page = plan_page(detail.record, detail.trace)
     refresh = detail.record.status in ("queued", "running")
     return templates.TemplateResponse(request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh})
+
+
+@router.get("/ui/catalog", response_class=HTMLResponse)
+def catalog_page(request: Request, db: DatabaseDep, principal: PrincipalDep) -> Response:
+    with db.session() as s:
+        catalog = load_catalog(s, principal.project_id)
+    return templates.TemplateResponse(request, "catalog.html", {"catalog": catalog})

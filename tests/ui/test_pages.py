@@ -188,6 +188,23 @@ def test_pages_show_only_the_callers_project(settings, solved) -> None:  # type:
         listing = client.get("/ui/plans")
         assert listing.status_code == 200 and mine["id"] not in listing.text and "team-a-model" not in listing.text
         assert client.get(f"/ui/plans/{mine['id']}").status_code == 404
+        assert "team-a-model" not in client.get("/ui/catalog").text
         client.headers["authorization"] = f"Bearer {token_a}"
         assert mine["id"] in client.get("/ui/plans").text
         assert client.get(f"/ui/plans/{mine['id']}").status_code == 200
+        assert "team-a-model" in client.get("/ui/catalog").text
+
+
+def test_catalog_lists_models_and_hardware_with_counts_linking_to_their_plans(ui, solved) -> None:  # type: ignore[no-untyped-def]
+    small, big = _trace(4, "small-model"), _trace(6, "big-model", device_gib=40)
+    solved(ui, small, limit=64 * MiB)
+    solved(ui, big, limit=64 * MiB)
+    solved(ui, big, limit=72 * MiB)
+    dom = Dom(ui.get("/ui/catalog").text)
+    cells = [td.text.strip() for td in dom.all("td")]
+    counts = {name: cells[cells.index(name) + 4: cells.index(name) + 6] for name in ("big-model", "small-model")}
+    assert counts == {"big-model": ["1", "2"], "small-model": ["1", "1"]}  # traces, plans
+    assert len(dom.all("tr", "hardware-row")) == 2
+    links = {a.attrs["href"] for a in dom.all("a")}
+    assert f"/ui/plans?model={big.model.fingerprint}" in links
+    assert any(h.startswith("/ui/plans?hardware=cuda%3A") for h in links)
