@@ -8,9 +8,11 @@ The search is exhaustive in effect, with two exact pruning rules (each switchabl
 - `prune_memory`: knob settings whose peak device or host bytes exceed the limits are skipped without
   timing them (activation peaks of every (n_swap, n_checkpoint) pair are computed once, vectorised).
 - `prune_bound`: an (n_persist, n_buffer) pair is skipped when even keeping every block (the fastest mode
-  setting: checkpointing only adds recompute, swapping only adds copies) is no faster than the best found;
+  setting: checkpointing only adds recompute, swapping only adds copies) is no faster than the best found,
+  and a whole n_persist is skipped when that holds with the most buffers that fit (more buffers are never
+  slower);
   within a pair, settings whose lower bound (compute + recompute + device optimizer) reaches the best time
-  are dropped, and the rest are timed together (`cost_model.iteration_ns_batch`).
+  are dropped, and the rest are timed together (`cost_model.BatchTimer`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner_service.solver.cost_model import Cost, evaluate_decision, iteration_ns_batch
+from planner_service.solver.cost_model import BatchTimer, Cost, evaluate_decision
 from planner_service.solver.instance import Decision, Mode, PolicyInstance
 
 
@@ -92,6 +94,8 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
     modes, peak, swapped, rec = _activation_tables(inst, combos)
     order = np.argsort(rec, kind="stable")
     base = sum(inst.fwd_ns) + sum(inst.bwd_ns)
+    keep_row = np.zeros((1, B), dtype=np.int8)
+    timer = BatchTimer(inst)
     best: tuple[int, Decision, Cost] | None = None
     evaluated = 0
     host_cap = inst.host_limit_bytes if inst.pinned_limit_bytes is None else min(
@@ -100,19 +104,19 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
         n_off = C - n_persist
         offloaded = tuple([False] * n_persist + [True] * n_off)
         dev_opt = sum(inst.device_optim_ns[:n_persist])
+        if prune_bound and best is not None and n_off:
+            # more buffers are never slower, so keeping every block with the most buffers that fit bounds
+            # every (n_buffer, n_swap, n_checkpoint) of this n_persist from below
+            nb_max = min(n_off, max(1, (inst.usable_device_bytes - n_persist * inst.chunk_state_bytes)
+                                    // max(inst.buffer_bytes, 1)))
+            evaluated += 1
+            if int(timer(offloaded, nb_max, keep_row)[0]) >= best[0]:
+                continue
         for nb in (range(1, n_off + 1) if n_off else (0,)):
             static = n_persist * inst.chunk_state_bytes + nb * inst.buffer_bytes
             host_chunks = n_off * inst.chunk_state_bytes
             if prune_memory and static > inst.usable_device_bytes:
                 break  # more buffers only add memory
-            floor = 0
-            if prune_bound:
-                # keeping every block is the fastest mode setting for these placements: a lower bound
-                keep_all = Decision(offloaded=offloaded, n_buffers=nb, modes=tuple([Mode.keep] * B))
-                evaluated += 1
-                floor = evaluate_decision(inst, keep_all).iteration_ns
-                if best is not None and floor >= best[0]:
-                    continue
             if prune_memory:
                 ok = (static + peak[order] <= inst.usable_device_bytes) & (host_chunks + swapped[order] <= host_cap)
                 candidates = order[ok]
@@ -120,9 +124,13 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
                 candidates = order
             if prune_bound and best is not None:
                 candidates = candidates[base + rec[candidates] + dev_opt < best[0]]
+                if candidates.size and int(timer(offloaded, nb, keep_row)[0]) >= best[0]:
+                    # keeping every block is the fastest mode setting for these placements: a lower bound
+                    evaluated += 1
+                    continue
             if candidates.size == 0:
                 continue
-            times = iteration_ns_batch(inst, offloaded, nb, modes[candidates])
+            times = timer(offloaded, nb, modes[candidates])
             evaluated += int(candidates.size)
             for j in np.argsort(times, kind="stable"):
                 k = int(candidates[j])

@@ -137,11 +137,11 @@ def test_fragmentation_margin_shrinks_the_usable_device_memory():
 def test_batch_timing_equals_the_reference_model_on_random_decisions():
     rng = np.random.default_rng(7)
     trace = synthetic_trace(n_blocks=6, hidden=512, vocab=5000, batch=2, seq=256)
-    for size in (8 * MiB, 32 * MiB):
-        inst = build_instance(trace, pack(trace, size), ROOMY)
-        for _ in range(20):
+    for size, duplex in ((8 * MiB, True), (8 * MiB, False), (32 * MiB, True)):
+        inst = build_instance(trace, pack(trace, size), ROOMY, CostParams(full_duplex=duplex))
+        for i in range(30):
             off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
-            nb = int(rng.integers(1, sum(off) + 1)) if any(off) else 0
+            nb = (1 if i % 3 == 0 else int(rng.integers(1, sum(off) + 1))) if any(off) else 0
             rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
             rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
             batch = iteration_ns_batch(inst, off, nb, rows)
