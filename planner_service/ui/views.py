@@ -71,33 +71,52 @@ def mode_cells(plan: Plan) -> list[ModeCell]:
 
 
 # ------------------------------------------------------------------------------------------ chunks
+MAX_CHUNK_CELLS = 512  # more chunks than this are drawn as runs of equal placement
+
+
 @dataclass(frozen=True)
 class ChunkCell:
+    """One chunk, or a run of consecutive chunks with the same placement (`first` to `last`)."""
+
     index: int
+    last: int
     placement: str
     used_bytes: int
-    chunk_size_bytes: int
+    capacity_bytes: int
     blocks: list[int]
     n_parameters: int
 
     @property
     def fill(self) -> float:
-        return self.used_bytes / self.chunk_size_bytes if self.chunk_size_bytes else 0.0
+        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
 
     @property
     def tooltip(self) -> str:
         span = "no blocks" if not self.blocks else (
-            f"block {self.blocks[0]}" if len(self.blocks) == 1 else f"blocks {self.blocks[0]}–{self.blocks[-1]}")
-        return (f"chunk {self.index}: {self.placement}, {format_bytes(self.used_bytes)} of "
-                f"{format_bytes(self.chunk_size_bytes)} used, {self.n_parameters} parameters, {span}")
+            f"block {self.blocks[0]}" if self.blocks[0] == self.blocks[-1] else f"blocks {self.blocks[0]}–{self.blocks[-1]}")
+        which = f"chunk {self.index}" if self.last == self.index else f"chunks {self.index}–{self.last}"
+        return (f"{which}: {self.placement}, {format_bytes(self.used_bytes)} of "
+                f"{format_bytes(self.capacity_bytes)} used, {self.n_parameters} parameters, {span}")
 
 
-def chunk_cells(plan: Plan) -> list[ChunkCell]:
+def chunk_cells(plan: Plan, max_cells: int = MAX_CHUNK_CELLS) -> list[ChunkCell]:
     if plan.policy is None:
         return []
     size = plan.policy.chunk_size_bytes
-    return [ChunkCell(c.index, c.placement.value, c.used_bytes, size, list(c.blocks), len(c.parameters))
-            for c in plan.policy.chunks]
+    cells = [ChunkCell(c.index, c.index, c.placement.value, c.used_bytes, size, sorted(c.blocks), len(c.parameters))
+             for c in plan.policy.chunks]
+    if len(cells) <= max_cells:
+        return cells
+    runs: list[ChunkCell] = []
+    for c in cells:
+        prev = runs[-1] if runs else None
+        if prev is not None and prev.placement == c.placement:
+            runs[-1] = ChunkCell(prev.index, c.index, c.placement, prev.used_bytes + c.used_bytes,
+                                 prev.capacity_bytes + c.capacity_bytes, sorted({*prev.blocks, *c.blocks}),
+                                 prev.n_parameters + c.n_parameters)
+        else:
+            runs.append(c)
+    return runs
 
 
 # --------------------------------------------------------------------------- predicted vs measured
@@ -184,7 +203,7 @@ class PlanPage:
     def chunk_counts(self) -> dict[str, int]:
         out = {Placement.persistent.value: 0, Placement.offloaded.value: 0}
         for c in self.chunks:
-            out[c.placement] += 1
+            out[c.placement] += c.last - c.index + 1
         return out
 
 

@@ -94,3 +94,21 @@ def test_finished_plan_charts_are_cached_until_new_feedback_arrives(plan: Plan, 
     assert again.charts == first.charts
     with_feedback = plan_page(_record(placed, trace, [_feedback("f9", placed, 50 * MiB)]), _stored(trace), cache=cache)
     assert "measured peak 50.00 MiB" in str(with_feedback.charts[0][1])
+
+
+def test_many_chunks_are_drawn_as_runs_of_equal_placement(plan: Plan) -> None:
+    from client.contract import Placement
+    from planner_service.ui.views import chunk_cells
+
+    assert plan.policy is not None
+    one = plan.policy.chunks[0]
+    pattern = [Placement.persistent] * 3 + [Placement.offloaded] * 4 + [Placement.persistent] * 2
+    chunks = [one.model_copy(update={"index": i, "placement": p, "blocks": [i]}) for i, p in enumerate(pattern)]
+    policy = plan.policy.model_copy(update={"chunks": chunks, "n_buffers": 1})
+    many = plan.model_copy(update={"policy": policy})
+    assert len(chunk_cells(many)) == len(pattern)  # few: one cell each
+    runs = chunk_cells(many, max_cells=4)
+    assert [(r.index, r.last, r.placement) for r in runs] == [
+        (0, 2, "persistent"), (3, 6, "offloaded"), (7, 8, "persistent")]
+    assert runs[1].tooltip.startswith("chunks 3–6: offloaded") and "blocks 3–6" in runs[1].tooltip
+    assert runs[1].used_bytes == 4 * one.used_bytes
