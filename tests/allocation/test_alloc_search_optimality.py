@@ -116,3 +116,29 @@ def test_alignment_pads_sizes_and_aligns_offsets() -> None:
     validate_placement(buffers, plan.offsets, alignment=512)
     assert all(o % 512 == 0 for o in plan.offsets)
     assert plan.arena_bytes <= 3 * 512 + 700  # padded sizes: 512 + 1024 + 512, the last one unpadded
+
+
+def test_cpsat_baseline_agrees_with_exhaustive_optimum() -> None:
+    from planner_service.solver.allocation.cpsat_baseline import cpsat_placement
+
+    for seed in range(5):
+        buffers = random_instance(200 + seed)
+        optimum = brute_force_arena(buffers)
+        args = ([b.lower for b in buffers], [b.upper for b in buffers], [b.size for b in buffers])
+        found = cpsat_placement(*args, optimum, time_limit_s=10.0)
+        assert found.status == SearchStatus.found and found.offsets is not None
+        validate_placement(buffers, found.offsets, capacity=optimum)
+        assert cpsat_placement(*args, optimum - 1, time_limit_s=10.0).status == SearchStatus.infeasible
+
+
+@pytest.mark.slow
+def test_deep_search_runs_on_its_own_large_stack() -> None:
+    # A staircase of 7,000 short buffers: the search recurses once per placed buffer, 7,000 frames deep,
+    # which overflows the main thread's 8 MiB C stack (segfault when run there); search_placement runs it
+    # in a thread with a stack sized for it.
+    n = 7000
+    buffers = [Buffer(f"s{i}", i, i + 3, 1 + i % 3) for i in range(n)]
+    args = ([b.lower for b in buffers], [b.upper for b in buffers], [b.size for b in buffers])
+    found = search_placement(*args, 9, time_limit_s=120.0)
+    assert found.status == SearchStatus.found and found.offsets is not None
+    validate_placement(buffers, found.offsets, capacity=9)

@@ -48,6 +48,9 @@ from planner_service.solver.allocation.greedy import ORDERS, best_fit
 from planner_service.solver.allocation.search import SearchRules, SearchStatus, search_placement
 
 SOLVER_NAME = "memplan-alloc (best-fit + MiniMalloc-style search)"
+# Above this many buffers the search is skipped: its cost per node grows with the partition (ordering
+# and section checks are linear in it), so on such problems it would rarely improve on best fit in time.
+SEARCH_MAX_BUFFERS = 20_000
 
 
 @dataclass(slots=True)
@@ -143,7 +146,10 @@ def plan_buffers(
 
     # 3. Fit under the capacity first.
     infeasible_proven = False
-    if cap_units is not None and best_arena > cap_units:
+    if len(buffers) > SEARCH_MAX_BUFFERS:
+        minimize = False
+        log.append(f"search skipped: {len(buffers)} buffers > {SEARCH_MAX_BUFFERS}")
+    if cap_units is not None and best_arena > cap_units and len(buffers) <= SEARCH_MAX_BUFFERS:
         st = run(cap_units, max(deadline - time.perf_counter(), 1e-3))
         infeasible_proven = st == SearchStatus.infeasible
     # 4. Tighten towards the proven bound while time is left: the bound itself first, then bisection.

@@ -37,6 +37,7 @@ All integers are in the caller's units (bytes, or alignment units; see `planner.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,7 +155,7 @@ def _dfs(pbufs, sec_a, sec_b, orig, min_offset, min_pidx,  # type: ignore[no-unt
         return _ABORTED
     ctr[_C_NODES_LEFT] -= 1
     ctr[_C_NODES] += 1
-    if (ctr[_C_NODES] & 4095) == 0 and _now() > deadline:
+    if (ctr[_C_NODES] & 255) == 0 and _now() > deadline:
         ctr[_C_DEADLINE] = 1
         return _ABORTED
     m = pbufs.shape[0]
@@ -289,7 +290,50 @@ def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return ptr, idx
 
 
+# The compiled search recurses once per placed buffer of a partition, on the C stack. Above this many
+# buffers it runs in a thread whose stack is sized for it (the main thread's is typically 8 MiB).
+_THREAD_ABOVE_BUFFERS = 500
+_STACK_BYTES_PER_BUFFER = 16 << 10
+_MAX_STACK_BYTES = 1 << 30
+_STACK_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
+
+
 def search_placement(
+    lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], capacity: int, *,
+    time_limit_s: float = 10.0, rules: SearchRules | None = None,
+) -> SearchResult:
+    """Find offsets with every buffer below `capacity` and no two time-overlapping buffers sharing addresses.
+
+    Status `found` with offsets, `infeasible` when the (complete) search proved none exists, or `timeout`.
+    """
+    n = len(sizes)
+    if n <= _THREAD_ABOVE_BUFFERS:
+        return _search_placement(lowers, uppers, sizes, capacity, time_limit_s=time_limit_s, rules=rules)
+    stack = min(max(64 << 20, n * _STACK_BYTES_PER_BUFFER), _MAX_STACK_BYTES)
+    out: list[SearchResult] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(_search_placement(lowers, uppers, sizes, capacity, time_limit_s=time_limit_s, rules=rules))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    with _STACK_LOCK:
+        previous = threading.stack_size(stack)
+        try:
+            worker = threading.Thread(target=run, name="alloc-search")
+            worker.start()
+        finally:
+            threading.stack_size(previous)
+    worker.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+
+def _search_placement(
     lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], capacity: int, *,
     time_limit_s: float = 10.0, rules: SearchRules | None = None,
 ) -> SearchResult:
