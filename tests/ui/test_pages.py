@@ -144,7 +144,7 @@ def test_infeasible_plan_page_charts_the_memory_that_would_fit(ui, solved) -> No
 def test_user_text_is_escaped_on_every_page(ui, solved) -> None:  # type: ignore[no-untyped-def]
     evil = '<script>alert("owned")</script><img src=x onerror=alert(1)>'
     done = solved(ui, _trace(4, name=evil), limit=64 * MiB, feedback={**FEEDBACK, "notes": evil})
-    for url in ("/ui/plans", f"/ui/plans/{done['id']}", "/ui/plans?" + "model=" + "%3Cscript%3E"):
+    for url in ("/ui/plans", f"/ui/plans/{done['id']}", "/ui/catalog", "/ui/plans?model=%3Cscript%3E"):
         html = ui.get(url).text
         assert "<script>" not in html and "<img src=x" not in html, url
     assert "&lt;script&gt;alert(&#34;owned&#34;)&lt;/script&gt;" in ui.get(f"/ui/plans/{done['id']}").text
