@@ -167,3 +167,19 @@ def test_a_short_time_limit_still_returns_a_plan_with_its_gap(llama7b_trace):
     assert plan.policy is not None  # the ProTrain answer is the fallback incumbent
     assert plan.solver.gap is not None and plan.solver.best_bound is not None
     assert plan.solver.best_bound <= plan.solver.objective
+
+
+def test_blocks_without_parameters_belong_to_no_chunk_and_still_get_a_mode():
+    from planner_service.solver.synthetic import BlockSpec, hand_trace
+
+    spec = dict(forward_s=0.001, backward_s=0.002, recompute_s=0.001, activation_bytes=64 * MiB, input_bytes=MiB)
+    trace = hand_trace([BlockSpec(8 * MiB, kind=BlockKind.prologue, **spec), BlockSpec(16 * MiB, **spec),
+                        BlockSpec(0, **spec), BlockSpec(16 * MiB, **spec), BlockSpec(8 * MiB, kind=BlockKind.epilogue,
+                                                                                   **spec)])
+    cons = Constraints(device_memory_bytes=400 * MiB)
+    plan = exact(trace, cons)
+    assert plan.policy is not None
+    assert all(2 not in c.blocks for c in plan.policy.chunks)
+    assert len(plan.policy.blocks) == 5
+    _check_plan_shape(trace, plan)
+    assert plan.predictions == evaluate(trace, plan.policy, cons)
