@@ -33,7 +33,7 @@ def build_allocation_trace(
     n_events: int,
     *,
     grad_sids: set[int],
-    grad_blocks: dict[int, int],
+    grad_blocks: dict[int, int | None],
     source: str,
 ) -> AllocationTrace:
     """The AllocationTrace of one window; `grad_sids` are records that ended as parameter gradients."""

@@ -115,9 +115,9 @@ class CudaAllocatorHistory:
                 event += 1
                 n_alloc += 1
             elif action == "free_completed":
-                rec = live.pop(int(e["addr"]), None)
-                if rec is not None:
-                    rec.free_event = event
+                addr = int(e["addr"])
+                if addr in live:
+                    live.pop(addr).free_event = event
                     event += 1
         for addr, count in self.saved:
             pairs = by_addr.get(addr, [])

@@ -87,10 +87,10 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
             "explicitly: profile(model, batch, blocks=[...]) with the block modules in execution order "
             "(e.g. blocks=list(model.layers)), or keep them in an nn.ModuleList attribute such as `self.blocks`."
         )
-    container_name, container = best
-    prefix = f"{container_name}." if container_name else ""
-    names = [f"{prefix}{i}" for i in range(len(container))]
-    return RepeatedBlocks(tuple(names), tuple(container), container_name)
+    list_name, module_list = best
+    prefix = f"{list_name}." if list_name else ""
+    found = [f"{prefix}{i}" for i in range(len(module_list))]
+    return RepeatedBlocks(tuple(found), tuple(module_list), list_name)
 
 
 def edge_name(kind: str, module_paths: Sequence[str]) -> str:

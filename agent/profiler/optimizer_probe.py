@@ -35,9 +35,9 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> OptimizerKind:
     return kind
 
 
-def state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every tensor of the optimizer's state, with the parameter it belongs to."""
-    out: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for p, state in optimizer.state.items():
         for v in state.values():
             if isinstance(v, torch.Tensor):

@@ -352,9 +352,9 @@ def _track_memory(
             inside = repeated.index_of_path(mod_path)
             long_lived.append((b, AllocationCategory.param, inside + 1 if inside is not None else None))
     in_model = {id(p) for p in model.parameters()}  # with max_blocks: only the profiled blocks' state
-    for p, v in state_tensors(opt):
-        if id(p) in in_model:
-            long_lived.append((v, AllocationCategory.optimizer, block_of_param.get(id(p))))
+    for owner, v in state_tensors(opt):
+        if id(owner) in in_model:
+            long_lived.append((v, AllocationCategory.optimizer, block_of_param.get(id(owner))))
     batch_tensors = list(iter_tensors(batch))
     for t, _, _ in long_lived:
         excluded.add(storage_key(t))
@@ -422,7 +422,7 @@ def _track_memory(
 def _cuda_records(
     long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]], history: CudaAllocatorHistory,
     gauge: CudaGauge, cursor: Cursor, grad_keys: dict[tuple[str, int], int],
-) -> tuple[list[StorageRecord], int, set[int], dict[int, int]]:
+) -> tuple[list[StorageRecord], int, set[int], dict[int, int | None]]:
     """Pre-existing model state first, then the allocator's events of the window (see cuda_history)."""
     records: list[StorageRecord] = []
     seen: set[tuple[str, int]] = set()
@@ -436,7 +436,7 @@ def _cuda_records(
     window, n_events, by_addr = history.records(len(records), len(records), gauge.mark_counts,
                                                 [(m.block, m.phase) for m in cursor.marks])
     grad_sids: set[int] = set()
-    grad_blocks: dict[int, int] = {}
+    grad_blocks: dict[int, int | None] = {}
     for (_, addr), blk in grad_keys.items():
         pairs = by_addr.get(addr)
         if pairs:

@@ -57,9 +57,9 @@ def profile(
     except ValueError as exc:
         err_console.print(f"[red]model[/]: {exc}")
         raise typer.Exit(2) from exc
-    net = net.to(dtype=dtypes[dtype])
+    net.to(dtype=dtypes[dtype])  # type: ignore[call-arg,arg-type]  # nn.Module.to, in place
     if max_blocks is None:
-        net = net.to(dev)  # with --max-blocks the profiler moves only the profiled blocks
+        net.to(dev)  # type: ignore[call-arg,arg-type]  # with --max-blocks the profiler moves only the profiled blocks
     try:
         trace = run_profile(net, sample, device=dev, allocation_trace=not no_allocation_trace, max_blocks=max_blocks,
                             repeats=repeats, device_memory_limit=limit,
