@@ -27,6 +27,8 @@ def solve(
     capacity: Annotated[str | None, typer.Option(help="fit under this many bytes, e.g. 1048576 or 1MiB")] = None,
     time_limit: Annotated[float, typer.Option("--time-limit", help="seconds for the whole solve")] = 10.0,
     alignment: Annotated[int, typer.Option(help="offset alignment in bytes (1: none)")] = 1,
+    fit_only: Annotated[bool, typer.Option("--fit-only", help="with --capacity: stop at the first fit "
+                                           "(MiniMalloc's question) instead of minimising the arena")] = False,
 ) -> None:
     """Place every buffer of IN.csv; print status, arena, lower bound and gap; write OUT.csv."""
     from planner_service.solver.allocation import (
@@ -40,7 +42,8 @@ def solve(
     cap = bytes_option(capacity)
     try:
         buffers = read_minimalloc_csv(input_csv)
-        plan = plan_buffers(buffers, capacity_bytes=cap, alignment_bytes=alignment, time_limit_s=time_limit)
+        plan = plan_buffers(buffers, capacity_bytes=cap, alignment_bytes=alignment, time_limit_s=time_limit,
+                            minimize=not (fit_only and cap is not None))
     except (AllocationInputError, OSError) as exc:
         err_console.print(f"[red]{input_csv}[/]: {exc}")
         raise typer.Exit(2) from exc

@@ -55,3 +55,13 @@ def test_simulate_prints_plan_beside_caching_allocator(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "caching allocator" in result.output and "peak reserved" in result.output
     assert "22.00 MiB" in result.output  # 20 MiB large segment + 2 MiB small segment
+
+
+def test_solve_fit_only_stops_at_the_first_fit_under_capacity(tmp_path: Path) -> None:
+    src = tmp_path / "in.csv"
+    src.write_text("id,lower,upper,size\na,0,3,8\nb,1,4,8\nc,3,6,8\n")
+    out = tmp_path / "out.csv"
+    result = runner.invoke(app, ["alloc", "solve", str(src), "--capacity", "64", "--fit-only", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert all(int(r["offset"]) + int(r["size"]) <= 64 for r in rows)
