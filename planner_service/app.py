@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from client.contract import Trace
-from planner_service import observability
+from planner_service import observability, ui
 from planner_service.api import catalog, errors, health, plans, traces
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
                   description="Stores training traces, solves memory plans in workers, keeps the history.")
     errors.install(app)
     observability.install(app)
-    for router in (traces.router, plans.router, catalog.router, health.router):
+    for router in (traces.router, plans.router, catalog.router, health.router, ui.router):
         app.include_router(router)
     # Trace is read from the raw body (gzip support), so register its schema for the OpenAPI document.
     _register_trace_schema(app)

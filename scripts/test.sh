@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 ./scripts/ensure_postgres.sh
+./scripts/ensure_chromium.sh
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -96,6 +96,12 @@ class HardwareSummary(BaseModel):
     plans: int
 
 
+class FieldError(BaseModel):
+    field: str = Field(description="path of the offending field, e.g. 'body.model.blocks[3].index'")
+    message: str
+    type: str
+
+
 class ErrorBody(BaseModel):
-    error: str
-    detail: object | None = None
+    error: str = Field(description="what went wrong, in one sentence")
+    detail: list[FieldError] | None = Field(default=None, description="per-field problems (validation errors)")

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 SCHEMA_VERSION: Final = 1
 
@@ -17,12 +17,17 @@ MAX_BANDWIDTH_SAMPLES: Final = 64
 MAX_ALLOCATION_EVENTS: Final = 2_000_000
 MAX_NAME_CHARS: Final = 512
 
+# Integers are strict: JSON `true` or `1.5` is not a size or an index.
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, Strict()]  # ints are still accepted; bools and strings are not
+
 # Units live in field names (`_bytes`, `_s`, `_bytes_per_s`); these aliases carry the range checks.
-Bytes = Annotated[int, Field(ge=0, le=2**62, description="a size in bytes")]
-PositiveBytes = Annotated[int, Field(gt=0, le=2**62, description="a non-zero size in bytes")]
-Seconds = Annotated[float, Field(ge=0.0, le=1e9, description="a duration in seconds")]
-BytesPerSecond = Annotated[float, Field(gt=0.0, le=1e15, description="a throughput in bytes per second")]
-Count = Annotated[int, Field(ge=0, le=2**62)]
+Bytes = Annotated[int, Strict(), Field(ge=0, le=2**53, description="a size in bytes (at most 2**53: exact in JSON doubles)")]
+PositiveBytes = Annotated[int, Strict(), Field(gt=0, le=2**53, description="a non-zero size in bytes")]
+Seconds = Annotated[float, Strict(), Field(ge=0.0, le=1e9, description="a duration in seconds")]
+BytesPerSecond = Annotated[float, Strict(), Field(gt=0.0, le=1e15, description="a throughput in bytes per second")]
+Count = Annotated[int, Strict(), Field(ge=0, le=2**53)]
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Seconds
+from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Int, Seconds
 
 
 class Feedback(ContractModel):
@@ -14,5 +14,5 @@ class Feedback(ContractModel):
     iteration_s: Seconds = Field(description="measured median iteration seconds")
     peak_device_bytes: Bytes
     peak_host_bytes: Bytes
-    steps_measured: int = Field(ge=1, le=10_000_000)
+    steps_measured: Int = Field(ge=1, le=10_000_000)
     notes: str = Field(default="", max_length=4096)

@@ -14,6 +14,8 @@ from client.contract.common import (
     SCHEMA_VERSION,
     Bytes,
     ContractModel,
+    Float,
+    Int,
     Name,
     PositiveBytes,
     Seconds,
@@ -48,19 +50,19 @@ class Constraints(ContractModel):
     device_memory_bytes: PositiveBytes
     host_memory_bytes: PositiveBytes | None = None
     pinned_memory_bytes: PositiveBytes | None = None
-    time_limit_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    time_limit_s: Float = Field(default=10.0, gt=0.0, le=3600.0)
 
 
 class Chunk(ContractModel):
-    index: int = Field(ge=0)
+    index: Int = Field(ge=0)
     placement: Placement
     parameters: list[Name] = Field(description="parameter names in execution order, packed contiguously")
-    blocks: list[int] = Field(description="blocks whose parameters live in this chunk")
+    blocks: list[Int] = Field(description="blocks whose parameters live in this chunk")
     used_bytes: Bytes = Field(description="bytes of parameters in the chunk (the rest is padding)")
 
 
 class BlockPolicy(ContractModel):
-    block: int = Field(ge=0, description="index into the trace's `ModelInfo.blocks`")
+    block: Int = Field(ge=0, description="index into the trace's `ModelInfo.blocks`")
     module: Name = Field(description="the block's module path, copied from the trace, so a plan applies alone")
     mode: ActivationMode
 
@@ -70,7 +72,7 @@ class Policy(ContractModel):
 
     chunk_size_bytes: PositiveBytes
     chunks: list[Chunk] = Field(max_length=MAX_PARAMETERS)
-    n_buffers: int = Field(ge=0, le=1024, description="device buffers for offloaded chunks")
+    n_buffers: Int = Field(ge=0, le=1024, description="device buffers for offloaded chunks")
     blocks: list[BlockPolicy] = Field(max_length=MAX_BLOCKS)
 
     @model_validator(mode="after")
@@ -88,7 +90,7 @@ class Policy(ContractModel):
         return self
 
     @property
-    def persistent_chunks(self) -> list[int]:
+    def persistent_chunks(self) -> list[Int]:
         return [c.index for c in self.chunks if c.placement == Placement.persistent]
 
     def mode_strip(self) -> str:
@@ -97,7 +99,7 @@ class Policy(ContractModel):
 
 
 class BufferOffset(ContractModel):
-    id: int = Field(ge=0, description="`AllocationEvent.id` of the buffer")
+    id: Int = Field(ge=0, description="`AllocationEvent.id` of the buffer")
     offset_bytes: Bytes
 
 
@@ -131,7 +133,7 @@ class Predictions(ContractModel):
     host_optimizer_s: Seconds
     peak_device_bytes: Bytes
     peak_host_bytes: Bytes
-    breakdown: dict[Name, float] = Field(default_factory=dict, description="named terms of the cost model")
+    breakdown: dict[Name, Float] = Field(default_factory=dict, description="named terms of the cost model")
     device_memory_timeline: list[TimelinePoint] = Field(
         default_factory=list, max_length=4 * MAX_BLOCKS + 8,
         description="predicted device bytes in use step by step (empty if the solver gives none)")
@@ -141,9 +143,9 @@ class SolverReport(ContractModel):
     solver: Name = Field(description="'cpsat', 'protrain', ...")
     solver_version: Name
     status: SolverStatus
-    objective: float | None = Field(default=None, description="predicted iteration seconds of the answer")
-    best_bound: float | None = Field(default=None, description="proven lower bound on the objective")
-    gap: float | None = Field(default=None, ge=0.0, description="(objective - bound) / objective")
+    objective: Float | None = Field(default=None, description="predicted iteration seconds of the answer")
+    best_bound: Float | None = Field(default=None, description="proven lower bound on the objective")
+    gap: Float | None = Field(default=None, ge=0.0, description="(objective - bound) / objective")
     solve_s: Seconds
     min_device_memory_bytes: Bytes | None = Field(
         default=None, description="when infeasible: the smallest device memory that would fit"

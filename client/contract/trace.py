@@ -13,10 +13,12 @@ from client.contract.common import (
     MAX_BLOCKS,
     MAX_PARAMETERS,
     SCHEMA_VERSION,
+    Bool,
     Bytes,
     BytesPerSecond,
     ContractModel,
     Count,
+    Int,
     Name,
     PositiveBytes,
     Seconds,
@@ -90,11 +92,11 @@ class Hardware(ContractModel):
 
     device_type: DeviceType
     device_name: Name = Field(description="e.g. 'NVIDIA H100 80GB HBM3', or the CPU model for cpu")
-    device_count: int = Field(ge=1, le=4096, description="devices per node that the job uses")
+    device_count: Int = Field(ge=1, le=4096, description="devices per node that the job uses")
     device_memory_bytes: PositiveBytes = Field(description="capacity of one device")
     host_memory_bytes: PositiveBytes = Field(description="host RAM of the node")
     pinned_memory_limit_bytes: Bytes | None = Field(default=None, description="page-locked limit, if known")
-    cpu_cores: int = Field(ge=1, le=100_000)
+    cpu_cores: Int = Field(ge=1, le=100_000)
     bandwidth: BandwidthCurves
 
     @property
@@ -115,7 +117,7 @@ class Software(ContractModel):
 class BlockInfo(ContractModel):
     """A unit of execution: the prologue, one repeated block, or the epilogue, in execution order."""
 
-    index: int = Field(ge=0, description="position in `ModelInfo.blocks`; equals the list index")
+    index: Int = Field(ge=0, description="position in `ModelInfo.blocks`; equals the list index")
     name: Name = Field(description="module path, e.g. 'transformer.h.3'")
     kind: BlockKind
     module_class: Name
@@ -126,8 +128,8 @@ class ParameterInfo(ContractModel):
     """One parameter, listed in execution order (first use); a shared parameter appears once."""
 
     name: Name = Field(description="qualified name as in `model.named_parameters()`")
-    block: int = Field(ge=0, description="index of the block that uses it first")
-    shape: list[int] = Field(max_length=16)
+    block: Int = Field(ge=0, description="index of the block that uses it first")
+    shape: list[Int] = Field(max_length=16)
     dtype: Name = Field(description="torch dtype name of the training copy, e.g. 'float32'")
     numel: Count
     bytes: Bytes = Field(description="numel * element size of `dtype`")
@@ -173,17 +175,17 @@ class ModelInfo(ContractModel):
 
 
 class Workload(ContractModel):
-    batch_size: int = Field(ge=1, le=1_000_000)
-    sequence_length: int = Field(ge=1, le=100_000_000)
+    batch_size: Int = Field(ge=1, le=1_000_000)
+    sequence_length: Int = Field(ge=1, le=100_000_000)
     precision: Precision
     optimizer: OptimizerKind
-    optimizer_state_bytes_per_param: int = Field(
+    optimizer_state_bytes_per_param: Int = Field(
         ge=0, le=64, description="optimizer state per parameter, e.g. 8 for Adam's two fp32 moments"
     )
-    master_bytes_per_param: int = Field(
+    master_bytes_per_param: Int = Field(
         default=0, ge=0, le=16, description="extra fp32 master copy per parameter in mixed precision (4), else 0"
     )
-    gradient_bytes_per_param: int = Field(ge=1, le=16, description="bytes of one gradient element")
+    gradient_bytes_per_param: Int = Field(ge=1, le=16, description="bytes of one gradient element")
 
     @property
     def key(self) -> str:
@@ -194,7 +196,7 @@ class Workload(ContractModel):
 class BlockMeasurement(ContractModel):
     """Measured costs of one block (median of repetitions, hook overhead removed)."""
 
-    block: int = Field(ge=0, description="index into `ModelInfo.blocks`")
+    block: Int = Field(ge=0, description="index into `ModelInfo.blocks`")
     forward_s: Seconds
     backward_s: Seconds
     recompute_s: Seconds = Field(description="forward re-run under checkpointing during backward")
@@ -214,10 +216,10 @@ class Measurements(ContractModel):
     optimizer: OptimizerMeasurement
     iteration_s: Seconds = Field(description="wall time of one un-hooked training iteration")
     peak_device_bytes: Bytes = Field(description="peak device memory of one un-hooked iteration")
-    extrapolated: bool = Field(
+    extrapolated: Bool = Field(
         default=False, description="true when some repeated blocks copy a representative block's figures"
     )
-    profiled_blocks: list[int] = Field(
+    profiled_blocks: list[Int] = Field(
         default_factory=list, description="indices measured directly when `extrapolated` is true"
     )
 
@@ -225,14 +227,14 @@ class Measurements(ContractModel):
 class AllocationEvent(ContractModel):
     """One buffer of a steady-state iteration: live over [alloc_index, free_index) in logical time."""
 
-    id: int = Field(ge=0)
+    id: Int = Field(ge=0)
     size_bytes: PositiveBytes
-    alloc_index: int = Field(ge=0, description="logical time (event index) of the allocation")
-    free_index: int | None = Field(
+    alloc_index: Int = Field(ge=0, description="logical time (event index) of the allocation")
+    free_index: Int | None = Field(
         default=None, ge=1, description="logical time of the free; None: lives across iterations (long-lived)"
     )
     category: AllocationCategory
-    block: int | None = Field(default=None, ge=0, description="block active at allocation, if any")
+    block: Int | None = Field(default=None, ge=0, description="block active at allocation, if any")
     phase: Phase
 
     @model_validator(mode="after")
@@ -244,7 +246,7 @@ class AllocationEvent(ContractModel):
 
 class AllocationTrace(ContractModel):
     source: Literal["cuda_caching_allocator", "dispatch_tracker"]
-    horizon: int = Field(ge=1, description="number of logical time steps in one iteration")
+    horizon: Int = Field(ge=1, description="number of logical time steps in one iteration")
     events: list[AllocationEvent] = Field(max_length=MAX_ALLOCATION_EVENTS)
 
     @model_validator(mode="after")

@@ -6,9 +6,10 @@ from fastapi import APIRouter
 
 from client.contract import HardwareSummary, ModelSummary
 from planner_service.api.deps import PrincipalDep, SessionDep
+from planner_service.api.errors import ERROR_RESPONSES
 from planner_service.db.repositories import CatalogRepository
 
-router = APIRouter(prefix="/v1", tags=["catalog"])
+router = APIRouter(prefix="/v1", tags=["catalog"], responses=ERROR_RESPONSES)
 
 
 @router.get("/models", response_model=list[ModelSummary])

@@ -11,6 +11,17 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from client.contract import ErrorBody
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text}
+    for code, text in {400: "malformed request", 401: "missing or invalid token", 404: "not found (or not yours)",
+                       409: "conflict with the object's state", 413: "body too large",
+                       415: "unsupported content encoding", 422: "validation failed: `detail` lists field paths",
+                       429: "rate limited: see Retry-After", 503: "database unavailable: retry"}.items()
+}
 
 
 class ApiError(Exception):
@@ -33,6 +44,15 @@ def validation_detail(errors: Sequence[Any], prefix: Sequence[str | int] = ()) -
     return [{"field": field_path([*prefix, *e["loc"]]), "message": e["msg"], "type": e["type"]} for e in errors]
 
 
+def _allowed_methods(request: Request) -> set[str]:
+    """Methods of every route whose path matches (Starlette reports PARTIAL for a path match, wrong method)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return methods
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -48,9 +68,12 @@ def install(app: FastAPI) -> None:
                             status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # list the methods of every route on this path, not just the first one
+            headers["Allow"] = ", ".join(sorted(_allowed_methods(request)))
         return JSONResponse({"error": str(exc.detail), "detail": None}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers or None)
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:

@@ -10,6 +10,7 @@ from planner_service.api.deps import DatabaseDep
 from planner_service.db.migrate import current_revision, head_revision
 
 router = APIRouter(tags=["health"])
+READY = {200: {"description": "ready"}, 503: {"description": "database unreachable or schema out of date"}}
 
 
 @router.get("/healthz")
@@ -17,7 +18,7 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=READY)
 def readyz(db: DatabaseDep) -> JSONResponse:
     try:
         with db.engine.connect() as conn:

@@ -11,13 +11,13 @@ from starlette.concurrency import run_in_threadpool
 
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
 from planner_service.api.deps import DatabaseDep, PrincipalDep, SessionDep, SettingsDep
-from planner_service.api.errors import ApiError
+from planner_service.api.errors import ERROR_RESPONSES, ApiError
 from planner_service.api.present import feedback_record, plan_record
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
 from planner_service.db.session import Database
 
-router = APIRouter(prefix="/v1/plans", tags=["plans"])
+router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES)
 FINAL = ("done", "failed", "infeasible")
 
 

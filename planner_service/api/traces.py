@@ -10,12 +10,12 @@ from pydantic import ValidationError
 from client.contract import Page, Trace, TraceCreated, TraceRecord, TraceSummary
 from planner_service.api.bodies import read_json
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
-from planner_service.api.errors import ApiError, validation_detail
+from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
 from planner_service.api.present import trace_summary
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import TraceRepository, decompress_trace
 
-router = APIRouter(prefix="/v1/traces", tags=["traces"])
+router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
 
 @router.post("", status_code=201, response_model=TraceCreated,
