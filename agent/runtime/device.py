@@ -43,11 +43,11 @@ class DeviceContext:
     def compute_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
-    def record(self, stream: torch.cuda.Stream | None = None) -> Event:
+    def record(self, stream: torch.cuda.Stream | None = None, *, timing: bool = False) -> Event:
         """An event marking all work enqueued so far on `stream` (default: the current stream)."""
         if not self.is_cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return event
 

@@ -76,7 +76,8 @@ class ModelStateManager:
         self._node: Any = None
         self._node_chunks: set[int] = set()
         self._saved_hooks: list[Any] = []
-        self._upload_timings: list[tuple[Event, Event]] = []
+        self._upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
+        self._stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
         self._esize = element_size(layout.compute_dtype)
         self._move_buffers_to_device()
         self._install_hooks()
@@ -249,6 +250,8 @@ class ModelStateManager:
         slot.last_use = self._clock
         if pin:
             slot.pins += 1
+        if self.options.measure_uploads and st.ready is not None:
+            self._stall_timings.append((self.ctx.record(timing=True), st.ready))
         self.ctx.wait(st.ready)
         self._prefetch()
         return slot
@@ -297,10 +300,11 @@ class ModelStateManager:
             for ev in slot.free_after:
                 self.ctx.wait(ev, stream)
             slot.free_after.clear()
-            start = self.ctx.record(stream) if self.options.measure_uploads else None
+            timing = self.options.measure_uploads
+            start = self.ctx.record(stream, timing=True) if timing else None
             slot.params[:n].copy_(st.host_params, non_blocking=True)
             slot.grad[:n].zero_()
-            st.ready = self.ctx.record(stream)
+            st.ready = self.ctx.record(stream, timing=timing)
             if start is not None:
                 self._upload_timings.append((start, st.ready))
         slot.chunk = st.index
@@ -432,7 +436,7 @@ class ModelStateManager:
             self.ctx.host_wait(ev)
         t0 = time.perf_counter()
         assert st.host_grad is not None and st.host_params is not None and st.master is not None
-        self.steppers[st.index].step(hypers, views(st.host_grad, st.spec.entries), touched)
+        self.steppers[st.index].step(hypers, st.host_grad, touched)
         if st.mixed:
             st.host_params.copy_(st.master)
         self.counters.host_step_s += time.perf_counter() - t0
@@ -449,7 +453,7 @@ class ModelStateManager:
                 continue
             assert st.grad is not None and st.params is not None and st.master is not None
             grad = st.grad.float() if st.mixed else st.grad
-            self.steppers[st.index].step(hypers, views(grad, st.spec.entries), st.touched)
+            self.steppers[st.index].step(hypers, grad, st.touched)
             if st.mixed:
                 st.params.copy_(st.master)
             self.counters.device_steps += 1
@@ -618,6 +622,13 @@ class ModelStateManager:
         )
 
     def reset_upload_timings(self) -> list[tuple[Event, Event]]:
+        """CUDA events (start, end) of every upload since the last reset (with measure_uploads)."""
         out, self._upload_timings = self._upload_timings, []
+        return out
+
+    def reset_stall_timings(self) -> list[tuple[Event, Event]]:
+        """Per wait of compute on an upload: (compute reached the wait, upload done). A positive
+        `a.elapsed_time(b)` is upload time exposed to compute (with measure_uploads)."""
+        out, self._stall_timings = self._stall_timings, []
         return out
 

@@ -81,74 +81,182 @@ def host_impl(cls: type[torch.optim.Optimizer], hyper: dict[str, Any]) -> dict[s
 
 
 @dataclass
-class GroupSlice:
+class Run:
+    """Consecutive parameters of one chunk in one param group, stepped as a single flat tensor."""
+
     outer: int  # index into ChunkedOptimizer.param_groups
-    entries: list[int]  # positions in the chunk's entries
+    entries: list[int]  # positions in the chunk's entries, consecutive in memory
+    start: int  # element offsets in the chunk
+    end: int
+    tensor: torch.Tensor  # master[start:end], the inner optimizer's parameter
 
 
 class ChunkStepper:
-    """A torch optimizer of the user's class over one chunk's fp32 master views."""
+    """A torch optimizer of the user's class over one chunk's fp32 master, one flat tensor per run.
+
+    The supported optimizers are elementwise, so stepping a run of parameters as one flat tensor does
+    the same arithmetic as stepping them one by one, with far fewer kernel launches (on the host, the
+    fused CPU kernel over a whole chunk is several times faster than over its parameters). A run is
+    split, keeping its state, when its parameters' histories diverge (some lack a gradient in a step,
+    or a loaded checkpoint gives them different step counts), so per-parameter semantics are exact.
+    """
 
     def __init__(self, state: ChunkState, cls: type[torch.optim.Optimizer], outer_groups: list[dict[str, Any]],
                  group_of: dict[int, int], device_impl: dict[str, bool]) -> None:
         self.state = state
+        self.cls = cls
         entries = state.spec.entries
         assert state.master is not None
         self.masters = views(state.master, entries)
-        by_group: dict[int, GroupSlice] = {}
+        self.runs: list[Run] = []
         for j, e in enumerate(entries):
             g = group_of.get(id(e.param))
-            if g is not None:  # a parameter the user's optimizer does not hold is never stepped
-                by_group.setdefault(g, GroupSlice(outer=g, entries=[])).entries.append(j)
-        self.slices = list(by_group.values())
+            if g is None:
+                continue  # not held by the user's optimizer: never stepped
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last.outer == g and last.entries[-1] == j - 1:
+                last.entries.append(j)
+                last.end = e.end
+            else:
+                self.runs.append(Run(outer=g, entries=[j], start=e.offset, end=e.end, tensor=state.master))
+        for r in self.runs:
+            r.tensor = state.master[r.start : r.end]
         self.inner: torch.optim.Optimizer | None = None
         self.impl = "none"
-        if self.slices:
-            # Persistent chunks step exactly as the user's optimizer would (same implementation flags);
-            # offloaded chunks step on the host with the fused (or foreach) CPU implementation.
-            impl = host_impl(cls, _hyper(outer_groups[self.slices[0].outer])) if state.offloaded else device_impl
-            self.impl = next(iter(impl), "default")
-            self.inner = cls(
-                [{"params": [self.masters[j] for j in s.entries], **_hyper(outer_groups[s.outer])} for s in self.slices],
-                **impl,
-            )
+        self._outer_groups = outer_groups
+        if self.runs:
+            # Persistent chunks step with the user's implementation choice; offloaded chunks step on
+            # the host with the fused (or foreach) CPU implementation.
+            self.impl_kwargs = host_impl(cls, _hyper(outer_groups[self.runs[0].outer])) if state.offloaded else device_impl
+            self.impl = next(iter(self.impl_kwargs), "default")
+            self._rebuild({})
 
-    def step(self, hypers: list[dict[str, Any]], grads: list[torch.Tensor], touched: set[int]) -> None:
-        """One optimizer step with the given hyper-parameters (snapshot of the outer groups)."""
+    def _rebuild(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
+        groups: dict[int, list[torch.Tensor]] = {}
+        for r in self.runs:
+            groups.setdefault(r.outer, []).append(r.tensor)
+        self._group_order = list(groups)
+        self.inner = self.cls(
+            [{"params": ps, **_hyper(self._outer_groups[g])} for g, ps in groups.items()], **self.impl_kwargs
+        )
+        for t, st in states.items():
+            self.inner.state[t] = st
+
+    def _split(self, key: Callable[[int], Any]) -> None:
+        """Split every run where `key(entry)` changes; the pieces keep their slices of the run's state."""
+        assert self.inner is not None
+        entries = self.state.spec.entries
+        new_runs: list[Run] = []
+        states: dict[torch.Tensor, dict[str, Any]] = {}
+        changed = False
+        for r in self.runs:
+            old = self.inner.state.get(r.tensor)
+            pieces: list[list[int]] = []
+            for j in r.entries:
+                if pieces and key(pieces[-1][-1]) == key(j):
+                    pieces[-1].append(j)
+                else:
+                    pieces.append([j])
+            if len(pieces) == 1:
+                new_runs.append(r)
+                if old:
+                    states[r.tensor] = old
+                continue
+            changed = True
+            for piece in pieces:
+                a, b = entries[piece[0]].offset, entries[piece[-1]].end
+                sub = Run(outer=r.outer, entries=piece, start=a, end=b, tensor=r.tensor[a - r.start : b - r.start])
+                new_runs.append(sub)
+                if old:
+                    states[sub.tensor] = {k: _slice_state(v, r, a, b) for k, v in old.items()}
+        if changed:
+            self.runs = new_runs
+            self._rebuild(states)
+
+    def step(self, hypers: list[dict[str, Any]], grad: torch.Tensor, touched: set[int]) -> None:
+        """One optimizer step from the chunk's flat gradient `grad` (fp32, same layout as the master),
+        with the given hyper-parameters (a snapshot of the outer groups). Parameters not in `touched`
+        have no gradient this step and are skipped, as torch skips parameters whose grad is None."""
         if self.inner is None:
             return
-        for s, group in zip(self.slices, self.inner.param_groups, strict=True):
-            group.update(hypers[s.outer])
-            for j, p in zip(s.entries, group["params"], strict=True):
-                p.grad = grads[j] if j in touched else None
-        self.inner.step()
-        for group in self.inner.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        if any(0 < sum(j in touched for j in r.entries) < len(r.entries) for r in self.runs):
+            self._split(lambda j: j in touched)
+        for g, group in zip(self._group_order, self.inner.param_groups, strict=True):
+            group.update(hypers[g])
+        any_grad = False
+        for r in self.runs:
+            has = r.entries[0] in touched
+            r.tensor.grad = grad[r.start : r.end] if has else None
+            any_grad |= has
+        if any_grad:
+            self.inner.step()
+        for r in self.runs:
+            r.tensor.grad = None
+
+    def _run_of(self, j: int) -> Run | None:
+        return next((r for r in self.runs if r.entries[0] <= j <= r.entries[-1]), None)
 
     def param_state(self, j: int) -> dict[str, Any] | None:
-        if self.inner is None:
+        """Entry j's state in plain-PyTorch form (tensors shaped like the parameter; views, not copies)."""
+        r = self._run_of(j)
+        if r is None or self.inner is None:
             return None
-        st = self.inner.state.get(self.masters[j])
-        return st if st else None
+        st = self.inner.state.get(r.tensor)
+        if not st:
+            return None
+        e = self.state.spec.entries[j]
+        return {k: _param_state(v, r, e.offset, e.end, e.shape) for k, v in st.items()}
 
     def load_param_states(self, states: dict[int, dict[str, Any]]) -> None:
-        """Load per-entry states (plain-PyTorch values) through the inner optimizer's own casting rules."""
+        """Replace the state by per-entry states (plain-PyTorch values); entries absent start fresh."""
         if self.inner is None:
             return
-        local: dict[int, dict[str, Any]] = {}
-        groups = []
-        k = 0
-        for s, group in zip(self.slices, self.inner.param_groups, strict=True):
-            ids = []
-            for j in s.entries:
-                if j in states:
-                    local[k] = states[j]
-                ids.append(k)
-                k += 1
-            groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": ids})
+
+        def key(j: int) -> Any:
+            st = states.get(j)
+            if st is None:
+                return None
+            return tuple(sorted((k, float(v) if k == "step" else type(v).__name__) for k, v in st.items()))
+
         self.inner.state.clear()
-        self.inner.load_state_dict({"state": local, "param_groups": groups})
+        self._split(key)
+        assert self.inner is not None
+        for r in self.runs:
+            first = states.get(r.entries[0])
+            if first is None:
+                continue
+            entries = self.state.spec.entries
+            st: dict[str, Any] = {}
+            for k, v in first.items():
+                if k == "step":
+                    st[k] = _step_tensor(v, r.tensor, self.impl_kwargs)
+                elif isinstance(v, torch.Tensor) and v.numel() == entries[r.entries[0]].numel:
+                    st[k] = torch.cat([states[j][k].reshape(-1) for j in r.entries]).to(r.tensor.device, r.tensor.dtype)
+                else:
+                    st[k] = v
+            self.inner.state[r.tensor] = st
+
+
+def _slice_state(v: Any, r: Run, a: int, b: int) -> Any:
+    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == r.end - r.start:
+        return v[a - r.start : b - r.start]  # a view: the piece keeps updating the run's storage
+    if isinstance(v, torch.Tensor):
+        return v.clone()  # e.g. 'step': each piece counts on its own from now on
+    return v
+
+
+def _param_state(v: Any, r: Run, a: int, b: int, shape: torch.Size) -> Any:
+    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == r.end - r.start:
+        return v[a - r.start : b - r.start].view(shape)
+    if isinstance(v, torch.Tensor):
+        return v.clone()  # never share a scalar between parameters: torch increments 'step' in place
+    return v
+
+
+def _step_tensor(v: Any, like: torch.Tensor, impl: dict[str, bool]) -> torch.Tensor:
+    """'step' as torch keeps it: float32 scalar, on the parameter's device only for fused/capturable."""
+    device = like.device if impl.get("fused") else torch.device("cpu")
+    return torch.as_tensor(float(v), dtype=torch.float32).to(device)
 
 
 class ChunkedOptimizer(torch.optim.Optimizer):

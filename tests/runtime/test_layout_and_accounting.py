@@ -163,8 +163,11 @@ def test_device_and_host_bytes_follow_the_placements() -> None:
     w = wrap(m1, adamw(m1), plan=plan_for(m1, "none"))
     train(Trainer(w.model, w.optimizer), batches(1))
     rep = w.report().memory
-    assert rep.device == {"parameters": n_params * esize, "gradients": n_params * esize,
-                          "optimizer_state": n_params * 2 * esize + 4 * len(list(model.parameters()))}
+    moments = n_params * 2 * esize  # Adam's two fp32 moments; plus one 4-byte 'step' per flat run
+    steps_max = 4 * len(list(model.parameters()))
+    assert rep.device.keys() == {"parameters", "gradients", "optimizer_state"}
+    assert rep.device["parameters"] == rep.device["gradients"] == n_params * esize
+    assert moments < rep.device["optimizer_state"] <= moments + steps_max
     assert rep.host == {}
 
     m2 = clone(model)
@@ -176,7 +179,7 @@ def test_device_and_host_bytes_follow_the_placements() -> None:
     assert rep2.device == {"buffers": 2 * 2 * chunk_bytes}  # parameter + gradient area per buffer
     assert rep2.host["parameters"] == n_params * esize
     assert rep2.host["gradients"] == n_params * esize
-    assert rep2.host["optimizer_state"] == n_params * 2 * esize + 4 * len(list(m2.parameters()))
+    assert moments < rep2.host["optimizer_state"] <= moments + steps_max
     assert rep2.device_bytes < rep.device_bytes
 
 
