@@ -63,6 +63,7 @@ struct mp_core {
     std::map<uint64_t, uint64_t> gaps;                   // offset -> length
     std::set<std::pair<uint64_t, uint64_t>> gaps_by_len;  // (length, offset)
     std::unordered_map<uintptr_t, Block> live;            // address -> block
+    std::vector<std::unordered_map<uintptr_t, Block>::node_type> spare;  // freed nodes, reused by alloc
     std::map<uintptr_t, uintptr_t> debug_ranges;          // debug mode: start -> end of every live block
     mp_stats st{};
 
@@ -75,36 +76,64 @@ struct mp_core {
         gaps_by_len.erase({it->second, it->first});
         gaps.erase(it);
     }
+    // Change a gap's length in place (its node in the length index is reused, not reallocated).
+    void set_gap_len(std::map<uint64_t, uint64_t>::iterator it, uint64_t len) {
+        auto node = gaps_by_len.extract({it->second, it->first});
+        node.value() = {len, it->first};
+        gaps_by_len.insert(std::move(node));
+        it->second = len;
+    }
+    // Move a gap to a new start and length, reusing both nodes.
+    void move_gap(std::map<uint64_t, uint64_t>::iterator it, uint64_t off, uint64_t len) {
+        auto lnode = gaps_by_len.extract({it->second, it->first});
+        auto gnode = gaps.extract(it);
+        gnode.key() = off;
+        gnode.mapped() = len;
+        lnode.value() = {len, off};
+        gaps.insert(std::move(gnode));
+        gaps_by_len.insert(std::move(lnode));
+    }
     // Take [off, off+len) out of the free gaps; false (nothing changed) when any byte is in use.
     bool occupy(uint64_t off, uint64_t len) {
         if (off + len > arena_extent) return false;
         auto it = gaps.upper_bound(off);
         if (it == gaps.begin()) return false;
         --it;
-        uint64_t g_off = it->first, g_len = it->second;
-        if (off < g_off || off + len > g_off + g_len) return false;
-        remove_gap(it);
-        if (off > g_off) add_gap(g_off, off - g_off);
-        if (off + len < g_off + g_len) add_gap(off + len, g_off + g_len - (off + len));
+        uint64_t g_off = it->first, g_end = it->first + it->second;
+        if (off < g_off || off + len > g_end) return false;
+        bool left = off > g_off, right = off + len < g_end;
+        if (left) {
+            set_gap_len(it, off - g_off);
+            if (right) add_gap(off + len, g_end - (off + len));
+        } else if (right) {
+            move_gap(it, off + len, g_end - (off + len));
+        } else {
+            remove_gap(it);
+        }
         return true;
     }
     // Return [off, off+len) to the free gaps, merged with free neighbours.
     void release(uint64_t off, uint64_t len) {
-        uint64_t start = off, end = off + len;
+        uint64_t end = off + len;
         auto next = gaps.lower_bound(off);
-        if (next != gaps.end() && next->first == end) {
-            end += next->second;
+        bool merge_next = next != gaps.end() && next->first == end;
+        auto prev = next;
+        bool merge_prev = false;
+        if (next != gaps.begin()) {
+            prev = std::prev(next);
+            merge_prev = prev->first + prev->second == off;
+        }
+        if (merge_prev && merge_next) {
+            uint64_t total = prev->second + len + next->second;
             remove_gap(next);
+            set_gap_len(prev, total);
+        } else if (merge_prev) {
+            set_gap_len(prev, prev->second + len);
+        } else if (merge_next) {
+            move_gap(next, off, len + next->second);
+        } else {
+            add_gap(off, len);
         }
-        auto prev = gaps.lower_bound(off);
-        if (prev != gaps.begin()) {
-            --prev;
-            if (prev->first + prev->second == start) {
-                start = prev->first;
-                remove_gap(prev);
-            }
-        }
-        add_gap(start, end - start);
     }
 
     // ------------------------------------------------------------------ plan replay
@@ -312,7 +341,15 @@ struct mp_core {
             b = Block{0, extent, size, kDevice, -1};
             (cycling ? st.device_fallbacks : st.before_cycle_allocs)++;
         }
-        live[(uintptr_t)ptr] = b;
+        if (spare.empty()) {
+            live.emplace((uintptr_t)ptr, b);
+        } else {
+            auto node = std::move(spare.back());
+            spare.pop_back();
+            node.key() = (uintptr_t)ptr;
+            node.mapped() = b;
+            live.insert(std::move(node));
+        }
         account_alloc(b);
         if (debug) debug_insert((uintptr_t)ptr, (uintptr_t)ptr + extent);
         return ptr;
@@ -326,7 +363,7 @@ struct mp_core {
             return 1;
         }
         Block b = it->second;
-        live.erase(it);
+        spare.push_back(live.extract(it));
         if (debug) {
             auto d = debug_ranges.find((uintptr_t)ptr);
             if (d == debug_ranges.end() || d->second != (uintptr_t)ptr + b.extent) st.debug_violations++;
@@ -471,6 +508,7 @@ mp_core* mp_create(uint64_t arena_bytes, uint64_t alignment, const uint64_t* siz
         c->cyc.push_back(i);
     }
     if (c->arena_extent > 0) c->add_gap(0, c->arena_extent);
+    c->live.reserve(2 * n_slots + 64);
     return c;
 }
 
