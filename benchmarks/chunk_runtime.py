@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -45,37 +46,39 @@ def _llama(layers: int, hidden: int, vocab: int = 1000, seq: int = 256) -> torch
     return model
 
 
-def bench_host_optimizer(layers: int, hidden: int, steps: int) -> dict[str, Any]:
+def _interleaved(fns: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Median seconds per call of each function, timed in interleaved rounds (the machine is shared)."""
+    for f in fns.values():  # warm-up: state allocation, recorded access order
+        f()
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_host_optimizer(layers: int, hidden: int, rounds: int) -> dict[str, Any]:
     from agent.runtime import manual_plan
     from agent.wrap import wrap
 
     model = _llama(layers, hidden)
     n = sum(p.numel() for p in model.parameters())
-    out: dict[str, Any] = {"parameters": n, "layers": layers, "hidden": hidden, "steps": steps}
-
-    def timed(step: Any) -> float:
-        step()  # warm-up: state allocation
-        step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return n * steps / (time.perf_counter() - t0)
-
+    out: dict[str, Any] = {"parameters": n, "layers": layers, "hidden": hidden, "rounds": rounds}
+    fns: dict[str, Any] = {}
     for label, kwargs in (("torch_single_tensor", {"foreach": False}), ("torch_foreach", {"foreach": True}),
                           ("torch_fused", {"fused": True})):
         params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **kwargs)
-        out[f"{label}_params_per_s"] = timed(opt.step)
-        del params, opt
-        gc.collect()
+        fns[label] = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **kwargs).step
 
-    # the runtime's host path: every chunk offloaded, steps run by the chunk steppers on host memory
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    # the runtime's host path: every chunk offloaded; exactly the steps the worker thread runs
     chunk_bytes = 32 * 2**20
     plan = manual_plan(model, chunk_size_bytes=chunk_bytes, offload="all", n_buffers=2)
-    w = wrap(model, opt, plan=plan)
+    w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), plan=plan)
     rt = w.runtime
     hypers = w.optimizer.hyper_snapshot()
     work = []
@@ -85,10 +88,12 @@ def bench_host_optimizer(layers: int, hidden: int, steps: int) -> dict[str, Any]
         work.append((stepper, st.host_grad, set(range(len(st.spec.entries)))))
 
     def runtime_step() -> None:
-        for stepper, grads, touched in work:
-            stepper.step(hypers, grads, touched)
+        for stepper, grad, touched in work:
+            stepper.step(hypers, grad, touched)
 
-    out["runtime_host_params_per_s"] = timed(runtime_step)
+    fns["runtime_host"] = runtime_step
+    for k, sec in _interleaved(fns, rounds).items():
+        out[f"{k}_params_per_s"] = n / sec
     out["runtime_host_impl"] = sorted({s.impl for s in rt.steppers})
     out["chunk_size_bytes"] = chunk_bytes
     out["chunks"] = len(rt.states)
@@ -98,7 +103,7 @@ def bench_host_optimizer(layers: int, hidden: int, steps: int) -> dict[str, Any]
     return out
 
 
-def bench_cpu_training(steps: int) -> dict[str, Any]:
+def bench_cpu_training(rounds: int) -> dict[str, Any]:
     import copy
 
     from agent.runtime import manual_plan
@@ -107,28 +112,26 @@ def bench_cpu_training(steps: int) -> dict[str, Any]:
     base = _llama(layers=4, hidden=256)
     batch, seq = 4, 128
     x = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0))
-    out: dict[str, Any] = {"model": "llama 4L h256", "batch": batch, "seq": seq, "steps": steps}
-    size = sum(p.numel() * 4 for p in base.parameters()) // 8
-
+    out: dict[str, Any] = {"model": "llama 4L h256", "batch": batch, "seq": seq, "rounds": rounds}
+    size = max(sum(p.numel() * 4 for p in base.parameters()) // 8, max(p.numel() * 4 for p in base.parameters()))
+    fns: dict[str, Any] = {}
     for label in ("plain", "runtime_persistent", "runtime_offloaded_2buf"):
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         if label != "plain":
-            plan = manual_plan(model, chunk_size_bytes=max(size, max(p.numel() * 4 for p in model.parameters())),
-                               offload="all" if "offloaded" in label else "none", n_buffers=2)
+            plan = manual_plan(model, chunk_size_bytes=size, offload="all" if "offloaded" in label else "none",
+                               n_buffers=2)
             w = wrap(model, opt, plan=plan)
-            model, opt = w.model, w.optimizer  # type: ignore[assignment]
+            model, opt = w.model, w.optimizer
 
-        def one() -> None:
+        def one(model: Any = model, opt: Any = opt) -> None:
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
 
-        one()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            one()
-        out[f"{label}_tokens_per_s"] = batch * seq * steps / (time.perf_counter() - t0)
+        fns[label] = one
+    for k, sec in _interleaved(fns, rounds).items():
+        out[f"{k}_tokens_per_s"] = batch * seq / sec
     return out
 
 
@@ -263,8 +266,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--opt-layers", type=int, default=4)
     ap.add_argument("--opt-hidden", type=int, default=1024)
-    ap.add_argument("--opt-steps", type=int, default=5)
-    ap.add_argument("--train-steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (median reported)")
     ap.add_argument("--cuda-model", choices=sorted(CUDA_MODELS), default="7b")
     ap.add_argument("--cuda-batch", type=int, default=1)
     ap.add_argument("--cuda-seq", type=int, default=2048)
@@ -280,14 +282,14 @@ def main() -> None:
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
     }
     print("host optimizer (AdamW, parameters/s) ...", flush=True)
-    results["host_optimizer"] = r = bench_host_optimizer(args.opt_layers, args.opt_hidden, args.opt_steps)
+    results["host_optimizer"] = r = bench_host_optimizer(args.opt_layers, args.opt_hidden, args.rounds)
     print(f"  {r['parameters'] / 1e6:.1f} M parameters: single-tensor {r['torch_single_tensor_params_per_s'] / 1e6:.1f} M/s, "
           f"foreach {r['torch_foreach_params_per_s'] / 1e6:.1f} M/s, fused {r['torch_fused_params_per_s'] / 1e6:.1f} M/s, "
           f"runtime host path ({'/'.join(r['runtime_host_impl'])}, {r['chunks']} chunks) "
           f"{r['runtime_host_params_per_s'] / 1e6:.1f} M/s = {r['speedup_runtime_vs_single_tensor']:.1f}x single-tensor "
           f"(target 5x: {'met' if r['target_5x_met'] else 'MISSED'})")
     print("CPU training (tokens/s) ...", flush=True)
-    results["cpu_training"] = t = bench_cpu_training(args.train_steps)
+    results["cpu_training"] = t = bench_cpu_training(args.rounds)
     print("  " + ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.0f}" for k, v in t.items() if k.endswith("tokens_per_s")))
     if torch.cuda.is_available():
         print(f"CUDA training llama-{args.cuda_model} with offload ...", flush=True)
