@@ -71,6 +71,19 @@ def policy_of(trace: Trace, layout: ChunkLayout, decision: Decision) -> Policy:
     return Policy(chunk_size_bytes=layout.chunk_size_bytes, chunks=chunks, n_buffers=decision.n_buffers, blocks=blocks)
 
 
+def _tightest_decision(inst: PolicyInstance) -> Decision:
+    """The hint when ProTrain found nothing: every chunk offloaded through one buffer, every block checkpointed.
+
+    Not necessarily feasible (CP-SAT treats a hint as a starting direction); it is the corner of the decision
+    space with the least device memory short of swapping.
+    """
+    return Decision(
+        offloaded=(True,) * inst.n_chunks,
+        n_buffers=1 if inst.n_chunks else 0,
+        modes=tuple(Mode.checkpoint if inst.optimisable[b] else Mode.keep for b in range(inst.n_blocks)),
+    )
+
+
 def _min_device_memory(
     trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams, seed: int, budget_s: float
 ) -> tuple[int | None, bool]:
@@ -127,7 +140,8 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         # only an answer faster than the incumbent by more than the gap limit is worth finding
         # (the first layout holds the incumbent itself: it is solved without a cutoff, hinted with it)
         cutoff = math.ceil(best.cost.iteration_ns * (1.0 - gap_limit)) if (best is not None and i > 0) else None
-        res = cpsat_solve.solve_layout(inst, hint=base.decision, time_limit_s=budget, seed=seed, cutoff_ns=cutoff,
+        hint = base.decision if base.decision is not None else _tightest_decision(inst)
+        res = cpsat_solve.solve_layout(inst, hint=hint, time_limit_s=budget, seed=seed, cutoff_ns=cutoff,
                                        gap_limit=gap_limit)
         statuses.append(res.status)
         bounds.append(res.lower_bound_ns)
