@@ -33,6 +33,7 @@ from client.contract.plan import (
 )
 from client.contract.trace import (
     AllocationCategory,
+    AllocationColumns,
     AllocationEvent,
     AllocationTrace,
     BandwidthCurves,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import zlib
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -12,7 +11,14 @@ from planner_service.api.errors import ApiError
 from planner_service.settings import Settings
 
 
-async def read_json(request: Request, settings: Settings) -> Any:
+@dataclass(frozen=True)
+class Body:
+    raw: bytes  # the JSON text
+    gzip: bytes | None  # the gzip body as received, when the client compressed it
+
+
+async def read_body(request: Request, settings: Settings) -> Body:
+    """The body within the size limits, gunzipped (bomb-safe) when Content-Encoding says gzip."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
         raise ApiError(413, f"request body larger than {settings.max_body_bytes} bytes")
@@ -26,13 +32,10 @@ async def read_json(request: Request, settings: Settings) -> Any:
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding == "gzip":
-        body = gunzip_limited(body, settings.max_decompressed_bytes)
-    elif encoding not in ("identity", ""):
+        return Body(raw=gunzip_limited(body, settings.max_decompressed_bytes), gzip=body)
+    if encoding not in ("identity", ""):
         raise ApiError(415, f"content-encoding {encoding!r} not supported (use gzip or none)")
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from exc
+    return Body(raw=body, gzip=None)
 
 
 def gunzip_limited(data: bytes, limit: int) -> bytes:

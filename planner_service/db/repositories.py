@@ -42,7 +42,7 @@ def _page(session: Session, stmt: Any, model: Any, limit: int, cursor: str | Non
 # ------------------------------------------------------------------------------------------- traces
 def compress_trace(trace: Trace) -> tuple[bytes, int]:
     raw = trace.canonical_json()
-    return gzip.compress(raw, compresslevel=6, mtime=0), len(raw)
+    return gzip.compress(raw, compresslevel=1, mtime=0), len(raw)
 
 
 def decompress_trace(row: TraceRow) -> Trace:
@@ -62,15 +62,22 @@ class TraceRepository:
         return self.s.scalar(select(TraceRow).where(TraceRow.project_id == project_id,
                                                     TraceRow.content_hash == content_hash))
 
-    def add(self, trace: Trace, project_id: str = DEFAULT_PROJECT) -> tuple[TraceRow, bool]:
-        """Store a trace in a project; identical content there returns the existing row (created=False)."""
+    def add(self, trace: Trace, project_id: str = DEFAULT_PROJECT, *, payload_gzip: bytes | None = None,
+            payload_bytes: int | None = None) -> tuple[TraceRow, bool]:
+        """Store a trace in a project; identical content there returns the existing row (created=False).
+
+        `payload_gzip`: the client's gzip body of this very trace, stored as is (no second compression).
+        """
         content_hash = trace.content_hash()
         existing = self.by_hash(project_id, content_hash)
         if existing is not None:
             return existing, False
         self._ensure_model(trace)
         self._ensure_hardware(trace)
-        payload, size = compress_trace(trace)
+        if payload_gzip is not None and payload_bytes is not None:
+            payload, size = payload_gzip, payload_bytes
+        else:
+            payload, size = compress_trace(trace)
         row = TraceRow(project_id=project_id, content_hash=content_hash, model_fingerprint=trace.model.fingerprint,
                        hardware_key=trace.hardware.key, workload_key=trace.workload.key,
                        schema_version=trace.schema_version, payload_gzip=payload, payload_bytes=size,
