@@ -46,14 +46,18 @@ class Wrapped:
         impls = {s.impl for s in self.runtime.steppers if s.state.offloaded and s.inner is not None}
         return self.runtime.report(host_optimizer="/".join(sorted(impls)) or "none")
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip gradients by their global norm across persistent and offloaded chunks (torch semantics).
 
         Call after backward, before `optimizer.step()`. With offloaded chunks, wrap with
         `RuntimeOptions(overlap_host_step=False)`: host steps then run at `step()`, after clipping.
         """
         self._check()
-        return self.runtime.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+        return self.runtime.clip_grad_norm_(
+            max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
 
     def synchronize(self) -> None:
         """Wait for host optimizer work in flight (before reading offloaded parameters directly)."""
@@ -124,7 +128,9 @@ def wrap(
     if user_state is not None:
         wrapped_opt.load_state_dict(user_state)  # wrapping mid-training keeps the optimizer's state
     model._memplan_wrapped = True  # type: ignore[assignment]
-    return Wrapped(model=model, optimizer=wrapped_opt, plan=plan, runtime=manager, original_optimizer=optimizer)
+    return Wrapped(
+        model=model, optimizer=wrapped_opt, plan=plan, runtime=manager, original_optimizer=optimizer
+    )
 
 
 def unwrap(wrapped: Wrapped) -> nn.Module:
@@ -136,10 +142,17 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     wrapped.runtime.detach()
     model = wrapped.model
     model._memplan_wrapped = False  # type: ignore[assignment]
-    for g_orig, g_new in zip(wrapped.original_optimizer.param_groups, wrapped.optimizer.param_groups, strict=True):
+    for g_orig, g_new in zip(
+        wrapped.original_optimizer.param_groups, wrapped.optimizer.param_groups, strict=True
+    ):
         g_orig.update({k: v for k, v in g_new.items() if k != "params"})
     if state["state"]:
-        state = {**state, "state": {k: {n: v for n, v in s.items() if n != "master_param"} for k, s in state["state"].items()}}
+        state = {
+            **state,
+            "state": {
+                k: {n: v for n, v in s.items() if n != "master_param"} for k, s in state["state"].items()
+            },
+        }
         wrapped.original_optimizer.load_state_dict(state)
     wrapped.unwrapped = True
     return model

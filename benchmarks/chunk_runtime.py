@@ -68,8 +68,11 @@ def bench_host_optimizer(layers: int, hidden: int, rounds: int) -> dict[str, Any
     n = sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {"parameters": n, "layers": layers, "hidden": hidden, "rounds": rounds}
     fns: dict[str, Any] = {}
-    for label, kwargs in (("torch_single_tensor", {"foreach": False}), ("torch_foreach", {"foreach": True}),
-                          ("torch_fused", {"fused": True})):
+    for label, kwargs in (
+        ("torch_single_tensor", {"foreach": False}),
+        ("torch_foreach", {"foreach": True}),
+        ("torch_fused", {"fused": True}),
+    ):
         params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         for p in params:
             p.grad = torch.randn_like(p)
@@ -97,8 +100,12 @@ def bench_host_optimizer(layers: int, hidden: int, rounds: int) -> dict[str, Any
     out["runtime_host_impl"] = sorted({s.impl for s in rt.steppers})
     out["chunk_size_bytes"] = chunk_bytes
     out["chunks"] = len(rt.states)
-    out["speedup_runtime_vs_single_tensor"] = out["runtime_host_params_per_s"] / out["torch_single_tensor_params_per_s"]
-    out["speedup_fused_vs_single_tensor"] = out["torch_fused_params_per_s"] / out["torch_single_tensor_params_per_s"]
+    out["speedup_runtime_vs_single_tensor"] = (
+        out["runtime_host_params_per_s"] / out["torch_single_tensor_params_per_s"]
+    )
+    out["speedup_fused_vs_single_tensor"] = (
+        out["torch_fused_params_per_s"] / out["torch_single_tensor_params_per_s"]
+    )
     out["target_5x_met"] = out["speedup_runtime_vs_single_tensor"] >= 5.0
     return out
 
@@ -113,14 +120,17 @@ def bench_cpu_training(rounds: int) -> dict[str, Any]:
     batch, seq = 4, 128
     x = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0))
     out: dict[str, Any] = {"model": "llama 4L h256", "batch": batch, "seq": seq, "rounds": rounds}
-    size = max(sum(p.numel() * 4 for p in base.parameters()) // 8, max(p.numel() * 4 for p in base.parameters()))
+    size = max(
+        sum(p.numel() * 4 for p in base.parameters()) // 8, max(p.numel() * 4 for p in base.parameters())
+    )
     fns: dict[str, Any] = {}
     for label in ("plain", "runtime_persistent", "runtime_offloaded_2buf"):
         model = copy.deepcopy(base)
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         if label != "plain":
-            plan = manual_plan(model, chunk_size_bytes=size, offload="all" if "offloaded" in label else "none",
-                               n_buffers=2)
+            plan = manual_plan(
+                model, chunk_size_bytes=size, offload="all" if "offloaded" in label else "none", n_buffers=2
+            )
             w = wrap(model, opt, plan=plan)
             model, opt = w.model, w.optimizer
 
@@ -147,9 +157,16 @@ def _cuda_model(size: str, seq: int) -> torch.nn.Module:
     import transformers
 
     layers, hidden, inter, heads, vocab = CUDA_MODELS[size]
-    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
-                                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                                      max_position_embeddings=seq, use_cache=False)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        use_cache=False,
+    )
     config._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # build in bf16 on the host: a 7B model is 14 GB, not 28
@@ -160,8 +177,9 @@ def _cuda_model(size: str, seq: int) -> torch.nn.Module:
     return model.train()
 
 
-def bench_cuda_training(size: str, batch: int, seq: int, steps: int, chunk_mib: int,
-                        activation_reserve_gib: float) -> dict[str, Any]:
+def bench_cuda_training(
+    size: str, batch: int, seq: int, steps: int, chunk_mib: int, activation_reserve_gib: float
+) -> dict[str, Any]:
     """NOT RUN in the session that wrote it (no GPU there): written to run when a GPU is present."""
     from agent.runtime import RuntimeOptions, manual_plan
     from agent.wrap import wrap
@@ -183,10 +201,20 @@ def bench_cuda_training(size: str, batch: int, seq: int, steps: int, chunk_mib: 
         return Placement.persistent if i < persistent else Placement.offloaded
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1)
-    plan = manual_plan(model, chunk_size_bytes=chunk_bytes, offload=rule, n_buffers=n_buffers,
-                       compute_dtype=torch.bfloat16, device_memory_bytes=total)
-    w = wrap(model, opt, plan=plan,
-             options=RuntimeOptions(device=device, compute_dtype=torch.bfloat16, measure_uploads=True))
+    plan = manual_plan(
+        model,
+        chunk_size_bytes=chunk_bytes,
+        offload=rule,
+        n_buffers=n_buffers,
+        compute_dtype=torch.bfloat16,
+        device_memory_bytes=total,
+    )
+    w = wrap(
+        model,
+        opt,
+        plan=plan,
+        options=RuntimeOptions(device=device, compute_dtype=torch.bfloat16, measure_uploads=True),
+    )
     x = torch.randint(0, CUDA_MODELS[size][4], (batch, seq), device=device)
 
     def one() -> None:
@@ -208,22 +236,30 @@ def bench_cuda_training(size: str, batch: int, seq: int, steps: int, chunk_mib: 
     exposed_s = sum(max(0.0, a.elapsed_time(b)) for a, b in w.runtime.reset_stall_timings()) / 1e3
     rep = w.report()
     out = {
-        "model": f"llama-{size}", "parameters": n_params, "batch": batch, "seq": seq, "steps": steps,
-        "chunks": n_chunks, "persistent_chunks": persistent, "n_buffers": n_buffers, "chunk_mib": chunk_mib,
-        "tokens_per_s": batch * seq * steps / elapsed, "iteration_s": elapsed / steps,
-        "upload_s_per_iteration": upload_s / steps, "exposed_upload_s_per_iteration": exposed_s / steps,
+        "model": f"llama-{size}",
+        "parameters": n_params,
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
+        "chunks": n_chunks,
+        "persistent_chunks": persistent,
+        "n_buffers": n_buffers,
+        "chunk_mib": chunk_mib,
+        "tokens_per_s": batch * seq * steps / elapsed,
+        "iteration_s": elapsed / steps,
+        "upload_s_per_iteration": upload_s / steps,
+        "exposed_upload_s_per_iteration": exposed_s / steps,
         "upload_hidden_fraction": 1.0 - exposed_s / upload_s if upload_s > 0 else None,
-        "device_bytes": rep.memory.device_bytes, "host_bytes": rep.memory.host_bytes,
+        "device_bytes": rep.memory.device_bytes,
+        "host_bytes": rep.memory.host_bytes,
         "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device),
         "host_optimizer": rep.host_optimizer,
     }
-    del w, model, opt
-    gc.collect()
-    torch.cuda.empty_cache()
+    w.runtime.detach()  # frees chunk memory and stops the host worker; the caller collects the rest
     return out
 
 
-def bench_fsdp2_offload(size: str, batch: int, seq: int, steps: int) -> dict[str, Any]:
+def bench_fsdp2_offload(size: str, batch: int, seq: int, steps: int, param_dtype: str) -> dict[str, Any]:
     """NOT RUN in the session that wrote it (no GPU there): FSDP2 with CPUOffloadPolicy on one GPU."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -233,7 +269,12 @@ def bench_fsdp2_offload(size: str, batch: int, seq: int, steps: int) -> dict[str
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.device("cuda", torch.cuda.current_device())
-    model = _cuda_model(size, seq).float()  # FSDP2 keeps fp32 sharded parameters (on the host here)
+    # FSDP2 keeps the sharded parameters, gradients and optimizer state in the parameters' dtype on the
+    # host: fp32 is the like-for-like baseline (fp32 master) but needs ~16 bytes/parameter of host RAM
+    # (112 GB for 7B); bf16 halves that at the cost of bf16 optimizer state.
+    model = _cuda_model(size, seq)
+    if param_dtype == "fp32":
+        model = model.float()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=True)
     for layer in model.model.layers:
@@ -254,9 +295,16 @@ def bench_fsdp2_offload(size: str, batch: int, seq: int, steps: int) -> dict[str
         one()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    out = {"model": f"llama-{size}", "batch": batch, "seq": seq, "steps": steps,
-           "tokens_per_s": batch * seq * steps / elapsed, "iteration_s": elapsed / steps,
-           "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device)}
+    out = {
+        "model": f"llama-{size}",
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
+        "param_dtype": param_dtype,
+        "tokens_per_s": batch * seq * steps / elapsed,
+        "iteration_s": elapsed / steps,
+        "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device),
+    }
     dist.destroy_process_group()
     return out
 
@@ -274,32 +322,53 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=256)
     ap.add_argument("--activation-reserve-gib", type=float, default=16.0)
     ap.add_argument("--skip-fsdp2", action="store_true")
+    ap.add_argument("--fsdp2-param-dtype", choices=["fp32", "bf16"], default="fp32")
     args = ap.parse_args()
 
     results: dict[str, Any] = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
     }
     print("host optimizer (AdamW, parameters/s) ...", flush=True)
     results["host_optimizer"] = r = bench_host_optimizer(args.opt_layers, args.opt_hidden, args.rounds)
-    print(f"  {r['parameters'] / 1e6:.1f} M parameters: single-tensor {r['torch_single_tensor_params_per_s'] / 1e6:.1f} M/s, "
-          f"foreach {r['torch_foreach_params_per_s'] / 1e6:.1f} M/s, fused {r['torch_fused_params_per_s'] / 1e6:.1f} M/s, "
-          f"runtime host path ({'/'.join(r['runtime_host_impl'])}, {r['chunks']} chunks) "
-          f"{r['runtime_host_params_per_s'] / 1e6:.1f} M/s = {r['speedup_runtime_vs_single_tensor']:.1f}x single-tensor "
-          f"(target 5x: {'met' if r['target_5x_met'] else 'MISSED'})")
+    print(
+        f"  {r['parameters'] / 1e6:.1f} M parameters: single-tensor {r['torch_single_tensor_params_per_s'] / 1e6:.1f} M/s, "
+        f"foreach {r['torch_foreach_params_per_s'] / 1e6:.1f} M/s, fused {r['torch_fused_params_per_s'] / 1e6:.1f} M/s, "
+        f"runtime host path ({'/'.join(r['runtime_host_impl'])}, {r['chunks']} chunks) "
+        f"{r['runtime_host_params_per_s'] / 1e6:.1f} M/s = {r['speedup_runtime_vs_single_tensor']:.1f}x single-tensor "
+        f"(target 5x: {'met' if r['target_5x_met'] else 'MISSED'})"
+    )
     print("CPU training (tokens/s) ...", flush=True)
     results["cpu_training"] = t = bench_cpu_training(args.rounds)
-    print("  " + ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.0f}" for k, v in t.items() if k.endswith("tokens_per_s")))
+    print(
+        "  "
+        + ", ".join(
+            f"{k.removesuffix('_tokens_per_s')} {v:.0f}" for k, v in t.items() if k.endswith("tokens_per_s")
+        )
+    )
     if torch.cuda.is_available():
         print(f"CUDA training llama-{args.cuda_model} with offload ...", flush=True)
-        results["cuda_training"] = c = bench_cuda_training(args.cuda_model, args.cuda_batch, args.cuda_seq,
-                                                           args.cuda_steps, args.chunk_mib, args.activation_reserve_gib)
+        results["cuda_training"] = c = bench_cuda_training(
+            args.cuda_model,
+            args.cuda_batch,
+            args.cuda_seq,
+            args.cuda_steps,
+            args.chunk_mib,
+            args.activation_reserve_gib,
+        )
+        gc.collect()
+        torch.cuda.empty_cache()
         print(f"  {c['tokens_per_s']:.0f} tokens/s, upload hidden {c['upload_hidden_fraction']}")
         if not args.skip_fsdp2:
             print("FSDP2 CPUOffloadPolicy ...", flush=True)
-            results["fsdp2_offload"] = f = bench_fsdp2_offload(args.cuda_model, args.cuda_batch, args.cuda_seq,
-                                                               args.cuda_steps)
+            results["fsdp2_offload"] = f = bench_fsdp2_offload(
+                args.cuda_model, args.cuda_batch, args.cuda_seq, args.cuda_steps, args.fsdp2_param_dtype
+            )
             print(f"  {f['tokens_per_s']:.0f} tokens/s")
     else:
         results["cuda_training"] = "not run: no CUDA device"

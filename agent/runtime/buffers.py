@@ -29,7 +29,11 @@ class Slot:
 class BufferPool:
     def __init__(self, ctx: DeviceContext, n_buffers: int, chunk_numel: int, dtype: torch.dtype) -> None:
         self.slots = [
-            Slot(index=i, params=ctx.device_empty(chunk_numel, dtype), grad=ctx.device_empty(chunk_numel, dtype))
+            Slot(
+                index=i,
+                params=ctx.device_empty(chunk_numel, dtype),
+                grad=ctx.device_empty(chunk_numel, dtype),
+            )
             for i in range(n_buffers)
         ]
 

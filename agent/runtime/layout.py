@@ -102,14 +102,22 @@ class ChunkLayout:
                     )
                 placed[id(param)] = where
                 if not param.is_floating_point():
-                    raise PlanMismatchError(f"{where}: {name!r} has dtype {param.dtype}; chunks hold floats only")
+                    raise PlanMismatchError(
+                        f"{where}: {name!r} has dtype {param.dtype}; chunks hold floats only"
+                    )
                 if offset + param.numel() > chunk_numel:
                     raise PlanMismatchError(
                         f"{where}: {name!r} ({param.numel() * esize} bytes) overflows the chunk: "
                         f"{offset * esize} bytes already used of chunk_size_bytes {policy.chunk_size_bytes}"
                     )
-                entry = ParamEntry(name=canonical.get(id(param), name), param=param, chunk=ci, offset=offset,
-                                   numel=param.numel(), shape=param.shape)
+                entry = ParamEntry(
+                    name=canonical.get(id(param), name),
+                    param=param,
+                    chunk=ci,
+                    offset=offset,
+                    numel=param.numel(),
+                    shape=param.shape,
+                )
                 spec.entries.append(entry)
                 by_param[id(param)] = entry
                 offset += param.numel()
@@ -126,13 +134,21 @@ class ChunkLayout:
                 f"policy.chunks: {len(missing)} parameter(s) of this {model_name} are in no chunk, e.g. {shown}"
             )
         for path, module in model.named_modules():
-            needed = {by_param[id(p)].chunk for p in module._parameters.values()
-                      if p is not None and chunks[by_param[id(p)].chunk].offloaded}
+            needed = {
+                by_param[id(p)].chunk
+                for p in module._parameters.values()
+                if p is not None and chunks[by_param[id(p)].chunk].offloaded
+            }
             if len(needed) > policy.n_buffers:
                 raise PlanMismatchError(
                     f"policy.n_buffers: module {path or '<root>'} ({type(module).__name__}) needs "
                     f"{len(needed)} offloaded chunks {sorted(needed)} resident at once, more than the "
                     f"{policy.n_buffers} buffer(s)"
                 )
-        return cls(chunk_numel=chunk_numel, compute_dtype=compute_dtype, chunks=chunks,
-                   n_buffers=policy.n_buffers, by_param=by_param)
+        return cls(
+            chunk_numel=chunk_numel,
+            compute_dtype=compute_dtype,
+            chunks=chunks,
+            n_buffers=policy.n_buffers,
+            by_param=by_param,
+        )

@@ -52,7 +52,9 @@ class SavedChunkView:
 
 
 class ModelStateManager:
-    def __init__(self, model: nn.Module, layout: ChunkLayout, ctx: DeviceContext, options: RuntimeOptions) -> None:
+    def __init__(
+        self, model: nn.Module, layout: ChunkLayout, ctx: DeviceContext, options: RuntimeOptions
+    ) -> None:
         self.model = model
         self.layout = layout
         self.ctx = ctx
@@ -62,7 +64,11 @@ class ModelStateManager:
         self.states: list[ChunkState] = [allocate(spec, ctx, layout.compute_dtype) for spec in layout.chunks]
         self._pos = {id(e.param): (e.chunk, j) for spec in layout.chunks for j, e in enumerate(spec.entries)}
         self.has_offload = bool(layout.offloaded)
-        self.pool = BufferPool(ctx, layout.n_buffers, layout.chunk_numel, layout.compute_dtype) if self.has_offload else None
+        self.pool = (
+            BufferPool(ctx, layout.n_buffers, layout.chunk_numel, layout.compute_dtype)
+            if self.has_offload
+            else None
+        )
         self._slot_by_storage = self.pool.storage_ids() if self.pool else {}
         self.schedule = AccessSchedule([c.index for c in layout.offloaded])
         self.worker = HostWorker() if self.has_offload else None
@@ -100,9 +106,8 @@ class ModelStateManager:
                     module._buffers[name] = buf.to(self.ctx.device)
 
     def _install_hooks(self) -> None:
-        for e in self.layout.by_param.values():
-            if e.param.requires_grad:
-                self._handles.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+        self._hooked: set[int] = set()
+        self._sync_grad_hooks()
         m = self.model
         self._handles.append(m.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._handles.append(m.register_forward_hook(self._after_root_forward, always_call=True))
@@ -124,15 +129,23 @@ class ModelStateManager:
                 c, j = self._pos[id(p)]
                 if self.states[c].offloaded:
                     chunks.add(c)
-                    if p.requires_grad:
-                        expected.setdefault(c, []).append(j)
+                    expected.setdefault(c, []).append(j)
             if chunks:
                 assert len(chunks) <= self.layout.n_buffers  # checked by ChunkLayout.from_policy
                 ordered = sorted(chunks)
-                self._handles.append(module.register_forward_pre_hook(partial(self._before_module, ordered, expected)))
+                self._handles.append(
+                    module.register_forward_pre_hook(partial(self._before_module, ordered, expected))
+                )
                 self._handles.append(
                     module.register_forward_hook(partial(self._after_module, ordered), always_call=True)
                 )
+
+    def _sync_grad_hooks(self) -> None:
+        """Gradient hooks on every parameter that requires grad now (also ones unfrozen after wrap)."""
+        for e in self.layout.by_param.values():
+            if e.param.requires_grad and id(e.param) not in self._hooked:
+                self._handles.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooked.add(id(e.param))
 
     def detach(self) -> None:
         """Remove every hook and turn parameters back into ordinary tensors with their trained values."""
@@ -160,6 +173,7 @@ class ModelStateManager:
         if self._phase == "backward":
             return  # a forward re-run inside backward (recomputation): chunks are fetched on demand
         self._phase = "forward"
+        self._sync_grad_hooks()
         self.schedule.start(Direction.forward, record=True)
         if self.has_offload and torch.is_grad_enabled():
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -197,12 +211,15 @@ class ModelStateManager:
         self.counters.iterations += 1
 
     # ================================================================================ module hooks
-    def _before_module(self, chunks: list[int], expected: dict[int, list[int]], module: nn.Module, args: Any) -> None:
+    def _before_module(
+        self, chunks: list[int], expected: dict[int, list[int]], module: nn.Module, args: Any
+    ) -> None:
         for c in chunks:
             self._acquire(c, pin=True)
         if torch.is_grad_enabled():
             for c, js in expected.items():
-                self.states[c].expected.update(js)
+                entries = self.states[c].spec.entries
+                self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
 
     def _after_module(self, chunks: list[int], module: nn.Module, args: Any, output: Any) -> None:
         assert self.pool is not None
@@ -221,7 +238,7 @@ class ModelStateManager:
             return t
         if t.dtype != self.layout.compute_dtype:
             return t.clone()  # a dtype-reinterpreting view of a buffer: keep a private copy
-        return SavedChunkView(slot.chunk, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        return SavedChunkView(slot.chunk, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, SavedChunkView):
@@ -430,7 +447,9 @@ class ModelStateManager:
         st.host_work = self.worker.submit(self._host_step, st, hypers, set(st.touched), events)
         st.stepped = True
 
-    def _host_step(self, st: ChunkState, hypers: list[dict[str, Any]], touched: set[int], events: list[Event]) -> None:
+    def _host_step(
+        self, st: ChunkState, hypers: list[dict[str, Any]], touched: set[int], events: list[Event]
+    ) -> None:
         """Host worker: the chunk's optimizer step on its fp32 master, then refresh the upload source."""
         for ev in events:
             self.ctx.host_wait(ev)
@@ -509,7 +528,9 @@ class ModelStateManager:
             assert target is not None and st.master is not None
             target.copy_(st.master)
 
-    def clip_grad_norm_(self, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip all gradients (persistent on the device, offloaded on the host) by their global norm.
 
         Same arithmetic as `torch.nn.utils.clip_grad_norm_`. Call it after backward and before
@@ -593,8 +614,9 @@ class ModelStateManager:
                 add(side, key, t.nbytes)
                 if t.is_pinned():
                     rep.pinned_host_bytes += t.nbytes
-            if self.steppers and self.steppers[st.index].inner is not None:
-                for s in self.steppers[st.index].inner.state.values():
+            inner = self.steppers[st.index].inner if self.steppers else None
+            if inner is not None:
+                for s in inner.state.values():
                     for v in s.values():
                         if isinstance(v, torch.Tensor):
                             on_host = st.offloaded or (self.ctx.is_cuda and v.device.type == "cpu")
@@ -607,7 +629,10 @@ class ModelStateManager:
         self.synchronize()
         upload_s = None
         if self._upload_timings:
-            upload_s = sum(a.elapsed_time(b) for a, b in self._upload_timings if a is not None and b is not None) / 1e3
+            upload_s = (
+                sum(a.elapsed_time(b) for a, b in self._upload_timings if a is not None and b is not None)
+                / 1e3
+            )
         return RuntimeReport(
             memory=self.memory_report(),
             counters=self.counters,
@@ -631,4 +656,3 @@ class ModelStateManager:
         `a.elapsed_time(b)` is upload time exposed to compute (with measure_uploads)."""
         out, self._stall_timings = self._stall_timings, []
         return out
-

@@ -68,13 +68,19 @@ def manual_policy(
         return Placement.offloaded if i in set(offload) else Placement.persistent
 
     chunks = [
-        Chunk(index=i, placement=placement(i), parameters=[name for name, _ in g], blocks=[],
-              used_bytes=sum(b for _, b in g))
+        Chunk(
+            index=i,
+            placement=placement(i),
+            parameters=[name for name, _ in g],
+            blocks=[],
+            used_bytes=sum(b for _, b in g),
+        )
         for i, g in enumerate(groups)
     ]
     has_offload = any(c.placement == Placement.offloaded for c in chunks)
-    return Policy(chunk_size_bytes=chunk_size_bytes, chunks=chunks, n_buffers=n_buffers if has_offload else 0,
-                  blocks=[])
+    return Policy(
+        chunk_size_bytes=chunk_size_bytes, chunks=chunks, n_buffers=n_buffers if has_offload else 0, blocks=[]
+    )
 
 
 def manual_plan(model: nn.Module, *, device_memory_bytes: int = 2**40, **policy_args: object) -> Plan:
@@ -84,6 +90,11 @@ def manual_plan(model: nn.Module, *, device_memory_bytes: int = 2**40, **policy_
         trace_hash="manual",
         constraints=Constraints(device_memory_bytes=device_memory_bytes),
         policy=policy,
-        solver=SolverReport(solver="manual", solver_version="0", status=SolverStatus.unknown, solve_s=0.0,
-                            message="hand-built plan (agent.runtime.manual): not solved, no predictions"),
+        solver=SolverReport(
+            solver="manual",
+            solver_version="0",
+            status=SolverStatus.unknown,
+            solve_s=0.0,
+            message="hand-built plan (agent.runtime.manual): not solved, no predictions",
+        ),
     )

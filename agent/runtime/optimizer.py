@@ -61,7 +61,9 @@ def check_parameters(optimizer: torch.optim.Optimizer, layout: ChunkLayout) -> N
     for gi, g in enumerate(optimizer.param_groups):
         for pi, p in enumerate(g["params"]):
             if layout.entry(p) is None:
-                raise ValueError(f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model")
+                raise ValueError(
+                    f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model"
+                )
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +76,8 @@ def host_impl(cls: type[torch.optim.Optimizer], hyper: dict[str, Any]) -> dict[s
     try:
         probe = torch.zeros(4)
         probe.grad = torch.ones(4)
-        cls([{"params": [probe], **hyper}], fused=True).step()
+        make: Any = cls  # the supported classes all take fused=
+        make([{"params": [probe], **hyper}], fused=True).step()
         return {"fused": True}
     except (RuntimeError, ValueError, TypeError):
         return {"foreach": True}
@@ -101,8 +104,14 @@ class ChunkStepper:
     or a loaded checkpoint gives them different step counts), so per-parameter semantics are exact.
     """
 
-    def __init__(self, state: ChunkState, cls: type[torch.optim.Optimizer], outer_groups: list[dict[str, Any]],
-                 group_of: dict[int, int], device_impl: dict[str, bool]) -> None:
+    def __init__(
+        self,
+        state: ChunkState,
+        cls: type[torch.optim.Optimizer],
+        outer_groups: list[dict[str, Any]],
+        group_of: dict[int, int],
+        device_impl: dict[str, bool],
+    ) -> None:
         self.state = state
         self.cls = cls
         entries = state.spec.entries
@@ -127,7 +136,9 @@ class ChunkStepper:
         if self.runs:
             # Persistent chunks step with the user's implementation choice; offloaded chunks step on
             # the host with the fused (or foreach) CPU implementation.
-            self.impl_kwargs = host_impl(cls, _hyper(outer_groups[self.runs[0].outer])) if state.offloaded else device_impl
+            self.impl_kwargs = (
+                host_impl(cls, _hyper(outer_groups[self.runs[0].outer])) if state.offloaded else device_impl
+            )
             self.impl = next(iter(self.impl_kwargs), "default")
             self._rebuild({})
 
@@ -136,7 +147,8 @@ class ChunkStepper:
         for r in self.runs:
             groups.setdefault(r.outer, []).append(r.tensor)
         self._group_order = list(groups)
-        self.inner = self.cls(
+        make: Any = self.cls  # the supported classes all take foreach=/fused=
+        self.inner = make(
             [{"params": ps, **_hyper(self._outer_groups[g])} for g, ps in groups.items()], **self.impl_kwargs
         )
         for t, st in states.items():
@@ -165,7 +177,9 @@ class ChunkStepper:
             changed = True
             for piece in pieces:
                 a, b = entries[piece[0]].offset, entries[piece[-1]].end
-                sub = Run(outer=r.outer, entries=piece, start=a, end=b, tensor=r.tensor[a - r.start : b - r.start])
+                sub = Run(
+                    outer=r.outer, entries=piece, start=a, end=b, tensor=r.tensor[a - r.start : b - r.start]
+                )
                 new_runs.append(sub)
                 if old:
                     states[sub.tensor] = {k: _slice_state(v, r, a, b) for k, v in old.items()}
@@ -231,7 +245,9 @@ class ChunkStepper:
                 if k == "step":
                     st[k] = _step_tensor(v, r.tensor, self.impl_kwargs)
                 elif isinstance(v, torch.Tensor) and v.numel() == entries[r.entries[0]].numel:
-                    st[k] = torch.cat([states[j][k].reshape(-1) for j in r.entries]).to(r.tensor.device, r.tensor.dtype)
+                    st[k] = torch.cat([states[j][k].reshape(-1) for j in r.entries]).to(
+                        r.tensor.device, r.tensor.dtype
+                    )
                 else:
                     st[k] = v
             self.inner.state[r.tensor] = st
@@ -324,7 +340,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         start = 0
         for g in self.param_groups:
             n = len(g["params"])
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
+            groups.append(
+                {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))}
+            )
             start += n
         return {"state": state, "param_groups": groups}
 
@@ -342,7 +360,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
                     f"the optimizer's group has {len(g['params'])}"
                 )
         # saved ids, in group order, correspond one to one to this optimizer's parameters in group order
-        id_to_index = {saved_id: i for i, saved_id in enumerate(sid for sg in saved_groups for sid in sg["params"])}
+        id_to_index = {
+            saved_id: i for i, saved_id in enumerate(sid for sg in saved_groups for sid in sg["params"])
+        }
         for gi, sg in enumerate(saved_groups):
             self.param_groups[gi].update({k: v for k, v in sg.items() if k not in ("params",)})
         per_chunk: dict[int, dict[int, dict[str, Any]]] = {}
@@ -365,5 +385,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         self._manager.refresh_compute_from_master()
 
     # The runtime extension the user may call: clipping across persistent and offloaded chunks.
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        return self._manager.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        return self._manager.clip_grad_norm_(
+            max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )

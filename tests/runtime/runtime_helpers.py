@@ -36,10 +36,21 @@ def chunk_bytes_for(model: nn.Module, n_chunks: int) -> int:
     return max(max(sizes), -(-sum(sizes) // n_chunks))
 
 
-def plan_for(model: nn.Module, offload: str | list[int] | Callable[[int, int], Placement], *,
-             n_chunks: int = 8, n_buffers: int = 2, compute_dtype: torch.dtype | None = None) -> Plan:
-    return manual_plan(model, chunk_size_bytes=chunk_bytes_for(model, n_chunks), offload=offload,
-                       n_buffers=n_buffers, compute_dtype=compute_dtype)
+def plan_for(
+    model: nn.Module,
+    offload: str | list[int] | Callable[[int, int], Placement],
+    *,
+    n_chunks: int = 8,
+    n_buffers: int = 2,
+    compute_dtype: torch.dtype | None = None,
+) -> Plan:
+    return manual_plan(
+        model,
+        chunk_size_bytes=chunk_bytes_for(model, n_chunks),
+        offload=offload,
+        n_buffers=n_buffers,
+        compute_dtype=compute_dtype,
+    )
 
 
 def alternate(i: int, n: int) -> Placement:
@@ -56,8 +67,9 @@ class Trainer:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
 
-def train(t: Trainer, data: list[torch.Tensor], *, clip: float | None = None, micro: int = 1,
-          seed: int = 1234) -> list[float]:
+def train(
+    t: Trainer, data: list[torch.Tensor], *, clip: float | None = None, micro: int = 1, seed: int = 1234
+) -> list[float]:
     """The same loop for every variant: forward, backward (micro-batches), clip, step, schedule, zero."""
     torch.manual_seed(seed)  # dropout masks identical across variants
     losses = []

@@ -69,8 +69,12 @@ def test_deferred_host_steps_match_overlapped_ones(kind: str) -> None:
     runs = []
     for overlap in (True, False):
         model = clone(base)
-        w = wrap(model, adamw(model), plan=plan_for(model, "all"),
-                 options=RuntimeOptions(overlap_host_step=overlap))
+        w = wrap(
+            model,
+            adamw(model),
+            plan=plan_for(model, "all"),
+            options=RuntimeOptions(overlap_host_step=overlap),
+        )
         runs.append((train(Trainer(w.model, w.optimizer), data), unwrap(w)))
     assert runs[0][0] == runs[1][0]
     assert param_rel_diff(runs[0][1], runs[1][1])[0] == 0.0

@@ -30,7 +30,10 @@ def test_plan_naming_an_unknown_parameter_is_refused_with_its_name() -> None:
     plan = plan_for(model, "all")
     names = list(plan.policy.chunks[1].parameters)  # type: ignore[union-attr]
     names[-1] = "model.layers.0.mlp.not_there.weight"
-    with pytest.raises(PlanMismatchError, match=rf"policy\.chunks\[1\]\.parameters\[{len(names) - 1}\]: 'model\.layers\.0\.mlp\.not_there"):
+    with pytest.raises(
+        PlanMismatchError,
+        match=rf"policy\.chunks\[1\]\.parameters\[{len(names) - 1}\]: 'model\.layers\.0\.mlp\.not_there",
+    ):
         wrap(model, adamw(model), plan=edited(plan, 1, parameters=names))
 
 
@@ -40,8 +43,12 @@ def test_plan_missing_a_parameter_is_refused_with_its_name() -> None:
     last = plan.policy.chunks[-1]  # type: ignore[union-attr]
     dropped = last.parameters[-1]
     nbytes = dict(model.named_parameters())[dropped].numel() * 4
-    bad = edited(plan, len(plan.policy.chunks) - 1, parameters=last.parameters[:-1],  # type: ignore[union-attr]
-                 used_bytes=last.used_bytes - nbytes)
+    bad = edited(
+        plan,
+        len(plan.policy.chunks) - 1,
+        parameters=last.parameters[:-1],  # type: ignore[union-attr]
+        used_bytes=last.used_bytes - nbytes,
+    )
     with pytest.raises(PlanMismatchError, match=f"are in no chunk, e.g. '{dropped}'"):
         wrap(model, adamw(model), plan=bad)
 
@@ -51,8 +58,16 @@ def test_tied_parameter_listed_under_both_names_is_refused() -> None:
     plan = plan_for(model, "none")
     first = plan.policy.chunks[0]  # type: ignore[union-attr]
     with pytest.raises(PlanMismatchError, match="'lm_head.weight' is the parameter already placed"):
-        wrap(model, adamw(model), plan=edited(plan, 0, parameters=[*first.parameters, "lm_head.weight"],
-                                              used_bytes=first.used_bytes + 128 * 64 * 4))
+        wrap(
+            model,
+            adamw(model),
+            plan=edited(
+                plan,
+                0,
+                parameters=[*first.parameters, "lm_head.weight"],
+                used_bytes=first.used_bytes + 128 * 64 * 4,
+            ),
+        )
 
 
 def test_plan_solved_for_another_precision_is_refused() -> None:
@@ -68,8 +83,12 @@ def test_parameter_overflowing_its_chunk_is_refused() -> None:
     c0, c1 = plan.policy.chunks[0], plan.policy.chunks[1]  # type: ignore[union-attr]
     moved = c1.parameters[0]
     nbytes = dict(model.named_parameters())[moved].numel() * 4
-    bad = edited(edited(plan, 0, parameters=[*c0.parameters, moved], used_bytes=c0.used_bytes + nbytes), 1,
-                 parameters=c1.parameters[1:], used_bytes=c1.used_bytes - nbytes)
+    bad = edited(
+        edited(plan, 0, parameters=[*c0.parameters, moved], used_bytes=c0.used_bytes + nbytes),
+        1,
+        parameters=c1.parameters[1:],
+        used_bytes=c1.used_bytes - nbytes,
+    )
     if c0.used_bytes + nbytes <= plan.policy.chunk_size_bytes:  # type: ignore[union-attr]
         pytest.skip("the first chunk has room for the moved parameter")
     with pytest.raises(PlanMismatchError, match=f"'{moved}' .* overflows the chunk"):
@@ -82,8 +101,11 @@ def test_one_buffer_trains_when_no_module_needs_two_offloaded_chunks() -> None:
     ref_model = clone(base)
     ref = train(Trainer(ref_model, adamw(ref_model)), data)
     model = clone(base)
-    w = wrap(model, adamw(model), plan=manual_plan(model, chunk_size_bytes=chunk_bytes_for(model, 4),
-                                                   offload="all", n_buffers=1))
+    w = wrap(
+        model,
+        adamw(model),
+        plan=manual_plan(model, chunk_size_bytes=chunk_bytes_for(model, 4), offload="all", n_buffers=1),
+    )
     assert train(Trainer(w.model, w.optimizer), data) == ref
 
 
@@ -95,11 +117,23 @@ def test_one_buffer_for_a_module_split_across_two_offloaded_chunks_is_refused() 
     groups = [names[:cut], names[cut:]]
     size = max(sum(sizes[n] for n in g) for g in groups)
     plan = manual_plan(model, chunk_size_bytes=size * 2, offload="all", n_buffers=1)
-    chunks = [Chunk(index=i, placement=Placement.offloaded, parameters=g, blocks=[],
-                    used_bytes=sum(sizes[n] for n in g)) for i, g in enumerate(groups)]
-    plan = plan.model_copy(update={"policy": Policy(chunk_size_bytes=size, chunks=chunks, n_buffers=1, blocks=[])})
-    with pytest.raises(PlanMismatchError,
-                       match=r"policy.n_buffers: module transformer.h.0.attn.c_attn \(Conv1D\) needs 2 offloaded"):
+    chunks = [
+        Chunk(
+            index=i,
+            placement=Placement.offloaded,
+            parameters=g,
+            blocks=[],
+            used_bytes=sum(sizes[n] for n in g),
+        )
+        for i, g in enumerate(groups)
+    ]
+    plan = plan.model_copy(
+        update={"policy": Policy(chunk_size_bytes=size, chunks=chunks, n_buffers=1, blocks=[])}
+    )
+    with pytest.raises(
+        PlanMismatchError,
+        match=r"policy.n_buffers: module transformer.h.0.attn.c_attn \(Conv1D\) needs 2 offloaded",
+    ):
         wrap(model, adamw(model), plan=plan)
     assert not any(m._forward_pre_hooks for m in model.modules())  # refused before the model was touched
 
@@ -199,7 +233,9 @@ def test_chunks_resident_after_forward_are_not_uploaded_again_for_backward() -> 
     # GPT-2 ties lm_head to the embedding in chunk 0: forward uses chunk 0 twice, backward too
     assert forward_uploads == n_chunks + 1
     assert backward_uploads == n_chunks + 1 - 2  # the two chunks resident after forward are reused
-    assert after.prefetches - before.prefetches >= forward_uploads + backward_uploads - 2  # nearly all ahead of use
+    assert (
+        after.prefetches - before.prefetches >= forward_uploads + backward_uploads - 2
+    )  # nearly all ahead of use
     assert after.resident_hits > before.resident_hits
 
 
@@ -209,8 +245,13 @@ def test_mixed_precision_keeps_fp32_masters_and_agrees_across_placements() -> No
     results = []
     for offload in ("none", "all"):
         model = clone(base)
-        plan = manual_plan(model, chunk_size_bytes=chunk_bytes_for(model, 8) // 2, offload=offload, n_buffers=2,
-                           compute_dtype=torch.bfloat16)
+        plan = manual_plan(
+            model,
+            chunk_size_bytes=chunk_bytes_for(model, 8) // 2,
+            offload=offload,
+            n_buffers=2,
+            compute_dtype=torch.bfloat16,
+        )
         w = wrap(model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=torch.bfloat16))
         losses = train(Trainer(w.model, w.optimizer), data)
         w.synchronize()
@@ -229,8 +270,13 @@ def test_unwrap_after_mixed_precision_restores_fp32_parameters_from_the_masters(
     from agent.wrap import unwrap
 
     model = tiny_model("gpt2")
-    plan = manual_plan(model, chunk_size_bytes=chunk_bytes_for(model, 8) // 2, offload="all", n_buffers=2,
-                       compute_dtype=torch.bfloat16)
+    plan = manual_plan(
+        model,
+        chunk_size_bytes=chunk_bytes_for(model, 8) // 2,
+        offload="all",
+        n_buffers=2,
+        compute_dtype=torch.bfloat16,
+    )
     w = wrap(model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=torch.bfloat16))
     train(Trainer(w.model, w.optimizer), batches(2))
     masters = [s["master_param"].clone() for s in w.optimizer.state_dict()["state"].values()]

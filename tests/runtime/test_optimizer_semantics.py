@@ -32,21 +32,35 @@ def grouped_adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
     """The usual LLM set-up: no weight decay on biases and norms (two groups interleaved in every chunk)."""
     decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=2e-3, betas=(0.8, 0.95), eps=1e-6, fused=True)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=2e-3,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        fused=True,
+    )
 
 
 OPTIMIZERS: dict[str, MakeOpt] = {
     "adamw-groups": grouped_adamw,
-    "adam-l2-amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True,
-                                                  fused=True),
-    "sgd-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
-                                              weight_decay=1e-4, fused=True),
+    "adam-l2-amsgrad": lambda m: torch.optim.Adam(
+        m.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True, fused=True
+    ),
+    "sgd-nesterov": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4, fused=True
+    ),
 }
 
 
-def wrapped_run(base: torch.nn.Module, make_opt: MakeOpt, data: list[torch.Tensor], *, offload: object = alternate,
-                options: RuntimeOptions | None = None, **train_args: object) -> tuple[list[float], Wrapped]:
+def wrapped_run(
+    base: torch.nn.Module,
+    make_opt: MakeOpt,
+    data: list[torch.Tensor],
+    *,
+    offload: object = alternate,
+    options: RuntimeOptions | None = None,
+    **train_args: object,
+) -> tuple[list[float], Wrapped]:
     model = clone(base)
     w = wrap(model, make_opt(model), plan=plan_for(model, offload), options=options)  # type: ignore[arg-type]
     losses = train(Trainer(w.model, w.optimizer, clip=w.clip_grad_norm_), data, **train_args)  # type: ignore[arg-type]
@@ -161,8 +175,14 @@ def test_clip_grad_norm_spans_persistent_and_offloaded_chunks(offload: str) -> N
     ref_t = plain_trainer(ref_model, grouped_adamw)
     ref = train(ref_t, data, clip=0.05)  # small: clipping is active every step
     deferred = RuntimeOptions(overlap_host_step=False)
-    got, w = wrapped_run(base, grouped_adamw, data, offload=alternate if offload == "alternate" else offload,
-                         options=deferred, clip=0.05)
+    got, w = wrapped_run(
+        base,
+        grouped_adamw,
+        data,
+        offload=alternate if offload == "alternate" else offload,
+        options=deferred,
+        clip=0.05,
+    )
     assert max_rel_diff(got, ref) <= TOL
     w.synchronize()
     assert param_rel_diff(w.model, ref_model)[0] <= TOL
@@ -176,8 +196,12 @@ def test_clip_grad_norm_returns_the_plain_pytorch_total_norm() -> None:
     ref_model(input_ids=x, labels=x).loss.backward()
     expected = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e9)
     model = clone(base)
-    w = wrap(model, grouped_adamw(model), plan=plan_for(model, alternate),
-             options=RuntimeOptions(overlap_host_step=False))
+    w = wrap(
+        model,
+        grouped_adamw(model),
+        plan=plan_for(model, alternate),
+        options=RuntimeOptions(overlap_host_step=False),
+    )
     torch.manual_seed(0)
     w.model(input_ids=x, labels=x).loss.backward()
     torch.testing.assert_close(w.clip_grad_norm_(1e9), expected, rtol=1e-6, atol=0.0)
@@ -198,8 +222,9 @@ def test_gradient_accumulation_with_deferred_host_steps_matches_plain_pytorch() 
     data = batches(6)
     ref_model = clone(base)
     ref = train(plain_trainer(ref_model, grouped_adamw), data, micro=2)
-    got, w = wrapped_run(base, grouped_adamw, data, offload="all", options=RuntimeOptions(overlap_host_step=False),
-                         micro=2)
+    got, w = wrapped_run(
+        base, grouped_adamw, data, offload="all", options=RuntimeOptions(overlap_host_step=False), micro=2
+    )
     assert max_rel_diff(got, ref) <= TOL
     w.synchronize()
     assert param_rel_diff(w.model, ref_model)[0] <= TOL
@@ -227,7 +252,9 @@ def test_unwrap_gives_ordinary_parameters_and_training_continues_in_plain_pytorc
     first = train(Trainer(w.model, w.optimizer), data[:4])
     model = unwrap(w)
     for p in model.parameters():
-        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()  # its own storage, not a chunk view
+        assert (
+            p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        )  # its own storage, not a chunk view
         assert p.grad is None
     second = train(Trainer(model, user_opt), data[4:])
     assert max_rel_diff(first + second, ref) <= TOL
@@ -236,7 +263,9 @@ def test_unwrap_gives_ordinary_parameters_and_training_continues_in_plain_pytorc
         w.report()
 
 
-def _freeze_first_layer_then_train(t: Trainer, data: list[torch.Tensor], model: torch.nn.Module) -> list[float]:
+def _freeze_first_layer_then_train(
+    t: Trainer, data: list[torch.Tensor], model: torch.nn.Module
+) -> list[float]:
     layer0 = [p for n, p in model.named_parameters() if ".h.0." in n]
     for p in layer0:
         p.requires_grad_(False)  # parameters without a gradient are skipped, and their step count lags
@@ -246,8 +275,32 @@ def _freeze_first_layer_then_train(t: Trainer, data: list[torch.Tensor], model: 
     return losses + train(t, data[3:], seed=99)
 
 
+def test_parameters_frozen_at_wrap_time_train_once_unfrozen() -> None:
+    base = tiny_model("llama")
+    data = batches(6)
+    results = []
+    for wrapped in (False, True):
+        model = clone(base)
+        layer0 = [p for n, p in model.named_parameters() if ".layers.0." in n]
+        for p in layer0:
+            p.requires_grad_(False)
+        opt = grouped_adamw(model)
+        t = Trainer(model, opt)
+        if wrapped:
+            w = wrap(model, opt, plan=plan_for(model, alternate))
+            t = Trainer(w.model, w.optimizer)
+        losses = train(t, data[:2])
+        for p in layer0:
+            p.requires_grad_(True)
+        results.append((losses + train(t, data[2:], seed=3), model))
+    assert max_rel_diff(results[1][0], results[0][0]) <= TOL
+    assert param_rel_diff(results[1][1], results[0][1])[0] <= TOL
+
+
 @pytest.mark.parametrize("offload", ["none", "all", "alternate"])
-def test_parameters_without_gradients_are_skipped_exactly_and_resume_keeps_their_step_counts(offload: str) -> None:
+def test_parameters_without_gradients_are_skipped_exactly_and_resume_keeps_their_step_counts(
+    offload: str,
+) -> None:
     base = tiny_model("gpt2")
     data = batches(8)
     ref_model = clone(base)
@@ -265,9 +318,13 @@ def test_parameters_without_gradients_are_skipped_exactly_and_resume_keeps_their
     # the per-parameter step counts differ now; they survive a save and load into a fresh wrap
     ours = w.optimizer.state_dict()
     theirs = ref_t.optimizer.state_dict()
-    assert {k: float(s["step"]) for k, s in ours["state"].items()} == {k: float(s["step"]) for k, s in theirs["state"].items()}
+    assert {k: float(s["step"]) for k, s in ours["state"].items()} == {
+        k: float(s["step"]) for k, s in theirs["state"].items()
+    }
     fresh = clone(base)
-    w2 = wrap(fresh, grouped_adamw(fresh), plan=plan_for(fresh, alternate if offload == "alternate" else offload))
+    w2 = wrap(
+        fresh, grouped_adamw(fresh), plan=plan_for(fresh, alternate if offload == "alternate" else offload)
+    )
     w2.model.load_state_dict(w.model.state_dict())
     w2.optimizer.load_state_dict(copy.deepcopy(ours))
     more = train(Trainer(w2.model, w2.optimizer), data[:3], seed=5)

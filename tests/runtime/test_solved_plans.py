@@ -27,8 +27,9 @@ def test_plan_solved_under_a_tight_limit_trains_like_plain_pytorch(kind: str) ->
     data = batches(20)
     probe = clone(base)
     x = data[0]
-    trace = agent.profile(probe, {"input_ids": x, "labels": x}, optimizer=adamw(probe), repeats=1,
-                          allocation_trace=False)
+    trace = agent.profile(
+        probe, {"input_ids": x, "labels": x}, optimizer=adamw(probe), repeats=1, allocation_trace=False
+    )
     limit = int(trace.measurements.peak_device_bytes * 0.4)  # well below what one plain iteration used
     plan = solve(trace, Constraints(device_memory_bytes=limit, time_limit_s=5.0))
     assert plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible), plan.solver.message
