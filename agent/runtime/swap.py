@@ -1,0 +1,295 @@
+"""Activation swapping: a block's saved tensors go to host memory in forward and come back one block ahead in backward.
+
+How it works (one `SwapStore` per wrapped model, shared by every block in `swap` mode):
+- forward: while a swap block runs, `torch.autograd.graph.saved_tensors_hooks` give each saved tensor to
+  `pack`. Model state (parameters, buffers: their storages are listed by the caller) and tensors on other
+  devices are passed to the hooks that were active outside the block (the chunk runtime's, when chunks
+  are offloaded), so they keep their own handling. Every other saved tensor is swapped by *storage*: the
+  whole storage is copied once into a host buffer (pinned on CUDA) on a copy-out stream, after an event
+  that marks the compute that produced it; `record_stream` keeps the caching allocator from reusing the
+  device memory before that copy ends. The packed value is the storage's entry plus the view geometry
+  (dtype, size, stride, offset), so views of one storage (q/k/v split from one projection) share a copy.
+  The device storage is then held by nothing of ours: it is freed when the forward stops using it.
+- backward: `prefetch(block)` starts the copy back of a whole block on a copy-in stream: device memory
+  is allocated on the compute stream (so the allocator orders its reuse there), the copy-in stream waits
+  for that point and for the copy-out, and an event marks the copy's end. `unpack` makes the compute
+  stream wait for that event and rebuilds the view. A block that was not prefetched is fetched when its
+  first tensor is unpacked (counted as a miss). Which block to prefetch is decided by the caller from the
+  order blocks' backwards started in the previous iteration (see `activations.py`), never from the
+  order tensors were packed: unpack order inside a block is whatever autograd's graph walk gives.
+- release: each entry counts its packed views; when all were unpacked the entry drops its device copy
+  (autograd still holds the unpacked tensors while it needs them) and its host buffer.
+
+On CPU there are no streams: copies are synchronous and events are `None` (the same code path, as in
+`device.py`). The CUDA branches (streams, events, pinned memory, record_stream) are written for, but
+could not be run in, the CPU-only session that wrote them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from agent.runtime.device import Event
+
+ModelStateTest = Callable[[torch.Tensor], bool]
+
+
+@dataclass
+class SwapCounters:
+    """What swapping moved since the store was made."""
+
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    storages_out: int = 0
+    prefetched_blocks: int = 0
+    late_fetches: int = 0  # blocks fetched only when their own backward started (exposed, like the first one)
+    demand_fetches: int = 0  # blocks fetched at their first unpack (not even at their backward's start)
+    host_bytes_live: int = 0
+    host_bytes_peak: int = 0
+
+
+@dataclass(eq=False)
+class SwapEntry:
+    """One device storage copied to the host: where its bytes are now, and when each copy is done."""
+
+    block: int
+    nbytes: int
+    device: torch.device
+    host: torch.Tensor | None  # uint8, nbytes
+    out_done: Event = None  # copy-out finished (copy-out stream)
+    on_device: torch.Tensor | None = None  # uint8 device copy after prefetch
+    in_done: Event = None  # copy-in finished (copy-in stream)
+    packed: int = 0  # views packed that point at this entry
+    unpacked: int = 0
+
+
+@dataclass(frozen=True)
+class SwappedView:
+    """A saved tensor as (entry, geometry): rebuilt from wherever the entry's bytes are at unpack."""
+
+    entry: SwapEntry
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # in elements of `dtype`, as `Tensor.storage_offset()`
+
+
+@dataclass(frozen=True)
+class PassedThrough:
+    """A saved tensor that is not ours to swap, packed by the hooks active outside the block (if any)."""
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor] | None
+
+
+@dataclass
+class _BlockRecord:
+    entries: list[SwapEntry] = field(default_factory=list)  # every entry the block packed, shared ones too
+    ids: set[int] = field(default_factory=set)
+    fetched: bool = False
+
+
+def _uint8_view(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage of `t` as a flat uint8 tensor (no copy)."""
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+
+
+class SwapStore:
+    """Swaps the saved tensors of blocks in `swap` mode (see the module docstring)."""
+
+    def __init__(self, device: torch.device, is_model_state: ModelStateTest) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.is_model_state = is_model_state
+        self.counters = SwapCounters()
+        if self.is_cuda:
+            self.out_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+            self.in_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+        else:
+            self.out_stream = None
+            self.in_stream = None
+        self._blocks: dict[int, _BlockRecord] = {}
+        # storages swapped in this iteration, by StorageImpl address, dropped when the storage dies: a
+        # storage saved by two swap blocks (or twice by one) is copied once
+        self._by_storage: dict[int, SwapEntry] = {}
+        self._current: int | None = None
+        self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+
+    # ------------------------------------------------------------------------------ forward
+    @contextmanager
+    def swapping(self, block: int) -> Iterator[None]:
+        """While open, tensors saved for backward are swapped out as block `block`'s."""
+        if not torch.is_grad_enabled():
+            yield  # nothing is saved without grad (e.g. evaluation): run the block as it is
+            return
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        prev_block, prev_outer = self._current, self._outer
+        self._current, self._outer = block, outer
+        self._forget(block)  # tensors of an earlier forward whose backward never ran
+        self._blocks[block] = _BlockRecord()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._current, self._outer = prev_block, prev_outer
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if (t.device != self.device or t.layout != torch.strided or t.is_meta or self._current is None
+                or self.is_model_state(t)):
+            if self._outer is None:
+                return PassedThrough(t, None)
+            return PassedThrough(self._outer[0](t), self._outer[1])
+        st = t.untyped_storage()
+        key = st._cdata
+        entry = self._by_storage.get(key)
+        rec = self._blocks[self._current]
+        if entry is None:
+            entry = self._copy_out(t, self._current)
+            self._by_storage[key] = entry
+            weakref.finalize(st, self._by_storage.pop, key, None)
+        if id(entry) not in rec.ids:  # a storage an earlier swap block saved too: one copy, fetched by both
+            rec.ids.add(id(entry))
+            rec.entries.append(entry)
+        entry.packed += 1
+        return SwappedView(entry, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _copy_out(self, t: torch.Tensor, block: int) -> SwapEntry:
+        src = _uint8_view(t)
+        nbytes = src.numel()
+        host = _host_bytes(nbytes, pinned=self.is_cuda)
+        entry = SwapEntry(block=block, nbytes=nbytes, device=t.device, host=host)
+        if self.out_stream is not None:
+            produced = torch.cuda.current_stream(self.device).record_event()
+            with torch.cuda.stream(self.out_stream):
+                self.out_stream.wait_event(produced)
+                host.copy_(src, non_blocking=True)
+                entry.out_done = self.out_stream.record_event()
+            src.record_stream(self.out_stream)  # the allocator may not reuse it before the copy ends
+        else:
+            host.copy_(src)
+        c = self.counters
+        c.swapped_out_bytes += nbytes
+        c.storages_out += 1
+        c.host_bytes_live += nbytes
+        c.host_bytes_peak = max(c.host_bytes_peak, c.host_bytes_live)
+        return entry
+
+    # ----------------------------------------------------------------------------- backward
+    def swapped_blocks(self) -> list[int]:
+        """Blocks holding swapped tensors now (swapped in this forward, not yet fully unpacked)."""
+        return [b for b, r in self._blocks.items() if r.entries]
+
+    def prefetch(self, block: int, *, late: bool = False) -> bool:
+        """Start copying block `block`'s swapped tensors back to the device; False if it has none pending.
+
+        `late`: the block's own backward has already started (counted in `late_fetches`).
+        """
+        rec = self._blocks.get(block)
+        if rec is None or rec.fetched or not rec.entries:
+            return False
+        rec.fetched = True
+        if late:
+            self.counters.late_fetches += 1
+            self.counters.prefetched_blocks -= 1
+        compute_point = torch.cuda.current_stream(self.device).record_event() if self.is_cuda else None
+        for entry in rec.entries:
+            if entry.on_device is not None or entry.host is None:
+                continue
+            dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream
+            if self.in_stream is not None:
+                with torch.cuda.stream(self.in_stream):
+                    self.in_stream.wait_event(compute_point)
+                    if entry.out_done is not None:
+                        self.in_stream.wait_event(entry.out_done)
+                    dst.copy_(entry.host, non_blocking=True)
+                    entry.in_done = self.in_stream.record_event()
+            else:
+                dst.copy_(entry.host)
+            entry.on_device = dst
+            self.counters.swapped_in_bytes += entry.nbytes
+        self.counters.prefetched_blocks += 1
+        return True
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, PassedThrough):
+            return packed.unpack(packed.packed) if packed.unpack is not None else packed.packed  # type: ignore[no-any-return]
+        assert isinstance(packed, SwappedView)
+        entry = packed.entry
+        if entry.on_device is None:
+            rec = self._blocks.get(entry.block)
+            if rec is not None and not rec.fetched and not self._shared_elsewhere(entry):
+                self.counters.demand_fetches += 1
+                self.counters.prefetched_blocks -= 1  # counted as a demand fetch, not a prefetch
+                self.prefetch(entry.block)
+            if entry.on_device is None:  # a shared entry, or unpacked again after release: fetch it alone
+                self._refetch(entry)
+        if entry.in_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.in_done)
+        data = entry.on_device
+        assert data is not None
+        out = torch.empty(0, dtype=packed.dtype, device=self.device).set_(
+            data.untyped_storage(), packed.offset, packed.size, packed.stride)
+        entry.unpacked += 1
+        if entry.unpacked >= entry.packed:
+            self._release(entry)
+        return out
+
+    def _shared_elsewhere(self, entry: SwapEntry) -> bool:
+        """The entry is also in another swap block's list (a storage several blocks saved)."""
+        return any(id(entry) in r.ids for b, r in self._blocks.items() if b != entry.block)
+
+    def _refetch(self, entry: SwapEntry) -> None:
+        if entry.host is None:
+            raise RuntimeError(
+                "activation swap: a swapped tensor was unpacked after its host copy was released (a second "
+                "backward through the same graph needs retain_graph=True before the first one)")
+        dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+        if entry.out_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.out_done)
+        dst.copy_(entry.host, non_blocking=self.is_cuda)
+        entry.on_device = dst
+        entry.in_done = None
+
+    def _release(self, entry: SwapEntry) -> None:
+        """Every packed view was unpacked: drop our device copy and the host buffer."""
+        entry.on_device = None
+        if entry.host is not None:
+            self.counters.host_bytes_live -= entry.nbytes
+            entry.host = None  # the caching host allocator keeps pinned memory until its copies end
+        for b in [b for b, r in self._blocks.items() if id(entry) in r.ids]:
+            if all(e.host is None for e in self._blocks[b].entries):
+                del self._blocks[b]
+
+    def _forget(self, block: int) -> None:
+        rec = self._blocks.pop(block, None)
+        if rec is None:
+            return
+        for e in rec.entries:
+            if e.host is not None:
+                self.counters.host_bytes_live -= e.nbytes
+                e.host = None
+            e.on_device = None
+
+    def end_iteration(self) -> None:
+        """Forget every block's swapped tensors (used when the manager is removed)."""
+        for block in list(self._blocks):
+            self._forget(block)
+
+
+def _host_bytes(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """A host buffer for swapped bytes.
+
+    Allocated with dispatch modes switched off: host memory is not device memory, and on CPU the device
+    memory meter (the profiler's storage tracker, a TorchDispatchMode) would otherwise count it as device.
+    On CUDA `pin_memory=True` goes through PyTorch's caching host allocator (no cudaHostAlloc per call).
+    """
+    with _disable_current_modes():
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
