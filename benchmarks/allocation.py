@@ -8,7 +8,8 @@ profiled on this machine by `agent.profile`), planned with a 10 s limit: arena v
 bound, next to PyTorch's caching allocator replayed on the same trace (`simulate_caching_allocator`).
 
 Prints a table and saves benchmarks/results/allocation.json. Usage:
-    .venv/bin/python benchmarks/allocation.py [--skip-traces] [--skip-instances] [--cpsat-baseline] [--layers 24]
+    .venv/bin/python benchmarks/allocation.py [--skip-traces] [--skip-instances] [--cpsat-baseline] [--ablation CF]
+        [--layers 24]
 """
 
 from __future__ import annotations
@@ -86,6 +87,32 @@ def challenging(cpsat_baseline: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def ablation(names: str, limit_s: float) -> list[dict[str, Any]]:
+    """Each pruning rule of the search switched off alone (and one preorder only), fit-at-capacity runs."""
+    import dataclasses
+
+    from planner_service.solver.allocation import SearchRules, read_minimalloc_csv, search_placement
+
+    variants: list[tuple[str, SearchRules]] = [("all rules", SearchRules())]
+    for f in dataclasses.fields(SearchRules):
+        if f.name != "preorders":
+            variants.append((f"no {f.name}", dataclasses.replace(SearchRules(), **{f.name: False})))
+    variants.append(("one preorder (WAT)", SearchRules(preorders=("WAT",))))
+    rows = []
+    for name in names:
+        path = DATA / f"{name}.1048576.csv"
+        if not path.exists():
+            continue
+        buffers = read_minimalloc_csv(path)
+        args = ([b.lower for b in buffers], [b.upper for b in buffers], [b.size for b in buffers])
+        for label, rules in variants:
+            res = search_placement(*args, CAPACITY, time_limit_s=limit_s, rules=rules)
+            rows.append({"instance": name, "variant": label, "status": res.status.value,
+                         "s": round(res.elapsed_s, 2), "nodes": res.nodes})
+            print(f"ablation {name} {label}: {res.status.value}, {res.elapsed_s:.2f} s, {res.nodes} nodes")
+    return rows
+
+
 def traces(layers: int, hidden: int, batch: int, seq: int) -> list[dict[str, Any]]:
     import agent
     from agent import model_zoo
@@ -132,6 +159,7 @@ def main() -> None:
     parser.add_argument("--skip-traces", action="store_true")
     parser.add_argument("--skip-instances", action="store_true")
     parser.add_argument("--cpsat-baseline", action="store_true", help="also run plain CP-SAT, 30 s each")
+    parser.add_argument("--ablation", default="", help="instances for the rule ablation, e.g. CF (20 s each)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
@@ -144,6 +172,8 @@ def main() -> None:
     print(f"numba search load/compile: {out['numba_load_s']} s")
     if not args.skip_instances:
         out["challenging"] = challenging(args.cpsat_baseline)
+    if args.ablation:
+        out["ablation"] = ablation(args.ablation, 20.0)
     if not args.skip_traces:
         out["traces"] = traces(args.layers, args.hidden, args.batch, args.seq)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
