@@ -114,6 +114,9 @@ class ModelStateManager:
         self._handles.append(m.register_state_dict_pre_hook(self._before_state_dict))
         self._handles.append(m.register_load_state_dict_pre_hook(self._before_load_state_dict))
         self._handles.append(m.register_load_state_dict_post_hook(self._after_load_state_dict))
+        # `model.zero_grad()` (what e.g. the Hugging Face Trainer calls) must reset the chunk gradients too:
+        # offloaded parameters have no `.grad` for it to clear.
+        m.zero_grad = self._model_zero_grad  # type: ignore[method-assign]
         if not self.has_offload:
             return
         seen: set[int] = set()
@@ -154,6 +157,8 @@ class ModelStateManager:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if "zero_grad" in vars(self.model):
+            del self.model.zero_grad
         with torch.no_grad():
             for st in self.states:
                 source = st.master if st.mixed or st.offloaded else st.params
@@ -507,6 +512,9 @@ class ModelStateManager:
                 st.pending_events = []
                 st.host_grad.zero_()
                 st.flushes = 1
+
+    def _model_zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:
         """Wait for all host work and device copies: parameters and states are then safe to read."""

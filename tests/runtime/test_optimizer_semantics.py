@@ -230,6 +230,31 @@ def test_gradient_accumulation_with_deferred_host_steps_matches_plain_pytorch() 
     assert param_rel_diff(w.model, ref_model)[0] <= TOL
 
 
+def test_model_zero_grad_resets_offloaded_gradients_like_optimizer_zero_grad() -> None:
+    base = tiny_model("gpt2")
+    data = batches(4)
+    ref_model = clone(base)
+    ref = train(plain_trainer(ref_model, grouped_adamw), data)
+    model = clone(base)
+    w = wrap(
+        model,
+        grouped_adamw(model),
+        plan=plan_for(model, "all"),
+        options=RuntimeOptions(overlap_host_step=False),
+    )
+    torch.manual_seed(1234)
+    got = []
+    for x in data:
+        loss = w.model(input_ids=x, labels=x).loss
+        loss.backward()
+        w.optimizer.step()
+        w.model.zero_grad()  # as the Hugging Face Trainer does
+        got.append(loss.item())
+    assert max_rel_diff(got, ref) <= TOL
+    unwrap(w)
+    assert "zero_grad" not in vars(model)
+
+
 def test_gradient_accumulation_with_overlapped_host_steps_is_refused() -> None:
     model = tiny_model("gpt2")
     w = wrap(model, grouped_adamw(model), plan=plan_for(model, "all"))
