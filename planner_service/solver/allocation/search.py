@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -58,6 +59,11 @@ _ABORTED = -1  # node budget of the round spent, or the deadline passed (ctr[_C_
 _C_NODES_LEFT, _C_NODES, _C_BACKTRACKS, _C_DEADLINE = 0, 1, 2, 3
 # Indices into the `params` array.
 _P_CAPACITY, _P_CANONICAL, _P_DOMINANCE, _P_INFERENCE, _P_MONOTONIC, _P_UNALLOC, _P_HATLESS, _P_DECOMP = range(8)
+
+# The deadline check (`_now`, every 256 nodes) briefly takes the GIL back through numba's object mode;
+# everything else runs without it (nogil=True), so solves in several threads proceed in parallel.
+warnings.filterwarnings("ignore", message="Code running in object mode won't allow parallel execution",
+                        category=numba.NumbaWarning)
 
 _HEURISTIC_CODES = {"W": 0, "A": 1, "T": 2, "Z": 3, "S": 4, "E": 5}
 
@@ -105,7 +111,7 @@ def _now() -> float:
     return t
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _preorder(members, heuristic, lowers, uppers, sizes, blo, bhi, total):  # type: ignore[no-untyped-def]
     """Members sorted by the heuristic's keys (each descending), ties by buffer index."""
     m = members.shape[0]
@@ -130,7 +136,7 @@ def _preorder(members, heuristic, lowers, uppers, sizes, blo, bhi, total):  # ty
     return members[order]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _check(sec_a, sec_b, offset, floor, total, params):  # type: ignore[no-untyped-def]
     cap = params[_P_CAPACITY]
     mono = params[_P_MONOTONIC] != 0
@@ -146,7 +152,7 @@ def _check(sec_a, sec_b, offset, floor, total, params):  # type: ignore[no-untyp
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _dfs(pbufs, sec_a, sec_b, orig, min_offset, min_pidx,  # type: ignore[no-untyped-def]
          lowers, uppers, sizes, blo, bhi, ov_ptr, ov_idx, sc_ptr, sc_idx,
          offsets, solution, mo, floor, total, cuts, ctr, params, heuristic, deadline):
