@@ -29,7 +29,7 @@ class MatchRules:
     """Which matching and fallback rules are on (all by default); switch one off to measure what it buys.
 
     lookahead: a request may match one of the next `lookahead_slots` expected slots (resynchronise);
-    shrink: a smaller request is served inside the larger iteration slot at the cursor;
+    shrink: a smaller request is served inside the larger slot at the cursor;
     pool: unmatched requests go to a best-fit pool in the arena's free gaps before a plain allocation;
     guard: the pool avoids the ranges of the next `guard_window` planned slots, except after
         `relax_after` consecutive requests that missed the plan (0: never relax): a program not

@@ -12,7 +12,7 @@ class BlockKind(IntEnum):
 
     planned = 0  # the expected iteration slot, at its planned offset
     persistent = 1  # a long-lived slot (parameter, gradient, optimizer state), at its planned offset
-    shrunk = 2  # inside the larger iteration slot at the cursor
+    shrunk = 2  # inside the larger slot at the cursor
     pool = 3  # best fit in the arena's free gaps
     device = 4  # plain backend allocation (cudaMalloc / posix_memalign)
 

@@ -186,8 +186,8 @@ struct mp_core {
 
     // The matching rules, in order: (1) the expected slot at the cursor, same rounded size; (2) a free
     // long-lived slot of the same size, lowest offset first (parameters made before the replay starts,
-    // gradients re-made in another order); (3) MP_RULE_SHRINK: inside the larger iteration slot at the
-    // cursor (a smaller batch or shorter sequence keeps the plan's order); (4) MP_RULE_LOOKAHEAD: one of
+    // gradients re-made in another order); (3) MP_RULE_SHRINK: inside the larger slot at the cursor
+    // (a smaller batch or shorter sequence keeps the plan's order); (4) MP_RULE_LOOKAHEAD: one of
     // the next `lookahead` expected slots, same size, skipping the ones in between (an allocation the
     // program did not make this time). Shrink goes first because a scaled-down iteration often makes
     // sizes that coincide with later slots, which lookahead would mistake for a skip. Otherwise a
@@ -206,8 +206,9 @@ struct mp_core {
             return false;
         }
         if (!replay) return false;
-        const Slot& at = slots[cyc[cursor]];
-        if ((rules & MP_RULE_SHRINK) && !at.persistent && at.extent > extent)
+        // (a long-lived slot qualifies too: traces taken from the CUDA caching allocator record block
+        // sizes, which can exceed the request when a block was not split)
+        if ((rules & MP_RULE_SHRINK) && slots[cyc[cursor]].extent > extent)
             return serve_slot(cursor, extent, size, true, b);
         if (rules & MP_RULE_LOOKAHEAD) {
             uint64_t seen = 0, skipped = 0;
