@@ -55,6 +55,12 @@ CPU_BATCH, CPU_SEQ, VOCAB = 4, 128, 2048
 
 
 # ------------------------------------------------------------------------------------------ traces
+def enable_checkpointing(model: Any) -> None:
+    """Hugging Face activation checkpointing (the method's name changed in transformers 5)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 def profiled_trace(kind: str, layers: int, hidden: int, heads: int, ckpt: bool, device: str = "cpu") -> Any:
     import torch
 
@@ -63,7 +69,7 @@ def profiled_trace(kind: str, layers: int, hidden: int, heads: int, ckpt: bool, 
 
     model, _ = build(kind, layers=layers, hidden=hidden, heads=heads, vocab=VOCAB, seq=CPU_SEQ, seed=0)
     if ckpt:
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        enable_checkpointing(model)
     model.to(device)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (CPU_BATCH, CPU_SEQ), generator=g).to(device)
@@ -73,13 +79,18 @@ def profiled_trace(kind: str, layers: int, hidden: int, heads: int, ckpt: bool, 
 
 
 def csv_trace(path: Path) -> Any:
-    from client.contract import AllocationEvent, AllocationTrace
+    from client.contract import AllocationCategory, AllocationEvent, AllocationTrace, Phase
     from planner_service.solver.allocation import read_minimalloc_csv
 
     buffers = read_minimalloc_csv(path)
     events = [
         AllocationEvent(
-            id=i, size_bytes=b.size, alloc_index=b.lower, free_index=b.upper, category="temp", phase="forward"
+            id=i,
+            size_bytes=b.size,
+            alloc_index=b.lower,
+            free_index=b.upper,
+            category=AllocationCategory.temp,
+            phase=Phase.forward,
         )
         for i, b in enumerate(buffers)
     ]
@@ -220,7 +231,7 @@ def _cuda_setup(cfg: tuple[Any, ...]) -> tuple[Any, Any, Any]:
     _, kind, layers, hidden, heads, batch, seq, ckpt, offload = cfg
     model, _ = build(kind, layers=layers, hidden=hidden, heads=heads, vocab=32000, seq=seq, seed=0)
     if ckpt:
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        enable_checkpointing(model)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
     if offload:

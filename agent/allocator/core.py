@@ -6,7 +6,7 @@ import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.allocator.library import Library, StatsStruct
+from agent.allocator.library import STAT_FIELDS, Library, StatsStruct
 from agent.allocator.slots import ReplayOps, Slots
 from agent.allocator.stats import AllocatorStats, BlockKind
 
@@ -119,7 +119,7 @@ class PlannedCore:
     def stats(self) -> AllocatorStats:
         s = StatsStruct()
         self.lib.mp_get_stats(self._h(), ctypes.byref(s))  # type: ignore[attr-defined]
-        return AllocatorStats(**{name: int(getattr(s, name)) for name, _ in StatsStruct._fields_})
+        return AllocatorStats(**{name: int(getattr(s, name)) for name in STAT_FIELDS})
 
     def reset_peaks(self) -> None:
         self.lib.mp_reset_peaks(self._h())  # type: ignore[attr-defined]

@@ -148,7 +148,7 @@ def _aliasing_tensor(arena: torch.Tensor, offset: int, numel: int, dtype: torch.
     """A 1-D tensor over arena bytes [offset, offset + numel * size) with a storage of its own."""
     nbytes = numel * element_size(dtype)
     storage = torch._C._construct_storage_from_data_pointer(arena.data_ptr() + offset, arena.device, nbytes)
-    return torch.empty(0, dtype=dtype, device=arena.device).set_(storage, 0, (numel,))
+    return torch.empty(0, dtype=dtype, device=arena.device).set_(storage, 0, (numel,), (1,))
 
 
 class ArenaDeviceContext(DeviceContext):
