@@ -19,8 +19,9 @@ Each served tensor has its own storage aliasing the arena's bytes (not a view sh
 storage), because the runtime recognises its buffers by `untyped_storage().data_ptr()`. That storage
 is made with `torch._C._construct_storage_from_data_pointer` (the non-owning storage PyTorch's
 CUDA-graph trees use); the context keeps the arena alive, so tensors served by it must not outlive
-the context (the runtime holds its context for its whole life). Activation-swap staging (issue 7) is
-not implemented by the runtime yet, so it has no buffers here; gradient staging is host memory.
+the context (the runtime holds its context for its whole life). Not placed here: gradient staging
+(host memory) and activation swap (`swap.py` makes its swapped-in device copies with `torch.empty`
+per iteration, outside `DeviceContext`; on CUDA the planned allocator of Level 2 serves them).
 """
 
 from __future__ import annotations
