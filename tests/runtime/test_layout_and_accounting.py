@@ -285,3 +285,30 @@ def test_unwrap_after_mixed_precision_restores_fp32_parameters_from_the_masters(
     assert all(p.dtype == torch.float32 for p in params)
     for p, m in zip(params, masters, strict=True):
         torch.testing.assert_close(p.detach(), m, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_host_steps_are_queued_during_backward_only_when_overlapping(overlap: bool) -> None:
+    model = tiny_model("llama")
+    w = wrap(
+        model, adamw(model), plan=plan_for(model, "all"), options=RuntimeOptions(overlap_host_step=overlap)
+    )
+    x = batches(1)[0]
+    stepped_when_embedding_grad_arrived: list[int] = []
+
+    def probe(grad: torch.Tensor) -> None:  # fires late in backward: only the embedding is left
+        stepped_when_embedding_grad_arrived.append(sum(st.stepped for st in w.runtime.states))
+
+    out = w.model.model.embed_tokens(x)
+    out.register_hook(probe)
+    w.model(inputs_embeds=out, labels=x).loss.backward()
+    n_chunks = len(w.runtime.states)
+    if overlap:
+        # every chunk but the embedding's was stepped on the host while backward was still running
+        assert stepped_when_embedding_grad_arrived == [n_chunks - 1]
+    else:
+        assert stepped_when_embedding_grad_arrived == [0]
+        assert not any(st.stepped for st in w.runtime.states)
+    w.optimizer.step()
+    w.synchronize()
+    assert w.report().counters.host_steps == n_chunks
