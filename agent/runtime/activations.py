@@ -28,14 +28,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from agent.runtime.recompute_guard import GuardFactory, RecomputeGuard
 from agent.runtime.swap import SwapStore
 from client.contract import ActivationMode, Policy
+
+if TYPE_CHECKING:
+    from agent.runtime.manager import ModelStateManager
 
 
 class ActivationPlanError(ValueError):
@@ -63,21 +67,45 @@ def block_targets(model: nn.Module, policy: Policy) -> list[BlockTarget]:
                 continue  # prologue[...] / epilogue[...] are not single modules; keep needs none
             raise ActivationPlanError(
                 f"policy.blocks[{i}].module: {bp.module!r} is not a module of {type(model).__name__}; only repeated "
-                f"blocks (module paths such as 'model.layers.3') can be in mode {bp.mode.value!r}")
+                f"blocks (module paths such as 'model.layers.3') can be in mode {bp.mode.value!r}"
+            )
         if module is model:
-            raise ActivationPlanError(f"policy.blocks[{i}].module: names the whole model; a block must be a submodule")
+            raise ActivationPlanError(
+                f"policy.blocks[{i}].module: names the whole model; a block must be a submodule"
+            )
         out.append(BlockTarget(bp.block, bp.module, module, bp.mode))
     seen: dict[int, str] = {}
     for t in out:
         if id(t.module) in seen:
-            raise ActivationPlanError(f"policy.blocks[{t.index}].module: {t.name!r} is also block {seen[id(t.module)]!r}")
+            raise ActivationPlanError(
+                f"policy.blocks[{t.index}].module: {t.name!r} is also block {seen[id(t.module)]!r}"
+            )
         seen[id(t.module)] = t.name
+    _check_checkpoint_buffers(policy, out)
     names = [t.name for t in out if t.mode != ActivationMode.keep]
     for a in names:
         for b in names:
             if a != b and b.startswith(a + "."):
-                raise ActivationPlanError(f"policy.blocks: {b!r} is inside {a!r}; checkpointed or swapped blocks must not nest")
+                raise ActivationPlanError(
+                    f"policy.blocks: {b!r} is inside {a!r}; checkpointed or swapped blocks must not nest"
+                )
     return out
+
+
+def _check_checkpoint_buffers(policy: Policy, targets: list[BlockTarget]) -> None:
+    """A checkpointed block's recompute needs all its offloaded chunks in buffers at once (recompute_guard.py)."""
+    chunk_of: dict[str, int] = {}
+    for c in policy.chunks:
+        if c.placement.value == "offloaded":
+            chunk_of.update((name, c.index) for name in c.parameters)
+    for t in targets:
+        if t.mode != ActivationMode.checkpoint:
+            continue
+        chunks = sorted({chunk_of[f"{t.name}.{n}"] for n, _ in t.module.named_parameters() if f"{t.name}.{n}" in chunk_of})
+        if len(chunks) > policy.n_buffers:
+            raise ActivationPlanError(
+                f"policy.blocks[{t.index}]: checkpointed block {t.name!r} has parameters in offloaded chunks {chunks} "
+                f"but policy.n_buffers is {policy.n_buffers}: its recompute needs them on the device at once")
 
 
 def default_state_storages(model: nn.Module) -> Callable[[], set[int]]:
@@ -89,6 +117,22 @@ def default_state_storages(model: nn.Module) -> Callable[[], set[int]]:
         return out
 
     return storages
+
+
+def runtime_state_storages(manager: ModelStateManager, model: nn.Module) -> Callable[[], set[int]]:
+    """Model-state storages under the chunk runtime: every chunk buffer (persistent chunks, host copies,
+    device buffers of offloaded chunks, whichever chunk they hold) plus the model's parameters and buffers."""
+    fixed: set[int] = set()
+    for st in manager.states:
+        for t in (st.params, st.grad, st.master, st.host_params, st.host_grad):
+            if t is not None:
+                fixed.add(t.untyped_storage().data_ptr())
+    if manager.pool is not None:
+        for slot in manager.pool.slots:
+            fixed.add(slot.params.untyped_storage().data_ptr())
+            fixed.add(slot.grad.untyped_storage().data_ptr())
+    base = default_state_storages(model)
+    return lambda: fixed | base()
 
 
 @dataclass
@@ -109,9 +153,16 @@ class _Installed:
 class ActivationManager:
     """Applies per-block activation modes to `model`; `remove()` restores it exactly."""
 
-    def __init__(self, model: nn.Module, targets: list[BlockTarget], device: torch.device,
-                 state_storages: Callable[[], set[int]] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        targets: list[BlockTarget],
+        device: torch.device,
+        state_storages: Callable[[], set[int]] | None = None,
+        guard_for: GuardFactory | None = None,
+    ) -> None:
         self.model = model
+        self._guard_for = guard_for
         self.device = device
         self.targets = sorted(targets, key=lambda t: t.index)
         self.counters = ActivationCounters()
@@ -139,7 +190,8 @@ class ActivationManager:
         self._installed.append(rec)
         original = t.module.forward  # bound method (or the instance attribute already there)
         if t.mode == ActivationMode.checkpoint:
-            t.module.forward = self._checkpointed(original)  # type: ignore[method-assign]
+            guard = self._guard_for(t.module) if self._guard_for is not None else None
+            t.module.forward = self._checkpointed(original, guard)  # type: ignore[method-assign]
         elif t.mode == ActivationMode.swap:
             t.module.forward = self._swapped(original, t.index)  # type: ignore[method-assign]
         if self.store is not None:  # backward-start triggers drive the prefetch
@@ -160,14 +212,25 @@ class ActivationManager:
             self.store.end_iteration()
 
     # ------------------------------------------------------------------------------ modes
-    def _checkpointed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _checkpointed(self, original: Callable[..., Any], guard: RecomputeGuard | None) -> Callable[..., Any]:
         from torch.utils.checkpoint import checkpoint
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             self.counters.checkpointed_forwards += 1
-            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            if guard is None or not guard.needed:
+                return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            out = checkpoint(
+                original,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=guard.context_fn,
+                **kwargs,
+            )
+            guard.watch(args, kwargs)
+            return out
 
         return forward
 
@@ -250,7 +313,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def apply_activation_policy(model: nn.Module, policy: Policy, device: torch.device,
-                            state_storages: Callable[[], set[int]] | None = None) -> ActivationManager:
-    """Check the policy's blocks against `model` (raising before any change), then apply their modes."""
-    return ActivationManager(model, block_targets(model, policy), device, state_storages)
+def apply_activation_policy(
+    model: nn.Module, policy: Policy, device: torch.device, runtime: ModelStateManager | None = None
+) -> ActivationManager:
+    """Check the policy's blocks against `model` (raising before any change), then apply their modes.
+
+    With the chunk runtime (`runtime`), swap passes its buffers' tensors to the runtime's own hooks and
+    checkpointed blocks guard their offloaded chunks through recompute (`recompute_guard.py`).
+    """
+    targets = block_targets(model, policy)
+    if runtime is None:
+        return ActivationManager(model, targets, device)
+    guard_for = (lambda block: RecomputeGuard(runtime, block)) if runtime.has_offload else None
+    return ActivationManager(model, targets, device, runtime_state_storages(runtime, model), guard_for)

@@ -6,58 +6,17 @@ import copy
 
 import pytest
 import torch
+from activation_helpers import TOL, VOCAB, assert_same_training, data, policy_for, rel, run
 from torch import nn
 
 from agent.model_zoo import build
-from agent.runtime.activations import ActivationManager, ActivationPlanError, BlockTarget, apply_activation_policy
-from client.contract import ActivationMode, BlockPolicy, Policy
-
-TOL = 1e-5
-VOCAB, SEQ, BATCH = 128, 16, 2
-MODE = {"K": ActivationMode.keep, "C": ActivationMode.checkpoint, "S": ActivationMode.swap}
-
-
-def policy_for(model: nn.Module, container: str, strip: str) -> Policy:
-    """A policy with `strip` (K/C/S per repeated block) and keep for the prologue and epilogue."""
-    blocks = [BlockPolicy(block=0, module="prologue[x]", mode=ActivationMode.keep)]
-    for i, ch in enumerate(strip):
-        blocks.append(BlockPolicy(block=i + 1, module=f"{container}.{i}", mode=MODE[ch]))
-    blocks.append(BlockPolicy(block=len(strip) + 1, module="epilogue[x]", mode=ActivationMode.keep))
-    return Policy(chunk_size_bytes=1, chunks=[], n_buffers=0, blocks=blocks)
-
-
-def data(n: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
-
-
-def run(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """Train with AdamW; losses per step and the gradients of every step (dropout on: seeded once)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch.manual_seed(1234)
-    losses, grads = [], []
-    for x in batches:
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def assert_same_training(got: tuple[list[float], list[dict[str, torch.Tensor]]],
-                         ref: tuple[list[float], list[dict[str, torch.Tensor]]]) -> None:
-    for step, (a, b) in enumerate(zip(got[0], ref[0], strict=True)):
-        assert abs(a - b) <= TOL * abs(b), f"step {step}: loss {a} vs {b}"
-    for step, (ga, gb) in enumerate(zip(got[1], ref[1], strict=True)):
-        assert ga.keys() == gb.keys()
-        for name in gb:
-            assert rel(ga[name], gb[name]) <= TOL, f"step {step}: gradient of {name} differs by {rel(ga[name], gb[name])}"
+from agent.runtime.activations import (
+    ActivationManager,
+    ActivationPlanError,
+    BlockTarget,
+    apply_activation_policy,
+)
+from client.contract import ActivationMode, BlockPolicy
 
 
 @pytest.mark.parametrize(("kind", "strip"), [
