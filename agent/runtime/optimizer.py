@@ -12,7 +12,7 @@ runtime's worker thread. `ChunkedOptimizer` is the `torch.optim.Optimizer` the u
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -275,6 +275,29 @@ def _step_tensor(v: Any, like: torch.Tensor, impl: dict[str, bool]) -> torch.Ten
     return torch.as_tensor(float(v), dtype=torch.float32).to(device)
 
 
+class StateView(Mapping[torch.Tensor, dict[str, Any]]):
+    """`optimizer.state` as in plain PyTorch: parameter -> its state dict ({} before its first step).
+
+    Read-only: the state lives in the chunks (write through `load_state_dict`). Reading waits for
+    host optimizer work in flight, so values are current."""
+
+    def __init__(self, optimizer: ChunkedOptimizer) -> None:
+        self._opt = optimizer
+
+    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
+        if self._opt._manager.layout.entry(p) is None:
+            raise KeyError(p)
+        self._opt._manager.synchronize()
+        return self._opt.param_state(p) or {}
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self._opt._manager.synchronize()
+        return iter([p for p in self._opt._index if self._opt.param_state(p) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class ChunkedOptimizer(torch.optim.Optimizer):
     """The optimizer handed back by `agent.wrap`: plain-PyTorch interface over chunked steppers."""
 
@@ -288,6 +311,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         self.user_class: type[torch.optim.Optimizer] = type(user)
         self._manager = manager
         self._index: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self.state = StateView(self)  # type: ignore[assignment]
         # the implementation the user chose (None: torch's default for the device)
         self.device_impl: dict[str, bool] = {
             k: bool(user.defaults[k]) for k in ("fused", "foreach") if user.defaults.get(k) is not None
@@ -320,22 +344,29 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._manager.zero_grad(set_to_none=set_to_none)
 
+    def param_state(self, p: torch.Tensor) -> dict[str, Any] | None:
+        """Parameter p's optimizer state as plain PyTorch keeps it (views into the chunk's state)."""
+        entry = self._manager.layout.entry(p)
+        if entry is None or not self._manager.steppers:
+            return None
+        stepper = self._manager.steppers[entry.chunk]
+        j = stepper.state.spec.entries.index(entry)
+        st = stepper.param_state(j)
+        if st is None:
+            return None
+        out = dict(st)
+        if stepper.state.mixed:
+            out[MASTER_KEY] = stepper.masters[j]
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """Plain-PyTorch format: {"state": {index: {...}}, "param_groups": [...]}, indices in group order."""
         self._manager.synchronize()
         state: dict[int, dict[str, Any]] = {}
         for idx, p in enumerate(self._index):
-            entry = self._manager.layout.entry(p)
-            assert entry is not None
-            stepper = self._manager.steppers[entry.chunk]
-            j = stepper.state.spec.entries.index(entry)
-            st = stepper.param_state(j)
-            if st is None:
-                continue
-            out = dict(st)
-            if stepper.state.mixed:
-                out[MASTER_KEY] = stepper.masters[j]
-            state[idx] = out
+            st = self.param_state(p)
+            if st is not None:
+                state[idx] = st
         groups = []
         start = 0
         for g in self.param_groups:

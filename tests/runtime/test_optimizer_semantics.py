@@ -117,6 +117,21 @@ def test_optimizer_state_dict_has_the_plain_pytorch_format_and_values() -> None:
             torch.testing.assert_close(ours["state"][k][key], v, rtol=TOL, atol=1e-7)
 
 
+def test_optimizer_state_is_readable_per_parameter_as_in_plain_pytorch() -> None:
+    base = tiny_model("gpt2")
+    data = batches(3)
+    ref_model = clone(base)
+    ref_t = plain_trainer(ref_model, grouped_adamw)
+    train(ref_t, data)
+    _, w = wrapped_run(base, grouped_adamw, data)
+    ref_params = dict(ref_model.named_parameters())
+    assert len(w.optimizer.state) == len(ref_t.optimizer.state)
+    for name, p in w.model.named_parameters():
+        ours, theirs = w.optimizer.state[p], ref_t.optimizer.state[ref_params[name]]
+        assert ours.keys() == theirs.keys()
+        torch.testing.assert_close(ours["exp_avg_sq"], theirs["exp_avg_sq"], rtol=TOL, atol=1e-12)
+
+
 def test_checkpoint_and_resume_mid_run_gives_the_same_trajectory() -> None:
     base = tiny_model("gpt2")
     data = batches(20)
