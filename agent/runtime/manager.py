@@ -181,7 +181,7 @@ class ModelStateManager:
         self._sync_grad_hooks()
         self.schedule.start(Direction.forward, record=True)
         if self.has_offload and torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
             hooks.__enter__()
             self._saved_hooks.append(hooks)
 
@@ -235,7 +235,11 @@ class ModelStateManager:
                 slot.pins = max(0, slot.pins - 1)
 
     # ============================================================================== saved tensors
-    def _pack(self, t: torch.Tensor) -> Any:
+    def pack_saved(self, t: torch.Tensor) -> Any:
+        """Saved-tensor pack hook: a tensor living in a device buffer becomes (chunk, geometry).
+
+        Activation management (issue 7) must call this first from its own pack hook, and
+        `unpack_saved` from its unpack hook: only the innermost `saved_tensors_hooks` run."""
         if t.device != self.ctx.device:
             return t
         slot = self._slot_by_storage.get(t.untyped_storage().data_ptr())
@@ -245,7 +249,8 @@ class ModelStateManager:
             return t.clone()  # a dtype-reinterpreting view of a buffer: keep a private copy
         return SavedChunkView(slot.chunk, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def unpack_saved(self, packed: Any) -> torch.Tensor:
+        """Saved-tensor unpack hook: rebuild a packed buffer tensor from wherever its chunk is now."""
         if not isinstance(packed, SavedChunkView):
             return packed  # type: ignore[no-any-return]
         if self._phase != "forward":

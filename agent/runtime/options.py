@@ -19,7 +19,8 @@ class RuntimeOptions:
     overlap_host_step: run each offloaded chunk's host optimizer step as soon as its gradients reach the
         host, overlapped with the rest of backward (default). Set False to defer the host steps to
         `optimizer.step()`: needed for `clip_grad_norm_` and for gradient accumulation over several
-        backward passes, since both need every gradient before any parameter changes.
+        backward passes, since both need every gradient before any parameter changes (and to skip a
+        step, e.g. after an inf/NaN check: overlapped steps cannot be undone).
     measure_uploads: on CUDA, time every upload with events (for the benchmark's hidden-upload figure).
     """
 
