@@ -78,3 +78,27 @@ def test_deferred_host_steps_match_overlapped_ones(kind: str) -> None:
         runs.append((train(Trainer(w.model, w.optimizer), data), unwrap(w)))
     assert runs[0][0] == runs[1][0]
     assert param_rel_diff(runs[0][1], runs[1][1])[0] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_evaluation_between_training_steps_sees_current_parameters_and_changes_nothing(kind: str) -> None:
+    base = tiny_model(kind)
+    data = batches(6)
+    held_out = batches(1, seed=9)[0]
+
+    def run(t: Trainer, model: torch.nn.Module) -> list[float]:
+        out = train(t, data[:3])
+        model.eval()
+        with torch.no_grad():
+            out.append(t.model(input_ids=held_out, labels=held_out).loss.item())
+        model.train()
+        return out + train(t, data[3:], seed=77)
+
+    ref_model = clone(base)
+    ref = run(plain_trainer(ref_model, adamw), ref_model)
+    model = clone(base)
+    w = wrap(model, adamw(model), plan=plan_for(model, "all"))
+    got = run(Trainer(w.model, w.optimizer), model)
+    assert max_rel_diff(got, ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(model, ref_model)[0] <= TOL
