@@ -33,9 +33,11 @@ def solve(
     except (OSError, json.JSONDecodeError, ValidationError) as exc:
         err_console.print(f"[red]{trace_json}[/]: {exc}")
         raise typer.Exit(2) from exc
+    device_bytes = bytes_option(device_memory)
+    assert device_bytes is not None  # a required option
     try:
         constraints = Constraints(
-            device_memory_bytes=bytes_option(device_memory),
+            device_memory_bytes=device_bytes,
             host_memory_bytes=bytes_option(host_memory),
             pinned_memory_bytes=bytes_option(pinned_memory),
             time_limit_s=time_limit,

@@ -21,7 +21,7 @@ from ortools.sat.python import cp_model
 
 from planner_service.solver.instance import Decision, Mode, PolicyInstance
 
-LinearExpr = cp_model.LinearExprT
+LinearExpr = cp_model.LinearExpr | int  # a CP-SAT linear expression or a constant (units per use)
 
 
 @dataclass
@@ -182,9 +182,14 @@ def _add_time(pm: PolicyModel) -> None:
     F, Bk, REC, SO, SI = _window_terms(pm)
     upper = sum(inst.fwd_ns) + sum(inst.bwd_ns) + sum(inst.rec_ns) + sum(inst.swap_out_ns) + sum(inst.swap_in_ns) \
         + sum(U) * 2 + sum(G) + sum(inst.device_optim_ns) + sum(inst.host_optim_ns)
-    off = lambda c: [(U[c], pm.off[c])] if 0 <= c < C else []  # noqa: E731
-    need = lambda c: [(U[c], pm.off[c] - pm.res[c])] if 0 <= c < C else []  # noqa: E731
-    grad = lambda c: [(G[c], pm.off[c])] if 0 <= c < C else []  # noqa: E731
+    def off(c: int) -> Terms:
+        return [(U[c], pm.off[c])] if 0 <= c < C else []
+
+    def need(c: int) -> Terms:
+        return [(U[c], pm.off[c] - pm.res[c])] if 0 <= c < C else []
+
+    def grad(c: int) -> Terms:
+        return [(G[c], pm.off[c])] if 0 <= c < C else []
 
     # forward
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]

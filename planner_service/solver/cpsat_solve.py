@@ -66,8 +66,8 @@ def complete_hint(pm: cpsat_model.PolicyModel, decision: Decision, seed: int) ->
         probe.add(probe.get_int_var_from_proto_index(var_index) == value)
     probe.clear_hints()
     # minimising the same objective on the fixed decision gives the tight window values
-    assert pm.iteration is not None or pm.peak is not None
     target = pm.iteration if pm.iteration is not None else pm.peak
+    assert target is not None, "the model has an objective variable"
     probe.minimize(probe.get_int_var_from_proto_index(target.index))
     s = cp_model.CpSolver()
     _parameters(s, 5.0, seed)

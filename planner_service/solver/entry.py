@@ -149,7 +149,6 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
                 best is None or res.cost.iteration_ns < best.cost.iteration_ns):
             best = _Best(inst, res.decision, res.cost)
 
-    report = dict(solver=solver, solver_version=SOLVER_VERSION)
     sizes = ", ".join(f"{lay.chunk_size_bytes >> 20}MiB" for lay in layouts)
     if best is None:
         all_proven = solver == "cpsat" and all(s == "infeasible" for s in statuses)
@@ -167,7 +166,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
             constraints=constraints,
             policy=None,
             predictions=None,
-            solver=SolverReport(**report, status=status, solve_s=time.perf_counter() - t0,
+            solver=SolverReport(solver=solver, solver_version=SOLVER_VERSION, status=status, solve_s=time.perf_counter() - t0,
                                 min_device_memory_bytes=min_bytes, message=message),
         )
 
@@ -188,7 +187,8 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         policy=policy,
         predictions=predictions_of(best.inst, best.decision, best.cost),
         solver=SolverReport(
-            **report,
+            solver=solver,
+            solver_version=SOLVER_VERSION,
             status=status,
             objective=objective_ns / 1e9,
             best_bound=best_bound,
