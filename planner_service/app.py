@@ -89,3 +89,8 @@ def _register_trace_schema(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def app_from_env() -> FastAPI:
+    """Factory for multi-process serving (`uvicorn --factory`): settings from the environment."""
+    return create_app(Settings())

@@ -28,6 +28,8 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
           port: Annotated[int, typer.Option(help="TCP port")] = 8000,
           workers: Annotated[int | None, typer.Option(help="in-process solve workers (0: external only)")] = None,
           database_url: DbUrlOpt = None,
+          processes: Annotated[int, typer.Option(help="API processes (each with its own workers); >1 needs a "
+                                                      "database other than SQLite")] = 1,
           log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info") -> None:
     """Run the planner service (API + in-process workers)."""
     import uvicorn
@@ -44,6 +46,18 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
 
     configure_logging(log_level.upper())
     console.print(f"memplan serving on http://{host}:{port} (database: {_redact(settings.database_url)})")
+    if processes > 1:
+        if settings.is_sqlite:
+            err_console.print("[red]--processes > 1 needs PostgreSQL[/] (SQLite allows one writer process)")
+            raise typer.Exit(2)
+        import os
+
+        # the factory reads its settings from the environment: pass on what the options changed
+        os.environ["MEMPLAN_DATABASE_URL"] = settings.database_url
+        os.environ["MEMPLAN_WORKERS"] = str(settings.workers)
+        uvicorn.run("planner_service.app:app_from_env", factory=True, host=host, port=port, workers=processes,
+                    log_level=log_level, access_log=False)
+        return
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False)
 
 
@@ -59,7 +73,6 @@ def worker(database_url: DbUrlOpt = None,
     """Run a solve worker against the service's database (scale out: run many, on any machine)."""
     from planner_service.app import prepare_database
     from planner_service.jobs.worker import Worker
-
     from planner_service.observability import configure_logging
 
     configure_logging()

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
 from planner_service.api.deps import DatabaseDep, PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
-from planner_service.api.present import feedback_record, plan_record
+from planner_service.api.present import feedback_record, plan_record, plan_record_json
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
 from planner_service.db.session import Database
@@ -43,23 +44,23 @@ def request_plan(body: PlanRequest, response: Response, session: SessionDep, pri
     return plan_record(row, with_feedback=False)
 
 
-def _load(db: Database, plan_id: str, project_id: str) -> PlanRecord | None:
+def _load(db: Database, plan_id: str, project_id: str) -> dict[str, Any] | None:
     with db.session() as s:
         row = PlanRepository(s).get(plan_id, project_id)
-        return None if row is None else plan_record(row)
+        return None if row is None else plan_record_json(row)
 
 
 @router.get("/{plan_id}", response_model=PlanRecord)
 async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep, principal: PrincipalDep,
                    wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds")] = 0.0,
-                   ) -> PlanRecord:
+                   ) -> JSONResponse:
     deadline = time.monotonic() + min(wait, settings.max_wait_s)
     while True:
         record = await run_in_threadpool(_load, db, plan_id, principal.project_id)
         if record is None:
             raise ApiError(404, f"plan {plan_id} not found")
-        if record.status in FINAL or time.monotonic() >= deadline:
-            return record
+        if record["status"] in FINAL or time.monotonic() >= deadline:
+            return JSONResponse(record)
         await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
@@ -70,15 +71,15 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
                status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
                sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
                limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-               cursor: str | None = None) -> Page[PlanRecord]:
+               cursor: str | None = None) -> JSONResponse:
     try:
         page = PlanRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, status=status,
                                             limit=min(limit, settings.list_limit_max), cursor=cursor,
                                             descending=sort.startswith("-"))
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
-    return Page[PlanRecord](items=[plan_record(r, with_feedback=False) for r in page.items],
-                            next_cursor=page.next_cursor)
+    return JSONResponse({"items": [plan_record_json(r, with_feedback=False) for r in page.items],
+                         "next_cursor": page.next_cursor})
 
 
 @router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
