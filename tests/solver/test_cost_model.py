@@ -155,3 +155,25 @@ def test_evaluate_rejects_a_policy_whose_chunks_do_not_follow_the_trace():
     pol = policy(trace, 32 * MiB, [[0, 2, 1, 3, 4]], Placement.persistent, 0, [K] * 5)
     with pytest.raises(ValueError, match=r"policy.chunks: parameter #1"):
         evaluate(trace, pol, ROOMY)
+
+
+def test_fragmentation_margin_comes_from_a_measured_allocation_trace_when_there_is_one():
+    from client.contract import AllocationCategory, AllocationEvent, AllocationTrace, Phase, Trace
+    from planner_service.solver.instance import DEFAULT_ALPHA, alpha_for
+
+    trace = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    assert alpha_for(trace) == DEFAULT_ALPHA  # nothing measured: the documented default
+    # live bytes peak at 300 MiB (events 0 and 2 overlap); the measured peak of 360 MiB means 20% over
+    events = [
+        AllocationEvent(id=0, size_bytes=100 * MiB, alloc_index=0, free_index=3, category=AllocationCategory.activation,
+                        phase=Phase.forward),
+        AllocationEvent(id=1, size_bytes=50 * MiB, alloc_index=0, free_index=1, category=AllocationCategory.temp,
+                        phase=Phase.forward),
+        AllocationEvent(id=2, size_bytes=200 * MiB, alloc_index=1, free_index=4, category=AllocationCategory.activation,
+                        phase=Phase.backward),
+    ]
+    data = trace.model_dump()
+    data["allocation_trace"] = AllocationTrace(source="dispatch_tracker", horizon=4, events=events).model_dump()
+    data["measurements"]["peak_device_bytes"] = 360 * MiB
+    measured = Trace.model_validate(data)
+    assert alpha_for(measured) == pytest.approx(0.2)
