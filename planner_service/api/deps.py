@@ -30,6 +30,10 @@ def get_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
         yield s
 
 
+UI_PREFIX = "/ui/"
+UI_TOKEN_COOKIE = "memplan_token"
+
+
 def get_principal(request: Request, db: Annotated[Database, Depends(get_db)],
                   settings: Annotated[Settings, Depends(get_settings)]) -> Principal:
     """Who is asking: the token's project when auth is on, the default project when it is off; rate-limited."""
@@ -37,6 +41,10 @@ def get_principal(request: Request, db: Annotated[Database, Depends(get_db)],
     if settings.auth:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        if not header and request.url.path.startswith(UI_PREFIX):
+            # The history pages (GET only) also take the token from the login cookie; the API never
+            # does, so no cross-site form can act with a browser's credentials.
+            scheme, token = "bearer", request.cookies.get(UI_TOKEN_COOKIE, "")
         if scheme.lower() != "bearer" or not token:
             raise ApiError(401, "missing bearer token (Authorization: Bearer mp_...)",
                            headers={"WWW-Authenticate": "Bearer"})

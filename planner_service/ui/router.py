@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib.resources import files
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qs, urlencode
 
 import jinja2
 from fastapi import APIRouter, Request
@@ -17,7 +17,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from client.units import format_bytes
-from planner_service.api.deps import DatabaseDep, PrincipalDep
+from planner_service.api.deps import UI_TOKEN_COOKIE, DatabaseDep, PrincipalDep, SettingsDep
+from planner_service.auth import resolve
 from planner_service.db.cursor import BadCursor
 from planner_service.ui.queries import (
     PLAN_STATUSES,
@@ -152,3 +153,37 @@ def catalog_page(request: Request, db: DatabaseDep, principal: PrincipalDep) -> 
     with db.session() as s:
         catalog = load_catalog(s, principal.project_id)
     return templates.TemplateResponse(request, "catalog.html", {"catalog": catalog})
+
+
+def _safe_next(value: str | None) -> str:
+    """Only redirect within the UI after login (no open redirect to another site)."""
+    return value if value and value.startswith("/ui/") and not value.startswith("//") else "/ui/plans"
+
+
+@router.get("/ui/login", response_class=HTMLResponse)
+def login_page(request: Request, next: str | None = None) -> Response:  # noqa: A002 - the query name
+    return templates.TemplateResponse(request, "login.html", {"next": _safe_next(next), "message": None})
+
+
+@router.post("/ui/login", response_class=HTMLResponse)
+async def login(request: Request, db: DatabaseDep, settings: SettingsDep) -> Response:
+    """Check the token once and keep it in an HttpOnly, SameSite=Strict cookie for the UI pages."""
+    form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
+    token = (form.get("token") or [""])[0].strip()
+    nxt = _safe_next((form.get("next") or [""])[0])
+    with db.session() as s:
+        principal = resolve(s, token) if token else None
+    if settings.auth and principal is None:
+        return templates.TemplateResponse(request, "login.html", {"next": nxt, "message": "That token is not valid."},
+                                          status_code=401)
+    response = RedirectResponse(nxt, status_code=303)
+    response.set_cookie(UI_TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/ui/",
+                        secure=request.url.scheme == "https", max_age=12 * 3600)
+    return response
+
+
+@router.post("/ui/logout")
+def logout() -> Response:
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(UI_TOKEN_COOKIE, path="/ui/")
+    return response
