@@ -21,6 +21,7 @@ def test_compose_runs_migrations_once_before_the_api_and_checks_health() -> None
         assert "healthcheck" in services[name], name
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
     assert "--workers" in services["api"]["command"]  # the API leaves solving to the worker service
+    assert compose["x-memplan"]["environment"]["MEMPLAN_AUTH"] == "true"  # serving 0.0.0.0 requires auth
 
 
 def test_ci_runs_the_readme_test_command() -> None:
