@@ -15,6 +15,7 @@ from planner_service.api import catalog, errors, health, plans, traces
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
 from planner_service.db.session import Database
+from planner_service.ingest import Ingestor
 from planner_service.jobs.worker import WorkerPool
 from planner_service.settings import Settings, get_settings
 
@@ -55,12 +56,14 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
         app.state.db = db
         app.state.settings = settings
         app.state.rate_limiter = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)
+        app.state.ingestor = Ingestor(settings.ingest_processes, settings.ingest_inline_max_bytes)
         pool = WorkerPool(db, settings, n_workers)
         pool.start()
         try:
             yield
         finally:
             pool.stop()
+            app.state.ingestor.close()
             db.dispose()
 
     app = FastAPI(title="memplan planner", version="0.1.0", lifespan=lifespan,

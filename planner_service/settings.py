@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     list_limit_max: int = Field(default=200, gt=0)
     fault_solve_delay_s: float = Field(
         default=0.0, ge=0, description="FAULT INJECTION for tests: hold each solve this long (keeps the lease alive)")
+    ingest_processes: int = Field(default=1, ge=0, le=64,
+                                  description="processes that validate large uploads (0: in the API process)")
+    ingest_inline_max_bytes: int = Field(default=256 * 2**10, ge=0,
+                                         description="bodies up to this size are validated in the API process")
     auth: bool = Field(default=False, description="require a bearer token on /v1 (mandatory off loopback)")
     rate_limit_per_s: float = Field(default=50.0, gt=0, description="sustained requests/s per token (or client)")
     rate_limit_burst: int = Field(default=200, gt=0, description="requests a token may make at once")

@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from client.contract import Page, Trace, TraceCreated, TraceRecord, TraceSummary
+from client.contract import Page, TraceCreated, TraceRecord, TraceSummary
 from planner_service.api.bodies import read_body
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
 from planner_service.api.present import trace_summary
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import TraceRepository, decompress_trace
+from planner_service.ingest import Ingestor, InvalidJson, InvalidTrace
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
@@ -26,16 +26,15 @@ router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONS
 async def upload_trace(request: Request, response: Response, session: SessionDep, settings: SettingsDep,
                        principal: PrincipalDep) -> TraceCreated:
     body = await read_body(request, settings)
+    ingestor: Ingestor = request.app.state.ingestor
     try:
-        trace = await run_in_threadpool(Trace.model_validate_json, body.raw)
-    except ValidationError as exc:
-        errors = exc.errors()
-        if errors and errors[0]["type"] == "json_invalid":
-            raise ApiError(400, f"body is not valid JSON: {errors[0]['msg']}") from exc
-        raise ApiError(422, "validation failed", validation_detail(errors, ("body",))) from exc
-    repo = TraceRepository(session)  # database work off the event loop, like validation above
-    row, created = await run_in_threadpool(repo.add, trace, principal.project_id, payload_gzip=body.gzip,
-                                           payload_bytes=len(body.raw))
+        facts = await ingestor.inspect(body.raw, body.gzip)
+    except InvalidJson as exc:
+        raise ApiError(400, str(exc)) from exc
+    except InvalidTrace as exc:
+        raise ApiError(422, "validation failed", validation_detail(exc.errors, ("body",))) from exc
+    repo = TraceRepository(session)  # database work off the event loop too
+    row, created = await run_in_threadpool(repo.add, facts, principal.project_id)
     response.status_code = 201 if created else 200
     return TraceCreated(id=row.id, content_hash=row.content_hash, created=created)
 

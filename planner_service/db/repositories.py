@@ -17,6 +17,7 @@ from client.contract import Constraints, Feedback, Objective, Plan, Trace
 from planner_service.db.base import utcnow
 from planner_service.db.cursor import after, encode_cursor
 from planner_service.db.models import DEFAULT_PROJECT, FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
+from planner_service.ingest import TraceFacts
 
 R = TypeVar("R")
 ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
@@ -40,11 +41,6 @@ def _page(session: Session, stmt: Any, model: Any, limit: int, cursor: str | Non
 
 
 # ------------------------------------------------------------------------------------------- traces
-def compress_trace(trace: Trace) -> tuple[bytes, int]:
-    raw = trace.canonical_json()
-    return gzip.compress(raw, compresslevel=1, mtime=0), len(raw)
-
-
 def decompress_trace(row: TraceRow) -> Trace:
     return Trace.model_validate_json(gzip.decompress(row.payload_gzip))
 
@@ -62,53 +58,44 @@ class TraceRepository:
         return self.s.scalar(select(TraceRow).where(TraceRow.project_id == project_id,
                                                     TraceRow.content_hash == content_hash))
 
-    def add(self, trace: Trace, project_id: str = DEFAULT_PROJECT, *, payload_gzip: bytes | None = None,
-            payload_bytes: int | None = None) -> tuple[TraceRow, bool]:
-        """Store a trace in a project; identical content there returns the existing row (created=False).
-
-        `payload_gzip`: the client's gzip body of this very trace, stored as is (no second compression).
-        """
-        content_hash = trace.content_hash()
-        existing = self.by_hash(project_id, content_hash)
+    def add(self, trace: Trace | TraceFacts, project_id: str = DEFAULT_PROJECT) -> tuple[TraceRow, bool]:
+        """Store a trace in a project; identical content there returns the existing row (created=False)."""
+        facts = trace if isinstance(trace, TraceFacts) else TraceFacts.of(trace)
+        existing = self.by_hash(project_id, facts.content_hash)
         if existing is not None:
             return existing, False
-        self._ensure_model(trace)
-        self._ensure_hardware(trace)
-        if payload_gzip is not None and payload_bytes is not None:
-            payload, size = payload_gzip, payload_bytes
-        else:
-            payload, size = compress_trace(trace)
-        row = TraceRow(project_id=project_id, content_hash=content_hash, model_fingerprint=trace.model.fingerprint,
-                       hardware_key=trace.hardware.key, workload_key=trace.workload.key,
-                       schema_version=trace.schema_version, payload_gzip=payload, payload_bytes=size,
-                       created_at=utcnow())
+        self._ensure_model(facts)
+        self._ensure_hardware(facts)
+        row = TraceRow(project_id=project_id, content_hash=facts.content_hash,
+                       model_fingerprint=facts.model_fingerprint, hardware_key=facts.hardware_key,
+                       workload_key=facts.workload_key, schema_version=facts.schema_version,
+                       payload_gzip=facts.payload_gzip, payload_bytes=facts.payload_bytes, created_at=utcnow())
         try:
             with self.s.begin_nested():
                 self.s.add(row)
         except IntegrityError:  # a concurrent upload of the same content won the race
-            winner = self.by_hash(project_id, content_hash)
+            winner = self.by_hash(project_id, facts.content_hash)
             if winner is None:
                 raise
             return winner, False
         return row, True
 
-    def _ensure_model(self, trace: Trace) -> None:
-        m = trace.model
-        if self.s.get(ModelRow, m.fingerprint) is None:
+    def _ensure_model(self, f: TraceFacts) -> None:
+        if self.s.get(ModelRow, f.model_fingerprint) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(ModelRow(fingerprint=m.fingerprint, name=m.name, architecture=m.architecture,
-                                        parameter_count=m.parameter_count, created_at=utcnow()))
+                    self.s.add(ModelRow(fingerprint=f.model_fingerprint, name=f.model_name,
+                                        architecture=f.architecture, parameter_count=f.parameter_count,
+                                        created_at=utcnow()))
             except IntegrityError:
                 pass
 
-    def _ensure_hardware(self, trace: Trace) -> None:
-        h = trace.hardware
-        if self.s.get(HardwareRow, h.key) is None:
+    def _ensure_hardware(self, f: TraceFacts) -> None:
+        if self.s.get(HardwareRow, f.hardware_key) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(HardwareRow(key=h.key, device_type=h.device_type.value, device_name=h.device_name,
-                                           device_memory_bytes=h.device_memory_bytes, device_count=h.device_count,
+                    self.s.add(HardwareRow(key=f.hardware_key, device_type=f.device_type, device_name=f.device_name,
+                                           device_memory_bytes=f.device_memory_bytes, device_count=f.device_count,
                                            created_at=utcnow()))
             except IntegrityError:
                 pass

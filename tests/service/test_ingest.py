@@ -1,0 +1,40 @@
+"""Large uploads are validated in the ingest process pool with the same answers as inline validation."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from fastapi.testclient import TestClient
+
+from client.contract import Trace
+from planner_service.app import create_app
+from planner_service.ingest import InvalidTrace, TraceFacts, inspect
+from planner_service.settings import Settings
+
+
+def test_pool_path_stores_validates_and_rejects_like_the_inline_path(settings: Settings, trace: Trace) -> None:
+    pooled = settings.model_copy(update={"ingest_processes": 1, "ingest_inline_max_bytes": 0})
+    with TestClient(create_app(pooled)) as api:
+        r = api.post("/v1/traces", content=gzip.compress(trace.canonical_json()), headers={"content-encoding": "gzip"})
+        assert r.status_code == 201 and r.json()["content_hash"] == trace.content_hash()
+        assert Trace.model_validate(api.get(f"/v1/traces/{r.json()['id']}").json()["trace"]) == trace
+        bad = json.loads(trace.canonical_json())
+        bad["workload"]["batch_size"] = 0
+        r = api.post("/v1/traces", json=bad)
+        assert r.status_code == 422 and r.json()["detail"][0]["field"] == "body.workload.batch_size"
+        assert api.post("/v1/traces", content=b"{oops").status_code == 400
+
+
+def test_facts_hash_is_the_trace_content_hash(trace: Trace) -> None:
+    facts = inspect(trace.canonical_json(), None)
+    assert facts == TraceFacts.of(trace)
+    assert facts.content_hash == trace.content_hash() and gzip.decompress(facts.payload_gzip) == trace.canonical_json()
+    raw = json.loads(trace.canonical_json())
+    raw["model"]["blocks"][0]["index"] = True
+    try:
+        inspect(json.dumps(raw).encode(), None)
+    except InvalidTrace as exc:
+        assert exc.errors[0]["loc"][:3] == ["model", "blocks", 0]
+    else:
+        raise AssertionError("a boolean index must be rejected")
