@@ -56,6 +56,7 @@ class ChunkState:
     touched: set[int] = field(default_factory=set)  # entries with a gradient since zero_grad
     flushes: int = 0  # gradient copies into host_grad since zero_grad (0: the next one overwrites)
     complete: bool = False  # all expected grads of this backward have reached the host
+    recompute_pins: int = 0  # pins taken by recomputation in backward, held until gradients complete
     stepped: bool = False  # the host optimizer step for this chunk ran since the last optimizer.step()
     host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
     pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await

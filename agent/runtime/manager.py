@@ -76,6 +76,7 @@ class ModelStateManager:
         self.steppers: list[ChunkStepper] = []
         self._handles: list[RemovableHandle] = []
         self._phase = "idle"
+        self._root_grad = False
         self._clock = 0
         # chunks whose saved tensors the running backward node has unpacked: it is about to read them,
         # so no upload may overwrite their buffers until the next node runs
@@ -178,6 +179,9 @@ class ModelStateManager:
         if self._phase == "backward":
             return  # a forward re-run inside backward (recomputation): chunks are fetched on demand
         self._phase = "forward"
+        # a forward with grad enabled at the root will be backpropagated through every module it runs,
+        # also those run under no_grad inside it (re-entrant checkpointing recomputes them in backward)
+        self._root_grad = torch.is_grad_enabled()
         self._sync_grad_hooks()
         self.schedule.start(Direction.forward, record=True)
         if self.has_offload and torch.is_grad_enabled():
@@ -190,6 +194,16 @@ class ModelStateManager:
             self._saved_hooks.pop().__exit__(None, None, None)
         if self._phase == "forward":
             self._phase = "idle"
+            if torch.is_grad_enabled():
+                # Backward starts in the outermost graph task at the loss, before any re-entrant
+                # (nested) backward a checkpointed block may run: the end-of-backward callback must be
+                # queued there, not in a nested task that ends early.
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._ensure_backward()
 
     def _ensure_backward(self) -> None:
         if self._phase == "backward":
@@ -206,6 +220,7 @@ class ModelStateManager:
             st.expected.clear()
             st.received.clear()
             st.complete = False
+            st.recompute_pins = 0
         if self.pool is not None:
             for slot in self.pool.slots:
                 slot.pins = 0
@@ -221,13 +236,19 @@ class ModelStateManager:
     ) -> None:
         for c in chunks:
             self._acquire(c, pin=True)
-        if torch.is_grad_enabled():
+            if self._phase == "backward":
+                # a recomputation (activation checkpointing) inside backward: the tensors it saves
+                # point into the buffer directly, so the chunk stays put until its gradients are done
+                self.states[c].recompute_pins += 1
+        if torch.is_grad_enabled() or (self._phase == "forward" and self._root_grad):
             for c, js in expected.items():
                 entries = self.states[c].spec.entries
                 self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
 
     def _after_module(self, chunks: list[int], module: nn.Module, args: Any, output: Any) -> None:
         assert self.pool is not None
+        if self._phase == "backward":
+            return  # recomputation: pins held until the chunk's gradients are complete
         for c in chunks:
             st = self.states[c]
             if st.slot is not None:
@@ -295,6 +316,12 @@ class ModelStateManager:
                 raise RuntimeError(
                     f"chunk runtime: all {len(self.pool.slots)} device buffers hold chunks in use {held}; "
                     "the plan needs more buffers (policy.n_buffers) for this model"
+                    + (
+                        " (chunks recomputed in backward by activation checkpointing stay resident until "
+                        "their gradients are complete)"
+                        if any(self.states[c].recompute_pins for c in held if c is not None)
+                        else ""
+                    )
                 )
             return None
         best = max(candidates, key=lambda s: (self.schedule.next_use(s.chunk), -s.last_use))  # type: ignore[arg-type]
@@ -400,6 +427,8 @@ class ModelStateManager:
         assert self.pool is not None
         if st.slot is not None:
             slot = self.pool.slots[st.slot]
+            slot.pins = max(0, slot.pins - st.recompute_pins)
+            st.recompute_pins = 0
             if slot.pins == 0:
                 self._evict(slot)
             elif st.in_slot:
@@ -669,3 +698,14 @@ class ModelStateManager:
         `a.elapsed_time(b)` is upload time exposed to compute (with measure_uploads)."""
         out, self._stall_timings = self._stall_timings, []
         return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors inside a module output (tensor, tuple/list, dict or Hugging Face ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

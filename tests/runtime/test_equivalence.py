@@ -102,3 +102,31 @@ def test_evaluation_between_training_steps_sees_current_parameters_and_changes_n
     assert max_rel_diff(got, ref) <= TOL
     w.synchronize()
     assert param_rel_diff(model, ref_model)[0] <= TOL
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_activation_checkpointing_trains_exactly(kind: str, reentrant: bool) -> None:
+    """Recomputed blocks save tensors pointing into buffers: their chunks stay resident until done."""
+    base = tiny_model(kind)
+    data = batches(4)
+    ckpt = {"activation_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    ref_model = clone(base)
+    ref_model.activation_checkpointing_enable(**ckpt)
+    ref = train(plain_trainer(ref_model, adamw), data)
+    model = clone(base)
+    model.activation_checkpointing_enable(**ckpt)
+    w = wrap(model, adamw(model), plan=plan_for(model, "all", n_buffers=4))
+    got = train(Trainer(w.model, w.optimizer), data)
+    assert max_rel_diff(got, ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(model, ref_model)[0] <= TOL
+
+
+def test_activation_checkpointing_with_too_few_buffers_fails_loudly() -> None:
+    model = tiny_model("llama")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    w = wrap(model, adamw(model), plan=plan_for(model, "all", n_buffers=2))
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match="activation checkpointing stay resident"):
+        w.model(input_ids=x, labels=x).loss.backward()
