@@ -130,3 +130,28 @@ def test_activation_checkpointing_with_too_few_buffers_fails_loudly() -> None:
     x = batches(1)[0]
     with pytest.raises(RuntimeError, match="activation checkpointing stay resident"):
         w.model(input_ids=x, labels=x).loss.backward()
+
+
+def test_two_forwards_into_one_backward_and_inference_mode_match_plain_pytorch() -> None:
+    base = tiny_model("llama")
+    data = batches(4)
+
+    def loop(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        out = []
+        for x1, x2 in zip(data[:3], data[1:], strict=True):
+            loss = model(input_ids=x1, labels=x1).loss + 0.5 * model(input_ids=x2, labels=x2).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        with torch.inference_mode():
+            out.append(model(input_ids=data[0], labels=data[0]).loss.item())
+        return out
+
+    ref_model = clone(base)
+    ref = loop(ref_model, adamw(ref_model))
+    model = clone(base)
+    w = wrap(model, adamw(model), plan=plan_for(model, "all"))
+    assert max_rel_diff(loop(w.model, w.optimizer), ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(model, ref_model)[0] <= TOL
