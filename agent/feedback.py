@@ -1,0 +1,220 @@
+"""Feedback: measure the managed job for N steps and send what was measured to the service (or keep it locally).
+
+`StepMonitor` hooks the wrapped model and optimizer (a forward pre-hook on the model, a step post-hook
+on the optimizer; both removed by `close()`):
+- iteration time: wall seconds between consecutive `optimizer.step()` returns (on CUDA after a
+  synchronize, so queued kernels are counted), skipping the first `warmup` steps and the metered step;
+- peak device bytes: one iteration (the step after warm-up) runs under `DevicePeakMeter` (profiler
+  semantics, see `measure.py`);
+- peak host bytes: the runtime's host memory (offloaded chunks' states) plus the swap store's peak of
+  host buffers in that same iteration.
+After `steps` steps it builds a `Feedback` and hands it to a `FeedbackSink`: `ServiceSink` posts it to
+the plan on the service; `LocalSink` appends it as one JSON line to a file (the embedded default, or when
+the service cannot be reached). A sink that fails never raises into the training loop: it logs once and
+the feedback is written locally instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from agent.measure import DevicePeakMeter, device_state_tensors
+from client.contract import Feedback
+
+if TYPE_CHECKING:
+    from agent.runtime.activations import ActivationManager
+    from agent.runtime.manager import ModelStateManager
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FEEDBACK_STEPS = 20
+DEFAULT_LOCAL_FEEDBACK = Path.home() / ".memplan" / "feedback.jsonl"
+
+
+class FeedbackSink(Protocol):
+    def send(self, feedback: Feedback) -> str:
+        """Deliver the feedback; return where it went (for the report)."""
+        ...
+
+
+@dataclass
+class LocalSink:
+    """Appends `{"plan_id", "trace_hash", "feedback"}` as one JSON line to `path`."""
+
+    path: Path = DEFAULT_LOCAL_FEEDBACK
+    plan_id: str | None = None
+    trace_hash: str | None = None
+
+    def send(self, feedback: Feedback) -> str:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(
+            {
+                "plan_id": self.plan_id,
+                "trace_hash": self.trace_hash,
+                "feedback": feedback.model_dump(mode="json"),
+            },
+            sort_keys=True,
+        )
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+        return f"recorded locally in {self.path}"
+
+
+@dataclass
+class ServiceSink:
+    """Posts the feedback to `/v1/plans/{plan_id}/feedback`; on any failure records it locally instead."""
+
+    server: str
+    plan_id: str
+    fallback: LocalSink = field(default_factory=LocalSink)
+    timeout_s: float = 5.0
+
+    def send(self, feedback: Feedback) -> str:
+        from client.sdk import Client
+
+        try:
+            with Client(self.server, timeout=self.timeout_s, max_retries=1) as c:
+                rec = c.post_feedback(self.plan_id, feedback)
+            return f"posted to {self.server} (plan {self.plan_id[:12]}, feedback {rec.id[:12]})"
+        except Exception as exc:  # noqa: BLE001 - the training job comes first
+            log.warning(
+                "memplan: could not post feedback to %s (%s: %s); recording it locally",
+                self.server,
+                type(exc).__name__,
+                exc,
+            )
+            self.fallback.plan_id = self.fallback.plan_id or self.plan_id
+            return self.fallback.send(feedback)
+
+
+@dataclass
+class Measured:
+    """What the monitor measured so far."""
+
+    iteration_s: list[float] = field(default_factory=list)
+    peak_device_bytes: int | None = None
+    peak_host_bytes: int | None = None
+    steps: int = 0
+    sent: Feedback | None = None
+    sent_to: str | None = None
+
+    def feedback(self, notes: str = "") -> Feedback | None:
+        if not self.iteration_s or self.peak_device_bytes is None or self.peak_host_bytes is None:
+            return None
+        return Feedback(
+            iteration_s=float(statistics.median(self.iteration_s)),
+            peak_device_bytes=self.peak_device_bytes,
+            peak_host_bytes=self.peak_host_bytes,
+            steps_measured=len(self.iteration_s),
+            notes=notes,
+        )
+
+
+class StepMonitor:
+    """Measures iteration time and peaks of a wrapped job and sends feedback after `steps` steps."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        manager: ModelStateManager | None,
+        activations: ActivationManager | None,
+        sink: FeedbackSink | None,
+        steps: int = DEFAULT_FEEDBACK_STEPS,
+        warmup: int = 2,
+        notes: Callable[[], str] | None = None,
+    ) -> None:
+        if steps < warmup + 2:
+            raise ValueError(
+                f"feedback_steps: must be at least {warmup + 2} (warm-up, a metered step, a timed step)"
+            )
+        self.model = model
+        self.device = device
+        self.manager = manager
+        self.activations = activations
+        self.sink = sink
+        self.steps = steps
+        self.warmup = warmup
+        self.measured = Measured()
+        self._notes = notes
+        self._meter = DevicePeakMeter(device)
+        self._metering = False
+        self._last: float | None = None
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+
+    @property
+    def meter_step(self) -> int:
+        """The step (0-based) that runs under the device-memory meter: the first after warm-up."""
+        return self.warmup
+
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._metering or self.measured.steps != self.meter_step or not torch.is_grad_enabled():
+            return
+        self._metering = True
+        if self.activations is not None and self.activations.store is not None:
+            c = self.activations.store.counters
+            c.host_bytes_peak = c.host_bytes_live
+        self._meter.start(device_state_tensors(self.model, self.manager), (args, kwargs))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        step = self.measured.steps
+        if self._metering:
+            self._metering = False
+            self.measured.peak_device_bytes = self._meter.stop()
+            self.measured.peak_host_bytes = self._host_bytes()
+        elif step > self.meter_step and self._last is not None:
+            self.measured.iteration_s.append(now - self._last)
+        self.measured.steps += 1
+        self._last = time.perf_counter()
+        if self.measured.steps == self.steps and self.measured.sent is None:
+            self.flush()
+
+    def _host_bytes(self) -> int:
+        host = 0
+        if self.manager is not None:
+            host += self.manager.memory_report().host_bytes
+        if self.activations is not None and self.activations.store is not None:
+            host += self.activations.store.counters.host_bytes_peak
+        return host
+
+    def flush(self) -> Feedback | None:
+        """Send what was measured now (also called automatically after `steps` steps)."""
+        fb = self.measured.feedback(self._notes() if self._notes else "")
+        if fb is None or self.measured.sent is not None:
+            return self.measured.sent
+        self.measured.sent = fb
+        if self.sink is not None:
+            try:
+                self.measured.sent_to = self.sink.send(fb)
+            except Exception as exc:  # noqa: BLE001 - never let feedback break the training loop
+                log.warning("memplan: feedback could not be recorded (%s: %s)", type(exc).__name__, exc)
+                self.measured.sent_to = f"not recorded ({type(exc).__name__})"
+            log.info("memplan: feedback after %d steps %s", self.measured.steps, self.measured.sent_to)
+        return fb
+
+    def close(self) -> None:
+        if self._metering:
+            self._metering = False
+            self._meter.stop()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

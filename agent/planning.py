@@ -1,0 +1,282 @@
+"""Getting a plan for a job inside `agent.wrap`: reuse one from history, ask the service, or solve in-process.
+
+Order of `obtain_plan` (the training job comes first: nothing here may crash or stall it):
+1. with a server (argument or `MEMPLAN_SERVER`): look in the service's history for a finished plan of
+   the same model fingerprint, hardware key and workload key under the same limits, and reuse it at
+   once (no profiling, no solve);
+2. otherwise profile the job (`agent.profile`, one real iteration and its measurements);
+3. with a server: upload the trace, request a plan, wait for it with a progress indicator (at most
+   `wait_s`); without one, or when the service is down, errors or is slower than `wait_s`: solve
+   in-process with the same solver the service runs (`planner_service.solver.solve`), saying so once
+   in the log.
+An infeasible answer is an error (`PlanInfeasibleError`) that says how much device memory would fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from client.contract import Constraints, Plan, SolverStatus, Trace, Workload
+
+if TYPE_CHECKING:
+    from client.contract import Hardware
+    from client.sdk import Client
+
+log = logging.getLogger(__name__)
+
+Origin = Literal["given", "history", "service", "embedded", "fallback"]
+DEFAULT_WAIT_S = 120.0
+
+
+class PlanInfeasibleError(RuntimeError):
+    """No memory policy fits the limits; the message says the smallest device memory that would."""
+
+
+@dataclass
+class PlanSource:
+    """A plan and where it came from."""
+
+    plan: Plan
+    origin: Origin
+    plan_id: str | None = None  # the service's id (history or service), for feedback
+    trace: Trace | None = None
+    server: str | None = None
+    message: str = ""
+
+
+def server_url(server: str | None) -> str | None:
+    """The server to use: the argument, else `MEMPLAN_SERVER`, else None (embedded)."""
+    return server or os.environ.get("MEMPLAN_SERVER") or None
+
+
+def workload_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any) -> str:
+    """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind)."""
+    from agent.profiler.optimizer_probe import optimizer_kind
+    from agent.profiler.profile import _PRECISION, _batch_shape, _majority_dtype
+
+    params = list(model.parameters())
+    dtype = _majority_dtype(params)
+    if dtype not in _PRECISION:
+        raise ValueError(f"model: parameters of dtype {dtype} are not fp32, bf16 or fp16")
+    batch, seq = _batch_shape(sample_batch)
+    w = Workload(
+        batch_size=batch,
+        sequence_length=seq,
+        precision=_PRECISION[dtype],
+        optimizer=optimizer_kind(optimizer),
+        optimizer_state_bytes_per_param=0,
+        gradient_bytes_per_param=params[0].element_size(),
+    )
+    return w.key
+
+
+def _constraints(
+    hw: Hardware, device_memory: int | None, host_memory: int | None, time_limit_s: float
+) -> Constraints:
+    return Constraints(
+        device_memory_bytes=device_memory or hw.device_memory_bytes,
+        host_memory_bytes=host_memory,
+        time_limit_s=time_limit_s,
+    )
+
+
+def _usable(plan: Plan | None) -> bool:
+    return (
+        plan is not None
+        and plan.policy is not None
+        and plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible)
+    )
+
+
+def find_in_history(
+    client: Client, fingerprint: str, hardware_key: str, workload: str, constraints: Constraints
+) -> tuple[str, Plan] | None:
+    """The newest finished plan for this model, hardware and workload under the same limits, if any."""
+    for rec in client.list_plans(model=fingerprint, hardware=hardware_key, status="done"):
+        same_limits = (
+            rec.constraints.device_memory_bytes == constraints.device_memory_bytes
+            and rec.constraints.host_memory_bytes == constraints.host_memory_bytes
+        )
+        if (
+            rec.model_fingerprint == fingerprint
+            and rec.workload_key == workload
+            and same_limits
+            and _usable(rec.plan)
+        ):
+            assert rec.plan is not None
+            return rec.id, rec.plan
+    return None
+
+
+def check_feasible(plan: Plan, constraints: Constraints) -> Plan:
+    if _usable(plan):
+        return plan
+    need = plan.solver.min_device_memory_bytes
+    hint = f"; the smallest device memory that fits is {need} bytes" if need else ""
+    raise PlanInfeasibleError(
+        f"device_memory: no memory policy fits {constraints.device_memory_bytes} bytes of device memory "
+        f"(solver status {plan.solver.status.value}){hint}. {plan.solver.message}".strip()
+    )
+
+
+def solve_embedded(trace: Trace, constraints: Constraints) -> Plan:
+    """The service's solver, in-process."""
+    from planner_service.solver import solve
+
+    return solve(trace, constraints)
+
+
+def _wait_with_progress(client: Client, plan_id: str, wait_s: float) -> Any:
+    """Long-poll the plan until it is final or `wait_s` passes; a spinner line on a terminal, else log lines."""
+    from client.sdk import FINAL_STATUSES
+
+    deadline = time.monotonic() + wait_s
+    spinner = "|/-\\"
+    tty = sys.stderr.isatty()
+    i = 0
+    record = client.get_plan(plan_id)
+    while record.status not in FINAL_STATUSES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        elapsed = wait_s - left
+        if tty:
+            sys.stderr.write(
+                f"\rmemplan: waiting for plan {plan_id[:12]} ({record.status}) {spinner[i % 4]} {elapsed:4.0f}s"
+            )
+            sys.stderr.flush()
+        else:
+            log.info("memplan: waiting for plan %s (%s, %.0fs)", plan_id[:12], record.status, elapsed)
+        i += 1
+        record = client.get_plan(plan_id, wait_s=min(2.0, max(0.0, left)))
+    if tty:
+        sys.stderr.write("\n")
+    return record
+
+
+def obtain_plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sample_batch: Any,
+    *,
+    server: str | None = None,
+    device_memory: int | None = None,
+    host_memory: int | None = None,
+    loss_fn: Any = None,
+    time_limit_s: float = 10.0,
+    wait_s: float = DEFAULT_WAIT_S,
+    request_timeout_s: float = 10.0,
+) -> PlanSource:
+    """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError."""
+    import agent
+    from agent.profiler.hardware import probe_hardware
+    from agent.profiler.parameters import fingerprint
+
+    if sample_batch is None:
+        raise ValueError(
+            "sample_batch: needed to profile the job when no plan= is given (one batch of the "
+            "training data, as the model takes it)"
+        )
+    url = server_url(server)
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("model: has no parameters")
+    dev = params[0].device
+    if dev.type == "cpu" and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    hw = probe_hardware(dev, device_memory)
+    constraints = _constraints(hw, device_memory, host_memory, time_limit_s)
+
+    client: Client | None = None
+    down: str | None = None  # why the service could not be used
+    if url is not None:
+        from client.sdk import Client
+
+        client = Client(url, timeout=request_timeout_s, max_retries=1)
+    try:
+        if client is not None:
+            try:
+                found = find_in_history(
+                    client,
+                    fingerprint(model),
+                    hw.key,
+                    workload_key(model, optimizer, sample_batch),
+                    constraints,
+                )
+            except Exception as exc:  # noqa: BLE001 - a down service must not stop the job
+                down = f"{type(exc).__name__}: {exc}"
+                log.warning("memplan: service %s unreachable (%s); solving in-process instead", url, down)
+                client.close()
+                client = None
+                found = None
+            if found is not None:
+                plan_id, plan = found
+                return PlanSource(
+                    plan,
+                    "history",
+                    plan_id=plan_id,
+                    server=url,
+                    message=f"reused plan {plan_id[:12]} from {url} history",
+                )
+
+        trace = agent.profile(
+            model,
+            sample_batch,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            device_memory_limit=device_memory,
+            hardware=hw,
+        )
+        if client is not None:
+            try:
+                created = client.upload_trace(trace)
+                record = client.request_plan(created.id, constraints)
+                record = _wait_with_progress(client, record.id, wait_s)
+                if record.status == "done" and _usable(record.plan):
+                    return PlanSource(
+                        record.plan,
+                        "service",
+                        plan_id=record.id,
+                        trace=trace,
+                        server=url,
+                        message=f"plan {record.id[:12]} from {url}" + (" (reused)" if record.reused else ""),
+                    )
+                if record.status == "infeasible" and record.plan is not None:
+                    check_feasible(record.plan, constraints)  # raises with the service's answer
+                reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
+                    f": {record.error}" if record.error else ""
+                )
+            except PlanInfeasibleError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a down or failing service must not stop the job
+                reason = f"{type(exc).__name__}: {exc}"
+            log.warning("memplan: no plan from %s (%s); solving in-process instead", url, reason)
+            plan = check_feasible(solve_embedded(trace, constraints), constraints)
+            return PlanSource(
+                plan,
+                "fallback",
+                trace=trace,
+                server=url,
+                message=f"solved in-process (service {url}: {reason})",
+            )
+        plan = check_feasible(solve_embedded(trace, constraints), constraints)
+        if down is not None:
+            return PlanSource(
+                plan,
+                "fallback",
+                trace=trace,
+                server=url,
+                message=f"solved in-process (service {url}: {down})",
+            )
+        return PlanSource(plan, "embedded", trace=trace, message="solved in-process (embedded)")
+    finally:
+        if client is not None:
+            client.close()
