@@ -9,6 +9,7 @@ set is found with numpy over the placed arrays, so n buffers cost O(n^2 / vector
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -22,8 +23,13 @@ ORDERS: dict[str, Callable[[int, int, int], tuple[int, ...]]] = {
 }
 
 
-def best_fit(lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], order: str) -> list[int]:
-    """Offsets of a best-fit placement with buffers taken in `order` (a key of `ORDERS`)."""
+def best_fit(
+    lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], order: str, *, deadline: float | None = None,
+) -> list[int] | None:
+    """Offsets of a best-fit placement with buffers taken in `order` (a key of `ORDERS`).
+
+    With a `deadline` (a `time.perf_counter()` value), None when it passes first (checked every 128 buffers).
+    """
     n = len(sizes)
     key = ORDERS[order]
     sequence = sorted(range(n), key=lambda i: key(lowers[i], uppers[i], sizes[i]), reverse=True)
@@ -32,6 +38,8 @@ def best_fit(lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int],
     sz = np.asarray(sizes, dtype=np.int64)[sequence]
     off = np.zeros(n, dtype=np.int64)
     for k in range(n):
+        if deadline is not None and (k & 127) == 127 and time.perf_counter() > deadline:
+            return None
         mask = (lo[:k] < up[k]) & (up[:k] > lo[k])
         if not mask.any():
             continue  # offset 0

@@ -1,24 +1,33 @@
-"""Allocation planner: best-fit upper bound, then exact search towards the live-bytes lower bound.
+"""Allocation planner: a constructive placement first, then exact search towards the live-bytes lower bound.
 
 Two entry points:
 
 * `plan_buffers(buffers, ...)`: the plain (id, lower, upper, size) problem (MiniMalloc CSV path);
 * `plan_allocation(trace, ...)`: an `AllocationTrace` of one steady-state training iteration, returned
-  as the contract's `AllocationPlan`.
+  as the contract's `AllocationPlan`; read from the trace's columns (never its 10^5 event objects).
 
-Strategy, within `time_limit_s` in all:
+Strategy, within `time_limit_s` in all (the constructive step always completes, so there is always a
+placement to return; everything after it stops at the deadline and keeps the best placement so far):
 
-1. lower bound LB = max over time of live bytes; a capacity below it is reported infeasible at once;
-2. best-fit over several orders (`greedy.py`) gives a placement and an upper bound UB in milliseconds;
-3. when a capacity is given and UB exceeds it, the exact search (`search.py`) is run at the capacity;
-4. while the best arena is above the proven bound and time is left, the search is run at tighter
-   targets (LB first, then bisection): `found` improves the arena, `infeasible` raises the proven bound.
+1. lower bound LB = max over time of live bytes (numpy, O(n log n)); a capacity below it is reported
+   infeasible at once;
+2. best fit in time order, forwards and backwards (`sweep_fit.py`, O(n log n): about a second for
+   10^6 buffers), the better one per independent partition: the placement every later step improves;
+3. problems of at most `SEARCH_MAX_BUFFERS` buffers ("small"): best fit over four orders
+   (`greedy.py`, quadratic, abandoned at the deadline), then the exact search (`search.py`) at the
+   capacity when one is given and not met, then at tighter targets (LB first, then bisection): `found`
+   improves the arena, `infeasible` raises the proven bound;
+4. larger problems: split at the times where nothing is live (`intervals.partitions`); only the
+   partition that sets the arena can lower it, so partitions are refined worst first, each small one
+   by step 3 with the time left, until the worst one cannot be improved or time runs out. Identical
+   partitions (a repeated micro-step, shifted in time) are solved once and the answer reused.
+   A partition above `SEARCH_MAX_BUFFERS` keeps its sweep placement (no scalable improvement is built).
 
 Status: optimal when the arena equals the proven bound (LB, or higher when the search proved every
 smaller arena infeasible), feasible when a placement fits, infeasible when capacity < LB or the search
 proved the capacity too small, unknown when time ran out with no placement under the capacity.
 
-Alignment: sizes are padded to `alignment` and the search runs in alignment units, so every offset is
+Alignment: sizes are padded to `alignment` and everything runs in alignment units, so every offset is
 a multiple of the alignment; "optimal" is then with respect to the padded sizes (the reported lower
 bound stays the raw live bytes, so the gap includes the padding).
 
@@ -33,23 +42,28 @@ iterations unrolled).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from client.contract import AllocationPlan, AllocationTrace, BufferOffset, SolverStatus
 from planner_service.solver.allocation.buffers import (
     AllocationInputError,
     Buffer,
     check_buffers,
-    peak_live_bytes,
 )
 from planner_service.solver.allocation.greedy import ORDERS, best_fit
+from planner_service.solver.allocation.intervals import partitions, peak_live, trace_arrays
 from planner_service.solver.allocation.search import SearchRules, SearchStatus, search_placement
+from planner_service.solver.allocation.sweep_fit import sweep_best_fit
 
 SOLVER_NAME = "memplan-alloc (best-fit + MiniMalloc-style search)"
-# Above this many buffers the search is skipped: its cost per node grows with the partition (ordering
-# and section checks are linear in it), so on such problems it would rarely improve on best fit in time.
+# Above this many buffers a problem (or partition) gets no search and no quadratic best fit: the search's
+# cost per node grows with the partition (ordering and section checks are linear in it), and quadratic
+# best fit takes seconds there; such problems keep the O(n log n) sweep placement.
 SEARCH_MAX_BUFFERS = 20_000
 
 
@@ -76,6 +90,189 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(slots=True)
+class _Refined:
+    """Result of refining one problem in alignment units."""
+
+    offsets: np.ndarray
+    arena: int
+    proven: int  # proven lower bound on the arena, units
+    infeasible: bool  # the search proved the capacity too small
+    nodes: int
+    method: str
+
+
+def _sweep(lo: np.ndarray, up: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, str]:
+    """Best fit in time order, forwards and backwards; the better of the two."""
+    fwd = sweep_best_fit(lo, up, units)
+    rev = sweep_best_fit(lo, up, units, reverse=True)
+    if int((rev + units).max()) < int((fwd + units).max()):
+        return rev, "sweep/backward"
+    return fwd, "sweep/forward"
+
+
+def _refine(
+    lo: np.ndarray, up: np.ndarray, units: np.ndarray, start: np.ndarray, start_method: str, lb_units: int,
+    cap_units: int | None, deadline: float, rules: SearchRules, minimize: bool, log: list[str], a: int,
+) -> _Refined:
+    """Steps 3 (quadratic best fit) and the search, for a problem of at most SEARCH_MAX_BUFFERS buffers."""
+    best = start
+    best_arena = int((start + units).max())
+    method = start_method
+    lows, ups, sizes = lo.tolist(), up.tolist(), units.tolist()
+    for order in ORDERS:
+        if best_arena <= lb_units or time.perf_counter() > deadline:
+            break
+        offs = best_fit(lows, ups, sizes, order, deadline=deadline)
+        if offs is None:
+            log.append(f"best fit ({order}) stopped at the deadline")
+            break
+        arr = np.asarray(offs, dtype=np.int64)
+        arena = int((arr + units).max())
+        if arena < best_arena:
+            best, best_arena, method = arr, arena, f"best-fit/{order}"
+    log.append(f"best fit: {best_arena * a} bytes ({method})")
+    proven = lb_units
+    nodes = 0
+
+    def run(target: int, budget: float) -> SearchStatus:
+        nonlocal best, best_arena, method, proven, nodes
+        res = search_placement(lows, ups, sizes, target, time_limit_s=budget, rules=rules)
+        nodes += res.nodes
+        log.append(f"search at {target * a} bytes: {res.status.value} ({res.nodes} nodes, {res.elapsed_s:.2f} s)")
+        if res.status == SearchStatus.found and res.offsets is not None:
+            arr = np.asarray(res.offsets, dtype=np.int64)
+            arena = int((arr + units).max())
+            if arena < best_arena:
+                best, best_arena, method = arr, arena, f"search/{res.preorder}"
+        elif res.status == SearchStatus.infeasible:
+            proven = max(proven, target + 1)
+        return res.status
+
+    # Fit under the capacity first.
+    infeasible_proven = False
+    if cap_units is not None and best_arena > cap_units and deadline - time.perf_counter() > 1e-3:
+        st = run(cap_units, deadline - time.perf_counter())
+        infeasible_proven = st == SearchStatus.infeasible
+    # Tighten towards the proven bound while time is left: the bound itself first, then bisection.
+    lo_try = proven  # no target below this is worth trying (proven infeasible, or timed out)
+    first = True
+    while minimize and not infeasible_proven and lo_try < best_arena:
+        left = deadline - time.perf_counter()
+        if left <= 0.05:
+            break
+        target = lo_try if first else (lo_try + best_arena - 1) // 2
+        first = False
+        st = run(target, left if target == best_arena - 1 else left / 2)
+        if st == SearchStatus.timeout:
+            lo_try = target + 1
+        lo_try = max(lo_try, proven)
+    return _Refined(best, best_arena, proven, infeasible_proven, nodes, method)
+
+
+def _signature(lo: np.ndarray, up: np.ndarray, units: np.ndarray) -> bytes:
+    """Identity of a partition up to a shift in time (same buffers in the same order)."""
+    t0 = lo.min()
+    h = hashlib.blake2b(digest_size=20)
+    for arr in (lo - t0, up - t0, units):
+        h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def _refine_partitions(
+    lo: np.ndarray, up: np.ndarray, units: np.ndarray, offsets: np.ndarray, method: str, lb_units: int,
+    cap_units: int | None, deadline: float, rules: SearchRules, minimize: bool, log: list[str], a: int,
+) -> _Refined:
+    """Step 4: refine the partitions that set the arena, worst first, while time is left."""
+    parts = partitions(lo, up)
+    n_parts = parts.count
+    tops = offsets + units
+    part_arena = np.zeros(n_parts, dtype=np.int64)
+    np.maximum.at(part_arena, parts.of_buffer, tops)
+    log.append(f"{n_parts} independent partitions, largest {int(np.diff(parts.starts).max())} buffers")
+    done = np.zeros(n_parts, dtype=np.bool_)
+    proven = lb_units
+    nodes = 0
+    infeasible = False
+    cache: dict[bytes, np.ndarray | None] = {}
+    improved = 0
+    while time.perf_counter() < deadline:
+        worst = int(part_arena.max())
+        at_worst = part_arena == worst
+        if (done & at_worst).any():
+            break  # a partition that cannot improve sets the arena: refining others changes nothing
+        p = int(np.flatnonzero(at_worst)[0])
+        done[p] = True
+        idx = parts.of(p)
+        if idx.shape[0] > SEARCH_MAX_BUFFERS:
+            log.append(f"partition {p}: {idx.shape[0]} buffers > {SEARCH_MAX_BUFFERS}: sweep placement kept")
+            continue
+        plo, pup, pun = lo[idx], up[idx], units[idx]
+        sig = _signature(plo, pup, pun)
+        if sig in cache:
+            rel = cache[sig]
+        else:
+            p_lb = peak_live(plo, pup, pun)
+            sub = _refine(plo, pup, pun, offsets[idx], method, p_lb, cap_units, deadline, rules, minimize,
+                          log, a)
+            nodes += sub.nodes
+            proven = max(proven, sub.proven)
+            if sub.infeasible:
+                infeasible = True
+                break
+            rel = sub.offsets if sub.arena < worst else None
+            cache[sig] = rel
+        if rel is not None:
+            offsets[idx] = rel
+            part_arena[p] = int((rel + pun).max())
+            improved += 1
+    if improved:
+        method = f"{method} + refined partitions"
+    log.append(f"refined {improved} partitions ({len(cache)} distinct solved)")
+    return _Refined(offsets, int(part_arena.max()) if n_parts else 0, proven, infeasible, nodes, method)
+
+
+def _plan_units(
+    lo: np.ndarray, up: np.ndarray, raw: np.ndarray, *, capacity_bytes: int | None, alignment_bytes: int,
+    time_limit_s: float, rules: SearchRules | None, base_offset_bytes: int, minimize: bool, t0: float,
+) -> tuple[np.ndarray, BufferPlan]:
+    """The planner on arrays (checked by the caller). Offsets returned as an int64 array, bytes."""
+    lb = peak_live(lo, up, raw)
+    log: list[str] = [f"lower bound {lb} bytes"]
+    empty = np.zeros(0, dtype=np.int64)
+    if capacity_bytes is not None and base_offset_bytes + lb > capacity_bytes:
+        log.append(f"capacity {capacity_bytes} < lower bound {base_offset_bytes + lb}: infeasible")
+        return empty, BufferPlan([], 0, lb, lb, SolverStatus.infeasible, time.perf_counter() - t0, "bound", log=log)
+    if raw.shape[0] == 0:
+        return empty, BufferPlan([], base_offset_bytes, 0, 0, SolverStatus.optimal, time.perf_counter() - t0, "empty")
+    a = alignment_bytes
+    units = -(-raw // a)
+    lb_units = peak_live(lo, up, units)
+    cap_units = None if capacity_bytes is None else (capacity_bytes - base_offset_bytes) // a
+    deadline = t0 + time_limit_s
+    rules = rules or SearchRules()
+    start, start_method = _sweep(lo, up, units)
+    log.append(f"sweep best fit: {int((start + units).max()) * a} bytes ({start_method})")
+    if raw.shape[0] <= SEARCH_MAX_BUFFERS:
+        res = _refine(lo, up, units, start, start_method, lb_units, cap_units, deadline, rules, minimize, log, a)
+    else:
+        res = _refine_partitions(lo, up, units, start, start_method, lb_units, cap_units, deadline, rules,
+                                 minimize, log, a)
+    solve_s = time.perf_counter() - t0
+    proven_bytes = max(lb, res.proven * a - (a - 1)) if res.proven > lb_units else lb
+    if res.infeasible:
+        return empty, BufferPlan([], 0, lb, proven_bytes, SolverStatus.infeasible, solve_s, "search", res.nodes, log)
+    offsets = base_offset_bytes + res.offsets * a
+    arena = int((offsets + raw).max())
+    if cap_units is not None and res.arena > cap_units:
+        status = SolverStatus.unknown
+    elif res.arena <= res.proven:
+        status = SolverStatus.optimal
+    else:
+        status = SolverStatus.feasible
+    return offsets, BufferPlan([], arena, lb, proven_bytes, status, solve_s, res.method, res.nodes, log)
+
+
 def plan_buffers(
     buffers: Sequence[Buffer], *, capacity_bytes: int | None = None, alignment_bytes: int = 1,
     time_limit_s: float = 10.0, rules: SearchRules | None = None, base_offset_bytes: int = 0,
@@ -90,105 +287,37 @@ def plan_buffers(
     buffers already placed, and counts against the capacity.
     """
     t0 = time.perf_counter()
+    _check_options(alignment_bytes, base_offset_bytes, time_limit_s)
+    check_buffers(buffers)
+    lo = np.fromiter((b.lower for b in buffers), dtype=np.int64, count=len(buffers))
+    up = np.fromiter((b.upper for b in buffers), dtype=np.int64, count=len(buffers))
+    raw = np.fromiter((b.size for b in buffers), dtype=np.int64, count=len(buffers))
+    offsets, plan = _plan_units(lo, up, raw, capacity_bytes=capacity_bytes, alignment_bytes=alignment_bytes,
+                                time_limit_s=time_limit_s, rules=rules, base_offset_bytes=base_offset_bytes,
+                                minimize=minimize, t0=t0)
+    plan.offsets = offsets.tolist()
+    return plan
+
+
+def _check_options(alignment_bytes: int, base_offset_bytes: int, time_limit_s: float) -> None:
     if alignment_bytes < 1:
         raise AllocationInputError(f"alignment_bytes: must be at least 1, got {alignment_bytes}")
     if base_offset_bytes % alignment_bytes:
         raise AllocationInputError("base_offset_bytes: must be a multiple of alignment_bytes")
     if time_limit_s <= 0:
         raise AllocationInputError(f"time_limit_s: must be positive, got {time_limit_s}")
-    check_buffers(buffers)
-    lowers = [b.lower for b in buffers]
-    uppers = [b.upper for b in buffers]
-    raw = [b.size for b in buffers]
-    lb = peak_live_bytes(lowers, uppers, raw)
-    log: list[str] = [f"lower bound {lb} bytes"]
-    if capacity_bytes is not None and base_offset_bytes + lb > capacity_bytes:
-        log.append(f"capacity {capacity_bytes} < lower bound {base_offset_bytes + lb}: infeasible")
-        return BufferPlan([], 0, lb, lb, SolverStatus.infeasible, time.perf_counter() - t0, "bound", log=log)
-    if not buffers:
-        return BufferPlan([], base_offset_bytes, 0, 0, SolverStatus.optimal, time.perf_counter() - t0, "empty")
-    a = alignment_bytes
-    units = [_ceil_div(s, a) for s in raw]
-    lb_units = peak_live_bytes(lowers, uppers, units)
-    cap_units = None if capacity_bytes is None else (capacity_bytes - base_offset_bytes) // a
-    deadline = t0 + time_limit_s
-
-    def arena_units(offs: Sequence[int]) -> int:
-        return max(o + u for o, u in zip(offs, units, strict=True))
-
-    # 2. Best fit over every order.
-    best: list[int] | None = None
-    best_arena = 0
-    method = ""
-    for order in ORDERS:
-        offs = best_fit(lowers, uppers, units, order)
-        arena = arena_units(offs)
-        if best is None or arena < best_arena:
-            best, best_arena, method = offs, arena, f"best-fit/{order}"
-    assert best is not None
-    log.append(f"best fit: {best_arena * a} bytes ({method})")
-    proven = lb_units
-    nodes = 0
-    rules = rules or SearchRules()
-
-    def run(target: int, budget: float) -> SearchStatus:
-        nonlocal best, best_arena, method, proven, nodes
-        res = search_placement(lowers, uppers, units, target, time_limit_s=budget, rules=rules)
-        nodes += res.nodes
-        log.append(f"search at {target * a} bytes: {res.status.value} ({res.nodes} nodes, {res.elapsed_s:.2f} s)")
-        if res.status == SearchStatus.found and res.offsets is not None:
-            arena = arena_units(res.offsets)
-            if arena < best_arena:
-                best, best_arena, method = res.offsets, arena, f"search/{res.preorder}"
-        elif res.status == SearchStatus.infeasible:
-            proven = max(proven, target + 1)
-        return res.status
-
-    # 3. Fit under the capacity first.
-    infeasible_proven = False
-    if len(buffers) > SEARCH_MAX_BUFFERS:
-        minimize = False
-        log.append(f"search skipped: {len(buffers)} buffers > {SEARCH_MAX_BUFFERS}")
-    if cap_units is not None and best_arena > cap_units and len(buffers) <= SEARCH_MAX_BUFFERS:
-        st = run(cap_units, max(deadline - time.perf_counter(), 1e-3))
-        infeasible_proven = st == SearchStatus.infeasible
-    # 4. Tighten towards the proven bound while time is left: the bound itself first, then bisection.
-    lo_try = proven  # no target below this is worth trying (proven infeasible, or timed out)
-    first = True
-    while minimize and not infeasible_proven and lo_try < best_arena:
-        left = deadline - time.perf_counter()
-        if left <= 0.05:
-            break
-        target = lo_try if first else (lo_try + best_arena - 1) // 2
-        first = False
-        st = run(target, left if target == best_arena - 1 else left / 2)
-        if st == SearchStatus.timeout:
-            lo_try = target + 1
-        lo_try = max(lo_try, proven)
-    solve_s = time.perf_counter() - t0
-    proven_bytes = max(lb, proven * a - (a - 1)) if proven > lb_units else lb
-    if infeasible_proven:
-        return BufferPlan([], 0, lb, proven_bytes, SolverStatus.infeasible, solve_s, "search", nodes, log)
-    offsets = [base_offset_bytes + o * a for o in best]
-    arena = max(o + s for o, s in zip(offsets, raw, strict=True))
-    if cap_units is not None and best_arena > cap_units:
-        status = SolverStatus.unknown
-    elif best_arena <= proven:
-        status = SolverStatus.optimal
-    else:
-        status = SolverStatus.feasible
-    return BufferPlan(offsets, arena, lb, proven_bytes, status, solve_s, method, nodes, log)
 
 
 def trace_buffers(trace: AllocationTrace) -> tuple[list[Buffer], list[Buffer]]:
     """(long-lived, iteration) buffers of a trace; long-lived ones span the whole horizon."""
+    c = trace.event_columns
     long_lived: list[Buffer] = []
     iteration: list[Buffer] = []
-    for e in trace.events:
-        if e.free_index is None:
-            long_lived.append(Buffer(str(e.id), 0, trace.horizon, e.size_bytes))
+    for eid, size, alloc, free in zip(c.id, c.size_bytes, c.alloc_index, c.free_index, strict=True):
+        if free is None:
+            long_lived.append(Buffer(str(eid), 0, trace.horizon, size))
         else:
-            iteration.append(Buffer(str(e.id), e.alloc_index, e.free_index, e.size_bytes))
+            iteration.append(Buffer(str(eid), alloc, free, size))
     return long_lived, iteration
 
 
@@ -200,36 +329,43 @@ def plan_allocation(
 
     `seed` is accepted for interface stability; the planner is deterministic and does not use it.
     """
-    del seed  # deterministic: no randomness anywhere in the planner
+    del seed  # deterministic: no randomness anywhere in the planner (the treap's priorities use a fixed seed)
     t0 = time.perf_counter()
     a = alignment_bytes
-    long_lived, iteration = trace_buffers(trace)
-    offsets: dict[str, int] = {}
-    base = 0
-    for b in sorted(long_lived, key=lambda b: int(b.id)):
-        offsets[b.id] = base
-        base += _ceil_div(b.size, a) * a
-    long_raw = sum(b.size for b in long_lived)
-    sub = plan_buffers(iteration, capacity_bytes=capacity_bytes, alignment_bytes=a, time_limit_s=time_limit_s,
-                       base_offset_bytes=base)
+    _check_options(a, 0, time_limit_s)
+    arr = trace_arrays(trace)
+    ll = arr.long_lived
+    n = arr.ids.shape[0]
+    offsets = np.zeros(n, dtype=np.int64)
+    # Long-lived buffers stacked at the bottom in id order, each padded to the alignment.
+    ll_idx = np.flatnonzero(ll)
+    ll_idx = ll_idx[np.argsort(arr.ids[ll_idx], kind="stable")]
+    padded = -(-arr.sizes[ll_idx] // a) * a
+    offsets[ll_idx] = np.concatenate(([0], np.cumsum(padded)[:-1])) if ll_idx.size else padded
+    base = int(padded.sum())
+    long_raw = int(arr.sizes[ll_idx].sum())
+    it_idx = np.flatnonzero(~ll)
+    sub_offsets, sub = _plan_units(arr.alloc[it_idx], arr.free[it_idx], arr.sizes[it_idx],
+                                   capacity_bytes=capacity_bytes, alignment_bytes=a, time_limit_s=time_limit_s,
+                                   rules=None, base_offset_bytes=base, minimize=True, t0=t0)
     lower_bound = long_raw + sub.lower_bound_bytes
-    solve_s = time.perf_counter() - t0
     if sub.status == SolverStatus.infeasible:
         return AllocationPlan(arena_bytes=0, lower_bound_bytes=lower_bound, alignment_bytes=a, offsets=[],
-                              status=SolverStatus.infeasible, solve_s=solve_s, solver=SOLVER_NAME)
-    for b, off in zip(iteration, sub.offsets, strict=True):
-        offsets[b.id] = off
-    arena = max([off + b.size for b, off in zip(iteration, sub.offsets, strict=True)]
-                + [offsets[b.id] + b.size for b in long_lived] + [0])
+                              status=SolverStatus.infeasible, solve_s=time.perf_counter() - t0, solver=SOLVER_NAME)
+    offsets[it_idx] = sub_offsets
+    arena = int((offsets + arr.sizes).max()) if n else 0
     status = sub.status
     if capacity_bytes is not None and arena > capacity_bytes:
         status = SolverStatus.unknown
+    # Validated fields built unvalidated: ids come from the validated trace, offsets are non-negative ints.
+    placed = [BufferOffset.model_construct(id=i, offset_bytes=o)
+              for i, o in zip(arr.ids.tolist(), offsets.tolist(), strict=True)]
     return AllocationPlan(
         arena_bytes=arena,
         lower_bound_bytes=lower_bound,
         alignment_bytes=a,
-        offsets=[BufferOffset(id=e.id, offset_bytes=offsets[str(e.id)]) for e in trace.events],
+        offsets=placed,
         status=status,
-        solve_s=solve_s,
+        solve_s=time.perf_counter() - t0,
         solver=SOLVER_NAME,
     )
