@@ -176,8 +176,9 @@ class ModelStateManager:
 
     # ======================================================================================= phases
     def _on_root_forward(self, module: nn.Module, args: Any) -> None:
+        self._recover_if_aborted()
         if self._phase == "backward":
-            return  # a forward re-run inside backward (recomputation): chunks are fetched on demand
+            return  # a forward re-run inside backward (recomputation)
         self._phase = "forward"
         # a forward with grad enabled at the root will be backpropagated through every module it runs,
         # also those run under no_grad inside it (re-entrant checkpointing recomputes them in backward)
@@ -212,10 +213,23 @@ class ModelStateManager:
         self.schedule.start(Direction.backward, record=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _end_backward(self) -> None:
+    def _recover_if_aborted(self) -> None:
+        """A backward that raised never ran its end callback: settle it (keep its partial gradients,
+        as torch keeps partial `.grad`, and step nothing) before anything else touches the state."""
+        if self._phase == "backward" and torch._C._current_graph_task_id() == -1:
+            self._end_backward(aborted=True)
+
+    def _end_backward(self, *, aborted: bool = False) -> None:
         for st in self.states:
             if st.offloaded and (st.in_slot or (st.received and not st.complete)):
-                self._complete(st)
+                if aborted:  # keep the partial gradients (as torch keeps partial .grad), step nothing
+                    st.recompute_pins = 0
+                    if st.slot is not None:
+                        assert self.pool is not None
+                        self.pool.slots[st.slot].pins = 0
+                        self._evict(self.pool.slots[st.slot])
+                else:
+                    self._complete(st)
         for st in self.states:
             st.expected.clear()
             st.received.clear()
@@ -502,6 +516,7 @@ class ModelStateManager:
 
     @torch.no_grad()
     def step(self) -> None:
+        self._recover_if_aborted()
         if self._phase == "backward":
             raise RuntimeError("optimizer.step(): called during backward")
         assert self.optimizer is not None
@@ -527,6 +542,7 @@ class ModelStateManager:
 
     @torch.no_grad()
     def zero_grad(self, *, set_to_none: bool = True) -> None:
+        self._recover_if_aborted()
         for st in self.states:
             requiring = {j for j, e in enumerate(st.spec.entries) if e.param.requires_grad}
             st.touched = set() if set_to_none else requiring
@@ -552,6 +568,7 @@ class ModelStateManager:
 
     def synchronize(self) -> None:
         """Wait for all host work and device copies: parameters and states are then safe to read."""
+        self._recover_if_aborted()
         for st in self.states:
             st.wait_host()
             for ev in st.pending_events:
@@ -579,6 +596,7 @@ class ModelStateManager:
         `optimizer.step()`; with offloaded chunks this needs RuntimeOptions(overlap_host_step=False),
         because overlapped host steps have already used the unclipped gradients during backward.
         """
+        self._recover_if_aborted()
         if self._phase == "backward":
             raise RuntimeError("clip_grad_norm_: called during backward")
         stepped = [st.index for st in self.states if st.offloaded and st.stepped]
