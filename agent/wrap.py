@@ -84,6 +84,8 @@ def wrap(
 
     The model's parameters become views into chunk buffers laid out as the plan says; use the returned
     `.model` and `.optimizer` from here on (the optimizer passed in is left untouched and goes stale).
+    Offloaded parameters have no `.grad` (their gradients live on the host): clip with
+    `wrapped.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_(model.parameters())`.
     Raises PlanMismatchError (naming the parameter) when the plan's layout does not match the model.
     """
     if plan is None:
