@@ -72,7 +72,7 @@ def test_best_fit_prefers_the_smallest_sufficient_block() -> None:
     sim.free(small_hole)
     sim.free(big_hole)
     h = sim.malloc(1000)  # rounds to 1024: the 1 KiB hole, not the 4 KiB one
-    assert sim._handles[h][0].address == 0
+    assert sim.address(h) == 0
     del keep
 
 

@@ -21,16 +21,25 @@ in `c10/core/CachingDeviceAllocator.h` in recent releases; default configuration
   every cached segment that is entirely free (`release_cached_blocks`; `release_available_cached_blocks`
   does nothing without max_split_size) and retries once, then reports out of memory.
 
+Implementation: the allocator state is flat numpy arrays (blocks as a doubly linked list per segment,
+both pools in one treap keyed by (pool flag + size, address), see `treap.py`) and `malloc`/`free` are
+numba-compiled, so a trace replay of 10^6 events runs in compiled code end to end (about a second);
+`CachingAllocatorSimulator` wraps the same compiled functions for scripted, call-by-call use.
+
 Figures: reserved = bytes of live segments, allocated = bytes of blocks handed out (rounded sizes, as
 `torch.cuda.memory_allocated` counts them), fragmentation ratio = 1 - peak allocated / peak reserved.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
+from numba import njit
+
 from client.contract import AllocationTrace
+from planner_service.solver.allocation.intervals import trace_arrays
+from planner_service.solver.allocation.treap import NIL, new_treap, treap_ceiling, treap_insert, treap_remove
 
 MIN_BLOCK_SIZE = 512  # kMinBlockSize
 SMALL_SIZE = 1 << 20  # kSmallSize: largest request served from the small pool
@@ -38,16 +47,24 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment size
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment for large requests below MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
+_LARGE_POOL = 1 << 52  # added to a large-pool block's size in the treap key: the pools never mix
+
+# Indices into the counter array `ctr`.
+(_BLOCKS, _SEGMENTS, _HANDLES, _RESERVED, _ALLOCATED, _REQUESTED, _PEAK_RESERVED, _PEAK_ALLOCATED,
+ _PEAK_REQUESTED, _SMALL_SEGS, _LARGE_SEGS, _RELEASED, _LIVE_SEGS, _PEAK_SEGS, _NEXT_ADDRESS, _CAPACITY,
+ _FAILED_SEGMENT) = range(17)
 
 
 class SimulatedOutOfMemory(RuntimeError):
     """The simulated device had no room for a segment even after releasing the cached ones."""
 
 
+@njit(cache=True, nogil=True)
 def round_size(size: int) -> int:
     return MIN_BLOCK_SIZE if size < MIN_BLOCK_SIZE else -(-size // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
 
 
+@njit(cache=True, nogil=True)
 def allocation_size(size: int) -> int:
     """Bytes of the segment cudaMalloc'd for a (rounded) request that found no cached block."""
     if size <= SMALL_SIZE:
@@ -57,19 +74,184 @@ def allocation_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False, slots=True)
-class _Block:
-    segment: int
-    address: int
-    size: int
-    small: bool
-    allocated: bool = False
-    prev: _Block | None = None
-    next: _Block | None = None
+class _State:
+    """The allocator's arrays: blocks, segments, handles, the pool treap and the counters."""
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
+    def __init__(self, capacity_bytes: int | None, max_blocks: int) -> None:
+        n = max(max_blocks, 4)
+        self.b_seg = np.zeros(n, np.int64)
+        self.b_addr = np.zeros(n, np.int64)
+        self.b_size = np.zeros(n, np.int64)
+        self.b_small = np.zeros(n, np.bool_)
+        self.b_alloc = np.zeros(n, np.bool_)
+        self.b_prev = np.full(n, NIL, np.int64)
+        self.b_next = np.full(n, NIL, np.int64)
+        self.s_size = np.zeros(n, np.int64)
+        self.s_first = np.full(n, NIL, np.int64)
+        self.s_alive = np.zeros(n, np.bool_)
+        self.h_block = np.full(n, NIL, np.int64)
+        self.h_nbytes = np.zeros(n, np.int64)
+        self.treap = new_treap(n)
+        self.ctr = np.zeros(17, np.int64)
+        self.ctr[_CAPACITY] = -1 if capacity_bytes is None else capacity_bytes
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.b_seg, self.b_addr, self.b_size, self.b_small, self.b_alloc, self.b_prev, self.b_next,
+                self.s_size, self.s_first, self.s_alive, self.h_block, self.h_nbytes, *self.treap, self.ctr)
+
+    def grow(self) -> None:
+        """Double every array (scripted use, where the number of calls is not known up front)."""
+        n = self.b_seg.shape[0]
+        for name in ("b_seg", "b_addr", "b_size", "b_small", "b_alloc", "b_prev", "b_next", "s_size", "s_first",
+                     "s_alive", "h_block", "h_nbytes"):
+            old = getattr(self, name)
+            new = np.full(2 * n, NIL if name in ("b_prev", "b_next", "s_first", "h_block") else 0, old.dtype)
+            new[:n] = old
+            setattr(self, name, new)
+        k1, k2, pri, left, right, parent, root = self.treap
+        fresh = new_treap(2 * n, seed=1)
+        for old, new in zip((k1, k2, pri, left, right, parent), fresh[:6], strict=True):
+            new[:n] = old
+        self.treap = (*fresh[:6], root)
+
+
+@njit(cache=True, nogil=True)
+def _new_segment(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,  # type: ignore[no-untyped-def]
+                 ctr, size, small):
+    if ctr[_CAPACITY] >= 0 and ctr[_RESERVED] + size > ctr[_CAPACITY]:
+        return NIL
+    seg = ctr[_SEGMENTS]
+    ctr[_SEGMENTS] += 1
+    b = ctr[_BLOCKS]
+    ctr[_BLOCKS] += 1
+    b_seg[b] = seg
+    b_addr[b] = ctr[_NEXT_ADDRESS]
+    b_size[b] = size
+    b_small[b] = small
+    b_alloc[b] = False
+    b_prev[b] = NIL
+    b_next[b] = NIL
+    ctr[_NEXT_ADDRESS] += size
+    s_size[seg] = size
+    s_first[seg] = b
+    s_alive[seg] = True
+    if small:
+        ctr[_SMALL_SEGS] += 1
+    else:
+        ctr[_LARGE_SEGS] += 1
+    ctr[_RESERVED] += size
+    ctr[_PEAK_RESERVED] = max(ctr[_PEAK_RESERVED], ctr[_RESERVED])
+    ctr[_LIVE_SEGS] += 1
+    ctr[_PEAK_SEGS] = max(ctr[_PEAK_SEGS], ctr[_LIVE_SEGS])
+    return b
+
+
+@njit(cache=True, nogil=True)
+def _malloc(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,  # type: ignore[no-untyped-def]
+            h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, nbytes):
+    """Serve one request; the handle, or -1 when out of memory (segment size in ctr[_FAILED_SEGMENT])."""
+    size = round_size(nbytes)
+    small = size <= SMALL_SIZE
+    flag = 0 if small else _LARGE_POOL
+    # get_free_block: best fit in the request's pool, lowest address on ties.
+    b = treap_ceiling(k1, k2, left, right, root, flag + size, -1)
+    if b != NIL and (small and k1[b] >= _LARGE_POOL):
+        b = NIL
+    if b != NIL:
+        treap_remove(k1, k2, pri, left, right, parent, root, b)
+    else:
+        seg_size = allocation_size(size)
+        b = _new_segment(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive, ctr,
+                         seg_size, small)
+        if b == NIL:
+            # release_cached_blocks: every segment that is one free, unsplit block, then retry once.
+            for seg in range(ctr[_SEGMENTS]):
+                first = s_first[seg]
+                if s_alive[seg] and not b_alloc[first] and b_prev[first] == NIL and b_next[first] == NIL:
+                    treap_remove(k1, k2, pri, left, right, parent, root, first)
+                    s_alive[seg] = False
+                    ctr[_RESERVED] -= s_size[seg]
+                    ctr[_RELEASED] += 1
+                    ctr[_LIVE_SEGS] -= 1
+            b = _new_segment(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,
+                             ctr, seg_size, small)
+        if b == NIL:
+            ctr[_FAILED_SEGMENT] = seg_size
+            return -1
+    # should_split: remainder >= 512 B (small pool) or > 1 MiB (large pool).
+    remaining = b_size[b] - size
+    if (remaining >= MIN_BLOCK_SIZE) if small else (remaining > SMALL_SIZE):
+        r = ctr[_BLOCKS]
+        ctr[_BLOCKS] += 1
+        b_seg[r] = b_seg[b]
+        b_addr[r] = b_addr[b] + size
+        b_size[r] = remaining
+        b_small[r] = small
+        b_alloc[r] = False
+        b_prev[r] = b
+        b_next[r] = b_next[b]
+        if b_next[b] != NIL:
+            b_prev[b_next[b]] = r
+        b_next[b] = r
+        b_size[b] = size
+        treap_insert(k1, k2, pri, left, right, parent, root, r, flag + remaining, b_addr[r])
+    b_alloc[b] = True
+    ctr[_ALLOCATED] += b_size[b]
+    ctr[_REQUESTED] += nbytes
+    ctr[_PEAK_ALLOCATED] = max(ctr[_PEAK_ALLOCATED], ctr[_ALLOCATED])
+    ctr[_PEAK_REQUESTED] = max(ctr[_PEAK_REQUESTED], ctr[_REQUESTED])
+    handle = ctr[_HANDLES]
+    ctr[_HANDLES] += 1
+    h_block[handle] = b
+    h_nbytes[handle] = nbytes
+    return handle
+
+
+@njit(cache=True, nogil=True)
+def _free(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,  # type: ignore[no-untyped-def]
+          h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, handle):
+    """free_block + try_merge_blocks: merge with free neighbours of the same segment, back to the pool."""
+    b = h_block[handle]
+    h_block[handle] = NIL
+    b_alloc[b] = False
+    ctr[_ALLOCATED] -= b_size[b]
+    ctr[_REQUESTED] -= h_nbytes[handle]
+    before = b_prev[b]
+    after = b_next[b]
+    if before != NIL and not b_alloc[before]:
+        treap_remove(k1, k2, pri, left, right, parent, root, before)
+        b_addr[b] = b_addr[before]
+        b_prev[b] = b_prev[before]
+        if b_prev[before] != NIL:
+            b_next[b_prev[before]] = b
+        else:
+            s_first[b_seg[b]] = b
+        b_size[b] += b_size[before]
+    if after != NIL and not b_alloc[after]:
+        treap_remove(k1, k2, pri, left, right, parent, root, after)
+        b_next[b] = b_next[after]
+        if b_next[after] != NIL:
+            b_prev[b_next[after]] = b
+        b_size[b] += b_size[after]
+    flag = 0 if b_small[b] else _LARGE_POOL
+    treap_insert(k1, k2, pri, left, right, parent, root, b, flag + b_size[b], b_addr[b])
+
+
+@njit(cache=True, nogil=True)
+def _replay(codes, nbytes, handle_of, b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size,  # type: ignore[no-untyped-def]
+            s_first, s_alive, h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr):
+    """Replay codes (i >= 0: allocate event i; -1 - i: free it); False when out of memory."""
+    for c in codes:
+        if c >= 0:
+            h = _malloc(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,
+                        h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, nbytes[c])
+            if h < 0:
+                return False
+            handle_of[c] = h
+        else:
+            _free(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,
+                  h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, handle_of[-1 - c])
+    return True
 
 
 @dataclass(slots=True)
@@ -93,135 +275,88 @@ class CachingAllocatorReport:
 class CachingAllocatorSimulator:
     """One device, one stream; `malloc` returns a handle for `free`. Rules as in the module docstring."""
 
-    def __init__(self, capacity_bytes: int | None = None) -> None:
+    def __init__(self, capacity_bytes: int | None = None, *, max_blocks: int = 1024) -> None:
         self.capacity = capacity_bytes
-        self._pools: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> (size, addr, id)
-        self._free_by_id: dict[int, _Block] = {}
-        self._segments: dict[int, tuple[int, _Block]] = {}  # segment id -> (size, first block)
-        self._next_segment_address = 0
-        self._next_id = 0
-        self.reserved = self.allocated = self.requested = 0
-        self.peak_reserved = self.peak_allocated = self.peak_requested = 0
-        self.segments_allocated = self.small_segments = self.large_segments = 0
-        self.segments_released = 0
-        self.peak_segments = 0
-        self._handles: dict[int, tuple[_Block, int]] = {}
+        self._state = _State(capacity_bytes, max_blocks)
 
-    # ----------------------------------------------------------------------------- pool bookkeeping
-    def _insert_free(self, block: _Block) -> None:
-        bid = id(block)
-        self._free_by_id[bid] = block
-        bisect.insort(self._pools[block.small], (block.size, block.address, bid))
-
-    def _remove_free(self, block: _Block) -> None:
-        pool = self._pools[block.small]
-        i = bisect.bisect_left(pool, (block.size, block.address, id(block)))
-        del pool[i]
-        del self._free_by_id[id(block)]
-
-    def _new_segment(self, size: int, small: bool) -> _Block | None:
-        if self.capacity is not None and self.reserved + size > self.capacity:
-            return None
-        seg = self.segments_allocated
-        block = _Block(segment=seg, address=self._next_segment_address, size=size, small=small)
-        self._next_segment_address += size
-        self._segments[seg] = (size, block)
-        self.segments_allocated += 1
-        if small:
-            self.small_segments += 1
-        else:
-            self.large_segments += 1
-        self.reserved += size
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-        self.peak_segments = max(self.peak_segments, len(self._segments))
-        return block
-
-    def _release_cached_segments(self) -> None:
-        """`release_cached_blocks`: give back every segment that is one free, unsplit block."""
-        for seg, (size, first) in list(self._segments.items()):
-            if not first.allocated and first.prev is None and first.next is None:
-                self._remove_free(first)
-                del self._segments[seg]
-                self.reserved -= size
-                self.segments_released += 1
-
-    # ----------------------------------------------------------------------------- malloc / free
     def malloc(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise ValueError(f"nbytes: must be positive, got {nbytes}")
-        size = round_size(nbytes)
-        small = size <= SMALL_SIZE
-        pool = self._pools[small]
-        i = bisect.bisect_left(pool, (size, -1, -1))
-        if i < len(pool):
-            block = self._free_by_id[pool[i][2]]
-            self._remove_free(block)
-        else:
-            seg_size = allocation_size(size)
-            new = self._new_segment(seg_size, small)
-            if new is None:
-                self._release_cached_segments()
-                new = self._new_segment(seg_size, small)
-            if new is None:
-                raise SimulatedOutOfMemory(
-                    f"no room for a {seg_size}-byte segment: {self.reserved} of {self.capacity} bytes reserved"
-                )
-            block = new
-        remaining = block.size - size
-        if (remaining >= MIN_BLOCK_SIZE) if small else (remaining > SMALL_SIZE):
-            rest = _Block(segment=block.segment, address=block.address + size, size=remaining, small=small,
-                          prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            self._insert_free(rest)
-        block.allocated = True
-        self.allocated += block.size
-        self.requested += nbytes
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_requested = max(self.peak_requested, self.requested)
-        handle = self._next_id
-        self._next_id += 1
-        self._handles[handle] = (block, nbytes)
+        st = self._state
+        # A call adds at most two blocks, one segment and one handle.
+        if max(st.ctr[_BLOCKS] + 2, st.ctr[_HANDLES] + 1, st.ctr[_SEGMENTS] + 1) > st.b_seg.shape[0]:
+            st.grow()
+        handle = int(_malloc(*st.arrays(), nbytes))
+        if handle < 0:
+            raise SimulatedOutOfMemory(self._oom_message())
         return handle
 
     def free(self, handle: int) -> None:
-        block, nbytes = self._handles.pop(handle)
-        block.allocated = False
-        self.allocated -= block.size
-        self.requested -= nbytes
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                self._remove_free(neighbour)
-                if neighbour is block.prev:
-                    block.address = neighbour.address
-                    block.prev = neighbour.prev
-                    if neighbour.prev is not None:
-                        neighbour.prev.next = block
-                    else:
-                        size, _ = self._segments[block.segment]
-                        self._segments[block.segment] = (size, block)
-                else:
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
-                block.size += neighbour.size
-        self._insert_free(block)
+        st = self._state
+        if not 0 <= handle < st.ctr[_HANDLES] or st.h_block[handle] == NIL:
+            raise KeyError(f"handle {handle} is not allocated")
+        _free(*st.arrays(), handle)
+
+    def address(self, handle: int) -> int:
+        """Simulated device address of a live allocation (segments laid out one after another)."""
+        st = self._state
+        if not 0 <= handle < st.ctr[_HANDLES] or st.h_block[handle] == NIL:
+            raise KeyError(f"handle {handle} is not allocated")
+        return int(st.b_addr[st.h_block[handle]])
+
+    def _oom_message(self) -> str:
+        c = self._state.ctr
+        return (f"no room for a {int(c[_FAILED_SEGMENT])}-byte segment: {int(c[_RESERVED])} of {self.capacity} "
+                "bytes reserved")
 
     @property
     def segment_count(self) -> int:
-        return len(self._segments)
+        return int(self._state.ctr[_LIVE_SEGS])
+
+    def _counter(self, i: int) -> int:
+        return int(self._state.ctr[i])
+
+    reserved = property(lambda self: self._counter(_RESERVED), doc="bytes of live segments")
+    allocated = property(lambda self: self._counter(_ALLOCATED), doc="bytes of blocks handed out")
+    requested = property(lambda self: self._counter(_REQUESTED), doc="bytes requested by live allocations")
+    peak_reserved = property(lambda self: self._counter(_PEAK_RESERVED))
+    peak_allocated = property(lambda self: self._counter(_PEAK_ALLOCATED))
+    peak_requested = property(lambda self: self._counter(_PEAK_REQUESTED))
+    segments_allocated = property(lambda self: self._counter(_SEGMENTS), doc="cudaMalloc calls")
+    small_segments = property(lambda self: self._counter(_SMALL_SEGS))
+    large_segments = property(lambda self: self._counter(_LARGE_SEGS))
+    segments_released = property(lambda self: self._counter(_RELEASED), doc="cudaFree calls")
+    peak_segments = property(lambda self: self._counter(_PEAK_SEGS))
 
     def report(self, iterations: int, out_of_memory: bool = False) -> CachingAllocatorReport:
-        frag = 0.0 if self.peak_reserved == 0 else 1.0 - self.peak_allocated / self.peak_reserved
+        c = [int(v) for v in self._state.ctr]
+        frag = 0.0 if c[_PEAK_RESERVED] == 0 else 1.0 - c[_PEAK_ALLOCATED] / c[_PEAK_RESERVED]
         return CachingAllocatorReport(
-            peak_reserved_bytes=self.peak_reserved, peak_allocated_bytes=self.peak_allocated,
-            peak_requested_bytes=self.peak_requested, fragmentation_ratio=frag,
-            segments_allocated=self.segments_allocated, small_segments_allocated=self.small_segments,
-            large_segments_allocated=self.large_segments, segments_released=self.segments_released,
-            peak_segments=self.peak_segments, iterations=iterations, out_of_memory=out_of_memory,
+            peak_reserved_bytes=c[_PEAK_RESERVED], peak_allocated_bytes=c[_PEAK_ALLOCATED],
+            peak_requested_bytes=c[_PEAK_REQUESTED], fragmentation_ratio=frag,
+            segments_allocated=c[_SEGMENTS], small_segments_allocated=c[_SMALL_SEGS],
+            large_segments_allocated=c[_LARGE_SEGS], segments_released=c[_RELEASED],
+            peak_segments=c[_PEAK_SEGS], iterations=iterations, out_of_memory=out_of_memory,
         )
+
+
+def replay_codes(trace: AllocationTrace, iterations: int) -> np.ndarray:
+    """The replay order: `iterations` back-to-back iterations (long-lived buffers allocated once), by time,
+    frees before allocations at equal times, then event id. Codes: event i allocated, -1 - i freed."""
+    arr = trace_arrays(trace)
+    h = trace.horizon
+    n = arr.ids.shape[0]
+    idx = np.arange(n, dtype=np.int64)
+    rest = idx[~arr.long_lived]
+    times = [arr.alloc, *[k * h + arr.alloc[rest] for k in range(1, iterations)],
+             *[k * h + arr.free[rest] for k in range(iterations)]]
+    codes = [idx, *[rest] * (iterations - 1), *[-1 - rest] * iterations]
+    kinds = [np.ones(n, np.int64), *[np.ones(rest.size, np.int64)] * (iterations - 1),
+             *[np.zeros(rest.size, np.int64)] * iterations]
+    all_codes = np.concatenate(codes)
+    event = np.where(all_codes >= 0, all_codes, -1 - all_codes)
+    order = np.lexsort((arr.ids[event], np.concatenate(kinds), np.concatenate(times)))
+    return all_codes[order]
 
 
 def simulate_caching_allocator(
@@ -233,27 +368,14 @@ def simulate_caching_allocator(
     """
     if iterations < 1:
         raise ValueError(f"iterations: must be at least 1, got {iterations}")
-    sim = CachingAllocatorSimulator(capacity_bytes)
-    h = trace.horizon
-    steps: list[tuple[int, int, int, int]] = []  # (time, 0 free / 1 alloc, event id, size)
-    for k in range(iterations):
-        for e in trace.events:
-            if e.free_index is None:
-                if k == 0:
-                    steps.append((e.alloc_index, 1, e.id, e.size_bytes))
-                continue
-            steps.append((k * h + e.alloc_index, 1, e.id, e.size_bytes))
-            steps.append((k * h + e.free_index, 0, e.id, e.size_bytes))
-    steps.sort()
-    handles: dict[int, int] = {}
-    try:
-        for _, kind, eid, size in steps:
-            if kind == 1:
-                handles[eid] = sim.malloc(size)
-            else:
-                sim.free(handles.pop(eid))
-    except SimulatedOutOfMemory as exc:
+    codes = replay_codes(trace, iterations)
+    mallocs = int((codes >= 0).sum())
+    sim = CachingAllocatorSimulator(capacity_bytes, max_blocks=2 * mallocs + 2)
+    sizes = np.asarray(trace.event_columns.size_bytes, dtype=np.int64)
+    handle_of = np.full(sizes.shape[0], NIL, dtype=np.int64)
+    ok = _replay(codes, sizes, handle_of, *sim._state.arrays())
+    if not ok:
         report = sim.report(iterations, out_of_memory=True)
-        report.notes.append(str(exc))
+        report.notes.append(sim._oom_message())
         return report
     return sim.report(iterations)
