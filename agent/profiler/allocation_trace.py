@@ -16,10 +16,12 @@ references to the output and loss before closing) is given `free_index = horizon
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from agent.profiler.storage_tracker import StorageRecord
-from client.contract import AllocationCategory, AllocationEvent, AllocationTrace
+from client.contract import AllocationCategory, AllocationTrace
 from client.contract.common import MAX_ALLOCATION_EVENTS
+from client.contract.trace import EVENT_FIELDS, AllocationColumns
 
 LONG_LIVED = (AllocationCategory.param, AllocationCategory.grad, AllocationCategory.optimizer)
 
@@ -43,7 +45,7 @@ def build_allocation_trace(
             f"{MAX_ALLOCATION_EVENTS}; profile with allocation_trace=False or a smaller batch"
         )
     horizon = max(1, n_events)
-    events: list[AllocationEvent] = []
+    cols: dict[str, list[Any]] = {f: [] for f in EVENT_FIELDS}
     for r in records:
         block = r.block
         if r.category is not None:
@@ -59,6 +61,8 @@ def build_allocation_trace(
             free_index = None
         else:
             free_index = r.free_event if r.free_event is not None else horizon
-        events.append(AllocationEvent(id=r.sid, size_bytes=r.nbytes, alloc_index=r.alloc_event,
-                                      free_index=free_index, category=category, block=block, phase=r.phase))
-    return AllocationTrace(source=source, horizon=horizon, events=events)  # type: ignore[arg-type]
+        for f, v in zip(EVENT_FIELDS, (r.sid, r.nbytes, r.alloc_event, free_index, category, block, r.phase),
+                        strict=True):
+            cols[f].append(v)
+    # Columns straight into the contract's wire form (validated there), no per-event objects.
+    return AllocationTrace(source=source, horizon=horizon, event_columns=AllocationColumns(**cols))  # type: ignore[arg-type]  # source: str -> Literal

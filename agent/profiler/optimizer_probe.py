@@ -2,10 +2,10 @@
 
 Device throughput is the real optimizer's `step()` timed inside the profiler's plain iterations
 (parameter bytes stepped / seconds). Host throughput is a fused AdamW (`fused=True`, falling back to
-`foreach=True` where this build has no fused CPU kernel) stepping host fp32 tensors shaped like the
-model's parameters, up to `HOST_SAMPLE_BYTES` of them (throughput, not total time, is what is reported,
-so a sample suffices for large models). It is a property of the host, so it is measured once per process
-and parameter-shape sample and then reused.
+`foreach=True` where this build has no fused CPU kernel) stepping `HOST_SAMPLE_BYTES` of host fp32
+parameters in `HOST_SAMPLE_TENSORS` tensors (median of 3 steps after one warm-up step). It is a property
+of the host, not of the model (fused kernels stream all tensors in one pass), so it is measured once per
+process and reused.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from client.contract import OptimizerKind
 
 HOST_SAMPLE_BYTES = 16 * 2**20
+HOST_SAMPLE_TENSORS = 16
 
 _KINDS: dict[str, OptimizerKind] = {"AdamW": OptimizerKind.adamw, "Adam": OptimizerKind.adam,
                                     "SGD": OptimizerKind.sgd}
@@ -55,24 +56,14 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer, params: list[torch.n
     return round(total / numel)
 
 
-def host_step_throughput(params: list[torch.nn.Parameter], reps: int = 3) -> float:
-    """Parameter bytes per second of a fused (or foreach) AdamW step on host fp32 tensors like `params`."""
-    shapes: list[tuple[int, ...]] = []
-    total = 0
-    for p in params:
-        nbytes = p.numel() * 4
-        if shapes and total + nbytes > HOST_SAMPLE_BYTES:
-            break
-        shapes.append(tuple(p.shape))
-        total += nbytes
-    if not shapes:
-        shapes, total = [(1024,)], 4096
-    return _measure_host_step(tuple(shapes), total, reps)
+def host_step_throughput(reps: int = 3) -> float:
+    """Parameter bytes per second of a fused (or foreach) AdamW step on host fp32 tensors (cached per process)."""
+    return _measure_host_step(HOST_SAMPLE_TENSORS, HOST_SAMPLE_BYTES // HOST_SAMPLE_TENSORS // 4, reps)
 
 
-@functools.lru_cache(maxsize=16)
-def _measure_host_step(shapes: tuple[tuple[int, ...], ...], total: int, reps: int) -> float:
-    tensors = [torch.zeros(s, dtype=torch.float32, requires_grad=True) for s in shapes]
+@functools.lru_cache(maxsize=4)
+def _measure_host_step(n_tensors: int, numel: int, reps: int) -> float:
+    tensors = [torch.zeros(numel, dtype=torch.float32, requires_grad=True) for _ in range(n_tensors)]
     for t in tensors:
         t.grad = torch.full_like(t, 1e-3)
     try:
@@ -86,4 +77,4 @@ def _measure_host_step(shapes: tuple[tuple[int, ...], ...], total: int, reps: in
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return total / max(statistics.median(times), 1e-9)
+    return n_tensors * numel * 4 / max(statistics.median(times), 1e-9)

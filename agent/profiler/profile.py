@@ -192,7 +192,7 @@ def profile(
     t0 = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
     t1 = time.perf_counter()
-    host_opt = host_step_throughput(params)
+    host_opt = host_step_throughput()
     t2 = time.perf_counter()
     log.debug("profile stages (s): %s", {**result.stages, "hardware": t1 - t0, "host_optimizer": t2 - t1,
                                          "hook_overhead_per_iteration": result.hook_overhead_s})
