@@ -83,6 +83,7 @@ class ModelStateManager:
         self._node: Any = None
         self._node_chunks: set[int] = set()
         self._saved_hooks: list[Any] = []
+        self._module_saved_hooks: list[tuple[int, Any]] = []  # (module id, hooks) outside a root forward
         self._upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
         self._stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
         self._esize = element_size(layout.compute_dtype)
@@ -258,9 +259,17 @@ class ModelStateManager:
             for c, js in expected.items():
                 entries = self.states[c].spec.entries
                 self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
+        if self._phase == "idle" and torch.is_grad_enabled():
+            # a module called on its own, outside the wrapped model's forward (a custom head calling
+            # the backbone): the tensors it saves must still be recorded by chunk, not by buffer
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
+            hooks.__enter__()
+            self._module_saved_hooks.append((id(module), hooks))
 
     def _after_module(self, chunks: list[int], module: nn.Module, args: Any, output: Any) -> None:
         assert self.pool is not None
+        if self._module_saved_hooks and self._module_saved_hooks[-1][0] == id(module):
+            self._module_saved_hooks.pop()[1].__exit__(None, None, None)
         if self._phase == "backward":
             return  # recomputation: pins held until the chunk's gradients are complete
         for c in chunks:

@@ -167,3 +167,31 @@ def test_two_forwards_into_one_backward_and_inference_mode_match_plain_pytorch()
     assert max_rel_diff(loop(w.model, w.optimizer), ref) <= TOL
     w.synchronize()
     assert param_rel_diff(model, ref_model)[0] <= TOL
+
+
+def test_calling_submodules_directly_instead_of_the_wrapped_model_trains_exactly() -> None:
+    """Custom heads call the backbone on its own: saved tensors must still be recorded by chunk."""
+    base = tiny_model("llama")
+    data = batches(4)
+
+    def loop(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        out = []
+        for x in data:
+            hidden = model.model(input_ids=x).last_hidden_state
+            logits = model.lm_head(hidden)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1)
+            )
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    ref_model = clone(base)
+    ref = loop(ref_model, adamw(ref_model))
+    model = clone(base)
+    w = wrap(model, adamw(model), plan=plan_for(model, "all", n_buffers=2))
+    assert max_rel_diff(loop(w.model, w.optimizer), ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(model, ref_model)[0] <= TOL
