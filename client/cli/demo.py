@@ -1,60 +1,160 @@
-"""`memplan demo`: the main job on the embedded default (in-process service on SQLite, real model, real profile).
+"""`memplan demo`: the whole loop on a real model: profile -> plan (service) -> apply -> train -> measure -> feedback.
 
-Issue 'Foundation' stage: profile a llama-style model built from config, upload the trace, request a plan
-under a device-memory limit that forces the planner to work, wait for it and show it. (The runtime
-issues extend this to train under the plan and compare predictions with measurements.)
+By default the planner service runs in-process on a loopback port with SQLite (`--server` uses another
+one). The demo builds a small llama-style model from config (random weights, nothing downloaded), trains
+an un-managed baseline copy for `--steps` steps while measuring its peak device memory, then calls
+`agent.wrap` under a device-memory limit (default: 45% of that peak, which makes the planner offload
+chunks and checkpoint or swap blocks), trains the same steps on the same batches, and prints the plan,
+predicted vs measured iteration time and peak memory (the agent posts the same figures to the service as
+feedback), and how closely the managed loss curve follows the baseline's.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import time
+from typing import Annotated, Any
 
 import typer
 
 from client.cli.common import ServerOpt, bytes_option, console
-from client.cli.render import plan_table
 from client.units import format_bytes
 
 
 def demo(server: ServerOpt = None,
-         layers: Annotated[int, typer.Option(help="decoder blocks")] = 8,
-         hidden: Annotated[int, typer.Option(help="hidden size")] = 256,
+         layers: Annotated[int, typer.Option(help="decoder blocks")] = 6,
+         hidden: Annotated[int, typer.Option(help="hidden size")] = 128,
          batch: Annotated[int, typer.Option(help="batch size")] = 4,
          seq: Annotated[int, typer.Option(help="sequence length")] = 128,
+         steps: Annotated[int, typer.Option(help="training steps of each run (baseline and managed)")] = 30,
          device_memory: Annotated[str | None, typer.Option(
-             help="device-memory limit (default: 45% of the measured un-managed peak)")] = None) -> None:
-    """Profile a small llama, plan it under a tight memory limit on the embedded service, show the plan."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+             help="device-memory limit (default: 45% of the measured un-managed peak)")] = None,
+         fraction: Annotated[float, typer.Option(help="limit as a fraction of the un-managed peak")] = 0.45) -> None:
+    """Train a small llama under a tight memory limit with a plan from the service; compare with plain PyTorch."""
+    import copy
 
-    import agent
+    import torch
+    from rich.table import Table
+
     from agent import model_zoo
-    from client.contract import Constraints
-    from client.sdk import Client
+    from agent.managed import manage, release
+    from client.cli.render import plan_table
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task(f"building llama ({layers} layers, hidden {hidden}) from config", total=None)
-        model, config = model_zoo.build("llama", layers, hidden, seq=max(seq, 128))
-        sample = model_zoo.sample_batch(config, batch, seq)
-        bar.update(task, description="profiling one training iteration")
-        trace = agent.profile(model, sample)
-        peak = trace.measurements.peak_device_bytes
-        limit = bytes_option(device_memory) or int(peak * 0.45)
-        constraints = Constraints(device_memory_bytes=limit, time_limit_s=10.0)
-        with _service(server) as url, Client(url) as c:
-            bar.update(task, description=f"uploading trace to {url}")
-            created = c.upload_trace(trace)
-            record = c.request_plan(created.id, constraints)
-            bar.update(task, description=f"solving plan {record.id[:12]} under {format_bytes(limit)}")
-            record = c.wait_for_plan(record.id, timeout_s=120)
-        bar.update(task, description="done")
-    console.print(f"trace {created.id[:12]}: {trace.model.name}, {len(trace.model.repeated_blocks)} blocks, "
-                  f"{trace.model.parameter_count / 1e6:.1f} M parameters, un-managed peak {format_bytes(peak)}, "
-                  f"iteration {trace.measurements.iteration_s * 1e3:.0f} ms on {trace.hardware.device_name}")
-    console.print(f"plan {record.id[:12]}: {record.status}" + (" (reused from history)" if record.reused else ""))
-    if record.plan is not None:
-        console.print(plan_table(record.plan, title=f"plan under {format_bytes(limit)}"))
-    if record.status not in ("done", "infeasible"):
+    if steps < 6:
+        raise typer.BadParameter("steps: at least 6 (2 warm-up, 1 metered, timed steps)")
+    t_start = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    console.print(f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "
+                  f"{steps} steps per run on {device}")
+    base, config = model_zoo.build("llama", layers, hidden, seq=max(seq, 128))
+    batches = [model_zoo.sample_batch(config, batch, seq, seed=i, device=device) for i in range(4)]
+
+    console.print("1. un-managed baseline (plain PyTorch) ...")
+    plain = copy.deepcopy(base).to(device)
+    plain_opt = _adamw(plain)
+    plain_losses, plain_peak, plain_iter = _train_plain(plain, plain_opt, batches, steps, device)
+    del plain, plain_opt
+    limit = bytes_option(device_memory) or int(plain_peak * fraction)
+    console.print(f"   peak device memory {format_bytes(plain_peak)}, {plain_iter * 1e3:.0f} ms/iteration; "
+                  f"limit for the managed run: {format_bytes(limit)}")
+
+    with _service(server) as url:
+        console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
+        model = copy.deepcopy(base).to(device)
+        run = manage(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
+                         feedback_steps=steps)
+        console.print(f"   {run.source.message}")
+        console.print("3. managed training ...")
+        managed_losses = _train(run.model, run.optimizer, batches, steps)
+        report = run.report()
+        release(run)
+
+    console.print(plan_table(run.plan, title=f"plan under {format_bytes(limit)}"))
+    t = Table(title="predicted vs measured (managed run)")
+    for col in ("quantity", "predicted", "measured", "error"):
+        t.add_column(col, justify="right" if col != "quantity" else "left")
+    for row in report.rows():
+        t.add_row(*row)
+    t.add_row("un-managed peak", "", format_bytes(plain_peak), "")
+    t.add_row("un-managed iteration", "", f"{plain_iter * 1e3:.1f} ms", "")
+    console.print(t)
+    console.print(f"feedback: {report.feedback_to or 'not sent'}")
+    if report.swap is not None:
+        s = report.swap
+        console.print(f"swap: {format_bytes(s.swapped_out_bytes)} copied out, {s.prefetched_blocks} block prefetches, "
+                      f"{s.late_fetches} late, {s.demand_fetches} on demand")
+
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(managed_losses, plain_losses, strict=True)]
+    lt = Table(title="loss curve: managed vs un-managed baseline")
+    for col in ("step", "baseline", "managed", "rel. difference"):
+        lt.add_column(col, justify="right")
+    shown = sorted({0, 1, 2, steps // 2, steps - 2, steps - 1})
+    for i in shown:
+        lt.add_row(str(i), f"{plain_losses[i]:.6f}", f"{managed_losses[i]:.6f}", f"{rel[i]:.1e}")
+    console.print(lt)
+    agree = max(rel) <= 1e-5
+    console.print(f"max relative loss difference over {steps} steps: {max(rel):.2e} "
+                  + ("[green](agrees within 1e-5)[/]" if agree else "[red](differs)[/]"))
+    console.print(f"demo took {time.perf_counter() - t_start:.0f} s")
+    if not agree:
         raise typer.Exit(1)
+
+
+def _adamw(model: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def _train(model: Any, opt: Any, batches: list[Any], steps: int) -> list[float]:
+    import torch
+
+    torch.manual_seed(0)
+    losses = []
+    for i in range(steps):
+        loss = model(**batches[i % len(batches)]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_plain(model: Any, opt: Any, batches: list[Any], steps: int, device: Any) -> tuple[list[float], int, float]:
+    """The baseline: losses, peak device bytes of step 2 (profiler semantics), median iteration seconds."""
+    import statistics
+
+    import torch
+
+    from agent.measure import DevicePeakMeter
+    from agent.profiler.optimizer_probe import state_tensors
+    from client.contract import AllocationCategory
+
+    torch.manual_seed(0)
+    meter = DevicePeakMeter(device)
+    losses, times = [], []
+    peak = 0
+    last = time.perf_counter()
+    for i in range(steps):
+        b = batches[i % len(batches)]
+        if i == 2:
+            state = [(p, AllocationCategory.param) for p in model.parameters()]
+            state += [(b_, AllocationCategory.param) for b_ in model.buffers()]
+            state += [(v, AllocationCategory.optimizer) for _, v in state_tensors(opt)]
+            meter.start(state, b)
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        if i == 2:
+            peak = meter.stop()
+        elif i > 2:
+            times.append(now - last)
+        last = time.perf_counter()
+    return losses, peak, statistics.median(times)
 
 
 def _service(server: str | None):  # type: ignore[no-untyped-def]
