@@ -231,6 +231,7 @@ def bench_cuda_training(
     for _ in range(steps):
         one()
     w.synchronize()
+    torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     upload_s = sum(a.elapsed_time(b) for a, b in w.runtime.reset_upload_timings()) / 1e3
     exposed_s = sum(max(0.0, a.elapsed_time(b)) for a, b in w.runtime.reset_stall_timings()) / 1e3

@@ -14,7 +14,8 @@ The flow of one iteration (offloaded chunks; persistent chunks simply stay on th
   the offload stream and the chunk leaves its buffer; with `overlap_host_step` the host worker then
   steps that chunk while backward goes on. A callback at the end of backward settles stragglers.
 - step: persistent chunks step on the device; offloaded chunks not yet stepped are queued on the host
-  worker. `step()` does not wait for host work: a chunk's next upload (or any state access) does.
+  worker; `step()` then waits for the host work (unless `async_step`: then a chunk's next upload, or
+  any state access, waits).
 """
 
 from __future__ import annotations
@@ -548,6 +549,9 @@ class ModelStateManager:
                     self._evict(self.pool.slots[st.slot])
                 self._submit_step(st)
             st.stepped = False
+        if not self.options.async_step:
+            for st in self.states:  # parameters are final when step() returns, as in plain PyTorch
+                st.wait_host()
 
     @torch.no_grad()
     def zero_grad(self, *, set_to_none: bool = True) -> None:
@@ -576,14 +580,14 @@ class ModelStateManager:
         self.zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:
-        """Wait for all host work and device copies: parameters and states are then safe to read."""
+        """Wait for all host work and device copies: parameters and states are then safe to read.
+        Waits on the chunks' own futures and events; no device-wide synchronisation."""
         self._recover_if_aborted()
         for st in self.states:
             st.wait_host()
             for ev in st.pending_events:
                 self.ctx.host_wait(ev)
             st.pending_events = []
-        self.ctx.synchronize()
 
     @torch.no_grad()
     def refresh_compute_from_master(self) -> None:
@@ -696,6 +700,7 @@ class ModelStateManager:
 
     def report(self, host_optimizer: str) -> RuntimeReport:
         self.synchronize()
+        self.ctx.synchronize()  # upload timings need their events completed
         upload_s = None
         if self._upload_timings:
             upload_s = (

@@ -21,10 +21,15 @@ class RuntimeOptions:
         `optimizer.step()`: needed for `clip_grad_norm_` and for gradient accumulation over several
         backward passes, since both need every gradient before any parameter changes (and to skip a
         step, e.g. after an inf/NaN check: overlapped steps cannot be undone).
+    async_step: let `optimizer.step()` return before the host optimizer steps finish (default False).
+        Each chunk's next upload waits for its own step, so deferred host steps overlap the next
+        forward; but until `wrapped.synchronize()` (or a state dict, clip, report) offloaded
+        parameters read directly may be mid-update.
     measure_uploads: on CUDA, time every upload with events (for the benchmark's hidden-upload figure).
     """
 
     device: torch.device | str | None = None
     compute_dtype: torch.dtype | None = None
     overlap_host_step: bool = True
+    async_step: bool = False
     measure_uploads: bool = False

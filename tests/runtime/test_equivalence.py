@@ -63,21 +63,18 @@ def test_default_optimizer_persistent_chunks_are_bitwise_plain_pytorch() -> None
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_deferred_host_steps_match_overlapped_ones(kind: str) -> None:
+def test_deferred_and_asynchronous_host_steps_match_overlapped_ones(kind: str) -> None:
     base = tiny_model(kind)
     data = batches(6)
     runs = []
-    for overlap in (True, False):
+    for overlap, async_step in ((True, False), (False, False), (False, True), (True, True)):
         model = clone(base)
-        w = wrap(
-            model,
-            adamw(model),
-            plan=plan_for(model, "all"),
-            options=RuntimeOptions(overlap_host_step=overlap),
-        )
+        options = RuntimeOptions(overlap_host_step=overlap, async_step=async_step)
+        w = wrap(model, adamw(model), plan=plan_for(model, "all"), options=options)
         runs.append((train(Trainer(w.model, w.optimizer), data), unwrap(w)))
-    assert runs[0][0] == runs[1][0]
-    assert param_rel_diff(runs[0][1], runs[1][1])[0] == 0.0
+    for losses, model in runs[1:]:
+        assert losses == runs[0][0]
+        assert param_rel_diff(model, runs[0][1])[0] == 0.0
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
