@@ -34,6 +34,15 @@ def peak_live(lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray) -> int:
     return max(int(live.max()), 0)
 
 
+def overlap_pairs(lowers: np.ndarray, uppers: np.ndarray) -> int:
+    """Number of pairs of buffers live at a common time (what the search's preprocessing enumerates)."""
+    if lowers.shape[0] == 0:
+        return 0
+    _, sign = _endpoint_order(lowers, uppers)
+    live = np.cumsum(sign)
+    return int((live[sign > 0] - 1).sum())
+
+
 @dataclass(slots=True)
 class Partitions:
     """Buffers grouped into runs of time that no buffer crosses (a zero-cut between consecutive runs)."""

@@ -21,7 +21,8 @@ placement to return; everything after it stops at the deadline and keeps the bes
    partition that sets the arena can lower it, so partitions are refined worst first, each small one
    by step 3 with the time left, until the worst one cannot be improved or time runs out. Identical
    partitions (a repeated micro-step, shifted in time) are solved once and the answer reused.
-   A partition above `SEARCH_MAX_BUFFERS` keeps its sweep placement (no scalable improvement is built).
+   A partition above `SEARCH_MAX_BUFFERS` gets the quadratic best fit only (up to `GREEDY_MAX_BUFFERS`),
+   above that it keeps its sweep placement (no scalable improvement step is built yet).
 
 Status: optimal when the arena equals the proven bound (LB, or higher when the search proved every
 smaller arena infeasible), feasible when a placement fits, infeasible when capacity < LB or the search
@@ -56,7 +57,7 @@ from planner_service.solver.allocation.buffers import (
     check_buffers,
 )
 from planner_service.solver.allocation.greedy import ORDERS, best_fit
-from planner_service.solver.allocation.intervals import partitions, peak_live, trace_arrays
+from planner_service.solver.allocation.intervals import overlap_pairs, partitions, peak_live, trace_arrays
 from planner_service.solver.allocation.search import SearchRules, SearchStatus, search_placement
 from planner_service.solver.allocation.sweep_fit import sweep_best_fit
 
@@ -65,6 +66,11 @@ SOLVER_NAME = "memplan-alloc (best-fit + MiniMalloc-style search)"
 # cost per node grows with the partition (ordering and section checks are linear in it), and quadratic
 # best fit takes seconds there; such problems keep the O(n log n) sweep placement.
 SEARCH_MAX_BUFFERS = 20_000
+# The search's preprocessing enumerates every pair of buffers live together, in Python (about 0.25 us a
+# pair): above this many pairs it would eat seconds of the budget before the first node, so it is skipped.
+SEARCH_MAX_PAIRS = 4_000_000
+# Partitions up to this size still get the quadratic best fit (abandoned at the deadline), not the search.
+GREEDY_MAX_BUFFERS = 50_000
 
 
 @dataclass(slots=True)
@@ -114,8 +120,9 @@ def _sweep(lo: np.ndarray, up: np.ndarray, units: np.ndarray) -> tuple[np.ndarra
 def _refine(
     lo: np.ndarray, up: np.ndarray, units: np.ndarray, start: np.ndarray, start_method: str, lb_units: int,
     cap_units: int | None, deadline: float, rules: SearchRules, minimize: bool, log: list[str], a: int,
+    search: bool = True,
 ) -> _Refined:
-    """Steps 3 (quadratic best fit) and the search, for a problem of at most SEARCH_MAX_BUFFERS buffers."""
+    """Step 3: quadratic best fit, then (with `search`) the exact search, until the deadline."""
     best = start
     best_arena = int((start + units).max())
     method = start_method
@@ -151,6 +158,13 @@ def _refine(
 
     # Fit under the capacity first.
     infeasible_proven = False
+    if search and best_arena > lb_units:
+        pairs = overlap_pairs(lo, up)
+        if pairs > SEARCH_MAX_PAIRS:
+            log.append(f"search skipped: {pairs} overlapping pairs > {SEARCH_MAX_PAIRS}")
+            search = False
+    if not search:
+        return _Refined(best, best_arena, proven, infeasible_proven, nodes, method)
     if cap_units is not None and best_arena > cap_units and deadline - time.perf_counter() > 1e-3:
         st = run(cap_units, deadline - time.perf_counter())
         infeasible_proven = st == SearchStatus.infeasible
@@ -204,8 +218,8 @@ def _refine_partitions(
         p = int(np.flatnonzero(at_worst)[0])
         done[p] = True
         idx = parts.of(p)
-        if idx.shape[0] > SEARCH_MAX_BUFFERS:
-            log.append(f"partition {p}: {idx.shape[0]} buffers > {SEARCH_MAX_BUFFERS}: sweep placement kept")
+        if idx.shape[0] > GREEDY_MAX_BUFFERS:
+            log.append(f"partition {p}: {idx.shape[0]} buffers > {GREEDY_MAX_BUFFERS}: sweep placement kept")
             continue
         plo, pup, pun = lo[idx], up[idx], units[idx]
         sig = _signature(plo, pup, pun)
@@ -214,7 +228,7 @@ def _refine_partitions(
         else:
             p_lb = peak_live(plo, pup, pun)
             sub = _refine(plo, pup, pun, offsets[idx], method, p_lb, cap_units, deadline, rules, minimize,
-                          log, a)
+                          log, a, search=idx.shape[0] <= SEARCH_MAX_BUFFERS)
             nodes += sub.nodes
             proven = max(proven, sub.proven)
             if sub.infeasible:

@@ -58,9 +58,13 @@ _ABORTED = -1  # node budget of the round spent, or the deadline passed (ctr[_C_
 # Indices into the `ctr` counter array shared by the compiled functions.
 _C_NODES_LEFT, _C_NODES, _C_BACKTRACKS, _C_DEADLINE = 0, 1, 2, 3
 # Indices into the `params` array.
-_P_CAPACITY, _P_CANONICAL, _P_DOMINANCE, _P_INFERENCE, _P_MONOTONIC, _P_UNALLOC, _P_HATLESS, _P_DECOMP = range(8)
+(_P_CAPACITY, _P_CANONICAL, _P_DOMINANCE, _P_INFERENCE, _P_MONOTONIC, _P_UNALLOC, _P_HATLESS, _P_DECOMP,
+ _P_CHECK_MASK) = range(9)
+# The deadline is checked every 256 nodes on small problems (a node costs microseconds there) and at
+# every node above this many buffers, where one node costs up to milliseconds (linear in the partition).
+_CHECK_EVERY_NODE_ABOVE = 2000
 
-# The deadline check (`_now`, every 256 nodes) briefly takes the GIL back through numba's object mode;
+# The deadline check (`_now`, every 256 nodes, or every node on large problems) briefly takes the GIL back through numba's object mode;
 # everything else runs without it (nogil=True), so solves in several threads proceed in parallel.
 warnings.filterwarnings("ignore", message="Code running in object mode won't allow parallel execution",
                         category=numba.NumbaWarning)
@@ -161,7 +165,7 @@ def _dfs(pbufs, sec_a, sec_b, orig, min_offset, min_pidx,  # type: ignore[no-unt
         return _ABORTED
     ctr[_C_NODES_LEFT] -= 1
     ctr[_C_NODES] += 1
-    if (ctr[_C_NODES] & 255) == 0 and _now() > deadline:
+    if (ctr[_C_NODES] & params[_P_CHECK_MASK]) == 0 and _now() > deadline:
         ctr[_C_DEADLINE] = 1
         return _ABORTED
     m = pbufs.shape[0]
@@ -364,7 +368,7 @@ def _search_placement(
     n_sections = len(sw.sections)
     params = np.array([capacity, rules.canonical_only, rules.check_dominance, rules.section_inference,
                        rules.monotonic_floor, rules.unallocated_floor, rules.hatless_pruning,
-                       rules.dynamic_decomposition], dtype=np.int64)
+                       rules.dynamic_decomposition, 0 if n > _CHECK_EVERY_NODE_ABOVE else 255], dtype=np.int64)
     total0 = np.zeros(n_sections, dtype=np.int64)
     for s, members in enumerate(sw.sections):
         total0[s] = int(sz[members].sum())
