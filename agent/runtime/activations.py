@@ -34,7 +34,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from agent.runtime.recompute_guard import GuardFactory, RecomputeGuard
 from agent.runtime.swap import SwapStore
 from client.contract import ActivationMode, Policy
 
@@ -93,7 +92,7 @@ def block_targets(model: nn.Module, policy: Policy) -> list[BlockTarget]:
 
 
 def _check_checkpoint_buffers(policy: Policy, targets: list[BlockTarget]) -> None:
-    """A checkpointed block's recompute needs all its offloaded chunks in buffers at once (recompute_guard.py)."""
+    """A checkpointed block's recompute needs all its offloaded chunks in buffers at once (the runtime pins what a recompute acquires)."""
     chunk_of: dict[str, int] = {}
     for c in policy.chunks:
         if c.placement.value == "offloaded":
@@ -159,10 +158,8 @@ class ActivationManager:
         targets: list[BlockTarget],
         device: torch.device,
         state_storages: Callable[[], set[int]] | None = None,
-        guard_for: GuardFactory | None = None,
     ) -> None:
         self.model = model
-        self._guard_for = guard_for
         self.device = device
         self.targets = sorted(targets, key=lambda t: t.index)
         self.counters = ActivationCounters()
@@ -190,8 +187,7 @@ class ActivationManager:
         self._installed.append(rec)
         original = t.module.forward  # bound method (or the instance attribute already there)
         if t.mode == ActivationMode.checkpoint:
-            guard = self._guard_for(t.module) if self._guard_for is not None else None
-            t.module.forward = self._checkpointed(original, guard)  # type: ignore[method-assign]
+            t.module.forward = self._checkpointed(original)  # type: ignore[method-assign]
         elif t.mode == ActivationMode.swap:
             t.module.forward = self._swapped(original, t.index)  # type: ignore[method-assign]
         if self.store is not None:  # backward-start triggers drive the prefetch
@@ -212,25 +208,14 @@ class ActivationManager:
             self.store.end_iteration()
 
     # ------------------------------------------------------------------------------ modes
-    def _checkpointed(self, original: Callable[..., Any], guard: RecomputeGuard | None) -> Callable[..., Any]:
+    def _checkpointed(self, original: Callable[..., Any]) -> Callable[..., Any]:
         from torch.utils.checkpoint import checkpoint
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             self.counters.checkpointed_forwards += 1
-            if guard is None or not guard.needed:
-                return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-            out = checkpoint(
-                original,
-                *args,
-                use_reentrant=False,
-                preserve_rng_state=True,
-                context_fn=guard.context_fn,
-                **kwargs,
-            )
-            guard.watch(args, kwargs)
-            return out
+            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
         return forward
 
@@ -318,11 +303,13 @@ def apply_activation_policy(
 ) -> ActivationManager:
     """Check the policy's blocks against `model` (raising before any change), then apply their modes.
 
-    With the chunk runtime (`runtime`), swap passes its buffers' tensors to the runtime's own hooks and
-    checkpointed blocks guard their offloaded chunks through recompute (`recompute_guard.py`).
+    With the chunk runtime (`runtime`), swap passes the runtime's buffers' tensors to the runtime's own
+    saved-tensor hooks. A checkpointed block's recompute saves tensors that point straight into a device
+    buffer (checkpoint keeps them itself, past any hooks): the runtime pins chunks acquired during a
+    recompute until their gradients are complete, and `block_targets` refuses a checkpointed block whose
+    offloaded chunks would not fit the buffers at once.
     """
     targets = block_targets(model, policy)
     if runtime is None:
         return ActivationManager(model, targets, device)
-    guard_for = (lambda block: RecomputeGuard(runtime, block)) if runtime.has_offload else None
-    return ActivationManager(model, targets, device, runtime_state_storages(runtime, model), guard_for)
+    return ActivationManager(model, targets, device, runtime_state_storages(runtime, model))
