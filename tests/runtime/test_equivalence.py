@@ -192,3 +192,49 @@ def test_calling_submodules_directly_instead_of_the_wrapped_model_trains_exactly
     assert max_rel_diff(loop(w.model, w.optimizer), ref) <= TOL
     w.synchronize()
     assert param_rel_diff(model, ref_model)[0] <= TOL
+
+
+@pytest.mark.parametrize("offload", ["none", "all", "alternate"])
+def test_bf16_training_matches_plain_pytorch_with_fp32_master_weights(offload: str) -> None:
+    """Reference: a bf16 model whose fp32 master copies are stepped by AdamW and copied back."""
+    from runtime_helpers import chunk_bytes_for
+
+    from agent.runtime import manual_plan
+
+    base = tiny_model("llama")
+    data = batches(8)
+    ref_model = clone(base)
+    masters = [p.detach().clone() for p in ref_model.parameters()]  # fp32 values of the original model
+    for p in ref_model.parameters():  # parameters only: buffers (rotary frequencies) keep their dtype
+        p.data = p.data.to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, fused=True)
+    ref = []
+    torch.manual_seed(1234)
+    for x in data:
+        loss = ref_model(input_ids=x, labels=x).loss
+        loss.backward()
+        with torch.no_grad():
+            for m, p in zip(masters, ref_model.parameters(), strict=True):
+                m.grad = p.grad.float()  # type: ignore[union-attr]
+            opt.step()
+            for m, p in zip(masters, ref_model.parameters(), strict=True):
+                p.copy_(m)
+                p.grad = None
+        ref.append(loss.item())
+
+    model = clone(base)
+    plan = manual_plan(
+        model,
+        chunk_size_bytes=chunk_bytes_for(model, 8) // 2,
+        offload=alternate if offload == "alternate" else offload,
+        n_buffers=2,
+        compute_dtype=torch.bfloat16,
+    )
+    w = wrap(model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=torch.bfloat16))
+    got = train(Trainer(w.model, w.optimizer), data)
+    assert got == ref
+    state = w.optimizer.state_dict()["state"]
+    for i, m in enumerate(masters):
+        torch.testing.assert_close(
+            state[i]["master_param"], m.detach().reshape(state[i]["master_param"].shape), rtol=0, atol=0
+        )

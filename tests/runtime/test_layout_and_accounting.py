@@ -239,7 +239,8 @@ def test_chunks_resident_after_forward_are_not_uploaded_again_for_backward() -> 
     assert after.resident_hits > before.resident_hits
 
 
-def test_mixed_precision_keeps_fp32_masters_and_agrees_across_placements() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_keeps_fp32_masters_and_agrees_across_placements(dtype: torch.dtype) -> None:
     base = tiny_model("llama")
     data = batches(6)
     results = []
@@ -250,12 +251,12 @@ def test_mixed_precision_keeps_fp32_masters_and_agrees_across_placements() -> No
             chunk_size_bytes=chunk_bytes_for(model, 8) // 2,
             offload=offload,
             n_buffers=2,
-            compute_dtype=torch.bfloat16,
+            compute_dtype=dtype,
         )
-        w = wrap(model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=torch.bfloat16))
+        w = wrap(model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=dtype))
         losses = train(Trainer(w.model, w.optimizer), data)
         w.synchronize()
-        assert all(p.dtype == torch.bfloat16 for p in w.model.parameters())
+        assert all(p.dtype == dtype for p in w.model.parameters())
         sd = w.optimizer.state_dict()
         masters = [s["master_param"] for s in sd["state"].values()]
         assert masters and all(m.dtype == torch.float32 for m in masters)
