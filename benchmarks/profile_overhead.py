@@ -13,6 +13,7 @@ and a tiny throw-away profile (first use of TorchDispatchMode imports torch._dyn
 process) are timed and reported separately, not inside the rows.
 
 Usage: .venv/bin/python benchmarks/profile_overhead.py [--hidden 256] [--seq 128] [--batch 4] [--device cpu]
+       [--threads 1]
 Prints a table and writes benchmarks/results/profile_overhead.json.
 """
 
@@ -83,7 +84,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--layers", default=",".join(map(str, LAYERS)))
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default). With 1, process CPU time is the work done, "
+                         "unaffected by other jobs on a shared machine (no OpenMP spin-waiting)")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     capture = StageCapture()
     prof_log = logging.getLogger("agent.profiler.profile")
@@ -101,7 +107,8 @@ def main() -> None:
     rows = []
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.1f} (1 min) on {os.cpu_count()} cores")
-    print(f"device {hardware.device_name} ({device.type}), {os.cpu_count()} cores; hidden {args.hidden}, "
+    print(f"device {hardware.device_name} ({device.type}), {os.cpu_count()} cores, {torch.get_num_threads()} torch "
+          f"threads; hidden {args.hidden}, "
           f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, AdamW")
     print(f"hardware probe {probe_s:.2f} s (once per process); first profile in a process {first_use_s:.2f} s")
     print(f"{'model':<14}{'params':>12}{'iter s':>10}{'profile s':>11}{'ratio':>8}{'cpu ratio':>11}{'events':>9}"
@@ -148,7 +155,8 @@ def main() -> None:
         "machine": {"device": hardware.device_name, "device_type": device.type, "cpu": cpu_model_name(),
                     "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "config": {"hidden": args.hidden, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
-                   "plain_iterations": args.plain, "dtype": "float32", "optimizer": "AdamW"},
+                   "plain_iterations": args.plain, "dtype": "float32", "optimizer": "AdamW",
+                   "torch_threads": torch.get_num_threads()},
         "load_average_1min": {"before": load_before[0], "after": load_after[0]},
         "hardware_probe_s": probe_s, "first_profile_in_process_s": first_use_s,
         "rows": rows, "worst_ratio": worst, "worst_cpu_ratio": worst_cpu, "target_ratio": 10.0,
