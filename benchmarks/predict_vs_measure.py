@@ -138,7 +138,7 @@ def main() -> None:
     for kind in args.kinds:
         for layers in args.layers:
             model, cfg = build(kind, layers, args.hidden, seq=max(args.seq, 128))
-            model.to(device)
+            model.to(device)  # type: ignore[arg-type]
             batch = sample_batch(cfg, args.batch, args.seq, device=device)
             probe = copy.deepcopy(model)
             t0 = time.perf_counter()

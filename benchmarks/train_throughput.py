@@ -79,7 +79,7 @@ def _plain_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], l
     from client.contract import AllocationCategory
 
     def state() -> list[Any]:
-        out = [(p, AllocationCategory.param) for p in model.parameters()]
+        out: list[tuple[torch.Tensor, AllocationCategory]] = [(p, AllocationCategory.param) for p in model.parameters()]
         out += [(b, AllocationCategory.param) for b in model.buffers()]
         out += [(v, AllocationCategory.optimizer) for _, v in state_tensors(opt)]
         return out
@@ -177,6 +177,7 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
     from planner_service.solver import solve
 
     model, cfg = build(kind, layers, args.hidden, seq=max(args.seq, 128))
+    model = model.to(device)  # type: ignore[arg-type]
     batch = sample_batch(cfg, args.batch, args.seq, device=device)
     tokens = args.batch * args.seq
     rows: dict[str, dict[str, Any]] = {}

@@ -159,7 +159,7 @@ class SwapStore:
             rec.ids.add(id(entry))
             rec.entries.append(entry)
         entry.packed += 1
-        return SwappedView(entry, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return SwappedView(entry, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _copy_out(self, t: torch.Tensor, block: int) -> SwapEntry:
         src = _uint8_view(t)
@@ -206,6 +206,7 @@ class SwapStore:
             dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream
             if self.in_stream is not None:
                 with torch.cuda.stream(self.in_stream):
+                    assert compute_point is not None
                     self.in_stream.wait_event(compute_point)
                     if entry.out_done is not None:
                         self.in_stream.wait_event(entry.out_done)

@@ -49,7 +49,7 @@ def demo(server: ServerOpt = None,
     batches = [model_zoo.sample_batch(config, batch, seq, seed=i, device=device) for i in range(4)]
 
     console.print("1. un-managed baseline (plain PyTorch) ...")
-    plain = copy.deepcopy(base).to(device)
+    plain = copy.deepcopy(base).to(device)  # type: ignore[arg-type]
     plain_opt = _adamw(plain)
     plain_losses, plain_peak, plain_iter = _train_plain(plain, plain_opt, batches, steps, device)
     del plain, plain_opt
@@ -59,7 +59,7 @@ def demo(server: ServerOpt = None,
 
     with _service(server) as url:
         console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
-        model = copy.deepcopy(base).to(device)
+        model = copy.deepcopy(base).to(device)  # type: ignore[arg-type]
         run = manage(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
                          feedback_steps=steps)
         console.print(f"   {run.source.message}")
