@@ -7,9 +7,18 @@ Part 2: allocation traces of real training iterations (gpt2 and llama, 24 layers
 profiled on this machine by `agent.profile`), planned with a 10 s limit: arena vs. the live-bytes lower
 bound, next to PyTorch's caching allocator replayed on the same trace (`simulate_caching_allocator`).
 
+Part 3 (`--scale`, alone): the planner at 10^5 and 10^6 events. A llama iteration profiled on this
+machine (`--scale-layers`, default 8 layers, hidden 128) is replicated (`scaled_traces.replicate_trace`:
+"sequential" copies one after another, and "deep", a model that many times deeper) and random traces
+are drawn (`random_trace`); each is planned with the service's limits (10 s at 10^5 events, 60 s at
+10^6), validated over two iterations, and replayed through the caching-allocator simulator, each step
+timed. The constructive heuristics are compared on the profiled trace and a deep copy of it, and the
+time limit is checked with a 1 s limit on the largest traces.
+
 Prints a table and saves benchmarks/results/allocation.json. Usage:
     .venv/bin/python benchmarks/allocation.py [--skip-traces] [--skip-instances] [--cpsat-baseline] [--ablation CF]
         [--layers 24]
+    .venv/bin/python benchmarks/allocation.py --scale [--scale-sizes 100000,1000000] [--scale-layers 8]
 """
 
 from __future__ import annotations
@@ -154,6 +163,97 @@ def traces(layers: int, hidden: int, batch: int, seq: int) -> list[dict[str, Any
     return rows
 
 
+def heuristics(trace: Any, label: str) -> list[dict[str, Any]]:
+    """Gap of each constructive placement alone (no search) on one trace's iteration buffers."""
+    import numpy as np
+
+    from planner_service.solver.allocation.greedy import ORDERS, best_fit
+    from planner_service.solver.allocation.intervals import peak_live, trace_arrays
+    from planner_service.solver.allocation.sweep_fit import sweep_best_fit
+
+    arr = trace_arrays(trace)
+    it = ~arr.long_lived
+    lo, up = arr.alloc[it], arr.free[it]
+    units = -(-arr.sizes[it] // 512)
+    lb = peak_live(lo, up, units)
+    runs: list[tuple[str, Any]] = [
+        ("sweep best fit, forward (O(n log n))", lambda: sweep_best_fit(lo, up, units)),
+        ("sweep best fit, backward (O(n log n))", lambda: sweep_best_fit(lo, up, units, reverse=True)),
+    ]
+    for order in ORDERS:
+        runs.append((f"best fit by {order} (quadratic)",
+                     lambda order=order: np.asarray(best_fit(lo.tolist(), up.tolist(), units.tolist(), order))))
+    rows = []
+    for name, fn in runs:
+        t0 = time.perf_counter()
+        offsets = fn()
+        elapsed = time.perf_counter() - t0
+        gap = int((offsets + units).max()) / lb - 1
+        rows.append({"trace": label, "buffers": int(it.sum()), "heuristic": name, "gap_padded": round(gap, 6),
+                     "s": round(elapsed, 3)})
+        print(f"{label}: {name}: gap {gap:.4%} over the padded bound, {elapsed:.2f} s")
+    return rows
+
+
+def scale(sizes: list[int], layers: int, hidden: int, batch: int, seq: int) -> dict[str, Any]:
+    import agent
+    from agent import model_zoo
+    from planner_service.solver.allocation import (
+        plan_allocation,
+        simulate_caching_allocator,
+        validate_allocation,
+    )
+    from planner_service.solver.allocation.scaled_traces import random_trace, replicate_trace
+
+    model, config = model_zoo.build("llama", layers, hidden, seq=seq)
+    tr = agent.profile(model, model_zoo.sample_batch(config, batch, seq), repeats=1)
+    base = tr.allocation_trace
+    assert base is not None
+    out: dict[str, Any] = {"base": f"llama {layers} layers, hidden {hidden}, batch {batch}, seq {seq}: "
+                                   f"{len(base)} events, horizon {base.horizon}, source {base.source}"}
+    print(out["base"])
+    out["heuristics"] = heuristics(base, "profiled llama")
+    deep_k = max(1, 15_000 // len(base))
+    out["heuristics"] += heuristics(replicate_trace(base, deep_k, layout="deep"), f"profiled llama, deep x{deep_k}")
+    out["heuristics"] += heuristics(random_trace(15_000, seed=1), "random 15k")
+    rows = []
+    for n in sizes:
+        limit = 10.0 if n <= 100_000 else 60.0
+        for kind in ("sequential", "deep", "random"):
+            t0 = time.perf_counter()
+            trace = (random_trace(n, seed=0) if kind == "random"
+                     else replicate_trace(base, max(1, round(n / len(base))), layout=kind))  # type: ignore[arg-type]
+            build_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            plan = plan_allocation(trace, time_limit_s=limit)
+            plan_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            validate_allocation(trace, plan)
+            validate_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            sim = simulate_caching_allocator(trace, iterations=2)
+            sim_s = time.perf_counter() - t0
+            row = {"trace": f"{kind} {len(trace)}", "events": len(trace), "time_limit_s": limit,
+                   "plan_wall_s": round(plan_s, 2), "status": plan.status.value, "gap": round(plan.gap, 6),
+                   "validate_s": round(validate_s, 2), "simulate_s": round(sim_s, 2), "build_s": round(build_s, 2),
+                   "caching_fragmentation": round(sim.fragmentation_ratio, 4),
+                   "caching_over_lower_bound": round(sim.peak_reserved_bytes / plan.lower_bound_bytes - 1, 4)}
+            rows.append(row)
+            print(f"{row['trace']}: plan {plan_s:.2f} s (limit {limit:g}), {plan.status.value}, gap {plan.gap:.4%}; "
+                  f"validate {validate_s:.2f} s; caching allocator replay {sim_s:.2f} s "
+                  f"(fragmentation {sim.fragmentation_ratio:.2%}, {row['caching_over_lower_bound']:.2%} over the bound)")
+            if n == max(sizes) and kind != "sequential":
+                t0 = time.perf_counter()
+                short = plan_allocation(trace, time_limit_s=1.0)
+                short_s = time.perf_counter() - t0
+                row["one_second_limit"] = {"plan_wall_s": round(short_s, 2), "status": short.status.value,
+                                           "gap": round(short.gap, 6)}
+                print(f"  with a 1 s limit: {short_s:.2f} s, {short.status.value}, gap {short.gap:.4%}")
+            del trace, plan
+    out["runs"] = rows
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-traces", action="store_true")
@@ -164,12 +264,24 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--scale", action="store_true", help="run only the scale part (10^5, 10^6 events)")
+    parser.add_argument("--scale-sizes", default="100000,1000000")
+    parser.add_argument("--scale-layers", type=int, default=8)
+    parser.add_argument("--scale-hidden", type=int, default=128)
     args = parser.parse_args()
     # Parts not run this time keep their earlier figures in the JSON file.
     out: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     out["machine"] = f"{platform.processor() or platform.machine()}, {platform.system()}, {os.cpu_count()} cores"
     out["numba_load_s"] = round(warm_up(), 2)
     print(f"numba search load/compile: {out['numba_load_s']} s")
+    if args.scale:
+        out["scale"] = scale([int(v) for v in args.scale_sizes.split(",")], args.scale_layers, args.scale_hidden,
+                             4, 128)
+        out["scale"]["machine_load_1min"] = os.getloadavg()[0]
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"saved {RESULTS.relative_to(REPO)}")
+        return
     if not args.skip_instances:
         out["challenging"] = challenging(args.cpsat_baseline)
     if args.ablation:

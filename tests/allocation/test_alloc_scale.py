@@ -1,4 +1,5 @@
-"""The planner at scale: the O(n log n) sweep is best fit in time order, every large plan is valid over two
+"""The planner at scale: the O(n log n) sweep is best fit in time order, the segment-tree best fit places
+exactly like the quadratic scan, every large plan is valid over two
 iterations, a too-short time limit still returns a placement, identical partitions are planned alike, and
 the compiled validator and caching-allocator replay agree with reference computations.
 
@@ -12,7 +13,14 @@ import bisect
 import numpy as np
 import pytest
 
-from client.contract import AllocationTrace, BandwidthCurves, BandwidthSample, DeviceType, Hardware, SolverStatus
+from client.contract import (
+    AllocationTrace,
+    BandwidthCurves,
+    BandwidthSample,
+    DeviceType,
+    Hardware,
+    SolverStatus,
+)
 from planner_service.solver.allocation import (
     AllocationValidationError,
     Buffer,
@@ -22,7 +30,8 @@ from planner_service.solver.allocation import (
     validate_placement,
 )
 from planner_service.solver.allocation.caching_allocator import CachingAllocatorSimulator, replay_codes
-from planner_service.solver.allocation.greedy import best_fit
+from planner_service.solver.allocation.greedy import ORDERS, best_fit
+from planner_service.solver.allocation.greedy_tree import tree_best_fit
 from planner_service.solver.allocation.intervals import partitions, peak_live, trace_arrays
 from planner_service.solver.allocation.planner import SEARCH_MAX_BUFFERS
 from planner_service.solver.allocation.scaled_traces import random_trace, replicate_trace
@@ -95,6 +104,24 @@ def test_sweep_is_best_fit_in_start_order() -> None:
         lo, up, sizes = random_problem(rng, 400)
         reference = best_fit(lo.tolist(), up.tolist(), sizes.tolist(), "start")
         assert sweep_best_fit(lo, up, sizes).tolist() == reference
+
+
+def test_tree_best_fit_places_exactly_like_the_quadratic_scan() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(4):
+        n = 500  # with ties in start, size and length, so every tie-break is exercised
+        lo = rng.integers(0, 300, n)
+        up = lo + rng.integers(1, 60, n)
+        sizes = rng.integers(1, 50, n)
+        for order in ORDERS:
+            reference = best_fit(lo.tolist(), up.tolist(), sizes.tolist(), order)
+            placed = tree_best_fit(lo, up, sizes, order)
+            assert placed is not None and placed.tolist() == reference, order
+
+
+def test_tree_best_fit_gives_up_at_a_past_deadline() -> None:
+    lo = np.arange(1000, dtype=np.int64)
+    assert tree_best_fit(lo, lo + 5, np.ones(1000, dtype=np.int64), "size", deadline=0.0) is None
 
 
 def test_sweep_placements_forwards_and_backwards_are_valid() -> None:

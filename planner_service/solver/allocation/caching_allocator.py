@@ -286,7 +286,7 @@ class CachingAllocatorSimulator:
         # A call adds at most two blocks, one segment and one handle.
         if max(st.ctr[_BLOCKS] + 2, st.ctr[_HANDLES] + 1, st.ctr[_SEGMENTS] + 1) > st.b_seg.shape[0]:
             st.grow()
-        handle = int(_malloc(*st.arrays(), nbytes))
+        handle = int(_malloc(*st.arrays(), nbytes))  # type: ignore[call-arg]
         if handle < 0:
             raise SimulatedOutOfMemory(self._oom_message())
         return handle
@@ -295,7 +295,7 @@ class CachingAllocatorSimulator:
         st = self._state
         if not 0 <= handle < st.ctr[_HANDLES] or st.h_block[handle] == NIL:
             raise KeyError(f"handle {handle} is not allocated")
-        _free(*st.arrays(), handle)
+        _free(*st.arrays(), handle)  # type: ignore[call-arg]
 
     def address(self, handle: int) -> int:
         """Simulated device address of a live allocation (segments laid out one after another)."""

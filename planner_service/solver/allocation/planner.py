@@ -11,18 +11,19 @@ placement to return; everything after it stops at the deadline and keeps the bes
 
 1. lower bound LB = max over time of live bytes (numpy, O(n log n)); a capacity below it is reported
    infeasible at once;
-2. best fit in time order, forwards and backwards (`sweep_fit.py`, O(n log n): about a second for
-   10^6 buffers), the better one per independent partition: the placement every later step improves;
+2. best fit in time order, forwards (and backwards when time is left; `sweep_fit.py`, O(n log n): a
+   few seconds for 10^6 buffers), the better one: the placement every later step improves;
 3. problems of at most `SEARCH_MAX_BUFFERS` buffers ("small"): best fit over four orders
-   (`greedy.py`, quadratic, abandoned at the deadline), then the exact search (`search.py`) at the
+   (`greedy_tree.py`: the placement of `greedy.py`'s quadratic best fit, found through segment trees
+   over time, abandoned at the deadline), then the exact search (`search.py`) at the
    capacity when one is given and not met, then at tighter targets (LB first, then bisection): `found`
    improves the arena, `infeasible` raises the proven bound;
 4. larger problems: split at the times where nothing is live (`intervals.partitions`); only the
    partition that sets the arena can lower it, so partitions are refined worst first, each small one
    by step 3 with the time left, until the worst one cannot be improved or time runs out. Identical
    partitions (a repeated micro-step, shifted in time) are solved once and the answer reused.
-   A partition above `SEARCH_MAX_BUFFERS` gets the quadratic best fit only (up to `GREEDY_MAX_BUFFERS`),
-   above that it keeps its sweep placement (no scalable improvement step is built yet).
+   A partition above `SEARCH_MAX_BUFFERS` (or with more than `SEARCH_MAX_PAIRS` overlapping pairs) gets
+   the best fit over orders only, as far as the deadline allows.
 
 Status: optimal when the arena equals the proven bound (LB, or higher when the search proved every
 smaller arena infeasible), feasible when a placement fits, infeasible when capacity < LB or the search
@@ -56,21 +57,22 @@ from planner_service.solver.allocation.buffers import (
     Buffer,
     check_buffers,
 )
-from planner_service.solver.allocation.greedy import ORDERS, best_fit
+from planner_service.solver.allocation.greedy import ORDERS
+from planner_service.solver.allocation.greedy_tree import tree_best_fit
 from planner_service.solver.allocation.intervals import overlap_pairs, partitions, peak_live, trace_arrays
 from planner_service.solver.allocation.search import SearchRules, SearchStatus, search_placement
 from planner_service.solver.allocation.sweep_fit import sweep_best_fit
 
 SOLVER_NAME = "memplan-alloc (best-fit + MiniMalloc-style search)"
-# Above this many buffers a problem (or partition) gets no search and no quadratic best fit: the search's
-# cost per node grows with the partition (ordering and section checks are linear in it), and quadratic
-# best fit takes seconds there; such problems keep the O(n log n) sweep placement.
+# Above this many buffers a problem is split into partitions (step 4), and a partition gets no search:
+# the search's cost per node grows with the partition (ordering and section checks are linear in it).
 SEARCH_MAX_BUFFERS = 20_000
 # The search's preprocessing enumerates every pair of buffers live together, in Python (about 0.25 us a
 # pair): above this many pairs it would eat seconds of the budget before the first node, so it is skipped.
 SEARCH_MAX_PAIRS = 4_000_000
-# Partitions up to this size still get the quadratic best fit (abandoned at the deadline), not the search.
-GREEDY_MAX_BUFFERS = 50_000
+# Partitions up to this size still get best fit over the static orders (`greedy_tree.py`, abandoned at
+# the deadline), not the search; its node lists take about 200 bytes a buffer.
+GREEDY_MAX_BUFFERS = 2_000_000
 
 
 @dataclass(slots=True)
@@ -108,9 +110,11 @@ class _Refined:
     method: str
 
 
-def _sweep(lo: np.ndarray, up: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, str]:
-    """Best fit in time order, forwards and backwards; the better of the two."""
+def _sweep(lo: np.ndarray, up: np.ndarray, units: np.ndarray, deadline: float) -> tuple[np.ndarray, str]:
+    """Best fit in time order, forwards, and backwards if time is left; the better of the two."""
     fwd = sweep_best_fit(lo, up, units)
+    if time.perf_counter() > deadline:
+        return fwd, "sweep/forward"
     rev = sweep_best_fit(lo, up, units, reverse=True)
     if int((rev + units).max()) < int((fwd + units).max()):
         return rev, "sweep/backward"
@@ -122,25 +126,24 @@ def _refine(
     cap_units: int | None, deadline: float, rules: SearchRules, minimize: bool, log: list[str], a: int,
     search: bool = True,
 ) -> _Refined:
-    """Step 3: quadratic best fit, then (with `search`) the exact search, until the deadline."""
+    """Step 3: best fit over the static orders, then (with `search`) the exact search, until the deadline."""
     best = start
     best_arena = int((start + units).max())
     method = start_method
-    lows, ups, sizes = lo.tolist(), up.tolist(), units.tolist()
     for order in ORDERS:
         if best_arena <= lb_units or time.perf_counter() > deadline:
             break
-        offs = best_fit(lows, ups, sizes, order, deadline=deadline)
-        if offs is None:
+        arr = tree_best_fit(lo, up, units, order, deadline=deadline)
+        if arr is None:
             log.append(f"best fit ({order}) stopped at the deadline")
             break
-        arr = np.asarray(offs, dtype=np.int64)
         arena = int((arr + units).max())
         if arena < best_arena:
             best, best_arena, method = arr, arena, f"best-fit/{order}"
     log.append(f"best fit: {best_arena * a} bytes ({method})")
     proven = lb_units
     nodes = 0
+    lows, ups, sizes = lo.tolist(), up.tolist(), units.tolist()
 
     def run(target: int, budget: float) -> SearchStatus:
         nonlocal best, best_arena, method, proven, nodes
@@ -265,7 +268,7 @@ def _plan_units(
     cap_units = None if capacity_bytes is None else (capacity_bytes - base_offset_bytes) // a
     deadline = t0 + time_limit_s
     rules = rules or SearchRules()
-    start, start_method = _sweep(lo, up, units)
+    start, start_method = _sweep(lo, up, units, deadline)
     log.append(f"sweep best fit: {int((start + units).max()) * a} bytes ({start_method})")
     if raw.shape[0] <= SEARCH_MAX_BUFFERS:
         res = _refine(lo, up, units, start, start_method, lb_units, cap_units, deadline, rules, minimize, log, a)
