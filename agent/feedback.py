@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from agent.measure import DevicePeakMeter, device_state_tensors
+from agent.wrap import DEFAULT_FEEDBACK_STEPS
 from client.contract import Feedback
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FEEDBACK_STEPS = 20
 DEFAULT_LOCAL_FEEDBACK = Path.home() / ".memplan" / "feedback.jsonl"
 
 

@@ -1,50 +1,101 @@
-"""`agent.wrap`: apply a memory plan to a model and optimizer; `agent.unwrap`: give them back.
+"""`agent.wrap`: get a plan, apply it to a model and optimizer, measure, report; `agent.unwrap`: give them back.
 
-    wrapped = agent.wrap(model, optimizer, plan=plan)
+    wrapped = agent.wrap(model, optimizer, sample_batch=batch, device_memory=8 << 30)  # or plan=...
     for batch in data:
         loss = wrapped.model(**batch).loss
         loss.backward()
         wrapped.optimizer.step()          # a scheduler built on wrapped.optimizer works as usual
         wrapped.optimizer.zero_grad()
-    print(wrapped.report())
+    print(wrapped.report())               # plan, predicted vs measured, feedback, runtime figures
     model = agent.unwrap(wrapped)         # ordinary parameters again; the original optimizer gets the state
 
-Only the `plan=` path exists today: profiling and solving inside `wrap` (no plan given) is issue 7.
-Activation modes in the plan (keep/checkpoint/swap) are accepted and not yet applied (issue 7).
+Without `plan=`, the plan comes from the service's history (same model fingerprint, hardware and
+workload), from the service (`server=` or MEMPLAN_SERVER: upload the profiled trace, request, wait), or
+from the same solver in-process (the embedded default, and the fallback when the service is down or
+slow; see `agent/planning.py`). Then, in order: every check that can fail (plan, activation modes,
+optimizer, layout) before the model is touched; the model-state runtime (chunks, offload, host
+optimizer: `apply_plan`); the activation modes (`runtime/activations.py`); a step monitor that sends
+feedback after `feedback_steps` steps (`feedback.py`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
     from torch import nn
 
+    from agent.feedback import StepMonitor
+    from agent.planning import PlanSource
+    from agent.report import WrapReport
     from agent.runtime.accounting import RuntimeReport
+    from agent.runtime.activations import ActivationManager
     from agent.runtime.manager import ModelStateManager
     from agent.runtime.optimizer import ChunkedOptimizer
     from agent.runtime.options import RuntimeOptions
-    from client.contract import Plan
+    from client.contract import Feedback, Plan
+
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FEEDBACK_STEPS = 20
+"""Optimizer steps after which `wrap`'s monitor sends feedback."""
 
 
 @dataclass
 class Wrapped:
-    """What `wrap` returns: the managed model and optimizer, the plan applied, and the runtime."""
+    """What `wrap` returns: the managed model and optimizer, the plan applied, where it came from, and the
+    runtime parts (model state, activation modes, step monitor)."""
 
     model: nn.Module
     optimizer: ChunkedOptimizer
     plan: Plan
     runtime: ModelStateManager
     original_optimizer: torch.optim.Optimizer = field(repr=False)
+    source: PlanSource | None = None
+    activations: ActivationManager | None = field(default=None, repr=False)
+    monitor: StepMonitor | None = field(default=None, repr=False)
     unwrapped: bool = False
 
-    def report(self) -> RuntimeReport:
+    def report(self) -> WrapReport:
+        """Plan summary, predicted vs measured (once the monitor has measured), feedback, runtime figures."""
+        from agent.report import WrapReport
+
+        self._check()
+        policy = self.plan.policy
+        assert policy is not None
+        pred = self.plan.predictions
+        m = self.monitor.measured if self.monitor is not None else None
+        store = self.activations.store if self.activations is not None else None
+        origin = self.source.origin if self.source is not None else "given"
+        return WrapReport(
+            origin=origin, message=(self.source.message if self.source is not None else "") or origin,
+            solver=self.plan.solver.solver, solver_status=self.plan.solver.status.value,
+            mode_strip=policy.mode_strip(), chunks=len(policy.chunks),
+            offloaded_chunks=sum(c.placement.value == "offloaded" for c in policy.chunks), n_buffers=policy.n_buffers,
+            predicted_iteration_s=pred.iteration_s if pred else None,
+            predicted_peak_device_bytes=pred.peak_device_bytes if pred else None,
+            predicted_peak_host_bytes=pred.peak_host_bytes if pred else None,
+            measured=(m.sent or m.feedback()) if m is not None else None,
+            feedback_to=m.sent_to if m is not None else None,
+            runtime=self.runtime_report(), swap=store.counters if store is not None else None,
+        )
+
+    def runtime_report(self) -> RuntimeReport:
         """Bytes held on device and host by category, and what moved (uploads, hits, host steps)."""
         self._check()
         impls = {s.impl for s in self.runtime.steppers if s.state.offloaded and s.inner is not None}
         return self.runtime.report(host_optimizer="/".join(sorted(impls)) or "none")
+
+    def feedback(self) -> Feedback | None:
+        """Send the feedback now, before `feedback_steps` steps (None if too few steps were measured)."""
+        self._check()
+        return self.monitor.flush() if self.monitor is not None else None
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -79,21 +130,70 @@ def wrap(
     host_memory: int | None = None,
     plan: Plan | None = None,
     options: RuntimeOptions | None = None,
+    loss_fn: Any = None,
+    feedback_steps: int | None = DEFAULT_FEEDBACK_STEPS,
+    feedback_path: Path | None = None,
+    wait_s: float = 120.0,
 ) -> Wrapped:
-    """Apply `plan` to `model` and `optimizer` (model-state management: chunks, offload, host optimizer).
+    """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
+
+    `sample_batch`: one batch as the model takes it (needed without `plan`, to profile); `loss_fn(output,
+    batch)` if the model does not return `.loss`. `server`: planner service URL (default MEMPLAN_SERVER;
+    neither: solve in-process). `device_memory` / `host_memory`: limits in bytes (default: the device's and
+    the host's). `feedback_steps`: after this many optimizer steps the measured iteration time and peaks go
+    to the service (plans from it) or to `feedback_path` (default ~/.memplan/feedback.jsonl); None: no
+    monitor. `wait_s`: longest wait for the service's plan before solving in-process.
 
     The model's parameters become views into chunk buffers laid out as the plan says; use the returned
     `.model` and `.optimizer` from here on (the optimizer passed in is left untouched and goes stale).
     Offloaded parameters have no `.grad` (their gradients live on the host): clip with
     `wrapped.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_(model.parameters())`.
-    Raises PlanMismatchError (naming the parameter) when the plan's layout does not match the model.
+    Raises, leaving model and optimizer untouched: BlockDetectionError (no repeated blocks to plan for),
+    PlanInfeasibleError (nothing fits; says what would), PlanMismatchError / ActivationPlanError (the plan
+    does not match the model, naming the parameter or block), UnsupportedOptimizerError.
     """
-    if plan is None:
-        raise NotImplementedError(
-            "agent.wrap without plan=: profiling and solving inside wrap is issue 7 ('Runtime II') and is NOT "
-            "implemented yet. Pass plan= (e.g. from planner_service.solver.solve(agent.profile(...), ...) "
-            "or agent.runtime.manual_plan(model, ...))."
-        )
+    from agent.feedback import DEFAULT_LOCAL_FEEDBACK, LocalSink, ServiceSink, StepMonitor
+    from agent.planning import PlanSource, obtain_plan
+    from agent.runtime.activations import apply_activation_policy, block_targets
+    from agent.runtime.optimizer import check_supported
+
+    if getattr(model, "_memplan_wrapped", False):
+        raise RuntimeError("model: is already wrapped; unwrap it first")
+    check_supported(optimizer)
+    if plan is not None:
+        source = PlanSource(plan, "given", message="plan given to wrap")
+    else:
+        source = obtain_plan(model, optimizer, sample_batch, server=server, device_memory=device_memory,
+                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s)
+        log.info("memplan: %s", source.message)
+    plan = source.plan
+    if plan.policy is None:
+        raise ValueError(f"plan.policy: absent (solver status {plan.solver.status.value}); nothing to apply")
+    block_targets(model, plan.policy)  # activation checks before the model is touched
+    wrapped = apply_plan(model, optimizer, plan, options)
+    wrapped.source = source
+    try:
+        wrapped.activations = apply_activation_policy(model, plan.policy, wrapped.runtime.ctx.device,
+                                                      wrapped.runtime)
+    except BaseException:
+        unwrap(wrapped)
+        raise
+    if feedback_steps:
+        local = LocalSink(feedback_path or DEFAULT_LOCAL_FEEDBACK, plan_id=source.plan_id, trace_hash=plan.trace_hash)
+        sink = ServiceSink(source.server, source.plan_id, fallback=local) if (
+            source.server and source.plan_id) else local
+        strip = plan.policy.mode_strip()
+        wrapped.monitor = StepMonitor(model, wrapped.optimizer, wrapped.runtime.ctx.device, manager=wrapped.runtime,
+                                      activations=wrapped.activations, sink=sink, steps=feedback_steps,
+                                      notes=lambda: f"memplan agent; plan origin {source.origin}; modes {strip}")
+    return wrapped
+
+
+def apply_plan(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, options: RuntimeOptions | None = None
+) -> Wrapped:
+    """The model-state part of `wrap`: chunks, offload and host optimizer as the plan says (no activation
+    modes, no monitor). Raises PlanMismatchError (naming the parameter) when the layout does not match."""
     import torch
 
     from agent.runtime.device import DeviceContext
@@ -136,10 +236,17 @@ def wrap(
 
 
 def unwrap(wrapped: Wrapped) -> nn.Module:
-    """Turn the parameters back into ordinary tensors holding their trained values, on their original
-    device and dtype, remove every hook, and load the trained optimizer state into the original
-    optimizer (so plain PyTorch training continues exactly). Returns the model."""
+    """Undo `wrap`: remove the monitor and the activation modes (block modules exactly as before), turn
+    the parameters back into ordinary tensors holding their trained values, on their original device and
+    dtype, remove every hook, and load the trained optimizer state into the original optimizer (so plain
+    PyTorch training continues exactly). Returns the model."""
     wrapped._check()
+    if wrapped.monitor is not None:
+        wrapped.monitor.close()
+        wrapped.monitor = None
+    if wrapped.activations is not None:
+        wrapped.activations.remove()
+        wrapped.activations = None
     state = wrapped.optimizer.state_dict()
     wrapped.runtime.detach()
     model = wrapped.model

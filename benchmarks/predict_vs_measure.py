@@ -3,7 +3,7 @@
 For each model (gpt2 and llama from transformers configs, random weights; `--layers`, default 4 12 24)
 the job is profiled once (`agent.profile`, the real trace), then for each device limit (`--fractions` of
 the trace's measured un-managed peak) the CP-SAT plan is solved in-process, applied with the one-call
-path (`agent.managed.manage(..., plan=...)`: chunk runtime + activation modes + step monitor), and
+path (`agent.wrap(..., plan=...)`: chunk runtime + activation modes + step monitor), and
 trained for `--steps` steps on the profiled batch: 2 warm-up steps, 1 step under the device-memory meter
 (the profiler's storage tracker on CPU, `max_memory_allocated` on CUDA: the same semantics as the
 trace's peak), the rest timed (median). Errors are measured / predicted - 1.
@@ -57,7 +57,7 @@ def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], de
 
 def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, fraction: float, steps: int,
             device: torch.device) -> dict[str, Any]:
-    from agent.managed import manage, release
+    from agent.wrap import unwrap, wrap
     from client.contract import Constraints
     from planner_service.solver import solve
 
@@ -72,7 +72,7 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
         return row
     row["plain_now_s"] = plain_iteration_s(model, batch, device, 3)
     m = copy.deepcopy(model)
-    run = manage(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps)
+    run = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps)
     try:
         for _ in range(steps):
             run.model(**batch).loss.backward()
@@ -80,7 +80,7 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
             run.optimizer.zero_grad()
         rep = run.report()
     finally:
-        release(run)
+        unwrap(run)
     meas = rep.measured
     assert meas is not None
     pred = plan.predictions

@@ -143,12 +143,12 @@ def run_fsdp2_offload(model: nn.Module, batch: Any, steps: int, device: torch.de
 
 
 def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, plan: Any) -> dict[str, Any]:
-    from agent.managed import manage, release
+    from agent.wrap import unwrap, wrap
 
     if plan.policy is None:
         return {"skipped": f"infeasible: fits from {plan.solver.min_device_memory_bytes} bytes"}
     m = copy.deepcopy(model).to(device) if device.type == "cpu" else copy.deepcopy(model)
-    run = manage(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps + 3)
+    run = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps + 3)
     try:
         times = []
         for i in range(steps + 3):
@@ -162,7 +162,7 @@ def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, pla
                 times.append(time.perf_counter() - t0)
         rep = run.report()
     finally:
-        release(run)
+        unwrap(run)
     assert plan.predictions is not None and rep.measured is not None
     return {"iteration_s": statistics.median(times), "peak_device_bytes": rep.measured.peak_device_bytes,
             "predicted_iteration_s": plan.predictions.iteration_s, "modes": plan.policy.mode_strip(),

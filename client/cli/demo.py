@@ -36,7 +36,7 @@ def demo(server: ServerOpt = None,
     from rich.table import Table
 
     from agent import model_zoo
-    from agent.managed import manage, release
+    from agent.wrap import unwrap, wrap
     from client.cli.render import plan_table
 
     if steps < 6:
@@ -60,13 +60,13 @@ def demo(server: ServerOpt = None,
     with _service(server) as url:
         console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
         model = copy.deepcopy(base).to(device)  # type: ignore[arg-type]
-        run = manage(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
+        run = wrap(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
                          feedback_steps=steps)
         console.print(f"   {run.source.message}")
         console.print("3. managed training ...")
         managed_losses = _train(run.model, run.optimizer, batches, steps)
         report = run.report()
-        release(run)
+        unwrap(run)
 
     console.print(plan_table(run.plan, title=f"plan under {format_bytes(limit)}"))
     t = Table(title="predicted vs measured (managed run)")

@@ -153,10 +153,11 @@ def test_unsupported_optimizer_is_refused_by_name() -> None:
         wrap(model, torch.optim.LBFGS(model.parameters()), plan=plan_for(model, "none"))
 
 
-def test_wrap_without_a_plan_says_profiling_and_solving_is_issue_7() -> None:
+def test_wrap_without_a_plan_or_a_sample_batch_says_what_it_needs() -> None:
     model = tiny_model("gpt2")
-    with pytest.raises(NotImplementedError, match="issue 7"):
-        wrap(model, adamw(model), sample_batch=batches(1)[0])
+    with pytest.raises(ValueError, match="sample_batch: needed to profile"):
+        wrap(model, adamw(model))
+    assert not getattr(model, "_memplan_wrapped", False)
 
 
 def test_persistent_parameters_and_gradients_are_views_into_their_chunk() -> None:

@@ -16,18 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from agent.managed import ManagedRun, manage, release
 from agent.model_zoo import build, sample_batch
+from agent.wrap import Wrapped, unwrap, wrap
 from client.cli.embedded import EmbeddedServer, free_port
 from client.contract import Feedback
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
 STEPS = 6
-
-wrap = manage  # agent.wrap's one-call path
-unwrap = release
-
 
 def adamw(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
@@ -67,7 +63,7 @@ def assert_close(got: list[float], ref: list[float]) -> None:
         assert abs(a - b) <= TOL * abs(b), f"step {i}: loss {a} vs {b}"
 
 
-def run_wrapped(job: dict[str, Any], **kw: Any) -> tuple[ManagedRun, list[float]]:
+def run_wrapped(job: dict[str, Any], **kw: Any) -> tuple[Wrapped, list[float]]:
     model = copy.deepcopy(job["model"])
     run = wrap(model, adamw(model), sample_batch=job["batch"], device_memory=job["limit"], **kw)
     return run, train(run.model, run.optimizer, job["batch"])

@@ -1,0 +1,83 @@
+"""What `agent.wrap(...).report()` says: plan summary, predicted vs measured, feedback, and what the runtime did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport
+    from agent.runtime.swap import SwapCounters
+    from client.contract import Feedback
+
+
+@dataclass
+class WrapReport:
+    """Plan summary, predicted vs measured, and what the runtime did."""
+
+    origin: str
+    message: str
+    solver: str
+    solver_status: str
+    mode_strip: str
+    chunks: int
+    offloaded_chunks: int
+    n_buffers: int
+    predicted_iteration_s: float | None
+    predicted_peak_device_bytes: int | None
+    predicted_peak_host_bytes: int | None
+    measured: Feedback | None
+    feedback_to: str | None
+    runtime: RuntimeReport
+    swap: SwapCounters | None = None
+    notes: list[str] = field(default_factory=list)
+
+    # the model-state runtime's figures, as `RuntimeReport` names them
+    @property
+    def memory(self) -> MemoryReport:
+        return self.runtime.memory
+
+    @property
+    def counters(self) -> Counters:
+        return self.runtime.counters
+
+    @staticmethod
+    def _err(measured: float | None, predicted: float | None) -> str:
+        if measured is None or not predicted:
+            return "-"
+        return f"{(measured / predicted - 1.0) * 100:+.1f}%"
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """(quantity, predicted, measured, error) rows for a table."""
+        m = self.measured
+        mib = 2**20
+
+        def b(x: float | None) -> str:
+            return "-" if x is None else f"{x / mib:.2f} MiB"
+
+        def s(x: float | None) -> str:
+            return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+        return [
+            ("iteration time", s(self.predicted_iteration_s), s(m.iteration_s if m else None),
+             self._err(m.iteration_s if m else None, self.predicted_iteration_s)),
+            ("peak device memory", b(self.predicted_peak_device_bytes), b(m.peak_device_bytes if m else None),
+             self._err(m.peak_device_bytes if m else None, self.predicted_peak_device_bytes)),
+            ("peak host memory", b(self.predicted_peak_host_bytes), b(m.peak_host_bytes if m else None),
+             self._err(m.peak_host_bytes if m else None, self.predicted_peak_host_bytes)),
+        ]
+
+    def __str__(self) -> str:
+        lines = [
+            f"plan: {self.message} [{self.origin}]; solver {self.solver} ({self.solver_status}); modes {self.mode_strip}; "
+            f"{self.chunks} chunks, {self.offloaded_chunks} offloaded, {self.n_buffers} buffers",
+        ]
+        for q, p, mm, e in self.rows():
+            lines.append(f"  {q:<20} predicted {p:>12}  measured {mm:>12}  {e:>8}")
+        if self.feedback_to:
+            lines.append(f"  feedback: {self.feedback_to}")
+        if self.swap is not None:
+            lines.append(f"  swap: {self.swap.swapped_out_bytes / 2**20:.1f} MiB out, {self.swap.prefetched_blocks} blocks "
+                         f"prefetched, {self.swap.late_fetches} late, {self.swap.demand_fetches} on demand")
+        lines.append(f"  runtime: {self.runtime}")
+        return "\n".join(lines)
