@@ -4,7 +4,8 @@ Modules, each with one job: `layout` (plan -> parameter offsets, checked against
 (chunk memory), `buffers` (device buffer pool), `schedule` (recorded access order, prefetch, eviction),
 `device` (streams and events; no-ops on CPU), `host_worker` (host optimizer thread), `optimizer`
 (the user's optimizer reproduced per chunk), `manager` (the orchestration), `accounting` (bytes held),
-`manual` (hand-built plans). Activation management (checkpoint/swap) is issue 7 and is not here yet.
+`manual` (hand-built plans), `activations` (per-block keep/checkpoint/swap) with `swap` (saved tensors
+to host memory and back, one block ahead).
 """
 
 from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport
