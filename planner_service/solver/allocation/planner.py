@@ -73,6 +73,9 @@ SEARCH_MAX_PAIRS = 4_000_000
 # Partitions up to this size still get best fit over the static orders (`greedy_tree.py`, abandoned at
 # the deadline), not the search; its node lists take about 200 bytes a buffer.
 GREEDY_MAX_BUFFERS = 2_000_000
+# Time `plan_allocation` keeps, per event, to turn the placement into the contract's plan after the
+# refinement stops (BufferOffset objects and the plan's validation), so the whole call meets its limit.
+FINISH_S_PER_EVENT = 3e-6
 
 
 @dataclass(slots=True)
@@ -362,9 +365,12 @@ def plan_allocation(
     base = int(padded.sum())
     long_raw = int(arr.sizes[ll_idx].sum())
     it_idx = np.flatnonzero(~ll)
+    # Keep time to build the plan's offsets after the search stops (~2 us an event here).
+    reserve = min(FINISH_S_PER_EVENT * n, time_limit_s / 4)
     sub_offsets, sub = _plan_units(arr.alloc[it_idx], arr.free[it_idx], arr.sizes[it_idx],
-                                   capacity_bytes=capacity_bytes, alignment_bytes=a, time_limit_s=time_limit_s,
-                                   rules=None, base_offset_bytes=base, minimize=True, t0=t0)
+                                   capacity_bytes=capacity_bytes, alignment_bytes=a,
+                                   time_limit_s=time_limit_s - reserve - (time.perf_counter() - t0),
+                                   rules=None, base_offset_bytes=base, minimize=True, t0=time.perf_counter())
     lower_bound = long_raw + sub.lower_bound_bytes
     if sub.status == SolverStatus.infeasible:
         return AllocationPlan(arena_bytes=0, lower_bound_bytes=lower_bound, alignment_bytes=a, offsets=[],
