@@ -165,24 +165,33 @@ def _place(order, first, last, sizes, tree_size, stab_ptr, start_ptr, deadline):
     return off, True
 
 
+class TreeBestFit:
+    """The trees' layout for one problem, built once; `place(order)` runs best fit in one order."""
+
+    def __init__(self, lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray) -> None:
+        self.lo = np.asarray(lowers, dtype=np.int64)
+        self.up = np.asarray(uppers, dtype=np.int64)
+        self.sz = np.asarray(sizes, dtype=np.int64)
+        times = np.unique(np.concatenate((self.lo, self.up)))
+        self.first = np.searchsorted(times, self.lo)
+        self.last = np.searchsorted(times, self.up)
+        self.tree_size = 1
+        while self.tree_size < times.shape[0]:
+            self.tree_size *= 2
+        self.stab_ptr, self.start_ptr = _build(self.first, self.last, self.tree_size)
+
+    def place(self, order: str, *, deadline: float | None = None) -> np.ndarray | None:
+        """Offsets of best fit in `order` (as `greedy.best_fit`), or None when `deadline` passed first."""
+        if self.sz.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        sequence = greedy_order(self.lo, self.up, self.sz, order)
+        off, done = _place(sequence, self.first, self.last, self.sz, self.tree_size, self.stab_ptr, self.start_ptr,
+                           float("inf") if deadline is None else deadline)
+        return off if done else None
+
+
 def tree_best_fit(
     lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray, order: str, *, deadline: float | None = None,
 ) -> np.ndarray | None:
     """Offsets of best fit in `order` (as `greedy.best_fit`), or None when `deadline` passed first."""
-    lo = np.asarray(lowers, dtype=np.int64)
-    up = np.asarray(uppers, dtype=np.int64)
-    sz = np.asarray(sizes, dtype=np.int64)
-    n = sz.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    times = np.unique(np.concatenate((lo, up)))
-    first = np.searchsorted(times, lo)
-    last = np.searchsorted(times, up)
-    tree_size = 1
-    while tree_size < times.shape[0]:
-        tree_size *= 2
-    stab_ptr, start_ptr = _build(first, last, tree_size)
-    sequence = greedy_order(lo, up, sz, order)
-    off, done = _place(sequence, first, last, sz, tree_size, stab_ptr, start_ptr,
-                       float("inf") if deadline is None else deadline)
-    return off if done else None
+    return TreeBestFit(lowers, uppers, sizes).place(order, deadline=deadline)
