@@ -10,8 +10,9 @@ on the optimizer; both removed by `close()`):
   host buffers in that same iteration.
 After `steps` steps it builds a `Feedback` and hands it to a `FeedbackSink`: `ServiceSink` posts it to
 the plan on the service; `LocalSink` appends it as one JSON line to a file (the embedded default, or when
-the service cannot be reached). A sink that fails never raises into the training loop: it logs once and
-the feedback is written locally instead.
+the service cannot be reached). A post to the service runs on a background thread, so a slow service
+never stalls the step; a sink that fails never raises into the training loop: it logs once and the
+feedback is written locally instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -153,6 +155,7 @@ class StepMonitor:
         self._meter = DevicePeakMeter(device)
         self._metering = False
         self._last: float | None = None
+        self._sender: threading.Thread | None = None
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             optimizer.register_step_post_hook(self._after_step),
@@ -202,16 +205,33 @@ class StepMonitor:
         if fb is None or self.measured.sent is not None:
             return self.measured.sent
         self.measured.sent = fb
-        if self.sink is not None:
-            try:
-                self.measured.sent_to = self.sink.send(fb)
-            except Exception as exc:  # noqa: BLE001 - never let feedback break the training loop
-                log.warning("memplan: feedback could not be recorded (%s: %s)", type(exc).__name__, exc)
-                self.measured.sent_to = f"not recorded ({type(exc).__name__})"
-            log.info("memplan: feedback after %d steps %s", self.measured.steps, self.measured.sent_to)
+        if self.sink is None:
+            return fb
+        if isinstance(self.sink, ServiceSink):
+            # a slow service must not stall the training step: post from a background thread
+            self.measured.sent_to = "posting"
+            self._sender = threading.Thread(target=self._send, args=(fb,), name="memplan-feedback", daemon=True)
+            self._sender.start()
+        else:
+            self._send(fb)
         return fb
 
+    def _send(self, fb: Feedback) -> None:
+        assert self.sink is not None
+        try:
+            self.measured.sent_to = self.sink.send(fb)
+        except Exception as exc:  # noqa: BLE001 - never let feedback break the training loop
+            log.warning("memplan: feedback could not be recorded (%s: %s)", type(exc).__name__, exc)
+            self.measured.sent_to = f"not recorded ({type(exc).__name__})"
+        log.info("memplan: feedback after %d steps %s", self.measured.steps, self.measured.sent_to)
+
+    def wait_sent(self, timeout_s: float = 15.0) -> None:
+        """Wait (at most `timeout_s`) for a feedback post in flight, e.g. before reading the report."""
+        if self._sender is not None:
+            self._sender.join(timeout_s)
+
     def close(self) -> None:
+        self.wait_sent()
         if self._metering:
             self._metering = False
             self._meter.stop()

@@ -70,6 +70,8 @@ class Wrapped:
         policy = self.plan.policy
         assert policy is not None
         pred = self.plan.predictions
+        if self.monitor is not None:
+            self.monitor.wait_sent()
         m = self.monitor.measured if self.monitor is not None else None
         store = self.activations.store if self.activations is not None else None
         origin = self.source.origin if self.source is not None else "given"

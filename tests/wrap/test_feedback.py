@@ -1,0 +1,68 @@
+"""Feedback never stalls or breaks training: a silent service gets the post in the background, then a local file."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.feedback import LocalSink, ServiceSink, StepMonitor
+from agent.model_zoo import build, sample_batch
+from agent.runtime import manual_plan
+from agent.wrap import unwrap, wrap
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """Accepts connections and never answers (a hung service)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    t.join(5)
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def test_feedback_to_a_hung_service_is_posted_in_the_background_then_recorded_locally(
+        silent_server: str, tmp_path: Path) -> None:
+    model, cfg = build("gpt2", layers=2, hidden=64, vocab=128, seq=32, seed=0)
+    batch = sample_batch(cfg, 2, 32)
+    w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+             plan=manual_plan(model, chunk_size_bytes=2**20), feedback_steps=None)
+    local = tmp_path / "fb.jsonl"
+    mon = StepMonitor(model, w.optimizer, torch.device("cpu"), manager=w.runtime, activations=w.activations,
+                      sink=ServiceSink(silent_server, "plan-1", fallback=LocalSink(local), timeout_s=1.0), steps=4)
+    for _ in range(4):
+        w.model(**batch).loss.backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+    assert mon.measured.sent is not None, "feedback was not built after 4 steps"
+    assert mon.measured.sent_to == "posting", "the step waited for the service"
+    mon.wait_sent(60)
+    assert mon.measured.sent_to is not None and mon.measured.sent_to.startswith("recorded locally")
+    line = json.loads(local.read_text().splitlines()[0])
+    assert line["plan_id"] == "plan-1" and line["feedback"]["steps_measured"] == 1
+    assert line["feedback"]["peak_device_bytes"] > 0
+    mon.close()
+    unwrap(w)
