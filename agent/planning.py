@@ -227,11 +227,15 @@ def obtain_plan(
                     message=f"reused plan {plan_id[:12]} from {url} history",
                 )
 
+        # The profiler needs the optimizer's parameters on the profiled device; a CPU model planned for CUDA
+        # is profiled with a fresh AdamW there (the profiler moves the model and back).
+        same_device = params[0].device == dev
         trace = agent.profile(
             model,
             sample_batch,
             loss_fn=loss_fn,
-            optimizer=optimizer,
+            optimizer=optimizer if same_device else None,
+            device=dev,
             device_memory_limit=device_memory,
             hardware=hw,
         )
