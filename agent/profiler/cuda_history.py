@@ -121,7 +121,8 @@ class CudaAllocatorHistory:
                     event += 1
         for addr, count in self.saved:
             pairs = by_addr.get(addr, [])
-            i = bisect.bisect_right(pairs, (count, 2**62)) - 1
+            # `count` allocations had happened when it was saved: it is the latest one at `addr` numbered below it
+            i = bisect.bisect_right(pairs, (count - 1, 2**62)) - 1
             if i >= 0:
                 records[pairs[i][1] - first_sid].saved_for_backward = True
         return records, event, by_addr
