@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import threading
 import time
@@ -44,6 +45,12 @@ log = logging.getLogger(__name__)
 DEFAULT_LOCAL_FEEDBACK = Path.home() / ".memplan" / "feedback.jsonl"
 
 
+def local_feedback_path() -> Path:
+    """Where feedback is recorded locally: MEMPLAN_FEEDBACK_PATH, else ~/.memplan/feedback.jsonl."""
+    env = os.environ.get("MEMPLAN_FEEDBACK_PATH")
+    return Path(env) if env else DEFAULT_LOCAL_FEEDBACK
+
+
 class FeedbackSink(Protocol):
     def send(self, feedback: Feedback) -> str:
         """Deliver the feedback; return where it went (for the report)."""
@@ -54,7 +61,7 @@ class FeedbackSink(Protocol):
 class LocalSink:
     """Appends `{"plan_id", "trace_hash", "feedback"}` as one JSON line to `path`."""
 
-    path: Path = DEFAULT_LOCAL_FEEDBACK
+    path: Path = field(default_factory=local_feedback_path)
     plan_id: str | None = None
     trace_hash: str | None = None
 

@@ -143,7 +143,8 @@ def wrap(
     batch)` if the model does not return `.loss`. `server`: planner service URL (default MEMPLAN_SERVER;
     neither: solve in-process). `device_memory` / `host_memory`: limits in bytes (default: the device's and
     the host's). `feedback_steps`: after this many optimizer steps the measured iteration time and peaks go
-    to the service (plans from it) or to `feedback_path` (default ~/.memplan/feedback.jsonl); None: no
+    to the service (plans from it) or to `feedback_path` (default MEMPLAN_FEEDBACK_PATH, else
+    ~/.memplan/feedback.jsonl); None: no
     monitor. `wait_s`: longest wait for the service's plan before solving in-process.
 
     The model's parameters become views into chunk buffers laid out as the plan says; use the returned
@@ -154,7 +155,7 @@ def wrap(
     PlanInfeasibleError (nothing fits; says what would), PlanMismatchError / ActivationPlanError (the plan
     does not match the model, naming the parameter or block), UnsupportedOptimizerError.
     """
-    from agent.feedback import DEFAULT_LOCAL_FEEDBACK, LocalSink, ServiceSink, StepMonitor
+    from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
     from agent.planning import PlanSource, obtain_plan
     from agent.runtime.activations import apply_activation_policy, block_targets
     from agent.runtime.optimizer import check_supported
@@ -181,7 +182,7 @@ def wrap(
         unwrap(wrapped)
         raise
     if feedback_steps:
-        local = LocalSink(feedback_path or DEFAULT_LOCAL_FEEDBACK, plan_id=source.plan_id, trace_hash=plan.trace_hash)
+        local = LocalSink(feedback_path or local_feedback_path(), plan_id=source.plan_id, trace_hash=plan.trace_hash)
         sink = ServiceSink(source.server, source.plan_id, fallback=local) if (
             source.server and source.plan_id) else local
         strip = plan.policy.mode_strip()
