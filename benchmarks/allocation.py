@@ -63,7 +63,8 @@ def challenging(cpsat_baseline: bool) -> list[dict[str, Any]]:
             continue
         buffers = read_minimalloc_csv(path)
         lows, ups, sizes = [b.lower for b in buffers], [b.upper for b in buffers], [b.size for b in buffers]
-        greedy = min(max(o + s for o, s in zip(best_fit(lows, ups, sizes, k), sizes, strict=True)) for k in ORDERS)
+        greedy = min(max(o + s for o, s in zip(best_fit(lows, ups, sizes, k) or [], sizes, strict=True))
+                     for k in ORDERS)  # no deadline given: best_fit always returns offsets
         plan = plan_buffers(buffers, capacity_bytes=CAPACITY, time_limit_s=60.0, minimize=False)
         ok = plan.status.value in ("optimal", "feasible")
         if ok:
@@ -74,7 +75,7 @@ def challenging(cpsat_baseline: bool) -> list[dict[str, Any]]:
             "fits": ok and plan.arena_bytes <= CAPACITY, "solve_s": round(plan.solve_s, 3),
             "search_nodes": plan.search_nodes, "method": plan.method,
         }
-        if ok and plan.arena_bytes > row["lower_bound"]:
+        if ok and plan.arena_bytes > plan.lower_bound_bytes:
             # Capacity above the bound: how far below the capacity does minimising get in 30 s?
             tight = plan_buffers(buffers, capacity_bytes=CAPACITY, time_limit_s=30.0)
             validate_placement(buffers, tight.offsets, capacity=CAPACITY)
@@ -105,7 +106,8 @@ def ablation(names: str, limit_s: float) -> list[dict[str, Any]]:
     variants: list[tuple[str, SearchRules]] = [("all rules", SearchRules())]
     for f in dataclasses.fields(SearchRules):
         if f.name != "preorders":
-            variants.append((f"no {f.name}", dataclasses.replace(SearchRules(), **{f.name: False})))
+            switched_off: dict[str, Any] = {f.name: False}
+            variants.append((f"no {f.name}", dataclasses.replace(SearchRules(), **switched_off)))
     variants.append(("one preorder (WAT)", SearchRules(preorders=("WAT",))))
     rows = []
     for name in names:
