@@ -7,6 +7,10 @@ Public API (the service composes it into plans; the runtime arena consumes it):
 * `simulate_caching_allocator(trace) -> CachingAllocatorReport`: PyTorch's CUDA caching allocator replayed;
 * the plain-buffer layer for MiniMalloc CSV files: `Buffer`, `plan_buffers`, `validate_placement`,
   `read_minimalloc_csv`, `write_minimalloc_csv`, `search_placement`.
+
+All three trace-level functions read the trace's columns and scale to 10^6 events (compiled sweeps over
+treaps and segment trees; see docs/architecture/allocation.md, "Scale"); `scaled_traces` builds large
+test traces from a profiled one.
 """
 
 from planner_service.solver.allocation.buffers import (
