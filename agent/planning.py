@@ -3,7 +3,7 @@
 Order of `obtain_plan` (the training job comes first: nothing here may crash or stall it):
 1. with a server (argument or `MEMPLAN_SERVER`): look in the service's history for a finished plan of
    the same model fingerprint, hardware key and workload key under the same limits, and reuse it at
-   once (no profiling, no solve);
+   once (no profiling, no solve; `reuse=False` skips this);
 2. otherwise profile the job (`agent.profile`, one real iteration and its measurements);
 3. with a server: upload the trace, request a plan, wait for it with a progress indicator (at most
    `wait_s`); without one, or when the service is down, errors or is slower than `wait_s`: solve
@@ -173,6 +173,7 @@ def obtain_plan(
     loss_fn: Any = None,
     time_limit_s: float = 10.0,
     wait_s: float = DEFAULT_WAIT_S,
+    reuse: bool = True,
     request_timeout_s: float = 10.0,
 ) -> PlanSource:
     """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError."""
@@ -202,7 +203,7 @@ def obtain_plan(
 
         client = Client(url, timeout=request_timeout_s, max_retries=1)
     try:
-        if client is not None:
+        if client is not None and reuse:
             try:
                 found = find_in_history(
                     client,

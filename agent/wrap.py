@@ -136,6 +136,7 @@ def wrap(
     feedback_steps: int | None = DEFAULT_FEEDBACK_STEPS,
     feedback_path: Path | None = None,
     wait_s: float = 120.0,
+    reuse: bool = True,
 ) -> Wrapped:
     """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
 
@@ -145,7 +146,8 @@ def wrap(
     the host's). `feedback_steps`: after this many optimizer steps the measured iteration time and peaks go
     to the service (plans from it) or to `feedback_path` (default MEMPLAN_FEEDBACK_PATH, else
     ~/.memplan/feedback.jsonl); None: no
-    monitor. `wait_s`: longest wait for the service's plan before solving in-process.
+    monitor. `wait_s`: longest wait for the service's plan before solving in-process. `reuse=False`:
+    profile and plan afresh even when the service's history has a plan for this job.
 
     The model's parameters become views into chunk buffers laid out as the plan says; use the returned
     `.model` and `.optimizer` from here on (the optimizer passed in is left untouched and goes stale).
@@ -167,7 +169,7 @@ def wrap(
         source = PlanSource(plan, "given", message="plan given to wrap")
     else:
         source = obtain_plan(model, optimizer, sample_batch, server=server, device_memory=device_memory,
-                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s)
+                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s, reuse=reuse)
         log.info("memplan: %s", source.message)
     plan = source.plan
     if plan.policy is None:

@@ -11,6 +11,7 @@ feedback), and how closely the managed loss curve follows the baseline's.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Annotated, Any
 
@@ -28,7 +29,12 @@ def demo(server: ServerOpt = None,
          steps: Annotated[int, typer.Option(help="training steps of each run (baseline and managed)")] = 30,
          device_memory: Annotated[str | None, typer.Option(
              help="device-memory limit (default: 45% of the measured un-managed peak)")] = None,
-         fraction: Annotated[float, typer.Option(help="limit as a fraction of the un-managed peak")] = 0.45) -> None:
+         fraction: Annotated[float, typer.Option(help="limit as a fraction of the un-managed peak")] = 0.45,
+         threads: Annotated[int | None, typer.Option(
+             help="torch compute threads (default on CPU: cores - 1, leaving one to the host optimizer)")] = None,
+         reuse: Annotated[bool, typer.Option(
+             help="reuse a plan from the service's history for this model, hardware and workload (its "
+                  "predictions then come from the earlier run's trace)")] = False) -> None:
     """Train a small llama under a tight memory limit with a plan from the service; compare with plain PyTorch."""
     import copy
 
@@ -43,8 +49,14 @@ def demo(server: ServerOpt = None,
         raise typer.BadParameter("steps: at least 6 (2 warm-up, 1 metered, timed steps)")
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and threads is None:
+        # On CPU the host optimizer thread and the compute threads share the cores: leave it one core
+        # (with both OpenMP threads busy-waiting on a 2-core machine, the managed run was ~3x slower).
+        threads = max(1, (os.cpu_count() or 2) - 1)
+    if threads:
+        torch.set_num_threads(threads)
     console.print(f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "
-                  f"{steps} steps per run on {device}")
+                  f"{steps} steps per run on {device} ({torch.get_num_threads()} compute threads)")
     base, config = model_zoo.build("llama", layers, hidden, seq=max(seq, 128))
     batches = [model_zoo.sample_batch(config, batch, seq, seed=i, device=device) for i in range(4)]
 
@@ -61,8 +73,11 @@ def demo(server: ServerOpt = None,
         console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
         model = copy.deepcopy(base).to(device)  # type: ignore[arg-type]
         run = wrap(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
-                         feedback_steps=steps)
+                   feedback_steps=steps, reuse=reuse)
+        assert run.source is not None
         console.print(f"   {run.source.message}")
+        if run.source.origin == "history":
+            console.print("   (predictions below come from the trace of the run that made this plan)")
         console.print("3. managed training ...")
         managed_losses = _train(run.model, run.optimizer, batches, steps)
         report = run.report()
