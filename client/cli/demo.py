@@ -36,14 +36,7 @@ def demo(server: ServerOpt = None,
              help="reuse a plan from the service's history for this model, hardware and workload (its "
                   "predictions then come from the earlier run's trace)")] = False) -> None:
     """Train a small llama under a tight memory limit with a plan from the service; compare with plain PyTorch."""
-    import copy
-
     import torch
-    from rich.table import Table
-
-    from agent import model_zoo
-    from agent.wrap import unwrap, wrap
-    from client.cli.render import plan_table
 
     if steps < 6:
         raise typer.BadParameter("steps: at least 6 (2 warm-up, 1 metered, timed steps)")
@@ -53,8 +46,26 @@ def demo(server: ServerOpt = None,
         # On CPU the host optimizer thread and the compute threads share the cores: leave it one core
         # (with both OpenMP threads busy-waiting on a 2-core machine, the managed run was ~3x slower).
         threads = max(1, (os.cpu_count() or 2) - 1)
+    threads_before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        _run(server, layers, hidden, batch, seq, steps, device_memory, fraction, reuse, device, t_start)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, steps: int, device_memory: str | None,
+         fraction: float, reuse: bool, device: Any, t_start: float) -> None:
+    import copy
+
+    import torch
+    from rich.table import Table
+
+    from agent import model_zoo
+    from agent.wrap import unwrap, wrap
+    from client.cli.render import plan_table
+
     console.print(f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "
                   f"{steps} steps per run on {device} ({torch.get_num_threads()} compute threads)")
     base, config = model_zoo.build("llama", layers, hidden, seq=max(seq, 128))
