@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from planner_service.api.errors import ApiError
 from planner_service.api.ratelimit import TokenBuckets, retry_after_header
@@ -15,12 +16,14 @@ from planner_service.db.session import Database
 from planner_service.settings import Settings
 
 
-def get_db(request: Request) -> Database:
+# Trivial dependencies are `async def`: FastAPI runs sync dependencies through its thread pool, a hop
+# that cost more than the work itself on every request.
+async def get_db(request: Request) -> Database:
     db: Database = request.app.state.db
     return db
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
@@ -34,7 +37,7 @@ UI_PREFIX = "/ui/"
 UI_TOKEN_COOKIE = "memplan_token"
 
 
-def get_principal(request: Request, db: Annotated[Database, Depends(get_db)],
+async def get_principal(request: Request, db: Annotated[Database, Depends(get_db)],
                   settings: Annotated[Settings, Depends(get_settings)]) -> Principal:
     """Who is asking: the token's project when auth is on, the default project when it is off; rate-limited."""
     principal = ANONYMOUS
@@ -48,8 +51,7 @@ def get_principal(request: Request, db: Annotated[Database, Depends(get_db)],
         if scheme.lower() != "bearer" or not token:
             raise ApiError(401, "missing bearer token (Authorization: Bearer mp_...)",
                            headers={"WWW-Authenticate": "Bearer"})
-        with db.session() as s:
-            found = resolve(s, token.strip())
+        found = await run_in_threadpool(_resolve, db, token.strip())
         if found is None:
             raise ApiError(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})
         principal = found
@@ -63,6 +65,11 @@ def get_principal(request: Request, db: Annotated[Database, Depends(get_db)],
 
 # scope="function": the session commits when the endpoint returns, before the response is sent, so a client
 # that reads right after a 201/202 always sees what was written.
+def _resolve(db: Database, token: str) -> Principal | None:
+    with db.session() as s:
+        return resolve(s, token)
+
+
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_db)]

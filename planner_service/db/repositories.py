@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, joinedload
 
 from client.contract import Constraints, Feedback, Objective, Plan, Trace
 from planner_service.db.base import utcnow
@@ -123,9 +123,12 @@ class PlanRepository:
         self.s = session
 
     def get(self, plan_id: str, project_id: str | None = None) -> PlanRow | None:
-        """A plan by id; with `project_id`, only if it belongs to that project."""
-        row = self.s.get(PlanRow, plan_id)
-        return row if row is not None and (project_id is None or row.project_id == project_id) else None
+        """A plan by id (with its model and feedback, in one query); with `project_id`, only if it is theirs."""
+        stmt = (select(PlanRow).where(PlanRow.id == plan_id)
+                .options(joinedload(PlanRow.model), joinedload(PlanRow.feedback)))
+        if project_id is not None:
+            stmt = stmt.where(PlanRow.project_id == project_id)
+        return self.s.execute(stmt).unique().scalar_one_or_none()
 
     def reusable(self, project_id: str, key: str) -> PlanRow | None:
         """An earlier identical request of the project that is queued, running or finished (not failed)."""

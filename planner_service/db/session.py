@@ -27,7 +27,9 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # No pre-ping (it doubled the round trips of every request): a connection broken by a database restart
+    # fails one request with 503 and SQLAlchemy then invalidates the whole pool (tests/service/test_faults.py).
+    return create_engine(url, pool_size=10, max_overflow=20, pool_recycle=1800)
 
 
 class Database:
