@@ -36,6 +36,13 @@ Optimizer:
   (measured from the start of backward).
   T_iter = T_fwd + max(T_bwd + T_dev_opt, T_host_end)    (ProTrain: max(T_bwd + T_gpu_optim, T_cpu_optim))
 
+Without copy/compute overlap (`CostParams.copy_overlap` False; the default for a CPU "device", whose
+"host" is the same memory and cores and whose streams are no-ops), every max() above becomes a sum:
+  Tf[c] = F[c] + H2D + D2H,  Tb[c] = Bk[c] + H2D + D2H  (the one-buffer rule is then implied)
+  T_host_end = T_bwd + T_dev_opt + o[0] * grad_offload(0) + sum over offloaded c of host_step(c)
+  (the first chunk's gradient copy has no window after it; the host optimizer runs serially), so
+  T_iter = T_fwd + T_bwd + T_dev_opt + o[0] * grad_offload(0) + T_host_optim.
+
 Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
   static = persistent chunks' model states + n_buffers device buffers
   retained(b) = activation bytes (keep), input bytes (checkpoint), 0 (swap, copied out)
@@ -85,7 +92,10 @@ class Cost:
         return self.fits_device and self.fits_host
 
 
-def _combine(compute: int, h2d: int, d2h: int, full_duplex: bool) -> int:
+def _combine(compute: int, h2d: int, d2h: int, full_duplex: bool, copy_overlap: bool = True) -> int:
+    """One window's time: copies hidden behind compute (GPU), or added to it (CPU: no overlap)."""
+    if not copy_overlap:
+        return compute + h2d + d2h
     return max(compute, h2d, d2h) if full_duplex else max(compute, h2d + d2h)
 
 
@@ -148,6 +158,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     o = d.offloaded
     nb = d.n_buffers
     duplex = inst.params.full_duplex
+    overlap = inst.copy_overlap
     U, G = inst.upload_ns, inst.grad_offload_ns
     windows = max(C, 1)
     F = [0] * windows
@@ -171,7 +182,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     fwd = U[0] if off(0) else 0
     for c in range(windows):
         h2d = U[c + 1] if off(c + 1) else 0
-        t = _combine(F[c], h2d, SO[c], duplex)
+        t = _combine(F[c], h2d, SO[c], duplex, overlap)
         if nb == 1 and off(c) and off(c + 1):
             t = max(t, F[c] + U[c + 1])
         fwd += t
@@ -181,7 +192,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     for c in range(windows):
         h2d = ((U[c - 1] if need[c - 1] else 0) + SI[c - 1]) if c >= 1 else 0
         d2h = G[c + 1] if off(c + 1) else 0
-        t = _combine(Bk[c], h2d, d2h, duplex)
+        t = _combine(Bk[c], h2d, d2h, duplex, overlap)
         if nb == 1 and off(c) and off(c - 1):
             t = max(t, Bk[c] + U[c - 1])
         Tb[c] = t
@@ -200,6 +211,10 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         host_end = max(host_end, dones[c] + (G[c] if o[c] else 0) + queued)
         if o[c]:
             queued -= inst.host_optim_ns[c]
+    if not overlap:
+        # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
+        # backward and the device optimizer, on the same cores
+        host_end = bwd + dev_opt + (G[0] if C and o[0] else 0) + host_total
     iteration = fwd + max(bwd + dev_opt, host_end)
 
     n_off = sum(o)
@@ -252,6 +267,7 @@ def predictions_of(inst: PolicyInstance, decision: Decision, cost: Cost) -> Pred
             "usable_device_bytes": float(inst.usable_device_bytes),
             "alpha": inst.params.alpha,
             "full_duplex": 1.0 if inst.params.full_duplex else 0.0,
+            "copy_overlap": 1.0 if inst.copy_overlap else 0.0,
             "chunk_state_bytes": float(inst.chunk_state_bytes),
             "buffer_bytes": float(inst.buffer_bytes),
         },
@@ -322,8 +338,11 @@ class BatchTimer:
         SO = (sw * self.so) @ self.ind
         SI = (sw * self.si) @ self.ind
         duplex = self.inst.params.full_duplex
+        overlap = self.inst.copy_overlap
 
         def combine(compute: np.ndarray, h2d: np.ndarray, d2h: np.ndarray) -> np.ndarray:
+            if not overlap:
+                return compute + h2d + d2h
             return np.maximum(np.maximum(compute, h2d), d2h) if duplex else np.maximum(compute, h2d + d2h)
 
         nxt = np.arange(1, W + 1)
@@ -354,6 +373,8 @@ class BatchTimer:
             dev_opt = int((self.D * (1 - oc)).sum())
         else:
             host_end, dev_opt = np.zeros(modes.shape[0], dtype=np.int64), 0
+        if not overlap:
+            host_end = bwd + dev_opt + (int(self.G[0] * o[0] + (self.H * o[:C]).sum()) if C else 0)
         return fwd + np.maximum(bwd + dev_opt, host_end)
 
 

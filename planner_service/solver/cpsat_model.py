@@ -139,13 +139,17 @@ def _total(terms: Terms) -> LinearExpr:
 
 
 def _add_window(m: cp_model.CpModel, t: cp_model.IntVar, compute: int, extra: Terms, h2d: Terms, d2h: Terms,
-                full_duplex: bool) -> None:
+                full_duplex: bool, copy_overlap: bool = True) -> None:
     """t >= max(compute + recompute, H2D copies, D2H copies) (or H2D + D2H on a half-duplex link).
 
     Plus, for every single copy term a*x, the cut t >= compute + (a - compute) * x when a > compute: valid
     because t >= max(compute, a*x) for x in {0, 1}, and it is the convex hull of that max. Without it the
     LP relaxation hides a fractional offload entirely behind compute, and the bound stays weak.
+    Without copy overlap (CPU), the window is serial: t >= compute + recompute + H2D + D2H (already linear).
     """
+    if not copy_overlap:
+        m.add(t >= compute + _total(extra) + _total(h2d) + _total(d2h))
+        return
     m.add(t >= compute + _total(extra))
     if full_duplex:
         m.add(t >= _total(h2d))
@@ -178,6 +182,7 @@ def _add_time(pm: PolicyModel) -> None:
     C, W = inst.n_chunks, max(inst.n_chunks, 1)
     U, G = inst.upload_ns, inst.grad_offload_ns
     duplex = inst.params.full_duplex
+    overlap = inst.copy_overlap
     assert pm.nbuf1 is not None
     F, Bk, REC, SO, SI = _window_terms(pm)
     upper = sum(inst.fwd_ns) + sum(inst.bwd_ns) + sum(inst.rec_ns) + sum(inst.swap_out_ns) + sum(inst.swap_in_ns) \
@@ -194,8 +199,8 @@ def _add_time(pm: PolicyModel) -> None:
     # forward
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
     for c in range(W):
-        _add_window(m, tf[c], F[c], [], off(c + 1), SO[c], duplex)
-        if c + 1 < C:
+        _add_window(m, tf[c], F[c], [], off(c + 1), SO[c], duplex, overlap)
+        if overlap and c + 1 < C:  # serial windows already pay every upload
             m.add(tf[c] >= F[c] + U[c + 1] * _serial_pair(pm, c, c + 1))
     fwd = _total(off(0)) + sum(tf)
 
@@ -203,14 +208,21 @@ def _add_time(pm: PolicyModel) -> None:
     tb = [m.new_int_var(Bk[c], upper, f"tb[{c}]") for c in range(W)]
     for c in range(W):
         h2d = (need(c - 1) + SI[c - 1]) if c >= 1 else []
-        _add_window(m, tb[c], Bk[c], REC[c], h2d, grad(c + 1), duplex)
-        if 1 <= c < C:
+        _add_window(m, tb[c], Bk[c], REC[c], h2d, grad(c + 1), duplex, overlap)
+        if overlap and 1 <= c < C:
             m.add(tb[c] >= Bk[c] + _total(REC[c]) + U[c - 1] * _serial_pair(pm, c - 1, c))
     head = _total(need(C - 1) + SI[W - 1])
     bwd = head + sum(tb)
 
     # optimizer: device steps for persistent chunks; one FIFO host worker for offloaded chunks
     dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
+    if not overlap:
+        # serial (CPU): chunk 0's gradient copy and the host optimizer's work follow backward and the
+        # device optimizer (cost_model: T_iter = T_fwd + T_bwd + T_dev_opt + o[0]*G[0] + host work)
+        host_work = sum(inst.host_optim_ns[c] * pm.off[c] for c in range(C)) + (G[0] * pm.off[0] if C else 0)
+        pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
+        m.add(pm.iteration == fwd + bwd + dev_opt + host_work)
+        return
     host_end = m.new_int_var(0, upper, "host_end")
     done = m.new_int_var(0, upper, f"done[{W - 1}]")
     m.add(done == head + tb[W - 1])

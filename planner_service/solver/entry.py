@@ -35,11 +35,12 @@ from planner_service.solver.instance import (
     PolicyInstance,
     alpha_for,
     build_instance,
+    resolve_params,
 )
 from planner_service.solver.layout import ChunkLayout, candidate_layouts
 
 # Bump whenever a change can alter a plan (cost model, model, search, defaults): the service dedups by it.
-SOLVER_VERSION = "policy-1.0"
+SOLVER_VERSION = "policy-1.1"  # 1.1: no copy/compute overlap on a CPU device (CostParams.copy_overlap)
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {Mode.keep: ActivationMode.keep, Mode.checkpoint: ActivationMode.checkpoint, Mode.swap: ActivationMode.swap}
@@ -119,7 +120,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         raise ValueError(f"solver: unknown {solver!r}; choose one of {', '.join(SOLVERS)}")
     t0 = time.perf_counter()
     deadline = t0 + constraints.time_limit_s
-    params = CostParams(alpha=alpha_for(trace))
+    params = resolve_params(trace, CostParams(alpha=alpha_for(trace)))
     layouts = candidate_layouts(trace)
     best: _Best | None = None
     bounds: list[float] = []
@@ -195,6 +196,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
             gap=gap_out,
             solve_s=time.perf_counter() - t0,
             message=f"chunk size {best.inst.layout.chunk_size_bytes >> 20}MiB of [{sizes}]; "
-            f"layout statuses {statuses or ['protrain search']}; alpha {params.alpha:.3f}",
+            f"layout statuses {statuses or ['protrain search']}; alpha {params.alpha:.3f}; "
+            f"copies {'overlap compute' if params.copy_overlap else 'serial with compute (cpu device)'}",
         ),
     )

@@ -16,10 +16,10 @@ Model-state accounting (what the runtime must match; see docs/architecture/solve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
-from client.contract import BlockKind, Constraints, Precision, Trace
+from client.contract import BlockKind, Constraints, DeviceType, Precision, Trace
 from planner_service.solver.bandwidth import transfer_ns
 from planner_service.solver.layout import ChunkLayout
 
@@ -42,10 +42,30 @@ class CostParams:
       the trace measures it (`alpha_for(trace)` derives it from a measured allocation trace when present).
     full_duplex: H2D and D2H copies use separate links (CUDA GPUs have separate copy engines). False gives
       ProTrain's reference model, where swap traffic and prefetch share one link.
+    copy_overlap: copies (chunk uploads, gradient copies, swap traffic) and the host optimizer run
+      concurrently with device compute, as on a CUDA GPU with copy engines and a host CPU beside it. When
+      False (a CPU "device": device and host are the same memory and cores, streams are no-ops) every copy
+      is serial with compute, each window costs compute + H2D + D2H, and the host optimizer's work adds to
+      the iteration. None (default) means "from the trace": True exactly when
+      `trace.hardware.device_type == cuda`; `build_instance` resolves it, so an instance never holds None.
     """
 
     alpha: float = DEFAULT_ALPHA
     full_duplex: bool = True
+    copy_overlap: bool | None = None
+
+
+def copy_overlap_for(trace: Trace) -> bool:
+    """Whether copies and the host optimizer overlap device compute on the trace's hardware (CUDA: yes)."""
+    return trace.hardware.device_type == DeviceType.cuda
+
+
+def resolve_params(trace: Trace, params: CostParams | None) -> CostParams:
+    """`params` with every "from the trace" default filled in (alpha from the trace when params is None)."""
+    params = params or CostParams(alpha=alpha_for(trace))
+    if params.copy_overlap is None:
+        params = replace(params, copy_overlap=copy_overlap_for(trace))
+    return params
 
 
 def alpha_for(trace: Trace, default: float = DEFAULT_ALPHA) -> float:
@@ -108,6 +128,11 @@ class PolicyInstance:
     block_names: tuple[str, ...] = field(default=())
 
     @property
+    def copy_overlap(self) -> bool:
+        """Copies and the host optimizer overlap compute (resolved by `build_instance`; None reads as True)."""
+        return self.params.copy_overlap is not False
+
+    @property
     def n_blocks(self) -> int:
         return len(self.fwd_ns)
 
@@ -123,7 +148,7 @@ def build_instance(
     trace: Trace, layout: ChunkLayout, constraints: Constraints, params: CostParams | None = None
 ) -> PolicyInstance:
     """Scale the trace's measurements to integers for one layout and one set of limits."""
-    params = params or CostParams(alpha=alpha_for(trace))
+    params = resolve_params(trace, params)
     w = trace.workload
     m = trace.measurements
     bw = trace.hardware.bandwidth

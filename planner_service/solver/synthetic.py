@@ -164,8 +164,11 @@ def hand_trace(
     host_memory_bytes: int = 512 * GiB,
     pinned_memory_limit_bytes: int | None = None,
     name: str = "hand-built",
+    device_type: DeviceType = DeviceType.cuda,
 ) -> Trace:
     """A fp32 + Adam trace with exactly the given per-block numbers and flat copy bandwidths (tests only).
+
+    `device_type` cpu gives a CPU "device" (the cost model then assumes no copy/compute overlap).
 
     fp32: 4-byte elements, gradients 4 bytes, optimizer state 8 bytes, no master copy, so a chunk of S bytes
     carries 4*S bytes of model state. Each block owns one parameter `blocks.{i}.weight` of `parameter_bytes`
@@ -189,7 +192,8 @@ def hand_trace(
         ))
     flat = lambda bw: [BandwidthSample(size_bytes=1, bytes_per_s=bw)]  # noqa: E731
     hw = Hardware(
-        device_type=DeviceType.cuda, device_name="Hand-built GPU", device_count=1,
+        device_type=device_type, device_name="Hand-built GPU" if device_type == DeviceType.cuda else "Hand-built CPU",
+        device_count=1,
         device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory_bytes,
         pinned_memory_limit_bytes=pinned_memory_limit_bytes, cpu_cores=8,
         bandwidth=BandwidthCurves(h2d_pinned=flat(h2d_bytes_per_s), d2h_pinned=flat(d2h_bytes_per_s)),

@@ -15,6 +15,7 @@ from client.contract import (
     BlockPolicy,
     Chunk,
     Constraints,
+    DeviceType,
     Placement,
     Policy,
 )
@@ -177,3 +178,101 @@ def test_fragmentation_margin_comes_from_a_measured_allocation_trace_when_there_
     data["measurements"]["peak_device_bytes"] = 360 * MiB
     measured = Trace.model_validate(data)
     assert alpha_for(measured) == pytest.approx(0.2)
+
+
+# --- CPU device: copies and the host optimizer do not overlap compute (hand-checked serial costs) ---------
+
+
+def cpu_five_block_trace(fwd: float, bwd: float, rec: float, host_rate: float = 1e12):
+    """`five_block_trace` measured on a CPU "device" (the same numbers; only the device type differs)."""
+    gpu = five_block_trace(fwd, bwd, rec, host_rate)
+    return gpu.model_copy(update={"hardware": gpu.hardware.model_copy(update={"device_type": DeviceType.cpu})})
+
+
+def test_copy_overlap_defaults_to_the_trace_device_type():
+    gpu = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    cpu = cpu_five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    lay = pack(gpu, 32 * MiB)
+    assert build_instance(gpu, lay, ROOMY).copy_overlap
+    assert not build_instance(cpu, lay, ROOMY).copy_overlap
+    # an explicit setting wins over the trace
+    assert build_instance(cpu, lay, ROOMY, CostParams(copy_overlap=True)).copy_overlap
+    assert not build_instance(gpu, lay, ROOMY, CostParams(copy_overlap=False)).copy_overlap
+
+
+def test_cpu_everything_fits_costs_the_same_as_on_a_gpu():
+    # no copies and no host optimizer: nothing to serialise, so the CPU model changes nothing
+    pol_args = (32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K, C, C, K, K])
+    gpu = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    cpu = cpu_five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    p_gpu = evaluate(gpu, policy(gpu, *pol_args), ROOMY, NO_MARGIN)
+    p_cpu = evaluate(cpu, policy(cpu, *pol_args), ROOMY, NO_MARGIN)
+    assert p_cpu.iteration_s == p_gpu.iteration_s
+    assert p_cpu.iteration_s == pytest.approx(0.010 + 0.020 + 2 * 0.002 + 32 * MiB / 100e9, abs=1e-9)
+    assert p_cpu.breakdown["copy_overlap"] == 0.0 and p_gpu.breakdown["copy_overlap"] == 1.0
+
+
+def test_cpu_swap_copies_add_to_compute_instead_of_hiding_behind_it():
+    args = (32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K, S, S, S, K])
+    gpu = five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
+    cpu = cpu_five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
+    p_gpu = evaluate(gpu, policy(gpu, *args), ROOMY, NO_MARGIN)
+    p_cpu = evaluate(cpu, policy(cpu, *args), ROOMY, NO_MARGIN)
+    swap16 = 1_677_722  # 16 MiB at 10 GB/s, ns
+    # one window: GPU forward = max(5 * 0.1 ms, 3 swap-outs); CPU forward = compute + 3 swap-outs
+    assert round(p_gpu.forward_s * 1e9) == 3 * swap16
+    assert round(p_cpu.forward_s * 1e9) == 500_000 + 3 * swap16
+    # backward: the swap-ins of the only window are exposed before it on both (nothing earlier to hide them)
+    assert round(p_cpu.backward_s * 1e9) == 3 * swap16 + 1_000_000
+    assert round(p_cpu.iteration_s * 1e9) == 500_000 + 3 * swap16 + 3 * swap16 + 1_000_000 + round(32 * MiB / 100e9 * 1e9)
+
+
+def test_cpu_offload_pays_every_upload_gradient_copy_and_host_step_serially():
+    trace = cpu_five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
+    pol = policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
+    p = evaluate(trace, pol, ROOMY, NO_MARGIN)
+    up4, up8 = 419_430, 838_861  # 4 MiB and 8 MiB at 10 GB/s (both directions), ns
+    # forward: first upload (chunk 0, 4 MiB), then every window = 0.1 ms compute + the next chunk's upload
+    # (chunks 1..3: 8 MiB, chunk 4: 4 MiB)
+    fwd = up4 + 5 * 100_000 + 3 * up8 + up4
+    assert round(p.forward_s * 1e9) == fwd
+    # backward, 2 buffers: chunks 3 and 4 stay resident. Window c = 0.2 ms + upload of c-1 if needed +
+    # gradient copy of c+1:  w4: 0;  w3: up8 (chunk 2) + up4 (grad 4);  w2: up8 + up8;  w1: up4 (chunk 0) +
+    # up8;  w0: up8 (grad 1)
+    bwd = 5 * 200_000 + 5 * up8 + 2 * up4
+    assert round(p.backward_s * 1e9) == bwd
+    # then chunk 0's gradient copy (4 MiB) and every host Adam step (1e12 B/s: 4 194 ns for 4 MiB,
+    # 8 389 ns for 8 MiB), one after the other; no device optimizer (nothing persistent)
+    host = 2 * 4_194 + 3 * 8_389
+    assert round(p.breakdown["host_optimizer_end_s"] * 1e9) == bwd + up4 + host
+    assert round(p.breakdown["host_optimizer_exposed_s"] * 1e9) == up4 + host
+    assert round(p.iteration_s * 1e9) == fwd + bwd + up4 + host
+
+
+def test_cpu_single_buffer_costs_the_same_serial_sum():
+    # with one buffer the GPU model serialises upload and compute; the CPU model already does, so one and
+    # two buffers differ only by the re-uploads of chunks that two buffers keep resident
+    trace = cpu_five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
+    one = evaluate(trace, policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 1, [K] * 5),
+                   ROOMY, NO_MARGIN)
+    two = evaluate(trace, policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5),
+                   ROOMY, NO_MARGIN)
+    assert one.forward_s == two.forward_s
+    # one buffer keeps only chunk 4 resident: chunk 3 (8 MiB) is uploaded again in window 4
+    assert round((one.backward_s - two.backward_s) * 1e9) == 838_861
+
+
+def test_cpu_batch_timing_equals_the_reference_model_on_random_decisions():
+    rng = np.random.default_rng(11)
+    trace = synthetic_trace(n_blocks=6, hidden=512, vocab=5000, batch=2, seq=256)
+    for size, duplex in ((8 * MiB, True), (8 * MiB, False), (32 * MiB, True)):
+        inst = build_instance(trace, pack(trace, size), ROOMY, CostParams(full_duplex=duplex, copy_overlap=False))
+        for i in range(20):
+            off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
+            nb = (1 if i % 3 == 0 else int(rng.integers(1, sum(off) + 1))) if any(off) else 0
+            rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
+            rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
+            batch = iteration_ns_batch(inst, off, nb, rows)
+            for r in range(5):
+                d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
+                assert int(batch[r]) == evaluate_decision(inst, d).iteration_ns

@@ -93,6 +93,31 @@ def test_cpsat_optimum_equals_brute_force_on_every_layout(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
+    # CPU devices: every window costs compute + copies, the host optimizer adds to the iteration
+    rng = np.random.default_rng(3000 + seed)
+    trace = random_trace(rng, n_blocks=int(rng.integers(3, 9)))
+    cons = limits_between_extremes(rng, trace)
+    params = CostParams(alpha=0.05, full_duplex=bool(seed % 2), copy_overlap=False)
+    solved = 0
+    for lay in candidate_layouts(trace):
+        if 2 ** lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 300_000:
+            continue
+        inst = build_instance(trace, lay, cons, params)
+        assert not inst.copy_overlap
+        expected = brute_force(inst)
+        got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
+        if expected is None:
+            assert got.status == "infeasible"
+            continue
+        assert got.status == "optimal"
+        assert got.cost is not None and got.cost.fits
+        assert got.cost.iteration_ns == expected
+        solved += 1
+    assert solved >= 1
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_solve_returns_the_brute_force_optimum_over_all_chunk_sizes(seed: int):
     rng = np.random.default_rng(2000 + seed)
     trace = random_trace(rng, n_blocks=int(rng.integers(3, 7)))

@@ -6,7 +6,7 @@ import pytest
 
 from client.contract import Constraints
 from planner_service.solver import protrain
-from planner_service.solver.instance import Mode, build_instance
+from planner_service.solver.instance import CostParams, Mode, build_instance
 from planner_service.solver.layout import candidate_layouts
 from planner_service.solver.synthetic import synthetic_trace
 
@@ -29,12 +29,14 @@ def test_vectorised_knob_table_matches_the_layout_rule():
         assert tuple(Mode(int(x)) for x in row) == protrain.knob_modes(10, repeated, s, c)
 
 
+@pytest.mark.parametrize("copy_overlap", [True, False])
 @pytest.mark.parametrize("device_gib", [2, 3, 5])
-def test_pruning_rules_do_not_change_the_baseline_answer(device_gib):
+def test_pruning_rules_do_not_change_the_baseline_answer(device_gib, copy_overlap):
+    # both cost models: copies overlapping compute (GPU) and serial with it (CPU device)
     trace = synthetic_trace(n_blocks=8, hidden=1024, batch=8, seq=1024)
     cons = Constraints(device_memory_bytes=device_gib * GiB)
     for layout in candidate_layouts(trace)[:2]:
-        inst = build_instance(trace, layout, cons)
+        inst = build_instance(trace, layout, cons, CostParams(copy_overlap=copy_overlap))
         pruned = protrain.search(inst)
         full = protrain.search(inst, prune_memory=False, prune_bound=False)
         assert (pruned.cost is None) == (full.cost is None)

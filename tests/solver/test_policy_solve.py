@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from client.contract import ActivationMode, BlockKind, Constraints, Placement, Plan, SolverStatus
+from client.contract import ActivationMode, BlockKind, Constraints, DeviceType, Placement, Plan, SolverStatus
 from planner_service.solver import SOLVER_VERSION, solve
 from planner_service.solver.cost_model import evaluate
 from planner_service.solver.cpsat_solve import RELATIVE_GAP_LIMIT
 from planner_service.solver.entry import solve_with_gap
-from planner_service.solver.synthetic import MODEL_SHAPES, synthetic_trace
+from planner_service.solver.synthetic import MODEL_SHAPES, BlockSpec, hand_trace, synthetic_trace
 
 GiB = 2**30
 MiB = 2**20
@@ -101,6 +101,26 @@ def test_everything_fits_means_no_offload_and_no_checkpointing(small_trace):
     assert plan.policy.n_buffers == 0
     assert set(plan.policy.mode_strip()) == {"K"}
     assert plan.predictions is not None and plan.predictions.host_optimizer_s == 0.0
+
+
+def test_a_cpu_device_without_memory_pressure_offloads_nothing_where_a_gpu_would():
+    # Host and device optimizer equally fast (both are the CPU on a CPU device). With copy/compute overlap
+    # (GPU) offloading hides the optimizer behind backward and the uploads behind compute, so it pays; on a
+    # CPU device every copy and host step is serial, so keeping everything on the device is fastest.
+    specs = [BlockSpec(8 * MiB, forward_s=0.004, backward_s=0.008, recompute_s=0.004, activation_bytes=4 * MiB,
+                       input_bytes=1 * MiB, kind=BlockKind.prologue if i == 0 else BlockKind.epilogue if i == 5
+                       else BlockKind.block) for i in range(6)]
+    rates = dict(h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, device_optimizer_bytes_per_s=2e9,
+                 host_optimizer_bytes_per_s=2e9)
+    cons = Constraints(device_memory_bytes=80 * GiB)
+    gpu = exact(hand_trace(specs, **rates), cons)
+    cpu = exact(hand_trace(specs, **rates, device_type=DeviceType.cpu), cons)
+    assert gpu.policy is not None and cpu.policy is not None
+    assert any(c.placement == Placement.offloaded for c in gpu.policy.chunks)
+    assert all(c.placement == Placement.persistent for c in cpu.policy.chunks)
+    assert set(cpu.policy.mode_strip()) == {"K"}
+    assert cpu.predictions is not None and cpu.predictions.breakdown["copy_overlap"] == 0.0
+    assert "serial" in (cpu.solver.message or "")
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "protrain"])
