@@ -64,8 +64,15 @@ class InvalidTrace(ValueError):
         self.errors = errors
 
 
-def inspect(raw: bytes, gzip_body: bytes | None) -> TraceFacts:
-    """Validate a trace's JSON and derive its facts. Raises InvalidJson / InvalidTrace (picklable)."""
+def inspect(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFacts:
+    """Inflate (bomb-safe), validate and derive the facts of an uploaded trace.
+
+    Raises (all picklable) BadGzip, GzipTooLarge, InvalidJson, InvalidTrace.
+    """
+    from planner_service.api.bodies import gunzip_limited
+
+    raw = gunzip_limited(data, max_decompressed_bytes) if gzipped else data
+    gzip_body = data if gzipped else None
     try:
         trace = Trace.model_validate_json(raw)
     except ValidationError as exc:
@@ -90,11 +97,12 @@ class Ingestor:
             self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"))
         return self._pool
 
-    async def inspect(self, raw: bytes, gzip_body: bytes | None) -> TraceFacts:
+    async def inspect(self, data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFacts:
+        """Small bodies in a thread of this process, large ones (size on the wire) in the pool."""
         loop = asyncio.get_running_loop()
-        if self.processes == 0 or len(raw) <= self.inline_max_bytes:
-            return await loop.run_in_executor(None, inspect, raw, gzip_body)
-        return await loop.run_in_executor(self._executor(), inspect, raw, gzip_body)
+        large = len(data) * (4 if gzipped else 1) > self.inline_max_bytes
+        executor = self._executor() if self.processes and large else None
+        return await loop.run_in_executor(executor, inspect, data, gzipped, max_decompressed_bytes)
 
     def close(self) -> None:
         if self._pool is not None:

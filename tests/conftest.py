@@ -14,6 +14,18 @@ SHARED = REPO.parent / "shared"
 POSTGRES_ADMIN_URL = os.environ.get("MEMPLAN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _local_feedback_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """agent.wrap records feedback locally when no service takes it: keep that out of the user's home."""
+    old = os.environ.get("MEMPLAN_FEEDBACK_PATH")
+    os.environ["MEMPLAN_FEEDBACK_PATH"] = str(tmp_path_factory.mktemp("feedback") / "feedback.jsonl")
+    yield
+    if old is None:
+        os.environ.pop("MEMPLAN_FEEDBACK_PATH", None)
+    else:
+        os.environ["MEMPLAN_FEEDBACK_PATH"] = old
+
+
 def _postgres_reachable() -> str | None:
     try:
         import psycopg

@@ -13,8 +13,11 @@ from planner_service.settings import Settings
 
 @dataclass(frozen=True)
 class Body:
-    raw: bytes  # the JSON text
-    gzip: bytes | None  # the gzip body as received, when the client compressed it
+    """A request body within the size limit: JSON text, or the gzip bytes as received (inflated later,
+    by whoever parses it, under `max_decompressed_bytes`)."""
+
+    data: bytes
+    gzipped: bool
 
 
 async def read_body(request: Request, settings: Settings) -> Body:
@@ -31,22 +34,29 @@ async def read_body(request: Request, settings: Settings) -> Body:
         chunks.append(chunk)
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").lower()
-    if encoding == "gzip":
-        return Body(raw=gunzip_limited(body, settings.max_decompressed_bytes), gzip=body)
-    if encoding not in ("identity", ""):
+    if encoding not in ("gzip", "identity", ""):
         raise ApiError(415, f"content-encoding {encoding!r} not supported (use gzip or none)")
-    return Body(raw=body, gzip=None)
+    return Body(data=body, gzipped=encoding == "gzip")
+
+
+class BadGzip(ValueError):
+    """Not gzip, or truncated (400)."""
+
+
+class GzipTooLarge(ValueError):
+    """Inflates beyond the limit (413)."""
 
 
 def gunzip_limited(data: bytes, limit: int) -> bytes:
-    """Decompress gzip without ever holding more than `limit` bytes (gzip-bomb safe)."""
+    """Decompress gzip without ever holding more than `limit` bytes (gzip-bomb safe). Picklable errors:
+    it also runs in the ingest processes."""
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
         out = d.decompress(data, limit + 1)
     except zlib.error as exc:
-        raise ApiError(400, f"body is not valid gzip: {exc}") from exc
+        raise BadGzip(f"body is not valid gzip: {exc}") from None
     if len(out) > limit or d.unconsumed_tail:
-        raise ApiError(413, f"decompressed body larger than {limit} bytes")
+        raise GzipTooLarge(f"decompressed body larger than {limit} bytes")
     if not d.eof:
-        raise ApiError(400, "body is truncated gzip")
+        raise BadGzip("body is truncated gzip")
     return out

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Page, TraceCreated, TraceRecord, TraceSummary
-from planner_service.api.bodies import read_body
+from planner_service.api.bodies import BadGzip, GzipTooLarge, read_body
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
 from planner_service.api.present import trace_summary
@@ -28,7 +28,11 @@ async def upload_trace(request: Request, response: Response, session: SessionDep
     body = await read_body(request, settings)
     ingestor: Ingestor = request.app.state.ingestor
     try:
-        facts = await ingestor.inspect(body.raw, body.gzip)
+        facts = await ingestor.inspect(body.data, body.gzipped, settings.max_decompressed_bytes)
+    except BadGzip as exc:
+        raise ApiError(400, str(exc)) from exc
+    except GzipTooLarge as exc:
+        raise ApiError(413, str(exc)) from exc
     except InvalidJson as exc:
         raise ApiError(400, str(exc)) from exc
     except InvalidTrace as exc:

@@ -27,13 +27,13 @@ def test_pool_path_stores_validates_and_rejects_like_the_inline_path(settings: S
 
 
 def test_facts_hash_is_the_trace_content_hash(trace: Trace) -> None:
-    facts = inspect(trace.canonical_json(), None)
+    facts = inspect(trace.canonical_json(), False, 2**30)
     assert facts == TraceFacts.of(trace)
     assert facts.content_hash == trace.content_hash() and gzip.decompress(facts.payload_gzip) == trace.canonical_json()
     raw = json.loads(trace.canonical_json())
     raw["model"]["blocks"][0]["index"] = True
     try:
-        inspect(json.dumps(raw).encode(), None)
+        inspect(json.dumps(raw).encode(), False, 2**30)
     except InvalidTrace as exc:
         assert exc.errors[0]["loc"][:3] == ["model", "blocks", 0]
     else:
