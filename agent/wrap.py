@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from agent.allocator.select import AllocatorSelection
     from agent.feedback import StepMonitor
     from agent.planning import PlanSource
     from agent.report import WrapReport
@@ -60,6 +61,7 @@ class Wrapped:
     source: PlanSource | None = None
     activations: ActivationManager | None = field(default=None, repr=False)
     monitor: StepMonitor | None = field(default=None, repr=False)
+    allocator: AllocatorSelection | None = field(default=None, repr=False)
     unwrapped: bool = False
 
     def report(self) -> WrapReport:
@@ -137,6 +139,7 @@ def wrap(
     feedback_path: Path | None = None,
     wait_s: float = 120.0,
     reuse: bool = True,
+    allocation: str = "caching",
 ) -> Wrapped:
     """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
 
@@ -157,6 +160,7 @@ def wrap(
     PlanInfeasibleError (nothing fits; says what would), PlanMismatchError / ActivationPlanError (the plan
     does not match the model, naming the parameter or block), UnsupportedOptimizerError.
     """
+    from agent.allocator.select import MODES
     from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
     from agent.planning import PlanSource, obtain_plan
     from agent.runtime.activations import apply_activation_policy, block_targets
@@ -164,6 +168,8 @@ def wrap(
 
     if getattr(model, "_memplan_wrapped", False):
         raise RuntimeError("model: is already wrapped; unwrap it first")
+    if allocation not in MODES:
+        raise ValueError(f"allocation: must be one of {', '.join(MODES)}, got {allocation!r}")
     check_supported(optimizer)
     if plan is not None:
         source = PlanSource(plan, "given", message="plan given to wrap")
@@ -175,8 +181,12 @@ def wrap(
     if plan.policy is None:
         raise ValueError(f"plan.policy: absent (solver status {plan.solver.status.value}); nothing to apply")
     block_targets(model, plan.policy)  # activation checks before the model is touched
-    wrapped = apply_plan(model, optimizer, plan, options)
+    selection = _select_allocator(allocation, plan, source, target_device(model, options))
+    wrapped = apply_plan(model, optimizer, plan, options, arena=allocation == "planned")
     wrapped.source = source
+    wrapped.allocator = selection
+    if selection is not None:
+        selection.attach(model)
     try:
         wrapped.activations = apply_activation_policy(model, plan.policy, wrapped.runtime.ctx.device,
                                                       wrapped.runtime)
@@ -194,13 +204,48 @@ def wrap(
     return wrapped
 
 
-def apply_plan(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, options: RuntimeOptions | None = None
-) -> Wrapped:
-    """The model-state part of `wrap`: chunks, offload and host optimizer as the plan says (no activation
-    modes, no monitor). Raises PlanMismatchError (naming the parameter) when the layout does not match."""
+def target_device(model: nn.Module, options: RuntimeOptions | None = None) -> torch.device:
+    """Where the runtime puts device state: the option, else the model's device, else CUDA if present."""
     import torch
 
+    params = list(model.parameters())
+    if options is not None and options.device is not None:
+        device = torch.device(options.device)
+    elif params and params[0].device.type != "cpu":
+        device = params[0].device
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _select_allocator(allocation: str, plan: Plan, source: PlanSource, device: torch.device
+                      ) -> AllocatorSelection | None:
+    """allocation="planned": the planned CUDA allocator for every tensor of the iteration (Level 2), installed
+    before the runtime allocates anything; on a device without a pluggable allocator (CPU) only the runtime's
+    own buffers are planned (Level 1, the arena in `apply_plan`)."""
+    if allocation != "planned":
+        return None
+    from agent.allocator.select import select
+
+    if device.type != "cuda":
+        log.info("memplan: allocation='planned' on %s: the runtime's buffers use the planned arena; "
+                 "other tensors keep PyTorch's allocator (no pluggable allocator off CUDA)", device.type)
+        return None
+    events = source.trace.allocation_trace if source.trace is not None else None
+    return select("planned", plan, events, device=device)
+
+
+def apply_plan(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, options: RuntimeOptions | None = None,
+    *, arena: bool = False,
+) -> Wrapped:
+    """The model-state part of `wrap`: chunks, offload and host optimizer as the plan says (no activation
+    modes, no monitor). `arena`: the runtime's device buffers are views into one planned arena (nothing of
+    the runtime's is allocated after warm-up). Raises PlanMismatchError (naming the parameter) when the
+    layout does not match."""
+    from agent.runtime.arena import runtime_arena_context
     from agent.runtime.device import DeviceContext
     from agent.runtime.layout import ChunkLayout
     from agent.runtime.manager import ModelStateManager
@@ -218,18 +263,12 @@ def apply_plan(
         raise ValueError("model: has no parameters")
     model_dtype = params[0].dtype
     compute_dtype = opts.compute_dtype or model_dtype
-    if opts.device is not None:
-        device = torch.device(opts.device)
-    elif params[0].device.type != "cpu":
-        device = params[0].device
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = target_device(model, opts)
     layout = ChunkLayout.from_policy(plan.policy, model, compute_dtype)
     check_parameters(optimizer, layout)  # every check before the model is touched
     user_state = optimizer.state_dict() if optimizer.state else None
-    manager = ModelStateManager(model, layout, DeviceContext(device), opts)
+    ctx = runtime_arena_context(device, layout) if arena else DeviceContext(device)
+    manager = ModelStateManager(model, layout, ctx, opts)
     wrapped_opt = ChunkedOptimizer(optimizer, layout, manager)
     manager.attach_optimizer(wrapped_opt)
     if user_state is not None:

@@ -190,3 +190,26 @@ def test_unwrap_gives_back_the_trained_model_with_every_change_undone(job: dict[
         assert not isinstance(p.data, torch.Tensor) or p.data.untyped_storage().nbytes() == p.numel() * p.element_size()
         d = ((p.detach() - ref_params[n].detach()).norm() / ref_params[n].detach().norm().clamp_min(1e-12)).item()
         assert d <= TOL, n
+
+
+def test_planned_allocation_puts_the_runtime_buffers_in_one_arena_and_trains_the_same(job: dict[str, Any]) -> None:
+    from agent.runtime.arena import ArenaDeviceContext
+
+    reference, _ = run_wrapped(job)
+    plan = reference.plan
+    unwrap(reference)
+    model = copy.deepcopy(job["model"])
+    wrapped = wrap(model, adamw(model), plan=plan, allocation="planned", feedback_steps=None)
+    assert isinstance(wrapped.runtime.ctx, ArenaDeviceContext)
+    assert wrapped.allocator is None  # CPU: no pluggable allocator, only the runtime's arena is planned
+    assert_close(train(wrapped.model, wrapped.optimizer, job["batch"]), plain_losses(job))
+    unwrap(wrapped)
+
+
+def test_unknown_allocation_mode_is_refused_before_the_model_is_touched() -> None:
+    model, _ = build("llama", 2, 64, seq=32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="allocation"):
+        wrap(model, adamw(model), plan=None, sample_batch=None, allocation="magic")
+    assert not getattr(model, "_memplan_wrapped", False)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
