@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=2, help="API processes")
     ap.add_argument("--admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     ap.add_argument("--database-url", default=None, help="use this database instead of a fresh one")
+    ap.add_argument("--no-worker", action="store_true", help="no solve worker (isolates the API's own cost)")
     args = ap.parse_args()
 
     versions = max(1, int(args.duration // args.upload_every) + 1)
@@ -168,8 +169,8 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--workers", "0",
                                "--processes", str(args.processes), "--log-level", "warning"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    worker = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "client.cli", "worker"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker_cmd = ["true"] if args.no_worker else ["nice", "-n", "10", sys.executable, "-m", "client.cli", "worker"]
+    worker = subprocess.Popen(worker_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -211,7 +212,8 @@ def main() -> None:
         "upload_p50_ms": round(pct(stats.upload_s, 50) * 1e3, 1),
         "upload_p99_ms": round(pct(stats.upload_s, 99) * 1e3, 1),
         "plans_done_seen": bool(done.get("items")),
-        "layout": f"{args.processes} API processes (--workers 0) + 1 `memplan worker` (nice 10)",
+        "layout": f"{args.processes} API processes (--workers 0)"
+                  + ("" if args.no_worker else " + 1 `memplan worker` (nice 10)"),
         "targets": {"errors": 0, "get_p99_ms": 20, "get_per_s": 500, "upload_p99_ms": 300},
     }
     print(json.dumps(result, indent=1))

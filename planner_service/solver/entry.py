@@ -108,7 +108,7 @@ def _min_device_memory(
 def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed: int = 0) -> Plan:
     """Fastest memory policy for `trace` under `constraints` (see the module docstring).
 
-    CP-SAT stops once the answer is proven within `cpsat_solve.RELATIVE_GAP_LIMIT` (0.1%) of the optimum;
+    CP-SAT stops once the answer is proven within `cpsat_solve.RELATIVE_GAP_LIMIT` (0.5%) of the optimum;
     the plan reports the proven bound and gap either way.
     """
     return solve_with_gap(trace, constraints, solver=solver, seed=seed, gap_limit=cpsat_solve.RELATIVE_GAP_LIMIT)
