@@ -7,7 +7,7 @@ import gzip
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 
@@ -94,6 +94,28 @@ def _params(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+def _follow(fetch: Callable[..., Page[M]], filters: dict[str, Any]) -> Iterator[M]:
+    """Items of every page, following `next_cursor` until the last page."""
+    cursor: str | None = None
+    while True:
+        page = fetch(cursor=cursor, **filters)
+        yield from page.items
+        if not page.next_cursor:
+            return
+        cursor = page.next_cursor
+
+
+async def _afollow(fetch: Callable[..., Awaitable[Page[M]]], filters: dict[str, Any]) -> AsyncIterator[M]:
+    cursor: str | None = None
+    while True:
+        page = await fetch(cursor=cursor, **filters)
+        for item in page.items:
+            yield item
+        if not page.next_cursor:
+            return
+        cursor = page.next_cursor
+
+
 class Client:
     """Synchronous client. `Client(base_url, token=..., timeout=..., max_retries=...)`; env: MEMPLAN_SERVER/TOKEN."""
 
@@ -148,13 +170,7 @@ class Client:
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
         """Every matching trace, newest first, following cursors."""
-        cursor: str | None = None
-        while True:
-            page = self.list_traces_page(cursor=cursor, **filters)
-            yield from page.items
-            if not page.next_cursor:
-                return
-            cursor = page.next_cursor
+        return _follow(self.list_traces_page, filters)
 
     # plans -------------------------------------------------------------------------------------
     def request_plan(self, trace_id: str, constraints: Constraints, *, solver: str = "cpsat") -> PlanRecord:
@@ -182,13 +198,8 @@ class Client:
         return Page[PlanRecord].model_validate(data)
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
-        cursor: str | None = None
-        while True:
-            page = self.list_plans_page(cursor=cursor, **filters)
-            yield from page.items
-            if not page.next_cursor:
-                return
-            cursor = page.next_cursor
+        """Every matching plan, newest first, following cursors."""
+        return _follow(self.list_plans_page, filters)
 
     def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
         data = self._request("POST", f"/v1/plans/{plan_id}/feedback", json=feedback.model_dump(mode="json"))
@@ -257,15 +268,8 @@ class AsyncClient:
                                                                        cursor=cursor, sort=sort))
         return Page[TraceSummary].model_validate(data)
 
-    async def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
-        cursor: str | None = None
-        while True:
-            page = await self.list_traces_page(cursor=cursor, **filters)
-            for item in page.items:
-                yield item
-            if not page.next_cursor:
-                return
-            cursor = page.next_cursor
+    def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
+        return _afollow(self.list_traces_page, filters)
 
     async def request_plan(self, trace_id: str, constraints: Constraints, *, solver: str = "cpsat") -> PlanRecord:
         body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # type: ignore[arg-type]
@@ -291,15 +295,8 @@ class AsyncClient:
                                                                       limit=limit, cursor=cursor, sort=sort))
         return Page[PlanRecord].model_validate(data)
 
-    async def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:
-        cursor: str | None = None
-        while True:
-            page = await self.list_plans_page(cursor=cursor, **filters)
-            for item in page.items:
-                yield item
-            if not page.next_cursor:
-                return
-            cursor = page.next_cursor
+    def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:
+        return _afollow(self.list_plans_page, filters)
 
     async def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
         data = await self._request("POST", f"/v1/plans/{plan_id}/feedback", json=feedback.model_dump(mode="json"))
