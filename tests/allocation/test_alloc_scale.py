@@ -196,7 +196,9 @@ def test_deep_scaled_profiled_trace_is_planned_valid_for_repeated_iterations(pro
 def test_identical_sequential_copies_are_planned_alike(profiled: AllocationTrace) -> None:
     copies = SEARCH_MAX_BUFFERS // len(profiled) + 20
     seq = replicate_trace(profiled, copies)
-    plan = plan_allocation(seq, time_limit_s=5.0)
+    # The property holds for a finished plan (done in ~1 s); a tight limit could cut the refinement short
+    # while the machine is busy (or numba compiles on first use) and leave copies placed differently.
+    plan = plan_allocation(seq, time_limit_s=60.0)
     validate_allocation(seq, plan)
     arr = trace_arrays(seq)
     offsets = {o.id: o.offset_bytes for o in plan.offsets}
