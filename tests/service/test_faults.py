@@ -118,7 +118,9 @@ def private_postgres() -> Iterator[tuple[str, dict[str, str]]]:
 def test_database_restart_under_load_gives_503_loses_nothing_and_recovers(private_postgres) -> None:  # type: ignore[no-untyped-def]
     url_db, pg = private_postgres
     upgrade(url_db)
-    settings = Settings(database_url=url_db, workers=1, poll_interval_s=0.05, auto_upgrade=False)
+    # rate limits off: this test is about the database (4 agents on one address exceed the default budget)
+    settings = Settings(database_url=url_db, workers=1, poll_interval_s=0.05, auto_upgrade=False,
+                        rate_limit_per_s=1e6, rate_limit_burst=1_000_000)
     acknowledged: list[str] = []
     statuses: list[int] = []
     stop = threading.Event()
