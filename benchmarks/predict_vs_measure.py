@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _results import machine, save
 
 RESULTS = Path(__file__).resolve().parent / "results" / "predict_vs_measure.json"
 
@@ -124,7 +123,6 @@ def main() -> None:
 
     import agent
     from agent.model_zoo import build, sample_batch
-    from agent.profiler.hardware import cpu_model_name
 
     device = torch.device(args.device)
     if args.threads:
@@ -177,18 +175,14 @@ def main() -> None:
     out = {
         "benchmark": "predict_vs_measure",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"cpu": cpu_model_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "torch": torch.__version__, "device": str(device),
-                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "machine": machine(device),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "wall_s": time.perf_counter() - t_all,
         "summary": summary,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    save(args.out, out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import asyncio
 import gzip
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from _results import machine, save  # noqa: E402
 
 from client.cli.embedded import free_port  # noqa: E402
 from planner_service.solver.synthetic import synthetic_trace  # noqa: E402
@@ -201,8 +202,8 @@ def main() -> None:
 
     result: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "load_avg_1m_after": os.getloadavg()[0]},
+        "machine": machine(),
+        "load_avg_1m_after": os.getloadavg()[0],
         "agents": args.agents, "duration_s": round(wall, 1), "api_processes": args.processes,
         "trace_gzip_mb_median": round(statistics.median(sizes) / 1e6, 3),
         "errors": len(stats.errors), "error_samples": stats.errors[:5],
@@ -217,8 +218,7 @@ def main() -> None:
         "targets": {"errors": 0, "get_p99_ms": 20, "get_per_s": 500, "upload_p99_ms": 300},
     }
     print(json.dumps(result, indent=1))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    save(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _results import machine, save
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_throughput.json"
@@ -216,7 +215,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
-    from agent.profiler.hardware import cpu_model_name
 
     device = torch.device(args.device)
     if args.threads:
@@ -253,18 +251,14 @@ def main() -> None:
     out = {
         "benchmark": "train_throughput",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"cpu": cpu_model_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "torch": torch.__version__, "device": str(device),
-                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "machine": machine(device),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "wall_s": time.perf_counter() - t_all,
         "results": results,
         "largest_layers_that_fit": largest,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    save(args.out, out)
 
 
 if __name__ == "__main__":
