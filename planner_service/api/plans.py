@@ -15,11 +15,16 @@ from planner_service.api.deps import DatabaseDep, PrincipalDep, SessionDep, Sett
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
 from planner_service.api.present import feedback_record, plan_record, plan_record_json
 from planner_service.db.cursor import BadCursor
-from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
+from planner_service.db.repositories import (
+    FINAL_STATUSES,
+    FeedbackRepository,
+    PlanRepository,
+    TraceRepository,
+    request_key,
+)
 from planner_service.db.session import Database
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES)
-FINAL = ("done", "failed", "infeasible")
 
 
 def _solver_version() -> str:
@@ -59,7 +64,7 @@ async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep, princip
         record = await run_in_threadpool(_load, db, plan_id, principal.project_id)
         if record is None:
             raise ApiError(404, f"plan {plan_id} not found")
-        if record["status"] in FINAL or time.monotonic() >= deadline:
+        if record["status"] in FINAL_STATUSES or time.monotonic() >= deadline:
             return JSONResponse(record)
         await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 

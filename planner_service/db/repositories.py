@@ -21,6 +21,7 @@ from planner_service.ingest import TraceFacts
 
 R = TypeVar("R")
 ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
+FINAL_STATUSES = ("done", "failed", "infeasible")
 
 
 @dataclass
@@ -192,10 +193,12 @@ class PlanRepository:
 
     def finish(self, plan_id: str, worker_id: str, status: str, result: dict[str, Any] | None,
                error: str | None) -> bool:
-        """Record the outcome if this worker still holds the lease (a re-claimed plan is not overwritten)."""
+        """Record the outcome if this worker still holds the lease (a re-claimed plan is not overwritten).
+        `status` "queued" hands the plan back for another attempt (no finish time)."""
         res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.lease_owner == worker_id,
                                                    PlanRow.status == "running")
-                             .values(status=status, result=result, error=error, finished_at=utcnow(),
+                             .values(status=status, result=result, error=error,
+                                     finished_at=utcnow() if status in FINAL_STATUSES else None,
                                      lease_owner=None, lease_expires_at=None))
         return res.rowcount == 1  # type: ignore[attr-defined]
 

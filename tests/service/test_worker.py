@@ -68,3 +68,15 @@ def test_plan_is_failed_not_retried_forever(settings: Settings, trace) -> None: 
         row = PlanRepository(s).get(plan_id)
         assert row is not None and row.status == "failed" and "lease expired" in (row.error or "")
     db.dispose()
+
+
+def test_a_plan_handed_back_for_retry_has_no_finish_time(settings: Settings, trace) -> None:  # type: ignore[no-untyped-def]
+    db = Database(settings.database_url)
+    plan_id = _queue_plan(db, trace)
+    with db.session() as s:
+        assert PlanRepository(s).claim("w", 60) is not None
+        assert PlanRepository(s).finish(plan_id, "w", "queued", None, "transient") is True
+    with db.session() as s:
+        row = PlanRepository(s).get(plan_id)
+        assert row is not None and row.status == "queued" and row.finished_at is None
+    db.dispose()
