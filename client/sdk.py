@@ -7,6 +7,7 @@ import gzip
 import os
 import random
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
@@ -81,6 +82,36 @@ def _check(response: httpx.Response) -> Any:
     return body
 
 
+class PlanCache:
+    """Plan records by id with their entity tags (bounded, least recently used first out), so that polling a
+    plan that has not changed is answered 304 without a body. Records returned are shared: do not mutate."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._items: OrderedDict[str, tuple[str, PlanRecord]] = OrderedDict()
+
+    def headers(self, plan_id: str) -> dict[str, str]:
+        hit = self._items.get(plan_id)
+        return {"if-none-match": hit[0]} if hit else {}
+
+    def resolve(self, plan_id: str, response: httpx.Response) -> PlanRecord | None:
+        """The record a response stands for; None for a 304 about a copy this cache no longer holds."""
+        if response.status_code == 304:
+            hit = self._items.get(plan_id)
+            if hit is None:
+                return None
+            self._items.move_to_end(plan_id)
+            return hit[1]
+        record = PlanRecord.model_validate(_check(response))
+        etag = response.headers.get("etag")
+        if etag:
+            self._items[plan_id] = (etag, record)
+            self._items.move_to_end(plan_id)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return record
+
+
 def _trace_body(trace: Trace, compress: bool) -> tuple[bytes, dict[str, str]]:
     raw = trace.canonical_json()
     headers = {"content-type": "application/json"}
@@ -124,6 +155,7 @@ class Client:
                  transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = _base_url(base_url)
         self.max_retries = max_retries
+        self._plans = PlanCache()
         self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout,
                                   transport=transport)
 
@@ -137,6 +169,9 @@ class Client:
         self._http.close()
 
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
+        return _check(self._send(method, path, timeout=timeout, **kw))
+
+    def _send(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
         for attempt in range(self.max_retries + 1):
             response: httpx.Response | None = None
             try:
@@ -150,7 +185,7 @@ class Client:
                     raise APIConnectionError(f"{method} {path}: {exc}") from exc
             else:
                 if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
-                    return _check(response)
+                    return response
             time.sleep(retry_delay(attempt, response))
         raise AssertionError("unreachable")
 
@@ -178,9 +213,15 @@ class Client:
         return PlanRecord.model_validate(self._request("POST", "/v1/plans", json=body.model_dump(mode="json")))
 
     def get_plan(self, plan_id: str, *, wait_s: float = 0.0) -> PlanRecord:
-        data = self._request("GET", f"/v1/plans/{plan_id}", params=_params(wait=wait_s or None),
-                             timeout=DEFAULT_TIMEOUT_S + wait_s)
-        return PlanRecord.model_validate(data)
+        """The plan record; a plan fetched before is revalidated (If-None-Match), so polling an unchanged plan
+        costs a 304 and no body. With `wait_s`, the server holds the request until the plan changes or is final."""
+        for headers in (self._plans.headers(plan_id), {}):
+            response = self._send("GET", f"/v1/plans/{plan_id}", params=_params(wait=wait_s or None),
+                                  headers=headers, timeout=DEFAULT_TIMEOUT_S + wait_s)
+            record = self._plans.resolve(plan_id, response)
+            if record is not None:
+                return record
+        raise AssertionError("unreachable: a request without If-None-Match gets no 304")
 
     def wait_for_plan(self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0) -> PlanRecord:
         """Long-poll until the plan is done, failed or infeasible, or `timeout_s` passes (returns as it is)."""
@@ -225,6 +266,7 @@ class AsyncClient:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = _base_url(base_url)
         self.max_retries = max_retries
+        self._plans = PlanCache()
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(token), timeout=timeout,
                                        transport=transport)
 
@@ -238,6 +280,9 @@ class AsyncClient:
         await self._http.aclose()
 
     async def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
+        return _check(await self._send(method, path, timeout=timeout, **kw))
+
+    async def _send(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
         for attempt in range(self.max_retries + 1):
             response: httpx.Response | None = None
             try:
@@ -251,7 +296,7 @@ class AsyncClient:
                     raise APIConnectionError(f"{method} {path}: {exc}") from exc
             else:
                 if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
-                    return _check(response)
+                    return response
             await asyncio.sleep(retry_delay(attempt, response))
         raise AssertionError("unreachable")
 
@@ -276,9 +321,13 @@ class AsyncClient:
         return PlanRecord.model_validate(await self._request("POST", "/v1/plans", json=body.model_dump(mode="json")))
 
     async def get_plan(self, plan_id: str, *, wait_s: float = 0.0) -> PlanRecord:
-        data = await self._request("GET", f"/v1/plans/{plan_id}", params=_params(wait=wait_s or None),
-                                   timeout=DEFAULT_TIMEOUT_S + wait_s)
-        return PlanRecord.model_validate(data)
+        for headers in (self._plans.headers(plan_id), {}):
+            response = await self._send("GET", f"/v1/plans/{plan_id}", params=_params(wait=wait_s or None),
+                                        headers=headers, timeout=DEFAULT_TIMEOUT_S + wait_s)
+            record = self._plans.resolve(plan_id, response)
+            if record is not None:
+                return record
+        raise AssertionError("unreachable: a request without If-None-Match gets no 304")
 
     async def wait_for_plan(self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0) -> PlanRecord:
         deadline = time.monotonic() + timeout_s

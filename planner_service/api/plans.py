@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
 from planner_service.api.deps import DatabaseDep, PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
-from planner_service.api.present import feedback_record, plan_record, plan_record_json
+from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import (
     FINAL_STATUSES,
     FeedbackRepository,
     PlanRepository,
     TraceRepository,
+    plan_etag,
+    plan_version,
     request_key,
 )
 from planner_service.db.session import Database
@@ -49,24 +51,59 @@ def request_plan(body: PlanRequest, response: Response, session: SessionDep, pri
     return plan_record(row, with_feedback=False)
 
 
-def _load(db: Database, plan_id: str, project_id: str) -> dict[str, Any] | None:
+def _version(db: Database, plan_id: str, project_id: str) -> str | None:
+    with db.reader() as conn:
+        return plan_version(conn, plan_id, project_id)
+
+
+def _load(db: Database, plan_id: str, project_id: str) -> tuple[str, str, bytes] | None:
+    """(status, etag, body) of the plan record, from one consistent read."""
     with db.session() as s:
-        row = PlanRepository(s).get(plan_id, project_id)
-        return None if row is None else plan_record_json(row)
+        found = PlanRepository(s).get_raw(plan_id, project_id)
+        if found is None:
+            return None
+        row, raw = found
+        etag = plan_etag(row.id, row.status, row.attempts, row.started_at, row.finished_at, len(row.feedback))
+        return row.status, etag, plan_record_body(row, raw)
 
 
-@router.get("/{plan_id}", response_model=PlanRecord)
+def _matches(if_none_match: str | None, etag: str) -> bool:
+    if not if_none_match:
+        return False
+    return if_none_match.strip() == "*" or etag in (t.strip().removeprefix("W/") for t in if_none_match.split(","))
+
+
+@router.get("/{plan_id}", response_model=PlanRecord,
+            responses={304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
 async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep, principal: PrincipalDep,
-                   wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds")] = 0.0,
-                   ) -> JSONResponse:
+                   wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds for a final "
+                                                                  "status (or, with If-None-Match, any change)")] = 0.0,
+                   if_none_match: Annotated[str | None, Header(description="entity tag of a copy the client "
+                                                                           "holds: 304 while it is current")] = None,
+                   ) -> Response:
+    """The plan record. Polling is cheap: send the ETag back in If-None-Match and an unchanged plan costs one
+    narrow query and a 304 with no body; long-polls check the same narrow state until the plan changes."""
     deadline = time.monotonic() + min(wait, settings.max_wait_s)
+    known = if_none_match  # a copy whose tag is known: wait on the narrow state while it stays current
     while True:
-        record = await run_in_threadpool(_load, db, plan_id, principal.project_id)
-        if record is None:
+        if known is not None:
+            tag = await run_in_threadpool(_version, db, plan_id, principal.project_id)
+            if tag is None:
+                raise ApiError(404, f"plan {plan_id} not found")
+            if _matches(known, tag) and time.monotonic() < deadline:
+                await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                continue
+            if _matches(if_none_match, tag):  # the deadline passed and the client's copy is still current
+                return Response(status_code=304, headers={"etag": tag})
+        loaded = await run_in_threadpool(_load, db, plan_id, principal.project_id)
+        if loaded is None:
             raise ApiError(404, f"plan {plan_id} not found")
-        if record["status"] in FINAL_STATUSES or time.monotonic() >= deadline:
-            return JSONResponse(record)
-        await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        status, etag, body = loaded
+        if status in FINAL_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
+            if _matches(if_none_match, etag):
+                return Response(status_code=304, headers={"etag": etag})
+            return Response(body, media_type="application/json", headers={"etag": etag})
+        known = etag  # not final yet: wait for the next change, then read the record again
 
 
 @router.get("", response_model=Page[PlanRecord])

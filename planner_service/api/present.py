@@ -30,6 +30,13 @@ def plan_record_json(row: PlanRow, *, with_feedback: bool = True) -> dict[str, A
     return out
 
 
+def plan_record_body(row: PlanRow, raw_plan: str | None) -> bytes:
+    """The PlanRecord's JSON bytes with the stored Plan text spliced in as it is (validated before it was
+    stored): serving a plan costs a copy of its text, not a parse and a re-encoding."""
+    head = plan_record(row, with_plan=False).model_dump_json(exclude={"plan"}).encode()
+    return head[:-1] + b',"plan":' + (raw_plan.encode() if raw_plan is not None else b"null") + b"}"
+
+
 def plan_record(row: PlanRow, *, reused: bool = False, with_feedback: bool = True,
                 with_plan: bool = True) -> PlanRecord:
     return PlanRecord(
@@ -37,7 +44,7 @@ def plan_record(row: PlanRow, *, reused: bool = False, with_feedback: bool = Tru
         constraints=row.constraints, objective=row.objective,  # type: ignore[arg-type]
         model_name=row.model.name if row.model else row.model_fingerprint, model_fingerprint=row.model_fingerprint,
         hardware_key=row.hardware_key, workload_key=row.workload_key,
-        plan=Plan.model_validate(row.result) if row.result and with_plan else None, error=row.error, attempts=row.attempts,
+        plan=Plan.model_validate(row.result) if with_plan and row.result else None, error=row.error, attempts=row.attempts,
         created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
         feedback=[feedback_record(f) for f in row.feedback] if with_feedback else [],
     )

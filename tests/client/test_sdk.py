@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -107,6 +108,34 @@ def test_sync_client_full_cycle_against_the_real_service(service: str) -> None:
         with pytest.raises(UnprocessableEntityError, match="constraints.device_memory_bytes"):
             c._request("POST", "/v1/plans", json={"trace_id": created.id, "constraints": {"device_memory_bytes": 0}})
         assert [m.name for m in c.models()] == ["synthetic-2L-64H"]
+
+
+def test_polling_a_plan_revalidates_instead_of_downloading_it_again(service: str) -> None:
+    statuses: list[int] = []
+    with Client(service) as c:
+        c._http.event_hooks["response"].append(lambda r: statuses.append(r.status_code))
+        created = c.upload_trace(synthetic_trace(n_blocks=2, hidden=64, vocab=100))
+        done = c.wait_for_plan(c.request_plan(created.id, Constraints(device_memory_bytes=2**34)).id, timeout_s=30)
+        statuses.clear()
+        again = c.get_plan(done.id)
+        assert statuses == [304] and again == done
+        c.post_feedback(done.id, Feedback(iteration_s=1.0, peak_device_bytes=1, peak_host_bytes=1, steps_measured=3))
+        statuses.clear()
+        assert len(c.get_plan(done.id).feedback) == 1 and statuses == [200]
+
+    async def run() -> tuple[list[int], bool]:
+        seen: list[int] = []
+        async with AsyncClient(service) as ac:
+            first = await ac.get_plan(done.id)
+
+            async def hook(r: httpx.Response) -> None:
+                seen.append(r.status_code)
+
+            ac._http.event_hooks["response"].append(hook)
+            return seen, (await ac.get_plan(done.id)) == first
+
+    seen, same = asyncio.run(run())
+    assert seen == [304] and same
 
 
 def test_async_client_lists_follow_cursors(service: str) -> None:

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 
+import pytest
 from sqlalchemy import create_engine, func, select
 
-from client.contract import Trace
+from client.contract import PlanRecord, Trace
 from planner_service.db.models import HardwareRow, ModelRow, TraceRow
 from planner_service.solver.synthetic import synthetic_trace
 
 LIMITS = {"device_memory_bytes": 16 * 2**30}
+
+
+@pytest.fixture
+def api_no_worker(settings):  # type: ignore[no-untyped-def]
+    """The app with no worker: plans stay queued."""
+    from fastapi.testclient import TestClient
+
+    from planner_service.app import create_app
+
+    with TestClient(create_app(settings, workers=0)) as client:
+        yield client
 
 
 def _upload(api, trace: Trace) -> str:  # type: ignore[no-untyped-def]
@@ -160,3 +173,35 @@ def test_openapi_document_describes_the_trace_body(api) -> None:  # type: ignore
     body = doc["paths"]["/v1/traces"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/Trace"}
     assert "Hardware" in doc["components"]["schemas"]
+
+
+def test_plan_polling_revalidates_with_the_entity_tag(api, trace) -> None:  # type: ignore[no-untyped-def]
+    """An unchanged plan answers If-None-Match with 304 and no body; any change (feedback) gets a new tag."""
+    trace_id = _upload(api, trace)
+    plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
+    done = api.get(f"/v1/plans/{plan_id}", params={"wait": 30})
+    tag = done.headers["etag"]
+    record = PlanRecord.model_validate(done.json())  # the spliced body is a valid record, its plan intact
+    assert record.plan is not None and record.plan.trace_hash == trace.content_hash()
+    assert api.get(f"/v1/plans/{plan_id}").headers["etag"] == tag and api.get(f"/v1/plans/{plan_id}").json() == done.json()
+    same = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})
+    assert same.status_code == 304 and same.content == b"" and same.headers["etag"] == tag
+    assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": f'"other", W/{tag}'}).status_code == 304
+    fb = {"iteration_s": 1.0, "peak_device_bytes": 1000, "peak_host_bytes": 0, "steps_measured": 20}
+    assert api.post(f"/v1/plans/{plan_id}/feedback", json=fb).status_code == 201
+    changed = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})
+    assert changed.status_code == 200 and changed.headers["etag"] != tag
+    assert len(changed.json()["feedback"]) == 1
+    other = api.get("/v1/plans/nope", headers={"if-none-match": tag})
+    assert other.status_code == 404
+
+
+def test_long_poll_with_a_current_tag_waits_then_answers_304(api_no_worker, trace) -> None:  # type: ignore[no-untyped-def]
+    trace_id = _upload(api_no_worker, trace)
+    queued = api_no_worker.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS})
+    tag = api_no_worker.get(f"/v1/plans/{queued.json()['id']}").headers["etag"]
+    t0 = time.monotonic()
+    r = api_no_worker.get(f"/v1/plans/{queued.json()['id']}", params={"wait": 0.5}, headers={"if-none-match": tag})
+    assert r.status_code == 304 and time.monotonic() - t0 >= 0.45
+    plain = api_no_worker.get(f"/v1/plans/{queued.json()['id']}", params={"wait": 0.3})
+    assert plain.status_code == 200 and plain.json()["status"] == "queued" and plain.headers["etag"] == tag
