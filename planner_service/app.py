@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 
 from client.contract import Trace
@@ -26,7 +27,7 @@ def prepare_database(settings: Settings) -> Database:
     """Upgrade automatically for the embedded SQLite default; elsewhere refuse an out-of-date schema."""
     if settings.should_auto_upgrade:
         migrate.upgrade(settings.database_url)
-    db = Database(settings.database_url)
+    db = Database(settings.database_url, settings.db_pool_size)
     migrate.require_current(db.engine)
     return db
 
@@ -53,6 +54,8 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = prepare_database(settings)
+        # Blocking handlers and database calls run on AnyIO's thread pool: as many threads as pooled connections.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.db_pool_size
         app.state.db = db
         app.state.settings = settings
         app.state.rate_limiter = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)

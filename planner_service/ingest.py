@@ -106,5 +106,6 @@ class Ingestor:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            # Wait for the processes to exit (an upload in flight finishes): none outlives the API process.
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

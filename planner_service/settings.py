@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     )
     workers: int = Field(default=1, ge=0, le=64, description="in-process solve workers (0: only external workers)")
     lease_s: float = Field(default=60.0, gt=0, description="a running plan whose lease expires is re-queued")
+    db_pool_size: int = Field(default=16, ge=1, le=256, description=(
+        "database connections each API process keeps open; also the number of threads that run blocking "
+        "handlers, so a burst queues for a thread instead of opening (and closing) connections"))
     poll_interval_s: float = Field(default=0.2, gt=0, description="how often idle workers look for queued plans")
     max_attempts: int = Field(default=3, ge=1, description="solve attempts before a plan is marked failed")
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="largest request body accepted (413 beyond)")

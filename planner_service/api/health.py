@@ -14,7 +14,7 @@ READY = {200: {"description": "ready"}, 503: {"description": "database unreachab
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
