@@ -1,11 +1,15 @@
 """Load benchmark of the planner service: concurrent agents upload ~1 MB gzip traces and poll their plans.
 
-Starts the real service (`memplan serve`) on a loopback port against PostgreSQL (a fresh database on the
-local server unless --database-url is given), then runs N agents for D seconds. Each agent uploads a
-distinct trace (gzip, ~1 MB on the wire: a synthetic model plus a columnar allocation trace), requests a
-plan, then polls `GET /v1/plans/{id}` back to back, uploading a new trace version every
---upload-every seconds. Prints and saves (benchmarks/results/service_load.json): errors, GET and upload
-latency percentiles, GET/s.
+Starts the real service (`memplan serve`, 2 API processes) and a `memplan worker` (nice 19: solves are
+batch work) on a loopback port against PostgreSQL (a fresh database on the local server unless
+--database-url is given), then runs N agents for D seconds. Warm-up (not timed): each agent uploads a
+distinct trace (gzip, ~1 MB on the wire: a synthetic model plus a columnar allocation trace) and requests a
+plan. In the window each agent polls `GET /v1/plans/{id}` at --poll-hz as the SDK does (If-None-Match with
+the entity tag it holds), open loop: latency counts from when the poll was due, so a slow answer makes the
+next polls late and that counts too. Each agent also uploads a new trace version and requests its plan every
+--upload-every seconds, starting at a random phase. The generator is aiohttp (~0.2 ms of CPU per request;
+httpx's async client took ~3.5 ms with 50 connections, a third of the 2 cores). Prints and saves
+(benchmarks/results/service_load.json): errors, GET/s, GET and upload latency percentiles, where the CPU went.
 
     .venv/bin/python benchmarks/service_load.py --agents 50 --duration 60
 """
@@ -18,6 +22,7 @@ import gzip
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +68,44 @@ def make_trace_gzip(agent: int, version: int, target_gzip_bytes: int) -> bytes:
     return gzip.compress(json.dumps(base, separators=(",", ":")).encode(), compresslevel=6)
 
 
+def cpu_s(usage: resource.struct_rusage) -> float:
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_busy_s() -> float:
+    """Seconds all CPUs were busy since boot (/proc/stat: everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of live processes: each root's process tree by role name, and the local PostgreSQL
+    server's processes as "postgres" (read from /proc; backends are pooled, so they live through the run)."""
+    table: dict[int, tuple[int, str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        rest = text[text.rindex(")") + 2:].split()
+        table[int(stat.parent.name)] = (int(rest[1]), text[text.index("(") + 1:text.rindex(")")],
+                                        (int(rest[11]) + int(rest[12])) / tick)  # ppid, comm, utime + stime
+    out = dict.fromkeys([*roots, "postgres"], 0.0)
+    by_pid = {pid: role for role, pid in roots.items()}
+    for pid, (_, comm, cpu) in table.items():
+        if comm.startswith("postgres"):
+            out["postgres"] += cpu
+            continue
+        p = pid
+        while p in table and p not in by_pid and p > 1:
+            p = table[p][0]
+        if p in by_pid:
+            out[by_pid[p]] += cpu
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -71,56 +115,106 @@ def pct(values: list[float], q: float) -> float:
 
 class Stats:
     def __init__(self) -> None:
-        self.get_s: list[float] = []
+        self.get_s: list[float] = []  # from the poll's scheduled time to the end of the response
         self.upload_s: list[float] = []
         self.errors: list[str] = []
-        self.gets_in_window = 0
+        self.full_gets = 0  # 200s: the record's body sent; the other GETs are 304s (the copy held is current)
+        self.full_get_bytes = 0
+        self.final_seen = 0  # plans an agent saw reach a final status during the window
 
 
-async def agent(i: int, client: httpx.AsyncClient, bodies: list[bytes], stats: Stats, start: float,
-                duration: float, upload_every: float) -> None:
-    headers = {"content-type": "application/json", "content-encoding": "gzip"}
-    version = 0
-    plan_id: str | None = None
-    next_upload = time.monotonic()
-    await asyncio.sleep(random.Random(i).uniform(0, min(5.0, upload_every)))  # agents do not start in lockstep
-    while time.monotonic() - start < duration:
-        try:
-            if time.monotonic() >= next_upload and version < len(bodies):
-                t0 = time.perf_counter()
-                r = await client.post("/v1/traces", content=bodies[version], headers=headers)
-                stats.upload_s.append(time.perf_counter() - t0)
-                if r.status_code not in (200, 201):
-                    stats.errors.append(f"upload {r.status_code}: {r.text[:200]}")
+class Agent:
+    """One training job's traffic: uploads a trace, requests a plan, polls it at a fixed rate (as the SDK does,
+    with If-None-Match), and uploads a new trace version every `upload_every` seconds."""
+
+    UPLOAD_HEADERS = {"content-type": "application/json", "content-encoding": "gzip"}
+
+    def __init__(self, i: int, http: aiohttp.ClientSession, bodies: list[bytes], stats: Stats) -> None:
+        self.i, self.http, self.bodies, self.stats = i, http, bodies, stats
+        self.version = 0
+        self.plan_id: str | None = None
+        self.etag: str | None = None
+        self.final = False
+
+    async def upload(self, timed: bool) -> None:
+        t0 = time.perf_counter()
+        async with self.http.post("/v1/traces", data=self.bodies[self.version], headers=self.UPLOAD_HEADERS) as r:
+            body = await r.read()
+            if r.status not in (200, 201):
+                self.stats.errors.append(f"upload {r.status}: {body[:200]!r}")
+                return
+            trace_id = json.loads(body)["id"]
+        if timed:
+            self.stats.upload_s.append(time.perf_counter() - t0)
+        limits = {"device_memory_bytes": (8 + self.i % 8) * 2**30, "time_limit_s": 5}
+        async with self.http.post("/v1/plans", json={"trace_id": trace_id, "constraints": limits}) as r:
+            body = await r.read()
+            if r.status not in (200, 202):
+                self.stats.errors.append(f"plan request {r.status}: {body[:200]!r}")
+                return
+            self.plan_id, self.etag, self.final = json.loads(body)["id"], None, False
+        self.version += 1
+
+    async def poll(self, scheduled: float) -> None:
+        assert self.plan_id is not None
+        headers = {"if-none-match": self.etag} if self.etag else None
+        async with self.http.get(f"/v1/plans/{self.plan_id}", headers=headers) as r:
+            body = await r.read()
+            self.stats.get_s.append(time.monotonic() - scheduled)
+            if r.status == 200:
+                self.etag = r.headers.get("etag")
+                self.stats.full_gets += 1
+                self.stats.full_get_bytes += len(body)
+                if not self.final and json.loads(body)["status"] in ("done", "failed", "infeasible"):
+                    self.final = True
+                    self.stats.final_seen += 1
+            elif r.status != 304:
+                self.stats.errors.append(f"get {r.status}: {body[:200]!r}")
+
+    async def run(self, start: float, duration: float, poll_hz: float, upload_every: float) -> None:
+        """Open loop: polls are due every 1/poll_hz s, and a slow answer makes the next ones late, which counts
+        (latency runs from the due time: no coordinated omission). Uploads start at a random phase."""
+        rng = random.Random(self.i)
+        period = 1.0 / poll_hz
+        due = start + rng.uniform(0, period)
+        next_upload = start + rng.uniform(0, upload_every)
+        while True:
+            try:
+                now = time.monotonic()
+                if now >= next_upload and self.version < len(self.bodies):
+                    await self.upload(timed=True)
+                    next_upload += upload_every
+                    due = max(due, time.monotonic())  # polls the agent skipped while uploading are not late
                     continue
-                limits = {"device_memory_bytes": (8 + i % 8) * 2**30, "time_limit_s": 5}
-                r = await client.post("/v1/plans", json={"trace_id": r.json()["id"], "constraints": limits})
-                if r.status_code not in (200, 202):
-                    stats.errors.append(f"plan request {r.status_code}: {r.text[:200]}")
-                    continue
-                plan_id = r.json()["id"]
-                version += 1
-                next_upload += upload_every
-            if plan_id is None:
-                continue
-            t0 = time.perf_counter()
-            r = await client.get(f"/v1/plans/{plan_id}")
-            stats.get_s.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                stats.errors.append(f"get {r.status_code}: {r.text[:200]}")
-        except httpx.HTTPError as exc:
-            stats.errors.append(f"{type(exc).__name__}: {exc}")
+                if due - start >= duration:
+                    return
+                if due > now:
+                    await asyncio.sleep(due - now)
+                await self.poll(due)
+                due += period
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                self.stats.errors.append(f"{type(exc).__name__}: {exc}")
+                due = max(due + period, time.monotonic())
 
 
-async def run_load(url: str, agents: int, duration: float, upload_every: float,
-                   bodies: list[list[bytes]]) -> Stats:
+async def run_load(url: str, agents: int, duration: float, poll_hz: float, upload_every: float,
+                   bodies: list[list[bytes]], roots: dict[str, int]) -> tuple[Stats, float, dict[str, float]]:
+    """Warm-up (not timed): every agent uploads its first trace and gets a plan to poll. Then the window."""
     stats = Stats()
-    limits = httpx.Limits(max_connections=agents, max_keepalive_connections=agents)
-    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=agents * 2)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+        fleet = [Agent(i, http, bodies[i], stats) for i in range(agents)]
+        for a in fleet:
+            await a.upload(timed=False)
         start = time.monotonic()
-        await asyncio.gather(*(agent(i, client, bodies[i], stats, start, duration, upload_every)
-                               for i in range(agents)))
-    return stats
+        busy0, self0, roles0 = machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF), cpu_by_role(roots)
+        await asyncio.gather(*(a.run(start, duration, poll_hz, upload_every) for a in fleet))
+        wall = time.monotonic() - start
+        busy1, self1, roles1 = machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF), cpu_by_role(roots)
+        cpu = {"load_generator_s": round(cpu_s(self1) - cpu_s(self0), 1),
+               **{f"{role}_s": round(roles1[role] - roles0[role], 1) for role in roles1},
+               "machine_busy_fraction": round((busy1 - busy0) / (wall * (os.cpu_count() or 1)), 3)}
+        return stats, wall, cpu
 
 
 def fresh_postgres_db(admin_url: str) -> tuple[str, str]:
@@ -143,7 +237,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--agents", type=int, default=50)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    ap.add_argument("--upload-every", type=float, default=20.0, help="seconds between an agent's uploads")
+    ap.add_argument("--upload-every", type=float, default=60.0, help="seconds between an agent's uploads")
+    ap.add_argument("--poll-hz", type=float, default=10.0, help="plan polls per second per agent (50 x 10 = 500/s)")
+    ap.add_argument("--worker-nice", type=int, default=19, help="niceness of the solve worker (batch work)")
     ap.add_argument("--trace-gzip-bytes", type=int, default=1_000_000)
     ap.add_argument("--processes", type=int, default=2, help="API processes")
     ap.add_argument("--admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -151,7 +247,7 @@ def main() -> None:
     ap.add_argument("--no-worker", action="store_true", help="no solve worker (isolates the API's own cost)")
     args = ap.parse_args()
 
-    versions = max(1, int(args.duration // args.upload_every) + 1)
+    versions = 2 + int(args.duration // args.upload_every)  # the warm-up upload, then one per period
     print(f"building {args.agents} x {versions} distinct traces of ~{args.trace_gzip_bytes / 1e6:.1f} MB gzip ...")
     bodies = [[make_trace_gzip(i, v, args.trace_gzip_bytes) for v in range(versions)] for i in range(args.agents)]
     sizes = [len(b) for row in bodies for b in row]
@@ -170,7 +266,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--workers", "0",
                                "--processes", str(args.processes), "--log-level", "warning"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    worker_cmd = ["true"] if args.no_worker else ["nice", "-n", "10", sys.executable, "-m", "client.cli", "worker"]
+    worker_cmd = ["true"] if args.no_worker else ["nice", "-n", str(args.worker_nice), sys.executable, "-m", "client.cli", "worker"]
     worker = subprocess.Popen(worker_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -185,12 +281,10 @@ def main() -> None:
                 raise SystemExit(f"server did not start: {server.stderr.read() if server.stderr else ''}")
             time.sleep(0.2)
         print(f"load: {args.agents} agents for {args.duration:.0f} s against {url} ({args.processes} API processes)")
-        t0 = time.monotonic()
-        stats = asyncio.run(run_load(url, args.agents, args.duration, args.upload_every, bodies))
-        wall = time.monotonic() - t0
-        done = httpx.get(f"{url}/v1/plans", params={"status": "done", "limit": 1}, timeout=10).json()
+        stats, wall, cpu = asyncio.run(run_load(url, args.agents, args.duration, args.poll_hz, args.upload_every,
+                                                bodies, {"api": server.pid, "worker": worker.pid}))
     finally:
-        for proc in (server, worker):
+        for proc in (worker, server):
             proc.terminate()
             try:
                 proc.wait(30)
@@ -212,9 +306,13 @@ def main() -> None:
         "uploads": len(stats.upload_s),
         "upload_p50_ms": round(pct(stats.upload_s, 50) * 1e3, 1),
         "upload_p99_ms": round(pct(stats.upload_s, 99) * 1e3, 1),
-        "plans_done_seen": bool(done.get("items")),
+        "full_gets": stats.full_gets, "full_get_mb_mean": round(stats.full_get_bytes / max(1, stats.full_gets) / 1e6, 2),
+        "plans_final_seen_in_window": stats.final_seen,
+        # Where the cores went during the window (CPU seconds; the window is `duration_s` x cores).
+        "cpu": cpu,
+        "poll_hz_per_agent": args.poll_hz, "upload_every_s": args.upload_every,
         "layout": f"{args.processes} API processes (--workers 0)"
-                  + ("" if args.no_worker else " + 1 `memplan worker` (nice 10)"),
+                  + ("" if args.no_worker else f" + 1 `memplan worker` (nice {args.worker_nice})"),
         "targets": {"errors": 0, "get_p99_ms": 20, "get_per_s": 500, "upload_p99_ms": 300},
     }
     print(json.dumps(result, indent=1))
