@@ -164,7 +164,10 @@ class ActivationManager:
         self.targets = sorted(targets, key=lambda t: t.index)
         self.counters = ActivationCounters()
         self._state_storages = state_storages or default_state_storages(model)
+        # model-state storages, read once per root forward (walking the model's parameters for every
+        # swapped block cost O(model) per block); a block run outside a root forward reads them afresh
         self._state_now: set[int] = set()
+        self._in_root_forward = False
         swaps = [t for t in self.targets if t.mode == ActivationMode.swap]
         self.store: SwapStore | None = SwapStore(device, self._is_model_state) if swaps else None
         self._swap_blocks = {t.index for t in swaps}
@@ -173,7 +176,13 @@ class ActivationManager:
         self._order_now: list[int] = []
         self._in_backward = False
         self._installed: list[_Installed] = []
+        self._root_handles: list[RemovableHandle] = []
         try:
+            if swaps:
+                self._root_handles = [
+                    model.register_forward_pre_hook(self._root_forward_started),
+                    model.register_forward_hook(self._root_forward_ended, always_call=True),
+                ]
             for t in self.targets:
                 self._install(t)
         except BaseException:
@@ -195,6 +204,9 @@ class ActivationManager:
 
     def remove(self) -> None:
         """Undo every change: instance `forward` attributes and hooks; the modules are as they were."""
+        for h in self._root_handles:
+            h.remove()
+        self._root_handles = []
         for rec in reversed(self._installed):
             for h in rec.handles:
                 h.remove()
@@ -227,11 +239,19 @@ class ActivationManager:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             self.counters.swapped_forwards += 1
-            self._state_now = self._state_storages()
+            if not self._in_root_forward:
+                self._state_now = self._state_storages()
             with store.swapping(index):
                 return original(*args, **kwargs)
 
         return forward
+
+    def _root_forward_started(self, module: nn.Module, args: Any) -> None:
+        self._state_now = self._state_storages()
+        self._in_root_forward = True
+
+    def _root_forward_ended(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_root_forward = False
 
     def _is_model_state(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._state_now

@@ -24,10 +24,13 @@ def views(flat: torch.Tensor, entries: list[ParamEntry]) -> list[torch.Tensor]:
     return [flat[e.offset : e.end].view(e.shape) for e in entries]
 
 
-def bind(flat: torch.Tensor, entries: list[ParamEntry]) -> None:
-    """Point every parameter of the chunk at its slice of `flat` (no copy; autograd sees the same leaf)."""
+def bind(flat: torch.Tensor, entries: list[ParamEntry], cached: list[torch.Tensor] | None = None) -> None:
+    """Point every parameter of the chunk at its slice of `flat` (no copy; autograd sees the same leaf).
+
+    `cached`: the views of `flat` from an earlier `views(flat, entries)` (the runtime keeps them per
+    buffer and chunk: making the views is most of the cost of a bind)."""
     with torch.no_grad():
-        for e, v in zip(entries, views(flat, entries), strict=True):
+        for e, v in zip(entries, cached if cached is not None else views(flat, entries), strict=True):
             e.param.data = v
 
 

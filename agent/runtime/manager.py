@@ -72,7 +72,7 @@ class ModelStateManager:
         )
         self._slot_by_storage = self.pool.storage_ids() if self.pool else {}
         self.schedule = AccessSchedule([c.index for c in layout.offloaded])
-        self.worker = HostWorker() if self.has_offload else None
+        self.worker = HostWorker(inline=not ctx.is_cuda) if self.has_offload else None
         self.optimizer: ChunkedOptimizer | None = None
         self.steppers: list[ChunkStepper] = []
         self._handles: list[RemovableHandle] = []
@@ -88,6 +88,9 @@ class ModelStateManager:
         self._upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
         self._stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
         self._esize = element_size(layout.compute_dtype)
+        # per (slot index, -1 for the chunk's host copy, -2 for a persistent chunk's gradients; chunk): the
+        # parameters' views (making them is most of the cost of binding or of re-pointing `.grad`)
+        self._bind_views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._move_buffers_to_device()
         self._install_hooks()
 
@@ -175,6 +178,7 @@ class ModelStateManager:
         self.states = []
         self.steppers = []
         self.pool = None
+        self._bind_views = {}
 
     # ======================================================================================= phases
     def _on_root_forward(self, module: nn.Module, args: Any) -> None:
@@ -387,7 +391,7 @@ class ModelStateManager:
                 self._upload_timings.append((start, st.ready))
         slot.chunk = st.index
         st.slot = slot.index
-        bind(slot.params, st.spec.entries)
+        self._bind(slot.params, slot.index, st)
         self.counters.uploads += 1
         self.counters.upload_bytes += n * self._esize
 
@@ -398,11 +402,27 @@ class ModelStateManager:
             self._flush(st, slot)
         slot.free_after.append(self.ctx.record())  # compute that read the buffer so far
         assert st.host_params is not None
-        bind(st.host_params, st.spec.entries)
+        self._bind(st.host_params, -1, st)
         slot.chunk = None
         st.slot = None
         st.ready = None
         self.counters.evictions += 1
+
+    def _bind(self, flat: torch.Tensor, where: int, st: ChunkState) -> None:
+        """Point the chunk's parameters into `flat` (slot `where`, or -1: the host copy), views cached."""
+        key = (where, st.index)
+        cached = self._bind_views.get(key)
+        if cached is None:
+            cached = self._bind_views[key] = views(flat, st.spec.entries)
+        bind(flat, st.spec.entries, cached)
+
+    def _grad_views(self, st: ChunkState) -> list[torch.Tensor]:
+        """The persistent chunk's per-parameter gradient views (made once: its gradient buffer never moves)."""
+        cached = self._bind_views.get((-2, st.index))
+        if cached is None:
+            assert st.grad is not None
+            cached = self._bind_views[(-2, st.index)] = views(st.grad, st.spec.entries)
+        return cached
 
     def evict_all(self) -> None:
         if self.pool is not None:
@@ -419,8 +439,7 @@ class ModelStateManager:
         st = self.states[c]
         e = st.spec.entries[j]
         if not st.offloaded:
-            assert st.grad is not None
-            view = st.grad[e.offset : e.end].view(e.shape)
+            view = self._grad_views(st)[j]
             if param.grad.data_ptr() != view.data_ptr():  # the user replaced .grad: take it back
                 view.copy_(param.grad)
                 param.grad = view
@@ -562,7 +581,7 @@ class ModelStateManager:
             if not st.offloaded:
                 assert st.grad is not None
                 st.grad.zero_()
-                for e, g in zip(st.spec.entries, views(st.grad, st.spec.entries), strict=True):
+                for e, g in zip(st.spec.entries, self._grad_views(st), strict=True):
                     if e.param.requires_grad and e.param.grad is not g:
                         e.param.grad = g
                 continue

@@ -18,7 +18,8 @@ How it works (one `SwapStore` per wrapped model, shared by every block in `swap`
   order blocks' backwards started in the previous iteration (see `activations.py`), never from the
   order tensors were packed: unpack order inside a block is whatever autograd's graph walk gives.
 - release: each entry counts its packed views; when all were unpacked the entry drops its device copy
-  (autograd still holds the unpacked tensors while it needs them) and its host buffer.
+  (autograd still holds the unpacked tensors while it needs them) and its host buffer (on CPU the buffer
+  is kept for the next copy-out of the same size: fresh host memory costs page faults on every copy).
 
 On CPU there are no streams: copies are synchronous and events are `None` (the same code path, as in
 `device.py`). The CUDA branches (streams, events, pinned memory, record_stream) are written for, but
@@ -68,6 +69,7 @@ class SwapEntry:
     in_done: Event = None  # copy-in finished (copy-in stream)
     packed: int = 0  # views packed that point at this entry
     unpacked: int = 0
+    key: int = 0  # the device storage's address in `SwapStore._by_storage`
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ class SwapStore:
         # storages swapped in this iteration, by StorageImpl address, dropped when the storage dies: a
         # storage saved by two swap blocks (or twice by one) is copied once
         self._by_storage: dict[int, SwapEntry] = {}
+        # CPU: host buffers of released entries by size, reused by the next copy-outs (see `_free_host`);
+        # at most the largest set of swapped bytes live at once (the plan's swapped host bytes)
+        self._host_free: dict[int, list[torch.Tensor]] = {}
         self._current: int | None = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
 
@@ -151,8 +156,9 @@ class SwapStore:
         key = st._cdata
         entry = self._by_storage.get(key)
         rec = self._blocks[self._current]
-        if entry is None:
+        if entry is None or entry.host is None:  # (a released entry: the storage outlived its backward)
             entry = self._copy_out(t, self._current)
+            entry.key = key
             self._by_storage[key] = entry
             weakref.finalize(st, self._by_storage.pop, key, None)
         if id(entry) not in rec.ids:  # a storage an earlier swap block saved too: one copy, fetched by both
@@ -164,7 +170,8 @@ class SwapStore:
     def _copy_out(self, t: torch.Tensor, block: int) -> SwapEntry:
         src = _uint8_view(t)
         nbytes = src.numel()
-        host = _host_bytes(nbytes, pinned=self.is_cuda)
+        free = self._host_free.get(nbytes)
+        host = free.pop() if free else _host_bytes(nbytes, pinned=self.is_cuda)
         entry = SwapEntry(block=block, nbytes=nbytes, device=t.device, host=host)
         if self.out_stream is not None:
             produced = torch.cuda.current_stream(self.device).record_event()
@@ -264,7 +271,9 @@ class SwapStore:
         entry.on_device = None
         if entry.host is not None:
             self.counters.host_bytes_live -= entry.nbytes
-            entry.host = None  # the caching host allocator keeps pinned memory until its copies end
+            self._free_host(entry)
+        if self._by_storage.get(entry.key) is entry:
+            del self._by_storage[entry.key]  # a storage that lives on (a batch tensor) is copied afresh next time
         for b in [b for b, r in self._blocks.items() if id(entry) in r.ids]:
             if all(e.host is None for e in self._blocks[b].entries):
                 del self._blocks[b]
@@ -276,13 +285,24 @@ class SwapStore:
         for e in rec.entries:
             if e.host is not None:
                 self.counters.host_bytes_live -= e.nbytes
-                e.host = None
+                self._free_host(e)
             e.on_device = None
+            if self._by_storage.get(e.key) is e:
+                del self._by_storage[e.key]
+
+    def _free_host(self, entry: SwapEntry) -> None:
+        """The entry's host buffer is no longer needed. On CUDA the caching host allocator keeps pinned memory
+        until its copies end; on CPU the buffer is kept for the next iteration's copy of the same size
+        (copies are synchronous there): fresh host memory would be faulted in page by page every iteration."""
+        host, entry.host = entry.host, None
+        if host is not None and not self.is_cuda:
+            self._host_free.setdefault(entry.nbytes, []).append(host)
 
     def end_iteration(self) -> None:
-        """Forget every block's swapped tensors (used when the manager is removed)."""
+        """Forget every block's swapped tensors (used when the manager is removed) and the kept host buffers."""
         for block in list(self._blocks):
             self._forget(block)
+        self._host_free.clear()
 
 
 def _host_bytes(nbytes: int, *, pinned: bool) -> torch.Tensor:
