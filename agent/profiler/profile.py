@@ -22,7 +22,9 @@ to the other, identical blocks; the trace says so (`measurements.extrapolated`, 
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import statistics
 import sys
 import time
@@ -53,6 +55,7 @@ from agent.profiler.parameters import (
     order_parameters,
     parameter_infos,
 )
+from agent.profiler.runtime_probe import RuntimeProbe, probe_block
 from agent.profiler.session import (
     LossFn,
     ProfilerInputError,
@@ -65,6 +68,7 @@ from agent.profiler.tensors import iter_tensors, storage_key, unique_storage_byt
 from client.contract import (
     AllocationCategory,
     AllocationTrace,
+    BandwidthSample,
     BlockInfo,
     BlockKind,
     BlockMeasurement,
@@ -125,13 +129,16 @@ def profile(
     full_fingerprint = fingerprint(model)
     all_params_named = dict(model.named_parameters())
 
+    t_hw = time.perf_counter()
+    hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
+    t_hw = time.perf_counter() - t_hw
     with _truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
         opt = optimizer if optimizer is not None else torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=1e-4)
         kind = optimizer_kind(opt)
         batch = move_batch(sample_batch, dev)
         with preserved_training_state(model, optimizer):
-            result = _measure(model, batch, loss_fn, opt, dev, repeated, allocation_trace, repeats)
+            result = _measure(model, batch, loss_fn, opt, dev, repeated, allocation_trace, repeats, hw)
         extrapolated = n_profiled < len(repeated_all)
 
     ordered = result.ordered
@@ -189,12 +196,10 @@ def profile(
         master_bytes_per_param=0,
         gradient_bytes_per_param=result.gradient_bytes_per_param,
     )
-    t0 = time.perf_counter()
-    hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
     t1 = time.perf_counter()
     host_opt = host_step_throughput()
     t2 = time.perf_counter()
-    log.debug("profile stages (s): %s", {**result.stages, "hardware": t1 - t0, "host_optimizer": t2 - t1,
+    log.debug("profile stages (s): %s", {**result.stages, "hardware": t_hw, "host_optimizer": t2 - t1,
                                          "hook_overhead_per_iteration": result.hook_overhead_s})
     measurements = Measurements(
         blocks=block_meas,
@@ -225,7 +230,7 @@ class _Result:
 
 
 def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.optim.Optimizer,
-             dev: torch.device, repeated: RepeatedBlocks, want_trace: bool, repeats: int) -> _Result:
+             dev: torch.device, repeated: RepeatedBlocks, want_trace: bool, repeats: int, hw: Hardware) -> _Result:
     clock = DeviceClock(dev)
     n_blocks = len(repeated) + 2
     step = TrainingStep(model, batch, loss_fn, opt, n_blocks)
@@ -312,10 +317,20 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
             t1 = clock.now()
         del out
         recompute[idx] = t1 - t0
-    captured.clear()
     recompute[0], recompute[-1] = fwd[0] * scale, fwd[-1] * scale  # edges are not checkpointed: their forward
 
     stage("recompute")
+
+    # 4b. the runtime's own costs (swap, checkpoint, offloaded chunk) on one repeated block
+    probe: RuntimeProbe | None = None
+    probed = 0
+    if captured:
+        probed = sorted(captured)[len(captured) // 2]
+        args, kwargs = captured[probed]
+        probe = probe_block(repeated.modules[probed - 1], args, kwargs, dev, probed, opt)
+    captured.clear()
+
+    stage("runtime_probe")
 
     # 5. tracked iteration: memory (after recompute, so no captured input is alive during it)
     act, inp, fwd_tr, bwd_tr, peak, alloc = _track_memory(model, step, opt, batch, dev, repeated, res.ordered,
@@ -325,13 +340,73 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     stage("tracked")
     res.stages = stages
 
+    swap_out, swap_in, offload, upload = [0.0] * n_blocks, [0.0] * n_blocks, [0.0] * n_blocks, [0.0] * n_blocks
+    if probe is not None:
+        swap_out, swap_in, recompute, offload, upload = _runtime_costs(probe, probed, act, recompute, res.ordered,
+                                                                       hw)
     res.blocks = [
         BlockMeasurement(block=b, forward_s=fwd[b] * scale, backward_s=bwd[b] * scale, recompute_s=recompute[b],
                          activation_bytes=act[b], input_bytes=inp[b], forward_transient_peak_bytes=fwd_tr[b],
-                         backward_transient_peak_bytes=bwd_tr[b])
+                         backward_transient_peak_bytes=bwd_tr[b], swap_out_s=swap_out[b], swap_in_s=swap_in[b],
+                         offload_overhead_s=offload[b], upload_overhead_s=upload[b])
         for b in range(n_blocks)
     ]
     return res
+
+
+def _runtime_costs(
+    probe: RuntimeProbe, probed: int, act: list[int], recompute: list[float], ordered: list[OrderedParameter],
+    hw: Hardware,
+) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+    """Per-block runtime costs from the probe of block `probed` (see runtime_probe.py).
+
+    Repeated blocks (one module class): swap costs scale with the block's activation bytes, checkpointing's
+    cost with its measured forward re-run (the probe measures the whole of it, recompute machinery included,
+    where the re-run alone misses the machinery). Every block, edges included: the chunk runtime's costs per
+    parameter tensor (the probe's, less the copies and the host step that the cost model charges by bandwidth
+    and throughput) times the block's parameter tensors: once per offloaded chunk (`offload_overhead_s`) and
+    per upload (`upload_overhead_s`).
+    """
+    n = len(act)
+    swap_out, swap_in = [0.0] * n, [0.0] * n
+    rec = list(recompute)
+    for b in range(1, n - 1):
+        if act[probed] > 0:
+            swap_out[b] = probe.swap_out_s * act[b] / act[probed]
+            swap_in[b] = probe.swap_in_s * act[b] / act[probed]
+        if recompute[probed] > 0:  # never less than the block's own forward re-run
+            rec[b] = recompute[b] * max(1.0, probe.checkpoint_extra_s / recompute[probed])
+    # the probe's chunk is uploaded and released once in its timed run (offload_s, of which upload_s is the
+    # upload and the release): the cost model charges each upload's copy by bandwidth plus the measured
+    # rest of an upload and release, and once per chunk its gradient copy by bandwidth and its host step by
+    # throughput plus the measured rest of offload_s
+    h2d = _copy_s(hw.bandwidth.h2d_pinned, probe.offload_bytes)
+    d2h = _copy_s(hw.bandwidth.d2h_pinned, probe.offload_bytes)
+    step = probe.offload_bytes / host_step_throughput() if probe.offload_stepped else 0.0
+    upload_rest = max(0.0, probe.upload_s - h2d)
+    once = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)
+    n_params = max(1, probe.offload_params)
+    counts = [0] * n
+    for o in ordered:  # every parameter tensor, as the cost model spreads a block's figure over its parameters
+        counts[o.block] += 1
+    upload = [upload_rest / n_params * counts[b] for b in range(n)]
+    offload = [once / n_params * counts[b] for b in range(n)]
+    return swap_out, swap_in, rec, offload, upload
+
+
+def _copy_s(curve: list[BandwidthSample], nbytes: int) -> float:
+    """Seconds to copy `nbytes` at the curve's bandwidth (log-size interpolation, as the cost model reads it)."""
+    if nbytes <= 0:
+        return 0.0
+    sizes = [s.size_bytes for s in curve]
+    if nbytes <= sizes[0]:
+        return nbytes / curve[0].bytes_per_s
+    if nbytes >= sizes[-1]:
+        return nbytes / curve[-1].bytes_per_s
+    i = bisect.bisect_right(sizes, nbytes)
+    lo, hi = curve[i - 1], curve[i]
+    w = (math.log(nbytes) - math.log(lo.size_bytes)) / (math.log(hi.size_bytes) - math.log(lo.size_bytes))
+    return nbytes / (lo.bytes_per_s + w * (hi.bytes_per_s - lo.bytes_per_s))
 
 
 def _track_memory(

@@ -205,6 +205,21 @@ class BlockMeasurement(ContractModel):
     input_bytes: Bytes = Field(description="bytes of the block's inputs: what checkpointing must keep")
     forward_transient_peak_bytes: Bytes = Field(description="peak above the resident level during forward")
     backward_transient_peak_bytes: Bytes = Field(description="peak above the resident level during backward")
+    # Runtime costs measured through the agent runtime's own code paths (optional: 0.0 = not measured,
+    # the cost model then charges copies by bytes over the bandwidth curves, as before).
+    swap_out_s: Seconds = Field(
+        default=0.0, description="extra forward time when this block's saved tensors are swapped out to the host "
+        "(runtime swap store: host buffers, copies, hooks)")
+    swap_in_s: Seconds = Field(
+        default=0.0, description="extra backward time to bring this block's swapped tensors back (prefetch, "
+        "unpack, release)")
+    offload_overhead_s: Seconds = Field(
+        default=0.0, description="extra time of one iteration when this block's parameters are in an offloaded "
+        "chunk of the chunk runtime (residency hooks, gradient gather, bind/release, host step), beyond the "
+        "copies of their bytes (charged by bandwidth), the host step (charged by throughput) and the uploads")
+    upload_overhead_s: Seconds = Field(
+        default=0.0, description="extra time of each upload of this block's parameters into a device buffer "
+        "(release, buffer choice, bind), beyond the copy of their bytes (charged by bandwidth)")
 
 
 class OptimizerMeasurement(ContractModel):
