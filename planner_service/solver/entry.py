@@ -40,7 +40,9 @@ from planner_service.solver.instance import (
 from planner_service.solver.layout import ChunkLayout, candidate_layouts
 
 # Bump whenever a change can alter a plan (cost model, model, search, defaults): the service dedups by it.
-SOLVER_VERSION = "policy-1.1"  # 1.1: no copy/compute overlap on a CPU device (CostParams.copy_overlap)
+# 1.1: no copy/compute overlap on a CPU device (CostParams.copy_overlap)
+# 1.2: on a CPU device, the runtime costs the profiler measures (swap, chunk runtime) replace/add to copy times
+SOLVER_VERSION = "policy-1.2"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {Mode.keep: ActivationMode.keep, Mode.checkpoint: ActivationMode.checkpoint, Mode.swap: ActivationMode.swap}

@@ -111,10 +111,12 @@ class PolicyInstance:
     inp_bytes: tuple[int, ...]
     fwd_peak_bytes: tuple[int, ...]
     bwd_peak_bytes: tuple[int, ...]
-    swap_out_ns: tuple[int, ...]
+    swap_out_ns: tuple[int, ...]  # by bandwidth; serial devices: the trace's measured swap_out_s when present
     swap_in_ns: tuple[int, ...]
     # chunks
-    upload_ns: tuple[int, ...]
+    upload_ns: tuple[int, ...]  # serial devices: plus the measured per-upload rest (trace's upload_overhead_s)
+    # gradient copy to the host, charged once per offloaded chunk per iteration; on a serial device plus the
+    # chunk runtime's measured per-chunk cost (the trace's offload_overhead_s of the chunk's parameters)
     grad_offload_ns: tuple[int, ...]
     device_optim_ns: tuple[int, ...]
     host_optim_ns: tuple[int, ...]
@@ -163,6 +165,26 @@ def build_instance(
     grad_bytes = [n * w.gradient_bytes_per_param for n in numels]
     host_limit = constraints.host_memory_bytes or trace.hardware.host_memory_bytes
     pinned = constraints.pinned_memory_bytes or trace.hardware.pinned_memory_limit_bytes
+    serial = params.copy_overlap is False
+    swap_out = [transfer_ns(bw.d2h_pinned, x.activation_bytes) for x in meas]
+    swap_in = [transfer_ns(bw.h2d_pinned, x.activation_bytes) for x in meas]
+    grad_offload = [transfer_ns(bw.d2h_pinned, g) for g in grad_bytes]
+    upload = [transfer_ns(bw.h2d_pinned, u) for u in layout.used_bytes]
+    if serial:
+        # copies are serial with compute: what the runtime's own code paths measurably cost (trace fields,
+        # 0 = not measured) replaces the bytes-over-bandwidth estimate (swap), or adds to it (chunk runtime)
+        swap_out = [ns(x.swap_out_s) if x.swap_out_s > 0 else t for x, t in zip(meas, swap_out, strict=True)]
+        swap_in = [ns(x.swap_in_s) if x.swap_in_s > 0 else t for x, t in zip(meas, swap_in, strict=True)]
+        per_block = [0] * len(blocks)
+        for p in params_list:
+            per_block[p.block] += 1
+
+        def spread(field: str) -> list[int]:  # a block's figure over its parameters, summed per chunk
+            per_param = [getattr(meas[b], field) / n if n else 0.0 for b, n in enumerate(per_block)]
+            return [ns(sum(per_param[params_list[i].block] for i in range(a, b))) for a, b in layout.param_ranges]
+
+        grad_offload = [g + o for g, o in zip(grad_offload, spread("offload_overhead_s"), strict=True)]
+        upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]
     return PolicyInstance(
         layout=layout,
         params=params,
@@ -174,10 +196,10 @@ def build_instance(
         inp_bytes=tuple(x.input_bytes for x in meas),
         fwd_peak_bytes=tuple(x.forward_transient_peak_bytes for x in meas),
         bwd_peak_bytes=tuple(x.backward_transient_peak_bytes for x in meas),
-        swap_out_ns=tuple(transfer_ns(bw.d2h_pinned, x.activation_bytes) for x in meas),
-        swap_in_ns=tuple(transfer_ns(bw.h2d_pinned, x.activation_bytes) for x in meas),
-        upload_ns=tuple(transfer_ns(bw.h2d_pinned, u) for u in layout.used_bytes),
-        grad_offload_ns=tuple(transfer_ns(bw.d2h_pinned, g) for g in grad_bytes),
+        swap_out_ns=tuple(swap_out),
+        swap_in_ns=tuple(swap_in),
+        upload_ns=tuple(upload),
+        grad_offload_ns=tuple(grad_offload),
         device_optim_ns=tuple(ns(u / m.optimizer.device_bytes_per_s) for u in layout.used_bytes),
         host_optim_ns=tuple(ns(u / m.optimizer.host_bytes_per_s) for u in layout.used_bytes),
         chunk_state_bytes=S + (S // elt) * state_per_elt,

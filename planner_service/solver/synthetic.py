@@ -151,6 +151,11 @@ class BlockSpec:
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
     kind: BlockKind = BlockKind.block
+    # runtime costs as the profiler's runtime probe measures them (0: not measured)
+    swap_out_s: float = 0.0
+    swap_in_s: float = 0.0
+    offload_overhead_s: float = 0.0
+    upload_overhead_s: float = 0.0
 
 
 def hand_trace(
@@ -189,6 +194,8 @@ def hand_trace(
             block=i, forward_s=s.forward_s, backward_s=s.backward_s, recompute_s=s.recompute_s,
             activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
             forward_transient_peak_bytes=s.forward_peak_bytes, backward_transient_peak_bytes=s.backward_peak_bytes,
+            swap_out_s=s.swap_out_s, swap_in_s=s.swap_in_s, offload_overhead_s=s.offload_overhead_s,
+            upload_overhead_s=s.upload_overhead_s,
         ))
     flat = lambda bw: [BandwidthSample(size_bytes=1, bytes_per_s=bw)]  # noqa: E731
     hw = Hardware(

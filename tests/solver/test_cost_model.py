@@ -276,3 +276,66 @@ def test_cpu_batch_timing_equals_the_reference_model_on_random_decisions():
             for r in range(5):
                 d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
                 assert int(batch[r]) == evaluate_decision(inst, d).iteration_ns
+
+
+# --- measured runtime costs (the profiler's runtime probe): charged where copies are serial ------------------
+
+
+def measured_trace(device_type: DeviceType, measured: bool = True):
+    """`five_block_trace(0.1 ms, 0.2 ms, 0.1 ms)` plus runtime costs measured per block (or none)."""
+    edge = dict(forward_s=0.0001, backward_s=0.0002, recompute_s=0.0001)
+    costs = dict(offload_overhead_s=0.0005, upload_overhead_s=0.0001) if measured else {}
+    swaps = dict(swap_out_s=0.003, swap_in_s=0.002) if measured else {}
+    return hand_trace(
+        [BlockSpec(4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge, **costs)]
+        + [BlockSpec(8 * MiB, activation_bytes=16 * MiB, input_bytes=1 * MiB, forward_peak_bytes=2 * MiB,
+                     backward_peak_bytes=4 * MiB, **edge, **costs, **swaps)] * 3
+        + [BlockSpec(4 * MiB, activation_bytes=2 * MiB, input_bytes=1 * MiB, kind=BlockKind.epilogue, **edge, **costs)],
+        h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, device_optimizer_bytes_per_s=100e9,
+        host_optimizer_bytes_per_s=1e12, device_type=device_type,
+    )
+
+
+def test_cpu_swap_costs_are_the_measured_ones_instead_of_bytes_over_bandwidth():
+    args = (32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K, S, S, S, K])
+    cpu = measured_trace(DeviceType.cpu)
+    p = evaluate(cpu, policy(cpu, *args), ROOMY, NO_MARGIN)
+    # forward: 5 * 0.1 ms compute + 3 measured swap-outs of 3 ms; backward: 3 swap-ins of 2 ms + 5 * 0.2 ms
+    assert round(p.forward_s * 1e9) == 500_000 + 3 * 3_000_000
+    assert round(p.backward_s * 1e9) == 3 * 2_000_000 + 1_000_000
+    # on a GPU the copies overlap compute: the bandwidth model stands, the measured fields change nothing
+    gpu, plain_gpu = measured_trace(DeviceType.cuda), measured_trace(DeviceType.cuda, measured=False)
+    assert evaluate(gpu, policy(gpu, *args), ROOMY, NO_MARGIN).iteration_s == \
+        evaluate(plain_gpu, policy(plain_gpu, *args), ROOMY, NO_MARGIN).iteration_s
+
+
+def test_cpu_offload_costs_once_per_chunk_and_upload_costs_per_upload():
+    args = (8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
+    with_costs, without = measured_trace(DeviceType.cpu), measured_trace(DeviceType.cpu, measured=False)
+    p = evaluate(with_costs, policy(with_costs, *args), ROOMY, NO_MARGIN)
+    q = evaluate(without, policy(without, *args), ROOMY, NO_MARGIN)
+    # five offloaded chunks (0.5 ms each, once) and eight uploads (0.1 ms each): all five in forward, and
+    # in backward chunks 0..2 again (two buffers keep chunks 3 and 4 resident)
+    assert round((p.iteration_s - q.iteration_s) * 1e9) == 5 * 500_000 + 8 * 100_000
+    assert round((p.forward_s - q.forward_s) * 1e9) == 5 * 100_000
+    # persistent chunks pay none of it
+    persistent = (8 * MiB, [[0], [1], [2], [3], [4]], Placement.persistent, 0, [K] * 5)
+    assert evaluate(with_costs, policy(with_costs, *persistent), ROOMY, NO_MARGIN).iteration_s == \
+        evaluate(without, policy(without, *persistent), ROOMY, NO_MARGIN).iteration_s
+
+
+def test_batch_timing_equals_the_reference_model_with_measured_runtime_costs():
+    rng = np.random.default_rng(12)
+    trace = measured_trace(DeviceType.cpu)
+    for size in (8 * MiB, 16 * MiB):
+        inst = build_instance(trace, pack(trace, size), ROOMY, NO_MARGIN)
+        assert not inst.copy_overlap
+        for i in range(20):
+            off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
+            nb = (1 if i % 3 == 0 else int(rng.integers(1, sum(off) + 1))) if any(off) else 0
+            rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
+            rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
+            batch = iteration_ns_batch(inst, off, nb, rows)
+            for r in range(5):
+                d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
+                assert batch[r] == evaluate_decision(inst, d).iteration_ns

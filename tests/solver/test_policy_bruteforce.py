@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from client.contract import BlockKind, Constraints
+from client.contract import BlockKind, Constraints, DeviceType
 from planner_service.solver.cost_model import activation_peak, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.entry import solve_with_gap
@@ -113,6 +113,43 @@ def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
         assert got.status == "optimal"
         assert got.cost is not None and got.cost.fits
         assert got.cost.iteration_ns == expected
+        solved += 1
+    assert solved >= 1
+
+
+def with_runtime_costs(rng: np.random.Generator, trace):
+    """The trace with runtime costs as the profiler's runtime probe measures them (random, per block)."""
+    blocks = [b.model_copy(update={
+        "swap_out_s": float(rng.uniform(0, 5e-3)) if 0 < i < len(trace.measurements.blocks) - 1 else 0.0,
+        "swap_in_s": float(rng.uniform(0, 5e-3)) if 0 < i < len(trace.measurements.blocks) - 1 else 0.0,
+        "offload_overhead_s": float(rng.uniform(0, 2e-3)), "upload_overhead_s": float(rng.uniform(0, 1e-3)),
+    }) for i, b in enumerate(trace.measurements.blocks)]
+    hw = trace.hardware.model_copy(update={"device_type": DeviceType.cpu})
+    return trace.model_copy(update={"hardware": hw,
+                                    "measurements": trace.measurements.model_copy(update={"blocks": blocks})})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cpsat_optimum_equals_brute_force_with_measured_runtime_costs(seed: int):
+    # CPU device with the runtime probe's measured swap, offload and upload costs: CP-SAT reads the same
+    # instance constants as the reference model, so its optimum is still the brute-force one
+    rng = np.random.default_rng(6000 + seed)
+    trace = with_runtime_costs(rng, random_trace(rng, n_blocks=int(rng.integers(3, 8))))
+    cons = limits_between_extremes(rng, trace)
+    params = CostParams(alpha=0.05, full_duplex=bool(seed % 2))
+    solved = 0
+    for lay in candidate_layouts(trace):
+        if 2 ** lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 300_000:
+            continue
+        inst = build_instance(trace, lay, cons, params)
+        assert not inst.copy_overlap
+        expected = brute_force(inst)
+        got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
+        if expected is None:
+            assert got.status == "infeasible"
+            continue
+        assert got.status == "optimal"
+        assert got.cost is not None and got.cost.iteration_ns == expected
         solved += 1
     assert solved >= 1
 
