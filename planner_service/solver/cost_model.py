@@ -44,7 +44,7 @@ Without copy/compute overlap (`CostParams.copy_overlap` False; the default for a
   T_iter = T_fwd + T_bwd + T_dev_opt + o[0] * grad_offload(0) + T_host_optim.
 
 Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
-  static = persistent chunks' model states + n_buffers device buffers
+  static = persistent chunks' model states (at their used bytes) + n_buffers device buffers (full size)
   retained(b) = activation bytes (keep), input bytes (checkpoint), 0 (swap, copied out)
   forward of b:  static + sum_{b'<b} retained(b') + (act(b) | input(b) if checkpoint) + fwd transient peak(b)
   backward of b: static + sum_{b'<b} retained(b') + act(b) [+ input(b) if checkpoint: one block's
@@ -217,11 +217,11 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         host_end = bwd + dev_opt + (G[0] if C and o[0] else 0) + host_total
     iteration = fwd + max(bwd + dev_opt, host_end)
 
-    n_off = sum(o)
-    static = (C - n_off) * inst.chunk_state_bytes + nb * inst.buffer_bytes
+    static = sum(inst.state_bytes(c) for c in range(C) if not o[c]) + nb * inst.buffer_bytes
     act_peak = activation_peak(inst, d.modes)
     peak = static + act_peak
-    host = n_off * inst.chunk_state_bytes + sum(inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
+    host = sum(inst.state_bytes(c) for c in range(C) if o[c]) + sum(
+        inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
     fits_host = host <= inst.host_limit_bytes and (inst.pinned_limit_bytes is None or host <= inst.pinned_limit_bytes)
     return Cost(
         iteration_ns=iteration,

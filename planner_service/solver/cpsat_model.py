@@ -252,8 +252,10 @@ def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     inst = pm.inst
     assert pm.nbuf is not None
     C = inst.n_chunks
-    static = pm.model.new_int_var(0, C * (inst.chunk_state_bytes + inst.buffer_bytes), "static_device_bytes")
-    pm.model.add(static == sum(inst.chunk_state_bytes * (1 - v) for v in pm.off) + inst.buffer_bytes * pm.nbuf)
+    top = sum(inst.state_bytes(c) for c in range(C)) + C * inst.buffer_bytes
+    static = pm.model.new_int_var(0, top, "static_device_bytes")
+    pm.model.add(static == sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off))
+                 + inst.buffer_bytes * pm.nbuf)
     return static
 
 
@@ -283,7 +285,7 @@ def _add_device_memory(pm: PolicyModel, limit_bytes: int | None) -> None:
     """peak >= static + every walk step; with a limit, peak <= limit (the usable bytes after alpha)."""
     m, inst = pm.model, pm.inst
     static = _static_device(pm)
-    top = inst.n_chunks * inst.chunk_state_bytes + inst.n_chunks * inst.buffer_bytes \
+    top = sum(inst.state_bytes(c) for c in range(inst.n_chunks)) + inst.n_chunks * inst.buffer_bytes \
         + 2 * sum(inst.act_bytes) + sum(inst.inp_bytes) + max(inst.fwd_peak_bytes + inst.bwd_peak_bytes, default=0)
     pm.peak = m.new_int_var(0, top, "peak_device_bytes")
     for step in _activation_walk(pm):
@@ -295,7 +297,7 @@ def _add_device_memory(pm: PolicyModel, limit_bytes: int | None) -> None:
 def _add_host_memory(pm: PolicyModel) -> None:
     """Offloaded chunks' states + swapped activations fit the host limit and the pinned limit (bytes)."""
     inst = pm.inst
-    host = sum(inst.chunk_state_bytes * v for v in pm.off) + sum(
+    host = sum(inst.state_bytes(c) * v for c, v in enumerate(pm.off)) + sum(
         inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks)
     )
     pm.model.add(host <= inst.host_limit_bytes)

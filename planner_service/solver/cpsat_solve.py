@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -108,7 +109,10 @@ def solve_layout(
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         decision = pm.decision(solver)
         cost = evaluate_decision(inst, decision)
-        bound = float(solver.best_objective_bound)
+        # the objective is an integer (ns): a bound of 41568196.99999999 proves 41568197 (CP-SAT reports
+        # the bound as a double, and large objectives can come back a rounding error below)
+        raw = solver.best_objective_bound
+        bound = float(round(raw)) if abs(raw - round(raw)) < 1e-3 else float(math.ceil(raw))
         if cutoff_ns is not None:
             bound = min(bound, float(cutoff_ns))
         proven = status == cp_model.OPTIMAL and bound >= cost.iteration_ns

@@ -7,8 +7,10 @@ integer bytes. Conversions from the trace's seconds round to the nearest nanosec
 
 Model-state accounting (what the runtime must match; see docs/architecture/solver.md):
 - element size `elt` of the compute copy: 4 bytes for fp32, 2 for bf16/fp16; a chunk of `S` bytes holds S/elt elements.
-- persistent chunk on device: S + (S/elt) * (grad + optimizer state + master) bytes (every chunk is allocated
-  at the full chunk size: equal-size chunks, padding included).
+- persistent chunk on device: U + (U/elt) * (grad + optimizer state + master) bytes, U = the chunk's used
+  bytes (the runtime allocates each chunk's compute copy, gradient, master and optimizer state at its used
+  size; `chunk_state_bytes_of`). Policy-1.1 and earlier counted the full chunk size S here, which
+  over-predicted the peak by the padding of every persistent chunk.
 - offloaded chunk: the same bytes on pinned host memory (compute-dtype copy to upload from, fp32 master if
   mixed precision, optimizer state, gradient landing area); on device only the shared buffers.
 - one device buffer: S + (S/elt) * grad bytes (the uploaded compute copy and its gradient before copy-back).
@@ -120,7 +122,7 @@ class PolicyInstance:
     grad_offload_ns: tuple[int, ...]
     device_optim_ns: tuple[int, ...]
     host_optim_ns: tuple[int, ...]
-    chunk_state_bytes: int  # device bytes of a persistent chunk == host bytes of an offloaded one
+    chunk_state_bytes: int  # model-state bytes of a full chunk (S + S/elt * state per element)
     buffer_bytes: int
     # limits
     device_limit_bytes: int
@@ -128,6 +130,13 @@ class PolicyInstance:
     host_limit_bytes: int
     pinned_limit_bytes: int | None
     block_names: tuple[str, ...] = field(default=())
+    # per chunk: device bytes when persistent == host bytes when offloaded (its used bytes' model state);
+    # empty: every chunk at `chunk_state_bytes`
+    chunk_state_bytes_of: tuple[int, ...] = field(default=())
+
+    def state_bytes(self, c: int) -> int:
+        """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
+        return self.chunk_state_bytes_of[c] if self.chunk_state_bytes_of else self.chunk_state_bytes
 
     @property
     def copy_overlap(self) -> bool:
@@ -203,6 +212,7 @@ def build_instance(
         device_optim_ns=tuple(ns(u / m.optimizer.device_bytes_per_s) for u in layout.used_bytes),
         host_optim_ns=tuple(ns(u / m.optimizer.host_bytes_per_s) for u in layout.used_bytes),
         chunk_state_bytes=S + (S // elt) * state_per_elt,
+        chunk_state_bytes_of=tuple(u + (u // elt) * state_per_elt for u in layout.used_bytes),
         buffer_bytes=S + (S // elt) * w.gradient_bytes_per_param,
         device_limit_bytes=constraints.device_memory_bytes,
         usable_device_bytes=int(constraints.device_memory_bytes // (1.0 + params.alpha)),

@@ -100,21 +100,25 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
     evaluated = 0
     host_cap = inst.host_limit_bytes if inst.pinned_limit_bytes is None else min(
         inst.host_limit_bytes, inst.pinned_limit_bytes)
+    state_prefix = [0]
+    for c in range(C):
+        state_prefix.append(state_prefix[-1] + inst.state_bytes(c))
     for n_persist in range(C, -1, -1):
         n_off = C - n_persist
+        persist_bytes = state_prefix[n_persist]  # chunks 0..n_persist-1 stay, the rest are offloaded
         offloaded = tuple([False] * n_persist + [True] * n_off)
         dev_opt = sum(inst.device_optim_ns[:n_persist])
         if prune_bound and best is not None and n_off:
             # more buffers are never slower, so keeping every block with the most buffers that fit bounds
             # every (n_buffer, n_swap, n_checkpoint) of this n_persist from below
-            nb_max = min(n_off, max(1, (inst.usable_device_bytes - n_persist * inst.chunk_state_bytes)
+            nb_max = min(n_off, max(1, (inst.usable_device_bytes - persist_bytes)
                                     // max(inst.buffer_bytes, 1)))
             evaluated += 1
             if int(timer(offloaded, nb_max, keep_row)[0]) >= best[0]:
                 continue
         for nb in (range(1, n_off + 1) if n_off else (0,)):
-            static = n_persist * inst.chunk_state_bytes + nb * inst.buffer_bytes
-            host_chunks = n_off * inst.chunk_state_bytes
+            static = persist_bytes + nb * inst.buffer_bytes
+            host_chunks = state_prefix[C] - persist_bytes
             if prune_memory and static > inst.usable_device_bytes:
                 break  # more buffers only add memory
             if prune_memory:

@@ -109,9 +109,19 @@ def test_bandwidth_bound_offload_is_paced_by_uploads_and_gradient_copies():
     host_end = bwd + up4 + 4_194
     assert round(p.breakdown["host_optimizer_end_s"] * 1e9) == host_end
     assert round(p.iteration_s * 1e9) == fwd + host_end
-    # device: two buffers of 8 MiB params + 8 MiB grads; host: five chunks of 4 * 8 MiB state
+    # device: two buffers of 8 MiB params + 8 MiB grads (buffers are full chunk size); host: each chunk's
+    # state at its used bytes, 4x (param, grad, two Adam moments): 4 * (4 + 8 + 8 + 8 + 4) MiB
     assert p.breakdown["static_device_bytes"] == 2 * 16 * MiB
-    assert p.peak_host_bytes == 5 * 32 * MiB
+    assert p.peak_host_bytes == 4 * 32 * MiB
+
+
+def test_persistent_chunks_count_their_used_bytes_not_the_chunk_size():
+    # what the runtime allocates: a persistent chunk's copy, gradient and optimizer state at its used size
+    trace = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
+    pol = policy(trace, 16 * MiB, [[0, 1], [2], [3, 4]], Placement.persistent, 0, [K] * 5)
+    p = evaluate(trace, pol, ROOMY, NO_MARGIN)
+    # used: 12, 8 and 12 MiB of 16 MiB chunks -> 4 * 32 MiB of state, not 4 * 48 MiB
+    assert p.breakdown["static_device_bytes"] == 4 * 32 * MiB
 
 
 def test_half_duplex_link_adds_swap_to_prefetch_time():

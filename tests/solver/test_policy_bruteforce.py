@@ -51,8 +51,10 @@ def brute_force(inst: PolicyInstance) -> int | None:
     for off in itertools.product((False, True), repeat=inst.n_chunks):
         n_off = sum(off)
         for nb in range(1, n_off + 1) if n_off else (0,):
-            static = (inst.n_chunks - n_off) * inst.chunk_state_bytes + nb * inst.buffer_bytes
-            ok = (static + act_peak <= inst.usable_device_bytes) & (n_off * inst.chunk_state_bytes + swapped <= host_cap)
+            persist = sum(inst.state_bytes(c) for c in range(inst.n_chunks) if not off[c])
+            static = persist + nb * inst.buffer_bytes
+            host_chunks = sum(inst.state_bytes(c) for c in range(inst.n_chunks) if off[c])
+            ok = (static + act_peak <= inst.usable_device_bytes) & (host_chunks + swapped <= host_cap)
             if not ok.any():
                 continue
             t = int(iteration_ns_batch(inst, off, nb, M[ok]).min())
