@@ -337,7 +337,10 @@ class ModelStateManager:
         for slot in self.pool.slots:
             if slot.chunk is None:
                 return slot
-        candidates = [s for s in self.pool.slots if s.pins == 0 and s.chunk not in self._node_chunks]
+        # the chunks the running backward node unpacked; a node that is no longer running reads nothing (a
+        # recompute inside a later node's unpack must be able to evict what an earlier node used)
+        node_chunks = self._node_chunks if torch._C._current_autograd_node() is self._node else set()
+        candidates = [s for s in self.pool.slots if s.pins == 0 and s.chunk not in node_chunks]
         if not candidates:
             if demand:
                 held = [s.chunk for s in self.pool.slots]

@@ -33,6 +33,10 @@ def losses_and_params(model: torch.nn.Module, opt: torch.optim.Optimizer, batche
 
 @pytest.mark.parametrize(("offload", "n_buffers", "strip"), [
     ("all", 1, "SCSC"), ("all", 1, "CCCC"), ("all", 2, "CSSK"), ("alternate", 1, "SSCC"), ("alternate", 2, "KCSC"),
+    # one buffer, the tied embedding/head and the first blocks offloaded, the last block on the device (a
+    # solver plan for gpt2-4L): the first recompute in backward must be able to evict the chunk the head's
+    # backward node unpacked before it (that node has finished)
+    ("head", 1, "CCCK"),
 ])
 def test_modes_with_offloaded_chunks_train_like_unmanaged_pytorch(offload: str, n_buffers: int, strip: str) -> None:
     from agent.wrap import unwrap, wrap
@@ -44,7 +48,8 @@ def test_modes_with_offloaded_chunks_train_like_unmanaged_pytorch(offload: str, 
 
     model = copy.deepcopy(base)
     policy = block_aligned_policy(model, "transformer.h", strip,
-                                  (lambda i: True) if offload == "all" else (lambda i: i % 2 == 1), n_buffers)
+                                  {"all": lambda i: True, "alternate": lambda i: i % 2 == 1,
+                                   "head": lambda i: i <= 3}[offload], n_buffers)
     plan = manual_plan(model, chunk_size_bytes=policy.chunk_size_bytes).model_copy(update={"policy": policy})
     w = wrap(model, adamw(model), plan=plan)
     mgr = apply_activation_policy(model, policy, torch.device("cpu"), w.runtime)
