@@ -206,6 +206,7 @@ async def run_load(url: str, agents: int, duration: float, poll_hz: float, uploa
         fleet = [Agent(i, http, bodies[i], stats) for i in range(agents)]
         for a in fleet:
             await a.upload(timed=False)
+        await asyncio.sleep(2.0)  # let the warm-up's work (ingest, plan rows) settle before the window
         start = time.monotonic()
         busy0, self0, roles0 = machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF), cpu_by_role(roots)
         await asyncio.gather(*(a.run(start, duration, poll_hz, upload_every) for a in fleet))

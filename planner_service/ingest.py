@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,14 @@ def inspect(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFac
     return TraceFacts.of(trace, payload_gzip=gzip_body, payload_bytes=len(raw) if gzip_body is not None else None)
 
 
+INGEST_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Validating a large upload is ~0.1 s of CPU: let request handling (a poll is ~1 ms) go first."""
+    os.nice(INGEST_NICENESS)
+
+
 class Ingestor:
     """Runs `inspect` inline for small bodies and in a process pool for large ones."""
 
@@ -94,7 +103,8 @@ class Ingestor:
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # forkserver: never fork a process that runs threads (the API's thread pool, solve workers)
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"))
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"),
+                                             initializer=_lower_priority)
         return self._pool
 
     async def inspect(self, data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFacts:

@@ -6,12 +6,12 @@ import asyncio
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
-from planner_service.api.deps import DatabaseDep, PrincipalDep, SessionDep, SettingsDep
+from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.cursor import BadCursor
@@ -25,6 +25,7 @@ from planner_service.db.repositories import (
     request_key,
 )
 from planner_service.db.session import Database
+from planner_service.settings import Settings
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES)
 
@@ -38,7 +39,7 @@ def _solver_version() -> str:
 @router.post("", status_code=202, response_model=PlanRecord,
              responses={200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused"}})
 def request_plan(body: PlanRequest, response: Response, session: SessionDep, principal: PrincipalDep) -> PlanRecord:
-    trace = TraceRepository(session).get(body.trace_id, principal.project_id)
+    trace = TraceRepository(session).get(body.trace_id, principal.project_id, payload=False)
     if trace is None:
         raise ApiError(404, f"trace_id: trace {body.trace_id} not found")
     repo = PlanRepository(session)
@@ -75,7 +76,7 @@ def _matches(if_none_match: str | None, etag: str) -> bool:
 
 @router.get("/{plan_id}", response_model=PlanRecord,
             responses={304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
-async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep, principal: PrincipalDep,
+async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
                    wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds for a final "
                                                                   "status (or, with If-None-Match, any change)")] = 0.0,
                    if_none_match: Annotated[str | None, Header(description="entity tag of a copy the client "
@@ -83,6 +84,8 @@ async def get_plan(plan_id: str, db: DatabaseDep, settings: SettingsDep, princip
                    ) -> Response:
     """The plan record. Polling is cheap: send the ETag back in If-None-Match and an unchanged plan costs one
     narrow query and a 304 with no body; long-polls check the same narrow state until the plan changes."""
+    db: Database = request.app.state.db  # the hot path: app state read directly, not through dependencies
+    settings: Settings = request.app.state.settings
     deadline = time.monotonic() + min(wait, settings.max_wait_s)
     known = if_none_match  # a copy whose tag is known: wait on the narrow state while it stays current
     while True:

@@ -70,9 +70,10 @@ class TraceRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
 
-    def get(self, trace_id: str, project_id: str | None = None) -> TraceRow | None:
-        """A trace by id; with `project_id`, only if it belongs to that project."""
-        row = self.s.get(TraceRow, trace_id)
+    def get(self, trace_id: str, project_id: str | None = None, *, payload: bool = True) -> TraceRow | None:
+        """A trace by id; with `project_id`, only if it belongs to that project. `payload=False` leaves the
+        stored body (~1 MB gzip) unread until it is touched."""
+        row = self.s.get(TraceRow, trace_id, options=() if payload else (defer(TraceRow.payload_gzip),))
         return row if row is not None and (project_id is None or row.project_id == project_id) else None
 
     def by_hash(self, project_id: str, content_hash: str) -> TraceRow | None:
