@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 from fastapi.testclient import TestClient
 
 from client.contract import Trace
 from planner_service.app import create_app
-from planner_service.ingest import InvalidTrace, TraceFacts, inspect
+from planner_service.ingest import INGEST_NICENESS, Ingestor, InvalidTrace, TraceFacts, inspect
 from planner_service.settings import Settings
 
 
@@ -38,3 +39,12 @@ def test_facts_hash_is_the_trace_content_hash(trace: Trace) -> None:
         assert exc.errors[0]["loc"][:3] == ["model", "blocks", 0]
     else:
         raise AssertionError("a boolean index must be rejected")
+
+
+def test_ingest_processes_run_below_request_handling_and_exit_with_the_ingestor() -> None:
+    ingestor = Ingestor(processes=1, inline_max_bytes=0)
+    pool = ingestor._executor()
+    assert pool.submit(os.nice, 0).result(timeout=60) == min(19, os.nice(0) + INGEST_NICENESS)
+    children = list(pool._processes.values())
+    ingestor.close()
+    assert children and all(not p.is_alive() for p in children)  # none outlives the API process
