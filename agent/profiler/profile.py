@@ -327,7 +327,12 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     if captured:
         probed = sorted(captured)[len(captured) // 2]
         args, kwargs = captured[probed]
-        probe = probe_block(repeated.modules[probed - 1], args, kwargs, dev, probed, opt)
+        try:
+            probe = probe_block(repeated.modules[probed - 1], args, kwargs, dev, probed, opt)
+        except Exception as e:  # e.g. a block whose captured inputs carry state (a KV cache it appends to)
+            log.warning("runtime probe skipped (%s: %s): the trace has no measured runtime costs, the cost "
+                        "model charges copies by bandwidth", type(e).__name__, e)
+            probe = None
     captured.clear()
 
     stage("runtime_probe")
