@@ -61,6 +61,8 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
         app.state.settings = settings
         app.state.rate_limiter = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)
         app.state.ingestor = Ingestor(settings.ingest_processes, settings.ingest_inline_max_bytes)
+        if settings.ingest_prestart:
+            app.state.ingestor.prestart()
         pool = WorkerPool(db, settings, n_workers)
         pool.start()
         # Everything imported and built so far lives as long as the process: keep it out of the cyclic

@@ -43,6 +43,8 @@ class Settings(BaseSettings):
         default=0.0, ge=0, description="FAULT INJECTION for tests: hold each solve this long (keeps the lease alive)")
     ingest_processes: int = Field(default=1, ge=0, le=64,
                                   description="processes that validate large uploads (0: in the API process)")
+    ingest_prestart: bool = Field(default=True, description="start the ingest processes with the service "
+                                                            "(else on the first large upload)")
     ingest_inline_max_bytes: int = Field(default=256 * 2**10, ge=0,
                                          description="bodies up to this size are validated in the API process")
     auth: bool = Field(default=False, description="require a bearer token on /v1 (mandatory off loopback)")

@@ -85,7 +85,9 @@ def db_url(empty_db_url: str) -> str:
 def settings(db_url: str):  # type: ignore[no-untyped-def]
     from planner_service.settings import Settings
 
-    return Settings(database_url=db_url, workers=1, poll_interval_s=0.05, lease_s=5.0, auto_upgrade=False)
+    # ingest_prestart off: hundreds of short-lived test apps need no ingest processes until one uploads
+    return Settings(database_url=db_url, workers=1, poll_interval_s=0.05, lease_s=5.0, auto_upgrade=False,
+                    ingest_prestart=False)
 
 
 @pytest.fixture
