@@ -31,7 +31,7 @@ def demo(server: ServerOpt = None,
              help="device-memory limit (default: 45% of the measured un-managed peak)")] = None,
          fraction: Annotated[float, typer.Option(help="limit as a fraction of the un-managed peak")] = 0.45,
          threads: Annotated[int | None, typer.Option(
-             help="torch compute threads (default on CPU: cores - 1, leaving one to the host optimizer)")] = None,
+             help="torch compute threads (default on CPU: cores - 1, leaving one to the in-process service)")] = None,
          reuse: Annotated[bool, typer.Option(
              help="reuse a plan from the service's history for this model, hardware and workload (its "
                   "predictions then come from the earlier run's trace)")] = False) -> None:
@@ -43,8 +43,8 @@ def demo(server: ServerOpt = None,
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and threads is None:
-        # On CPU the host optimizer thread and the compute threads share the cores: leave it one core
-        # (with both OpenMP threads busy-waiting on a 2-core machine, the managed run was ~3x slower).
+        # On CPU the in-process service (its solve worker) shares the cores with training: leave it one.
+        # (The host optimizer step now runs inline on CPU; on 2 cores --threads 1 and 2 both took 11 s.)
         threads = max(1, (os.cpu_count() or 2) - 1)
     threads_before = torch.get_num_threads()
     if threads:
