@@ -145,20 +145,25 @@ def test_fragmentation_margin_shrinks_the_usable_device_memory():
     assert cost.peak_device_bytes == 181 * MiB and not cost.fits_device
 
 
+def assert_batch_matches_reference(rng: np.random.Generator, inst, draws: int) -> None:
+    """The vectorised timer equals the reference model on random placements, buffer counts and mode rows."""
+    for i in range(draws):
+        off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
+        nb = (1 if i % 3 == 0 else int(rng.integers(1, sum(off) + 1))) if any(off) else 0
+        rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
+        rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
+        batch = iteration_ns_batch(inst, off, nb, rows)
+        for r in range(5):
+            d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
+            assert int(batch[r]) == evaluate_decision(inst, d).iteration_ns
+
+
 def test_batch_timing_equals_the_reference_model_on_random_decisions():
     rng = np.random.default_rng(7)
     trace = synthetic_trace(n_blocks=6, hidden=512, vocab=5000, batch=2, seq=256)
     for size, duplex in ((8 * MiB, True), (8 * MiB, False), (32 * MiB, True)):
         inst = build_instance(trace, pack(trace, size), ROOMY, CostParams(full_duplex=duplex))
-        for i in range(30):
-            off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
-            nb = (1 if i % 3 == 0 else int(rng.integers(1, sum(off) + 1))) if any(off) else 0
-            rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
-            rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
-            batch = iteration_ns_batch(inst, off, nb, rows)
-            for r in range(5):
-                d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
-                assert int(batch[r]) == evaluate_decision(inst, d).iteration_ns
+        assert_batch_matches_reference(rng, inst, draws=30)
 
 
 def test_evaluate_rejects_a_policy_whose_chunks_do_not_follow_the_trace():
@@ -340,12 +345,4 @@ def test_batch_timing_equals_the_reference_model_with_measured_runtime_costs():
     for size in (8 * MiB, 16 * MiB):
         inst = build_instance(trace, pack(trace, size), ROOMY, NO_MARGIN)
         assert not inst.copy_overlap
-        for i in range(20):
-            off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
-            nb = (1 if i % 3 == 0 else int(rng.integers(1, sum(off) + 1))) if any(off) else 0
-            rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
-            rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
-            batch = iteration_ns_batch(inst, off, nb, rows)
-            for r in range(5):
-                d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
-                assert batch[r] == evaluate_decision(inst, d).iteration_ns
+        assert_batch_matches_reference(rng, inst, draws=20)

@@ -72,41 +72,16 @@ def limits_between_extremes(rng: np.random.Generator, trace) -> Constraints:
     return Constraints(device_memory_bytes=max(device, 64 * MiB), host_memory_bytes=host, time_limit_s=60)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_cpsat_optimum_equals_brute_force_on_every_layout(seed: int):
-    rng = np.random.default_rng(1000 + seed)
-    trace = random_trace(rng, n_blocks=int(rng.integers(3, 9)))
-    cons = limits_between_extremes(rng, trace)
-    params = CostParams(alpha=0.05, full_duplex=bool(seed % 2))
-    best_overall: int | None = None
+def assert_cpsat_matches_brute_force(trace, cons: Constraints, params: CostParams, *,
+                                     serial: bool = False) -> int:
+    """CP-SAT's optimum equals the brute force's on every small enough layout; returns how many were feasible."""
+    solved = 0
     for lay in candidate_layouts(trace):
         if 2 ** lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 300_000:
             continue  # keep the enumeration small: the largest layouts of 8-block models are skipped
         inst = build_instance(trace, lay, cons, params)
-        expected = brute_force(inst)
-        got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
-        if expected is None:
-            assert got.status == "infeasible"
-            continue
-        assert got.status == "optimal"
-        assert got.cost is not None and got.cost.fits
-        assert got.cost.iteration_ns == expected
-        best_overall = expected if best_overall is None else min(best_overall, expected)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
-    # CPU devices: every window costs compute + copies, the host optimizer adds to the iteration
-    rng = np.random.default_rng(3000 + seed)
-    trace = random_trace(rng, n_blocks=int(rng.integers(3, 9)))
-    cons = limits_between_extremes(rng, trace)
-    params = CostParams(alpha=0.05, full_duplex=bool(seed % 2), copy_overlap=False)
-    solved = 0
-    for lay in candidate_layouts(trace):
-        if 2 ** lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 300_000:
-            continue
-        inst = build_instance(trace, lay, cons, params)
-        assert not inst.copy_overlap
+        if serial:
+            assert not inst.copy_overlap
         expected = brute_force(inst)
         got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
         if expected is None:
@@ -116,7 +91,26 @@ def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
         assert got.cost is not None and got.cost.fits
         assert got.cost.iteration_ns == expected
         solved += 1
-    assert solved >= 1
+    return solved
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cpsat_optimum_equals_brute_force_on_every_layout(seed: int):
+    rng = np.random.default_rng(1000 + seed)
+    trace = random_trace(rng, n_blocks=int(rng.integers(3, 9)))
+    cons = limits_between_extremes(rng, trace)
+    params = CostParams(alpha=0.05, full_duplex=bool(seed % 2))
+    assert_cpsat_matches_brute_force(trace, cons, params)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
+    # CPU devices: every window costs compute + copies, the host optimizer adds to the iteration
+    rng = np.random.default_rng(3000 + seed)
+    trace = random_trace(rng, n_blocks=int(rng.integers(3, 9)))
+    cons = limits_between_extremes(rng, trace)
+    params = CostParams(alpha=0.05, full_duplex=bool(seed % 2), copy_overlap=False)
+    assert assert_cpsat_matches_brute_force(trace, cons, params, serial=True) >= 1
 
 
 def with_runtime_costs(rng: np.random.Generator, trace):
@@ -139,21 +133,7 @@ def test_cpsat_optimum_equals_brute_force_with_measured_runtime_costs(seed: int)
     trace = with_runtime_costs(rng, random_trace(rng, n_blocks=int(rng.integers(3, 8))))
     cons = limits_between_extremes(rng, trace)
     params = CostParams(alpha=0.05, full_duplex=bool(seed % 2))
-    solved = 0
-    for lay in candidate_layouts(trace):
-        if 2 ** lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 300_000:
-            continue
-        inst = build_instance(trace, lay, cons, params)
-        assert not inst.copy_overlap
-        expected = brute_force(inst)
-        got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
-        if expected is None:
-            assert got.status == "infeasible"
-            continue
-        assert got.status == "optimal"
-        assert got.cost is not None and got.cost.iteration_ns == expected
-        solved += 1
-    assert solved >= 1
+    assert assert_cpsat_matches_brute_force(trace, cons, params, serial=True) >= 1
 
 
 @pytest.mark.parametrize("seed", range(4))
