@@ -282,15 +282,7 @@ def test_cpu_batch_timing_equals_the_reference_model_on_random_decisions():
     trace = synthetic_trace(n_blocks=6, hidden=512, vocab=5000, batch=2, seq=256)
     for size, duplex in ((8 * MiB, True), (8 * MiB, False), (32 * MiB, True)):
         inst = build_instance(trace, pack(trace, size), ROOMY, CostParams(full_duplex=duplex, copy_overlap=False))
-        for i in range(20):
-            off = tuple(bool(x) for x in rng.integers(0, 2, inst.n_chunks))
-            nb = (1 if i % 3 == 0 else int(rng.integers(1, sum(off) + 1))) if any(off) else 0
-            rows = np.zeros((5, inst.n_blocks), dtype=np.int8)
-            rows[:, 1:-1] = rng.integers(0, 3, (5, inst.n_blocks - 2))
-            batch = iteration_ns_batch(inst, off, nb, rows)
-            for r in range(5):
-                d = Decision(offloaded=off, n_buffers=nb, modes=tuple(Mode(int(x)) for x in rows[r]))
-                assert int(batch[r]) == evaluate_decision(inst, d).iteration_ns
+        assert_batch_matches_reference(rng, inst, draws=20)
 
 
 # --- measured runtime costs (the profiler's runtime probe): charged where copies are serial ------------------
