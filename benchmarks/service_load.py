@@ -33,14 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from _results import machine, save  # noqa: E402
 
-from client.cli.embedded import free_port  # noqa: E402
+from client.cli.embedded import free_port, wait_until_ready  # noqa: E402
 from planner_service.solver.synthetic import synthetic_trace  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "service_load.json"
@@ -290,16 +289,7 @@ def main() -> None:
     worker = subprocess.Popen(worker_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start: {server.stderr.read() if server.stderr else ''}")
-            time.sleep(0.2)
+        wait_until_ready(url, server)
         print(f"load: {args.agents} agents for {args.duration:.0f} s against {url} ({args.processes} API processes)")
         stats, wall, cpu = asyncio.run(run_load(url, args.agents, args.duration, args.poll_hz, args.upload_every,
                                                 bodies, {"api": server.pid, "worker": worker.pid}))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from types import TracebackType
+
+import httpx
 
 from planner_service.settings import Settings
 
@@ -14,6 +17,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_until_ready(url: str, process: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
+    """Until `url`/readyz answers 200 (a `memplan serve` started as `process`). RuntimeError with the
+    process's captured output if it exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is None:
+                process.kill()  # out of time: stop it, so its captured output can be read to the end
+            stream = process.stderr or process.stdout
+            raise RuntimeError(f"server did not start:\n{stream.read() if stream else ''}")
+        time.sleep(0.2)
 
 
 class EmbeddedServer:

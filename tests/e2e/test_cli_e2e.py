@@ -6,14 +6,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from client.cli.embedded import free_port
+from client.cli.embedded import free_port, wait_until_ready
 from planner_service.solver.synthetic import synthetic_trace
 
 
@@ -33,16 +31,7 @@ def served(db_url: str, tmp_path: Path) -> Iterator[dict[str, str]]:
     proc = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--workers", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
-            time.sleep(0.2)
+        wait_until_ready(f"http://127.0.0.1:{port}", proc)
         yield env
     finally:
         proc.terminate()
