@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _results import machine, save
+from _results import Run, save
 
 RESULTS = Path(__file__).resolve().parent / "results" / "predict_vs_measure.json"
 
@@ -149,8 +148,7 @@ def main() -> None:
         plain_iteration_s(model, batch, device, args.plain_steps)
         del model, batch
     rows: list[dict[str, Any]] = []
-    load_before = os.getloadavg()
-    t_all = time.perf_counter()
+    run = Run("predict_vs_measure", args)
     header = (f"{'model':<12} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
               f"{'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}")
     print(header)
@@ -198,17 +196,7 @@ def main() -> None:
           f"iteration within 10%: {summary['iteration_within_10pct']}/{len(done)} "
           f"(median |error| {summary['iteration_error_median_abs']:.1%}, worst {summary['worst_iteration_row']}); "
           f"largest |drift| {summary['load_drift_max_abs']:.1%}")
-    out = {
-        "benchmark": "predict_vs_measure",
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine(device),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "wall_s": time.perf_counter() - t_all,
-        "summary": summary,
-        "rows": rows,
-    }
-    save(args.out, out)
+    save(args.out, run.document(device, summary=summary, rows=rows))
 
 
 if __name__ == "__main__":

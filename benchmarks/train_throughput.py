@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _results import machine, save
+from _results import Run, save
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_throughput.json"
@@ -219,8 +219,7 @@ def main() -> None:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    t_all = time.perf_counter()
-    load_before = os.getloadavg()
+    run = Run("train_throughput", args)
     depths = args.sweep or [args.layers]
     results = []
     for layers in depths:
@@ -248,17 +247,7 @@ def main() -> None:
             ok = [res["layers"] for res in results if res["strategies"][name].get("fits")]
             largest[name] = max(ok) if ok else None
         print("largest model that fits the limit (layers):", largest)
-    out = {
-        "benchmark": "train_throughput",
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine(device),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "wall_s": time.perf_counter() - t_all,
-        "results": results,
-        "largest_layers_that_fit": largest,
-    }
-    save(args.out, out)
+    save(args.out, run.document(device, results=results, largest_layers_that_fit=largest))
 
 
 if __name__ == "__main__":
