@@ -20,11 +20,10 @@ buffer overlaps 10^5 others), so the planner can abandon it.
 
 from __future__ import annotations
 
-import time
-
-import numba
 import numpy as np
 from numba import njit
+
+from planner_service.solver.allocation.clock import now
 
 # Buffers taken in decreasing key order (ties by index), as `greedy.ORDERS`: the lexsort keys below
 # (last key primary, ascending) express (size, length, -lower) etc. descending.
@@ -44,13 +43,6 @@ def greedy_order(lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray, orde
     else:
         raise ValueError(f"order: {order!r} is not one of size, area, length, start")
     return np.lexsort(keys)
-
-
-@njit(cache=True)
-def _now() -> float:
-    with numba.objmode(t="float64"):
-        t = time.perf_counter()
-    return t
 
 
 @njit(cache=True, nogil=True)
@@ -96,7 +88,7 @@ def _place(order, first, last, sizes, tree_size, stab_ptr, start_ptr, deadline):
     for step in range(n):
         if work > 20_000:
             work = 0
-            if _now() > deadline:
+            if now() > deadline:
                 return off, False
         b = order[step]
         k = 0

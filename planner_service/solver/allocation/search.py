@@ -48,6 +48,7 @@ import numba
 import numpy as np
 from numba import njit
 
+from planner_service.solver.allocation.clock import now
 from planner_service.solver.allocation.sweep import sweep
 
 _NONE = -1
@@ -64,7 +65,7 @@ _C_NODES_LEFT, _C_NODES, _C_BACKTRACKS, _C_DEADLINE = 0, 1, 2, 3
 # every node above this many buffers, where one node costs up to milliseconds (linear in the partition).
 _CHECK_EVERY_NODE_ABOVE = 2000
 
-# The deadline check (`_now`, every 256 nodes, or every node on large problems) briefly takes the GIL back through numba's object mode;
+# The deadline check (`clock.now`, every 256 nodes, or every node on large problems) briefly takes the GIL back through numba's object mode;
 # everything else runs without it (nogil=True), so solves in several threads proceed in parallel.
 warnings.filterwarnings("ignore", message="Code running in object mode won't allow parallel execution",
                         category=numba.NumbaWarning)
@@ -106,13 +107,6 @@ class SearchResult:
     backtracks: int
     elapsed_s: float
     preorder: str | None = None
-
-
-@njit(cache=True)
-def _now() -> float:
-    with numba.objmode(t="float64"):
-        t = time.perf_counter()
-    return t
 
 
 @njit(cache=True, nogil=True)
@@ -165,7 +159,7 @@ def _dfs(pbufs, sec_a, sec_b, orig, min_offset, min_pidx,  # type: ignore[no-unt
         return _ABORTED
     ctr[_C_NODES_LEFT] -= 1
     ctr[_C_NODES] += 1
-    if (ctr[_C_NODES] & params[_P_CHECK_MASK]) == 0 and _now() > deadline:
+    if (ctr[_C_NODES] & params[_P_CHECK_MASK]) == 0 and now() > deadline:
         ctr[_C_DEADLINE] = 1
         return _ABORTED
     m = pbufs.shape[0]
