@@ -120,6 +120,7 @@ class Stats:
     def __init__(self) -> None:
         self.get_s: list[float] = []  # from the poll's scheduled time to the end of the response
         self.upload_s: list[float] = []
+        self.upload_timing: list[tuple[float, str]] = []  # (seconds, the response's Server-Timing)
         self.errors: list[str] = []
         self.full_gets = 0  # 200s: the record's body sent; the other GETs are 304s (the copy held is current)
         self.full_get_bytes = 0
@@ -147,8 +148,10 @@ class Agent:
                 self.stats.errors.append(f"upload {r.status}: {body[:200]!r}")
                 return
             trace_id = json.loads(body)["id"]
+            server_timing = r.headers.get("server-timing", "")
         if timed:
             self.stats.upload_s.append(time.perf_counter() - t0)
+            self.stats.upload_timing.append((self.stats.upload_s[-1], server_timing))
         limits = {"device_memory_bytes": (8 + self.i % 8) * 2**30, "time_limit_s": 5}
         async with self.http.post("/v1/plans", json={"trace_id": trace_id, "constraints": limits}) as r:
             body = await r.read()
@@ -316,6 +319,8 @@ def main() -> None:
         "uploads": len(stats.upload_s),
         "upload_p50_ms": round(pct(stats.upload_s, 50) * 1e3, 1),
         "upload_p99_ms": round(pct(stats.upload_s, 99) * 1e3, 1),
+        # The slowest uploads with the server's own account (Server-Timing: read, ingest, store, in ms).
+        "upload_slowest": [f"{s * 1e3:.0f} ms: {timing}" for s, timing in sorted(stats.upload_timing)[-5:]],
         "full_gets": stats.full_gets, "full_get_mb_mean": round(stats.full_get_bytes / max(1, stats.full_gets) / 1e6, 2),
         "plans_final_seen_in_window": stats.final_seen,
         # Where the cores went during the window (CPU seconds; the window is `duration_s` x cores).

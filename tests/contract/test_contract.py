@@ -64,6 +64,45 @@ def test_free_before_alloc_is_rejected() -> None:
     assert any("free_index" in f for f in _error_fields(raw))
 
 
+def _columns_trace(**columns: list) -> dict:
+    raw = _raw()
+    n = 4
+    cols = {"id": list(range(n)), "size_bytes": [512] * n, "alloc_index": [0, 1, 2, 3],
+            "free_index": [2, None, 4, 5], "category": ["temp"] * n, "block": [0, None, 1, 2],
+            "phase": ["forward"] * n}
+    cols.update(columns)
+    raw["allocation_trace"] = {"source": "dispatch_tracker", "horizon": 5, "event_columns": cols}
+    return raw
+
+
+def test_event_columns_are_checked_row_by_row_with_the_first_bad_row_named() -> None:
+    Trace.model_validate(_columns_trace())  # valid as given
+    cases = {"events[1].alloc_index: 5 is not below horizon 5": {"alloc_index": [0, 5, 2, 3]},
+             "events[2].free_index: 2 is not after alloc_index 2": {"free_index": [2, None, 2, 5]},
+             "events[3].free_index: 6 is beyond horizon 5": {"free_index": [2, None, 4, 6]},
+             "events[2].id: 1 appears twice": {"id": [0, 1, 1, 3]},
+             "allocation_trace.events[3].block: 9 names no block": {"block": [0, None, 1, 9]},
+             "event_columns.phase: has 3 entries": {"phase": ["forward"] * 3}}
+    for message, columns in cases.items():
+        assert any(message in f for f in _error_fields(_columns_trace(**columns))), message
+    assert any(f.startswith("allocation_trace.event_columns.category.1") for f in
+               _error_fields(_columns_trace(category=["temp", "scratch", "temp", "temp"])))
+
+
+def test_event_column_names_are_the_enums_values_and_events_give_members() -> None:
+    from typing import get_args
+
+    from client.contract.trace import AllocationCategory, CategoryName, Phase, PhaseName
+
+    assert list(get_args(CategoryName)) == [c.value for c in AllocationCategory]
+    assert list(get_args(PhaseName)) == [p.value for p in Phase]
+    trace = Trace.model_validate(_columns_trace())
+    assert trace.allocation_trace is not None
+    event = trace.allocation_trace.events[0]
+    assert event.category is AllocationCategory.temp and event.phase is Phase.forward
+    assert json.loads(trace.canonical_json())["allocation_trace"]["event_columns"]["phase"][0] == "forward"
+
+
 def test_unknown_fields_and_wrong_schema_version_are_rejected() -> None:
     raw = _raw()
     raw["surprise"] = 1
