@@ -27,6 +27,7 @@ tensors are being brought back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -158,8 +159,12 @@ class ActivationManager:
         targets: list[BlockTarget],
         device: torch.device,
         state_storages: Callable[[], set[int]] | None = None,
+        saved_scope: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         self.model = model
+        # entered around a swapped or checkpointed block's forward, outside the mode's own saved-tensor
+        # hooks: the chunk runtime's hooks for the tensors saved inside (`ModelStateManager.saved_scope`)
+        self._saved_scope = saved_scope or nullcontext
         self.device = device
         self.targets = sorted(targets, key=lambda t: t.index)
         self.counters = ActivationCounters()
@@ -227,7 +232,8 @@ class ActivationManager:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             self.counters.checkpointed_forwards += 1
-            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            with self._saved_scope():
+                return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
         return forward
 
@@ -241,7 +247,7 @@ class ActivationManager:
             self.counters.swapped_forwards += 1
             if not self._in_root_forward:
                 self._state_now = self._state_storages()
-            with store.swapping(index):
+            with self._saved_scope(), store.swapping(index):
                 return original(*args, **kwargs)
 
         return forward
@@ -323,8 +329,8 @@ def apply_activation_policy(
 ) -> ActivationManager:
     """Check the policy's blocks against `model` (raising before any change), then apply their modes.
 
-    With the chunk runtime (`runtime`), swap passes the runtime's buffers' tensors to the runtime's own
-    saved-tensor hooks. A checkpointed block's recompute saves tensors that point straight into a device
+    With the chunk runtime (`runtime`), a swapped or checkpointed block's forward runs inside the runtime's
+    saved-tensor scope (its hooks outermost), and swap passes the runtime's buffers' tensors on to them. A checkpointed block's recompute saves tensors that point straight into a device
     buffer (checkpoint keeps them itself, past any hooks): the runtime pins chunks acquired during a
     recompute until their gradients are complete, and `block_targets` refuses a checkpointed block whose
     offloaded chunks would not fit the buffers at once.
@@ -332,4 +338,4 @@ def apply_activation_policy(
     targets = block_targets(model, policy)
     if runtime is None:
         return ActivationManager(model, targets, device)
-    return ActivationManager(model, targets, device, runtime_state_storages(runtime, model))
+    return ActivationManager(model, targets, device, runtime_state_storages(runtime, model), runtime.saved_scope)

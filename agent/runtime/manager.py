@@ -4,10 +4,16 @@ The flow of one iteration (offloaded chunks; persistent chunks simply stay on th
 - forward: a pre-hook on each module that owns parameters makes its chunks resident (demand upload
   into a device buffer, or a hit) and pins them for the module's forward; the next chunks in the
   recorded access order are prefetched into buffers whose chunks are needed later or never.
-- saved tensors: while the model's forward runs, a saved-tensor hook replaces any tensor that lives
-  in a device buffer (a parameter, or a view of one such as `weight.t()`) by (chunk, geometry); in
-  backward it is rebuilt from wherever the chunk is resident then, uploading it if needed. So a buffer
-  can be reused after forward without any saved tensor reading another chunk's data.
+- saved tensors: a saved-tensor hook replaces any tensor that lives in a device buffer (a parameter, or
+  a view of one such as `weight.t()`) by (chunk, geometry); in backward it is rebuilt from wherever the
+  chunk is resident then, uploading it if needed. So a buffer can be reused after forward without any
+  saved tensor reading another chunk's data. The hook runs only where such a tensor can be saved: around
+  the forward of each module that owns parameters of an offloaded chunk (and around swapped or
+  checkpointed blocks, entered by the activation manager outside its own hooks, see `saved_scope`), not
+  around the whole forward: every hooked saved tensor is a call from autograd into Python (pack and
+  unpack), which the blocks of persistent chunks would pay for nothing. The first training forward also
+  hooks the whole forward to check that no buffer tensor is saved outside those scopes (a parameter used
+  outside its own module); if one is, the whole forward is hooked from then on.
 - backward: chunks still resident after forward are used as they are (no re-upload). Each parameter's
   gradient is gathered into its chunk's gradient area (post-accumulate-grad hook); when every
   parameter of the chunk used in forward has its gradient, the gradient area is copied to the host on
@@ -21,6 +27,8 @@ The flow of one iteration (offloaded chunks; persistent chunks simply stay on th
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -83,8 +91,14 @@ class ModelStateManager:
         # so no upload may overwrite their buffers until the next node runs
         self._node: Any = None
         self._node_chunks: set[int] = set()
-        self._saved_hooks: list[Any] = []
-        self._module_saved_hooks: list[tuple[int, Any]] = []  # (module id, hooks) outside a root forward
+        # saved-tensor hooks (see the module docstring): pushed by the root forward (whole-forward mode, or
+        # the first training forward's check), by scopes (modules owning offloaded parameters, blocks)
+        self._root_pushed: list[str] = []  # per root forward call: "", "model" or "check"
+        self._scope_depth = 0  # scopes with our hooks pushed now (nested scopes push nothing)
+        self._module_scopes: list[tuple[int, bool]] = []  # per module call: (module id, pushed hooks)
+        # whether a buffer tensor is saved outside every scope: None until a training forward checked it
+        self._saved_outside: bool | None = None
+        self._found_outside = False
         self._upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
         self._stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
         self._esize = element_size(layout.compute_dtype)
@@ -184,6 +198,7 @@ class ModelStateManager:
     def _on_root_forward(self, module: nn.Module, args: Any) -> None:
         self._recover_if_aborted()
         if self._phase == "backward":
+            self._root_pushed.append("")
             return  # a forward re-run inside backward (recomputation)
         self._phase = "forward"
         # a forward with grad enabled at the root will be backpropagated through every module it runs,
@@ -191,14 +206,26 @@ class ModelStateManager:
         self._root_grad = torch.is_grad_enabled()
         self._sync_grad_hooks()
         self.schedule.start(Direction.forward, record=True)
+        pushed = ""
         if self.has_offload and torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
-            hooks.__enter__()
-            self._saved_hooks.append(hooks)
+            if self._saved_outside:
+                torch._C._autograd._push_saved_tensors_default_hooks(self.pack_saved, self.unpack_saved)
+                self._scope_depth += 1
+                pushed = "model"
+            elif self._saved_outside is None and self._scope_depth == 0:
+                self._found_outside = False
+                torch._C._autograd._push_saved_tensors_default_hooks(self._pack_check, self.unpack_saved)
+                pushed = "check"
+        self._root_pushed.append(pushed)
 
     def _after_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._saved_hooks:
-            self._saved_hooks.pop().__exit__(None, None, None)
+        pushed = self._root_pushed.pop() if self._root_pushed else ""
+        if pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if pushed == "model":
+            self._scope_depth -= 1
+        elif pushed == "check":
+            self._saved_outside = self._found_outside
         if self._phase == "forward":
             self._phase = "idle"
             if torch.is_grad_enabled():
@@ -254,6 +281,7 @@ class ModelStateManager:
     def _before_module(
         self, chunks: list[int], expected: dict[int, list[int]], module: nn.Module, args: Any
     ) -> None:
+        self._module_scopes.append((id(module), False))
         for c in chunks:
             self._acquire(c, pin=True)
             if self._phase == "backward":
@@ -264,17 +292,16 @@ class ModelStateManager:
             for c, js in expected.items():
                 entries = self.states[c].spec.entries
                 self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
-        if self._phase == "idle" and torch.is_grad_enabled():
-            # a module called on its own, outside the wrapped model's forward (a custom head calling
-            # the backbone): the tensors it saves must still be recorded by chunk, not by buffer
-            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
-            hooks.__enter__()
-            self._module_saved_hooks.append((id(module), hooks))
+        if self._enter_scope():
+            # the tensors this module's forward saves (its parameters, views of them) are recorded by
+            # chunk, not by buffer; also for a module called on its own, outside the wrapped model's forward
+            self._module_scopes[-1] = (id(module), True)
 
     def _after_module(self, chunks: list[int], module: nn.Module, args: Any, output: Any) -> None:
         assert self.pool is not None
-        if self._module_saved_hooks and self._module_saved_hooks[-1][0] == id(module):
-            self._module_saved_hooks.pop()[1].__exit__(None, None, None)
+        if self._module_scopes and self._module_scopes[-1][0] == id(module):
+            if self._module_scopes.pop()[1]:
+                self._exit_scope()
         if self._phase == "backward":
             return  # recomputation: pins held until the chunk's gradients are complete
         for c in chunks:
@@ -284,6 +311,45 @@ class ModelStateManager:
                 slot.pins = max(0, slot.pins - 1)
 
     # ============================================================================== saved tensors
+    def _enter_scope(self) -> bool:
+        """Push the saved-tensor hooks for a scope, unless ours are already active (an enclosing scope, the
+        whole forward) or it is not the time: in backward (a recomputation keeps its tensors itself: the
+        chunks it acquires stay pinned), without grad (nothing is saved), or under someone else's hooks
+        (torch's checkpoint, a user's: only the innermost hooks run, so ours would take tensors away from
+        them; the whole-forward hooks were outermost as well). True when it pushed."""
+        if not self.has_offload or self._scope_depth or self._phase == "backward" or not torch.is_grad_enabled():
+            return False
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] != self._pack_check:
+            return False
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack_saved, self.unpack_saved)
+        self._scope_depth += 1
+        return True
+
+    def _exit_scope(self) -> None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._scope_depth -= 1
+
+    @contextmanager
+    def saved_scope(self) -> Iterator[None]:
+        """A scope of the saved-tensor hooks around a block whose forward the activation manager replaces
+        (swap, checkpoint): entered before the block's own hooks, so the runtime's stay outermost (the swap
+        store passes model-state tensors on to them; checkpoint keeps every tensor of its forward itself)."""
+        pushed = self._enter_scope()
+        try:
+            yield
+        finally:
+            if pushed:
+                self._exit_scope()
+
+    def _pack_check(self, t: torch.Tensor) -> Any:
+        """Whole-forward hook of the first training forward: a buffer tensor reaching it was saved outside
+        every scope (a parameter used outside its module): the whole forward is hooked from then on."""
+        packed = self.pack_saved(t)
+        if packed is not t:
+            self._found_outside = True
+        return packed
+
     def pack_saved(self, t: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a tensor living in a device buffer becomes (chunk, geometry).
 
