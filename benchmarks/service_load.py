@@ -235,6 +235,8 @@ async def run_load(url: str, agents: int, duration: float, poll_hz: float, uploa
         cpu = {"load_generator_s": round(cpu_s(self1) - cpu_s(self0), 1),
                **{f"{role}_s": round(roles1[role] - roles0[role], 1) for role in roles1},
                "machine_busy_fraction": round((busy1 - busy0) / (wall * (os.cpu_count() or 1)), 3)}
+        # Busy time none of the above account for: other work on the machine (a run with much of it is noisy).
+        cpu["other_s"] = round(busy1 - busy0 - sum(v for k, v in cpu.items() if k.endswith("_s")), 1)
         return stats, wall, cpu
 
 

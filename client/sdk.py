@@ -90,6 +90,11 @@ class PlanCache:
         self.size = size
         self._items: OrderedDict[str, tuple[str, PlanRecord]] = OrderedDict()
 
+    def forget(self, plan_id: str) -> None:
+        """Drop the copy of a plan this client just changed (feedback): the next read fetches the record
+        instead of trusting a 304, which a server that has not yet heard of the change could still give."""
+        self._items.pop(plan_id, None)
+
     def headers(self, plan_id: str) -> dict[str, str]:
         hit = self._items.get(plan_id)
         return {"if-none-match": hit[0]} if hit else {}
@@ -244,6 +249,7 @@ class Client:
 
     def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
         data = self._request("POST", f"/v1/plans/{plan_id}/feedback", json=feedback.model_dump(mode="json"))
+        self._plans.forget(plan_id)
         return FeedbackRecord.model_validate(data)
 
     # catalog -----------------------------------------------------------------------------------
@@ -349,6 +355,7 @@ class AsyncClient:
 
     async def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
         data = await self._request("POST", f"/v1/plans/{plan_id}/feedback", json=feedback.model_dump(mode="json"))
+        self._plans.forget(plan_id)
         return FeedbackRecord.model_validate(data)
 
     async def models(self) -> list[ModelSummary]:

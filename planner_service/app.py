@@ -10,12 +10,14 @@ from contextlib import asynccontextmanager
 
 import anyio.to_thread
 from fastapi import FastAPI
+from sqlalchemy import make_url
 
 from client.contract import Trace
 from planner_service import observability, ui
 from planner_service.api import catalog, errors, health, plans, traces
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
+from planner_service.db.plan_changes import PlanChanges
 from planner_service.db.session import Database
 from planner_service.ingest import Ingestor
 from planner_service.jobs.worker import WorkerPool
@@ -60,9 +62,13 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
         app.state.db = db
         app.state.settings = settings
         app.state.rate_limiter = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)
-        app.state.ingestor = Ingestor(settings.ingest_processes, settings.ingest_inline_max_bytes)
+        app.state.ingestor = Ingestor(settings.ingest_processes, settings.ingest_inline_max_bytes,
+                                      settings.ingest_niceness)
         if settings.ingest_prestart:
             app.state.ingestor.prestart()
+        app.state.plan_changes = _plan_changes(settings)
+        if app.state.plan_changes is not None:
+            app.state.plan_changes.start()
         pool = WorkerPool(db, settings, n_workers)
         pool.start()
         # Everything imported and built so far lives as long as the process: keep it out of the cyclic
@@ -72,6 +78,8 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
             yield
         finally:
             pool.stop()
+            if app.state.plan_changes is not None:
+                await app.state.plan_changes.stop()
             app.state.ingestor.close()
             db.dispose()
 
@@ -84,6 +92,14 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
     # Trace is read from the raw body (gzip support), so register its schema for the OpenAPI document.
     _register_trace_schema(app)
     return app
+
+
+def _plan_changes(settings: Settings) -> PlanChanges | None:
+    """On PostgreSQL, a listener for plan changes (polls of unchanged plans answered from memory)."""
+    if not settings.database_url.startswith("postgresql") or not settings.plan_change_cache:
+        return None
+    url = make_url(settings.database_url).set(drivername="postgresql")
+    return PlanChanges(url.render_as_string(hide_password=False))
 
 
 def _register_trace_schema(app: FastAPI) -> None:

@@ -73,6 +73,16 @@ def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 
 @pytest.fixture
+def postgres_url(postgres_admin: str) -> Iterator[str]:
+    """A fresh PostgreSQL database migrated to head (for what only PostgreSQL does: LISTEN/NOTIFY)."""
+    from planner_service.db.migrate import upgrade
+
+    for url in _fresh_postgres(postgres_admin):
+        upgrade(url)
+        yield url
+
+
+@pytest.fixture
 def db_url(empty_db_url: str) -> str:
     """A database migrated to head by the real Alembic migrations."""
     from planner_service.db.migrate import upgrade

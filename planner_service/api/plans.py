@@ -24,7 +24,9 @@ from planner_service.db.repositories import (
     plan_version,
     request_key,
 )
+from planner_service.db.plan_changes import PlanChanges
 from planner_service.db.session import Database
+from planner_service.observability import POLL_ANSWERS
 from planner_service.settings import Settings
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES)
@@ -74,6 +76,30 @@ def _matches(if_none_match: str | None, etag: str) -> bool:
     return if_none_match.strip() == "*" or etag in (t.strip().removeprefix("W/") for t in if_none_match.split(","))
 
 
+async def _current_tag(db: Database, changes: PlanChanges | None, plan_id: str, project_id: str) -> str | None:
+    """The plan's entity tag: from memory when the plan-change listener vouches for it, else one narrow query."""
+    generation = 0
+    if changes is not None:
+        tag = changes.tag(plan_id, project_id)
+        if tag is not None:
+            POLL_ANSWERS.labels("memory").inc()
+            return tag
+        generation = changes.generation
+    POLL_ANSWERS.labels("database").inc()
+    tag = await run_in_threadpool(_version, db, plan_id, project_id)
+    if changes is not None and tag is not None:
+        changes.remember(plan_id, project_id, tag, generation)
+    return tag
+
+
+async def _until_changed(changes: PlanChanges | None, plan_id: str, seconds: float) -> None:
+    """Wait for the plan to (maybe) change: its notification, or a short sleep where there is no listener."""
+    if changes is not None and changes.listening:
+        await changes.changed(plan_id, min(seconds, 5.0))  # and re-read now and then regardless
+    else:
+        await asyncio.sleep(min(0.1, seconds))
+
+
 @router.get("/{plan_id}", response_model=PlanRecord,
             responses={304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
 async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
@@ -82,26 +108,32 @@ async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
                    if_none_match: Annotated[str | None, Header(description="entity tag of a copy the client "
                                                                            "holds: 304 while it is current")] = None,
                    ) -> Response:
-    """The plan record. Polling is cheap: send the ETag back in If-None-Match and an unchanged plan costs one
-    narrow query and a 304 with no body; long-polls check the same narrow state until the plan changes."""
+    """The plan record. Polling is cheap: send the ETag back in If-None-Match and an unchanged plan costs a
+    304 with no body, answered from memory on PostgreSQL (`db.plan_changes`) or after one narrow query;
+    long-polls wait for the plan's change notification (or re-check the narrow state)."""
     db: Database = request.app.state.db  # the hot path: app state read directly, not through dependencies
     settings: Settings = request.app.state.settings
+    changes: PlanChanges | None = request.app.state.plan_changes
     deadline = time.monotonic() + min(wait, settings.max_wait_s)
     known = if_none_match  # a copy whose tag is known: wait on the narrow state while it stays current
     while True:
         if known is not None:
-            tag = await run_in_threadpool(_version, db, plan_id, principal.project_id)
+            tag = await _current_tag(db, changes, plan_id, principal.project_id)
             if tag is None:
                 raise ApiError(404, f"plan {plan_id} not found")
-            if _matches(known, tag) and time.monotonic() < deadline:
-                await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            remaining = deadline - time.monotonic()
+            if _matches(known, tag) and remaining > 0:
+                await _until_changed(changes, plan_id, remaining)
                 continue
             if _matches(if_none_match, tag):  # the deadline passed and the client's copy is still current
                 return Response(status_code=304, headers={"etag": tag})
+        generation = changes.generation if changes is not None else 0
         loaded = await run_in_threadpool(_load, db, plan_id, principal.project_id)
         if loaded is None:
             raise ApiError(404, f"plan {plan_id} not found")
         status, etag, body = loaded
+        if changes is not None:
+            changes.remember(plan_id, principal.project_id, etag, generation)
         if status in FINAL_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
             if _matches(if_none_match, etag):
                 return Response(status_code=304, headers={"etag": etag})
@@ -128,10 +160,15 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
 
 
 @router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
-def post_feedback(plan_id: str, body: Feedback, session: SessionDep, principal: PrincipalDep) -> FeedbackRecord:
+def post_feedback(plan_id: str, body: Feedback, request: Request, session: SessionDep,
+                  principal: PrincipalDep) -> FeedbackRecord:
     plan = PlanRepository(session).get(plan_id, principal.project_id)
     if plan is None:
         raise ApiError(404, f"plan {plan_id} not found")
     if plan.status != "done":
         raise ApiError(409, f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)")
-    return feedback_record(FeedbackRepository(session).add(plan, body))
+    record = feedback_record(FeedbackRepository(session).add(plan, body))
+    changes: PlanChanges | None = request.app.state.plan_changes
+    if changes is not None:
+        changes.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
+    return record

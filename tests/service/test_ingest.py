@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from client.contract import Trace
 from planner_service.app import create_app
-from planner_service.ingest import INGEST_NICENESS, Ingestor, InvalidTrace, TraceFacts, inspect
+from planner_service.ingest import Ingestor, InvalidTrace, TraceFacts, inspect
 from planner_service.settings import Settings
 
 
@@ -42,9 +42,9 @@ def test_facts_hash_is_the_trace_content_hash(trace: Trace) -> None:
 
 
 def test_ingest_processes_run_below_request_handling_and_exit_with_the_ingestor() -> None:
-    ingestor = Ingestor(processes=1, inline_max_bytes=0)
+    ingestor = Ingestor(processes=1, inline_max_bytes=0, niceness=7)
     pool = ingestor._executor()
-    assert pool.submit(os.nice, 0).result(timeout=60) == min(19, os.nice(0) + INGEST_NICENESS)
+    assert pool.submit(os.nice, 0).result(timeout=60) == min(19, os.nice(0) + 7)
     children = list(pool._processes.values())
     ingestor.close()
     assert children and all(not p.is_alive() for p in children)  # none outlives the API process

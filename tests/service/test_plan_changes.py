@@ -1,0 +1,188 @@
+"""Polls of unchanged plans answered from memory on PostgreSQL, kept honest by the database's notifications.
+
+Real PostgreSQL throughout: the triggers of migration 0003, the API's LISTEN connection, and changes made
+through other connections (as another API process or a worker would make them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+
+from planner_service.app import create_app
+from planner_service.db.plan_changes import CHANNEL, PlanChanges
+from planner_service.observability import POLL_ANSWERS
+from planner_service.settings import Settings
+
+pytestmark = pytest.mark.postgres
+
+# Feedback written past the service, as another API process would (psycopg placeholder for the plan id).
+ADD_FEEDBACK = ("INSERT INTO feedback (id, plan_id, iteration_s, peak_device_bytes, peak_host_bytes, steps_measured, "
+                "notes, created_at) VALUES (md5(random()::text), %(p)s, 1.0, 1, 1, 5, '', now())")
+LIMITS = {"device_memory_bytes": 8 * 2**30, "time_limit_s": 2}
+
+
+def _libpq(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def _eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def api(postgres_url: str) -> Iterator[TestClient]:
+    settings = Settings(database_url=postgres_url, workers=1, poll_interval_s=0.05, lease_s=5.0, auto_upgrade=False,
+                        ingest_prestart=False)
+    with TestClient(create_app(settings)) as client:
+        assert _eventually(lambda: client.app.state.plan_changes.listening)  # type: ignore[attr-defined]
+        yield client
+
+
+def _memory_reads() -> float:
+    return POLL_ANSWERS.labels("memory")._value.get()
+
+
+def _done_plan(api: TestClient, trace: Any) -> tuple[str, str]:
+    trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
+    plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
+    done = api.get(f"/v1/plans/{plan_id}", params={"wait": 30})
+    assert done.json()["status"] in ("done", "infeasible")
+    return plan_id, done.headers["etag"]
+
+
+def test_polls_of_an_unchanged_plan_are_answered_from_memory(api: TestClient, trace: Any) -> None:
+    plan_id, tag = _done_plan(api, trace)
+    before = _memory_reads()
+    for _ in range(5):
+        r = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})
+        assert r.status_code == 304 and r.headers["etag"] == tag
+    assert _memory_reads() - before >= 4  # the first poll may have had to ask the database
+    # Memory never answers for another project: the database does (404 there, tested in test_auth.py).
+    changes: PlanChanges = api.app.state.plan_changes  # type: ignore[attr-defined]
+    assert changes.tag(plan_id, "some-other-project") is None
+
+
+def test_a_change_through_another_connection_reaches_the_next_polls(api: TestClient, trace: Any,
+                                                                    postgres_url: str) -> None:
+    """As a second API process or a worker would change it: a committed write notifies, the tag is dropped,
+    the next poll with the old tag gets the new record."""
+    plan_id, tag = _done_plan(api, trace)
+    assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304
+    engine = create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.execute(text(ADD_FEEDBACK.replace("%(p)s", ":p")), {"p": plan_id})
+    engine.dispose()
+    changed = _eventually(lambda: (r := api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}))
+                          .status_code == 200 and r)
+    assert changed and changed.headers["etag"] != tag and len(changed.json()["feedback"]) == 1
+
+
+def test_feedback_posted_here_is_seen_by_the_very_next_poll(api: TestClient, trace: Any) -> None:
+    plan_id, tag = _done_plan(api, trace)
+    if api.get(f"/v1/plans/{plan_id}").json()["status"] != "done":
+        pytest.skip("feedback is for done plans; this instance solved infeasible")
+    assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304
+    posted = api.post(f"/v1/plans/{plan_id}/feedback", json={
+        "iteration_s": 1.0, "peak_device_bytes": 1, "peak_host_bytes": 1, "steps_measured": 5})
+    assert posted.status_code == 201
+    r = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})  # no wait for the notification
+    assert r.status_code == 200 and len(r.json()["feedback"]) == 1
+
+
+def test_long_poll_wakes_on_the_change_notification(api: TestClient, trace: Any, postgres_url: str) -> None:
+    plan_id, tag = _done_plan(api, trace)
+    engine = create_engine(postgres_url)
+
+    def change_soon() -> None:
+        time.sleep(0.5)
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE plan SET attempts = attempts + 1 WHERE id = :p"), {"p": plan_id})
+
+    import threading
+
+    writer = threading.Thread(target=change_soon)
+    writer.start()
+    r = api.get(f"/v1/plans/{plan_id}", params={"wait": 20}, headers={"if-none-match": tag})
+    writer.join()
+    engine.dispose()
+    assert r.status_code == 200 and r.headers["etag"] != tag and r.json()["attempts"] == 2
+
+
+def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_lease_renewals(postgres_url: str, api: TestClient,
+                                                                                trace: Any) -> None:
+    plan_id, _ = _done_plan(api, trace)
+    with psycopg.connect(_libpq(postgres_url), autocommit=True) as listener, \
+            psycopg.connect(_libpq(postgres_url), autocommit=True) as writer:
+        listener.execute(f"LISTEN {CHANNEL}")
+        statements = [
+            "UPDATE plan SET lease_expires_at = now() WHERE id = %(p)s",  # a renewal: nobody is told
+            "UPDATE plan SET status = 'running' WHERE id = %(p)s",
+            "UPDATE plan SET attempts = attempts + 1 WHERE id = %(p)s",
+            "UPDATE plan SET started_at = now() WHERE id = %(p)s",
+            "UPDATE plan SET finished_at = now() WHERE id = %(p)s",
+            ADD_FEEDBACK,
+            "DELETE FROM feedback WHERE plan_id = %(p)s",
+            "DELETE FROM plan WHERE id = %(p)s",
+        ]
+        for sql in statements:
+            writer.execute(sql, {"p": plan_id})
+        with writer.transaction():  # rolled back: never announced
+            writer.execute("UPDATE plan SET status = 'queued' WHERE id = 'none'")
+        got = [n.payload for n in listener.notifies(timeout=5, stop_after=len(statements) - 1)]
+        assert got == [plan_id] * (len(statements) - 1)
+        assert list(listener.notifies(timeout=0.3)) == []
+
+
+def test_a_lost_listener_empties_the_cache_and_comes_back(api: TestClient, trace: Any, postgres_url: str) -> None:
+    plan_id, tag = _done_plan(api, trace)
+    changes: PlanChanges = api.app.state.plan_changes  # type: ignore[attr-defined]
+    changes.reconnect_s = 0.1
+    assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304
+    assert changes.tag(plan_id, "default") == tag
+    generation = changes.generation
+    with psycopg.connect(_libpq(postgres_url), autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                      "WHERE datname = current_database() AND query LIKE 'LISTEN%%' AND pid <> pg_backend_pid()")
+    assert _eventually(lambda: changes.generation >= generation + 2 and changes.listening)  # lost, then back
+    assert changes.tag(plan_id, "default") is None  # what it knew may have missed changes: forgotten
+    assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304  # asked the db
+
+
+def test_a_tag_read_while_a_notification_came_in_is_not_kept(postgres_url: str) -> None:
+    async def scenario() -> tuple[str | None, str | None]:
+        changes = PlanChanges(_libpq(postgres_url))
+        changes.start()
+        try:
+            for _ in range(500):
+                if changes.listening:
+                    break
+                await asyncio.sleep(0.01)
+            before = changes.generation  # a read starts here ...
+            async with await psycopg.AsyncConnection.connect(_libpq(postgres_url), autocommit=True) as conn:
+                await conn.execute(f"SELECT pg_notify('{CHANNEL}', 'p1')")  # ... a change commits meanwhile
+            for _ in range(500):  # the notification arrives
+                if changes.notifications:
+                    break
+                await asyncio.sleep(0.01)
+            changes.remember("p1", "default", '"old"', before)  # ... and the read's (stale) answer lands
+            stale = changes.tag("p1", "default")
+            changes.remember("p2", "default", '"fresh"', changes.generation)
+            return stale, changes.tag("p2", "default")
+        finally:
+            await changes.stop()
+
+    stale, fresh = asyncio.run(scenario())
+    assert stale is None and fresh == '"fresh"'
