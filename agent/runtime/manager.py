@@ -1,6 +1,8 @@
 """Model-state manager: keeps every parameter where the plan puts it and moves it when it is needed.
 
-The flow of one iteration (offloaded chunks; persistent chunks simply stay on the device):
+The flow of one iteration (offloaded chunks; persistent chunks stay on the device, their `.grad` are views
+of the chunk's gradient area: after `zero_grad()` they are None as in plain PyTorch, and the gradient hook
+copies each fresh gradient into the area and points `.grad` there):
 - forward: a pre-hook on each module that owns parameters makes its chunks resident (demand upload
   into a device buffer, or a hit) and pins them for the module's forward; the next chunks in the
   recorded access order are prefetched into buffers whose chunks are needed later or never.
@@ -509,7 +511,7 @@ class ModelStateManager:
         e = st.spec.entries[j]
         if not st.offloaded:
             view = self._grad_views(st)[j]
-            if param.grad.data_ptr() != view.data_ptr():  # the user replaced .grad: take it back
+            if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad), or the user's
                 view.copy_(param.grad)
                 param.grad = view
             st.touched.add(j)
@@ -645,9 +647,18 @@ class ModelStateManager:
     def zero_grad(self, *, set_to_none: bool = True) -> None:
         self._recover_if_aborted()
         for st in self.states:
-            requiring = {j for j, e in enumerate(st.spec.entries) if e.param.requires_grad}
-            st.touched = set() if set_to_none else requiring
+            if set_to_none:
+                st.touched = set()
+            else:
+                st.touched = {j for j, e in enumerate(st.spec.entries) if e.param.requires_grad}
             if not st.offloaded:
+                if set_to_none:
+                    # as in plain PyTorch: no gradient until backward makes one; the gradient hook copies it
+                    # into the chunk's gradient area and points `.grad` there. (Zeroing the area and letting
+                    # backward accumulate into it cost a memset and an add pass over every gradient.)
+                    for e in st.spec.entries:
+                        e.param.grad = None
+                    continue
                 assert st.grad is not None
                 st.grad.zero_()
                 for e, g in zip(st.spec.entries, self._grad_views(st), strict=True):

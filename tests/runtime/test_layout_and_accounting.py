@@ -175,6 +175,30 @@ def test_persistent_parameters_and_gradients_are_views_into_their_chunk() -> Non
         assert offsets == sorted(offsets) and offsets[0] == 0  # packed in the plan's order
 
 
+def test_persistent_gradients_are_none_after_zero_grad_and_land_in_their_chunk_after_backward() -> None:
+    """zero_grad() leaves no gradient, as plain PyTorch does; backward's fresh gradients are copied into the
+    chunk (before: the chunk's gradient area was zeroed and backward added into it, a memset and an add pass
+    over every gradient each iteration). zero_grad(set_to_none=False) keeps zeroed views."""
+    model = tiny_model("llama")
+    w = wrap(model, adamw(model), plan=plan_for(model, "none"))
+    assert w.runtime is not None
+    x = batches(1)[0]
+    for _ in range(2):
+        w.model(input_ids=x, labels=x).loss.backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    w.model(input_ids=x, labels=x).loss.backward()
+    for st in w.runtime.states:
+        assert st.grad is not None
+        for e in st.spec.entries:
+            g = e.param.grad
+            assert g is not None and g.data_ptr() == st.grad[e.offset :].data_ptr()
+            assert g.abs().sum() > 0
+    w.optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 def test_offloaded_parameters_rest_on_the_host_copy_between_iterations() -> None:
     model = tiny_model("gpt2")
     plan = plan_for(model, "all")
