@@ -3,11 +3,14 @@
 The session, in order (every iteration is a real forward, loss, backward and optimizer step):
 1. warm-up iteration with first-use hooks: parameter execution order and block mapping; lazy state
    (optimizer moments, allocator caches) is created here, so later iterations are steady-state;
-2. `repeats` plain iterations, no hooks: `iteration_s` (median) and the optimizer step time;
+2. `repeats` plain iterations, no hooks: `iteration_s` (median) and the optimizer step time (on CPU with
+   its `zero_grad`);
 3. `repeats - 1` (at least 2) hooked iterations: per-block forward and backward seconds (median), then
    calibrated: scaled so that their sum equals the plain iteration's compute time (hook overhead removed);
 4. recompute: each repeated block's forward re-run on its captured inputs with grad enabled (what
-   checkpointing does during backward);
+   checkpointing does during backward); then the runtime's own costs: swap, checkpoint and an offloaded
+   chunk on one repeated block (`runtime_probe.py`), and on CPU the persistent-chunk path over every
+   parameter (`persistent_probe.py`: the device optimizer throughput is then the runtime's);
 5. one tracked iteration: a storage tracker (CPU: `TorchDispatchMode`; CUDA: allocator history) plus
    saved-tensor hooks give per-block activation bytes, input bytes, transient peaks, the peak and the
    allocation trace;
@@ -55,6 +58,7 @@ from agent.profiler.parameters import (
     order_parameters,
     parameter_infos,
 )
+from agent.profiler.persistent_probe import probe_persistent
 from agent.profiler.runtime_probe import RuntimeProbe, probe_block
 from agent.profiler.session import (
     LossFn,
@@ -264,19 +268,23 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     stage("warmup")
 
     # 2. plain iterations
-    totals, steps = [], []
+    totals, steps, zeros = [], [], []
     peak_plain: int | None = None
     for i in range(repeats):
         if dev.type == "cuda" and i == repeats - 1:
             torch.cuda.reset_peak_memory_stats(dev)
-        total, step_s = step.timed(clock)
+        total, step_s, zero_s = step.timed(clock)
         totals.append(total)
         steps.append(step_s)
+        zeros.append(zero_s)
         if dev.type == "cuda" and i == repeats - 1:
             peak_plain = int(torch.cuda.max_memory_allocated(dev))
     res.iteration_s = statistics.median(totals)
     opt_step_s = statistics.median(steps)
-    res.device_opt_bytes_per_s = stepped_bytes / max(opt_step_s, 1e-9)
+    # CPU: the optimizer's calls (step and zero_grad) are charged by the device optimizer throughput, not
+    # spread over the blocks (the chunk runtime replaces both by its own, measured in 4c)
+    zero_grad_s = statistics.median(zeros) if dev.type == "cpu" else 0.0
+    res.device_opt_bytes_per_s = stepped_bytes / max(opt_step_s + zero_grad_s, 1e-9)
 
     stage("plain")
 
@@ -298,7 +306,7 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
         hooked_walls.append(cursor.marks[-1].time_s - cursor.marks[0].time_s)
     fwd = [statistics.median(run[b] for run in fwd_runs) for b in range(n_blocks)]
     bwd = [statistics.median(run[b] for run in bwd_runs) for b in range(n_blocks)]
-    compute_plain = max(res.iteration_s - opt_step_s, 0.0)
+    compute_plain = max(res.iteration_s - opt_step_s - zero_grad_s, 0.0)
     hooked_sum = sum(fwd) + sum(bwd)
     scale = compute_plain / hooked_sum if hooked_sum > 0 else 1.0
     res.hook_overhead_s = statistics.median(hooked_walls) - res.iteration_s
@@ -336,6 +344,23 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     captured.clear()
 
     stage("runtime_probe")
+
+    # 4c. CPU: the chunk runtime's persistent-chunk path (gradient hooks, chunked step, zero_grad) over every
+    # parameter, as the device optimizer's throughput (a GPU keeps the plain step's: copies and the optimizer
+    # overlap compute there, and its runtime costs are not charged)
+    if dev.type == "cpu":
+        try:
+            persistent = probe_persistent(model, res.ordered, opt, dev)
+        except Exception as e:
+            log.warning("persistent-chunk probe skipped (%s: %s): the device optimizer throughput is the plain "
+                        "step's", type(e).__name__, e)
+            persistent = None
+        if persistent is not None and persistent.total_s > 0:
+            res.device_opt_bytes_per_s = persistent.stepped_bytes / persistent.total_s
+            log.debug("persistent chunks: %s (plain step %.4fs, zero_grad %.4fs)", persistent, opt_step_s,
+                      zero_grad_s)
+
+    stage("persistent_probe")
 
     # 5. tracked iteration: memory (after recompute, so no captured input is alive during it)
     act, inp, fwd_tr, bwd_tr, peak, alloc = _track_memory(model, step, opt, batch, dev, repeated, res.ordered,

@@ -1,0 +1,124 @@
+"""Persistent-chunk probe: what the chunk runtime's device-side path costs, over the whole model's parameters.
+
+A plain iteration's optimizer work is one `optimizer.step()` and a `zero_grad()` that drops the gradients;
+backward hands each parameter its fresh gradient. Under the chunk runtime a persistent chunk's parameters
+and gradients live in the chunk's flat buffers instead: a gradient hook per parameter copies the fresh
+gradient into the chunk's gradient area, `optimizer.step()` runs one optimizer of the user's class per chunk
+over flat runs, and `zero_grad()` walks the chunks. Those costs grow with the number of chunks and
+parameters, so one block's figure does not extrapolate (its per-call costs dominate); they are measured here
+over every parameter of the profiled model, through the runtime's own code: all parameters in persistent
+chunks, one chunk per block (prologue, each repeated block, epilogue: about the chunking the solver picks),
+one warm-up run (optimizer state), then one timed run of: a backward whose gradient hooks are the runtime's
+(fresh gradients of ones), `optimizer.step()` and `zero_grad()`. Only the runtime's entry points are timed
+(the backward's own work is a stand-in for the real one).
+
+The profile charges it on a CPU device as the device optimizer's throughput (`optimizer.device_bytes_per_s`
+= stepped parameter bytes / these seconds): the cost model charges every persistent chunk its used bytes
+at that rate, exactly the chunks that pay these costs. Parameters (values and storages), gradients and the
+user's optimizer are left as they were.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from agent.profiler.parameters import OrderedParameter
+from agent.profiler.runtime_probe import _Timer
+
+
+@dataclass(frozen=True)
+class PersistentProbe:
+    """Seconds per iteration in the chunk runtime's persistent-chunk entry points (whole model)."""
+
+    grad_hooks_s: float  # gradient hooks: each fresh gradient copied into its chunk's gradient area
+    step_s: float  # optimizer.step() over the persistent chunks
+    zero_grad_s: float
+    stepped_bytes: int  # parameter bytes the step updated
+    chunks: int
+
+    @property
+    def total_s(self) -> float:
+        return self.grad_hooks_s + self.step_s + self.zero_grad_s
+
+
+def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], optimizer: torch.optim.Optimizer,
+                     device: torch.device) -> PersistentProbe | None:
+    """Time the runtime's persistent path on every parameter of `model` (see the module docstring); None when
+    the runtime cannot hold these parameters (mixed dtypes, another device, an optimizer it does not support)."""
+    from agent.runtime.device import DeviceContext
+    from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
+    from agent.runtime.manager import ModelStateManager
+    from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError, check_supported
+    from agent.runtime.options import RuntimeOptions
+    from client.contract import Placement
+
+    params = [o.param for o in ordered]
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable or len({p.dtype for p in params}) != 1 or any(p.device != device for p in params):
+        return None
+    try:
+        check_supported(optimizer)
+    except UnsupportedOptimizerError:
+        return None
+    chunks: list[ChunkSpec] = []
+    by_param: dict[int, ParamEntry] = {}
+    block = None
+    offset = 0
+    for o in ordered:
+        if o.block != block:
+            block, offset = o.block, 0
+            chunks.append(ChunkSpec(index=len(chunks), placement=Placement.persistent))
+        e = ParamEntry(name=o.name, param=o.param, chunk=len(chunks) - 1, offset=offset, numel=o.param.numel(),
+                       shape=o.param.shape)
+        chunks[-1].entries.append(e)
+        by_param[id(o.param)] = e
+        offset += e.numel
+    layout = ChunkLayout(chunk_numel=max(c.used_numel for c in chunks), compute_dtype=params[0].dtype,
+                         chunks=chunks, n_buffers=0, by_param=by_param)
+    hooks, step, zero = _Timer(), _Timer(), _Timer()
+
+    class TimedManager(ModelStateManager):
+        def _on_grad(self, param: torch.Tensor) -> None:
+            hooks.call(super()._on_grad, param)
+
+        def step(self) -> None:
+            step.call(super().step)
+
+        def zero_grad(self, *, set_to_none: bool = True) -> None:
+            zero.call(super().zero_grad, set_to_none=set_to_none)
+
+    data = [p.data for p in params]
+    grads = [p.grad for p in params]
+    group = optimizer.param_groups[0]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    hyper = {k: group[k] for k in optimizer.defaults if k in group and k in accepted and k != "params"}
+    manager: Any = None
+    try:
+        # the user's optimizer class and first group's hyper-parameters over the same parameters (a fresh one:
+        # the user's state is not touched)
+        user = type(optimizer)(trainable, **hyper)
+        manager = TimedManager(model, layout, DeviceContext(device), RuntimeOptions(device=device))
+        chunked = ChunkedOptimizer(user, layout, manager)
+        manager.attach_optimizer(chunked)
+        for _ in range(2):  # warm-up (optimizer state, allocator), then timed
+            hooks.total = step.total = zero.total = 0.0
+            with torch.enable_grad():
+                torch.autograd.backward([p.sum() for p in trainable])
+            chunked.step()
+            chunked.zero_grad()
+    except (UnsupportedOptimizerError, TypeError, ValueError):
+        return None
+    finally:
+        if manager is not None:
+            manager.detach()
+        for p, d, g in zip(params, data, grads, strict=True):
+            p.data = d
+            p.grad = g
+    return PersistentProbe(grad_hooks_s=hooks.total, step_s=step.total, zero_grad_s=zero.total,
+                           stepped_bytes=sum(p.numel() * p.element_size() for p in trainable), chunks=len(chunks))
