@@ -17,7 +17,7 @@ from planner_service import observability, ui
 from planner_service.api import catalog, errors, health, plans, traces
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
-from planner_service.db.plan_changes import PlanChanges
+from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.session import Database
 from planner_service.ingest import Ingestor
 from planner_service.jobs.worker import WorkerPool
@@ -66,9 +66,9 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
                                       settings.ingest_niceness)
         if settings.ingest_prestart:
             app.state.ingestor.prestart()
-        app.state.plan_changes = _plan_changes(settings)
-        if app.state.plan_changes is not None:
-            app.state.plan_changes.start()
+        app.state.change_feed = _change_feed(settings)
+        if app.state.change_feed is not None:
+            app.state.change_feed.start()
         pool = WorkerPool(db, settings, n_workers)
         pool.start()
         # Everything imported and built so far lives as long as the process: keep it out of the cyclic
@@ -78,8 +78,8 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
             yield
         finally:
             pool.stop()
-            if app.state.plan_changes is not None:
-                await app.state.plan_changes.stop()
+            if app.state.change_feed is not None:
+                await app.state.change_feed.stop()
             app.state.ingestor.close()
             db.dispose()
 
@@ -94,12 +94,13 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
     return app
 
 
-def _plan_changes(settings: Settings) -> PlanChanges | None:
-    """On PostgreSQL, a listener for plan changes (polls of unchanged plans answered from memory)."""
-    if not settings.database_url.startswith("postgresql") or not settings.plan_change_cache:
+def _change_feed(settings: Settings) -> ChangeFeed | None:
+    """On PostgreSQL, a listener for plan and token changes (polls of unchanged plans and tokens seen
+    before answered from memory)."""
+    if not settings.database_url.startswith("postgresql") or not settings.change_feed:
         return None
     url = make_url(settings.database_url).set(drivername="postgresql")
-    return PlanChanges(url.render_as_string(hide_password=False))
+    return ChangeFeed(url.render_as_string(hide_password=False))
 
 
 def _register_trace_schema(app: FastAPI) -> None:

@@ -49,8 +49,9 @@ class Settings(BaseSettings):
                                  "(request handling goes first; a poll is ~1 ms, validating a 1 MB trace ~0.1 s)")
     ingest_inline_max_bytes: int = Field(default=256 * 2**10, ge=0,
                                          description="bodies up to this size are validated in the API process")
-    plan_change_cache: bool = Field(default=True, description="on PostgreSQL, LISTEN for plan changes and answer "
-                                    "polls of unchanged plans from memory (off: every poll queries the database)")
+    change_feed: bool = Field(default=True, description="on PostgreSQL, LISTEN for plan and token changes and "
+                              "answer polls of unchanged plans and known tokens from memory (off: every request "
+                              "asks the database)")
     auth: bool = Field(default=False, description="require a bearer token on /v1 (mandatory off loopback)")
     rate_limit_per_s: float = Field(default=50.0, gt=0, description="sustained requests/s per token (or client)")
     rate_limit_burst: int = Field(default=200, gt=0, description="requests a token may make at once")

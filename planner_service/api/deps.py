@@ -11,7 +11,8 @@ from starlette.concurrency import run_in_threadpool
 
 from planner_service.api.errors import ApiError
 from planner_service.api.ratelimit import TokenBuckets, retry_after_header
-from planner_service.auth import ANONYMOUS, Principal, resolve
+from planner_service.auth import ANONYMOUS, Principal, digest, resolve
+from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.session import Database
 from planner_service.settings import Settings
 
@@ -53,7 +54,7 @@ async def get_principal(request: Request) -> Principal:
         if scheme.lower() != "bearer" or not token:
             raise ApiError(401, "missing bearer token (Authorization: Bearer mp_...)",
                            headers={"WWW-Authenticate": "Bearer"})
-        found = await run_in_threadpool(_resolve, db, token.strip())
+        found = await _principal(request, db, token.strip())
         if found is None:
             raise ApiError(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})
         principal = found
@@ -63,6 +64,20 @@ async def get_principal(request: Request) -> Principal:
         raise ApiError(429, "rate limit exceeded", headers={"Retry-After": retry_after_header(wait)})
     request.state.project_id = principal.project_id
     return principal
+
+
+async def _principal(request: Request, db: Database, token: str) -> Principal | None:
+    """Who the token is: from the change feed's memory when it has seen the token since the last token
+    change (revocations empty it at commit), else one query by digest."""
+    feed: ChangeFeed | None = request.app.state.change_feed
+    key = digest(token)
+    if feed is not None and (known := feed.principal(key)) is not None:
+        return known
+    generation = feed.generation if feed is not None else 0
+    found = await run_in_threadpool(_resolve, db, token)
+    if feed is not None and found is not None:
+        feed.keep_principal(key, found, generation)
+    return found
 
 
 # scope="function": the session commits when the endpoint returns, before the response is sent, so a client

@@ -14,6 +14,7 @@ from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequ
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
+from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import (
     FINAL_STATUSES,
@@ -24,7 +25,6 @@ from planner_service.db.repositories import (
     plan_version,
     request_key,
 )
-from planner_service.db.plan_changes import PlanChanges
 from planner_service.db.session import Database
 from planner_service.observability import POLL_ANSWERS
 from planner_service.settings import Settings
@@ -76,26 +76,26 @@ def _matches(if_none_match: str | None, etag: str) -> bool:
     return if_none_match.strip() == "*" or etag in (t.strip().removeprefix("W/") for t in if_none_match.split(","))
 
 
-async def _current_tag(db: Database, changes: PlanChanges | None, plan_id: str, project_id: str) -> str | None:
+async def _current_tag(db: Database, feed: ChangeFeed | None, plan_id: str, project_id: str) -> str | None:
     """The plan's entity tag: from memory when the plan-change listener vouches for it, else one narrow query."""
     generation = 0
-    if changes is not None:
-        tag = changes.tag(plan_id, project_id)
+    if feed is not None:
+        tag = feed.tag(plan_id, project_id)
         if tag is not None:
             POLL_ANSWERS.labels("memory").inc()
             return tag
-        generation = changes.generation
+        generation = feed.generation
     POLL_ANSWERS.labels("database").inc()
     tag = await run_in_threadpool(_version, db, plan_id, project_id)
-    if changes is not None and tag is not None:
-        changes.remember(plan_id, project_id, tag, generation)
+    if feed is not None and tag is not None:
+        feed.remember(plan_id, project_id, tag, generation)
     return tag
 
 
-async def _until_changed(changes: PlanChanges | None, plan_id: str, seconds: float) -> None:
+async def _until_changed(feed: ChangeFeed | None, plan_id: str, seconds: float) -> None:
     """Wait for the plan to (maybe) change: its notification, or a short sleep where there is no listener."""
-    if changes is not None and changes.listening:
-        await changes.changed(plan_id, min(seconds, 5.0))  # and re-read now and then regardless
+    if feed is not None and feed.listening:
+        await feed.changed(plan_id, min(seconds, 5.0))  # and re-read now and then regardless
     else:
         await asyncio.sleep(min(0.1, seconds))
 
@@ -109,31 +109,31 @@ async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
                                                                            "holds: 304 while it is current")] = None,
                    ) -> Response:
     """The plan record. Polling is cheap: send the ETag back in If-None-Match and an unchanged plan costs a
-    304 with no body, answered from memory on PostgreSQL (`db.plan_changes`) or after one narrow query;
+    304 with no body, answered from memory on PostgreSQL (`db.change_feed`) or after one narrow query;
     long-polls wait for the plan's change notification (or re-check the narrow state)."""
     db: Database = request.app.state.db  # the hot path: app state read directly, not through dependencies
     settings: Settings = request.app.state.settings
-    changes: PlanChanges | None = request.app.state.plan_changes
+    feed: ChangeFeed | None = request.app.state.change_feed
     deadline = time.monotonic() + min(wait, settings.max_wait_s)
     known = if_none_match  # a copy whose tag is known: wait on the narrow state while it stays current
     while True:
         if known is not None:
-            tag = await _current_tag(db, changes, plan_id, principal.project_id)
+            tag = await _current_tag(db, feed, plan_id, principal.project_id)
             if tag is None:
                 raise ApiError(404, f"plan {plan_id} not found")
             remaining = deadline - time.monotonic()
             if _matches(known, tag) and remaining > 0:
-                await _until_changed(changes, plan_id, remaining)
+                await _until_changed(feed, plan_id, remaining)
                 continue
             if _matches(if_none_match, tag):  # the deadline passed and the client's copy is still current
                 return Response(status_code=304, headers={"etag": tag})
-        generation = changes.generation if changes is not None else 0
+        generation = feed.generation if feed is not None else 0
         loaded = await run_in_threadpool(_load, db, plan_id, principal.project_id)
         if loaded is None:
             raise ApiError(404, f"plan {plan_id} not found")
         status, etag, body = loaded
-        if changes is not None:
-            changes.remember(plan_id, principal.project_id, etag, generation)
+        if feed is not None:
+            feed.remember(plan_id, principal.project_id, etag, generation)
         if status in FINAL_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
             if _matches(if_none_match, etag):
                 return Response(status_code=304, headers={"etag": etag})
@@ -168,7 +168,7 @@ def post_feedback(plan_id: str, body: Feedback, request: Request, session: Sessi
     if plan.status != "done":
         raise ApiError(409, f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)")
     record = feedback_record(FeedbackRepository(session).add(plan, body))
-    changes: PlanChanges | None = request.app.state.plan_changes
-    if changes is not None:
-        changes.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
+    feed: ChangeFeed | None = request.app.state.change_feed
+    if feed is not None:
+        feed.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
     return record

@@ -1,4 +1,5 @@
-"""Which plans changed, pushed by PostgreSQL: an API process answers polls of unchanged plans from memory.
+"""What changed, pushed by PostgreSQL: an API process answers polls of unchanged plans, and knows the
+tokens it has seen, from memory.
 
 Agents poll their plan (`GET /v1/plans/{id}` with If-None-Match) many times a second across a cluster, and
 almost every answer is "not modified". Asking the database each time costs a pooled connection, a thread
@@ -8,9 +9,9 @@ notification arrives after the change commits, and never for a rolled-back one. 
 tag it read for recently polled plans and forgets a plan's tag when its notification arrives.
 
 When the cache may answer:
-- only while the listener is connected: a lost connection may have lost notifications, so the cache is
+- only while the listener is connected: a lost connection may have lost notifications, so the caches are
   emptied and unused until LISTEN is re-established;
-- only for a tag read by a query that started after the listener was (re)connected and before any
+- only for a tag (or token) read by a query that started after the listener was (re)connected and before any
   notification arrived since (the `generation`): a read that raced a change is used once, not kept.
 A change made through another API process reaches this one a few milliseconds after its commit; the
 process that makes a change forgets the plan's tag itself, and the SDK drops its own copy of a plan it
@@ -26,14 +27,19 @@ from collections import OrderedDict
 
 import psycopg
 
-log = logging.getLogger("memplan.service.plan_changes")
+from planner_service.auth import Principal
 
-CHANNEL = "memplan_plan_changed"  # migrations/versions/..._0003_plan_change_notifications.py
+log = logging.getLogger("memplan.service.change_feed")
+
+# migrations/versions/2026_11_21_0003_change_notifications.py
+PLAN_CHANNEL = "memplan_plan_changed"  # payload: the plan's id
+TOKEN_CHANNEL = "memplan_token_changed"  # payload: the token's id
+APPLICATION_NAME = "memplan-change-feed"  # how the listener's connection shows in pg_stat_activity
 
 
-class PlanChanges:
-    """Recently read plan entity tags, kept current by PostgreSQL notifications (one per API process; used
-    from the event loop's thread, except `forget`)."""
+class ChangeFeed:
+    """Recently read plan entity tags and resolved tokens, kept current by PostgreSQL notifications (one
+    per API process; used from the event loop's thread, except `forget`)."""
 
     def __init__(self, conninfo: str, *, capacity: int = 100_000, ping_s: float = 10.0,
                  reconnect_s: float = 1.0) -> None:
@@ -42,6 +48,7 @@ class PlanChanges:
         self.ping_s = ping_s
         self.reconnect_s = reconnect_s
         self._tags: OrderedDict[str, tuple[str, str]] = OrderedDict()  # plan id -> (project id, etag)
+        self._principals: OrderedDict[str, Principal] = OrderedDict()  # token digest -> who it is
         self._generation = 0  # bumped by every notification and every listener (re)connection or loss
         self._listening = False
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -75,6 +82,18 @@ class PlanChanges:
         if len(self._tags) > self.capacity:
             self._tags.popitem(last=False)
 
+    def principal(self, token_digest: str) -> Principal | None:
+        """Who a token (by digest) is, if resolved here since the last token change (None: ask the database)."""
+        return self._principals.get(token_digest) if self._listening else None
+
+    def keep_principal(self, token_digest: str, principal: Principal, generation: int) -> None:
+        """Keep a token resolved by a query that started at `generation`."""
+        if not self._listening or generation != self._generation:
+            return
+        self._principals[token_digest] = principal
+        if len(self._principals) > self.capacity:
+            self._principals.popitem(last=False)
+
     def forget(self, plan_id: str) -> None:
         """This process is changing the plan: drop its tag now rather than when the notification comes.
         May be called from a handler's thread: a `remember` racing it on the loop's thread can keep the old
@@ -99,6 +118,11 @@ class PlanChanges:
             if not waiting and self._waiters.get(plan_id) is waiting:
                 del self._waiters[plan_id]
 
+    def _tokens_changed(self) -> None:
+        self.notifications += 1
+        self._generation += 1
+        self._principals.clear()  # revocations are rare: forget every token rather than track which
+
     def _changed(self, plan_id: str) -> None:
         self.notifications += 1
         self._generation += 1
@@ -111,6 +135,7 @@ class PlanChanges:
         self._listening = False
         self._generation += 1
         self._tags.clear()
+        self._principals.clear()
         waiters, self._waiters = self._waiters, {}
         for futures in waiters.values():
             for future in futures:
@@ -120,7 +145,7 @@ class PlanChanges:
     # ------------------------------------------------------------------------------------------ listener
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="memplan-plan-changes")
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="memplan-change-feed")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -140,21 +165,25 @@ class PlanChanges:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure: the cache is off until we listen again
                 if self._listening or not warned:
-                    log.warning("plan change listener lost (%s): polls ask the database until it is back",
+                    log.warning("change feed lost (%s): requests ask the database until it is back",
                                 type(exc).__name__)
                     warned = True
             self._lost()
             await asyncio.sleep(self.reconnect_s)
 
     async def _listen(self) -> None:
-        async with await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
-                                                          connect_timeout=5) as conn:
-            await conn.execute(f"LISTEN {CHANNEL}")
+        async with await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True, connect_timeout=5,
+                                                          application_name=APPLICATION_NAME) as conn:
+            await conn.execute(f"LISTEN {PLAN_CHANNEL}")
+            await conn.execute(f"LISTEN {TOKEN_CHANNEL}")
             self._generation += 1
             self._listening = True
-            log.info("listening for plan changes")
+            log.info("listening for plan and token changes")
             while True:
                 async for note in conn.notifies(timeout=self.ping_s):
-                    self._changed(note.payload)
+                    if note.channel == TOKEN_CHANNEL:
+                        self._tokens_changed()
+                    else:
+                        self._changed(note.payload)
                 # Quiet for ping_s: make sure the connection is alive (a dead one would lose notifications).
                 await asyncio.wait_for(conn.execute("SELECT 1"), timeout=5)

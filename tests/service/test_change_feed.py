@@ -1,4 +1,5 @@
-"""Polls of unchanged plans answered from memory on PostgreSQL, kept honest by the database's notifications.
+"""Polls of unchanged plans and known tokens answered from memory on PostgreSQL, kept honest by the
+database's notifications.
 
 Real PostgreSQL throughout: the triggers of migration 0003, the API's LISTEN connection, and changes made
 through other connections (as another API process or a worker would make them).
@@ -17,7 +18,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from planner_service.app import create_app
-from planner_service.db.plan_changes import CHANNEL, PlanChanges
+from planner_service.auth import create_token, digest, revoke_token
+from planner_service.db.change_feed import APPLICATION_NAME, PLAN_CHANNEL, TOKEN_CHANNEL, ChangeFeed
+from planner_service.db.session import Database
 from planner_service.observability import POLL_ANSWERS
 from planner_service.settings import Settings
 
@@ -47,7 +50,7 @@ def api(postgres_url: str) -> Iterator[TestClient]:
     settings = Settings(database_url=postgres_url, workers=1, poll_interval_s=0.05, lease_s=5.0, auto_upgrade=False,
                         ingest_prestart=False)
     with TestClient(create_app(settings)) as client:
-        assert _eventually(lambda: client.app.state.plan_changes.listening)  # type: ignore[attr-defined]
+        assert _eventually(lambda: client.app.state.change_feed.listening)  # type: ignore[attr-defined]
         yield client
 
 
@@ -71,8 +74,8 @@ def test_polls_of_an_unchanged_plan_are_answered_from_memory(api: TestClient, tr
         assert r.status_code == 304 and r.headers["etag"] == tag
     assert _memory_reads() - before >= 4  # the first poll may have had to ask the database
     # Memory never answers for another project: the database does (404 there, tested in test_auth.py).
-    changes: PlanChanges = api.app.state.plan_changes  # type: ignore[attr-defined]
-    assert changes.tag(plan_id, "some-other-project") is None
+    feed: ChangeFeed = api.app.state.change_feed  # type: ignore[attr-defined]
+    assert feed.tag(plan_id, "some-other-project") is None
 
 
 def test_a_change_through_another_connection_reaches_the_next_polls(api: TestClient, trace: Any,
@@ -121,12 +124,15 @@ def test_long_poll_wakes_on_the_change_notification(api: TestClient, trace: Any,
     assert r.status_code == 200 and r.headers["etag"] != tag and r.json()["attempts"] == 2
 
 
-def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_lease_renewals(postgres_url: str, api: TestClient,
+def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_lease_renewals(postgres_url: str,
                                                                                 trace: Any) -> None:
-    plan_id, _ = _done_plan(api, trace)
+    settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False)
+    with TestClient(create_app(settings)) as api:  # a plan row; then no service runs (no worker re-queues it)
+        trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
+        plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
     with psycopg.connect(_libpq(postgres_url), autocommit=True) as listener, \
             psycopg.connect(_libpq(postgres_url), autocommit=True) as writer:
-        listener.execute(f"LISTEN {CHANNEL}")
+        listener.execute(f"LISTEN {PLAN_CHANNEL}")
         statements = [
             "UPDATE plan SET lease_expires_at = now() WHERE id = %(p)s",  # a renewal: nobody is told
             "UPDATE plan SET status = 'running' WHERE id = %(p)s",
@@ -148,41 +154,75 @@ def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_lease_renewals(
 
 def test_a_lost_listener_empties_the_cache_and_comes_back(api: TestClient, trace: Any, postgres_url: str) -> None:
     plan_id, tag = _done_plan(api, trace)
-    changes: PlanChanges = api.app.state.plan_changes  # type: ignore[attr-defined]
-    changes.reconnect_s = 0.1
+    feed: ChangeFeed = api.app.state.change_feed  # type: ignore[attr-defined]
+    feed.reconnect_s = 0.1
     assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304
-    assert changes.tag(plan_id, "default") == tag
-    generation = changes.generation
+    assert feed.tag(plan_id, "default") == tag
+    generation = feed.generation
     with psycopg.connect(_libpq(postgres_url), autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                      "WHERE datname = current_database() AND query LIKE 'LISTEN%%' AND pid <> pg_backend_pid()")
-    assert _eventually(lambda: changes.generation >= generation + 2 and changes.listening)  # lost, then back
-    assert changes.tag(plan_id, "default") is None  # what it knew may have missed changes: forgotten
+                      "WHERE datname = current_database() AND application_name = %s", (APPLICATION_NAME,))
+    assert _eventually(lambda: feed.generation >= generation + 2 and feed.listening)  # lost, then back
+    assert feed.tag(plan_id, "default") is None  # what it knew may have missed changes: forgotten
     assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304  # asked the db
 
 
 def test_a_tag_read_while_a_notification_came_in_is_not_kept(postgres_url: str) -> None:
     async def scenario() -> tuple[str | None, str | None]:
-        changes = PlanChanges(_libpq(postgres_url))
-        changes.start()
+        feed = ChangeFeed(_libpq(postgres_url))
+        feed.start()
         try:
             for _ in range(500):
-                if changes.listening:
+                if feed.listening:
                     break
                 await asyncio.sleep(0.01)
-            before = changes.generation  # a read starts here ...
+            before = feed.generation  # a read starts here ...
             async with await psycopg.AsyncConnection.connect(_libpq(postgres_url), autocommit=True) as conn:
-                await conn.execute(f"SELECT pg_notify('{CHANNEL}', 'p1')")  # ... a change commits meanwhile
+                await conn.execute(f"SELECT pg_notify('{PLAN_CHANNEL}', 'p1')")  # ... a change commits meanwhile
             for _ in range(500):  # the notification arrives
-                if changes.notifications:
+                if feed.notifications:
                     break
                 await asyncio.sleep(0.01)
-            changes.remember("p1", "default", '"old"', before)  # ... and the read's (stale) answer lands
-            stale = changes.tag("p1", "default")
-            changes.remember("p2", "default", '"fresh"', changes.generation)
-            return stale, changes.tag("p2", "default")
+            feed.remember("p1", "default", '"old"', before)  # ... and the read's (stale) answer lands
+            stale = feed.tag("p1", "default")
+            feed.remember("p2", "default", '"fresh"', feed.generation)
+            return stale, feed.tag("p2", "default")
         finally:
-            await changes.stop()
+            await feed.stop()
 
     stale, fresh = asyncio.run(scenario())
     assert stale is None and fresh == '"fresh"'
+
+
+def test_a_known_token_is_resolved_from_memory_until_it_is_revoked(postgres_url: str, trace: Any) -> None:
+    settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False, auth=True)
+    db = Database(postgres_url)
+    with db.session() as s:
+        token, row = create_token(s, "project-a")
+    with TestClient(create_app(settings)) as api:
+        feed: ChangeFeed = api.app.state.change_feed  # type: ignore[attr-defined]
+        assert _eventually(lambda: feed.listening)
+        headers = {"authorization": f"Bearer {token}"}
+        assert api.get("/v1/plans", headers=headers).status_code == 200
+        assert feed.principal(digest(token)) is not None  # the next request needs no query
+        assert api.get("/v1/plans", headers=headers).status_code == 200
+        with db.session() as s:  # revoked past this process (the CLI, another API process)
+            assert revoke_token(s, row.id)
+        assert _eventually(lambda: api.get("/v1/plans", headers=headers).status_code == 401)
+        assert feed.principal(digest(token)) is None
+    db.dispose()
+
+
+def test_token_changes_notify(postgres_url: str) -> None:
+    db = Database(postgres_url)
+    with db.session() as s:
+        _, row = create_token(s, "project-a")
+    with psycopg.connect(_libpq(postgres_url), autocommit=True) as listener:
+        listener.execute(f"LISTEN {TOKEN_CHANNEL}")
+        with db.session() as s:
+            revoke_token(s, row.id)
+        with db.session() as s:
+            s.execute(text("DELETE FROM api_token"))
+        got = [(n.channel, n.payload) for n in listener.notifies(timeout=5, stop_after=2)]
+    db.dispose()
+    assert got == [(TOKEN_CHANNEL, row.id)] * 2
