@@ -11,7 +11,10 @@ next polls late and that counts too. Each agent also uploads a new trace version
 httpx's async client took ~3.5 ms with 50 connections, a third of the 2 cores). Prints and saves
 (benchmarks/results/service_load.json): errors, GET/s, GET and upload latency percentiles, where the CPU went.
 
-    .venv/bin/python benchmarks/service_load.py --agents 50 --duration 60
+    .venv/bin/python benchmarks/service_load.py --agents 50 --duration 60 [--auth]
+
+With --auth the service runs as docker-compose.yml runs it (MEMPLAN_AUTH=true) and every request carries a
+bearer token (one project's token, created with `memplan tokens create`).
 """
 
 from __future__ import annotations
@@ -210,11 +213,13 @@ class Agent:
 
 
 async def run_load(url: str, agents: int, duration: float, poll_hz: float, upload_every: float,
-                   bodies: list[list[bytes]], roots: dict[str, int]) -> tuple[Stats, float, dict[str, float]]:
+                   bodies: list[list[bytes]], roots: dict[str, int],
+                   headers: dict[str, str]) -> tuple[Stats, float, dict[str, float]]:
     """Warm-up (not timed): every agent uploads its first trace and gets a plan to poll. Then the window."""
     stats = Stats()
     connector = aiohttp.TCPConnector(limit=agents * 2)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=60),
+                                     headers=headers) as http:
         fleet = [Agent(i, http, bodies[i], stats) for i in range(agents)]
         gate = asyncio.Semaphore(4)  # a few at a time: every API process sees uploads (its first ones are cold)
 
@@ -268,6 +273,8 @@ def main() -> None:
     ap.add_argument("--admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     ap.add_argument("--database-url", default=None, help="use this database instead of a fresh one")
     ap.add_argument("--no-worker", action="store_true", help="no solve worker (isolates the API's own cost)")
+    ap.add_argument("--auth", action="store_true",
+                    help="production mode (as docker-compose.yml): MEMPLAN_AUTH=true, every request with a bearer token")
     args = ap.parse_args()
 
     versions = 2 + int(args.duration // args.upload_every)  # the warm-up upload, then one per period
@@ -284,6 +291,12 @@ def main() -> None:
     env = {**os.environ, "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_RATE_LIMIT_PER_S": "100000",
            "MEMPLAN_RATE_LIMIT_BURST": "100000"}
     subprocess.run([sys.executable, "-m", "client.cli", "db", "upgrade"], env=env, check=True, capture_output=True)
+    headers: dict[str, str] = {}
+    if args.auth:
+        env["MEMPLAN_AUTH"] = "true"
+        made = subprocess.run([sys.executable, "-m", "client.cli", "tokens", "create", "--project", "load"],
+                              env=env, check=True, capture_output=True, text=True)
+        headers["authorization"] = f"Bearer {made.stdout.strip().splitlines()[-1]}"
     # The production layout (docker-compose.yml): API processes without solvers, a separate worker process
     # (SCHED_IDLE, as an operator would run batch work on a shared box: a CPU running only idle-class work
     # counts as idle when a request wakes up) so solves never take CPU or the GIL from requests.
@@ -297,7 +310,7 @@ def main() -> None:
         wait_until_ready(url, server)
         print(f"load: {args.agents} agents for {args.duration:.0f} s against {url} ({args.processes} API processes)")
         stats, wall, cpu = asyncio.run(run_load(url, args.agents, args.duration, args.poll_hz, args.upload_every,
-                                                bodies, {"api": server.pid, "worker": worker.pid}))
+                                                bodies, {"api": server.pid, "worker": worker.pid}, headers))
     finally:
         for proc in (worker, server):
             proc.terminate()
@@ -328,6 +341,7 @@ def main() -> None:
         # Where the cores went during the window (CPU seconds; the window is `duration_s` x cores).
         "cpu": cpu,
         "poll_hz_per_agent": args.poll_hz, "upload_every_s": args.upload_every,
+        "auth": args.auth,
         "layout": f"{args.processes} API processes (--workers 0)"
                   + ("" if args.no_worker else " + 1 `memplan worker` (SCHED_IDLE: `chrt --idle 0`)"),
         "targets": {"errors": 0, "get_p99_ms": 20, "get_per_s": 500, "upload_p99_ms": 300},
