@@ -99,20 +99,20 @@ def _usable(plan: Plan | None) -> bool:
 def find_in_history(
     client: Client, fingerprint: str, hardware_key: str, workload: str, constraints: Constraints
 ) -> tuple[str, Plan] | None:
-    """The newest finished plan for this model, hardware and workload under the same limits, if any."""
+    """The newest finished plan for this model, hardware and workload under the same limits, if any.
+    Candidates are picked from the list's headlines; only a match's whole plan is fetched."""
     for rec in client.list_plans(model=fingerprint, hardware=hardware_key, status="done"):
         same_limits = (
             rec.constraints.device_memory_bytes == constraints.device_memory_bytes
             and rec.constraints.host_memory_bytes == constraints.host_memory_bytes
         )
-        if (
-            rec.model_fingerprint == fingerprint
-            and rec.workload_key == workload
-            and same_limits
-            and _usable(rec.plan)
-        ):
-            assert rec.plan is not None
-            return rec.id, rec.plan
+        solved = (rec.headline is not None and rec.headline.solver is not None
+                  and rec.headline.solver.status in (SolverStatus.optimal, SolverStatus.feasible))
+        if rec.model_fingerprint == fingerprint and rec.workload_key == workload and same_limits and solved:
+            plan = client.get_plan(rec.id).plan
+            if _usable(plan):
+                assert plan is not None
+                return rec.id, plan
     return None
 
 

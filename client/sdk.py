@@ -238,13 +238,16 @@ class Client:
                 return record
 
     def list_plans_page(self, *, model: str | None = None, hardware: str | None = None, status: str | None = None,
-                        limit: int = 50, cursor: str | None = None, sort: str = "-created_at") -> Page[PlanRecord]:
+                        limit: int = 50, cursor: str | None = None, sort: str = "-created_at",
+                        with_plan: bool = False) -> Page[PlanRecord]:
         data = self._request("GET", "/v1/plans", params=_params(model=model, hardware=hardware, status=status,
-                                                                limit=limit, cursor=cursor, sort=sort))
+                                                                limit=limit, cursor=cursor, sort=sort,
+                                                                with_plan=with_plan or None))
         return Page[PlanRecord].model_validate(data)
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
-        """Every matching plan, newest first, following cursors."""
+        """Every matching plan, newest first, following cursors. Records carry the plan's `headline`; the
+        whole `plan` (megabytes with an allocation) only with `with_plan=True`, or from `get_plan`."""
         return _follow(self.list_plans_page, filters)
 
     def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
@@ -345,9 +348,10 @@ class AsyncClient:
 
     async def list_plans_page(self, *, model: str | None = None, hardware: str | None = None,
                               status: str | None = None, limit: int = 50, cursor: str | None = None,
-                              sort: str = "-created_at") -> Page[PlanRecord]:
+                              sort: str = "-created_at", with_plan: bool = False) -> Page[PlanRecord]:
         data = await self._request("GET", "/v1/plans", params=_params(model=model, hardware=hardware, status=status,
-                                                                      limit=limit, cursor=cursor, sort=sort))
+                                                                      limit=limit, cursor=cursor, sort=sort,
+                                                                      with_plan=with_plan or None))
         return Page[PlanRecord].model_validate(data)
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:

@@ -49,7 +49,7 @@ def plans_table(records: list[PlanRecord]) -> Table:
     for col in ("id", "status", "model", "hardware", "device limit", "predicted", "created"):
         t.add_column(col)
     for r in records:
-        pred = r.plan.predictions if r.plan else None
+        pred = r.headline.predictions if r.headline else None
         t.add_row(r.id[:12], r.status, r.model_name, r.hardware_key, format_bytes(r.constraints.device_memory_bytes),
                   f"{pred.iteration_s * 1e3:.1f} ms" if pred else "-", r.created_at.strftime("%Y-%m-%d %H:%M:%S"))
     return t

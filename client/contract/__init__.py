@@ -6,6 +6,7 @@ from client.contract.api import (
     HardwareSummary,
     ModelSummary,
     Page,
+    PlanHeadline,
     PlanRecord,
     PlanRequest,
     TraceCreated,

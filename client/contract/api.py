@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from client.contract.common import ContractModel, Name
 from client.contract.feedback import Feedback
-from client.contract.plan import Constraints, Objective, Plan, PlanStatus
+from client.contract.plan import Constraints, Objective, Plan, PlanStatus, Predictions, SolverReport
 from client.contract.trace import Trace
 
 T = TypeVar("T")
@@ -56,6 +56,15 @@ class FeedbackRecord(BaseModel):
     created_at: datetime
 
 
+class PlanHeadline(BaseModel):
+    """What a list shows of a finished plan: its predictions (without the memory timeline and the cost
+    breakdown) and the solver's report. A whole Plan with an allocation is megabytes; this is a few hundred
+    bytes."""
+
+    predictions: Predictions | None = None
+    solver: SolverReport | None = None
+
+
 class PlanRecord(BaseModel):
     id: str
     trace_id: str
@@ -68,7 +77,8 @@ class PlanRecord(BaseModel):
     model_fingerprint: str
     hardware_key: str
     workload_key: str
-    plan: Plan | None = None
+    plan: Plan | None = Field(default=None, description="the whole plan (in lists only with `with_plan=true`)")
+    headline: PlanHeadline | None = Field(default=None, description="predictions and solver report, once solved")
     error: str | None = None
     attempts: int = 0
     created_at: datetime

@@ -148,14 +148,17 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
                status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
                sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
                limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-               cursor: str | None = None) -> JSONResponse:
+               cursor: str | None = None,
+               with_plan: Annotated[bool, Query(description="include each whole plan (megabytes with an "
+                                                            "allocation); by default items carry the headline")] = False,
+               ) -> JSONResponse:
     try:
         page = PlanRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, status=status,
                                             limit=min(limit, settings.list_limit_max), cursor=cursor,
-                                            descending=sort.startswith("-"))
+                                            descending=sort.startswith("-"), with_result=with_plan)
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
-    return JSONResponse({"items": [plan_record_json(r, with_feedback=False) for r in page.items],
+    return JSONResponse({"items": [plan_record_json(r, with_feedback=False, with_plan=with_plan) for r in page.items],
                          "next_cursor": page.next_cursor})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.contract import Feedback, FeedbackRecord, Plan, PlanRecord, TraceSummary
+from client.contract import Feedback, FeedbackRecord, Plan, PlanHeadline, PlanRecord, TraceSummary
 from planner_service.db.models import FeedbackRow, PlanRow, TraceRow
 
 
@@ -22,11 +22,11 @@ def feedback_record(row: FeedbackRow) -> FeedbackRecord:
         iteration_error=row.iteration_error, peak_device_error=row.peak_device_error, created_at=row.created_at)
 
 
-def plan_record_json(row: PlanRow, *, with_feedback: bool = True) -> dict[str, Any]:
-    """The PlanRecord as JSON-ready data, with the stored plan passed through unparsed (it was validated
-    before it was stored): a GET of a plan with 10^5 buffer offsets costs a copy, not a re-validation."""
+def plan_record_json(row: PlanRow, *, with_feedback: bool = True, with_plan: bool = True) -> dict[str, Any]:
+    """The PlanRecord as JSON-ready data, with the stored plan (`with_plan`) passed through unparsed (it was
+    validated before it was stored): a plan with 10^5 buffer offsets costs a copy, not a re-validation."""
     out = plan_record(row, with_feedback=with_feedback, with_plan=False).model_dump(mode="json")
-    out["plan"] = row.result
+    out["plan"] = row.result if with_plan else None
     return out
 
 
@@ -44,7 +44,9 @@ def plan_record(row: PlanRow, *, reused: bool = False, with_feedback: bool = Tru
         constraints=row.constraints, objective=row.objective,  # type: ignore[arg-type]
         model_name=row.model.name if row.model else row.model_fingerprint, model_fingerprint=row.model_fingerprint,
         hardware_key=row.hardware_key, workload_key=row.workload_key,
-        plan=Plan.model_validate(row.result) if with_plan and row.result else None, error=row.error, attempts=row.attempts,
+        plan=Plan.model_validate(row.result) if with_plan and row.result else None,
+        headline=PlanHeadline.model_validate(row.headline) if row.headline else None,
+        error=row.error, attempts=row.attempts,
         created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
         feedback=[feedback_record(f) for f in row.feedback] if with_feedback else [],
     )

@@ -115,7 +115,10 @@ class PlanRow(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     constraints: Mapped[dict[str, Any]] = mapped_column(JSON)
     objective: Mapped[str] = mapped_column(String(64))
-    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, doc="the Plan, JSON")
+    # Deferred: a Plan with an allocation is megabytes; lists read `headline`, a GET splices the stored text.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, deferred=True, doc="the Plan, JSON")
+    headline: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON, nullable=True, doc="the Plan's predictions (no timeline) and solver report: what lists show")
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)

@@ -11,9 +11,9 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, defer, joinedload, selectinload
+from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
 
-from client.contract import Constraints, Feedback, Objective, Plan, Trace
+from client.contract import Constraints, Feedback, Objective, PlanHeadline, Trace
 from planner_service.db.base import utcnow
 from planner_service.db.cursor import after, encode_cursor
 from planner_service.db.models import DEFAULT_PROJECT, FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
@@ -29,6 +29,17 @@ def plan_etag(plan_id: str, status: str, attempts: int, started_at: Any, finishe
     feedback; the stored Plan is written once, with the final status). Strong: equal tags, equal bytes."""
     key = f"{plan_id}|{status}|{attempts}|{started_at}|{finished_at}|{n_feedback}"
     return '"' + hashlib.blake2b(key.encode(), digest_size=12).hexdigest() + '"'
+
+
+def plan_headline(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What lists show of a stored Plan (`PlanHeadline`): predictions without the timeline and the cost
+    breakdown, and the solver's report. Stored beside the result when a plan finishes."""
+    if result is None:
+        return None
+    predictions = result.get("predictions")
+    if predictions is not None:
+        predictions = {k: v for k, v in predictions.items() if k not in ("device_memory_timeline", "breakdown")}
+    return {"predictions": predictions, "solver": result.get("solver")}
 
 
 # Built once: constructing a Core statement costs more than running it (~0.25 ms of the hot poll's CPU).
@@ -182,9 +193,11 @@ class PlanRepository:
         return row
 
     def list(self, *, project_id: str, model: str | None, hardware: str | None, status: str | None, limit: int,
-             cursor: str | None, descending: bool = True) -> PageResult[PlanRow]:
+             cursor: str | None, descending: bool = True, with_result: bool = False) -> PageResult[PlanRow]:
+        """A page of plans with their models; the stored Plans (megabytes each) only `with_result`."""
         stmt = (select(PlanRow).join(ModelRow, ModelRow.fingerprint == PlanRow.model_fingerprint)
-                .where(PlanRow.project_id == project_id))
+                .where(PlanRow.project_id == project_id)
+                .options(contains_eager(PlanRow.model), *((undefer(PlanRow.result),) if with_result else ())))
         if model:
             stmt = stmt.where(or_(PlanRow.model_fingerprint == model, ModelRow.name == model))
         if hardware:
@@ -230,7 +243,7 @@ class PlanRepository:
         `status` "queued" hands the plan back for another attempt (no finish time)."""
         res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.lease_owner == worker_id,
                                                    PlanRow.status == "running")
-                             .values(status=status, result=result, error=error,
+                             .values(status=status, result=result, headline=plan_headline(result), error=error,
                                      finished_at=utcnow() if status in FINAL_STATUSES else None,
                                      lease_owner=None, lease_expires_at=None))
         return res.rowcount == 1  # type: ignore[attr-defined]
@@ -256,7 +269,8 @@ class FeedbackRepository:
         self.s = session
 
     def add(self, plan: PlanRow, feedback: Feedback) -> FeedbackRow:
-        predicted = Plan.model_validate(plan.result).predictions if plan.result else None
+        head = PlanHeadline.model_validate(plan.headline) if plan.headline else None
+        predicted = head.predictions if head else None
         row = FeedbackRow(plan_id=plan.id, iteration_s=feedback.iteration_s,
                           peak_device_bytes=feedback.peak_device_bytes, peak_host_bytes=feedback.peak_host_bytes,
                           steps_measured=feedback.steps_measured, notes=feedback.notes,

@@ -112,8 +112,8 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
             id=r.id, status=r.status, model_name=r.model.name if r.model else r.model_fingerprint,
             model_fingerprint=r.model_fingerprint, hardware_key=r.hardware_key, workload_key=r.workload_key,
             solver=r.solver, device_limit_bytes=int(r.constraints.get("device_memory_bytes", 0)),
-            created_at=r.created_at, predictions=_part(r.result, "predictions", Predictions),
-            report=_part(r.result, "solver", SolverReport), feedback_count=counts.get(r.id, 0),
+            created_at=r.created_at, predictions=_part(r.headline, "predictions", Predictions),
+            report=_part(r.headline, "solver", SolverReport), feedback_count=counts.get(r.id, 0),
         )
         for r in page.items
     ]

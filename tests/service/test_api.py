@@ -207,3 +207,27 @@ def test_long_poll_with_a_current_tag_waits_then_answers_304(api_no_worker, trac
     assert r.status_code == 304 and time.monotonic() - t0 >= 0.45
     plain = api_no_worker.get(f"/v1/plans/{queued.json()['id']}", params={"wait": 0.3})
     assert plain.status_code == 200 and plain.json()["status"] == "queued" and plain.headers["etag"] == tag
+
+
+def test_lists_carry_headlines_and_whole_plans_only_when_asked(api, trace, db_url) -> None:  # type: ignore[no-untyped-def]
+    """A page of plans with allocations would be megabytes each: lists carry the predictions and the solver
+    report (headline); `with_plan=true` adds the whole plans. The headline survives a migration round trip
+    (migration 0004 fills it from the stored plan, as `finish` writes it)."""
+    from planner_service.db.migrate import downgrade, upgrade
+
+    plan_id = api.post("/v1/plans", json={"trace_id": _upload(api, trace), "constraints": LIMITS}).json()["id"]
+    done = api.get(f"/v1/plans/{plan_id}", params={"wait": 30}).json()
+    assert done["status"] == "done" and done["plan"] is not None
+    (item,) = api.get("/v1/plans").json()["items"]
+    assert item["plan"] is None
+    head = item["headline"]
+    assert head["solver"] == done["plan"]["solver"]
+    assert head["predictions"]["iteration_s"] == done["plan"]["predictions"]["iteration_s"]
+    assert "device_memory_timeline" not in head["predictions"] or not head["predictions"]["device_memory_timeline"]
+    (full,) = api.get("/v1/plans", params={"with_plan": "true"}).json()["items"]
+    assert full["plan"] == done["plan"] and full["headline"] == head
+    assert done["headline"] == head  # the single GET carries it too
+    downgrade(db_url, "0003")
+    upgrade(db_url)
+    (again,) = api.get("/v1/plans").json()["items"]
+    assert again["headline"] == head
