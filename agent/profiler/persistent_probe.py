@@ -7,10 +7,11 @@ gradient into the chunk's gradient area, `optimizer.step()` runs one optimizer o
 over flat runs, and `zero_grad()` walks the chunks. Those costs grow with the number of chunks and
 parameters, so one block's figure does not extrapolate (its per-call costs dominate); they are measured here
 over every parameter of the profiled model, through the runtime's own code: all parameters in persistent
-chunks, one chunk per block (prologue, each repeated block, epilogue: about the chunking the solver picks),
-one warm-up run (optimizer state), then one timed run of: a backward whose gradient hooks are the runtime's
-(fresh gradients of ones), `optimizer.step()` and `zero_grad()`. Only the runtime's entry points are timed
-(the backward's own work is a stand-in for the real one).
+chunks, one chunk per block (prologue, each repeated block, epilogue: about the chunking the solver picks):
+`zero_grad()`, a backward whose gradient hooks are the runtime's (fresh gradients of ones; the hooks are
+timed, not the backward's own work, a stand-in for the real one), `optimizer.step()` twice on those
+gradients (the first makes the optimizer state; the second is timed), `zero_grad()` (timed). About one
+optimizer step and a pass over the gradients more than the runtime's own calls.
 
 The profile charges it on a CPU device as the device optimizer's throughput (`optimizer.device_bytes_per_s`
 = stepped parameter bytes / these seconds): the cost model charges every persistent chunk its used bytes
@@ -106,17 +107,18 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
         manager = TimedManager(model, layout, DeviceContext(device), RuntimeOptions(device=device))
         chunked = ChunkedOptimizer(user, layout, manager)
         manager.attach_optimizer(chunked)
-        for _ in range(2):  # warm-up (optimizer state, allocator), then timed
-            hooks.total = step.total = zero.total = 0.0
-            with torch.enable_grad():
-                torch.autograd.backward([p.sum() for p in trainable])
-            chunked.step()
-            chunked.zero_grad()
+        chunked.zero_grad()  # as after a step: no gradients, backward's fresh ones are copied into the chunks
+        with torch.enable_grad():
+            torch.autograd.backward([p.sum() for p in trainable])
+        chunked.step()  # warm-up: the optimizer state is made by the first step
+        step.total = 0.0
+        chunked.step()  # timed, on the same gradients
+        chunked.zero_grad()
     except (UnsupportedOptimizerError, TypeError, ValueError):
         return None
     finally:
-        if manager is not None:
-            manager.detach()
+        if manager is not None:  # the parameters get their own storages back below: no copy of the values
+            manager.remove_hooks()
         for p, d, g in zip(params, data, grads, strict=True):
             p.data = d
             p.grad = g

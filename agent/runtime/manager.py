@@ -172,15 +172,20 @@ class ModelStateManager:
                 self._handles.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
                 self._hooked.add(id(e.param))
 
+    def remove_hooks(self) -> None:
+        """Remove every hook from the model and its parameters (the parameters stay bound to the chunks)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._hooked.clear()
+        if "zero_grad" in vars(self.model):
+            del self.model.zero_grad
+
     def detach(self) -> None:
         """Remove every hook and turn parameters back into ordinary tensors with their trained values."""
         self.synchronize()
         self.evict_all()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if "zero_grad" in vars(self.model):
-            del self.model.zero_grad
+        self.remove_hooks()
         with torch.no_grad():
             for st in self.states:
                 source = st.master if st.mixed or st.offloaded else st.params
