@@ -24,7 +24,8 @@ recorded, and the summary names the worst row.
 Usage: .venv/bin/python benchmarks/predict_vs_measure.py [--hidden 128] [--seq 128] [--batch 4]
        [--layers 4 12 24] [--fractions 0.45 0.7 1.0] [--steps 20] [--plain-steps 5] [--kinds gpt2 llama]
        [--device cpu|cuda]
-Prints a table and writes benchmarks/results/predict_vs_measure.json.
+Prints a table and writes benchmarks/results/predict_vs_measure.json. Each row records its plan's offloaded
+chunks (`offloaded_chunks`, with `chunk_size_bytes`, `n_buffers` and `modes`), so an outlier can be re-run.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
         "modes": p.mode_strip(),
         "chunks": len(p.chunks),
         "offloaded": sum(c.placement.value == "offloaded" for c in p.chunks),
+        # the plan itself, so an outlier can be re-run: which chunks were offloaded, and the chunk size that
+        # (with the trace's parameter order) gives every chunk's parameters
+        "offloaded_chunks": [c.index for c in p.chunks if c.placement.value == "offloaded"],
+        "chunk_size_bytes": p.chunk_size_bytes,
         "n_buffers": p.n_buffers,
         "predicted_iteration_s": pred.iteration_s,
         "measured_iteration_s": meas.iteration_s,
@@ -110,6 +115,17 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
         "swap_demand_fetches": rep.swap.demand_fetches if rep.swap else 0,
     })
     return row
+
+
+def _ranges(xs: list[int]) -> str:
+    """Chunk indices as ranges: [0, 1, 2, 5] -> "0-2,5" (empty: "-")."""
+    out: list[str] = []
+    for x in xs:
+        if out and out[-1].split("-")[-1] == str(x - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{x}"
+        else:
+            out.append(str(x))
+    return ",".join(out) or "-"
 
 
 def main() -> None:
@@ -150,7 +166,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     run = Run("predict_vs_measure", args)
     header = (f"{'model':<12} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
-              f"{'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}")
+              f"{'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}  offloaded chunks")
     print(header)
     for kind in args.kinds:
         for layers in args.layers:
@@ -176,7 +192,7 @@ def main() -> None:
                       f"{row['predicted_iteration_s'] * 1e3:>9.1f} {row['measured_iteration_s'] * 1e3:>9.1f} "
                       f"{row['iteration_error']:>+7.1%} {row['load_drift']:>+7.1%} {row['drift_after']:>+7.1%} "
                       f"{row['predicted_peak_device_bytes'] / mib:>9.2f} {row['measured_peak_device_bytes'] / mib:>9.2f} "
-                      f"{row['peak_error']:>+7.2%}", flush=True)
+                      f"{row['peak_error']:>+7.2%}  {_ranges(row['offloaded_chunks'])}", flush=True)
     done = [r for r in rows if "peak_error" in r]
     summary = {
         "rows": len(done),
