@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     list_limit_max: int = Field(default=200, gt=0)
     fault_solve_delay_s: float = Field(
         default=0.0, ge=0, description="FAULT INJECTION for tests: hold each solve this long (keeps the lease alive)")
-    ingest_processes: int = Field(default=1, ge=0, le=64,
+    ingest_processes: int = Field(default=2, ge=0, le=64,
                                   description="processes that validate large uploads (0: in the API process)")
     ingest_prestart: bool = Field(default=True, description="start the ingest processes with the service "
                                                             "(else on the first large upload)")

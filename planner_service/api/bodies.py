@@ -1,8 +1,8 @@
-"""Reading request bodies safely: size limit (413), gzip with a decompressed-size limit, JSON parsing."""
+"""Reading request bodies safely: size limit (413), content encoding (gzip is inflated, bomb-safe, by
+`planner_service.ingest.gunzip_limited` where the body is parsed)."""
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -37,26 +37,3 @@ async def read_body(request: Request, settings: Settings) -> Body:
     if encoding not in ("gzip", "identity", ""):
         raise ApiError(415, f"content-encoding {encoding!r} not supported (use gzip or none)")
     return Body(data=body, gzipped=encoding == "gzip")
-
-
-class BadGzip(ValueError):
-    """Not gzip, or truncated (400)."""
-
-
-class GzipTooLarge(ValueError):
-    """Inflates beyond the limit (413)."""
-
-
-def gunzip_limited(data: bytes, limit: int) -> bytes:
-    """Decompress gzip without ever holding more than `limit` bytes (gzip-bomb safe). Picklable errors:
-    it also runs in the ingest processes."""
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as exc:
-        raise BadGzip(f"body is not valid gzip: {exc}") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise GzipTooLarge(f"decompressed body larger than {limit} bytes")
-    if not d.eof:
-        raise BadGzip("body is truncated gzip")
-    return out
