@@ -7,8 +7,8 @@ distinct trace (gzip, ~1 MB on the wire: a synthetic model plus a columnar alloc
 plan. In the window each agent polls `GET /v1/plans/{id}` at --poll-hz as the SDK does (If-None-Match with
 the entity tag it holds), open loop: latency counts from when the poll was due, so a slow answer makes the
 next polls late and that counts too. Each agent also uploads a new trace version and requests its plan every
---upload-every seconds, starting at a random phase. The generator is aiohttp (~0.2 ms of CPU per request;
-httpx's async client took ~3.5 ms with 50 connections, a third of the 2 cores). Prints and saves
+--upload-every seconds, starting at a random phase. The generator is aiohttp on uvloop (~0.2 ms of CPU per
+request; httpx's async client took ~3.5 ms with 50 connections, a third of the 2 cores). Prints and saves
 (benchmarks/results/service_load.json): errors, GET/s, GET and upload latency percentiles, where the CPU went.
 
     .venv/bin/python benchmarks/service_load.py --agents 50 --duration 60 [--auth]
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import uvloop
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -309,8 +310,12 @@ def main() -> None:
     try:
         wait_until_ready(url, server)
         print(f"load: {args.agents} agents for {args.duration:.0f} s against {url} ({args.processes} API processes)")
-        stats, wall, cpu = asyncio.run(run_load(url, args.agents, args.duration, args.poll_hz, args.upload_every,
-                                                bodies, {"api": server.pid, "worker": worker.pid}, headers))
+        # uvloop (installed with uvicorn[standard]): the generator shares the 2 cores with the service, and its
+        # own cost per request is not what is measured.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            stats, wall, cpu = runner.run(run_load(url, args.agents, args.duration, args.poll_hz,
+                                                   args.upload_every, bodies,
+                                                   {"api": server.pid, "worker": worker.pid}, headers))
     finally:
         for proc in (worker, server):
             proc.terminate()

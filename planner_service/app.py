@@ -15,6 +15,7 @@ from sqlalchemy import make_url
 from client.contract import Trace
 from planner_service import observability, ui
 from planner_service.api import catalog, errors, health, plans, traces
+from planner_service.api.poll_shortcut import PollShortcut
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
 from planner_service.db.change_feed import ChangeFeed
@@ -86,9 +87,12 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
     app = FastAPI(title="memplan planner", version="0.1.0", lifespan=lifespan,
                   description="Stores training traces, solves memory plans in workers, keeps the history.")
     errors.install(app)
-    observability.install(app)
     for router in (traces.router, plans.router, catalog.router, health.router, ui.router):
         app.include_router(router)
+    # Inside the observability middleware (added after it, so it is outer): see api/poll_shortcut.py.
+    plan_route = next(r for r in plans.router.routes if getattr(r, "endpoint", None) is plans.get_plan)
+    app.add_middleware(PollShortcut, state=app.state, route=plan_route)
+    observability.install(app)
     # Trace is read from the raw body (gzip support), so register its schema for the OpenAPI document.
     _register_trace_schema(app)
     return app

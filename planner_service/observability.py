@@ -30,8 +30,8 @@ QUEUE_DEPTH = Gauge("memplan_plan_queue_depth", "plans waiting for a worker", re
 SOLVE_SECONDS = Histogram("memplan_solve_seconds", "wall time of one plan solve", ["solver"], registry=REGISTRY,
                           buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 POLL_ANSWERS = Counter("memplan_plan_tag_reads_total", "plan entity tags read to answer polls, by source "
-                       "(memory: the plan-change listener vouched for it; database: one narrow query)", ["source"],
-                       registry=REGISTRY)
+                       "(shortcut: a 304 from memory before routing; memory: the route, from the change feed; "
+                       "database: one narrow query)", ["source"], registry=REGISTRY)
 PLAN_OUTCOMES = Counter("memplan_plan_outcomes_total", "finished plans by outcome", ["status"], registry=REGISTRY)
 
 

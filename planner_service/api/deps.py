@@ -38,6 +38,18 @@ UI_PREFIX = "/ui/"
 UI_TOKEN_COOKIE = "memplan_token"
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (None if absent or another scheme)."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def rate_key(settings: Settings, principal: Principal, client_host: str | None) -> str:
+    """Whose rate-limit bucket a request draws from: its token's with auth on, else its client address's."""
+    return principal.rate_key if settings.auth else f"client:{client_host or '?'}"
+
+
 async def get_principal(request: Request) -> Principal:
     """Who is asking: the token's project when auth is on, the default project when it is off; rate-limited.
     (No sub-dependencies: FastAPI's resolution of each costs more than a poll's own work.)"""
@@ -46,20 +58,20 @@ async def get_principal(request: Request) -> Principal:
     principal = ANONYMOUS
     if settings.auth:
         header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
+        token = bearer_token(header)
         if not header and request.url.path.startswith(UI_PREFIX):
             # The history pages (GET only) also take the token from the login cookie; the API never
             # does, so no cross-site form can act with a browser's credentials.
-            scheme, token = "bearer", request.cookies.get(UI_TOKEN_COOKIE, "")
-        if scheme.lower() != "bearer" or not token:
+            token = request.cookies.get(UI_TOKEN_COOKIE, "").strip() or None
+        if token is None:
             raise ApiError(401, "missing bearer token (Authorization: Bearer mp_...)",
                            headers={"WWW-Authenticate": "Bearer"})
-        found = await _principal(request, db, token.strip())
+        found = await _principal(request, db, token)
         if found is None:
             raise ApiError(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})
         principal = found
     buckets: TokenBuckets = request.app.state.rate_limiter
-    wait = buckets.take(principal.rate_key if settings.auth else f"client:{request.client.host if request.client else '?'}")
+    wait = buckets.take(rate_key(settings, principal, request.client.host if request.client else None))
     if wait > 0:
         raise ApiError(429, "rate limit exceeded", headers={"Retry-After": retry_after_header(wait)})
     request.state.project_id = principal.project_id

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
+from planner_service.api.poll_shortcut import etag_matches
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.cursor import BadCursor
@@ -70,12 +71,6 @@ def _load(db: Database, plan_id: str, project_id: str) -> tuple[str, str, bytes]
         return row.status, etag, plan_record_body(row, raw)
 
 
-def _matches(if_none_match: str | None, etag: str) -> bool:
-    if not if_none_match:
-        return False
-    return if_none_match.strip() == "*" or etag in (t.strip().removeprefix("W/") for t in if_none_match.split(","))
-
-
 async def _current_tag(db: Database, feed: ChangeFeed | None, plan_id: str, project_id: str) -> str | None:
     """The plan's entity tag: from memory when the plan-change listener vouches for it, else one narrow query."""
     generation = 0
@@ -122,10 +117,10 @@ async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
             if tag is None:
                 raise ApiError(404, f"plan {plan_id} not found")
             remaining = deadline - time.monotonic()
-            if _matches(known, tag) and remaining > 0:
+            if etag_matches(known, tag) and remaining > 0:
                 await _until_changed(feed, plan_id, remaining)
                 continue
-            if _matches(if_none_match, tag):  # the deadline passed and the client's copy is still current
+            if etag_matches(if_none_match, tag):  # the deadline passed and the client's copy is still current
                 return Response(status_code=304, headers={"etag": tag})
         generation = feed.generation if feed is not None else 0
         loaded = await run_in_threadpool(_load, db, plan_id, principal.project_id)
@@ -135,7 +130,7 @@ async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
         if feed is not None:
             feed.remember(plan_id, principal.project_id, etag, generation)
         if status in FINAL_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
-            if _matches(if_none_match, etag):
+            if etag_matches(if_none_match, etag):
                 return Response(status_code=304, headers={"etag": etag})
             return Response(body, media_type="application/json", headers={"etag": etag})
         known = etag  # not final yet: wait for the next change, then read the record again

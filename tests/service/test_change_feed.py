@@ -54,8 +54,8 @@ def api(postgres_url: str) -> Iterator[TestClient]:
         yield client
 
 
-def _memory_reads() -> float:
-    return POLL_ANSWERS.labels("memory")._value.get()
+def _reads(source: str) -> float:
+    return POLL_ANSWERS.labels(source)._value.get()
 
 
 def _done_plan(api: TestClient, trace: Any) -> tuple[str, str]:
@@ -68,11 +68,21 @@ def _done_plan(api: TestClient, trace: Any) -> tuple[str, str]:
 
 def test_polls_of_an_unchanged_plan_are_answered_from_memory(api: TestClient, trace: Any) -> None:
     plan_id, tag = _done_plan(api, trace)
-    before = _memory_reads()
+    before = _reads("shortcut")
     for _ in range(5):
         r = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})
-        assert r.status_code == 304 and r.headers["etag"] == tag
-    assert _memory_reads() - before >= 4  # the first poll may have had to ask the database
+        assert r.status_code == 304 and r.headers["etag"] == tag and r.content == b""
+        assert r.headers["x-request-id"]  # answered inside the observability middleware
+    assert _reads("shortcut") - before >= 4  # the first poll may have had to ask the database
+    assert 'route="/v1/plans/{plan_id}",status="304"' in api.get("/metrics").text  # labelled as the route's
+    # What the shortcut leaves to the route: a long-poll (query string), a tag that does not match.
+    before = {source: _reads(source) for source in ("shortcut", "memory", "database")}
+    r = api.get(f"/v1/plans/{plan_id}", params={"wait": 0}, headers={"if-none-match": tag})
+    assert r.status_code == 304 and r.headers["etag"] == tag
+    stale = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": '"not-the-tag"'})
+    assert stale.status_code == 200 and stale.json()["id"] == plan_id and stale.headers["etag"] == tag
+    assert _reads("shortcut") == before["shortcut"]
+    assert _reads("memory") + _reads("database") > before["memory"] + before["database"]
     # Memory never answers for another project: the database does (404 there, tested in test_auth.py).
     feed: ChangeFeed = api.app.state.change_feed  # type: ignore[attr-defined]
     assert feed.tag(plan_id, "some-other-project") is None
@@ -206,10 +216,22 @@ def test_a_known_token_is_resolved_from_memory_until_it_is_revoked(postgres_url:
         assert api.get("/v1/plans", headers=headers).status_code == 200
         assert feed.principal(digest(token)) is not None  # the next request needs no query
         assert api.get("/v1/plans", headers=headers).status_code == 200
+        trace_id = api.post("/v1/traces", content=trace.canonical_json(), headers=headers).json()["id"]
+        plan = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}, headers=headers)
+        poll = {**headers, "if-none-match": api.get(f"/v1/plans/{plan.json()['id']}", headers=headers).headers["etag"]}
+        before = _reads("shortcut")
+        assert api.get(f"/v1/plans/{plan.json()['id']}", headers=poll).status_code == 304
+        assert _reads("shortcut") == before + 1  # token and tag from memory, before routing
+        other_token = None
+        with db.session() as s:
+            other_token, _ = create_token(s, "project-b")
+        other = api.get(f"/v1/plans/{plan.json()['id']}", headers={**poll, "authorization": f"Bearer {other_token}"})
+        assert other.status_code == 404  # another project's token: never from memory
         with db.session() as s:  # revoked past this process (the CLI, another API process)
             assert revoke_token(s, row.id)
         assert _eventually(lambda: api.get("/v1/plans", headers=headers).status_code == 401)
         assert feed.principal(digest(token)) is None
+        assert api.get(f"/v1/plans/{plan.json()['id']}", headers=poll).status_code == 401
     db.dispose()
 
 
@@ -226,3 +248,15 @@ def test_token_changes_notify(postgres_url: str) -> None:
         got = [(n.channel, n.payload) for n in listener.notifies(timeout=5, stop_after=2)]
     db.dispose()
     assert got == [(TOKEN_CHANNEL, row.id)] * 2
+
+
+def test_the_rate_limit_holds_for_polls_answered_from_memory(postgres_url: str, trace: Any) -> None:
+    settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False,
+                        rate_limit_per_s=0.01, rate_limit_burst=6)
+    with TestClient(create_app(settings)) as api:
+        assert _eventually(lambda: api.app.state.change_feed.listening)  # type: ignore[attr-defined]
+        trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
+        plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
+        tag = api.get(f"/v1/plans/{plan_id}").headers["etag"]
+        statuses = [api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code for _ in range(5)]
+    assert statuses[:3] == [304, 304, 304] and statuses[3:] == [429, 429]  # 6 = upload, request, GET, 3 polls
