@@ -12,7 +12,8 @@ same code the runtime uses:
   times with the plain block: the difference of the fastest rounds (other work on a shared machine only
   adds time) is what checkpointing the block costs;
 - swap: forward inside `SwapStore.swapping` (agent/runtime/swap.py), prefetch, backward, in the same rounds
-  (after one warm-up run, as the runtime keeps its host buffers from one iteration to the next): the
+  (the fastest round is one after the first, which made the host buffers the runtime keeps from one
+  iteration to the next): the
   difference to the plain block (forward: swap-out; backward: swap-in), and never less than the time
   measured inside the store's pack hook, prefetch and unpack hook;
 - offload: the block's parameters in one offloaded chunk of a `ModelStateManager` (one device buffer);
@@ -175,7 +176,8 @@ def probe_block(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     swap_direct: list[tuple[float, float]] = []
     offload: _OffloadedChunk | None = None
     try:
-        block.run(swapped, lambda: store.prefetch(index))  # warm-up: the store's host buffers, first copies
+        # no separate warm-up: the first round's swap run makes the store's host buffers (as the runtime's first
+        # iteration does) and the fastest round, a later one, has them (one block run less of profile time)
         for _ in range(rounds):  # interleaved: differences to the plain block are the modes' costs
             plain_t.append(block.run(plain))
             ckpt_s.append(sum(block.run(checkpointed)))
