@@ -11,7 +11,10 @@ next polls late and that counts too. Each agent also uploads a new trace version
 request; httpx's async client took ~3.5 ms with 50 connections, a third of the 2 cores). Prints and saves
 (benchmarks/results/service_load.json): errors, GET/s, GET and upload latency percentiles, where the CPU went.
 
-    .venv/bin/python benchmarks/service_load.py --agents 50 --duration 60 [--auth]
+    .venv/bin/python benchmarks/service_load.py --agents 50 --duration 60 [--runs 3] [--auth]
+
+With 50 uploads in a run, a run's upload p99 is its slowest upload; --runs N repeats the whole benchmark
+(fresh database and service each) and also reports the percentiles of all runs' requests pooled.
 
 With --auth the service runs as docker-compose.yml runs it (MEMPLAN_AUTH=true) and every request carries a
 bearer token (one project's token, created with `memplan tokens create`).
@@ -274,6 +277,9 @@ def main() -> None:
     ap.add_argument("--admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     ap.add_argument("--database-url", default=None, help="use this database instead of a fresh one")
     ap.add_argument("--no-worker", action="store_true", help="no solve worker (isolates the API's own cost)")
+    ap.add_argument("--runs", type=int, default=1, help="independent runs (fresh database and service each); "
+                    "the result has each run's figures and the percentiles of all runs' requests pooled")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where to save the result")
     ap.add_argument("--auth", action="store_true",
                     help="production mode (as docker-compose.yml): MEMPLAN_AUTH=true, every request with a bearer token")
     args = ap.parse_args()
@@ -284,6 +290,44 @@ def main() -> None:
     sizes = [len(b) for row in bodies for b in row]
     print(f"  gzip sizes {min(sizes) / 1e6:.2f}..{max(sizes) / 1e6:.2f} MB")
 
+    runs = []
+    for n in range(args.runs):
+        if args.runs > 1:
+            print(f"run {n + 1} of {args.runs}")
+        stats, wall, cpu = one_run(args, bodies)
+        runs.append((stats, wall, cpu))
+        print(json.dumps(run_figures(stats, wall, cpu), indent=1))
+    pooled = Stats()
+    for stats, _, _ in runs:
+        pooled.get_s += stats.get_s
+        pooled.upload_s += stats.upload_s
+        pooled.errors += stats.errors
+    result: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]),
+        "machine": machine(),
+        "load_avg_1m_after": os.getloadavg()[0],
+        "agents": args.agents, "api_processes": args.processes,
+        "trace_gzip_mb_median": round(statistics.median(sizes) / 1e6, 3),
+        "poll_hz_per_agent": args.poll_hz, "upload_every_s": args.upload_every,
+        "ingest_niceness": os.environ.get("MEMPLAN_INGEST_NICENESS", "default"),
+        "auth": args.auth,
+        "layout": f"{args.processes} API processes (--workers 0)"
+                  + ("" if args.no_worker else " + 1 `memplan worker` (SCHED_IDLE: `chrt --idle 0`)"),
+        "runs": [run_figures(*run) for run in runs],
+        # Every run's requests together: with 50 uploads a run, one run's upload p99 is its slowest upload.
+        "pooled": {"runs": len(runs), "errors": len(pooled.errors), "gets": len(pooled.get_s),
+                   "get_p99_ms": round(pct(pooled.get_s, 99) * 1e3, 2), "uploads": len(pooled.upload_s),
+                   "upload_p50_ms": round(pct(pooled.upload_s, 50) * 1e3, 1),
+                   "upload_p99_ms": round(pct(pooled.upload_s, 99) * 1e3, 1),
+                   "upload_max_ms": round(max(pooled.upload_s, default=float("nan")) * 1e3, 1)},
+        "targets": {"errors": 0, "get_p99_ms": 20, "get_per_s": 500, "upload_p99_ms": 300},
+    }
+    print(json.dumps(result["pooled"], indent=1))
+    save(args.out, result)
+
+
+def one_run(args: argparse.Namespace, bodies: list[list[bytes]]) -> tuple[Stats, float, dict[str, float]]:
+    """A fresh database (unless --database-url), a started service and worker, warm-up, the timed window."""
     created = None
     db_url = args.database_url
     if db_url is None:
@@ -313,9 +357,8 @@ def main() -> None:
         # uvloop (installed with uvicorn[standard]): the generator shares the 2 cores with the service, and its
         # own cost per request is not what is measured.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            stats, wall, cpu = runner.run(run_load(url, args.agents, args.duration, args.poll_hz,
-                                                   args.upload_every, bodies,
-                                                   {"api": server.pid, "worker": worker.pid}, headers))
+            return runner.run(run_load(url, args.agents, args.duration, args.poll_hz, args.upload_every, bodies,
+                                       {"api": server.pid, "worker": worker.pid}, headers))
     finally:
         for proc in (worker, server):
             proc.terminate()
@@ -327,32 +370,24 @@ def main() -> None:
         if created:
             drop_db(args.admin_url, created)
 
-    result: dict[str, Any] = {
-        "command": " ".join(["python", *sys.argv]),
-        "machine": machine(),
-        "load_avg_1m_after": os.getloadavg()[0],
-        "agents": args.agents, "duration_s": round(wall, 1), "api_processes": args.processes,
-        "trace_gzip_mb_median": round(statistics.median(sizes) / 1e6, 3),
+
+def run_figures(stats: Stats, wall: float, cpu: dict[str, float]) -> dict[str, Any]:
+    return {
+        "duration_s": round(wall, 1),
         "errors": len(stats.errors), "error_samples": stats.errors[:5],
         "gets": len(stats.get_s), "get_per_s": round(len(stats.get_s) / wall, 1),
         "get_p50_ms": round(pct(stats.get_s, 50) * 1e3, 2), "get_p99_ms": round(pct(stats.get_s, 99) * 1e3, 2),
         "uploads": len(stats.upload_s),
         "upload_p50_ms": round(pct(stats.upload_s, 50) * 1e3, 1),
         "upload_p99_ms": round(pct(stats.upload_s, 99) * 1e3, 1),
-        # The slowest uploads with the server's own account (Server-Timing: read, ingest, store, in ms).
+        # The slowest uploads with the server's own account (Server-Timing, ms): read the body; ingest (hand-over
+        # to an ingest process and back) of which validate (wall and CPU there); store.
         "upload_slowest": [f"{s * 1e3:.0f} ms: {timing}" for s, timing in sorted(stats.upload_timing)[-5:]],
         "full_gets": stats.full_gets, "full_get_mb_mean": round(stats.full_get_bytes / max(1, stats.full_gets) / 1e6, 2),
         "plans_final_seen_in_window": stats.final_seen,
         # Where the cores went during the window (CPU seconds; the window is `duration_s` x cores).
         "cpu": cpu,
-        "poll_hz_per_agent": args.poll_hz, "upload_every_s": args.upload_every,
-        "auth": args.auth,
-        "layout": f"{args.processes} API processes (--workers 0)"
-                  + ("" if args.no_worker else " + 1 `memplan worker` (SCHED_IDLE: `chrt --idle 0`)"),
-        "targets": {"errors": 0, "get_p99_ms": 20, "get_per_s": 500, "upload_p99_ms": 300},
     }
-    print(json.dumps(result, indent=1))
-    save(RESULTS, result)
 
 
 if __name__ == "__main__":
