@@ -136,7 +136,7 @@ def _ready() -> int:
 class Ingestor:
     """Runs `inspect` inline for small bodies and in a process pool for large ones."""
 
-    def __init__(self, processes: int, inline_max_bytes: int, niceness: int = 10) -> None:
+    def __init__(self, processes: int, inline_max_bytes: int, niceness: int = 5) -> None:
         self.processes = processes
         self.inline_max_bytes = inline_max_bytes
         self.niceness = niceness

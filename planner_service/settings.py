@@ -45,7 +45,7 @@ class Settings(BaseSettings):
                                   description="processes that validate large uploads (0: in the API process)")
     ingest_prestart: bool = Field(default=True, description="start the ingest processes with the service "
                                                             "(else on the first large upload)")
-    ingest_niceness: int = Field(default=10, ge=0, le=19, description="nice increment of the ingest processes "
+    ingest_niceness: int = Field(default=5, ge=0, le=19, description="nice increment of the ingest processes "
                                  "(request handling goes first; a poll is ~1 ms, validating a 1 MB trace ~0.1 s)")
     ingest_inline_max_bytes: int = Field(default=256 * 2**10, ge=0,
                                          description="bodies up to this size are validated in the API process")
