@@ -92,13 +92,13 @@ async def _principal(request: Request, db: Database, token: str) -> Principal | 
     return found
 
 
-# scope="function": the session commits when the endpoint returns, before the response is sent, so a client
-# that reads right after a 201/202 always sees what was written.
 def _resolve(db: Database, token: str) -> Principal | None:
     with db.session() as s:
         return resolve(s, token)
 
 
+# scope="function": the session commits when the endpoint returns, before the response is sent, so a client
+# that reads right after a 201/202 always sees what was written.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_db)]
