@@ -3,7 +3,8 @@
 Starts the real service (`memplan serve`, 2 API processes) and a `memplan worker` (`chrt --idle 0`: solves
 are batch work that runs on otherwise idle CPU) on a loopback port against PostgreSQL (a fresh database on the local server unless
 --database-url is given), then runs N agents for D seconds. Warm-up (not timed): each agent uploads a
-distinct trace (gzip, ~1 MB on the wire: a synthetic model plus a columnar allocation trace) and requests a
+distinct trace (gzip, ~1 MB on the wire: a synthetic model plus random allocation events, packed as the
+agent sends them; --trace-schema 1 sends them as JSON lists, the older form) and requests a
 plan. In the window each agent polls `GET /v1/plans/{id}` at --poll-hz as the SDK does (If-None-Match with
 the entity tag it holds), open loop: latency counts from when the poll was due, so a slow answer makes the
 next polls late and that counts too. Each agent also uploads a new trace version and requests its plan every
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import uvloop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,32 +49,46 @@ sys.path.insert(0, str(REPO))
 from _results import machine, save  # noqa: E402
 
 from client.cli.embedded import free_port, wait_until_ready  # noqa: E402
+from client.contract import EventArrays  # noqa: E402
+from client.contract.trace import CATEGORIES, PHASES  # noqa: E402
 from planner_service.solver.synthetic import synthetic_trace  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "service_load.json"
 
 
-def make_trace_gzip(agent: int, version: int, target_gzip_bytes: int) -> bytes:
-    """A distinct, valid trace whose gzip body is about `target_gzip_bytes` (columnar events: JSON built directly)."""
+def _events(rng: np.random.Generator, n: int, schema: int) -> dict[str, Any]:
+    """`n` random allocation events in the wire form of trace schema `schema` (2: packed arrays; 1: lists)."""
+    horizon = 4 * n
+    alloc = rng.integers(0, horizon - 1, size=n)
+    cols = {"id": np.arange(n), "size_bytes": rng.choice([512, 4096, 65536, 1 << 20, 3 << 20], size=n),
+            "alloc_index": alloc, "free_index": np.minimum(horizon, alloc + 1 + rng.integers(0, 512, size=n)),
+            "category": rng.choice([CATEGORIES.index(c) for c in ("activation", "temp", "grad")], size=n),
+            "block": rng.integers(0, 24, size=n), "phase": rng.integers(0, 2, size=n)}
+    if schema == 2:
+        events = {"event_arrays": json.loads(EventArrays.from_arrays(**cols).model_dump_json())}
+    else:
+        events = {"event_columns": {f: v.tolist() for f, v in cols.items()}}
+        events["event_columns"]["category"] = [CATEGORIES[c].value for c in cols["category"].tolist()]
+        events["event_columns"]["phase"] = [PHASES[p].value for p in cols["phase"].tolist()]
+    return {"source": "dispatch_tracker", "horizon": horizon, **events}
+
+
+def make_trace_gzip(agent: int, version: int, target_gzip_bytes: int, schema: int = 2) -> bytes:
+    """A distinct, valid trace whose gzip body is about `target_gzip_bytes`: a synthetic model plus random
+    allocation events, as many as fill the target (measured on a first 10^4 events)."""
     base = synthetic_trace(n_blocks=24 + agent % 8, hidden=1024, vocab=32000 + version,
                            name=f"load-model-{agent % 10}").model_dump(mode="json")
-    rng = random.Random(agent * 1000 + version)
-    n = max(1, target_gzip_bytes // 13)  # ~13 gzip bytes per random event, measured
-    horizon = 4 * n
-    alloc = [rng.randrange(0, horizon - 1) for _ in range(n)]
-    base["allocation_trace"] = {
-        "source": "dispatch_tracker", "horizon": horizon,
-        "event_columns": {
-            "id": list(range(n)),
-            "size_bytes": [rng.choice((512, 4096, 65536, 1 << 20, 3 << 20)) for _ in range(n)],
-            "alloc_index": alloc,
-            "free_index": [min(horizon, a + 1 + rng.randrange(0, 512)) for a in alloc],
-            "category": [rng.choice(("activation", "temp", "grad")) for _ in range(n)],
-            "block": [rng.randrange(0, 24) for _ in range(n)],
-            "phase": [rng.choice(("forward", "backward")) for _ in range(n)],
-        },
-    }
-    return gzip.compress(json.dumps(base, separators=(",", ":")).encode(), compresslevel=6)
+    base["schema_version"] = schema
+    rng = np.random.default_rng(agent * 1000 + version)
+
+    def body(n: int) -> bytes:
+        base["allocation_trace"] = _events(rng, n, schema)
+        return gzip.compress(json.dumps(base, separators=(",", ":")).encode(), compresslevel=6)
+
+    probe = 10_000
+    fixed = len(body(1))
+    per_event = (len(body(probe)) - fixed) / probe
+    return body(max(1, round((target_gzip_bytes - fixed) / per_event)))
 
 
 def cpu_s(usage: resource.struct_rusage) -> float:
@@ -273,6 +289,8 @@ def main() -> None:
     ap.add_argument("--poll-hz", type=float, default=11.0,
                     help="plan polls per second per agent (50 x 11 = 550/s offered, above the 500/s target)")
     ap.add_argument("--trace-gzip-bytes", type=int, default=1_000_000)
+    ap.add_argument("--trace-schema", type=int, choices=(1, 2), default=2,
+                    help="wire form of the allocation events: 2 packed arrays (what the agent sends), 1 JSON lists")
     ap.add_argument("--processes", type=int, default=2, help="API processes")
     ap.add_argument("--admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     ap.add_argument("--database-url", default=None, help="use this database instead of a fresh one")
@@ -286,7 +304,8 @@ def main() -> None:
 
     versions = 2 + int(args.duration // args.upload_every)  # the warm-up upload, then one per period
     print(f"building {args.agents} x {versions} distinct traces of ~{args.trace_gzip_bytes / 1e6:.1f} MB gzip ...")
-    bodies = [[make_trace_gzip(i, v, args.trace_gzip_bytes) for v in range(versions)] for i in range(args.agents)]
+    bodies = [[make_trace_gzip(i, v, args.trace_gzip_bytes, args.trace_schema) for v in range(versions)]
+              for i in range(args.agents)]
     sizes = [len(b) for row in bodies for b in row]
     print(f"  gzip sizes {min(sizes) / 1e6:.2f}..{max(sizes) / 1e6:.2f} MB")
 
@@ -307,7 +326,7 @@ def main() -> None:
         "machine": machine(),
         "load_avg_1m_after": os.getloadavg()[0],
         "agents": args.agents, "api_processes": args.processes,
-        "trace_gzip_mb_median": round(statistics.median(sizes) / 1e6, 3),
+        "trace_gzip_mb_median": round(statistics.median(sizes) / 1e6, 3), "trace_schema": args.trace_schema,
         "poll_hz_per_agent": args.poll_hz, "upload_every_s": args.upload_every,
         "ingest_niceness": os.environ.get("MEMPLAN_INGEST_NICENESS", "default"),
         "auth": args.auth,

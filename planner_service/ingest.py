@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from client.contract import Trace
+from client.contract import TRACE_SCHEMA_VERSION, Trace
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class TraceFacts:
 
     @classmethod
     def of(cls, trace: Trace, *, payload_gzip: bytes | None = None, payload_bytes: int | None = None) -> TraceFacts:
+        """Facts of a validated trace; `payload_gzip` (the client's gzip body, in the current schema) is
+        stored as is, else the canonical JSON is compressed."""
         canonical = trace.canonical_json()
         if payload_gzip is None or payload_bytes is None:  # store the client's gzip as is when it sent one
             payload_gzip, payload_bytes = gzip.compress(canonical, compresslevel=1, mtime=0), len(canonical)
@@ -97,13 +99,16 @@ def inspect(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFac
     """
     raw = gunzip_limited(data, max_decompressed_bytes) if gzipped else data
     gzip_body = data if gzipped else None
+    context: dict[str, Any] = {}
     try:
-        trace = Trace.model_validate_json(raw)
+        trace = Trace.model_validate_json(raw, context=context)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_context=False, include_input=False)
         if errors and errors[0]["type"] == "json_invalid":
             raise InvalidJson(f"body is not valid JSON: {errors[0]['msg']}") from None
         raise InvalidTrace([{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]) from None
+    if context.get("received_schema_version") != TRACE_SCHEMA_VERSION:
+        gzip_body = None  # an older schema's upload is stored in the current form
     return TraceFacts.of(trace, payload_gzip=gzip_body, payload_bytes=len(raw) if gzip_body is not None else None)
 
 

@@ -1,4 +1,5 @@
-"""Wire contract v1: the one definition of Trace, Plan and Feedback, shared by agent and service."""
+"""The wire contract: the one definition of Trace (schema 2), Plan and Feedback (schema 1), shared by agent and
+service."""
 
 from client.contract.api import (
     ErrorBody,
@@ -13,7 +14,7 @@ from client.contract.api import (
     TraceRecord,
     TraceSummary,
 )
-from client.contract.common import SCHEMA_VERSION, ContractModel
+from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, ContractModel
 from client.contract.feedback import Feedback
 from client.contract.plan import (
     ActivationMode,
@@ -43,6 +44,7 @@ from client.contract.trace import (
     BlockKind,
     BlockMeasurement,
     DeviceType,
+    EventArrays,
     Hardware,
     Measurements,
     ModelInfo,

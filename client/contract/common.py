@@ -7,7 +7,10 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 1  # plans and feedback
+# Traces: 2 sends the allocation events as packed arrays (`EventArrays`); 1 sent them as JSON lists and is
+# still accepted (read as 2).
+TRACE_SCHEMA_VERSION: Final = 2
 
 # Declared limits. Anything larger is rejected by validation (and, in the service, before parsing).
 MAX_BLOCKS: Final = 4_096

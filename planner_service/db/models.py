@@ -85,7 +85,7 @@ class TraceRow(Base):
     hardware_key: Mapped[str] = mapped_column(ForeignKey("hardware.key"))
     workload_key: Mapped[str] = mapped_column(String(200))
     schema_version: Mapped[int] = mapped_column(Integer)
-    payload_gzip: Mapped[bytes] = mapped_column(LargeBinary, doc="gzip of the canonical JSON")
+    payload_gzip: Mapped[bytes] = mapped_column(LargeBinary, doc="gzip of the trace JSON in the current schema (as uploaded, or canonical)")
     payload_bytes: Mapped[int] = mapped_column(BigInteger, doc="uncompressed size")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

@@ -109,10 +109,10 @@ def timeline_chart(plan: Plan, markers: list[Marker]) -> MemoryChart:
 # --------------------------------------------------------------------------------------- allocation
 def live_bytes(trace: AllocationTrace) -> np.ndarray:
     """Bytes live during each logical time step [t, t+1) of one iteration; long-lived buffers count always."""
-    n = len(trace.events)
-    sizes = np.fromiter((e.size_bytes for e in trace.events), dtype=np.int64, count=n)
-    starts = np.fromiter((e.alloc_index for e in trace.events), dtype=np.int64, count=n)
-    stops = np.fromiter((-1 if e.free_index is None else e.free_index for e in trace.events), dtype=np.int64, count=n)
+    a = trace.arrays
+    sizes = a.array("size_bytes").astype(np.int64)
+    starts = a.array("alloc_index").astype(np.int64)
+    stops = a.array("free_index").astype(np.int64)
     long_lived = stops < 0
     delta = np.zeros(trace.horizon + 1, dtype=np.int64)
     np.add.at(delta, starts[~long_lived], sizes[~long_lived])

@@ -224,7 +224,7 @@ def test_large_random_plan_is_valid_and_a_moved_buffer_is_caught() -> None:
     trace = random_trace(100_000, seed=5)
     plan = plan_allocation(trace, time_limit_s=1.0)
     validate_allocation(trace, plan)
-    cols = trace.event_columns
+    cols = trace.columns
     # Move a short-lived buffer onto another one live at the same time: the validator names both.
     i = next(k for k in range(len(cols.id)) if cols.free_index[k] is not None)
     j = next(k for k in range(i + 1, len(cols.id)) if cols.free_index[k] is not None
@@ -240,7 +240,7 @@ def test_compiled_replay_equals_scripted_malloc_and_free() -> None:
     replayed = simulate_caching_allocator(trace, iterations=2)
     sim = CachingAllocatorSimulator()
     handles: dict[int, int] = {}
-    sizes = trace.event_columns.size_bytes
+    sizes = trace.columns.size_bytes
     for code in replay_codes(trace, 2).tolist():
         if code >= 0:
             handles[code] = sim.malloc(sizes[code])

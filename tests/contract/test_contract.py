@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from client.contract import Constraints, Feedback, Plan, Trace
 from client.units import format_bytes, parse_bytes
 from planner_service.solver.synthetic import synthetic_trace
+from tests.contract.forms import schema_1, trace_with_events
 
 
 def _raw() -> dict:
@@ -100,7 +101,74 @@ def test_event_column_names_are_the_enums_values_and_events_give_members() -> No
     assert trace.allocation_trace is not None
     event = trace.allocation_trace.events[0]
     assert event.category is AllocationCategory.temp and event.phase is Phase.forward
-    assert json.loads(trace.canonical_json())["allocation_trace"]["event_columns"]["phase"][0] == "forward"
+    assert trace.allocation_trace.columns.phase[0] == "forward" and trace.allocation_trace.columns.block[1] is None
+
+
+def test_schema_1_lists_and_schema_2_packed_arrays_are_the_same_trace() -> None:
+    packed = trace_with_events()
+    context: dict = {}
+    old = Trace.model_validate_json(json.dumps(schema_1(packed)), context=context)
+    assert old == packed and old.content_hash() == packed.content_hash()
+    assert (old.schema_version, context["received_schema_version"]) == (2, 1)
+    wire = json.loads(old.canonical_json())
+    assert wire["schema_version"] == 2 and set(wire["allocation_trace"]) == {"source", "horizon", "event_arrays"}
+    # Python input (json.loads of a trace) reads the base64 text as base64, as JSON input does
+    assert Trace.model_validate(wire) == packed == Trace.model_validate_json(old.canonical_json())
+    assert old.allocation_trace is not None and packed.allocation_trace is not None
+    assert old.allocation_trace.events == packed.allocation_trace.events
+
+
+def _packed_trace(horizon: int = 5, **columns: list) -> dict:
+    """A 4-event trace in the packed form, with `columns` replacing valid defaults."""
+    import base64
+
+    import numpy as np
+
+    from client.contract.trace import EVENT_DTYPES
+
+    cols = {"id": [0, 1, 2, 3], "size_bytes": [512] * 4, "alloc_index": [0, 1, 2, 3], "free_index": [2, -1, 4, 5],
+            "category": [4] * 4, "block": [0, -1, 1, 2], "phase": [0] * 4}
+    cols.update(columns)
+    raw = _raw()
+    raw["allocation_trace"] = {"source": "dispatch_tracker", "horizon": horizon, "event_arrays": {
+        "count": 4, **{f: base64.urlsafe_b64encode(np.array(v, dtype=EVENT_DTYPES[f]).tobytes()).decode()
+                       for f, v in cols.items()}}}
+    return raw
+
+
+def test_packed_events_are_checked_by_arrays_with_the_first_bad_row_named() -> None:
+    Trace.model_validate(_packed_trace())  # valid as given
+    cases = {"events[1].alloc_index: 5 is not below horizon 5": {"alloc_index": [0, 5, 2, 3]},
+             "events[2].free_index: 2 is not after alloc_index 2": {"free_index": [2, -1, 2, 5]},
+             "events[3].free_index: 6 is beyond horizon 5": {"free_index": [2, -1, 4, 6]},
+             "events[1].free_index: 0 must be -1 (long-lived) or at least 1": {"free_index": [2, 0, 4, 5]},
+             "events[2].id: 1 appears twice": {"id": [0, 1, 1, 3]},
+             "events[0].id: -4 is negative": {"id": [-4, 1, 2, 3]},
+             "events[3].size_bytes: 0 is not in 1..2**53": {"size_bytes": [512, 512, 512, 0]},
+             "events[1].category: 5 names no category": {"category": [4, 5, 4, 4]},
+             "events[2].phase: 3 names no phase": {"phase": [0, 0, 3, 0]},
+             "events[1].block: -2 must be -1 (none)": {"block": [0, -2, 1, 2]},
+             "allocation_trace.events[3].block: 9 names no block": {"block": [0, -1, 1, 9]},
+             "event_arrays.phase: 3 bytes; 4 events of u1 are 4 bytes": {"phase": [0, 0, 0]}}
+    for message, columns in cases.items():
+        assert any(message in f for f in _error_fields(_packed_trace(**columns))), message
+    raw = _packed_trace()
+    raw["allocation_trace"]["event_arrays"]["size_bytes"] = "not base64!"
+    assert any(f.startswith("allocation_trace.event_arrays.size_bytes") for f in _error_fields(raw))
+    raw = _packed_trace()
+    del raw["allocation_trace"]["event_arrays"]
+    assert any("event_arrays: required" in f for f in _error_fields(raw))
+
+
+def test_event_arrays_from_numbers_refuse_values_the_packed_dtype_cannot_hold() -> None:
+    from client.contract import EventArrays
+
+    ok = dict(id=[0], size_bytes=[8], alloc_index=[0], free_index=[1], category=[4], block=[-1], phase=[0])
+    assert EventArrays.from_arrays(**ok).count == 1
+    with pytest.raises(ValueError, match="event_arrays.alloc_index: values do not fit <i4"):
+        EventArrays.from_arrays(**(ok | {"alloc_index": [2**31]}))
+    with pytest.raises(ValueError, match="'scratch' is not one of param, grad"):
+        EventArrays.codes(["temp", "scratch"], __import__("client.contract.trace", fromlist=["x"]).CATEGORIES)
 
 
 def test_unknown_fields_and_wrong_schema_version_are_rejected() -> None:
@@ -108,7 +176,7 @@ def test_unknown_fields_and_wrong_schema_version_are_rejected() -> None:
     raw["surprise"] = 1
     assert any(f.startswith("surprise") for f in _error_fields(raw))
     raw = _raw()
-    raw["schema_version"] = 2
+    raw["schema_version"] = 3
     assert any(f.startswith("schema_version") for f in _error_fields(raw))
 
 

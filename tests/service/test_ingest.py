@@ -14,6 +14,7 @@ from client.contract import Trace
 from planner_service.app import create_app
 from planner_service.ingest import Ingestor, InvalidTrace, TraceFacts, inspect
 from planner_service.settings import Settings
+from tests.contract.forms import schema_1, trace_with_events
 
 
 def test_pool_path_stores_validates_and_rejects_like_the_inline_path(settings: Settings, trace: Trace) -> None:
@@ -27,6 +28,22 @@ def test_pool_path_stores_validates_and_rejects_like_the_inline_path(settings: S
         r = api.post("/v1/traces", json=bad)
         assert r.status_code == 422 and r.json()["detail"][0]["field"] == "body.workload.batch_size"
         assert api.post("/v1/traces", content=b"{oops").status_code == 400
+
+
+def test_a_schema_1_upload_is_stored_in_the_current_form_under_the_same_hash(settings: Settings) -> None:
+    current = trace_with_events()
+    with TestClient(create_app(settings)) as api:
+        body = gzip.compress(json.dumps(schema_1(current)).encode())
+        r = api.post("/v1/traces", content=body, headers={"content-encoding": "gzip"})
+        assert r.status_code == 201 and r.json()["content_hash"] == current.content_hash()
+        stored = api.get(f"/v1/traces/{r.json()['id']}").json()["trace"]
+        assert stored["schema_version"] == 2 and "event_arrays" in stored["allocation_trace"]
+        assert Trace.model_validate(stored) == current
+        again = api.post("/v1/traces", content=gzip.compress(current.canonical_json()),
+                         headers={"content-encoding": "gzip"})
+        assert again.json()["id"] == r.json()["id"]  # the same trace in either form is stored once
+    facts = inspect(json.dumps(schema_1(current)).encode(), False, 2**30)
+    assert gzip.decompress(facts.payload_gzip) == current.canonical_json()
 
 
 def test_facts_hash_is_the_trace_content_hash(trace: Trace) -> None:

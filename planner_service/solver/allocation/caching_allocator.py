@@ -371,7 +371,7 @@ def simulate_caching_allocator(
     codes = replay_codes(trace, iterations)
     mallocs = int((codes >= 0).sum())
     sim = CachingAllocatorSimulator(capacity_bytes, max_blocks=2 * mallocs + 2)
-    sizes = np.asarray(trace.event_columns.size_bytes, dtype=np.int64)
+    sizes = trace.arrays.array("size_bytes").astype(np.int64)
     handle_of = np.full(sizes.shape[0], NIL, dtype=np.int64)
     ok = _replay(codes, sizes, handle_of, *sim._state.arrays())
     if not ok:

@@ -80,7 +80,7 @@ def partitions(lowers: np.ndarray, uppers: np.ndarray) -> Partitions:
 
 @dataclass(slots=True)
 class TraceArrays:
-    """An `AllocationTrace`'s events as arrays, read from its columns (never from `trace.events`)."""
+    """An `AllocationTrace`'s events as int64 arrays, read from its packed columns (never from `trace.events`)."""
 
     ids: np.ndarray
     sizes: np.ndarray  # bytes
@@ -94,11 +94,10 @@ class TraceArrays:
 
 
 def trace_arrays(trace: AllocationTrace) -> TraceArrays:
-    c = trace.event_columns
-    n = len(c.id)
-    free = np.fromiter((-1 if f is None else f for f in c.free_index), dtype=np.int64, count=n)
-    return TraceArrays(np.asarray(c.id, dtype=np.int64), np.asarray(c.size_bytes, dtype=np.int64),
-                       np.asarray(c.alloc_index, dtype=np.int64), free, trace.horizon)
+    a = trace.arrays
+    return TraceArrays(a.array("id").astype(np.int64), a.array("size_bytes").astype(np.int64),
+                       a.array("alloc_index").astype(np.int64), a.array("free_index").astype(np.int64),
+                       trace.horizon)
 
 
 def trace_lower_bound_arrays(arrays: TraceArrays) -> int:

@@ -332,7 +332,7 @@ def _check_options(alignment_bytes: int, base_offset_bytes: int, time_limit_s: f
 
 def trace_buffers(trace: AllocationTrace) -> tuple[list[Buffer], list[Buffer]]:
     """(long-lived, iteration) buffers of a trace; long-lived ones span the whole horizon."""
-    c = trace.event_columns
+    c = trace.columns
     long_lived: list[Buffer] = []
     iteration: list[Buffer] = []
     for eid, size, alloc, free in zip(c.id, c.size_bytes, c.alloc_index, c.free_index, strict=True):

@@ -2,7 +2,7 @@
 
 Every number in a real trace is measured; these are built from one (or drawn at random) only to test
 and time the planner at 10^5..10^6 events, where profiling a real model of that size is not possible
-on a CI machine. Built straight into columns (`AllocationColumns`), never as 10^6 event objects.
+on a CI machine. Built straight into packed arrays (`EventArrays`), never as 10^6 event objects.
 
 * `replicate_trace(trace, copies, layout="sequential")`: the iteration repeated `copies` times one after
   the other (like micro-batches of gradient accumulation; the model's long-lived buffers replicated too,
@@ -22,18 +22,20 @@ from typing import Literal
 
 import numpy as np
 
-from client.contract import AllocationCategory, AllocationColumns, AllocationTrace, Phase
+from client.contract import AllocationCategory, AllocationTrace, EventArrays, Phase
+from client.contract.trace import CATEGORIES, PHASES
 from planner_service.solver.allocation.intervals import trace_arrays
 
 
 def _phase_bounds(trace: AllocationTrace) -> tuple[int, int]:
     """(first backward time, first optimizer time) of one iteration; horizon when a phase is absent."""
-    c = trace.event_columns
+    a = trace.arrays
     h = trace.horizon
-    bwd = [a for a, ph in zip(c.alloc_index, c.phase, strict=True) if ph == Phase.backward]
-    opt = [a for a, ph in zip(c.alloc_index, c.phase, strict=True) if ph == Phase.optimizer]
-    b_start = min(bwd) if bwd else h
-    o_start = max(min(opt) if opt else h, b_start)
+    alloc, phase = a.array("alloc_index"), a.array("phase")
+    bwd = alloc[phase == PHASES.index(Phase.backward)]
+    opt = alloc[phase == PHASES.index(Phase.optimizer)]
+    b_start = int(bwd.min()) if bwd.size else h
+    o_start = max(int(opt.min()) if opt.size else h, b_start)
     return b_start, o_start
 
 
@@ -55,7 +57,7 @@ def replicate_trace(
     if layout not in ("sequential", "deep"):
         raise ValueError(f"layout: {layout!r} is not 'sequential' or 'deep'")
     arr = trace_arrays(trace)
-    c = trace.event_columns
+    packed = trace.arrays
     h = trace.horizon
     id_step = int(arr.ids.max()) + 1 if arr.ids.size else 1
     f, b = _phase_bounds(trace)
@@ -69,17 +71,11 @@ def replicate_trace(
         else:
             allocs.append(_deep_time(arr.alloc, k, copies, f, b, h))
             frees.append(np.where(long_lived, -1, _deep_time(arr.free, k, copies, f, b, h)))
-    free_all = np.concatenate(frees).tolist()
-    columns = AllocationColumns(
-        id=np.concatenate(ids).tolist(),
-        size_bytes=list(c.size_bytes) * copies,
-        alloc_index=np.concatenate(allocs).tolist(),
-        free_index=[None if v < 0 else v for v in free_all],
-        category=list(c.category) * copies,
-        block=list(c.block) * copies,
-        phase=list(c.phase) * copies,
-    )
-    return AllocationTrace(source=trace.source, horizon=copies * h, event_columns=columns)
+    arrays = EventArrays.from_arrays(
+        id=np.concatenate(ids), size_bytes=np.tile(arr.sizes, copies), alloc_index=np.concatenate(allocs),
+        free_index=np.concatenate(frees), category=np.tile(packed.array("category"), copies),
+        block=np.tile(packed.array("block"), copies), phase=np.tile(packed.array("phase"), copies))
+    return AllocationTrace(source=trace.source, horizon=copies * h, event_arrays=arrays)
 
 
 def random_trace(
@@ -97,13 +93,9 @@ def random_trace(
     free = np.minimum(alloc + life, horizon)
     long_lived = rng.random(n) < long_lived_fraction
     sizes = np.exp(rng.uniform(np.log(512), np.log(64 << 20), size=n)).astype(np.int64)
-    columns = AllocationColumns(
-        id=list(range(n)),
-        size_bytes=sizes.tolist(),
-        alloc_index=alloc.tolist(),
-        free_index=[None if ll else int(v) for ll, v in zip(long_lived.tolist(), free.tolist(), strict=True)],
-        category=[AllocationCategory.param if ll else AllocationCategory.temp for ll in long_lived.tolist()],
-        block=[None] * n,
-        phase=[Phase.forward] * n,
-    )
-    return AllocationTrace(source="dispatch_tracker", horizon=horizon, event_columns=columns)
+    arrays = EventArrays.from_arrays(
+        id=np.arange(n), size_bytes=sizes, alloc_index=alloc, free_index=np.where(long_lived, -1, free),
+        category=np.where(long_lived, CATEGORIES.index(AllocationCategory.param),
+                          CATEGORIES.index(AllocationCategory.temp)),
+        block=np.full(n, -1), phase=np.full(n, PHASES.index(Phase.forward)))
+    return AllocationTrace(source="dispatch_tracker", horizon=horizon, event_arrays=arrays)
