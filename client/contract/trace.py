@@ -294,17 +294,19 @@ def _base64_in_python_mode(value: Any, info: ValidationInfo) -> Any:
     """JSON input is decoded by pydantic (`val_json_bytes`); a str in Python input (e.g. `json.loads` of a
     trace) is the same base64url text, decoded here, not taken as UTF-8."""
     if info.mode == "python" and isinstance(value, str):
-        try:
-            return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+        try:  # either alphabet, as pydantic's JSON decoder; any other character is an error
+            return base64.b64decode(value.replace("-", "+").replace("_", "/") + "=" * (-len(value) % 4),
+                                    validate=True)
         except ValueError as exc:
             raise ValueError(f"not base64url: {exc}") from None
     return value
 
 
 def _packed(dtype: str, meaning: str) -> Any:
+    """A packed column: its length is checked against `count` (at most MAX_ALLOCATION_EVENTS) after decoding;
+    the body size limit bounds the text before."""
     width = np.dtype(dtype).itemsize
     return Annotated[bytes, BeforeValidator(_base64_in_python_mode), Field(
-        max_length=MAX_ALLOCATION_EVENTS * width,
         description=f"base64url of `count` little-endian {dtype} values ({width} bytes per event): {meaning}")]
 
 
