@@ -162,13 +162,14 @@ def test_packed_events_are_checked_by_arrays_with_the_first_bad_row_named() -> N
 
 def test_event_arrays_from_numbers_refuse_values_the_packed_dtype_cannot_hold() -> None:
     from client.contract import EventArrays
+    from client.contract.trace import CATEGORIES
 
     ok = dict(id=[0], size_bytes=[8], alloc_index=[0], free_index=[1], category=[4], block=[-1], phase=[0])
     assert EventArrays.from_arrays(**ok).count == 1
     with pytest.raises(ValueError, match="event_arrays.alloc_index: values do not fit <i4"):
         EventArrays.from_arrays(**(ok | {"alloc_index": [2**31]}))
     with pytest.raises(ValueError, match="'scratch' is not one of param, grad"):
-        EventArrays.codes(["temp", "scratch"], __import__("client.contract.trace", fromlist=["x"]).CATEGORIES)
+        EventArrays.codes(["temp", "scratch"], CATEGORIES)
 
 
 def test_unknown_fields_and_wrong_schema_version_are_rejected() -> None:
