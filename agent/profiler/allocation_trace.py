@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
 from agent.profiler.storage_tracker import StorageRecord
 from client.contract import AllocationCategory, AllocationTrace, EventArrays
 from client.contract.common import MAX_ALLOCATION_EVENTS
@@ -63,16 +61,11 @@ def build_allocation_trace(
             free_index = -1
         else:
             free_index = r.free_event if r.free_event is not None else horizon
-        for f, v in zip(EVENT_FIELDS, (r.sid, r.nbytes, r.alloc_event, free_index, category, block, r.phase),
-                        strict=True):
+        for f, v in zip(EVENT_FIELDS, (r.sid, r.nbytes, r.alloc_event, free_index, category,
+                                       -1 if block is None else block, r.phase), strict=True):
             cols[f].append(v)
     # Columns straight into the contract's packed wire form (validated there by array checks), no per-event
     # objects and no per-value validation.
-    arrays = EventArrays.from_arrays(
-        id=np.array(cols["id"], dtype=np.int64), size_bytes=np.array(cols["size_bytes"], dtype=np.int64),
-        alloc_index=np.array(cols["alloc_index"], dtype=np.int64),
-        free_index=np.array(cols["free_index"], dtype=np.int64),
-        category=EventArrays.codes(cols["category"], CATEGORIES),
-        block=np.fromiter((-1 if b is None else b for b in cols["block"]), dtype=np.int64, count=len(cols["block"])),
-        phase=EventArrays.codes(cols["phase"], PHASES))
+    arrays = EventArrays.from_arrays(**cols | {"category": EventArrays.codes(cols["category"], CATEGORIES),
+                                               "phase": EventArrays.codes(cols["phase"], PHASES)})
     return AllocationTrace(source=source, horizon=horizon, event_arrays=arrays)  # type: ignore[arg-type]  # source: str -> Literal

@@ -337,20 +337,12 @@ class AllocationColumns(ContractModel):
     def packed(self) -> EventArrays:
         """The same events as packed arrays, validated (the caller's `AllocationTrace` checks them against
         its horizon)."""
-        category_code = {c.value: i for i, c in enumerate(CATEGORIES)}
-        phase_code = {p.value: i for i, p in enumerate(PHASES)}
-        n = len(self.id)
-
-        def pack(f: str, values: Any) -> bytes:
-            return np.fromiter(values, dtype=EVENT_DTYPES[f], count=n).tobytes()
-
-        return EventArrays.model_validate(dict(
-            count=n, id=pack("id", self.id), size_bytes=pack("size_bytes", self.size_bytes),
-            alloc_index=pack("alloc_index", self.alloc_index),
-            free_index=pack("free_index", (-1 if f is None else f for f in self.free_index)),
-            category=pack("category", map(category_code.__getitem__, self.category)),
-            block=pack("block", (-1 if b is None else b for b in self.block)),
-            phase=pack("phase", map(phase_code.__getitem__, self.phase))))
+        return EventArrays.from_arrays(
+            id=self.id, size_bytes=self.size_bytes, alloc_index=self.alloc_index,
+            free_index=[-1 if f is None else f for f in self.free_index],
+            category=EventArrays.codes(self.category, CATEGORIES),
+            block=[-1 if b is None else b for b in self.block],
+            phase=EventArrays.codes(self.phase, PHASES))
 
 
 def _first(bad: np.ndarray) -> int | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from client.contract import ActivationMode, AllocationTrace, Plan, Trace
+from client.contract.trace import PHASES
 from planner_service.ui.chart import Band, Bar, Marker, MemoryChart, Point, Segment
 
 MAX_CURVE_POINTS = 800  # a live-bytes curve longer than this is reduced to bucket maxima (peaks survive)
@@ -134,11 +135,9 @@ def allocation_chart(trace: AllocationTrace, markers: list[Marker]) -> MemoryCha
     """Live bytes of the profiled iteration as a step curve, with phase bands from the events' phases."""
     starts, maxima = reduce_to_maxima(live_bytes(trace))
     points = tuple(Point(float(t), int(v), f"t={int(t)}") for t, v in zip(starts, maxima, strict=True))
-    first: dict[str, int] = {}
-    for e in trace.events:
-        phase = e.phase.value
-        if phase not in first or e.alloc_index < first[phase]:
-            first[phase] = e.alloc_index
+    a = trace.arrays
+    alloc, phase = a.array("alloc_index"), a.array("phase")
+    first = {PHASES[p].value: int(alloc[phase == p].min()) for p in np.unique(phase).tolist()}
     ordered = sorted(first.items(), key=lambda kv: kv[1])
     bands = tuple(
         Band(float(at), float(ordered[i + 1][1] if i + 1 < len(ordered) else trace.horizon), phase, f"phase-{phase}")
