@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["APIConnectionError", "APIStatusError", "APITimeoutError", "AuthenticationError", "BadRequestError",
+           "ConflictError", "InternalServerError", "MemplanError", "NotFoundError", "PayloadTooLargeError",
+           "PermissionDeniedError", "RateLimitError", "ServiceUnavailableError", "UnprocessableEntityError",
+           "error_for_status"]
+
 
 class MemplanError(Exception):
     """Base of every error the SDK raises."""

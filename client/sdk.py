@@ -9,8 +9,9 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 from pydantic import BaseModel
@@ -32,6 +33,7 @@ from client.contract import (
 from client.errors import APIConnectionError, APITimeoutError, MemplanError, error_for_status
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_RETRIES = 2
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -76,6 +78,7 @@ def _decode(response: httpx.Response) -> Any:
 
 
 def _check(response: httpx.Response) -> Any:
+    """The decoded body of a success; the typed `APIStatusError` subclass for a 4xx/5xx."""
     body = _decode(response)
     if response.status_code >= 400:
         raise error_for_status(response.status_code, body)
@@ -130,6 +133,34 @@ def _params(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+@dataclass(frozen=True)
+class APIRequest(Generic[T]):
+    """One call of the API, built once for both clients: what to send and how to read the answer."""
+
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    params: dict[str, Any] | None = None
+    json: Any = None
+    content: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+
+    def httpx_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"params": self.params, "headers": self.headers}
+        if self.json is not None:
+            kw["json"] = self.json
+        if self.content is not None:
+            kw["content"] = self.content
+        if self.timeout is not None:
+            kw["timeout"] = self.timeout
+        return kw
+
+
+def _raw(body: Any) -> Any:
+    return body
+
+
 def _follow(fetch: Callable[..., Page[M]], filters: dict[str, Any]) -> Iterator[M]:
     """Items of every page, following `next_cursor` until the last page."""
     cursor: str | None = None
@@ -142,6 +173,7 @@ def _follow(fetch: Callable[..., Page[M]], filters: dict[str, Any]) -> Iterator[
 
 
 async def _afollow(fetch: Callable[..., Awaitable[Page[M]]], filters: dict[str, Any]) -> AsyncIterator[M]:
+    """`_follow` for the async client."""
     cursor: str | None = None
     while True:
         page = await fetch(cursor=cursor, **filters)
@@ -152,17 +184,100 @@ async def _afollow(fetch: Callable[..., Awaitable[Page[M]]], filters: dict[str, 
         cursor = page.next_cursor
 
 
-class Client:
+class PlanWait:
+    """The schedule of `wait_for_plan`: long-polls of at most `poll_s` until a final status or the deadline."""
+
+    def __init__(self, timeout_s: float, poll_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self.poll_s = poll_s
+
+    def next_wait_s(self) -> float:
+        return max(0.0, min(self.poll_s, self.deadline - time.monotonic()))
+
+    def finished(self, record: PlanRecord) -> bool:
+        return record.status in FINAL_STATUSES or time.monotonic() >= self.deadline
+
+
+class BaseClient:
+    """What the sync and async clients share (as openai-python's base client): configuration, headers, the
+    retry decision and timing, request building, response parsing and the plan cache. Only the transport call
+    (and sleeping between attempts) differs between `Client` and `AsyncClient`."""
+
+    def __init__(self, base_url: str | None, *, token: str | None, max_retries: int) -> None:
+        self.base_url = _base_url(base_url)
+        self.headers = _headers(token)
+        self.max_retries = max_retries
+        self._plans = PlanCache()
+
+    # retries -----------------------------------------------------------------------------------
+    def _retry_after_error(self, attempt: int, method: str, path: str, exc: httpx.TransportError) -> float:
+        """Seconds to wait before retrying a request that failed in transport; raises on the last attempt."""
+        if attempt >= self.max_retries:
+            if isinstance(exc, httpx.TimeoutException):
+                raise APITimeoutError(f"{method} {path}: timed out") from exc
+            raise APIConnectionError(f"{method} {path}: {exc}") from exc
+        return retry_delay(attempt, None)
+
+    def _should_retry(self, attempt: int, response: httpx.Response) -> bool:
+        return response.status_code in RETRY_STATUSES and attempt < self.max_retries
+
+    # requests ----------------------------------------------------------------------------------
+    def _raw_request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> APIRequest[Any]:
+        return APIRequest(method, path, _raw, params=kw.get("params"), json=kw.get("json"),
+                          content=kw.get("content"), headers=kw.get("headers") or {}, timeout=timeout)
+
+    def _upload_trace(self, trace: Trace, compress: bool) -> APIRequest[TraceCreated]:
+        body, headers = _trace_body(trace, compress)
+        return APIRequest("POST", "/v1/traces", TraceCreated.model_validate, content=body, headers=headers)
+
+    def _get_trace(self, trace_id: str) -> APIRequest[TraceRecord]:
+        return APIRequest("GET", f"/v1/traces/{trace_id}", TraceRecord.model_validate)
+
+    def _list_traces_page(self, model: str | None, hardware: str | None, limit: int, cursor: str | None,
+                          sort: str) -> APIRequest[Page[TraceSummary]]:
+        return APIRequest("GET", "/v1/traces", Page[TraceSummary].model_validate,
+                          params=_params(model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort))
+
+    def _request_plan(self, trace_id: str, constraints: Constraints, solver: str) -> APIRequest[PlanRecord]:
+        body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # type: ignore[arg-type]
+        return APIRequest("POST", "/v1/plans", PlanRecord.model_validate, json=body.model_dump(mode="json"))
+
+    def _get_plan(self, plan_id: str, wait_s: float, headers: dict[str, str]) -> APIRequest[Any]:
+        """A plan read; its answer (a 304 included) is read by `self._plans.resolve`, not by `parse`."""
+        return APIRequest("GET", f"/v1/plans/{plan_id}", _raw, params=_params(wait=wait_s or None),
+                          headers=headers, timeout=DEFAULT_TIMEOUT_S + wait_s)
+
+    def _list_plans_page(self, model: str | None, hardware: str | None, status: str | None, limit: int,
+                         cursor: str | None, sort: str, with_plan: bool) -> APIRequest[Page[PlanRecord]]:
+        return APIRequest("GET", "/v1/plans", Page[PlanRecord].model_validate,
+                          params=_params(model=model, hardware=hardware, status=status, limit=limit, cursor=cursor,
+                                         sort=sort, with_plan=with_plan or None))
+
+    def _post_feedback(self, plan_id: str, feedback: Feedback) -> APIRequest[FeedbackRecord]:
+        def parse(body: Any) -> FeedbackRecord:
+            self._plans.forget(plan_id)
+            return FeedbackRecord.model_validate(body)
+
+        return APIRequest("POST", f"/v1/plans/{plan_id}/feedback", parse, json=feedback.model_dump(mode="json"))
+
+    def _models(self) -> APIRequest[list[ModelSummary]]:
+        return APIRequest("GET", "/v1/models", lambda body: [ModelSummary.model_validate(m) for m in body])
+
+    def _hardware(self) -> APIRequest[list[HardwareSummary]]:
+        return APIRequest("GET", "/v1/hardware", lambda body: [HardwareSummary.model_validate(h) for h in body])
+
+    def _health(self) -> APIRequest[dict[str, Any]]:
+        return APIRequest("GET", "/healthz", dict)
+
+
+class Client(BaseClient):
     """Synchronous client. `Client(base_url, token=..., timeout=..., max_retries=...)`; env: MEMPLAN_SERVER/TOKEN."""
 
     def __init__(self, base_url: str | None = None, *, token: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
                  transport: httpx.BaseTransport | None = None) -> None:
-        self.base_url = _base_url(base_url)
-        self.max_retries = max_retries
-        self._plans = PlanCache()
-        self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout,
-                                  transport=transport)
+        super().__init__(base_url, token=token, max_retries=max_retries)
+        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport)
 
     def __enter__(self) -> Client:
         return self
@@ -173,40 +288,37 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
-        return _check(self._send(method, path, timeout=timeout, **kw))
-
-    def _send(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
-        for attempt in range(self.max_retries + 1):
-            response: httpx.Response | None = None
+    def _send(self, request: APIRequest[Any]) -> httpx.Response:
+        """The transport call, retried on connection errors and on 408/429/5xx (see `BaseClient`)."""
+        attempt = 0
+        while True:
             try:
-                extra = {"timeout": timeout} if timeout is not None else {}
-                response = self._http.request(method, path, **kw, **extra)
-            except httpx.TimeoutException as exc:
-                if attempt == self.max_retries:
-                    raise APITimeoutError(f"{method} {path}: timed out") from exc
+                response = self._http.request(request.method, request.path, **request.httpx_kwargs())
             except httpx.TransportError as exc:
-                if attempt == self.max_retries:
-                    raise APIConnectionError(f"{method} {path}: {exc}") from exc
+                delay = self._retry_after_error(attempt, request.method, request.path, exc)
             else:
-                if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
+                if not self._should_retry(attempt, response):
                     return response
-            time.sleep(retry_delay(attempt, response))
-        raise AssertionError("unreachable")
+                delay = retry_delay(attempt, response)
+            time.sleep(delay)
+            attempt += 1
+
+    def _call(self, request: APIRequest[T]) -> T:
+        return request.parse(_check(self._send(request)))
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
+        return self._call(self._raw_request(method, path, timeout=timeout, **kw))
 
     # traces ------------------------------------------------------------------------------------
     def upload_trace(self, trace: Trace, *, compress: bool = True) -> TraceCreated:
-        body, headers = _trace_body(trace, compress)
-        return TraceCreated.model_validate(self._request("POST", "/v1/traces", content=body, headers=headers))
+        return self._call(self._upload_trace(trace, compress))
 
     def get_trace(self, trace_id: str) -> TraceRecord:
-        return TraceRecord.model_validate(self._request("GET", f"/v1/traces/{trace_id}"))
+        return self._call(self._get_trace(trace_id))
 
     def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
                          cursor: str | None = None, sort: str = "-created_at") -> Page[TraceSummary]:
-        data = self._request("GET", "/v1/traces", params=_params(model=model, hardware=hardware, limit=limit,
-                                                                 cursor=cursor, sort=sort))
-        return Page[TraceSummary].model_validate(data)
+        return self._call(self._list_traces_page(model, hardware, limit, cursor, sort))
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
         """Every matching trace, newest first, following cursors."""
@@ -214,36 +326,29 @@ class Client:
 
     # plans -------------------------------------------------------------------------------------
     def request_plan(self, trace_id: str, constraints: Constraints, *, solver: str = "cpsat") -> PlanRecord:
-        body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # type: ignore[arg-type]
-        return PlanRecord.model_validate(self._request("POST", "/v1/plans", json=body.model_dump(mode="json")))
+        return self._call(self._request_plan(trace_id, constraints, solver))
 
     def get_plan(self, plan_id: str, *, wait_s: float = 0.0) -> PlanRecord:
         """The plan record; a plan fetched before is revalidated (If-None-Match), so polling an unchanged plan
         costs a 304 and no body. With `wait_s`, the server holds the request until the plan changes or is final."""
         for headers in (self._plans.headers(plan_id), {}):
-            response = self._send("GET", f"/v1/plans/{plan_id}", params=_params(wait=wait_s or None),
-                                  headers=headers, timeout=DEFAULT_TIMEOUT_S + wait_s)
-            record = self._plans.resolve(plan_id, response)
+            record = self._plans.resolve(plan_id, self._send(self._get_plan(plan_id, wait_s, headers)))
             if record is not None:
                 return record
         raise AssertionError("unreachable: a request without If-None-Match gets no 304")
 
     def wait_for_plan(self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0) -> PlanRecord:
         """Long-poll until the plan is done, failed or infeasible, or `timeout_s` passes (returns as it is)."""
-        deadline = time.monotonic() + timeout_s
+        wait = PlanWait(timeout_s, poll_s)
         while True:
-            left = deadline - time.monotonic()
-            record = self.get_plan(plan_id, wait_s=max(0.0, min(poll_s, left)))
-            if record.status in FINAL_STATUSES or time.monotonic() >= deadline:
+            record = self.get_plan(plan_id, wait_s=wait.next_wait_s())
+            if wait.finished(record):
                 return record
 
     def list_plans_page(self, *, model: str | None = None, hardware: str | None = None, status: str | None = None,
                         limit: int = 50, cursor: str | None = None, sort: str = "-created_at",
                         with_plan: bool = False) -> Page[PlanRecord]:
-        data = self._request("GET", "/v1/plans", params=_params(model=model, hardware=hardware, status=status,
-                                                                limit=limit, cursor=cursor, sort=sort,
-                                                                with_plan=with_plan or None))
-        return Page[PlanRecord].model_validate(data)
+        return self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan))
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
         """Every matching plan, newest first, following cursors. Records carry the plan's `headline`; the
@@ -251,32 +356,27 @@ class Client:
         return _follow(self.list_plans_page, filters)
 
     def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
-        data = self._request("POST", f"/v1/plans/{plan_id}/feedback", json=feedback.model_dump(mode="json"))
-        self._plans.forget(plan_id)
-        return FeedbackRecord.model_validate(data)
+        return self._call(self._post_feedback(plan_id, feedback))
 
     # catalog -----------------------------------------------------------------------------------
     def models(self) -> list[ModelSummary]:
-        return [ModelSummary.model_validate(m) for m in self._request("GET", "/v1/models")]
+        return self._call(self._models())
 
     def hardware(self) -> list[HardwareSummary]:
-        return [HardwareSummary.model_validate(h) for h in self._request("GET", "/v1/hardware")]
+        return self._call(self._hardware())
 
     def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("GET", "/healthz")
-        return result
+        return self._call(self._health())
 
 
-class AsyncClient:
+class AsyncClient(BaseClient):
     """Asynchronous twin of `Client` (same methods, awaitable; list methods are async iterators)."""
 
     def __init__(self, base_url: str | None = None, *, token: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.base_url = _base_url(base_url)
-        self.max_retries = max_retries
-        self._plans = PlanCache()
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(token), timeout=timeout,
+        super().__init__(base_url, token=token, max_retries=max_retries)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout,
                                        transport=transport)
 
     async def __aenter__(self) -> AsyncClient:
@@ -288,86 +388,72 @@ class AsyncClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
-        return _check(await self._send(method, path, timeout=timeout, **kw))
-
-    async def _send(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
-        for attempt in range(self.max_retries + 1):
-            response: httpx.Response | None = None
+    async def _send(self, request: APIRequest[Any]) -> httpx.Response:
+        attempt = 0
+        while True:
             try:
-                extra = {"timeout": timeout} if timeout is not None else {}
-                response = await self._http.request(method, path, **kw, **extra)
-            except httpx.TimeoutException as exc:
-                if attempt == self.max_retries:
-                    raise APITimeoutError(f"{method} {path}: timed out") from exc
+                response = await self._http.request(request.method, request.path, **request.httpx_kwargs())
             except httpx.TransportError as exc:
-                if attempt == self.max_retries:
-                    raise APIConnectionError(f"{method} {path}: {exc}") from exc
+                delay = self._retry_after_error(attempt, request.method, request.path, exc)
             else:
-                if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
+                if not self._should_retry(attempt, response):
                     return response
-            await asyncio.sleep(retry_delay(attempt, response))
-        raise AssertionError("unreachable")
+                delay = retry_delay(attempt, response)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _call(self, request: APIRequest[T]) -> T:
+        return request.parse(_check(await self._send(request)))
+
+    async def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
+        return await self._call(self._raw_request(method, path, timeout=timeout, **kw))
 
     async def upload_trace(self, trace: Trace, *, compress: bool = True) -> TraceCreated:
-        body, headers = _trace_body(trace, compress)
-        return TraceCreated.model_validate(await self._request("POST", "/v1/traces", content=body, headers=headers))
+        return await self._call(self._upload_trace(trace, compress))
 
     async def get_trace(self, trace_id: str) -> TraceRecord:
-        return TraceRecord.model_validate(await self._request("GET", f"/v1/traces/{trace_id}"))
+        return await self._call(self._get_trace(trace_id))
 
     async def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
                                cursor: str | None = None, sort: str = "-created_at") -> Page[TraceSummary]:
-        data = await self._request("GET", "/v1/traces", params=_params(model=model, hardware=hardware, limit=limit,
-                                                                       cursor=cursor, sort=sort))
-        return Page[TraceSummary].model_validate(data)
+        return await self._call(self._list_traces_page(model, hardware, limit, cursor, sort))
 
     def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
         return _afollow(self.list_traces_page, filters)
 
     async def request_plan(self, trace_id: str, constraints: Constraints, *, solver: str = "cpsat") -> PlanRecord:
-        body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # type: ignore[arg-type]
-        return PlanRecord.model_validate(await self._request("POST", "/v1/plans", json=body.model_dump(mode="json")))
+        return await self._call(self._request_plan(trace_id, constraints, solver))
 
     async def get_plan(self, plan_id: str, *, wait_s: float = 0.0) -> PlanRecord:
         for headers in (self._plans.headers(plan_id), {}):
-            response = await self._send("GET", f"/v1/plans/{plan_id}", params=_params(wait=wait_s or None),
-                                        headers=headers, timeout=DEFAULT_TIMEOUT_S + wait_s)
-            record = self._plans.resolve(plan_id, response)
+            record = self._plans.resolve(plan_id, await self._send(self._get_plan(plan_id, wait_s, headers)))
             if record is not None:
                 return record
         raise AssertionError("unreachable: a request without If-None-Match gets no 304")
 
     async def wait_for_plan(self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0) -> PlanRecord:
-        deadline = time.monotonic() + timeout_s
+        wait = PlanWait(timeout_s, poll_s)
         while True:
-            left = deadline - time.monotonic()
-            record = await self.get_plan(plan_id, wait_s=max(0.0, min(poll_s, left)))
-            if record.status in FINAL_STATUSES or time.monotonic() >= deadline:
+            record = await self.get_plan(plan_id, wait_s=wait.next_wait_s())
+            if wait.finished(record):
                 return record
 
     async def list_plans_page(self, *, model: str | None = None, hardware: str | None = None,
                               status: str | None = None, limit: int = 50, cursor: str | None = None,
                               sort: str = "-created_at", with_plan: bool = False) -> Page[PlanRecord]:
-        data = await self._request("GET", "/v1/plans", params=_params(model=model, hardware=hardware, status=status,
-                                                                      limit=limit, cursor=cursor, sort=sort,
-                                                                      with_plan=with_plan or None))
-        return Page[PlanRecord].model_validate(data)
+        return await self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan))
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:
         return _afollow(self.list_plans_page, filters)
 
     async def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
-        data = await self._request("POST", f"/v1/plans/{plan_id}/feedback", json=feedback.model_dump(mode="json"))
-        self._plans.forget(plan_id)
-        return FeedbackRecord.model_validate(data)
+        return await self._call(self._post_feedback(plan_id, feedback))
 
     async def models(self) -> list[ModelSummary]:
-        return [ModelSummary.model_validate(m) for m in await self._request("GET", "/v1/models")]
+        return await self._call(self._models())
 
     async def hardware(self) -> list[HardwareSummary]:
-        return [HardwareSummary.model_validate(h) for h in await self._request("GET", "/v1/hardware")]
+        return await self._call(self._hardware())
 
     async def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", "/healthz")
-        return result
+        return await self._call(self._health())

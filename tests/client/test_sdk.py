@@ -79,6 +79,32 @@ def test_retry_delay_honours_retry_after_and_caps_backoff() -> None:
     assert all(0 <= retry_delay(10, None) <= 8.0 for _ in range(100))
 
 
+def test_async_client_retries_and_gives_up_like_the_sync_client() -> None:
+    async def health(url: str, retries: int) -> dict[str, object]:
+        async with AsyncClient(url, max_retries=retries) as c:
+            return await c.health()
+
+    flaky = FlakyServer(failures=2)
+    with flaky as url:
+        assert asyncio.run(health(url, 2)) == {"status": "ok"}
+    assert len(flaky.calls) == 3
+    flaky = FlakyServer(failures=10)
+    with flaky as url, pytest.raises(ServiceUnavailableError):
+        asyncio.run(health(url, 1))
+    assert len(flaky.calls) == 2
+    with pytest.raises(APIConnectionError):
+        asyncio.run(health(f"http://127.0.0.1:{free_port()}", 1))
+
+
+def test_retry_delay_reads_an_http_date_and_ignores_garbage() -> None:
+    from datetime import UTC, datetime, timedelta
+    from email.utils import format_datetime
+
+    soon = format_datetime(datetime.now(UTC) + timedelta(seconds=5), usegmt=True)
+    assert 3.0 <= retry_delay(0, httpx.Response(503, headers={"Retry-After": soon})) <= 5.0
+    assert 0 <= retry_delay(0, httpx.Response(503, headers={"Retry-After": "soon"})) <= 0.5
+
+
 def test_missing_server_url_is_a_clear_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from client.errors import MemplanError
 
