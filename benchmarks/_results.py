@@ -22,10 +22,27 @@ def machine(device: Any = None) -> dict[str, Any]:
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
-def save(path: Path, result: dict[str, Any]) -> None:
+def stamped(path: Path, when: float | None = None) -> Path:
+    """`results/<name>.json` -> `results/<name>-<UTC timestamp>.json`: the file one run writes."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when))
+    return path.with_name(f"{path.stem}-{stamp}{path.suffix}")
+
+
+def latest(path: Path) -> Path:
+    """`results/<name>.json` -> `results/<name>-latest.json`: the pointer to the newest run's file."""
+    return path.with_name(f"{path.stem}-latest{path.suffix}")
+
+
+def save(path: Path, result: dict[str, Any]) -> Path:
+    """Save one run's result to its own timestamped file beside `path` (never overwriting a file a document
+    may cite) and point `<name>-latest.json` at it; returns the file written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    target = stamped(path)
+    with target.open("x") as f:  # "x": an existing file is an error, not overwritten
+        f.write(json.dumps(result, indent=2, default=str) + "\n")
+    latest(path).write_text(json.dumps({"benchmark": path.stem, "file": target.name}, indent=2) + "\n")
+    print(f"wrote {target} (pointed to by {latest(path).name})")
+    return target
 
 
 class Run:
@@ -38,7 +55,9 @@ class Run:
         self.t0 = time.perf_counter()
 
     def document(self, device: Any = None, **fields: Any) -> dict[str, Any]:
-        return {"benchmark": self.benchmark,
+        from planner_service.solver import SOLVER_VERSION
+
+        return {"benchmark": self.benchmark, "solver_version": SOLVER_VERSION,
                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()},
                 "machine": machine(device), "load_average_before": self.load_before,
                 "load_average_after": os.getloadavg(), "wall_s": time.perf_counter() - self.t0, **fields}
