@@ -1,20 +1,20 @@
-"""Shared helpers for the allocation planner tests: the MiniMalloc data folder and small traces."""
+"""Shared helpers for the allocation planner tests: the vendored MiniMalloc instances and small traces."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from client.contract import AllocationCategory, AllocationEvent, AllocationTrace, Phase
 
-MINIMALLOC_DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "minimalloc"
+# MiniMalloc's instances, Apache-2.0, vendored with their licence (see data/minimalloc/README.md)
+MINIMALLOC_DATA = Path(__file__).resolve().parent / "data" / "minimalloc"
 
 
 def minimalloc_file(name: str) -> Path:
+    """A vendored MiniMalloc instance; a missing one is an error, never a skip."""
     path = MINIMALLOC_DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} absent (the MiniMalloc benchmark instances live in ../shared)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: vendored MiniMalloc instance missing from the repository")
     return path
 
 
