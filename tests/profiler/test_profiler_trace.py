@@ -74,7 +74,11 @@ def test_measurements_are_positive_and_workload_is_measured(gpt2_trace: Trace) -
     m = gpt2_trace.measurements
     assert m.iteration_s > 0 and m.peak_device_bytes > 0
     assert m.optimizer.device_bytes_per_s > 0 and m.optimizer.host_bytes_per_s > 0
-    assert abs(sum(b.forward_s + b.backward_s for b in m.blocks) - m.iteration_s) < m.iteration_s
+    # The blocks' forward+backward times are scaled to the plain iteration minus the optimizer step and
+    # zero_grad (profile.py), so they never exceed it. The rest is the AdamW step: on this model the blocks
+    # measured 0.736-0.769 of the iteration over 8 profiles (2-core VM, loaded); 0.6 leaves 0.13 of margin.
+    blocks_s = sum(b.forward_s + b.backward_s for b in m.blocks)
+    assert 0.6 * m.iteration_s <= blocks_s <= m.iteration_s * (1 + 1e-9), blocks_s / m.iteration_s
     w = gpt2_trace.workload
     assert (w.batch_size, w.sequence_length) == (2, 32)
     assert w.optimizer_state_bytes_per_param == 8 and w.gradient_bytes_per_param == 4
