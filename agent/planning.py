@@ -37,7 +37,8 @@ DEFAULT_WAIT_S = 120.0
 
 
 class PlanInfeasibleError(RuntimeError):
-    """No memory policy fits the limits; the message says the smallest device memory that would."""
+    """No memory policy fits the limits; the message says the smallest device memory that would (or at most
+    how much, when the solver did not prove that minimum)."""
 
 
 @dataclass
@@ -119,8 +120,8 @@ def find_in_history(
 def check_feasible(plan: Plan, constraints: Constraints) -> Plan:
     if _usable(plan):
         return plan
-    need = plan.solver.min_device_memory_bytes
-    hint = f"; the smallest device memory that fits is {need} bytes" if need else ""
+    fits = plan.solver.min_device_memory_text()  # "at most N" unless the solver proved N the minimum
+    hint = f"; {fits}" if fits else ""
     raise PlanInfeasibleError(
         f"device_memory: no memory policy fits {constraints.device_memory_bytes} bytes of device memory "
         f"(solver status {plan.solver.status.value}){hint}. {plan.solver.message}".strip()

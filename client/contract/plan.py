@@ -12,6 +12,7 @@ from client.contract.common import (
     MAX_BLOCKS,
     MAX_PARAMETERS,
     SCHEMA_VERSION,
+    Bool,
     Bytes,
     ContractModel,
     Float,
@@ -148,9 +149,23 @@ class SolverReport(ContractModel):
     gap: Float | None = Field(default=None, ge=0.0, description="(objective - bound) / objective")
     solve_s: Seconds
     min_device_memory_bytes: Bytes | None = Field(
-        default=None, description="when infeasible: the smallest device memory that would fit"
+        default=None, description="when infeasible: the smallest device memory that would fit (an upper bound "
+        "on it when min_device_memory_proven is not true)"
+    )
+    min_device_memory_proven: Bool | None = Field(
+        default=None, description="true: min_device_memory_bytes is proven the smallest; false or absent: that "
+        "much fits, but a smaller device was not ruled out in the time given"
     )
     message: str = Field(default="", max_length=4096)
+
+    def min_device_memory_text(self) -> str:
+        """'the smallest device memory that fits is N bytes', with 'at most' unless that minimum was proven."""
+        if self.min_device_memory_bytes is None:
+            return ""
+        if self.min_device_memory_proven:
+            return f"the smallest device memory that fits is {self.min_device_memory_bytes} bytes"
+        return (f"the smallest device memory that fits is at most {self.min_device_memory_bytes} bytes "
+                "(not proven smallest in the time given)")
 
 
 class Plan(ContractModel):

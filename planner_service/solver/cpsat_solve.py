@@ -129,7 +129,9 @@ def solve_layout(
 def min_peak_bytes(inst: PolicyInstance, *, time_limit_s: float, seed: int) -> tuple[int | None, bool]:
     """Smallest peak device bytes over the decision space of this layout (host limits respected).
 
-    Returns (peak or None when no answer in time, proven optimal).
+    Returns (peak, proven): (the minimum, True) when proven optimal, (an upper bound on it, False) when time
+    ran out with an answer, (None, True) when nothing fits this layout (proven), (None, False) when time ran
+    out with no answer.
     """
     pm = cpsat_model.build(inst, objective="memory")
     solver = cp_model.CpSolver()
@@ -137,4 +139,4 @@ def min_peak_bytes(inst: PolicyInstance, *, time_limit_s: float, seed: int) -> t
     status = solver.solve(pm.model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return int(solver.objective_value), status == cp_model.OPTIMAL
-    return None, False
+    return None, status == cp_model.INFEASIBLE

@@ -90,7 +90,9 @@ def _tightest_decision(inst: PolicyInstance) -> Decision:
 def _min_device_memory(
     trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams, seed: int, budget_s: float
 ) -> tuple[int | None, bool]:
-    """Smallest device limit (bytes) under which some policy fits: min peak over layouts, times (1 + alpha)."""
+    """Smallest device limit (bytes) under which some policy fits: min peak over layouts, times (1 + alpha);
+    and whether it is proven the smallest (every layout's minimum proven, or the layout proven to fit nothing).
+    Unproven, it is an upper bound: that limit fits, a smaller one may too."""
     best: int | None = None
     proven = True
     for i, lay in enumerate(layouts):
@@ -156,11 +158,14 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
     if best is None:
         all_proven = solver == "cpsat" and all(s == "infeasible" for s in statuses)
         remaining = max(0.5, deadline - time.perf_counter())
-        min_bytes, _ = _min_device_memory(trace, layouts, constraints, params, seed, remaining)
+        min_bytes, min_proven = _min_device_memory(trace, layouts, constraints, params, seed, remaining)
         status = SolverStatus.infeasible if (all_proven or solver == "protrain") else SolverStatus.unknown
+        fits = (f"smallest device memory that fits: {min_bytes} bytes" if min_proven
+                else f"smallest device memory that fits: at most {min_bytes} bytes (not proven smallest in the "
+                     "time given)" if min_bytes is not None else "no fitting device memory found in the time given")
         message = (
             f"nothing fits {constraints.device_memory_bytes} device bytes (alpha {params.alpha:.3f}) within the host "
-            f"limits; smallest device memory that fits: {min_bytes} bytes (chunk sizes tried: {sizes})"
+            f"limits; {fits} (chunk sizes tried: {sizes})"
             if status == SolverStatus.infeasible
             else f"no policy found within {constraints.time_limit_s}s (chunk sizes tried: {sizes}); statuses {statuses}"
         )
@@ -170,7 +175,9 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
             policy=None,
             predictions=None,
             solver=SolverReport(solver=solver, solver_version=SOLVER_VERSION, status=status, solve_s=time.perf_counter() - t0,
-                                min_device_memory_bytes=min_bytes, message=message),
+                                min_device_memory_bytes=min_bytes,
+                                min_device_memory_proven=min_proven if min_bytes is not None else None,
+                                message=message),
         )
 
     objective_ns = best.cost.iteration_ns

@@ -133,6 +133,9 @@ def test_too_little_memory_returns_infeasible_with_the_smallest_device_memory_th
     assert plan.policy is None and plan.predictions is None
     need = plan.solver.min_device_memory_bytes
     assert need is not None and need > 256 * MiB
+    assert plan.solver.min_device_memory_proven is True  # a small instance: every layout's minimum proven
+    assert f"smallest device memory that fits: {need} bytes" in plan.solver.message
+    assert plan.solver.min_device_memory_text() == f"the smallest device memory that fits is {need} bytes"
     assert solve(small_trace, Constraints(device_memory_bytes=need), solver="cpsat").policy is not None
     below = solve(small_trace, Constraints(device_memory_bytes=need - 1), solver="cpsat")
     assert below.solver.status == SolverStatus.infeasible
