@@ -239,7 +239,7 @@ class BaseClient:
                           params=_params(model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort))
 
     def _request_plan(self, trace_id: str, constraints: Constraints, solver: str) -> APIRequest[PlanRecord]:
-        body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # type: ignore[arg-type]
+        body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # the contract checks the name
         return APIRequest("POST", "/v1/plans", PlanRecord.model_validate, json=body.model_dump(mode="json"))
 
     def _get_plan(self, plan_id: str, wait_s: float, headers: dict[str, str]) -> APIRequest[Any]:

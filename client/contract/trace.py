@@ -560,8 +560,8 @@ class Trace(ContractModel):
                 raise ValueError(f"measurements.profiled_blocks[{i}]: {b} names no block")
         if self.allocation_trace is not None:
             blocks = self.allocation_trace.arrays.array("block")
-            if (i := _first(blocks >= n)) is not None:
-                raise ValueError(f"allocation_trace.events[{i}].block: {blocks[i]} names no block")
+            if (at := _first(blocks >= n)) is not None:
+                raise ValueError(f"allocation_trace.events[{at}].block: {blocks[at]} names no block")
         return self
 
     @property
