@@ -15,7 +15,7 @@ are drawn (`random_trace`); each is planned with the service's limits (10 s at 1
 timed. The constructive heuristics are compared on the profiled trace and a deep copy of it, and the
 time limit is checked with a 1 s limit on the largest traces.
 
-Prints a table and saves benchmarks/results/allocation.json. Usage:
+Prints a table and saves benchmarks/results/allocation-<UTC timestamp>.json (pointer: allocation-latest.json). Usage:
     .venv/bin/python benchmarks/allocation.py [--skip-traces] [--skip-instances] [--cpsat-baseline] [--ablation CF]
         [--layers 24]
     .venv/bin/python benchmarks/allocation.py --scale [--scale-sizes 100000,1000000] [--scale-layers 8]
@@ -24,12 +24,13 @@ Prints a table and saves benchmarks/results/allocation.json. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
 from pathlib import Path
 from typing import Any
+
+from _results import save
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "allocation" / "data" / "minimalloc"  # vendored, Apache-2.0
@@ -271,8 +272,8 @@ def main() -> None:
     parser.add_argument("--scale-layers", type=int, default=8)
     parser.add_argument("--scale-hidden", type=int, default=128)
     args = parser.parse_args()
-    # Parts not run this time keep their earlier figures in the JSON file.
-    out: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    # One file per run, holding the parts this run ran (earlier runs keep their own files).
+    out: dict[str, Any] = {"benchmark": "allocation", "args": vars(args)}
     out["machine"] = f"{platform.processor() or platform.machine()}, {platform.system()}, {os.cpu_count()} cores"
     out["numba_load_s"] = round(warm_up(), 2)
     print(f"numba search load/compile: {out['numba_load_s']} s")
@@ -280,9 +281,7 @@ def main() -> None:
         out["scale"] = scale([int(v) for v in args.scale_sizes.split(",")], args.scale_layers, args.scale_hidden,
                              4, 128)
         out["scale"]["machine_load_1min"] = os.getloadavg()[0]
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"saved {RESULTS.relative_to(REPO)}")
+        save(RESULTS, out)
         return
     if not args.skip_instances:
         out["challenging"] = challenging(args.cpsat_baseline)
@@ -290,9 +289,7 @@ def main() -> None:
         out["ablation"] = ablation(args.ablation, 20.0)
     if not args.skip_traces:
         out["traces"] = traces(args.layers, args.hidden, args.batch, args.seq)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"saved {RESULTS.relative_to(REPO)}")
+    save(RESULTS, out)
 
 
 if __name__ == "__main__":

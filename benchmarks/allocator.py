@@ -21,7 +21,7 @@ in a fresh process because the allocator can only be chosen before CUDA starts: 
 allocator, `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, and the planned allocator (plan from a
 profile of the same loop). Reports peak reserved, fragmentation and median iteration time per mode.
 
-Prints tables and saves benchmarks/results/allocator.json. Usage:
+Prints tables and saves benchmarks/results/allocator-<UTC timestamp>.json (pointer: allocator-latest.json). Usage:
     .venv/bin/python benchmarks/allocator.py [--quick] [--skip-csv] [--skip-profiled] [--cuda]
 """
 
@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _results import save
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "allocation" / "data" / "minimalloc"  # vendored, Apache-2.0
@@ -430,9 +432,7 @@ def main() -> None:
         result["cuda"] = cuda_part(args)
     else:
         result["cuda"] = "not run (pass --cuda on a machine with a GPU)"
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {RESULTS}")
+    save(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ CUDA, when torch.cuda.is_available():
                   when compute reached it is exposed). Target >= 80% hidden.
   fsdp2_offload   the same model and batch with FSDP2 `fully_shard(..., offload_policy=CPUOffloadPolicy())`
                   on one GPU (world size 1), tokens/s, in the same run.
-Figures are printed and saved to benchmarks/results/chunk_runtime.json.
+Figures are printed and saved to benchmarks/results/chunk_runtime-<UTC timestamp>.json (pointer: chunk_runtime-latest.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _results import save
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chunk_runtime.json"
 
@@ -374,9 +374,7 @@ def main() -> None:
     else:
         results["cuda_training"] = "not run: no CUDA device"
         print("CUDA parts: not run (no CUDA device)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2, default=str))
-    print(f"saved {RESULTS}")
+    save(RESULTS, results)
 
 
 if __name__ == "__main__":

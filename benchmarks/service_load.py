@@ -10,7 +10,7 @@ the entity tag it holds), open loop: latency counts from when the poll was due, 
 next polls late and that counts too. Each agent also uploads a new trace version and requests its plan every
 --upload-every seconds, starting at a random phase. The generator is aiohttp on uvloop (~0.2 ms of CPU per
 request; httpx's async client took ~3.5 ms with 50 connections, a third of the 2 cores). Prints and saves
-(benchmarks/results/service_load.json): errors, GET/s, GET and upload latency percentiles, where the CPU went.
+(benchmarks/results/service_load-<UTC timestamp>.json (pointer: service_load-latest.json)): errors, GET/s, GET and upload latency percentiles, where the CPU went.
 
     .venv/bin/python benchmarks/service_load.py --agents 50 --duration 60 [--runs 3] [--auth]
 

@@ -24,7 +24,7 @@ the GPU targets (copies and compute share the same cores and memory).
 
 Usage: .venv/bin/python benchmarks/train_throughput.py [--kind llama] [--layers 8] [--hidden 128] [--seq 128]
        [--batch 4] [--steps 6] [--fraction 0.45] [--device-memory BYTES] [--sweep 4 8 16] [--device cpu|cuda]
-Prints a table and writes benchmarks/results/train_throughput.json.
+Prints a table and writes benchmarks/results/train_throughput-<UTC timestamp>.json (pointer: train_throughput-latest.json).
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ These numbers are *modelled*, not measured: a synthetic trace is never used to p
 shapes follow the usual decoder-only accounting (12*h^2 parameters per block; activations of roughly
 34*b*s*h + 5*a*b*s^2 bytes per block in half precision, Korthikanti et al. 2022) and a throughput
 guess, so solver benchmarks see realistic ratios between compute, memory and bandwidth.
+
+The guess, which every time predicted from a synthetic trace depends on (docs/BENCHMARKS.md lists it beside
+the figures that use it): compute at `MODELLED_DEVICE_FLOPS` (300 TFLOP/s) used at 100% (backward = 2 x
+forward, recompute = forward); pinned copies at `MODELLED_PINNED_COPY_BYTES_PER_S` (24 GB/s each way, on
+the curve of `_curve`), pageable at 10 GB/s; the optimizer step at 200 GB/s of parameter bytes on the
+device and 2 GB/s on the host.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from client.contract import (
 )
 
 GiB = 2**30
+MODELLED_DEVICE_FLOPS = 300e12  # FLOP/s, used at 100%
+MODELLED_PINNED_COPY_BYTES_PER_S = 24e9  # each way (full duplex), the curve's asymptote
+MODELLED_PAGEABLE_COPY_BYTES_PER_S = 10e9
+MODELLED_DEVICE_OPTIMIZER_BYTES_PER_S = 200e9  # parameter bytes stepped per second
+MODELLED_HOST_OPTIMIZER_BYTES_PER_S = 2e9
 
 
 def _curve(peak_bytes_per_s: float) -> list[BandwidthSample]:
@@ -49,7 +60,9 @@ def synthetic_hardware(device_memory_bytes: int = 80 * GiB, host_memory_bytes: i
         pinned_memory_limit_bytes=None,
         cpu_cores=32,
         bandwidth=BandwidthCurves(
-            h2d_pinned=_curve(24e9), d2h_pinned=_curve(24e9), h2d_pageable=_curve(10e9), d2h_pageable=_curve(10e9)
+            h2d_pinned=_curve(MODELLED_PINNED_COPY_BYTES_PER_S), d2h_pinned=_curve(MODELLED_PINNED_COPY_BYTES_PER_S),
+            h2d_pageable=_curve(MODELLED_PAGEABLE_COPY_BYTES_PER_S),
+            d2h_pageable=_curve(MODELLED_PAGEABLE_COPY_BYTES_PER_S),
         ),
     )
 
@@ -63,7 +76,7 @@ def synthetic_trace(
     batch: int = 4,
     seq: int = 1024,
     precision: Precision = Precision.bf16,
-    device_flops: float = 300e12,
+    device_flops: float = MODELLED_DEVICE_FLOPS,
     device_memory_bytes: int = 80 * GiB,
     host_memory_bytes: int = 512 * GiB,
     name: str | None = None,
@@ -119,7 +132,8 @@ def synthetic_trace(
                           gradient_bytes_per_param=elt),
         measurements=Measurements(
             blocks=meas,
-            optimizer=OptimizerMeasurement(device_bytes_per_s=200e9, host_bytes_per_s=2e9),
+            optimizer=OptimizerMeasurement(device_bytes_per_s=MODELLED_DEVICE_OPTIMIZER_BYTES_PER_S,
+                                           host_bytes_per_s=MODELLED_HOST_OPTIMIZER_BYTES_PER_S),
             iteration_s=3 * fwd_total,
             peak_device_bytes=0,
             extrapolated=False,
