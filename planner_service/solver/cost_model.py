@@ -341,9 +341,14 @@ class BatchTimer:
         overlap = self.inst.copy_overlap
 
         def combine(compute: np.ndarray, h2d: np.ndarray, d2h: np.ndarray) -> np.ndarray:
+            window: np.ndarray  # numpy's ufuncs are typed as returning Any
             if not overlap:
-                return compute + h2d + d2h
-            return np.maximum(np.maximum(compute, h2d), d2h) if duplex else np.maximum(compute, h2d + d2h)
+                window = compute + h2d + d2h
+            elif duplex:
+                window = np.maximum(np.maximum(compute, h2d), d2h)
+            else:
+                window = np.maximum(compute, h2d + d2h)
+            return window
 
         nxt = np.arange(1, W + 1)
         h2d_f = U[nxt] * o[nxt]
@@ -375,7 +380,8 @@ class BatchTimer:
             host_end, dev_opt = np.zeros(modes.shape[0], dtype=np.int64), 0
         if not overlap:
             host_end = bwd + dev_opt + (int(self.G[0] * o[0] + (self.H * o[:C]).sum()) if C else 0)
-        return fwd + np.maximum(bwd + dev_opt, host_end)
+        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end)
+        return iteration
 
 
 def iteration_ns_batch(inst: PolicyInstance, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray) -> np.ndarray:
