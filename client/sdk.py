@@ -222,9 +222,12 @@ class BaseClient:
         return response.status_code in RETRY_STATUSES and attempt < self.max_retries
 
     # requests ----------------------------------------------------------------------------------
-    def _raw_request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> APIRequest[Any]:
-        return APIRequest(method, path, _raw, params=kw.get("params"), json=kw.get("json"),
-                          content=kw.get("content"), headers=kw.get("headers") or {}, timeout=timeout)
+    def _raw_request(self, method: str, path: str, *, params: dict[str, Any] | None = None, json: Any = None,
+                     content: bytes | None = None, headers: dict[str, str] | None = None,
+                     timeout: float | None = None) -> APIRequest[Any]:
+        """Any call, answered with the decoded body (for calls the SDK has no method for)."""
+        return APIRequest(method, path, _raw, params=params, json=json, content=content, headers=headers or {},
+                          timeout=timeout)
 
     def _upload_trace(self, trace: Trace, compress: bool) -> APIRequest[TraceCreated]:
         body, headers = _trace_body(trace, compress)
