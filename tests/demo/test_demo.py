@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_demo_trains_under_a_tight_limit_with_a_service_plan_and_matches_the_baseline(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from client.cli.main import app
+    from memplan.cli import app
 
     monkeypatch.setenv("MEMPLAN_DATABASE_URL", f"sqlite:///{tmp_path / 'demo.db'}")
     from planner_service.settings import get_settings

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from client.cli.embedded import free_port, wait_until_ready
+from planner_service.embedded import free_port, wait_until_ready
 from planner_service.solver.synthetic import synthetic_trace
 
 
 def _memplan(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "client.cli", *args]
+    cmd = [sys.executable, "-m", "memplan", *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     if check and res.returncode != 0:
         raise AssertionError(f"memplan {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
@@ -28,7 +28,7 @@ def served(db_url: str, tmp_path: Path) -> Iterator[dict[str, str]]:
     port = free_port()
     env = {**os.environ, "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_SERVER": f"http://127.0.0.1:{port}",
            "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--workers", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--workers", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_ready(f"http://127.0.0.1:{port}", proc)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from client.cli.main import app
+from memplan.cli import app
 from client.contract import Plan, SolverStatus
 from planner_service.solver.cpsat_solve import RELATIVE_GAP_LIMIT
 from planner_service.solver.synthetic import synthetic_trace

@@ -18,7 +18,7 @@ from torch import nn
 
 from agent.model_zoo import build, sample_batch
 from agent.wrap import Wrapped, unwrap, wrap
-from client.cli.embedded import EmbeddedServer, free_port
+from planner_service.embedded import EmbeddedServer, free_port
 from client.contract import Feedback
 
 pytestmark = pytest.mark.slow

@@ -189,7 +189,7 @@ def _service(server: str | None):  # type: ignore[no-untyped-def]
 
     if server:
         return nullcontext(server)
-    from client.cli.embedded import EmbeddedServer
+    from planner_service.embedded import EmbeddedServer
     from planner_service.settings import get_settings
 
     return EmbeddedServer(get_settings())
