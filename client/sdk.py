@@ -203,9 +203,10 @@ class Client:
         return TraceRecord.model_validate(self._request("GET", f"/v1/traces/{trace_id}"))
 
     def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
-                         cursor: str | None = None, sort: str = "-created_at") -> Page[TraceSummary]:
+                         cursor: str | None = None, sort: str = "-created_at",
+                         id_prefix: str | None = None) -> Page[TraceSummary]:
         data = self._request("GET", "/v1/traces", params=_params(model=model, hardware=hardware, limit=limit,
-                                                                 cursor=cursor, sort=sort))
+                                                                 cursor=cursor, sort=sort, id_prefix=id_prefix))
         return Page[TraceSummary].model_validate(data)
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
@@ -239,10 +240,10 @@ class Client:
 
     def list_plans_page(self, *, model: str | None = None, hardware: str | None = None, status: str | None = None,
                         limit: int = 50, cursor: str | None = None, sort: str = "-created_at",
-                        with_plan: bool = False) -> Page[PlanRecord]:
+                        with_plan: bool = False, id_prefix: str | None = None) -> Page[PlanRecord]:
         data = self._request("GET", "/v1/plans", params=_params(model=model, hardware=hardware, status=status,
                                                                 limit=limit, cursor=cursor, sort=sort,
-                                                                with_plan=with_plan or None))
+                                                                with_plan=with_plan or None, id_prefix=id_prefix))
         return Page[PlanRecord].model_validate(data)
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
@@ -317,9 +318,10 @@ class AsyncClient:
         return TraceRecord.model_validate(await self._request("GET", f"/v1/traces/{trace_id}"))
 
     async def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
-                               cursor: str | None = None, sort: str = "-created_at") -> Page[TraceSummary]:
+                               cursor: str | None = None, sort: str = "-created_at",
+                               id_prefix: str | None = None) -> Page[TraceSummary]:
         data = await self._request("GET", "/v1/traces", params=_params(model=model, hardware=hardware, limit=limit,
-                                                                       cursor=cursor, sort=sort))
+                                                                       cursor=cursor, sort=sort, id_prefix=id_prefix))
         return Page[TraceSummary].model_validate(data)
 
     def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
@@ -348,10 +350,12 @@ class AsyncClient:
 
     async def list_plans_page(self, *, model: str | None = None, hardware: str | None = None,
                               status: str | None = None, limit: int = 50, cursor: str | None = None,
-                              sort: str = "-created_at", with_plan: bool = False) -> Page[PlanRecord]:
+                              sort: str = "-created_at", with_plan: bool = False,
+                              id_prefix: str | None = None) -> Page[PlanRecord]:
         data = await self._request("GET", "/v1/plans", params=_params(model=model, hardware=hardware, status=status,
                                                                       limit=limit, cursor=cursor, sort=sort,
-                                                                      with_plan=with_plan or None))
+                                                                      with_plan=with_plan or None,
+                                                                      id_prefix=id_prefix))
         return Page[PlanRecord].model_validate(data)
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:

@@ -29,6 +29,8 @@ app.add_typer(service.tokens_app, name="tokens")
 app.add_typer(remote.traces_app, name="traces")
 app.add_typer(plans_app, name="plans")
 app.add_typer(plans_app, name="plan", hidden=True)  # `memplan plan solve` reads naturally too
+app.command("models")(remote.models)
+app.command("hardware")(remote.hardware)
 app.add_typer(alloc.app, name="alloc")
 app.command("profile")(profile.profile)
 app.command("demo")(demo.demo)
