@@ -22,7 +22,14 @@ from client.cli.lookup import (
     resolve_plan_id,
     resolve_trace_id,
 )
-from client.cli.render import feedback_table, hardware_table, models_table, plan_table, plans_table, traces_table
+from client.cli.render import (
+    feedback_table,
+    hardware_table,
+    models_table,
+    plan_table,
+    plans_table,
+    traces_table,
+)
 from client.contract import Constraints, PlanRecord, Trace, TraceSummary
 from client.errors import MemplanError
 from client.sdk import Client
