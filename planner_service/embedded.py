@@ -42,10 +42,9 @@ class EmbeddedServer:
 
     def __init__(self, settings: Settings, *, port: int | None = None, workers: int | None = None) -> None:
         import uvicorn
+        from sqlalchemy.engine import make_url
 
         from planner_service.app import create_app
-
-        from sqlalchemy.engine import make_url
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
