@@ -74,7 +74,7 @@ class WrapReport:
 
     def __str__(self) -> str:
         lines = [
-            f"plan: {self.message} [{self.origin}]; solver {self.solver} ({self.solver_status}); modes {self.mode_strip}; "
+            f"plan: {self.message}{'' if self.origin in self.message else f' [{self.origin}]'}; solver {self.solver} ({self.solver_status}); modes {self.mode_strip}; "
             f"{_count(self.chunks, 'chunk')}, {self.offloaded_chunks} offloaded, "
             f"{_count(self.n_buffers, 'device buffer')} for offloaded chunks",
         ]
