@@ -244,3 +244,13 @@ def test_lists_filter_by_id_prefix_and_refuse_anything_but_hex(api, trace) -> No
     for bad in ("%", "_", "ABC", "x" * 3, "0" * 33):  # LIKE wildcards never reach the query
         r = api.get("/v1/plans", params={"id_prefix": bad})
         assert r.status_code == 422 and "id_prefix" in r.text, (bad, r.text)
+
+
+def test_a_cpu_machine_is_listed_with_its_ram_not_the_limit_a_job_set(api, trace) -> None:  # type: ignore[no-untyped-def]
+    from client.contract import DeviceType
+
+    hw = trace.hardware.model_copy(update={"device_type": DeviceType.cpu, "device_name": "AMD EPYC",
+                                           "device_memory_bytes": 200 * 2**20, "host_memory_bytes": 64 * 2**30})
+    _upload(api, trace.model_copy(update={"hardware": hw}))
+    [row] = [h for h in api.get("/v1/hardware").json() if h["device_type"] == "cpu"]
+    assert row["key"] == "cpu:AMD EPYC:64GiB:x1" and row["device_memory_bytes"] == 64 * 2**30
