@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO))
 
 from _results import machine, save  # noqa: E402
 
-from planner_service.embedded import free_port, wait_until_ready  # noqa: E402
 from client.contract import EventArrays  # noqa: E402
 from client.contract.trace import CATEGORIES, PHASES  # noqa: E402
+from planner_service.embedded import free_port, wait_until_ready  # noqa: E402
 from planner_service.solver.synthetic import synthetic_trace  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "service_load.json"

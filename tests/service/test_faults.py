@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from planner_service.embedded import EmbeddedServer, free_port
 from planner_service.db.migrate import upgrade
+from planner_service.embedded import EmbeddedServer, free_port
 from planner_service.settings import Settings
 from planner_service.solver.synthetic import synthetic_trace
 
