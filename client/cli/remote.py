@@ -93,11 +93,13 @@ def _filters(c: Client, model: str | None, hardware: str | None) -> tuple[list[d
     keys: Sequence[str | None] = [None]
     said = []
     if model is not None:
-        models = match_model(c.models(), model).values
-        said.append(f"model {', '.join(models)}")  # type: ignore[arg-type]
+        matched = match_model(c.models(), model).values
+        models = matched
+        said.append(f"model {', '.join(matched)}")
     if hardware is not None:
-        keys = match_hardware(c.hardware(), hardware).values
-        said.append(f"hardware {', '.join(keys)}")  # type: ignore[arg-type]
+        matched = match_hardware(c.hardware(), hardware).values
+        keys = matched
+        said.append(f"hardware {', '.join(matched)}")
     return [{"model": m, "hardware": h} for m, h in itertools.product(models, keys)], "; ".join(said)
 
 
