@@ -103,6 +103,11 @@ def _filters(c: Client, model: str | None, hardware: str | None) -> tuple[list[d
     return [{"model": m, "hardware": h} for m, h in itertools.product(models, keys)], "; ".join(said)
 
 
+def _page(limit: int) -> int:
+    """Rows per request: what the list shows, within the API's page limit."""
+    return min(limit, 1000)
+
+
 def _newest_first(streams: list[Iterator[Any]], limit: int) -> list[Any]:
     """The `limit` newest rows of several newest-first streams (each follows its own cursors, lazily)."""
     merged = heapq.merge(*streams, key=lambda r: (r.created_at, r.id), reverse=True)
@@ -119,7 +124,7 @@ def traces_list(model: Annotated[str | None, typer.Option(help="model name (exac
     try:
         with _client(server, token) as c:
             filters, said = _filters(c, model, hardware)
-            rows: list[TraceSummary] = _newest_first([c.list_traces(**f) for f in filters], limit)
+            rows: list[TraceSummary] = _newest_first([c.list_traces(limit=_page(limit), **f) for f in filters], limit)
     except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -188,7 +193,8 @@ def plans_list(model: Annotated[str | None, typer.Option(help="model name (exact
     try:
         with _client(server, token) as c:
             filters, said = _filters(c, model, hardware)
-            rows: list[PlanRecord] = _newest_first([c.list_plans(status=status, **f) for f in filters], limit)
+            rows: list[PlanRecord] = _newest_first(
+                [c.list_plans(status=status, limit=_page(limit), **f) for f in filters], limit)
     except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if as_json:
