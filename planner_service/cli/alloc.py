@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from client.cli.common import bytes_option, console, err_console
-from client.cli.files import ALLOCATION_TRACE, TRACE, WrongFile, identify, parse_as, read_json
+from client.cli.files import ALLOCATION_TRACE, TRACE, WrongFile, describe, identify, parse_as, read_json
 from client.cli.render import plural
 from client.units import format_bytes
 
@@ -42,9 +42,15 @@ def solve(
 
     cap = bytes_option(capacity)
     try:
+        if input_csv.read_bytes()[:64].lstrip()[:1] in (b"{", b"["):  # JSON where a CSV is wanted: say what it is
+            raise WrongFile(f"{input_csv} is {describe(read_json(input_csv))}, not a MiniMalloc CSV "
+                            "(id,lower,upper,size)")
         buffers = read_minimalloc_csv(input_csv)
         plan = plan_buffers(buffers, capacity_bytes=cap, alignment_bytes=alignment, time_limit_s=time_limit,
                             minimize=not (fit_only and cap is not None))
+    except WrongFile as exc:
+        err_console.print(f"[red]error[/]: {exc}", highlight=False)
+        raise typer.Exit(2) from exc
     except (AllocationInputError, OSError) as exc:
         err_console.print(f"[red]{input_csv}[/]: {exc}")
         raise typer.Exit(2) from exc

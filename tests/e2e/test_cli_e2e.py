@@ -174,6 +174,10 @@ def test_a_file_of_the_wrong_kind_is_named_in_one_line(tmp_path: Path) -> None:
         assert f"{plan} is a Plan" in res.stderr and "not a Trace" in res.stderr
     res = _memplan("alloc", "simulate", str(plan), env=served, check=False)
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "is a Plan" in res.stderr
+    res = _memplan("alloc", "solve", str(trace), "-o", str(tmp_path / "out.csv"), env=served, check=False)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert f"{trace} is a Trace" in res.stderr and "not a MiniMalloc CSV" in res.stderr
+    assert not (tmp_path / "out.csv").exists()
 
 
 def test_cli_reports_bad_input_without_a_traceback(served_sqlite: dict[str, str], tmp_path: Path) -> None:
