@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY client ./client
 COPY agent ./agent
 COPY planner_service ./planner_service
+COPY memplan ./memplan
 COPY migrations ./migrations
 RUN pip install . && useradd --create-home memplan
 USER memplan

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 DEFAULT_LOCAL_FEEDBACK = Path.home() / ".memplan" / "feedback.jsonl"
 
 
+_ANNOUNCED: set[Path] = set()  # local feedback files this process has told the user about
+
+
 def local_feedback_path() -> Path:
     """Where feedback is recorded locally: MEMPLAN_FEEDBACK_PATH, else ~/.memplan/feedback.jsonl."""
     env = os.environ.get("MEMPLAN_FEEDBACK_PATH")
@@ -77,6 +80,11 @@ class LocalSink:
         )
         with self.path.open("a") as f:
             f.write(line + "\n")
+        if self.path not in _ANNOUNCED:  # said once per file and process, not at every run's feedback
+            _ANNOUNCED.add(self.path)
+            log.warning("memplan: feedback (what was measured against the plan's predictions) is recorded in %s, "
+                        "not in a planner service: pass server= or set MEMPLAN_SERVER to keep it beside the plan; "
+                        "MEMPLAN_FEEDBACK_PATH moves the file", self.path)
         return f"recorded locally in {self.path}"
 
 

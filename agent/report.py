@@ -11,6 +11,11 @@ if TYPE_CHECKING:
     from client.contract import Feedback
 
 
+def _count(n: int, word: str) -> str:
+    """`1 chunk`, `2 chunks`."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 @dataclass
 class WrapReport:
     """Plan summary, predicted vs measured, and what the runtime did."""
@@ -69,8 +74,9 @@ class WrapReport:
 
     def __str__(self) -> str:
         lines = [
-            f"plan: {self.message} [{self.origin}]; solver {self.solver} ({self.solver_status}); modes {self.mode_strip}; "
-            f"{self.chunks} chunks, {self.offloaded_chunks} offloaded, {self.n_buffers} buffers",
+            f"plan: {self.message}{'' if self.origin in self.message else f' [{self.origin}]'}; solver {self.solver} ({self.solver_status}); modes {self.mode_strip}; "
+            f"{_count(self.chunks, 'chunk')}, {self.offloaded_chunks} offloaded, "
+            f"{_count(self.n_buffers, 'device buffer')} for offloaded chunks",
         ]
         for q, p, mm, e in self.rows():
             lines.append(f"  {q:<20} predicted {p:>12}  measured {mm:>12}  {e:>8}")

@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO))
 
 from _results import machine, save  # noqa: E402
 
-from client.cli.embedded import free_port, wait_until_ready  # noqa: E402
 from client.contract import EventArrays  # noqa: E402
 from client.contract.trace import CATEGORIES, PHASES  # noqa: E402
+from planner_service.embedded import free_port, wait_until_ready  # noqa: E402
 from planner_service.solver.synthetic import synthetic_trace  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "service_load.json"
@@ -354,20 +354,20 @@ def one_run(args: argparse.Namespace, bodies: list[list[bytes]]) -> tuple[Stats,
     port = free_port()
     env = {**os.environ, "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_RATE_LIMIT_PER_S": "100000",
            "MEMPLAN_RATE_LIMIT_BURST": "100000"}
-    subprocess.run([sys.executable, "-m", "client.cli", "db", "upgrade"], env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "memplan", "db", "upgrade"], env=env, check=True, capture_output=True)
     headers: dict[str, str] = {}
     if args.auth:
         env["MEMPLAN_AUTH"] = "true"
-        made = subprocess.run([sys.executable, "-m", "client.cli", "tokens", "create", "--project", "load"],
+        made = subprocess.run([sys.executable, "-m", "memplan", "tokens", "create", "--project", "load"],
                               env=env, check=True, capture_output=True, text=True)
         headers["authorization"] = f"Bearer {made.stdout.strip().splitlines()[-1]}"
     # The production layout (docker-compose.yml): API processes without solvers, a separate worker process
     # (SCHED_IDLE, as an operator would run batch work on a shared box: a CPU running only idle-class work
     # counts as idle when a request wakes up) so solves never take CPU or the GIL from requests.
-    server = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--workers", "0",
+    server = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--workers", "0",
                                "--processes", str(args.processes), "--log-level", "warning"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    worker_cmd = ["true"] if args.no_worker else ["chrt", "--idle", "0", sys.executable, "-m", "client.cli", "worker"]
+    worker_cmd = ["true"] if args.no_worker else ["chrt", "--idle", "0", sys.executable, "-m", "memplan", "worker"]
     worker = subprocess.Popen(worker_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

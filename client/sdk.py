@@ -237,9 +237,10 @@ class BaseClient:
         return APIRequest("GET", f"/v1/traces/{trace_id}", TraceRecord.model_validate)
 
     def _list_traces_page(self, model: str | None, hardware: str | None, limit: int, cursor: str | None,
-                          sort: str) -> APIRequest[Page[TraceSummary]]:
+                          sort: str, id_prefix: str | None) -> APIRequest[Page[TraceSummary]]:
         return APIRequest("GET", "/v1/traces", Page[TraceSummary].model_validate,
-                          params=_params(model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort))
+                          params=_params(model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort,
+                                         id_prefix=id_prefix))
 
     def _request_plan(self, trace_id: str, constraints: Constraints, solver: str) -> APIRequest[PlanRecord]:
         body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # the contract checks the name
@@ -251,10 +252,11 @@ class BaseClient:
                           headers=headers, timeout=DEFAULT_TIMEOUT_S + wait_s)
 
     def _list_plans_page(self, model: str | None, hardware: str | None, status: str | None, limit: int,
-                         cursor: str | None, sort: str, with_plan: bool) -> APIRequest[Page[PlanRecord]]:
+                         cursor: str | None, sort: str, with_plan: bool,
+                         id_prefix: str | None) -> APIRequest[Page[PlanRecord]]:
         return APIRequest("GET", "/v1/plans", Page[PlanRecord].model_validate,
                           params=_params(model=model, hardware=hardware, status=status, limit=limit, cursor=cursor,
-                                         sort=sort, with_plan=with_plan or None))
+                                         sort=sort, with_plan=with_plan or None, id_prefix=id_prefix))
 
     def _post_feedback(self, plan_id: str, feedback: Feedback) -> APIRequest[FeedbackRecord]:
         def parse(body: Any) -> FeedbackRecord:
@@ -320,8 +322,9 @@ class Client(BaseClient):
         return self._call(self._get_trace(trace_id))
 
     def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
-                         cursor: str | None = None, sort: str = "-created_at") -> Page[TraceSummary]:
-        return self._call(self._list_traces_page(model, hardware, limit, cursor, sort))
+                         cursor: str | None = None, sort: str = "-created_at",
+                         id_prefix: str | None = None) -> Page[TraceSummary]:
+        return self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
         """Every matching trace, newest first, following cursors."""
@@ -350,8 +353,8 @@ class Client(BaseClient):
 
     def list_plans_page(self, *, model: str | None = None, hardware: str | None = None, status: str | None = None,
                         limit: int = 50, cursor: str | None = None, sort: str = "-created_at",
-                        with_plan: bool = False) -> Page[PlanRecord]:
-        return self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan))
+                        with_plan: bool = False, id_prefix: str | None = None) -> Page[PlanRecord]:
+        return self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix))
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
         """Every matching plan, newest first, following cursors. Records carry the plan's `headline`; the
@@ -418,8 +421,9 @@ class AsyncClient(BaseClient):
         return await self._call(self._get_trace(trace_id))
 
     async def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
-                               cursor: str | None = None, sort: str = "-created_at") -> Page[TraceSummary]:
-        return await self._call(self._list_traces_page(model, hardware, limit, cursor, sort))
+                               cursor: str | None = None, sort: str = "-created_at",
+                         id_prefix: str | None = None) -> Page[TraceSummary]:
+        return await self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
 
     def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
         return _afollow(self.list_traces_page, filters)
@@ -443,8 +447,8 @@ class AsyncClient(BaseClient):
 
     async def list_plans_page(self, *, model: str | None = None, hardware: str | None = None,
                               status: str | None = None, limit: int = 50, cursor: str | None = None,
-                              sort: str = "-created_at", with_plan: bool = False) -> Page[PlanRecord]:
-        return await self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan))
+                              sort: str = "-created_at", with_plan: bool = False, id_prefix: str | None = None) -> Page[PlanRecord]:
+        return await self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix))
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:
         return _afollow(self.list_plans_page, filters)

@@ -54,7 +54,7 @@ class TraceFacts:
         return cls(content_hash=hashlib.sha256(canonical).hexdigest(), schema_version=trace.schema_version,
                    model_fingerprint=m.fingerprint, model_name=m.name, architecture=m.architecture,
                    parameter_count=m.parameter_count, hardware_key=h.key, device_type=h.device_type.value,
-                   device_name=h.device_name, device_memory_bytes=h.device_memory_bytes,
+                   device_name=h.device_name, device_memory_bytes=h.machine_device_memory_bytes,
                    device_count=h.device_count, workload_key=trace.workload.key, payload_gzip=payload_gzip,
                    payload_bytes=payload_bytes)
 

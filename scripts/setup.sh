@@ -23,4 +23,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VPY" -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
-"$VPY" -c 'import torch, client, planner_service, agent; print(f"memplan ready: torch {torch.__version__}, cuda available: {torch.cuda.is_available()}")'
+"$VPY" -c 'import torch, client, planner_service, agent, memplan; print(f"memplan ready: torch {torch.__version__}, cuda available: {torch.cuda.is_available()}")'
+./scripts/link_memplan.sh

@@ -177,10 +177,9 @@ def profile(
 
     params = [o.param for o in ordered]
     p_dtype = _majority_dtype(params)
-    hidden = _hidden_size(model)
     arch = type(model).__name__
     model_info = ModelInfo(
-        name=name or f"{arch}-{len(repeated_all)}L" + (f"-{hidden}H" if hidden else ""),
+        name=name or model_name(model, len(repeated_all)),
         architecture=arch,
         fingerprint=full_fingerprint,
         parameter_count=sum(p.numel() for p in params),
@@ -663,6 +662,13 @@ def _majority_dtype(params: list[nn.Parameter]) -> torch.dtype:
     for p in params:
         by[p.dtype] = by.get(p.dtype, 0) + p.numel()
     return max(by, key=lambda d: by[d])
+
+
+def model_name(model: nn.Module, n_blocks: int) -> str:
+    """The one name of a model, whoever profiles it (`agent.wrap`, `memplan profile`, the demo, a zoo model):
+    class, repeated blocks and hidden size, e.g. `Qwen2ForCausalLM-8L-512H`."""
+    hidden = _hidden_size(model)
+    return f"{type(model).__name__}-{n_blocks}L" + (f"-{hidden}H" if hidden else "")
 
 
 def _hidden_size(model: nn.Module) -> int | None:

@@ -57,7 +57,8 @@ class RuntimeReport:
         gib = 2**30
         m = self.memory
         return (
-            f"chunks {self.chunks} ({self.offloaded_chunks} offloaded, {self.n_buffers} buffers of "
+            f"chunks {self.chunks} ({self.offloaded_chunks} offloaded, {self.n_buffers} "
+            f"{'buffer' if self.n_buffers == 1 else 'buffers'} of "
             f"{self.chunk_size_bytes / 2**20:.1f} MiB), {self.compute_dtype} on {self.device}; "
             f"device {m.device_bytes / gib:.3f} GiB, host {m.host_bytes / gib:.3f} GiB "
             f"(pinned {m.pinned_host_bytes / gib:.3f} GiB); uploads {self.counters.uploads}, "

@@ -12,7 +12,7 @@ from rich.console import Console
 from client.units import parse_bytes
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # errors are not cut into lines: paths stay whole for copying
 
 
 def bytes_option(value: str | None) -> int | None:

@@ -1,29 +1,57 @@
-"""`memplan traces ...` and `memplan plans request|get|list`: talk to a planner service through the SDK."""
+"""`memplan traces ...`, `memplan plans request|get|list`, `memplan models`, `memplan hardware`: talk to a planner
+service through the SDK. Ids may be typed short (any unique prefix); lists take `--json`."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from pydantic import BaseModel
 
 from client.cli.common import ServerOpt, TokenOpt, bytes_option, console, err_console, server_url, write_json
-from client.cli.render import plan_table, plans_table
-from client.contract import Constraints, Trace
+from client.cli.files import TRACE, WrongFile, read_as
+from client.cli.lookup import (
+    LookupFailed,
+    match_hardware,
+    match_model,
+    resolve_plan_id,
+    resolve_trace_id,
+)
+from client.cli.render import (
+    feedback_table,
+    hardware_table,
+    models_table,
+    plan_table,
+    plans_table,
+    traces_table,
+)
+from client.contract import Constraints, PlanRecord, Trace, TraceSummary
 from client.errors import MemplanError
 from client.sdk import Client
 
 traces_app = typer.Typer(no_args_is_help=True, help="Upload and browse traces.")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the rows as a JSON array (whole ids) instead of a table")]
+LimitOpt = Annotated[int, typer.Option(min=1, help="most rows to show")]
 
 
 def _client(server: str | None, token: str | None) -> Client:
     return Client(server_url(server), token=token)
 
 
-def _fail(exc: MemplanError) -> typer.Exit:
-    err_console.print(f"[red]error[/]: {exc}")
+def _fail(exc: Exception) -> typer.Exit:
+    err_console.print(f"[red]error[/]: {exc}", highlight=False)
     return typer.Exit(1)
+
+
+def _print_json(rows: Sequence[BaseModel]) -> None:
+    # plain stdout, not rich: no wrapping or colour in what scripts read
+    typer.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=1))
 
 
 @traces_app.command("upload")
@@ -31,10 +59,9 @@ def traces_upload(file: Annotated[Path, typer.Argument(exists=True, dir_okay=Fal
                   server: ServerOpt = None, token: TokenOpt = None) -> None:
     """Upload a trace (gzip-compressed on the wire); prints its id."""
     try:
-        trace = Trace.model_validate_json(file.read_bytes())
-    except ValueError as exc:
-        err_console.print(f"[red]{file} is not a valid trace[/]:\n{exc}")
-        raise typer.Exit(1) from exc
+        trace = read_as(file, Trace, TRACE)
+    except WrongFile as exc:
+        raise _fail(exc) from exc
     try:
         with _client(server, token) as c:
             created = c.upload_trace(trace)
@@ -44,13 +71,14 @@ def traces_upload(file: Annotated[Path, typer.Argument(exists=True, dir_okay=Fal
 
 
 @traces_app.command("get")
-def traces_get(trace_id: str, output: Annotated[Path | None, typer.Option("-o", "--output")] = None,
+def traces_get(trace_id: Annotated[str, typer.Argument(help="trace id, or a unique prefix of it")],
+               output: Annotated[Path | None, typer.Option("-o", "--output")] = None,
                server: ServerOpt = None, token: TokenOpt = None) -> None:
     """Fetch a trace; writes it to --output or prints a summary."""
     try:
         with _client(server, token) as c:
-            record = c.get_trace(trace_id)
-    except MemplanError as exc:
+            record = c.get_trace(resolve_trace_id(c, trace_id))
+    except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if output:
         write_json(output, record.trace.model_dump_json(indent=1))
@@ -59,22 +87,53 @@ def traces_get(trace_id: str, output: Annotated[Path | None, typer.Option("-o", 
         console.print(f"{record.id} {record.model_name} on {record.hardware_key} ({record.workload_key})")
 
 
+def _filters(c: Client, model: str | None, hardware: str | None) -> tuple[list[dict[str, str | None]], str]:
+    """API filter sets for what was typed (a name may stand for several), and a caption saying what matched."""
+    models: Sequence[str | None] = [None]
+    keys: Sequence[str | None] = [None]
+    said = []
+    if model is not None:
+        matched = match_model(c.models(), model).values
+        models = matched
+        said.append(f"model {', '.join(matched)}")
+    if hardware is not None:
+        matched = match_hardware(c.hardware(), hardware).values
+        keys = matched
+        said.append(f"hardware {', '.join(matched)}")
+    return [{"model": m, "hardware": h} for m, h in itertools.product(models, keys)], "; ".join(said)
+
+
+def _page(limit: int) -> int:
+    """Rows per request: what the list shows, within the API's page limit."""
+    return min(limit, 1000)
+
+
+def _newest_first(streams: list[Iterator[Any]], limit: int) -> list[Any]:
+    """The `limit` newest rows of several newest-first streams (each follows its own cursors, lazily)."""
+    merged = heapq.merge(*streams, key=lambda r: (r.created_at, r.id), reverse=True)
+    return list(itertools.islice(merged, limit))
+
+
 @traces_app.command("list")
-def traces_list(model: Annotated[str | None, typer.Option(help="model name or fingerprint")] = None,
-                hardware: Annotated[str | None, typer.Option(help="hardware key")] = None,
-                limit: Annotated[int, typer.Option(help="most rows to show")] = 50,
+def traces_list(model: Annotated[str | None, typer.Option(help="model name (exact, prefix or substring) or "
+                                                                "fingerprint")] = None,
+                hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
+                limit: LimitOpt = 50, as_json: JsonOpt = False,
                 server: ServerOpt = None, token: TokenOpt = None) -> None:
     """List traces, newest first."""
     try:
         with _client(server, token) as c:
-            rows = list(itertools.islice(c.list_traces(model=model, hardware=hardware), limit))
-    except MemplanError as exc:
+            filters, said = _filters(c, model, hardware)
+            rows: list[TraceSummary] = _newest_first([c.list_traces(limit=_page(limit), **f) for f in filters], limit)
+    except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
-    for r in rows:
-        console.print(f"{r.id}  {r.created_at:%Y-%m-%d %H:%M:%S}  {r.model_name}  {r.hardware_key}  {r.workload_key}")
+    if as_json:
+        _print_json(rows)
+    else:
+        console.print(traces_table(rows, title="traces" + (f" ({said})" if said else "")))
 
 
-def plans_request(trace_id: str,
+def plans_request(trace_id: Annotated[str, typer.Argument(help="trace id, or a unique prefix of it")],
                   device_memory: Annotated[str, typer.Option(help="device memory limit, e.g. 24GiB")],
                   host_memory: Annotated[str | None, typer.Option(help="host memory limit, e.g. 256GiB")] = None,
                   time_limit: Annotated[float, typer.Option(help="solver time limit, seconds")] = 10.0,
@@ -86,30 +145,37 @@ def plans_request(trace_id: str,
                               host_memory_bytes=bytes_option(host_memory), time_limit_s=time_limit)
     try:
         with _client(server, token) as c:
-            record = c.request_plan(trace_id, constraints, solver=solver)
+            record = c.request_plan(resolve_trace_id(c, trace_id), constraints, solver=solver)
             console.print(f"{record.id}  {record.status}{' (reused)' if record.reused else ''}")
             if wait:
                 record = c.wait_for_plan(record.id)
-    except MemplanError as exc:
+    except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if wait:
         _show(record)
 
 
-def _show(record) -> None:  # type: ignore[no-untyped-def]
-    console.print(f"plan {record.id}: {record.status}" + (f" ({record.error})" if record.error else ""))
+def _show(record: PlanRecord) -> None:
+    console.print(f"plan {record.id}: {record.status}" + (f" ({record.error})" if record.error else ""),
+                  highlight=False)
     if record.plan is not None:
         console.print(plan_table(record.plan))
+    if record.feedback:
+        console.print(feedback_table(record))
+    elif record.status == "done":
+        console.print("feedback: none yet (the agent posts what it measured after applying the plan)")
 
 
-def plans_get(plan_id: str, wait: Annotated[bool, typer.Option(help="long-poll until finished")] = False,
+def plans_get(plan_id: Annotated[str, typer.Argument(help="plan id, or a unique prefix of it")],
+              wait: Annotated[bool, typer.Option(help="long-poll until finished")] = False,
               output: Annotated[Path | None, typer.Option("-o", "--output", help="write the Plan JSON")] = None,
               server: ServerOpt = None, token: TokenOpt = None) -> None:
-    """Show a plan (optionally wait for it)."""
+    """Show a plan, and the feedback measured while it was applied (optionally wait for it)."""
     try:
         with _client(server, token) as c:
-            record = c.wait_for_plan(plan_id) if wait else c.get_plan(plan_id)
-    except MemplanError as exc:
+            full = resolve_plan_id(c, plan_id)
+            record = c.wait_for_plan(full) if wait else c.get_plan(full)
+    except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     _show(record)
     if output and record.plan is not None:
@@ -117,15 +183,49 @@ def plans_get(plan_id: str, wait: Annotated[bool, typer.Option(help="long-poll u
         console.print(f"wrote {output}")
 
 
-def plans_list(model: Annotated[str | None, typer.Option(help="model name or fingerprint")] = None,
-               hardware: Annotated[str | None, typer.Option(help="hardware key")] = None,
+def plans_list(model: Annotated[str | None, typer.Option(help="model name (exact, prefix or substring) or "
+                                                               "fingerprint")] = None,
+               hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
                status: Annotated[str | None, typer.Option(help="queued|running|done|failed|infeasible")] = None,
-               limit: Annotated[int, typer.Option(help="most rows to show")] = 50,
+               limit: LimitOpt = 50, as_json: JsonOpt = False,
                server: ServerOpt = None, token: TokenOpt = None) -> None:
-    """List plans, newest first."""
+    """List plans, newest first (ids shown short: any unique prefix is accepted back)."""
     try:
         with _client(server, token) as c:
-            rows = list(itertools.islice(c.list_plans(model=model, hardware=hardware, status=status), limit))
+            filters, said = _filters(c, model, hardware)
+            rows: list[PlanRecord] = _newest_first(
+                [c.list_plans(status=status, limit=_page(limit), **f) for f in filters], limit)
+    except (MemplanError, LookupFailed) as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        _print_json(rows)
+    else:
+        console.print(plans_table(rows, title="plans" + (f" ({said})" if said else "")))
+
+
+def models(as_json: JsonOpt = False, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """List the models the service has traces of (names and fingerprints for `--model`)."""
+    try:
+        with _client(server, token) as c:
+            rows = c.models()
     except MemplanError as exc:
         raise _fail(exc) from exc
-    console.print(plans_table(rows))
+    if as_json:
+        _print_json(rows)
+    else:
+        console.print(models_table(rows))
+
+
+def hardware(as_json: JsonOpt = False, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """List the hardware the service has traces from (keys for `--hardware`)."""
+    try:
+        with _client(server, token) as c:
+            rows = c.hardware()
+    except MemplanError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        _print_json(rows)
+    else:
+        console.print(hardware_table(rows))
+
+

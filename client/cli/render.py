@@ -1,11 +1,17 @@
-"""Rich renderings of plans and plan records for the terminal."""
+"""Rich renderings of plans, plan records, traces and the catalog for the terminal."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from client.contract import Placement, Plan, PlanRecord
+from client.cli.lookup import short_id
+from client.contract import HardwareSummary, ModelSummary, Placement, Plan, PlanRecord, TraceSummary
 from client.units import format_bytes
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 buffer`, `2 buffers`."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
 def plan_table(plan: Plan, title: str = "plan") -> Table:
@@ -19,16 +25,17 @@ def plan_table(plan: Plan, title: str = "plan") -> Table:
     if s.message:
         t.add_row("", s.message)
     c = plan.constraints
-    host = format_bytes(c.host_memory_bytes) if c.host_memory_bytes else "trace's host memory"
-    t.add_row("limits", f"device {format_bytes(c.device_memory_bytes)}, host {host}")
+    host = format_bytes(c.host_memory_bytes) if c.host_memory_bytes else "the machine's memory as the trace measured it"
+    t.add_row("limits", f"device {format_bytes(c.device_memory_bytes)}; host {host}")
     if s.min_device_memory_bytes is not None:
         t.add_row("fits from", format_bytes(s.min_device_memory_bytes))
     if plan.policy is not None:
         p = plan.policy
         persistent = sum(1 for ch in p.chunks if ch.placement == Placement.persistent)
         strip = "".join("P" if ch.placement == Placement.persistent else "o" for ch in p.chunks)
-        t.add_row("chunks", f"{len(p.chunks)} x {format_bytes(p.chunk_size_bytes)}: {persistent} persistent, "
-                            f"{len(p.chunks) - persistent} offloaded, {p.n_buffers} buffers")
+        t.add_row("chunks", f"{plural(len(p.chunks), 'chunk')} of {format_bytes(p.chunk_size_bytes)}: {persistent} "
+                            f"persistent, {len(p.chunks) - persistent} offloaded, "
+                            f"{plural(p.n_buffers, 'device buffer')} for offloaded chunks")
         t.add_row("chunk strip", f"{strip}  (P persistent, o offloaded)")
         t.add_row("block modes", f"{p.mode_strip()}  (K keep, C checkpoint, S swap)")
     if plan.predictions is not None:
@@ -39,17 +46,66 @@ def plan_table(plan: Plan, title: str = "plan") -> Table:
         t.add_row("peak memory", f"device {format_bytes(pr.peak_device_bytes)}, host {format_bytes(pr.peak_host_bytes)}")
     if plan.allocation is not None:
         a = plan.allocation
-        t.add_row("allocation", f"arena {format_bytes(a.arena_bytes)} vs lower bound {format_bytes(a.lower_bound_bytes)}"
-                                f" (gap {a.gap:.2%}, {a.status.value}, {len(a.offsets)} buffers)")
+        # The service places the buffers of the profiled iteration (the trace's allocation trace, recorded
+        # without this plan's offloading and recomputation): say so, it is not the managed run's arena.
+        t.add_row("allocation", f"profiled (un-managed) iteration: arena {format_bytes(a.arena_bytes)} vs live-bytes "
+                                f"bound {format_bytes(a.lower_bound_bytes)} (gap {a.gap:.2%}, {a.status.value}, "
+                                f"{plural(len(a.offsets), 'buffer')} placed)")
     return t
 
 
-def plans_table(records: list[PlanRecord]) -> Table:
-    t = Table(title="plans")
+def feedback_table(record: PlanRecord) -> Table:
+    """What the agent measured each time the plan was applied, against the plan's predictions."""
+    t = Table(title=f"feedback ({plural(len(record.feedback), 'run')} measured)")
+    for col in ("received", "steps", "iteration", "error", "peak device", "error", "peak host", "notes"):
+        t.add_column(col, justify="left" if col in ("received", "notes") else "right")
+
+    def err(x: float | None) -> str:
+        return "-" if x is None else f"{x * 100:+.1f}%"
+
+    for f in record.feedback:
+        fb = f.feedback
+        t.add_row(f.created_at.strftime("%Y-%m-%d %H:%M:%S"), str(fb.steps_measured), f"{fb.iteration_s * 1e3:.1f} ms",
+                  err(f.iteration_error), format_bytes(fb.peak_device_bytes), err(f.peak_device_error),
+                  format_bytes(fb.peak_host_bytes), fb.notes or "")
+    return t
+
+
+def plans_table(records: list[PlanRecord], title: str = "plans") -> Table:
+    t = Table(title=title)
     for col in ("id", "status", "model", "hardware", "device limit", "predicted", "created"):
         t.add_column(col)
     for r in records:
         pred = r.headline.predictions if r.headline else None
-        t.add_row(r.id[:12], r.status, r.model_name, r.hardware_key, format_bytes(r.constraints.device_memory_bytes),
+        t.add_row(short_id(r.id), r.status, r.model_name, r.hardware_key,
+                  format_bytes(r.constraints.device_memory_bytes),
                   f"{pred.iteration_s * 1e3:.1f} ms" if pred else "-", r.created_at.strftime("%Y-%m-%d %H:%M:%S"))
+    return t
+
+
+def traces_table(rows: list[TraceSummary], title: str = "traces") -> Table:
+    t = Table(title=title)
+    for col in ("id", "model", "hardware", "workload", "created"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(short_id(r.id), r.model_name, r.hardware_key, r.workload_key, r.created_at.strftime("%Y-%m-%d %H:%M:%S"))
+    return t
+
+
+def models_table(rows: list[ModelSummary]) -> Table:
+    t = Table(title="models (--model takes a name, a prefix or part of one, or a fingerprint)")
+    for col in ("name", "fingerprint", "architecture", "parameters", "traces", "plans"):
+        t.add_column(col, justify="right" if col in ("parameters", "traces", "plans") else "left")
+    for m in rows:
+        t.add_row(m.name, short_id(m.fingerprint), m.architecture, f"{m.parameter_count:,}", str(m.traces), str(m.plans))
+    return t
+
+
+def hardware_table(rows: list[HardwareSummary]) -> Table:
+    t = Table(title="hardware (--hardware takes a key, a prefix or part of one)")
+    for col in ("key", "device", "memory per device", "devices", "traces", "plans"):
+        t.add_column(col, justify="right" if col in ("memory per device", "devices", "traces", "plans") else "left")
+    for h in rows:
+        t.add_row(h.key, f"{h.device_type} {h.device_name}", format_bytes(h.device_memory_bytes), str(h.device_count),
+                  str(h.traces), str(h.plans))
     return t

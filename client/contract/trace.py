@@ -118,10 +118,18 @@ class Hardware(ContractModel):
     bandwidth: BandwidthCurves
 
     @property
+    def machine_device_memory_bytes(self) -> int:
+        """The memory of one device as the machine has it: a CPU "device" is the host itself, so its memory is
+        the host RAM (its `device_memory_bytes` is the limit a job planned under, which names no machine)."""
+        return self.host_memory_bytes if self.device_type == DeviceType.cpu else self.device_memory_bytes
+
+    @property
     def key(self) -> str:
-        """Stable identity used to group traces and plans by hardware."""
-        gib = self.device_memory_bytes // 2**30
-        return f"{self.device_type.value}:{self.device_name}:{gib}GiB:x{self.device_count}"
+        """Stable identity used to group traces and plans by hardware: device type, name, memory, count.
+        Memory under 1 GiB is written in MiB, never as 0GiB."""
+        memory = self.machine_device_memory_bytes
+        size = f"{memory // 2**30}GiB" if memory >= 2**30 else f"{memory // 2**20}MiB"
+        return f"{self.device_type.value}:{self.device_name}:{size}:x{self.device_count}"
 
 
 class Software(ContractModel):

@@ -141,6 +141,8 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
                model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
                hardware: Annotated[str | None, Query(description="hardware key")] = None,
                status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
+               id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="plans whose id "
+                                                      "starts with this (the CLI's short ids)")] = None,
                sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
                limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                cursor: str | None = None,
@@ -150,7 +152,8 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
     try:
         page = PlanRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, status=status,
                                             limit=min(limit, settings.list_limit_max), cursor=cursor,
-                                            descending=sort.startswith("-"), with_result=with_plan)
+                                            descending=sort.startswith("-"), with_result=with_plan,
+                                            id_prefix=id_prefix)
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
     return JSONResponse({"items": [plan_record_json(r, with_feedback=False, with_plan=with_plan) for r in page.items],

@@ -67,12 +67,14 @@ def get_trace(trace_id: str, session: SessionDep, principal: PrincipalDep) -> Tr
 def list_traces(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
                 model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
                 hardware: Annotated[str | None, Query(description="hardware key")] = None,
+                id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="traces whose id "
+                                                       "starts with this (the CLI's short ids)")] = None,
                 sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
                 limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                 cursor: str | None = None) -> Page[TraceSummary]:
     try:
         page = TraceRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, limit=min(limit, settings.list_limit_max),
-                                             cursor=cursor, descending=sort.startswith("-"))
+                                             cursor=cursor, descending=sort.startswith("-"), id_prefix=id_prefix)
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
     return Page[TraceSummary](items=[trace_summary(r) for r in page.items], next_cursor=page.next_cursor)

@@ -134,8 +134,10 @@ class TraceRepository:
                 pass
 
     def list(self, *, project_id: str, model: str | None, hardware: str | None, limit: int, cursor: str | None,
-             descending: bool = True) -> PageResult[TraceRow]:
+             descending: bool = True, id_prefix: str | None = None) -> PageResult[TraceRow]:
         stmt = select(TraceRow).join(ModelRow).where(TraceRow.project_id == project_id)
+        if id_prefix:
+            stmt = stmt.where(TraceRow.id.startswith(id_prefix, autoescape=True))
         if model:
             stmt = stmt.where(or_(TraceRow.model_fingerprint == model, ModelRow.name == model))
         if hardware:
@@ -193,7 +195,8 @@ class PlanRepository:
         return row
 
     def list(self, *, project_id: str, model: str | None, hardware: str | None, status: str | None, limit: int,
-             cursor: str | None, descending: bool = True, with_result: bool = False) -> PageResult[PlanRow]:
+             cursor: str | None, descending: bool = True, with_result: bool = False,
+             id_prefix: str | None = None) -> PageResult[PlanRow]:
         """A page of plans with their models; the stored Plans (megabytes each) only `with_result`."""
         stmt = (select(PlanRow).join(ModelRow, ModelRow.fingerprint == PlanRow.model_fingerprint)
                 .where(PlanRow.project_id == project_id)
@@ -204,6 +207,8 @@ class PlanRepository:
             stmt = stmt.where(PlanRow.hardware_key == hardware)
         if status:
             stmt = stmt.where(PlanRow.status == status)
+        if id_prefix:
+            stmt = stmt.where(PlanRow.id.startswith(id_prefix, autoescape=True))
         return _page(self.s, stmt, PlanRow, limit, cursor, descending)
 
     def queue_depth(self) -> int:

@@ -129,6 +129,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
     best: _Best | None = None
     bounds: list[float] = []
     statuses: list[str] = []
+    by_size: list[tuple[int, str]] = []  # (chunk size, CP-SAT status) for the solver's message
     baselines: list[tuple[PolicyInstance, protrain.ProTrainResult]] = []
     for lay in layouts:
         inst = build_instance(trace, lay, constraints, params)
@@ -149,6 +150,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         res = cpsat_solve.solve_layout(inst, hint=hint, time_limit_s=budget, seed=seed, cutoff_ns=cutoff,
                                        gap_limit=gap_limit)
         statuses.append(res.status)
+        by_size.append((inst.layout.chunk_size_bytes, res.status))
         bounds.append(res.lower_bound_ns)
         if res.decision is not None and res.cost is not None and res.cost.fits and (
                 best is None or res.cost.iteration_ns < best.cost.iteration_ns):
@@ -167,7 +169,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
             f"nothing fits {constraints.device_memory_bytes} device bytes (alpha {params.alpha:.3f}) within the host "
             f"limits; {fits} (chunk sizes tried: {sizes})"
             if status == SolverStatus.infeasible
-            else f"no policy found within {constraints.time_limit_s}s (chunk sizes tried: {sizes}); statuses {statuses}"
+            else f"no policy found within {constraints.time_limit_s}s ({_per_size(by_size)})"
         )
         return Plan(
             trace_hash=trace.content_hash(),
@@ -204,8 +206,13 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
             best_bound=best_bound,
             gap=gap_out,
             solve_s=time.perf_counter() - t0,
-            message=f"chunk size {best.inst.layout.chunk_size_bytes >> 20}MiB of [{sizes}]; "
-            f"layout statuses {statuses or ['protrain search']}; alpha {params.alpha:.3f}; "
+            message=f"chunk size {best.inst.layout.chunk_size_bytes >> 20}MiB of {sizes} "
+            f"({_per_size(by_size) if by_size else 'ProTrain search'}); alpha {params.alpha:.3f}; "
             f"copies {'overlap compute' if params.copy_overlap else 'serial with compute (cpu device)'}",
         ),
     )
+
+
+def _per_size(by_size: list[tuple[int, str]]) -> str:
+    """CP-SAT's answer for each chunk size tried, e.g. "CP-SAT 1MiB optimal, 32MiB infeasible"."""
+    return "CP-SAT " + ", ".join(f"{size >> 20}MiB {status}" for size, status in sorted(by_size))

@@ -72,7 +72,8 @@ def memory_charts(plan: Plan, trace: Trace | None, measured_peak_bytes: int | No
 
 def _arena(plan: Plan) -> Marker:
     assert plan.allocation is not None
-    return Marker("allocation arena", plan.allocation.arena_bytes, "arena")
+    # the arena placing the profiled (un-managed) iteration's buffers, not a run under this plan
+    return Marker("arena of the profiled iteration", plan.allocation.arena_bytes, "arena")
 
 
 def requirement_chart(plan: Plan) -> MemoryChart:

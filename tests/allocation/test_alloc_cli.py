@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from client.cli.main import app
+from memplan.cli import app
 from tests.allocation.conftest import event, trace
 
 runner = CliRunner()

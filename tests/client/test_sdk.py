@@ -16,10 +16,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from client import AsyncClient, Client
-from client.cli.embedded import EmbeddedServer, free_port
 from client.contract import Constraints, Feedback
 from client.errors import APIConnectionError, NotFoundError, ServiceUnavailableError, UnprocessableEntityError
 from client.sdk import retry_delay
+from planner_service.embedded import EmbeddedServer, free_port
 from planner_service.solver.synthetic import synthetic_trace
 
 

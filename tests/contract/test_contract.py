@@ -229,7 +229,20 @@ def test_bad_byte_size_names_the_input() -> None:
 
 
 def test_client_imports_without_torch_fastapi_or_ortools() -> None:
-    code = ("import sys, client, client.sdk, client.cli.main; "
+    code = ("import sys, client, client.sdk, client.cli.remote, memplan.cli; "
             "bad=[m for m in ('torch','fastapi','ortools','sqlalchemy') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hardware_key_names_the_cpu_by_its_ram_and_never_says_0gib() -> None:
+    from client.contract import DeviceType
+
+    hw = synthetic_trace(n_blocks=2).hardware
+    cpu = hw.model_copy(update={"device_type": DeviceType.cpu, "device_name": "AMD EPYC",
+                                "device_memory_bytes": 200 * 2**20, "host_memory_bytes": 64 * 2**30})
+    assert cpu.key == "cpu:AMD EPYC:64GiB:x1"  # a limit of 200 MiB a job planned under names no machine
+    assert cpu.machine_device_memory_bytes == 64 * 2**30
+    small = hw.model_copy(update={"device_memory_bytes": 512 * 2**20})
+    assert small.key.endswith(":512MiB:x1")
+    assert hw.key.endswith(":80GiB:x1")

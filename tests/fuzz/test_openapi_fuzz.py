@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from client.cli.embedded import EmbeddedServer
 from planner_service.db.migrate import upgrade
+from planner_service.embedded import EmbeddedServer
 from planner_service.settings import Settings
 
 pytestmark = pytest.mark.slow

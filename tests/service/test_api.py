@@ -232,3 +232,25 @@ def test_lists_carry_headlines_and_whole_plans_only_when_asked(api, trace, db_ur
     upgrade(db_url)
     (again,) = api.get("/v1/plans").json()["items"]
     assert again["headline"] == head
+
+
+def test_lists_filter_by_id_prefix_and_refuse_anything_but_hex(api, trace) -> None:  # type: ignore[no-untyped-def]
+    trace_id = _upload(api, trace)
+    plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
+    assert [t["id"] for t in api.get("/v1/traces", params={"id_prefix": trace_id[:5]}).json()["items"]] == [trace_id]
+    assert [p["id"] for p in api.get("/v1/plans", params={"id_prefix": plan_id[:12]}).json()["items"]] == [plan_id]
+    other = "0" if plan_id[0] != "0" else "1"
+    assert api.get("/v1/plans", params={"id_prefix": other + plan_id[1:]}).json()["items"] == []
+    for bad in ("%", "_", "ABC", "x" * 3, "0" * 33):  # LIKE wildcards never reach the query
+        r = api.get("/v1/plans", params={"id_prefix": bad})
+        assert r.status_code == 422 and "id_prefix" in r.text, (bad, r.text)
+
+
+def test_a_cpu_machine_is_listed_with_its_ram_not_the_limit_a_job_set(api, trace) -> None:  # type: ignore[no-untyped-def]
+    from client.contract import DeviceType
+
+    hw = trace.hardware.model_copy(update={"device_type": DeviceType.cpu, "device_name": "AMD EPYC",
+                                           "device_memory_bytes": 200 * 2**20, "host_memory_bytes": 64 * 2**30})
+    _upload(api, trace.model_copy(update={"hardware": hw}))
+    [row] = [h for h in api.get("/v1/hardware").json() if h["device_type"] == "cpu"]
+    assert row["key"] == "cpu:AMD EPYC:64GiB:x1" and row["device_memory_bytes"] == 64 * 2**30

@@ -84,7 +84,7 @@ def test_service_refuses_a_public_address_without_auth() -> None:
         check_bind("0.0.0.0", Settings(database_url="sqlite://"))
     check_bind("127.0.0.1", Settings(database_url="sqlite://"))
     check_bind("0.0.0.0", Settings(database_url="sqlite://", auth=True))
-    res = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
+    res = subprocess.run([sys.executable, "-m", "memplan", "serve", "--host", "0.0.0.0", "--port", "1"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "without authentication" in res.stdout + res.stderr
 
@@ -93,7 +93,7 @@ def test_tokens_cli_prints_a_token_that_works(settings: Settings) -> None:
     import os
 
     env = {**os.environ, "MEMPLAN_DATABASE_URL": settings.database_url}
-    res = subprocess.run([sys.executable, "-m", "client.cli", "tokens", "create", "--project", "team-x"],
+    res = subprocess.run([sys.executable, "-m", "memplan", "tokens", "create", "--project", "team-x"],
                          capture_output=True, text=True, timeout=60, env=env, check=True)
     token = res.stdout.strip().splitlines()[-1]
     assert token.startswith("mp_")

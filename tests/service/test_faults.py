@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from client.cli.embedded import EmbeddedServer, free_port
 from planner_service.db.migrate import upgrade
+from planner_service.embedded import EmbeddedServer, free_port
 from planner_service.settings import Settings
 from planner_service.solver.synthetic import synthetic_trace
 
@@ -27,7 +27,7 @@ LIMITS = {"device_memory_bytes": 2**34}
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "client.cli", *args], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "memplan", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

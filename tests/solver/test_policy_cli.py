@@ -6,8 +6,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from client.cli.main import app
 from client.contract import Plan, SolverStatus
+from memplan.cli import app
 from planner_service.solver.cpsat_solve import RELATIVE_GAP_LIMIT
 from planner_service.solver.synthetic import synthetic_trace
 

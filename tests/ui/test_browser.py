@@ -47,7 +47,7 @@ def _browse(chromium: str, profile: Path, url: str, *extra: str) -> subprocess.C
 def server(settings, monkeypatch) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """The real app with the UI on a loopback port (uvicorn on a thread, its worker included)."""
     import planner_service.app
-    from client.cli.embedded import EmbeddedServer
+    from planner_service.embedded import EmbeddedServer
 
     from .conftest import with_ui
 

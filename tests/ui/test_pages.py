@@ -90,6 +90,10 @@ def test_plan_page_shows_chart_modes_chunks_comparison_and_solver_report(ui, sol
     assert len(dom.all("polyline", "series")) == len(charts)
     labels = " ".join(t.text for t in dom.all("text"))
     assert "device limit 64.00 MiB" in labels and "measured peak 50.00 MiB" in labels
+    # the allocation the service planned is the profiled (un-managed) iteration's, and the page says so
+    assert "arena of the profiled iteration" in labels and "allocation arena" not in labels
+    assert "Allocation plan of the profiled iteration" in r.text
+    assert "trace's host memory" not in r.text and "layout statuses" not in r.text
     assert re.search(r"device memory \((MiB|GiB)\)", labels)
 
     cells = dom.all("g", "mode-cell")

@@ -66,3 +66,22 @@ def test_feedback_to_a_hung_service_is_posted_in_the_background_then_recorded_lo
     assert line["feedback"]["peak_device_bytes"] > 0
     mon.close()
     unwrap(w)
+
+
+def test_feedback_kept_locally_says_where_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, cfg = build("gpt2", layers=2, hidden=64, vocab=128, seq=32, seed=0)
+    batch = sample_batch(cfg, 2, 32)
+    local = tmp_path / "fb.jsonl"
+    for _ in range(2):  # two jobs in one process: told once
+        w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                 plan=manual_plan(model, chunk_size_bytes=2**20), feedback_steps=4, feedback_path=local)
+        with caplog.at_level("WARNING", logger="agent.feedback"):
+            for _ in range(4):
+                w.model(**batch).loss.backward()
+                w.optimizer.step()
+                w.optimizer.zero_grad()
+        assert w.report().feedback_to == f"recorded locally in {local}"
+        unwrap(w)
+    told = [r.getMessage() for r in caplog.records if str(local) in r.getMessage()]
+    assert len(told) == 1 and "MEMPLAN_SERVER" in told[0] and "MEMPLAN_FEEDBACK_PATH" in told[0]
+    assert len(local.read_text().splitlines()) == 2

@@ -18,8 +18,8 @@ from torch import nn
 
 from agent.model_zoo import build, sample_batch
 from agent.wrap import Wrapped, unwrap, wrap
-from client.cli.embedded import EmbeddedServer, free_port
 from client.contract import Feedback
+from planner_service.embedded import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5

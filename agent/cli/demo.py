@@ -80,7 +80,12 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
     console.print(f"   peak device memory {format_bytes(plain_peak)}, {plain_iter * 1e3:.0f} ms/iteration; "
                   f"limit for the managed run: {format_bytes(limit)}")
 
-    with _service(server) as url:
+    service = _service(server)
+    with service as url:
+        if server is None:
+            console.print(f"   planner service: in-process at {url}, database {service.database} (the database "
+                          "`memplan serve` uses in this environment: the demo's traces, plans and feedback stay "
+                          "there; MEMPLAN_DATABASE_URL picks another)", highlight=False)
         console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
         model = copy.deepcopy(base).to(device)  # type: ignore[arg-type]
         run = wrap(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
@@ -189,7 +194,7 @@ def _service(server: str | None):  # type: ignore[no-untyped-def]
 
     if server:
         return nullcontext(server)
-    from client.cli.embedded import EmbeddedServer
+    from planner_service.embedded import EmbeddedServer
     from planner_service.settings import get_settings
 
     return EmbeddedServer(get_settings())

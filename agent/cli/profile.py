@@ -62,8 +62,7 @@ def profile(
         net.to(dev)  # type: ignore[call-arg,arg-type]  # with --max-blocks the profiler moves only the profiled blocks
     try:
         trace = run_profile(net, sample, device=dev, allocation_trace=not no_allocation_trace, max_blocks=max_blocks,
-                            repeats=repeats, device_memory_limit=limit,
-                            name=f"{model}-{layers}L-{hidden}H")
+                            repeats=repeats, device_memory_limit=limit)  # named as agent.wrap names it
     except (BlockDetectionError, ProfilerInputError) as exc:
         err_console.print(f"[red]profile[/]: {exc}")
         raise typer.Exit(2) from exc

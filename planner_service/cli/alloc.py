@@ -5,13 +5,14 @@ Heavy modules (numba, the solver) are imported inside the commands, so `import c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from client.cli.common import bytes_option, console, err_console
+from client.cli.files import ALLOCATION_TRACE, TRACE, WrongFile, describe, identify, parse_as, read_json
+from client.cli.render import plural
 from client.units import format_bytes
 
 app = typer.Typer(
@@ -41,9 +42,15 @@ def solve(
 
     cap = bytes_option(capacity)
     try:
+        if input_csv.read_bytes()[:64].lstrip()[:1] in (b"{", b"["):  # JSON where a CSV is wanted: say what it is
+            raise WrongFile(f"{input_csv} is {describe(read_json(input_csv))}, not a MiniMalloc CSV "
+                            "(id,lower,upper,size)")
         buffers = read_minimalloc_csv(input_csv)
         plan = plan_buffers(buffers, capacity_bytes=cap, alignment_bytes=alignment, time_limit_s=time_limit,
                             minimize=not (fit_only and cap is not None))
+    except WrongFile as exc:
+        err_console.print(f"[red]error[/]: {exc}", highlight=False)
+        raise typer.Exit(2) from exc
     except (AllocationInputError, OSError) as exc:
         err_console.print(f"[red]{input_csv}[/]: {exc}")
         raise typer.Exit(2) from exc
@@ -72,7 +79,6 @@ def simulate(
     iterations: Annotated[int, typer.Option(help="iterations replayed back to back")] = 2,
 ) -> None:
     """Print PyTorch's caching allocator figures on TRACE.json beside the planned arena's."""
-    from pydantic import ValidationError
     from rich.table import Table
 
     from client.contract import AllocationTrace, Trace
@@ -83,25 +89,20 @@ def simulate(
     )
 
     try:
-        data = json.loads(trace_json.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        err_console.print(f"[red]{trace_json}[/]: {exc}")
-        raise typer.Exit(2) from exc
-    try:
-        if isinstance(data, dict) and "allocation_trace" in data:
-            alloc = Trace.model_validate(data).allocation_trace
+        data = read_json(trace_json)
+        if identify(data) is TRACE:
+            alloc = parse_as(trace_json, data, Trace, TRACE).allocation_trace
             if alloc is None:
-                err_console.print(f"[red]{trace_json}[/]: allocation_trace is null (profile with allocation_trace=True)")
-                raise typer.Exit(2)
+                raise WrongFile(f"{trace_json}: its allocation_trace is null (profile without --no-allocation-trace)")
         else:
-            alloc = AllocationTrace.model_validate(data)
-    except ValidationError as exc:
-        err_console.print(f"[red]{trace_json}[/]: {exc}")
+            alloc = parse_as(trace_json, data, AllocationTrace, ALLOCATION_TRACE)
+    except WrongFile as exc:
+        err_console.print(f"[red]error[/]: {exc}", highlight=False)
         raise typer.Exit(2) from exc
     plan = plan_allocation(alloc, alignment_bytes=alignment, time_limit_s=time_limit)
     validate_allocation(alloc, plan)
     sim = simulate_caching_allocator(alloc, iterations=iterations)
-    table = Table(title=f"{trace_json.name}: {len(alloc.events)} buffers, horizon {alloc.horizon}")
+    table = Table(title=f"{trace_json.name}: {plural(len(alloc.events), 'buffer')}, horizon {alloc.horizon}")
     table.add_column("")
     table.add_column("planned arena", justify="right")
     table.add_column("caching allocator", justify="right")

@@ -45,7 +45,8 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     from planner_service.observability import configure_logging
 
     configure_logging(log_level.upper())
-    console.print(f"memplan serving on http://{host}:{port} (database: {_redact(settings.database_url)})")
+    console.print(f"memplan serving on http://{host}:{port} (database: {_redact(settings.database_url)}; "
+                  "`memplan demo` without --server uses the same one in this environment)", highlight=False)
     if processes > 1:
         if settings.is_sqlite:
             err_console.print("[red]--processes > 1 needs PostgreSQL[/] (SQLite allows one writer process)")

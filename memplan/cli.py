@@ -1,10 +1,18 @@
-"""Entry point of the `memplan` command: registers each area's commands (heavy imports stay inside them)."""
+"""Entry point of the `memplan` command: assembles each package's commands into one typer app.
+
+`client.cli` holds the commands that only talk HTTP (and the shared console, size options and renderings);
+`planner_service.cli` the ones that run the service or a solver in this process; `agent.cli` the ones that run
+the agent on a model. Heavy imports (torch, ortools, fastapi) stay inside the commands, so `memplan --help`
+starts fast.
+"""
 
 from __future__ import annotations
 
 import typer
 
-from client.cli import alloc, demo, policy, profile, remote, service
+from agent.cli import demo, profile
+from client.cli import remote
+from planner_service.cli import alloc, service, solve
 
 app = typer.Typer(no_args_is_help=True, help="memplan: plan GPU memory for LLM training.")
 
@@ -12,7 +20,7 @@ plans_app = typer.Typer(no_args_is_help=True, help="Request, inspect and solve p
 plans_app.command("request")(remote.plans_request)
 plans_app.command("get")(remote.plans_get)
 plans_app.command("list")(remote.plans_list)
-plans_app.command("solve")(policy.solve)
+plans_app.command("solve")(solve.solve)
 
 app.command("serve")(service.serve)
 app.command("worker")(service.worker)
@@ -21,6 +29,8 @@ app.add_typer(service.tokens_app, name="tokens")
 app.add_typer(remote.traces_app, name="traces")
 app.add_typer(plans_app, name="plans")
 app.add_typer(plans_app, name="plan", hidden=True)  # `memplan plan solve` reads naturally too
+app.command("models")(remote.models)
+app.command("hardware")(remote.hardware)
 app.add_typer(alloc.app, name="alloc")
 app.command("profile")(profile.profile)
 app.command("demo")(demo.demo)

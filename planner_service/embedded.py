@@ -42,11 +42,14 @@ class EmbeddedServer:
 
     def __init__(self, settings: Settings, *, port: int | None = None, workers: int | None = None) -> None:
         import uvicorn
+        from sqlalchemy.engine import make_url
 
         from planner_service.app import create_app
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # the database it serves, password hidden: what a person is told it writes to
+        self.database = make_url(settings.database_url).render_as_string(hide_password=True)
         config = uvicorn.Config(create_app(settings, workers=workers), host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)

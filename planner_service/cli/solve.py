@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from client.cli.common import bytes_option, console, err_console, write_json
+from client.cli.files import TRACE, WrongFile, read_as
 
 
 def solve(
@@ -29,9 +29,9 @@ def solve(
     from planner_service.solver import solve as solve_plan
 
     try:
-        trace = Trace.model_validate(json.loads(trace_json.read_text()))
-    except (OSError, json.JSONDecodeError, ValidationError) as exc:
-        err_console.print(f"[red]{trace_json}[/]: {exc}")
+        trace = read_as(trace_json, Trace, TRACE)
+    except WrongFile as exc:
+        err_console.print(f"[red]error[/]: {exc}", highlight=False)
         raise typer.Exit(2) from exc
     device_bytes = bytes_option(device_memory)
     assert device_bytes is not None  # a required option

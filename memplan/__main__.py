@@ -1,0 +1,5 @@
+"""`python -m memplan` runs the `memplan` command."""
+
+from memplan.cli import app
+
+app()
