@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,7 +61,15 @@ class ChunkState:
     flushes: int = 0  # gradient copies into host_grad since zero_grad (0: the next one overwrites)
     complete: bool = False  # all expected grads of this backward have reached the host
     recompute_pins: int = 0  # pins taken by recomputation in backward, held until gradients complete
-    stepped: bool = False  # the host optimizer step for this chunk ran since the last optimizer.step()
+    stepped: bool = False  # a speculative host step for this chunk ran since the last optimizer.step()
+    # speculation (offloaded only): the gradient `.grad` shows after backward, and what undoing a step needs
+    user_grad: torch.Tensor | None = None  # host, compute dtype; the parameters' `.grad` are views of it
+    user_grad_filled: bool = False  # filled from host_grad since this backward's end (or the step)
+    exposed: bool = False  # the parameters' `.grad` point into user_grad
+    backup_master: torch.Tensor | None = None  # fp32 master before the speculative step
+    spec_backup: bool = False  # the speculative step can be undone (master and optimizer state kept)
+    spec_hypers: list[dict[str, Any]] | None = None  # hyper-parameters the speculative step used
+    spec_touched: frozenset[int] = frozenset()  # entries the speculative step stepped
     host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
     pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await
 

@@ -17,10 +17,17 @@ class RuntimeOptions:
         it is not fp32 the runtime keeps an fp32 master copy (mixed precision). An fp32 model wrapped
         with compute_dtype=torch.bfloat16 keeps its exact fp32 values as master.
     overlap_host_step: run each offloaded chunk's host optimizer step as soon as its gradients reach the
-        host, overlapped with the rest of backward (default). Set False to defer the host steps to
-        `optimizer.step()`: needed for `clip_grad_norm_` and for gradient accumulation over several
-        backward passes, since both need every gradient before any parameter changes (and to skip a
-        step, e.g. after an inf/NaN check: overlapped steps cannot be undone).
+        host, overlapped with the rest of backward (default). These steps are speculative: after backward
+        every offloaded parameter exposes `.grad` (a host tensor), and `optimizer.step()` checks whether
+        that gradient was changed since (clipping, unscaling, any user edit), whether the hyper-parameters
+        changed, or whether another backward came first (gradient accumulation); only the chunks whose
+        speculative step was wrong are restored from their backup and stepped again. `zero_grad()`
+        without `step()` undoes them. Set False to run every host step at `optimizer.step()` (no backup
+        memory, no overlap).
+    undo_host_steps: keep, per offloaded chunk, what undoing a speculative step needs (a copy of the fp32
+        master and of the optimizer state, on the host) (default True). False saves that host memory;
+        then a gradient changed after an overlapped step (e.g. clipping that actually scales) raises an
+        error instead of being honoured. Ignored when overlap_host_step is False.
     async_step: let `optimizer.step()` return before the host optimizer steps finish (default False).
         Each chunk's next upload waits for its own step, so deferred host steps overlap the next
         forward; but until `wrapped.synchronize()` (or a state dict, clip, report) offloaded
@@ -31,5 +38,6 @@ class RuntimeOptions:
     device: torch.device | str | None = None
     compute_dtype: torch.dtype | None = None
     overlap_host_step: bool = True
+    undo_host_steps: bool = True
     async_step: bool = False
     measure_uploads: bool = False
