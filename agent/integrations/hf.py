@@ -68,6 +68,8 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper, if the user prepared one
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    # the Trainer clips by default (max_grad_norm=1.0): the plan counts the redo of overlapped host steps
+    wrap_kwargs.setdefault("clips_gradients", bool(trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0))
     try:
         if "sample_batch" not in wrap_kwargs and "plan" not in wrap_kwargs:
             wrap_kwargs["sample_batch"] = sample_batch(trainer)

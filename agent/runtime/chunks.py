@@ -40,7 +40,7 @@ class ChunkState:
     """One chunk's memory and its per-iteration bookkeeping (entry indices are positions in spec.entries)."""
 
     spec: ChunkSpec
-    mixed: bool  # compute dtype is not fp32: a separate fp32 master exists
+    mixed: bool  # a separate fp32 master exists (compute dtype narrower than fp32, fp32_master)
     # persistent (device)
     params: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -92,16 +92,20 @@ class ChunkState:
             self.host_work = None
 
 
-def allocate(spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype) -> ChunkState:
-    """Allocate a chunk's memory on its side and copy the parameters' current values into it."""
+def allocate(spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype, *, fp32_master: bool = True
+             ) -> ChunkState:
+    """Allocate a chunk's memory on its side and copy the parameters' current values into it. Without an
+    fp32 master (`fp32_master` False, narrow compute dtype) the compute copy is the master and the host
+    gradient has the compute dtype."""
     n = spec.used_numel
-    mixed = compute_dtype != torch.float32
+    mixed = compute_dtype != torch.float32 and fp32_master
+    master_dtype = torch.float32 if mixed else compute_dtype
     state = ChunkState(spec=spec, mixed=mixed)
     with torch.no_grad():
         if spec.offloaded:
             state.host_params = ctx.host_empty(n, compute_dtype, pinned=True)
             state.master = ctx.host_empty(n, torch.float32, pinned=False) if mixed else state.host_params
-            state.host_grad = ctx.host_empty(n, torch.float32, pinned=not mixed)
+            state.host_grad = ctx.host_empty(n, master_dtype, pinned=not mixed)
             target = state.master
         else:
             state.params = ctx.device_empty(n, compute_dtype)

@@ -72,7 +72,9 @@ class ModelStateManager:
         self.options = options
         self.counters = Counters()
         self._original = {id(e.param): (e.param.dtype, e.param.device) for e in layout.by_param.values()}
-        self.states: list[ChunkState] = [allocate(spec, ctx, layout.compute_dtype) for spec in layout.chunks]
+        self.states: list[ChunkState] = [
+            allocate(spec, ctx, layout.compute_dtype, fp32_master=options.fp32_master) for spec in layout.chunks
+        ]
         self._pos = {id(e.param): (e.chunk, j) for spec in layout.chunks for j, e in enumerate(spec.entries)}
         self.has_offload = bool(layout.offloaded)
         self.pool = (
