@@ -711,8 +711,10 @@ class ModelStateManager:
                 continue
             st.wait_host()
             assert st.user_grad is not None
-            if st.slot is not None and st.user_grad.device != self.ctx.device:
-                self._evict(self.pool.slots[st.slot])  # `.grad` must be on the parameter's device
+            if st.slot is not None:
+                # `.grad` must be on the parameter's device (the host copy), and the buffer is stale once the
+                # chunk is stepped (a chunk still pinned when it completed, e.g. by a recomputation, stayed)
+                self._evict(self.pool.slots[st.slot])
             gv = self._user_grad_views(st)
             for j, e in enumerate(st.spec.entries):
                 e.param.grad = gv[j] if j in st.touched else None

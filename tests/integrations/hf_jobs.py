@@ -69,6 +69,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             kw["device_memory"] = spec["device_memory"]
         w = wrap_trainer(t, **kw)
+        t._move_model_to_device(t.model, t.args.device)  # what the Trainer does with its model: model.to(device)
         plan_json = w.plan.model_dump_json()
         assert w.plan.policy is not None
         offloaded = sum(c.placement.value == "offloaded" for c in w.plan.policy.chunks)

@@ -12,7 +12,17 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import Trainer, alternate, batches, clone, max_rel_diff, param_rel_diff, plan_for, tiny_model, train
+from runtime_helpers import (
+    Trainer,
+    alternate,
+    batches,
+    clone,
+    max_rel_diff,
+    param_rel_diff,
+    plan_for,
+    tiny_model,
+    train,
+)
 
 from agent.runtime import RuntimeOptions
 from agent.wrap import wrap
