@@ -78,6 +78,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("wrap"):
         c = w.runtime.counters
         out["counters"] = {"speculative": c.speculative_steps, "redos": c.host_step_redos, "undos": c.host_step_undos}
+        assert w.plan.predictions is not None
+        out["predicted_redo_s"] = w.plan.predictions.breakdown.get("host_optimizer_redo_s", 0.0)
     return out
 
 

@@ -60,6 +60,7 @@ def test_wrapped_trainer_trains_like_the_plain_trainer_with_clipping(
     assert_same(got["history"], plain["history"])
     c = got["counters"]
     assert c["speculative"] > 0 and c["redos"] > 0  # host steps overlapped backward, clipping redid them
+    assert got["predicted_redo_s"] > 0  # the Trainer clips (max_grad_norm): the plan counts the redo
 
 
 def test_trainer_resumed_from_a_checkpoint_in_a_new_process_continues_identically(
