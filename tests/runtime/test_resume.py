@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import resume_job
 
+pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 
 
