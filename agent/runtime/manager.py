@@ -752,6 +752,18 @@ class ModelStateManager:
             changed = True
         return changed
 
+    def _sync_persistent_grads(self, st: ChunkState) -> None:
+        """A persistent chunk steps from its gradient area, which its parameters' `.grad` view: a `.grad`
+        the user replaced by another tensor is copied in, one set to None is not stepped (as in torch)."""
+        gv = self._grad_views(st)
+        for j in sorted(st.touched):
+            g = st.spec.entries[j].param.grad
+            if g is None:
+                st.touched.discard(j)
+            elif g is not gv[j]:
+                gv[j].copy_(g)
+                st.spec.entries[j].param.grad = gv[j]
+
     def _retract_grads(self) -> None:
         """Before a training forward: the user's edits go into the host gradients, `.grad` of offloaded
         parameters goes back to None (the next backward adds on the host), and a speculative step that no
@@ -779,6 +791,7 @@ class ModelStateManager:
             if st.offloaded or not st.touched:
                 continue
             assert st.grad is not None and st.params is not None and st.master is not None
+            self._sync_persistent_grads(st)
             grad = st.grad.float() if st.mixed else st.grad
             self.steppers[st.index].step(hypers, grad, st.touched)
             if st.mixed:

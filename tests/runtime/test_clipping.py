@@ -161,7 +161,8 @@ def test_error_if_nonfinite_raises_as_torch_does_and_skipping_the_step_undoes_th
     assert w.runtime.counters.host_step_undos == sum(st.offloaded for st in w.runtime.states)
 
 
-def test_a_replaced_gradient_is_the_one_stepped() -> None:
+@pytest.mark.parametrize("offload", ["all", "alternate"])
+def test_a_replaced_gradient_is_the_one_stepped(offload: str) -> None:
     base = tiny_model("gpt2")
     x = batches(1)[0]
     ref_model = clone(base)
@@ -169,13 +170,15 @@ def test_a_replaced_gradient_is_the_one_stepped() -> None:
     torch.manual_seed(0)
     ref_model(input_ids=x, labels=x).loss.backward()
     model = clone(base)
-    w = wrap(model, adamw(model), plan=plan_for(model, "all"))
+    w = wrap(model, adamw(model), plan=plan_for(model, alternate if offload == "alternate" else "all"))
     torch.manual_seed(0)
     w.model(input_ids=x, labels=x).loss.backward()
     for m in (ref_model, w.model):
-        params = list(m.parameters())
-        params[0].grad = params[0].grad * 3.0  # type: ignore[operator]  # a new tensor, not an in-place edit
-        params[1].grad = None  # dropped: not stepped, as torch skips it
+        for i, p in enumerate(m.parameters()):  # alternate: parameters of persistent and offloaded chunks alike
+            if i % 3 == 0:
+                p.grad = p.grad * 3.0  # type: ignore[operator]  # a new tensor, not an in-place edit
+            elif i % 3 == 1:
+                p.grad = None  # dropped: not stepped, as torch skips it
     ref_opt.step()
     w.optimizer.step()
     assert param_rel_diff(w.model, ref_model)[0] <= TOL
