@@ -20,10 +20,14 @@ copies each fresh gradient into the area and points `.grad` there):
   gradient is gathered into its chunk's gradient area (post-accumulate-grad hook); when every
   parameter of the chunk used in forward has its gradient, the gradient area is copied to the host on
   the offload stream and the chunk leaves its buffer; with `overlap_host_step` the host worker then
-  steps that chunk while backward goes on. A callback at the end of backward settles stragglers.
-- step: persistent chunks step on the device; offloaded chunks not yet stepped are queued on the host
-  worker; `step()` then waits for the host work (unless `async_step`: then a chunk's next upload, or
-  any state access, waits).
+  steps that chunk while backward goes on, speculatively (its master and optimizer state are kept to undo
+  it). A callback at the end of backward settles stragglers and gives every offloaded parameter a `.grad`
+  (a host view of its chunk's `user_grad`), so clipping and any user code see every gradient.
+- step: persistent chunks step on the device; each offloaded chunk's speculative step is validated (is its
+  `.grad`, its set of stepped parameters, its hyper-parameters what the step used?) and, where not, restored
+  and redone; chunks not yet stepped are queued on the host worker; `step()` then waits for the host work
+  (unless `async_step`: then a chunk's next upload, or any state access, waits). A training forward before
+  `step()` (gradient accumulation) or `zero_grad()` without `step()` undoes the speculative steps.
 """
 
 from __future__ import annotations
