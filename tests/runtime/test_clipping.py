@@ -213,3 +213,11 @@ def test_undo_backups_are_reported_as_host_memory() -> None:
     # master copy (4 bytes) + Adam's two moments (8 bytes) per element, plus the per-run step counters
     assert 12 * n <= host["undo_backup"] <= 12 * n + 4 * 64
     assert host["gradient_exposed"] == 4 * n
+
+
+def test_clipping_with_asynchronous_host_steps_matches_plain_pytorch() -> None:
+    """async_step: redone host steps run after step() returns; the next upload (or state access) waits."""
+    got, ref, ref_model, w, norms, ref_norms = run_pair(0.05, options=RuntimeOptions(async_step=True))
+    assert max_rel_diff(got, ref) <= TOL
+    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+    assert w.runtime.counters.host_step_redos > 0
