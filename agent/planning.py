@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from agent.runtime.options import RuntimeOptions, job_workload
 from client.contract import Constraints, Plan, SolverStatus, Trace, Workload
 
 if TYPE_CHECKING:
@@ -176,6 +177,8 @@ def obtain_plan(
     wait_s: float = DEFAULT_WAIT_S,
     reuse: bool = True,
     request_timeout_s: float = 10.0,
+    options: RuntimeOptions | None = None,
+    clips_gradients: bool = False,
 ) -> PlanSource:
     """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError."""
     import agent
@@ -241,6 +244,9 @@ def obtain_plan(
             device_memory_limit=device_memory,
             hardware=hw,
         )
+        # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions
+        trace = trace.model_copy(update={"workload": job_workload(trace.workload, options,
+                                                                  clips_gradients=clips_gradients)})
         if client is not None:
             try:
                 created = client.upload_trace(trace)

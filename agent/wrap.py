@@ -106,8 +106,8 @@ class Wrapped:
     ) -> torch.Tensor:
         """Clip gradients by their global norm across persistent and offloaded chunks (torch semantics).
 
-        Call after backward, before `optimizer.step()`. With offloaded chunks, wrap with
-        `RuntimeOptions(overlap_host_step=False)`: host steps then run at `step()`, after clipping.
+        Call after backward, before `optimizer.step()`; the same as `torch.nn.utils.clip_grad_norm_` over
+        `wrapped.model.parameters()`. Overlapped host steps whose gradients it scales are redone at `step()`.
         """
         self._check()
         return self.runtime.clip_grad_norm_(
@@ -140,6 +140,7 @@ def wrap(
     wait_s: float = 120.0,
     reuse: bool = True,
     allocation: str = "caching",
+    clips_gradients: bool = False,
 ) -> Wrapped:
     """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
 
@@ -150,12 +151,15 @@ def wrap(
     to the service (plans from it) or to `feedback_path` (default MEMPLAN_FEEDBACK_PATH, else
     ~/.memplan/feedback.jsonl); None: no
     monitor. `wait_s`: longest wait for the service's plan before solving in-process. `reuse=False`:
-    profile and plan afresh even when the service's history has a plan for this job.
+    profile and plan afresh even when the service's history has a plan for this job. `clips_gradients`: the
+    job scales gradients after backward on most steps (clipping): the plan then counts the redo of the
+    overlapped host steps (clipping works either way; this only informs the prediction).
 
     The model's parameters become views into chunk buffers laid out as the plan says; use the returned
     `.model` and `.optimizer` from here on (the optimizer passed in is left untouched and goes stale).
-    Offloaded parameters have no `.grad` (their gradients live on the host): clip with
-    `wrapped.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_(model.parameters())`.
+    After backward every parameter has `.grad` (offloaded ones on the host), so clipping with
+    `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`, Accelerate's or `wrapped.clip_grad_norm_` gives
+    torch's result.
     Raises, leaving model and optimizer untouched: BlockDetectionError (no repeated blocks to plan for),
     PlanInfeasibleError (nothing fits; says what would), PlanMismatchError / ActivationPlanError (the plan
     does not match the model, naming the parameter or block), UnsupportedOptimizerError.
@@ -175,7 +179,8 @@ def wrap(
         source = PlanSource(plan, "given", message="plan given to wrap")
     else:
         source = obtain_plan(model, optimizer, sample_batch, server=server, device_memory=device_memory,
-                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s, reuse=reuse)
+                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s, reuse=reuse,
+                             options=options, clips_gradients=clips_gradients)
         log.info("memplan: %s", source.message)
     plan = source.plan
     if plan.policy is None:

@@ -36,6 +36,9 @@ class Counters:
     grad_flush_bytes: int = 0
     host_steps: int = 0
     host_step_s: float = 0.0
+    speculative_steps: int = 0  # host steps run during backward, before optimizer.step() validated them
+    host_step_redos: int = 0  # speculative steps redone at optimizer.step() (gradient or hyper-parameters changed)
+    host_step_undos: int = 0  # speculative steps undone (gradient accumulation, zero_grad without step)
     device_steps: int = 0
     iterations: int = 0  # completed backward passes
 

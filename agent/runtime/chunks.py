@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class ChunkState:
     """One chunk's memory and its per-iteration bookkeeping (entry indices are positions in spec.entries)."""
 
     spec: ChunkSpec
-    mixed: bool  # compute dtype is not fp32: a separate fp32 master exists
+    mixed: bool  # a separate fp32 master exists (compute dtype narrower than fp32, fp32_master)
     # persistent (device)
     params: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -60,7 +61,15 @@ class ChunkState:
     flushes: int = 0  # gradient copies into host_grad since zero_grad (0: the next one overwrites)
     complete: bool = False  # all expected grads of this backward have reached the host
     recompute_pins: int = 0  # pins taken by recomputation in backward, held until gradients complete
-    stepped: bool = False  # the host optimizer step for this chunk ran since the last optimizer.step()
+    stepped: bool = False  # a speculative host step for this chunk ran since the last optimizer.step()
+    # speculation (offloaded only): the gradient `.grad` shows after backward, and what undoing a step needs
+    user_grad: torch.Tensor | None = None  # host, compute dtype; the parameters' `.grad` are views of it
+    user_grad_filled: bool = False  # filled from host_grad since this backward's end (or the step)
+    exposed: bool = False  # the parameters' `.grad` point into user_grad
+    backup_master: torch.Tensor | None = None  # fp32 master before the speculative step
+    spec_backup: bool = False  # the speculative step can be undone (master and optimizer state kept)
+    spec_hypers: list[dict[str, Any]] | None = None  # hyper-parameters the speculative step used
+    spec_touched: frozenset[int] = frozenset()  # entries the speculative step stepped
     host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
     pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await
 
@@ -83,16 +92,20 @@ class ChunkState:
             self.host_work = None
 
 
-def allocate(spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype) -> ChunkState:
-    """Allocate a chunk's memory on its side and copy the parameters' current values into it."""
+def allocate(spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype, *, fp32_master: bool = True
+             ) -> ChunkState:
+    """Allocate a chunk's memory on its side and copy the parameters' current values into it. Without an
+    fp32 master (`fp32_master` False, narrow compute dtype) the compute copy is the master and the host
+    gradient has the compute dtype."""
     n = spec.used_numel
-    mixed = compute_dtype != torch.float32
+    mixed = compute_dtype != torch.float32 and fp32_master
+    master_dtype = torch.float32 if mixed else compute_dtype
     state = ChunkState(spec=spec, mixed=mixed)
     with torch.no_grad():
         if spec.offloaded:
             state.host_params = ctx.host_empty(n, compute_dtype, pinned=True)
             state.master = ctx.host_empty(n, torch.float32, pinned=False) if mixed else state.host_params
-            state.host_grad = ctx.host_empty(n, torch.float32, pinned=not mixed)
+            state.host_grad = ctx.host_empty(n, master_dtype, pinned=not mixed)
             target = state.master
         else:
             state.params = ctx.device_empty(n, compute_dtype)

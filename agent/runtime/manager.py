@@ -20,10 +20,14 @@ copies each fresh gradient into the area and points `.grad` there):
   gradient is gathered into its chunk's gradient area (post-accumulate-grad hook); when every
   parameter of the chunk used in forward has its gradient, the gradient area is copied to the host on
   the offload stream and the chunk leaves its buffer; with `overlap_host_step` the host worker then
-  steps that chunk while backward goes on. A callback at the end of backward settles stragglers.
-- step: persistent chunks step on the device; offloaded chunks not yet stepped are queued on the host
-  worker; `step()` then waits for the host work (unless `async_step`: then a chunk's next upload, or
-  any state access, waits).
+  steps that chunk while backward goes on, speculatively (its master and optimizer state are kept to undo
+  it). A callback at the end of backward settles stragglers and gives every offloaded parameter a `.grad`
+  (a host view of its chunk's `user_grad`), so clipping and any user code see every gradient.
+- step: persistent chunks step on the device; each offloaded chunk's speculative step is validated (is its
+  `.grad`, its set of stepped parameters, its hyper-parameters what the step used?) and, where not, restored
+  and redone; chunks not yet stepped are queued on the host worker; `step()` then waits for the host work
+  (unless `async_step`: then a chunk's next upload, or any state access, waits). A training forward before
+  `step()` (gradient accumulation) or `zero_grad()` without `step()` undoes the speculative steps.
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ class ModelStateManager:
         self.options = options
         self.counters = Counters()
         self._original = {id(e.param): (e.param.dtype, e.param.device) for e in layout.by_param.values()}
-        self.states: list[ChunkState] = [allocate(spec, ctx, layout.compute_dtype) for spec in layout.chunks]
+        self.states: list[ChunkState] = [
+            allocate(spec, ctx, layout.compute_dtype, fp32_master=options.fp32_master) for spec in layout.chunks
+        ]
         self._pos = {id(e.param): (e.chunk, j) for spec in layout.chunks for j, e in enumerate(spec.entries)}
         self.has_offload = bool(layout.offloaded)
         self.pool = (
@@ -88,6 +94,10 @@ class ModelStateManager:
         self._handles: list[RemovableHandle] = []
         self._phase = "idle"
         self._root_grad = False
+        # gradient accumulation: backward passes since the last optimizer.step(), and how many the last step
+        # had; host steps are speculated only in the backward expected to be the last before a step
+        self._backwards = 0
+        self._accumulation = 1
         self._clock = 0
         # chunks whose saved tensors the running backward node has unpacked: it is about to read them,
         # so no upload may overwrite their buffers until the next node runs
@@ -208,6 +218,8 @@ class ModelStateManager:
             self._root_pushed.append("")
             return  # a forward re-run inside backward (recomputation)
         self._phase = "forward"
+        if self.has_offload and torch.is_grad_enabled():
+            self._retract_grads()  # gradients of this forward's backward add to the host gradients
         # a forward with grad enabled at the root will be backpropagated through every module it runs,
         # also those run under no_grad inside it (re-entrant checkpointing recomputes them in backward)
         self._root_grad = torch.is_grad_enabled()
@@ -283,6 +295,10 @@ class ModelStateManager:
         self._node_chunks = set()
         self._phase = "idle"
         self.counters.iterations += 1
+        if not aborted:
+            self._backwards += 1
+            if self.has_offload:
+                self._expose_grads()
 
     # ================================================================================ module hooks
     def _before_module(
@@ -521,12 +537,9 @@ class ModelStateManager:
                 param.grad = view
             st.touched.add(j)
             return
-        if st.stepped and self.options.overlap_host_step:
-            raise RuntimeError(
-                f"chunk runtime: parameter {e.name!r} got a gradient after its chunk's host optimizer step ran "
-                "(a second backward before optimizer.step(), i.e. gradient accumulation, or a parameter used "
-                "outside its module's forward). Use RuntimeOptions(overlap_host_step=False) for accumulation."
-            )
+        if st.stepped:
+            # a parameter used again after its chunk's speculative step (e.g. outside its module's forward)
+            self._undo(st, why=f"parameter {e.name!r} got a gradient after its chunk's speculative host step")
         if st.slot is None:
             self._acquire(c)
         assert self.pool is not None and st.slot is not None
@@ -553,8 +566,8 @@ class ModelStateManager:
             elif st.in_slot:
                 self._flush(st, slot, keep=True)
         st.complete = True
-        if self.options.overlap_host_step and st.touched and not st.stepped and self.optimizer is not None:
-            self._submit_step(st)
+        if self._speculating() and st.touched and not st.stepped and self.optimizer is not None:
+            self._submit_step(st, speculative=True)
 
     def _flush(self, st: ChunkState, slot: Slot, *, keep: bool = False) -> None:
         """Copy the chunk's gradient area to the host (overwrite after zero_grad, else add)."""
@@ -597,27 +610,179 @@ class ModelStateManager:
             st.host_grad.add_(st.stage)
 
     # ================================================================================== optimizer
-    def _submit_step(self, st: ChunkState) -> None:
+    def _speculating(self) -> bool:
+        """Step offloaded chunks during this backward: overlapping, and (with gradient accumulation) this is
+        the backward the last optimizer step was taken after (earlier micro-batches' steps would be undone)."""
+        return self.options.overlap_host_step and self._backwards + 1 >= self._accumulation
+
+    def _submit_step(self, st: ChunkState, *, speculative: bool = False, redo: bool = False) -> None:
+        """Queue the chunk's host step. Speculative (during backward): first the gradient `.grad` will show
+        is filled, and (undo_host_steps) the master and optimizer state are kept. Redo: the speculative
+        step is undone first."""
         assert self.optimizer is not None and self.worker is not None
         hypers = self.optimizer.hyper_snapshot()
         events = st.pending_events
         st.pending_events = []
-        st.host_work = self.worker.submit(self._host_step, st, hypers, set(st.touched), events)
-        st.stepped = True
+        backup = speculative and self.options.undo_host_steps
+        touched = set(st.touched)
+        st.host_work = self.worker.submit(self._host_step, st, hypers, touched, events, speculative, backup, redo)
+        st.stepped = speculative
+        st.spec_backup = backup
+        st.spec_hypers = hypers if speculative else None
+        st.spec_touched = frozenset(touched)
+        if speculative:
+            st.user_grad_filled = True
+            self.counters.speculative_steps += 1
 
     def _host_step(
-        self, st: ChunkState, hypers: list[dict[str, Any]], touched: set[int], events: list[Event]
+        self, st: ChunkState, hypers: list[dict[str, Any]], touched: set[int], events: list[Event],
+        speculative: bool, backup: bool, redo: bool,
     ) -> None:
-        """Host worker: the chunk's optimizer step on its fp32 master, then refresh the upload source."""
+        """Host worker: the chunk's optimizer step on its fp32 master, then refresh the upload source.
+
+        The step reads only `host_grad`, never the `.grad` the user sees (`user_grad`), so user code may
+        scale `.grad` while host steps run."""
         for ev in events:
             self.ctx.host_wait(ev)
         t0 = time.perf_counter()
         assert st.host_grad is not None and st.host_params is not None and st.master is not None
+        if redo:
+            self._restore(st)
+        if speculative:
+            self._fill_user_grad(st)
+            if backup:
+                if st.backup_master is None:
+                    st.backup_master = torch.empty_like(st.master)
+                st.backup_master.copy_(st.master)
+                self.steppers[st.index].snapshot()
         self.steppers[st.index].step(hypers, st.host_grad, touched)
         if st.mixed:
             st.host_params.copy_(st.master)
         self.counters.host_step_s += time.perf_counter() - t0
         self.counters.host_steps += 1
+
+    def _fill_user_grad(self, st: ChunkState, events: list[Event] | None = None) -> None:
+        """Host worker: the gradient `.grad` shows, from the host gradient (cast to the compute dtype)."""
+        for ev in events or []:
+            self.ctx.host_wait(ev)
+        assert st.host_grad is not None
+        if st.user_grad is None:
+            st.user_grad = torch.empty(st.numel, dtype=self.layout.compute_dtype, device=st.host_grad.device)
+        st.user_grad.copy_(st.host_grad)
+
+    def _restore(self, st: ChunkState) -> None:
+        """Host worker: undo the chunk's speculative step (master, compute copy, optimizer state)."""
+        assert st.master is not None and st.backup_master is not None and st.host_params is not None
+        st.master.copy_(st.backup_master)
+        self.steppers[st.index].restore()
+        if st.mixed:
+            st.host_params.copy_(st.master)
+
+    def _undo(self, st: ChunkState, *, why: str) -> None:
+        """Undo a speculative step now (another backward adds to the gradient, or no step follows)."""
+        if not st.stepped:
+            return
+        if not st.spec_backup:
+            raise RuntimeError(
+                f"chunk runtime: {why}, and RuntimeOptions(undo_host_steps=False) keeps nothing to undo it with. "
+                "Use undo_host_steps=True (the default) or overlap_host_step=False."
+            )
+        assert self.worker is not None and self.pool is not None
+        if st.slot is not None:  # its buffer may hold the stepped values: upload the restored ones on demand
+            self._evict(self.pool.slots[st.slot])
+        st.wait_host()
+        st.host_work = self.worker.submit(self._restore, st)
+        st.stepped = False
+        st.spec_hypers = None
+        st.user_grad_filled = False
+        self.counters.host_step_undos += 1
+
+    # ==================================================================== gradients the user sees
+    def _expose_grads(self) -> None:
+        """End of backward: every offloaded parameter with a gradient gets `.grad`, a view of its chunk's
+        `user_grad` (host, compute dtype), so code that reads or scales `.grad` (torch's clip_grad_norm_,
+        Accelerate, the Trainer) sees every gradient. In-flight host steps are settled first, so the
+        user never reads a gradient the worker is writing."""
+        assert self.worker is not None and self.pool is not None
+        for st in self.states:
+            if st.offloaded and st.touched and not st.user_grad_filled:
+                events = st.pending_events
+                st.pending_events = []
+                st.host_work = self.worker.submit(self._fill_user_grad, st, events)
+                st.user_grad_filled = True
+        for st in self.states:
+            if not st.offloaded or not st.touched:
+                continue
+            st.wait_host()
+            assert st.user_grad is not None
+            if st.slot is not None:
+                # `.grad` must be on the parameter's device (the host copy), and the buffer is stale once the
+                # chunk is stepped (a chunk still pinned when it completed, e.g. by a recomputation, stayed)
+                self._evict(self.pool.slots[st.slot])
+            gv = self._user_grad_views(st)
+            for j, e in enumerate(st.spec.entries):
+                e.param.grad = gv[j] if j in st.touched else None
+            st.exposed = True
+            st.user_grad_filled = False
+
+    def _user_grad_views(self, st: ChunkState) -> list[torch.Tensor]:
+        cached = self._bind_views.get((-3, st.index))
+        if cached is None:
+            assert st.user_grad is not None
+            cached = self._bind_views[(-3, st.index)] = views(st.user_grad, st.spec.entries)
+        return cached
+
+    def _reconcile(self, st: ChunkState) -> bool:
+        """Make the host gradient what the user's `.grad` now says; True when it changed since exposure.
+
+        A `.grad` replaced by another tensor is copied in, one set to None drops the parameter from the
+        step (as torch skips it). The gradient is compared by value: torch's clip multiplies by its clamped
+        coefficient even when it is 1.0 (no change), and version counters cannot tell: they bump without a
+        change, and `torch._foreach_mul_` on CPU was seen changing values without bumping them (torch 2.13)."""
+        if not st.exposed:
+            return False
+        assert st.user_grad is not None and st.host_grad is not None
+        changed = False
+        gv = self._user_grad_views(st)
+        for j in sorted(st.touched):
+            g = st.spec.entries[j].param.grad
+            if g is None:
+                st.touched.discard(j)
+                changed = True
+            elif g is not gv[j]:
+                gv[j].copy_(g)
+        if not torch.equal(st.user_grad, st.host_grad.to(st.user_grad.dtype)):
+            st.host_grad.copy_(st.user_grad)
+            changed = True
+        return changed
+
+    def _sync_persistent_grads(self, st: ChunkState) -> None:
+        """A persistent chunk steps from its gradient area, which its parameters' `.grad` view: a `.grad`
+        the user replaced by another tensor is copied in, one set to None is not stepped (as in torch)."""
+        gv = self._grad_views(st)
+        for j in sorted(st.touched):
+            g = st.spec.entries[j].param.grad
+            if g is None:
+                st.touched.discard(j)
+            elif g is not gv[j]:
+                gv[j].copy_(g)
+                st.spec.entries[j].param.grad = gv[j]
+
+    def _retract_grads(self) -> None:
+        """Before a training forward: the user's edits go into the host gradients, `.grad` of offloaded
+        parameters goes back to None (the next backward adds on the host), and a speculative step that no
+        `optimizer.step()` confirmed is undone (gradient accumulation: the gradient is not final)."""
+        for st in self.states:
+            if not st.offloaded or not (st.exposed or st.stepped):
+                continue
+            st.wait_host()
+            self._reconcile(st)
+            if st.stepped:
+                self._undo(st, why="another backward pass started before optimizer.step() (gradient accumulation)")
+            if st.exposed:
+                for e in st.spec.entries:
+                    e.param.grad = None
+                st.exposed = False
 
     @torch.no_grad()
     def step(self) -> None:
@@ -630,20 +795,42 @@ class ModelStateManager:
             if st.offloaded or not st.touched:
                 continue
             assert st.grad is not None and st.params is not None and st.master is not None
+            self._sync_persistent_grads(st)
             grad = st.grad.float() if st.mixed else st.grad
             self.steppers[st.index].step(hypers, grad, st.touched)
             if st.mixed:
                 st.params.copy_(st.master)
             self.counters.device_steps += 1
+        self._accumulation = max(1, self._backwards)
+        self._backwards = 0
         for st in self.states:
             if not st.offloaded:
                 continue
-            if not st.stepped and st.touched:
+            st.wait_host()
+            changed = self._reconcile(st)
+            if st.stepped:
+                if changed or st.spec_touched != frozenset(st.touched) or not _same_hypers(st.spec_hypers, hypers):
+                    # validation failed: the gradient (e.g. clipped), the parameters with a gradient or the
+                    # hyper-parameters differ from what the speculative step used: restore and step again
+                    if not st.spec_backup:
+                        raise RuntimeError(
+                            f"optimizer.step(): the gradients of offloaded chunk {st.index} changed after its "
+                            "overlapped host step (e.g. clipping that scaled them), and "
+                            "RuntimeOptions(undo_host_steps=False) keeps nothing to undo it with. Use "
+                            "undo_host_steps=True (the default) or overlap_host_step=False."
+                        )
+                    if st.slot is not None:
+                        assert self.pool is not None
+                        self._evict(self.pool.slots[st.slot])
+                    self._submit_step(st, redo=True)
+                    self.counters.host_step_redos += 1
+            elif st.touched:
                 if st.slot is not None:
                     assert self.pool is not None
                     self._evict(self.pool.slots[st.slot])
                 self._submit_step(st)
             st.stepped = False
+            st.spec_hypers = None
         if not self.options.async_step:
             for st in self.states:  # parameters are final when step() returns, as in plain PyTorch
                 st.wait_host()
@@ -670,7 +857,14 @@ class ModelStateManager:
                     if e.param.requires_grad and e.param.grad is not g:
                         e.param.grad = g
                 continue
+            if st.stepped:  # a speculative step no optimizer.step() confirmed: skipped, as torch would
+                self._undo(st, why="zero_grad() without optimizer.step()")
             st.flushes = 0
+            st.user_grad_filled = False
+            if st.exposed and set_to_none:
+                for e in st.spec.entries:
+                    e.param.grad = None
+                st.exposed = False
             if not set_to_none:
                 st.wait_host()
                 assert st.host_grad is not None
@@ -679,6 +873,9 @@ class ModelStateManager:
                 st.pending_events = []
                 st.host_grad.zero_()
                 st.flushes = 1
+                if st.exposed:  # `.grad` stays, zeroed, as in plain PyTorch
+                    assert st.user_grad is not None
+                    st.user_grad.zero_()
 
     def _model_zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad(set_to_none=set_to_none)
@@ -707,48 +904,18 @@ class ModelStateManager:
     def clip_grad_norm_(
         self, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Clip all gradients (persistent on the device, offloaded on the host) by their global norm.
-
-        Same arithmetic as `torch.nn.utils.clip_grad_norm_`. Call it after backward and before
-        `optimizer.step()`; with offloaded chunks this needs RuntimeOptions(overlap_host_step=False),
-        because overlapped host steps have already used the unclipped gradients during backward.
-        """
+        """Clip every gradient by the global norm: `torch.nn.utils.clip_grad_norm_` over the model's
+        parameters, which after backward all expose `.grad` (offloaded ones on the host). Speculative host
+        steps whose gradients this scales are redone at `optimizer.step()`."""
         self._recover_if_aborted()
         if self._phase == "backward":
             raise RuntimeError("clip_grad_norm_: called during backward")
-        stepped = [st.index for st in self.states if st.offloaded and st.stepped]
-        if stepped:
-            raise RuntimeError(
-                f"clip_grad_norm_: the host optimizer already stepped offloaded chunk(s) {stepped[:8]} during "
-                "backward (RuntimeOptions.overlap_host_step=True), so their gradients can no longer be clipped. "
-                "Wrap with RuntimeOptions(overlap_host_step=False) to clip: host steps then wait for optimizer.step()."
-            )
-        self.synchronize()
-        device_grads: list[torch.Tensor] = []
-        host_grads: list[torch.Tensor] = []
-        for st in self.states:
-            if st.offloaded:
-                assert st.host_grad is not None
-                gv = views(st.host_grad, st.spec.entries)
-                host_grads.extend(gv[j] for j in sorted(st.touched))
-            else:
-                assert st.grad is not None
-                gv = views(st.grad, st.spec.entries)
-                device_grads.extend(gv[j] for j in sorted(st.touched))
-        norms = [
-            torch.nn.utils.get_total_norm(g, norm_type, error_if_nonfinite).to(self.ctx.device)
-            for g in (device_grads, host_grads)
-            if g
-        ]
-        if not norms:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
             return torch.tensor(0.0, device=self.ctx.device)
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if device_grads:
-            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
-        if host_grads:
-            torch._foreach_mul_(host_grads, coef.to("cpu"))
-        return total
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
 
     # ================================================================================ state dicts
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -783,6 +950,8 @@ class ModelStateManager:
                 "gradients": st.host_grad if st.offloaded else st.grad,
                 "master": st.master if st.mixed else None,
                 "gradient_staging": st.stage,
+                "gradient_exposed": st.user_grad,  # the `.grad` offloaded parameters show after backward
+                "undo_backup": st.backup_master,  # speculative host steps: master before the step
             }
             for key, t in tensors.items():
                 if t is None or t.untyped_storage().data_ptr() in seen:
@@ -798,6 +967,8 @@ class ModelStateManager:
                         if isinstance(v, torch.Tensor):
                             on_host = st.offloaded or (self.ctx.is_cuda and v.device.type == "cpu")
                             add(host if on_host else dev, "optimizer_state", v.nbytes)
+            if self.steppers and st.offloaded and self.steppers[st.index].backup_nbytes():
+                add(host, "undo_backup", self.steppers[st.index].backup_nbytes())  # optimizer state before the step
         if self.pool is not None:
             dev["buffers"] = self.pool.nbytes
         return rep
@@ -834,6 +1005,23 @@ class ModelStateManager:
         `a.elapsed_time(b)` is upload time exposed to compute (with measure_uploads)."""
         out, self._stall_timings = self._stall_timings, []
         return out
+
+
+def _same_hypers(a: list[dict[str, Any]] | None, b: list[dict[str, Any]]) -> bool:
+    """Equal hyper-parameter snapshots (values may be tensors, e.g. a tensor learning rate)."""
+    if a is None or len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x.keys() != y.keys():
+            return False
+        for k, v in x.items():
+            w = y[k]
+            if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
+                if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and torch.equal(v, w)):
+                    return False
+            elif v != w:
+                return False
+    return True
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -132,6 +132,9 @@ class ChunkStepper:
             r.tensor = state.master[r.start : r.end]
         self.inner: torch.optim.Optimizer | None = None
         self.impl = "none"
+        # speculation (see `snapshot`): state copies by (run start, run end, key), and the last snapshot
+        self._backup: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._undo: tuple[list[Run], torch.optim.Optimizer, list[int], list[Any]] | None = None
         self._outer_groups = outer_groups
         if self.runs:
             # Persistent chunks step with the user's implementation choice; offloaded chunks step on
@@ -206,6 +209,54 @@ class ChunkStepper:
             self.inner.step()
         for r in self.runs:
             r.tensor.grad = None
+
+    def snapshot(self) -> None:
+        """Keep what `restore` needs to undo the next `step`: the runs, the inner optimizer, and a copy of
+        every state value (into buffers reused from step to step, so speculation allocates once)."""
+        if self.inner is None:
+            return
+        saved: list[tuple[Run, dict[str, Any] | None, dict[str, Any]]] = []
+        for r in self.runs:
+            st = self.inner.state.get(r.tensor)
+            values: dict[str, Any] = {}
+            for k, v in (st or {}).items():
+                if isinstance(v, torch.Tensor):
+                    key = (r.start, r.end, k)
+                    buf = self._backup.get(key)
+                    if buf is None or buf.shape != v.shape or buf.dtype != v.dtype or buf.device != v.device:
+                        buf = self._backup[key] = torch.empty_like(v)
+                    buf.copy_(v)
+                    values[k] = buf
+                else:
+                    values[k] = v
+            saved.append((r, st if st else None, values))
+        self._undo = (list(self.runs), self.inner, list(self._group_order), saved)
+
+    def restore(self) -> None:
+        """Undo the step since the last `snapshot` (state values copied back in place; a split the step made
+        is forgotten: its pieces were views of the runs' state, which now hold the old values again)."""
+        if self._undo is None:
+            return
+        runs, inner, order, saved = self._undo
+        self.runs, self.inner, self._group_order = runs, inner, order
+        for r, st, values in saved:
+            if st is None:
+                inner.state.pop(r.tensor, None)
+                continue
+            live = inner.state[r.tensor] = st
+            for k, v in values.items():
+                cur = live.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                    cur.copy_(v)
+                elif isinstance(v, torch.Tensor):
+                    live[k] = v.clone()
+                else:
+                    live[k] = v
+        self._undo = None
+
+    def backup_nbytes(self) -> int:
+        """Host bytes held for undoing a speculative step (the optimizer-state copies)."""
+        return sum(t.nbytes for t in self._backup.values())
 
     def _run_of(self, j: int) -> Run | None:
         return next((r for r in self.runs if r.entries[0] <= j <= r.entries[-1]), None)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from client.contract import Workload
 
 
 @dataclass(frozen=True)
@@ -14,13 +18,27 @@ class RuntimeOptions:
     device: where persistent chunks and buffers live; default: the model's device if it is not the CPU,
         else CUDA when available, else the CPU.
     compute_dtype: dtype of the training copy (parameters, gradients); default: the model's dtype. When
-        it is not fp32 the runtime keeps an fp32 master copy (mixed precision). An fp32 model wrapped
-        with compute_dtype=torch.bfloat16 keeps its exact fp32 values as master.
+        it is not fp32 the runtime keeps an fp32 master copy (mixed precision) unless fp32_master is False.
+        An fp32 model wrapped with compute_dtype=torch.bfloat16 keeps its exact fp32 values as master.
+    fp32_master: with a compute dtype narrower than fp32 (e.g. a bf16 model), keep an fp32 master copy and
+        fp32 optimizer state, step in fp32 and round into the compute copy (default True: 4 more bytes per
+        parameter, optimizer state twice as wide; on the host for offloaded chunks, on the device for
+        persistent ones). Losses then differ slightly from plain bf16 PyTorch (which steps the bf16
+        parameters with bf16 state): more accurate, not equal. False: no master; the optimizer steps the
+        compute copy with state in the compute dtype, exactly as plain PyTorch on a bf16 model does (as
+        ZeRO allows with bf16 optimizer states).
     overlap_host_step: run each offloaded chunk's host optimizer step as soon as its gradients reach the
-        host, overlapped with the rest of backward (default). Set False to defer the host steps to
-        `optimizer.step()`: needed for `clip_grad_norm_` and for gradient accumulation over several
-        backward passes, since both need every gradient before any parameter changes (and to skip a
-        step, e.g. after an inf/NaN check: overlapped steps cannot be undone).
+        host, overlapped with the rest of backward (default). These steps are speculative: after backward
+        every offloaded parameter exposes `.grad` (a host tensor), and `optimizer.step()` checks whether
+        that gradient was changed since (clipping, unscaling, any user edit), whether the hyper-parameters
+        changed, or whether another backward came first (gradient accumulation); only the chunks whose
+        speculative step was wrong are restored from their backup and stepped again. `zero_grad()`
+        without `step()` undoes them. Set False to run every host step at `optimizer.step()` (no backup
+        memory, no overlap).
+    undo_host_steps: keep, per offloaded chunk, what undoing a speculative step needs (a copy of the fp32
+        master and of the optimizer state, on the host) (default True). False saves that host memory;
+        then a gradient changed after an overlapped step (e.g. clipping that actually scales) raises an
+        error instead of being honoured. Ignored when overlap_host_step is False.
     async_step: let `optimizer.step()` return before the host optimizer steps finish (default False).
         Each chunk's next upload waits for its own step, so deferred host steps overlap the next
         forward; but until `wrapped.synchronize()` (or a state dict, clip, report) offloaded
@@ -31,5 +49,27 @@ class RuntimeOptions:
     device: torch.device | str | None = None
     compute_dtype: torch.dtype | None = None
     overlap_host_step: bool = True
+    undo_host_steps: bool = True
+    fp32_master: bool = True
     async_step: bool = False
     measure_uploads: bool = False
+
+
+def job_workload(workload: Workload, options: RuntimeOptions | None = None, *, clips_gradients: bool = False
+                 ) -> Workload:
+    """The profiled workload as the runtime will run it, for the planner: the fp32 master and its fp32
+    optimizer state (a narrower model dtype with `fp32_master`), the undo backup of speculative host steps
+    (`undo_host_steps` with `overlap_host_step`: a copy of the master and of the optimizer state) and whether
+    the job clips (its speculative host steps are then redone after backward). The profiler measures the
+    plain job, which has none of these. A `compute_dtype` other than the model's is not modelled."""
+    from client.contract import Precision
+
+    opts = options or RuntimeOptions()
+    elt = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}[workload.precision]
+    master = 4 if workload.precision != Precision.fp32 and opts.fp32_master else 0
+    state = workload.optimizer_state_bytes_per_param * (4 // elt if master else 1)
+    backup = (master or elt) + state if opts.overlap_host_step and opts.undo_host_steps else 0
+    return workload.model_copy(update={
+        "master_bytes_per_param": master, "optimizer_state_bytes_per_param": state,
+        "undo_backup_bytes_per_param": backup, "clips_gradients": clips_gradients,
+    })

@@ -212,6 +212,12 @@ class Workload(ContractModel):
         default=0, ge=0, le=16, description="extra fp32 master copy per parameter in mixed precision (4), else 0"
     )
     gradient_bytes_per_param: Int = Field(ge=1, le=16, description="bytes of one gradient element")
+    undo_backup_bytes_per_param: Int = Field(
+        default=0, ge=0, le=80, description="host bytes per offloaded parameter the runtime keeps to undo a "
+        "speculative host optimizer step (a copy of the master and of the optimizer state); 0: none kept")
+    clips_gradients: Bool = Field(
+        default=False, description="the job changes gradients after backward on most steps (clipping that "
+        "scales): speculative host steps are redone at optimizer.step(), after backward, not overlapped")
 
     @property
     def key(self) -> str:

@@ -43,6 +43,12 @@ Without copy/compute overlap (`CostParams.copy_overlap` False; the default for a
   (the first chunk's gradient copy has no window after it; the host optimizer runs serially), so
   T_iter = T_fwd + T_bwd + T_dev_opt + o[0] * grad_offload(0) + T_host_optim.
 
+Speculative host steps and clipping (`Workload.clips_gradients`, with undo backups kept): the host steps run
+during backward as above on the unclipped gradient; when clipping scales the gradients, optimizer.step()
+restores every offloaded chunk and steps it again, after backward and before step() returns:
+  T_iter += T_host_redo = sum over offloaded c of host_step(c)   (worst case: clipping scales every step,
+  as it does early in training; later, when the norm stays under max_norm, nothing is redone)
+
 Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
   static = persistent chunks' model states (at their used bytes) + n_buffers device buffers (full size)
   retained(b) = activation bytes (keep), input bytes (checkpoint), 0 (swap, copied out)
@@ -50,7 +56,10 @@ Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
   backward of b: static + sum_{b'<b} retained(b') + act(b) [+ input(b) if checkpoint: one block's
                  recomputed activations] + bwd transient peak(b) + act(b-1) if b-1 is swapped (prefetched)
   peak = max over both walks; the plan fits when peak * (1 + alpha) <= device limit.
-Host (pinned) memory: offloaded chunks' model states + swapped activations; must fit the host limit and
+Host memory: offloaded chunks' model states + the runtime's host extras (fp32 host gradient when an fp32
+master is stepped, the `.grad` exposed after backward, mixed-precision staging, the undo backup of
+speculative steps: master + optimizer state) + swapped activations; must fit the host limit. The pinned
+part (model states and swapped activations, as before the extras, which are ordinary host memory) must fit
 the pinned limit when one is known.
 """
 
@@ -77,6 +86,7 @@ class Cost:
     device_optim_ns: int
     host_optim_ns: int  # total host optimizer work
     host_end_ns: int  # host optimizer finish, from the start of backward
+    host_redo_ns: int  # host steps redone at optimizer.step() (clipping), after backward
     forward_compute_ns: int
     backward_compute_ns: int
     recompute_ns: int
@@ -215,14 +225,16 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
         # backward and the device optimizer, on the same cores
         host_end = bwd + dev_opt + (G[0] if C and o[0] else 0) + host_total
-    iteration = fwd + max(bwd + dev_opt, host_end)
+    redo = host_total if inst.redo_host_steps else 0
+    iteration = fwd + max(bwd + dev_opt, host_end) + redo
 
     static = sum(inst.state_bytes(c) for c in range(C) if not o[c]) + nb * inst.buffer_bytes
     act_peak = activation_peak(inst, d.modes)
     peak = static + act_peak
-    host = sum(inst.state_bytes(c) for c in range(C) if o[c]) + sum(
-        inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
-    fits_host = host <= inst.host_limit_bytes and (inst.pinned_limit_bytes is None or host <= inst.pinned_limit_bytes)
+    swapped = sum(inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
+    pinned = sum(inst.state_bytes(c) for c in range(C) if o[c]) + swapped
+    host = sum(inst.host_bytes(c) for c in range(C) if o[c]) + swapped
+    fits_host = host <= inst.host_limit_bytes and (inst.pinned_limit_bytes is None or pinned <= inst.pinned_limit_bytes)
     return Cost(
         iteration_ns=iteration,
         forward_ns=fwd,
@@ -230,6 +242,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         device_optim_ns=dev_opt,
         host_optim_ns=host_total,
         host_end_ns=host_end,
+        host_redo_ns=redo,
         forward_compute_ns=sum(F),
         backward_compute_ns=sum(Bk) - rec_total,
         recompute_ns=rec_total,
@@ -261,6 +274,7 @@ def predictions_of(inst: PolicyInstance, decision: Decision, cost: Cost) -> Pred
             "backward_exposed_copy_s": s(cost.backward_ns - cost.backward_compute_ns - cost.recompute_ns),
             "host_optimizer_end_s": s(cost.host_end_ns),
             "host_optimizer_exposed_s": s(max(0, cost.host_end_ns - cost.backward_ns - cost.device_optim_ns)),
+            "host_optimizer_redo_s": s(cost.host_redo_ns),
             "static_device_bytes": float(cost.static_device_bytes),
             "activation_peak_bytes": float(cost.activation_peak_bytes),
             "peak_device_with_margin_bytes": float(cost.peak_device_bytes * (1.0 + inst.params.alpha)),
@@ -378,9 +392,10 @@ class BatchTimer:
             dev_opt = int((self.D * (1 - oc)).sum())
         else:
             host_end, dev_opt = np.zeros(modes.shape[0], dtype=np.int64), 0
+        host_total = int((self.H * o[:C]).sum()) if C else 0
         if not overlap:
-            host_end = bwd + dev_opt + (int(self.G[0] * o[0] + (self.H * o[:C]).sum()) if C else 0)
-        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end)
+            host_end = bwd + dev_opt + (int(self.G[0] * o[0]) if C else 0) + host_total
+        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end) + (host_total if self.inst.redo_host_steps else 0)
         return iteration
 
 

@@ -186,7 +186,7 @@ def _add_time(pm: PolicyModel) -> None:
     assert pm.nbuf1 is not None
     F, Bk, REC, SO, SI = _window_terms(pm)
     upper = sum(inst.fwd_ns) + sum(inst.bwd_ns) + sum(inst.rec_ns) + sum(inst.swap_out_ns) + sum(inst.swap_in_ns) \
-        + sum(U) * 2 + sum(G) + sum(inst.device_optim_ns) + sum(inst.host_optim_ns)
+        + sum(U) * 2 + sum(G) + sum(inst.device_optim_ns) + sum(inst.host_optim_ns) * 2
     def off(c: int) -> Terms:
         return [(U[c], pm.off[c])] if 0 <= c < C else []
 
@@ -216,12 +216,14 @@ def _add_time(pm: PolicyModel) -> None:
 
     # optimizer: device steps for persistent chunks; one FIFO host worker for offloaded chunks
     dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
+    # clipping redoes the speculative host steps at optimizer.step(), after backward (cost_model: T_host_redo)
+    redo = sum(inst.host_optim_ns[c] * pm.off[c] for c in range(C)) if inst.redo_host_steps else 0
     if not overlap:
         # serial (CPU): chunk 0's gradient copy and the host optimizer's work follow backward and the
         # device optimizer (cost_model: T_iter = T_fwd + T_bwd + T_dev_opt + o[0]*G[0] + host work)
         host_work = sum(inst.host_optim_ns[c] * pm.off[c] for c in range(C)) + (G[0] * pm.off[0] if C else 0)
         pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
-        m.add(pm.iteration == fwd + bwd + dev_opt + host_work)
+        m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
         return
     host_end = m.new_int_var(0, upper, "host_end")
     done = m.new_int_var(0, upper, f"done[{W - 1}]")
@@ -244,7 +246,7 @@ def _add_time(pm: PolicyModel) -> None:
     m.add(tail >= bwd + dev_opt)
     m.add(tail >= host_end)
     pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
-    m.add(pm.iteration == fwd + tail)
+    m.add(pm.iteration == fwd + tail + redo)
 
 
 def _static_device(pm: PolicyModel) -> cp_model.IntVar:
@@ -295,14 +297,15 @@ def _add_device_memory(pm: PolicyModel, limit_bytes: int | None) -> None:
 
 
 def _add_host_memory(pm: PolicyModel) -> None:
-    """Offloaded chunks' states + swapped activations fit the host limit and the pinned limit (bytes)."""
+    """Offloaded chunks' states and host extras + swapped activations fit the host limit; the pinned part
+    (states + swapped activations) fits the pinned limit (bytes; see cost_model)."""
     inst = pm.inst
-    host = sum(inst.state_bytes(c) * v for c, v in enumerate(pm.off)) + sum(
-        inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks)
-    )
+    swapped = sum(inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks))
+    host = sum(inst.host_bytes(c) * v for c, v in enumerate(pm.off)) + swapped
     pm.model.add(host <= inst.host_limit_bytes)
     if inst.pinned_limit_bytes is not None:
-        pm.model.add(host <= inst.pinned_limit_bytes)
+        pinned = sum(inst.state_bytes(c) * v for c, v in enumerate(pm.off)) + swapped
+        pm.model.add(pinned <= inst.pinned_limit_bytes)
 
 
 def build(inst: PolicyInstance, *, objective: str = "time", cutoff_ns: int | None = None) -> PolicyModel:

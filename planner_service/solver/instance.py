@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
-from client.contract import BlockKind, Constraints, DeviceType, Precision, Trace
+from client.contract import BlockKind, Constraints, DeviceType, Precision, Trace, Workload
 from planner_service.solver.bandwidth import transfer_ns
 from planner_service.solver.layout import ChunkLayout
 
@@ -133,10 +133,20 @@ class PolicyInstance:
     # per chunk: device bytes when persistent == host bytes when offloaded (its used bytes' model state);
     # empty: every chunk at `chunk_state_bytes`
     chunk_state_bytes_of: tuple[int, ...] = field(default=())
+    # per chunk: host bytes when offloaded, beyond `state_bytes` (the runtime's fp32 host gradient where the
+    # compute dtype is narrower, the `.grad` it exposes after backward, the staging buffer in mixed precision,
+    # the undo backup of speculative host steps); empty: none
+    host_extra_bytes_of: tuple[int, ...] = field(default=())
+    # speculative host steps are redone at optimizer.step() (the job clips): the host work again, after backward
+    redo_host_steps: bool = False
 
     def state_bytes(self, c: int) -> int:
         """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
         return self.chunk_state_bytes_of[c] if self.chunk_state_bytes_of else self.chunk_state_bytes
+
+    def host_bytes(self, c: int) -> int:
+        """Host bytes of chunk c when offloaded: its model state plus the runtime's host-side extras."""
+        return self.state_bytes(c) + (self.host_extra_bytes_of[c] if self.host_extra_bytes_of else 0)
 
     @property
     def copy_overlap(self) -> bool:
@@ -155,6 +165,18 @@ class PolicyInstance:
         return [b for b, w in enumerate(self.layout.chunk_of_block) if w == c]
 
 
+def host_extra_bytes_per_element(w: Workload) -> int:
+    """Host bytes per element of an offloaded chunk beyond gradient + optimizer state + master (see
+    `agent/runtime/chunks.py`): the host gradient is fp32 whenever an fp32 master is stepped (wider than the
+    compute gradient the trace counts), the `.grad` exposed after backward (compute dtype), the staging
+    buffer of mixed-precision gradient copies (compute dtype), and the undo backup of speculative steps."""
+    elt = element_bytes(w.precision)
+    fp32_master = w.precision == Precision.fp32 or w.master_bytes_per_param > 0
+    host_grad = 4 if fp32_master else elt
+    staging = elt if w.master_bytes_per_param > 0 else 0
+    return max(0, host_grad - w.gradient_bytes_per_param) + elt + staging + w.undo_backup_bytes_per_param
+
+
 def build_instance(
     trace: Trace, layout: ChunkLayout, constraints: Constraints, params: CostParams | None = None
 ) -> PolicyInstance:
@@ -166,6 +188,7 @@ def build_instance(
     elt = element_bytes(w.precision)
     S = layout.chunk_size_bytes
     state_per_elt = w.gradient_bytes_per_param + w.optimizer_state_bytes_per_param + w.master_bytes_per_param
+    host_extra_per_elt = host_extra_bytes_per_element(w)
     ns = lambda s: round(s * 1e9)  # noqa: E731
     blocks = trace.model.blocks
     meas = m.blocks
@@ -213,6 +236,8 @@ def build_instance(
         host_optim_ns=tuple(ns(u / m.optimizer.host_bytes_per_s) for u in layout.used_bytes),
         chunk_state_bytes=S + (S // elt) * state_per_elt,
         chunk_state_bytes_of=tuple(u + (u // elt) * state_per_elt for u in layout.used_bytes),
+        host_extra_bytes_of=tuple((u // elt) * host_extra_per_elt for u in layout.used_bytes),
+        redo_host_steps=w.clips_gradients and w.undo_backup_bytes_per_param > 0,
         buffer_bytes=S + (S // elt) * w.gradient_bytes_per_param,
         device_limit_bytes=constraints.device_memory_bytes,
         usable_device_bytes=int(constraints.device_memory_bytes // (1.0 + params.alpha)),

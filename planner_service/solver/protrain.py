@@ -98,11 +98,12 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
     timer = BatchTimer(inst)
     best: tuple[int, Decision, Cost] | None = None
     evaluated = 0
-    host_cap = inst.host_limit_bytes if inst.pinned_limit_bytes is None else min(
-        inst.host_limit_bytes, inst.pinned_limit_bytes)
+    pinned_cap = inst.host_limit_bytes if inst.pinned_limit_bytes is None else inst.pinned_limit_bytes
     state_prefix = [0]
+    host_prefix = [0]  # host bytes of chunks 0..c-1 if offloaded: states + the runtime's host extras
     for c in range(C):
         state_prefix.append(state_prefix[-1] + inst.state_bytes(c))
+        host_prefix.append(host_prefix[-1] + inst.host_bytes(c))
     for n_persist in range(C, -1, -1):
         n_off = C - n_persist
         persist_bytes = state_prefix[n_persist]  # chunks 0..n_persist-1 stay, the rest are offloaded
@@ -118,11 +119,14 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
                 continue
         for nb in (range(1, n_off + 1) if n_off else (0,)):
             static = persist_bytes + nb * inst.buffer_bytes
-            host_chunks = state_prefix[C] - persist_bytes
+            pinned_chunks = state_prefix[C] - persist_bytes
+            host_chunks = host_prefix[C] - host_prefix[n_persist]
             if prune_memory and static > inst.usable_device_bytes:
                 break  # more buffers only add memory
             if prune_memory:
-                ok = (static + peak[order] <= inst.usable_device_bytes) & (host_chunks + swapped[order] <= host_cap)
+                ok = ((static + peak[order] <= inst.usable_device_bytes)
+                      & (host_chunks + swapped[order] <= inst.host_limit_bytes)
+                      & (pinned_chunks + swapped[order] <= pinned_cap))
                 candidates = order[ok]
             else:
                 candidates = order

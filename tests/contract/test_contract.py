@@ -246,3 +246,18 @@ def test_hardware_key_names_the_cpu_by_its_ram_and_never_says_0gib() -> None:
     small = hw.model_copy(update={"device_memory_bytes": 512 * 2**20})
     assert small.key.endswith(":512MiB:x1")
     assert hw.key.endswith(":80GiB:x1")
+
+
+def test_workload_clipping_fields_are_strict() -> None:
+    """`clips_gradients` takes a JSON boolean only (0/1 are refused, as for every Bool of the contract)."""
+    import pydantic
+
+    from client.contract import Workload
+
+    base = {"batch_size": 1, "sequence_length": 1, "precision": "fp32", "optimizer": "adamw",
+            "optimizer_state_bytes_per_param": 8, "gradient_bytes_per_param": 4}
+    assert Workload.model_validate({**base, "clips_gradients": True}).clips_gradients is True
+    assert Workload.model_validate(base).undo_backup_bytes_per_param == 0
+    for bad in ({"clips_gradients": 0}, {"undo_backup_bytes_per_param": 81}, {"undo_backup_bytes_per_param": 1.0}):
+        with pytest.raises(pydantic.ValidationError):
+            Workload.model_validate({**base, **bad})

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from client.contract import BlockKind, Constraints, DeviceType
-from planner_service.solver.cost_model import activation_peak, iteration_ns_batch
+from planner_service.solver.cost_model import activation_peak, evaluate_decision, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.entry import solve_with_gap
-from planner_service.solver.instance import CostParams, Mode, PolicyInstance, build_instance
+from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
 from planner_service.solver.layout import candidate_layouts
 from planner_service.solver.synthetic import BlockSpec, hand_trace
 
@@ -46,15 +46,19 @@ def brute_force(inst: PolicyInstance) -> int | None:
     M = np.array(rows, dtype=np.int8)
     act_peak = np.array([activation_peak(inst, r) for r in rows], dtype=np.int64)
     swapped = np.where(M == Mode.swap, np.array(inst.act_bytes), 0).sum(axis=1)
-    host_cap = min(inst.host_limit_bytes, inst.pinned_limit_bytes or inst.host_limit_bytes)
+    pinned_cap = inst.pinned_limit_bytes if inst.pinned_limit_bytes is not None else inst.host_limit_bytes
     best: int | None = None
     for off in itertools.product((False, True), repeat=inst.n_chunks):
         n_off = sum(off)
         for nb in range(1, n_off + 1) if n_off else (0,):
             persist = sum(inst.state_bytes(c) for c in range(inst.n_chunks) if not off[c])
             static = persist + nb * inst.buffer_bytes
-            host_chunks = sum(inst.state_bytes(c) for c in range(inst.n_chunks) if off[c])
-            ok = (static + act_peak <= inst.usable_device_bytes) & (host_chunks + swapped <= host_cap)
+            # host: states + the runtime's host extras within the host limit; the pinned part (states) within
+            # the pinned limit
+            pinned = sum(inst.state_bytes(c) for c in range(inst.n_chunks) if off[c])
+            host = sum(inst.host_bytes(c) for c in range(inst.n_chunks) if off[c])
+            ok = ((static + act_peak <= inst.usable_device_bytes) & (host + swapped <= inst.host_limit_bytes)
+                  & (pinned + swapped <= pinned_cap))
             if not ok.any():
                 continue
             t = int(iteration_ns_batch(inst, off, nb, M[ok]).min())
@@ -164,3 +168,38 @@ def test_solve_says_infeasible_when_brute_force_finds_no_layout_that_fits(seed: 
     plan, found = _brute_force_over_layouts(seed)
     assert not found, "this seed has a feasible layout: pick one whose limits leave none"
     assert plan.solver.status.value == "infeasible"
+
+
+def clipping(trace):
+    """The trace of a job that clips, with the runtime's undo backups (master + Adam's two moments)."""
+    w = trace.workload.model_copy(update={"clips_gradients": True, "undo_backup_bytes_per_param": 12})
+    return trace.model_copy(update={"workload": w})
+
+
+@pytest.mark.parametrize(("seed", "overlap"), [(0, True), (1, True), (3, False)])
+def test_cpsat_optimum_equals_brute_force_when_the_job_clips(seed: int, overlap: bool):
+    # clipping redoes the speculative host steps after backward, and the undo backups take host memory:
+    # CP-SAT's iteration and host-memory terms still equal the reference model's
+    rng = np.random.default_rng(7000 + seed)
+    trace = clipping(random_trace(rng, n_blocks=int(rng.integers(3, 8))))
+    cons = limits_between_extremes(rng, trace)
+    assert cons.host_memory_bytes is not None  # the host extras (exposed .grad, backups) double the host side
+    cons = cons.model_copy(update={"host_memory_bytes": 2 * cons.host_memory_bytes})
+    params = CostParams(alpha=0.05, full_duplex=bool(seed % 2), copy_overlap=overlap)
+    assert assert_cpsat_matches_brute_force(trace, cons, params, serial=not overlap) >= 1
+
+
+def test_clipping_charges_the_redo_and_the_undo_backup_in_the_prediction():
+    rng = np.random.default_rng(7100)
+    trace = random_trace(rng, n_blocks=5)
+    clipped = clipping(trace)
+    lay = candidate_layouts(trace)[0]
+    cons = Constraints(device_memory_bytes=1 << 40, host_memory_bytes=1 << 40)
+    plain, clip = build_instance(trace, lay, cons), build_instance(clipped, lay, cons)
+    d = Decision(offloaded=(True,) * lay.n_chunks, n_buffers=1, modes=(Mode.keep,) * plain.n_blocks)
+    a, b = evaluate_decision(plain, d), evaluate_decision(clip, d)
+    assert b.host_redo_ns == a.host_optim_ns > 0 and a.host_redo_ns == 0
+    assert b.iteration_ns == a.iteration_ns + a.host_optim_ns
+    assert trace.workload.precision.value == "fp32"
+    elements = sum(u // 4 for u in lay.used_bytes)
+    assert b.host_bytes - a.host_bytes == 12 * elements

@@ -43,3 +43,25 @@ def test_pruning_rules_do_not_change_the_baseline_answer(device_gib, copy_overla
         if full.cost is not None and pruned.cost is not None:
             assert pruned.cost.iteration_ns == full.cost.iteration_ns
             assert pruned.evaluated < full.evaluated
+
+
+@pytest.mark.parametrize("host_fraction", [1.6, 2.0])
+def test_pruning_rules_do_not_change_the_answer_when_the_job_clips_under_a_host_limit(host_fraction):
+    # clipping: undo backups make the host side larger than the pinned states, and the redo adds time
+    trace = synthetic_trace(n_blocks=8, hidden=1024, batch=8, seq=1024)
+    w = trace.workload.model_copy(update={"clips_gradients": True, "undo_backup_bytes_per_param": 12})
+    trace = trace.model_copy(update={"workload": w})
+    state = trace.model.parameter_count * 16  # bytes of fp32 parameter + gradient + Adam moments
+    cons = Constraints(device_memory_bytes=3 * GiB, host_memory_bytes=int(host_fraction * state))
+    found = 0
+    for layout in candidate_layouts(trace)[:2]:
+        inst = build_instance(trace, layout, cons)
+        assert inst.redo_host_steps
+        pruned = protrain.search(inst)
+        full = protrain.search(inst, prune_memory=False, prune_bound=False)
+        assert (pruned.cost is None) == (full.cost is None)
+        if full.cost is not None and pruned.cost is not None:
+            assert pruned.cost.iteration_ns == full.cost.iteration_ns
+            assert pruned.cost.fits and pruned.cost.host_redo_ns > 0
+            found += 1
+    assert found > 0

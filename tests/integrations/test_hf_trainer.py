@@ -1,0 +1,131 @@
+"""`agent.integrations.hf.wrap_trainer` with the real `transformers.Trainer` (and Accelerate under it), CPU.
+
+Tiny models built from config with the library's defaults; a device limit that makes the planner offload;
+the Trainer's default clipping (here max_grad_norm=0.5, active every step: the logged grad_norm is above it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import hf_jobs
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def limits() -> dict[str, int]:
+    """Per model kind: a device limit at 70% of the plain job's measured peak (the planner must offload)."""
+    import agent
+
+    out = {}
+    for kind in ("llama", "gpt2"):
+        model = hf_jobs.build_model(kind)
+        ids = torch.stack([d["input_ids"] for d in hf_jobs.dataset()[:4]])
+        probe = copy.deepcopy(model)
+        trace = agent.profile(probe, {"input_ids": ids, "labels": ids}, optimizer=torch.optim.AdamW(probe.parameters()),
+                              repeats=1, allocation_trace=False)
+        out[kind] = int(trace.measurements.peak_device_bytes * 0.7)
+    return out
+
+
+def assert_same(got: list[dict[str, float]], ref: list[dict[str, float]], *, exact: bool = False) -> None:
+    assert [h["step"] for h in got] == [h["step"] for h in ref]
+    for g, r in zip(got, ref, strict=True):
+        for key in ("loss", "grad_norm"):
+            if exact:
+                assert g[key] == r[key], f"step {g['step']}: {key} {g[key]} vs {r[key]}"
+            else:
+                assert abs(g[key] - r[key]) <= TOL * abs(r[key]), f"step {g['step']}: {key} {g[key]} vs {r[key]}"
+
+
+@pytest.mark.parametrize(("kind", "accumulation"), [("llama", 1), ("gpt2", 1), ("llama", 2)])
+def test_wrapped_trainer_trains_like_the_plain_trainer_with_clipping(
+        kind: str, accumulation: int, limits: dict[str, int], tmp_path: Path) -> None:
+    spec = {"kind": kind, "steps": 5, "accumulation": accumulation}
+    plain = hf_jobs.run({**spec, "out": str(tmp_path / "plain")})
+    got = hf_jobs.run({**spec, "out": str(tmp_path / "wrapped"), "wrap": True, "device_memory": limits[kind]})
+    assert got["offloaded"] > 0, "the limit did not make the planner offload"
+    assert all(h["grad_norm"] > 0.5 for h in plain["history"]), "clipping is not active"
+    assert_same(got["history"], plain["history"])
+    c = got["counters"]
+    assert c["speculative"] > 0 and c["redos"] > 0  # host steps overlapped backward, clipping redid them
+    assert got["predicted_redo_s"] > 0  # the Trainer clips (max_grad_norm): the plan counts the redo
+
+
+def test_trainer_resumed_from_a_checkpoint_in_a_new_process_continues_identically(
+        limits: dict[str, int], tmp_path: Path) -> None:
+    """Save at step 3 (the Trainer's own checkpoint: model, optimizer, scheduler, RNG), resume in a new
+    process with the same plan, and get the uninterrupted run's steps 4-6 exactly."""
+    spec = {"kind": "llama", "steps": 6, "out": str(tmp_path / "run"), "wrap": True}
+    full = hf_jobs.run({**spec, "save_steps": 3, "device_memory": limits["llama"]})
+    assert full["offloaded"] > 0
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert (checkpoint / "optimizer.pt").exists()
+    plan = tmp_path / "plan.json"
+    plan.write_text(full["plan"])
+    resume = {**spec, "out": str(tmp_path / "resumed"), "resume": str(checkpoint), "plan": str(plan)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(HERE / "hf_jobs.py"), json.dumps(resume)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4, 5, 6]  # 1-3 read back from the checkpoint
+    assert_same(resumed["history"][3:], full["history"][3:], exact=True)
+
+
+def test_wrap_trainer_refuses_a_scheduler_built_on_the_unwrapped_optimizer(tmp_path: Path) -> None:
+    from agent.integrations.hf import wrap_trainer
+
+    t = hf_jobs.trainer("llama", tmp_path, steps=2)
+    t.create_optimizer_and_scheduler(num_training_steps=2)
+    with pytest.raises(ValueError, match="trainer.lr_scheduler"):
+        wrap_trainer(t, device_memory=1 << 30)
+    assert not getattr(t.model, "_memplan_wrapped", False)
+
+
+def _accelerate_loop(model: torch.nn.Module, wrap: bool, limit: int) -> list[tuple[float, float]]:
+    """A plain Accelerate loop (prepare, accelerator.backward, accelerator.clip_grad_norm_)."""
+    from accelerate import Accelerator
+
+    import agent.wrap
+
+    data = hf_jobs.dataset()
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True)
+    loader = torch.utils.data.DataLoader(data[:24], batch_size=4)
+    if wrap:
+        first = next(iter(loader))
+        w = agent.wrap.wrap(model, opt, sample_batch=first, device_memory=limit, feedback_steps=None)
+        assert w.plan.policy is not None and any(c.placement.value == "offloaded" for c in w.plan.policy.chunks)
+        model, opt = w.model, w.optimizer
+    acc = Accelerator(cpu=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    torch.manual_seed(3)
+    out = []
+    for batch in loader:
+        loss = model(**batch).loss
+        acc.backward(loss)
+        norm = acc.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.item(), float(norm)))
+    return out
+
+
+def test_an_accelerate_loop_over_the_wrapped_model_matches_the_plain_loop(limits: dict[str, int]) -> None:
+    base = hf_jobs.build_model("gpt2")
+    ref = _accelerate_loop(copy.deepcopy(base), False, 0)
+    got = _accelerate_loop(copy.deepcopy(base), True, limits["gpt2"])
+    for (gl, gn), (rl, rn) in zip(got, ref, strict=True):
+        assert abs(gl - rl) <= TOL * abs(rl) and abs(gn - rn) <= TOL * abs(rn)
+    assert all(rn > 0.5 for _, rn in ref)
