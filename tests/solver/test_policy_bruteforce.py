@@ -98,9 +98,10 @@ def assert_cpsat_matches_brute_force(trace, cons: Constraints, params: CostParam
     return solved
 
 
-# Seeds whose random limits leave at least one layout feasible (seeds 3 and 7 leave none, so they would
+# Seeds whose random limits leave at least one layout feasible (seeds 3, 4, 7 leave none once the host side
+# counts the exposed gradients and undo backups, so they would
 # compare no optimum; every seed here must compare at least one).
-@pytest.mark.parametrize("seed", [0, 1, 2, 4, 5, 6, 8, 9])
+@pytest.mark.parametrize("seed", [0, 1, 2, 5, 6, 8, 9, 10])
 def test_cpsat_optimum_equals_brute_force_on_every_layout(seed: int):
     rng = np.random.default_rng(1000 + seed)
     trace = random_trace(rng, n_blocks=int(rng.integers(3, 9)))
