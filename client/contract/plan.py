@@ -19,6 +19,7 @@ from client.contract.common import (
     Name,
     PositiveBytes,
     Seconds,
+    Text,
 )
 
 
@@ -150,7 +151,7 @@ class SolverReport(ContractModel):
     min_device_memory_bytes: Bytes | None = Field(
         default=None, description="when infeasible: the smallest device memory that would fit"
     )
-    message: str = Field(default="", max_length=4096)
+    message: Text = Field(default="", max_length=4096)
 
 
 class Plan(ContractModel):

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
+from planner_service.api.params import HardwareFilter, ModelFilter, PlanId
 from planner_service.api.poll_shortcut import etag_matches
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.change_feed import ChangeFeed
@@ -97,7 +98,7 @@ async def _until_changed(feed: ChangeFeed | None, plan_id: str, seconds: float) 
 
 @router.get("/{plan_id}", response_model=PlanRecord,
             responses={304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
-async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
+async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
                    wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds for a final "
                                                                   "status (or, with If-None-Match, any change)")] = 0.0,
                    if_none_match: Annotated[str | None, Header(description="entity tag of a copy the client "
@@ -138,8 +139,8 @@ async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
 
 @router.get("", response_model=Page[PlanRecord])
 def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
-               model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
-               hardware: Annotated[str | None, Query(description="hardware key")] = None,
+               model: ModelFilter = None,
+               hardware: HardwareFilter = None,
                status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
                sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
                limit: Annotated[int, Query(ge=1, le=1000)] = 50,
@@ -158,7 +159,7 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
 
 
 @router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
-def post_feedback(plan_id: str, body: Feedback, request: Request, session: SessionDep,
+def post_feedback(plan_id: PlanId, body: Feedback, request: Request, session: SessionDep,
                   principal: PrincipalDep) -> FeedbackRecord:
     plan = PlanRepository(session).get(plan_id, principal.project_id)
     if plan is None:

@@ -12,6 +12,7 @@ from client.contract import Page, TraceCreated, TraceRecord, TraceSummary
 from planner_service.api.bodies import read_body
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
+from planner_service.api.params import HardwareFilter, ModelFilter, TraceId
 from planner_service.api.present import trace_summary
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import TraceRepository, decompress_trace
@@ -56,7 +57,7 @@ async def upload_trace(request: Request, response: Response, session: SessionDep
 
 
 @router.get("/{trace_id}", response_model=TraceRecord)
-def get_trace(trace_id: str, session: SessionDep, principal: PrincipalDep) -> TraceRecord:
+def get_trace(trace_id: TraceId, session: SessionDep, principal: PrincipalDep) -> TraceRecord:
     row = TraceRepository(session).get(trace_id, principal.project_id)
     if row is None:
         raise ApiError(404, f"trace {trace_id} not found")
@@ -65,8 +66,8 @@ def get_trace(trace_id: str, session: SessionDep, principal: PrincipalDep) -> Tr
 
 @router.get("", response_model=Page[TraceSummary])
 def list_traces(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
-                model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
-                hardware: Annotated[str | None, Query(description="hardware key")] = None,
+                model: ModelFilter = None,
+                hardware: HardwareFilter = None,
                 sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
                 limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                 cursor: str | None = None) -> Page[TraceSummary]:
