@@ -97,8 +97,8 @@ class TraceRepository:
         existing = self.by_hash(project_id, facts.content_hash)
         if existing is not None:
             return existing, False
-        self._ensure_model(facts)
-        self._ensure_hardware(facts)
+        self._ensure_model(facts, project_id)
+        self._ensure_hardware(facts, project_id)
         row = TraceRow(project_id=project_id, content_hash=facts.content_hash,
                        model_fingerprint=facts.model_fingerprint, hardware_key=facts.hardware_key,
                        workload_key=facts.workload_key, schema_version=facts.schema_version,
@@ -113,21 +113,22 @@ class TraceRepository:
             return winner, False
         return row, True
 
-    def _ensure_model(self, f: TraceFacts) -> None:
-        if self.s.get(ModelRow, f.model_fingerprint) is None:
+    def _ensure_model(self, f: TraceFacts, project_id: str) -> None:
+        """The project's catalogue row of the model (the first trace of it names it)."""
+        if self.s.get(ModelRow, {"project_id": project_id, "fingerprint": f.model_fingerprint}) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(ModelRow(fingerprint=f.model_fingerprint, name=f.model_name,
+                    self.s.add(ModelRow(project_id=project_id, fingerprint=f.model_fingerprint, name=f.model_name,
                                         architecture=f.architecture, parameter_count=f.parameter_count,
                                         created_at=utcnow()))
             except IntegrityError:
                 pass
 
-    def _ensure_hardware(self, f: TraceFacts) -> None:
-        if self.s.get(HardwareRow, f.hardware_key) is None:
+    def _ensure_hardware(self, f: TraceFacts, project_id: str) -> None:
+        if self.s.get(HardwareRow, {"project_id": project_id, "key": f.hardware_key}) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(HardwareRow(key=f.hardware_key, device_type=f.device_type, device_name=f.device_name,
+                    self.s.add(HardwareRow(project_id=project_id, key=f.hardware_key, device_type=f.device_type, device_name=f.device_name,
                                            device_memory_bytes=f.device_memory_bytes, device_count=f.device_count,
                                            created_at=utcnow()))
             except IntegrityError:
@@ -195,7 +196,8 @@ class PlanRepository:
     def list(self, *, project_id: str, model: str | None, hardware: str | None, status: str | None, limit: int,
              cursor: str | None, descending: bool = True, with_result: bool = False) -> PageResult[PlanRow]:
         """A page of plans with their models; the stored Plans (megabytes each) only `with_result`."""
-        stmt = (select(PlanRow).join(ModelRow, ModelRow.fingerprint == PlanRow.model_fingerprint)
+        stmt = (select(PlanRow).join(ModelRow, (ModelRow.project_id == PlanRow.project_id)
+                                     & (ModelRow.fingerprint == PlanRow.model_fingerprint))
                 .where(PlanRow.project_id == project_id)
                 .options(contains_eager(PlanRow.model), *((undefer(PlanRow.result),) if with_result else ())))
         if model:
@@ -296,6 +298,7 @@ class CatalogRepository:
         plans = (select(PlanRow.model_fingerprint, func.count().label("n")).where(PlanRow.project_id == project_id)
                  .group_by(PlanRow.model_fingerprint).subquery())
         stmt = (select(ModelRow, traces.c.n, func.coalesce(plans.c.n, 0))
+                .where(ModelRow.project_id == project_id)
                 .join(traces, traces.c.model_fingerprint == ModelRow.fingerprint)
                 .outerjoin(plans, plans.c.model_fingerprint == ModelRow.fingerprint)
                 .order_by(ModelRow.name, ModelRow.fingerprint))
@@ -308,6 +311,7 @@ class CatalogRepository:
         plans = (select(PlanRow.hardware_key, func.count().label("n")).where(PlanRow.project_id == project_id)
                  .group_by(PlanRow.hardware_key).subquery())
         stmt = (select(HardwareRow, traces.c.n, func.coalesce(plans.c.n, 0))
+                .where(HardwareRow.project_id == project_id)
                 .join(traces, traces.c.hardware_key == HardwareRow.key)
                 .outerjoin(plans, plans.c.hardware_key == HardwareRow.key)
                 .order_by(HardwareRow.key))
