@@ -19,7 +19,7 @@ from planner_service.api.poll_shortcut import PollShortcut
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
 from planner_service.db.change_feed import ChangeFeed
-from planner_service.db.session import Database
+from planner_service.db.session import Database, Timeouts
 from planner_service.ingest import Ingestor
 from planner_service.jobs.worker import WorkerPool
 from planner_service.settings import Settings, get_settings
@@ -31,7 +31,9 @@ def prepare_database(settings: Settings) -> Database:
     """Upgrade automatically for the embedded SQLite default; elsewhere refuse an out-of-date schema."""
     if settings.should_auto_upgrade:
         migrate.upgrade(settings.database_url)
-    db = Database(settings.database_url, settings.db_pool_size)
+    db = Database(settings.database_url, settings.db_pool_size, Timeouts(
+        connect_s=settings.db_connect_timeout_s, statement_s=settings.db_statement_timeout_s,
+        pool_s=settings.db_pool_timeout_s))
     migrate.require_current(db.engine)
     return db
 

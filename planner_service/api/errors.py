@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -90,3 +91,8 @@ def install(app: FastAPI) -> None:
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
         return JSONResponse({"error": "database unavailable, retry later", "detail": None}, status_code=503,
                             headers={"Retry-After": "1"})
+
+    @app.exception_handler(PoolTimeout)
+    async def _db_busy(_: Request, exc: PoolTimeout) -> JSONResponse:
+        return JSONResponse({"error": "no database connection free in time, retry later", "detail": None},
+                            status_code=503, headers={"Retry-After": "1"})
