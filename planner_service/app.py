@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,6 +23,7 @@ from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.session import Database, Timeouts
 from planner_service.ingest import Ingestor
 from planner_service.jobs.worker import WorkerPool
+from planner_service.lifeline import PARENT_ENV, die_with_parent
 from planner_service.settings import Settings, get_settings
 
 log = logging.getLogger("memplan.service")
@@ -127,5 +129,8 @@ def _register_trace_schema(app: FastAPI) -> None:
 
 
 def app_from_env() -> FastAPI:
-    """Factory for multi-process serving (`uvicorn --factory`): settings from the environment."""
+    """Factory for multi-process serving (`uvicorn --factory`, in each worker process): settings from the
+    environment; the process dies with uvicorn's supervisor (`memplan serve`), even if that is killed."""
+    parent = os.environ.get(PARENT_ENV, "")  # set by `memplan serve --processes N` to its own pid
+    die_with_parent(expected_parent=int(parent) if parent.isdigit() else None)
     return create_app(Settings())

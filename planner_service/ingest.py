@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import multiprocessing
 import os
 import time
 import zlib
@@ -20,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from client.contract import TRACE_SCHEMA_VERSION, Trace
+from planner_service.lifeline import forkserver_context, pool_child_start
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,10 @@ def _inspect_timed(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> I
     return Inspection(facts, time.perf_counter() - wall, time.thread_time() - cpu)
 
 
-def _lower_priority(niceness: int) -> None:
-    """Validating a large upload is ~0.1 s of CPU: let request handling (a poll is ~1 ms) go first."""
+def _start_ingest_process(niceness: int, owner_pid: int) -> None:
+    """An ingest process dies with the API process that owns it (`lifeline`), and runs below request
+    handling: validating a large upload is ~0.1 s of CPU, a poll ~1 ms, so let the poll go first."""
+    pool_child_start(owner_pid)
     os.nice(niceness)
 
 
@@ -165,8 +167,10 @@ class Ingestor:
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # forkserver: never fork a process that runs threads (the API's thread pool, solve workers)
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"),
-                                             initializer=_lower_priority, initargs=(self.niceness,))
+            # (and the forkserver and every pool process die with this process: `lifeline`)
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=forkserver_context(),
+                                             initializer=_start_ingest_process,
+                                             initargs=(self.niceness, os.getpid()))
         return self._pool
 
     def prestart(self) -> None:
