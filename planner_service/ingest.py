@@ -67,32 +67,40 @@ class GzipTooLarge(ValueError):
     """Inflates beyond the limit (413)."""
 
 
-def gunzip_limited(data: bytes, limit: int) -> tuple[bytes, int]:
-    """Decompress gzip without ever holding more than `limit` bytes (gzip-bomb safe), and the number of
+INFLATE_STEP = 4 * 2**20  # inflate at most this much per call: memory stays near what is kept, not twice it
+
+
+def gunzip_limited(data: bytes, limit: int) -> tuple[bytearray, int]:
+    """Decompress gzip without ever holding much more than `limit` bytes (gzip-bomb safe), and the number of
     members it had. A gzip file may be several members back to back (RFC 1952): every member is inflated
     and all of them together count against `limit`; anything after a member that is not another whole
-    member (garbage, a truncated member) is an error, so no byte of the body goes unchecked. Picklable
-    errors: it also runs in the ingest processes."""
-    parts: list[bytes] = []
-    size = members = 0
+    member (garbage, a truncated member) is an error, so no byte of the body goes unchecked. Output grows in
+    `INFLATE_STEP` pieces (one call with the whole limit held a second copy while assembling its result).
+    Picklable errors: it also runs in the ingest processes."""
+    out = bytearray()
+    members = 0
     rest = data
     while True:
         d = zlib.decompressobj(16 + zlib.MAX_WBITS)
         try:
-            out = d.decompress(rest, limit - size + 1)
+            piece = d.decompress(rest, INFLATE_STEP)
+            while True:
+                out += piece
+                if len(out) > limit:
+                    raise GzipTooLarge(f"decompressed body larger than {limit} bytes (all gzip members together)")
+                if d.eof:
+                    break
+                if not piece and not d.unconsumed_tail:
+                    raise BadGzip("body is truncated gzip" if members == 0
+                                  else f"gzip member {members + 1} is truncated")
+                piece = d.decompress(d.unconsumed_tail, INFLATE_STEP)
         except zlib.error as exc:
             where = "body" if members == 0 else f"gzip member {members + 1} of the body"
             raise BadGzip(f"{where} is not valid gzip: {exc}") from None
-        size += len(out)
-        if size > limit or d.unconsumed_tail:
-            raise GzipTooLarge(f"decompressed body larger than {limit} bytes (all gzip members together)")
-        if not d.eof:
-            raise BadGzip("body is truncated gzip" if members == 0 else f"gzip member {members + 1} is truncated")
-        parts.append(out)
         members += 1
         rest = d.unused_data
         if not rest:
-            return (parts[0] if members == 1 else b"".join(parts)), members
+            return out, members
 
 
 class InvalidJson(ValueError):
@@ -110,6 +118,7 @@ def inspect(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFac
 
     Raises (all picklable) BadGzip, GzipTooLarge, InvalidJson, InvalidTrace.
     """
+    raw: bytes | bytearray
     raw, members = gunzip_limited(data, max_decompressed_bytes) if gzipped else (data, 0)
     # What is stored is what was validated: the client's gzip as is only when it is one member that inflates
     # to exactly the bytes just validated; otherwise the canonical JSON, compressed here.
