@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
+from planner_service.api import links
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
 from planner_service.api.params import HardwareFilter, ModelFilter, PlanId
@@ -41,7 +42,9 @@ def _solver_version() -> str:
 
 
 @router.post("", status_code=202, response_model=PlanRecord,
-             responses={200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused"}})
+             responses={202: {"links": links.PLAN_RECORD},
+                        200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused",
+                              "links": links.PLAN_RECORD}})
 def request_plan(body: PlanRequest, response: Response, session: SessionDep, principal: PrincipalDep) -> PlanRecord:
     trace = TraceRepository(session).get(body.trace_id, principal.project_id, payload=False)
     if trace is None:
@@ -97,7 +100,8 @@ async def _until_changed(feed: ChangeFeed | None, plan_id: str, seconds: float) 
 
 
 @router.get("/{plan_id}", response_model=PlanRecord,
-            responses={304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
+            responses={200: {"links": links.PLAN_RECORD},
+                       304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
 async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
                    wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds for a final "
                                                                   "status (or, with If-None-Match, any change)")] = 0.0,
@@ -137,7 +141,7 @@ async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
         known = etag  # not final yet: wait for the next change, then read the record again
 
 
-@router.get("", response_model=Page[PlanRecord])
+@router.get("", response_model=Page[PlanRecord], responses={200: {"links": links.PLAN_PAGE}})
 def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
                model: ModelFilter = None,
                hardware: HardwareFilter = None,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Page, TraceCreated, TraceRecord, TraceSummary
+from planner_service.api import links
 from planner_service.api.bodies import read_body
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
@@ -22,7 +23,9 @@ router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONS
 
 
 @router.post("", status_code=201, response_model=TraceCreated,
-             responses={200: {"model": TraceCreated, "description": "identical content already stored"}},
+             responses={201: {"links": links.TRACE_CREATED},
+                        200: {"model": TraceCreated, "description": "identical content already stored",
+                              "links": links.TRACE_CREATED}},
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/json": {"schema": {"$ref": "#/components/schemas/Trace"}}}}})
 async def upload_trace(request: Request, response: Response, session: SessionDep, settings: SettingsDep,
@@ -64,7 +67,7 @@ def get_trace(trace_id: TraceId, session: SessionDep, principal: PrincipalDep) -
     return TraceRecord(**trace_summary(row).model_dump(), trace=decompress_trace(row))
 
 
-@router.get("", response_model=Page[TraceSummary])
+@router.get("", response_model=Page[TraceSummary], responses={200: {"links": links.TRACE_PAGE}})
 def list_traces(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
                 model: ModelFilter = None,
                 hardware: HardwareFilter = None,
