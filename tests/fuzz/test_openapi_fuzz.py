@@ -5,7 +5,8 @@ Runs the `st` CLI (its pytest plugin does not support this pytest) against the r
 examples, coverage, fuzzing, and stateful sequences that follow the document's OpenAPI links
 (`planner_service/api/links.py`) with real trace and plan ids from responses. The database is seeded with
 two traces and a solved plan first, so list responses carry ids for the links to follow (random bodies
-rarely make a valid trace). Every check runs except `positive_data_acceptance`: the contract has
+rarely make a valid trace). `hostile_hooks.py` replaces the strings of some generated paths, queries and bodies
+with NUL and other hostile strings. Every check runs except `positive_data_acceptance`: the contract has
 cross-field invariants that JSON Schema cannot state (bandwidth samples sorted, block index == position,
 byte sums), and cursors are opaque, so a schema-valid request may rightly get 400/422.
 """
@@ -13,6 +14,7 @@ byte sums), and cursors are opaque, so a schema-valid request may rightly get 40
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -60,7 +62,8 @@ def test_fuzzed_api_has_no_server_errors_or_schema_violations(backend: str, tmp_
              "--phases", "examples,coverage,fuzzing,stateful", "--mode", "all", "--generation-allow-x00", "true",
              "--max-examples", "60", "--seed", "20261125", "--workers", "2", "--no-color",
              "--report", "har", "--report-har-path", str(har)],
-            capture_output=True, text=True, timeout=1200)
+            capture_output=True, text=True, timeout=1200,
+            env={**os.environ, "SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("hostile_hooks.py"))})
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
     entries = json.loads(har.read_text())["log"]["entries"]
     assert len(entries) >= MIN_REQUESTS, f"only {len(entries)} generated requests"
