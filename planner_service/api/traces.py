@@ -16,7 +16,7 @@ from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_det
 from planner_service.api.params import HardwareFilter, ModelFilter, TraceId
 from planner_service.api.present import trace_summary
 from planner_service.db.cursor import BadCursor
-from planner_service.db.repositories import TraceRepository, decompress_trace
+from planner_service.db.repositories import TraceRepository, UnreadableStoredTrace, decompress_trace
 from planner_service.ingest import BadGzip, GzipTooLarge, Ingestor, InvalidJson, InvalidTrace
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
@@ -60,11 +60,15 @@ async def upload_trace(request: Request, response: Response, session: SessionDep
 
 
 @router.get("/{trace_id}", response_model=TraceRecord)
-def get_trace(trace_id: TraceId, session: SessionDep, principal: PrincipalDep) -> TraceRecord:
+def get_trace(trace_id: TraceId, session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> TraceRecord:
     row = TraceRepository(session).get(trace_id, principal.project_id)
     if row is None:
         raise ApiError(404, f"trace {trace_id} not found")
-    return TraceRecord(**trace_summary(row).model_dump(), trace=decompress_trace(row))
+    try:
+        trace = decompress_trace(row, settings.max_decompressed_bytes)
+    except UnreadableStoredTrace as exc:  # stored before uploads were checked whole: upload it again
+        raise ApiError(409, f"trace {trace_id}: {exc}") from exc
+    return TraceRecord(**trace_summary(row).model_dump(), trace=trace)
 
 
 @router.get("", response_model=Page[TraceSummary], responses={200: {"links": links.TRACE_PAGE}})

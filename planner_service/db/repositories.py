@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
+from pydantic import ValidationError
 from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
@@ -17,7 +17,7 @@ from client.contract import Constraints, Feedback, Objective, PlanHeadline, Trac
 from planner_service.db.base import utcnow
 from planner_service.db.cursor import after, encode_cursor
 from planner_service.db.models import DEFAULT_PROJECT, FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
-from planner_service.ingest import TraceFacts
+from planner_service.ingest import BadGzip, GzipTooLarge, TraceFacts, gunzip_limited
 
 R = TypeVar("R")
 ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
@@ -73,8 +73,26 @@ def _page(session: Session, stmt: Any, model: Any, limit: int, cursor: str | Non
 
 
 # ------------------------------------------------------------------------------------------- traces
-def decompress_trace(row: TraceRow) -> Trace:
-    return Trace.model_validate_json(gzip.decompress(row.payload_gzip))
+STORED_TRACE_READ_LIMIT = 256 * 2**20  # the service's default max_decompressed_bytes
+
+
+class UnreadableStoredTrace(ValueError):
+    """A stored payload that does not inflate (within the limit) to a valid trace. Since uploads are checked
+    whole (every gzip member) none is stored; rows stored before may hold a bomb or garbage."""
+
+
+def read_stored_trace(payload_gzip: bytes, limit: int = STORED_TRACE_READ_LIMIT) -> Trace:
+    """The trace of a stored payload, inflated under `limit` (a row stored before uploads were checked
+    whole is never inflated without bound); `UnreadableStoredTrace` if it cannot be read."""
+    try:
+        raw, _ = gunzip_limited(payload_gzip, limit)
+        return Trace.model_validate_json(raw)
+    except (BadGzip, GzipTooLarge, ValidationError) as exc:
+        raise UnreadableStoredTrace(f"stored trace cannot be read: {str(exc)[:200]}") from None
+
+
+def decompress_trace(row: TraceRow, limit: int = STORED_TRACE_READ_LIMIT) -> Trace:
+    return read_stored_trace(row.payload_gzip, limit)
 
 
 class TraceRepository:

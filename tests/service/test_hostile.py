@@ -83,6 +83,29 @@ def test_a_bomb_after_a_valid_member_counts_against_the_limit(settings, trace: T
     assert set(_counts(db_url).values()) == {0}
 
 
+def test_a_bomb_stored_before_uploads_were_checked_whole_is_read_within_the_limit(settings, trace: Trace) -> None:  # type: ignore[no-untyped-def]
+    """Rows stored before this check may hold a valid member followed by a bomb: reading one inflates at most
+    max_decompressed_bytes and answers 409 (upload it again), never inflating the bomb or a 500."""
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from planner_service.app import create_app
+    from planner_service.db.repositories import TraceRepository
+    from planner_service.db.session import Database
+    from planner_service.ingest import TraceFacts
+
+    db = Database(settings.database_url)
+    with db.session() as s:  # as the service stored it before: the client's bytes, first member checked
+        facts = replace(TraceFacts.of(trace), payload_gzip=_gz(trace.canonical_json()) + _zeros_gzip(64 * 2**20))
+        trace_id = TraceRepository(s).add(facts)[0].id
+    db.dispose()
+    small = settings.model_copy(update={"max_decompressed_bytes": 8 * 2**20})
+    with TestClient(create_app(small)) as api:
+        r = api.get(f"/v1/traces/{trace_id}")
+        assert r.status_code == 409 and "cannot be read" in r.json()["error"], r.text
+
+
 # ------------------------------------------------------------------------------ NUL characters
 def _with(raw: dict[str, Any], path: tuple[str | int, ...], value: Any) -> dict[str, Any]:
     copy = json.loads(json.dumps(raw))
