@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Request
@@ -12,7 +14,8 @@ from planner_service.db.session import Database
 from planner_service.settings import Settings
 
 router = APIRouter(tags=["health"])
-READY = {200: {"description": "ready"}, 503: {"description": "database unreachable or schema out of date"}}
+READY: dict[int | str, dict[str, Any]] = {
+    200: {"description": "ready"}, 503: {"description": "database unreachable, frozen, or schema out of date"}}
 
 
 @router.get("/healthz")
