@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,9 +20,10 @@ from planner_service.api.poll_shortcut import PollShortcut
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
 from planner_service.db.change_feed import ChangeFeed
-from planner_service.db.session import Database
+from planner_service.db.session import Database, Timeouts
 from planner_service.ingest import Ingestor
 from planner_service.jobs.worker import WorkerPool
+from planner_service.lifeline import PARENT_ENV, die_with_parent
 from planner_service.settings import Settings, get_settings
 
 log = logging.getLogger("memplan.service")
@@ -31,7 +33,9 @@ def prepare_database(settings: Settings) -> Database:
     """Upgrade automatically for the embedded SQLite default; elsewhere refuse an out-of-date schema."""
     if settings.should_auto_upgrade:
         migrate.upgrade(settings.database_url)
-    db = Database(settings.database_url, settings.db_pool_size)
+    db = Database(settings.database_url, settings.db_pool_size, Timeouts(
+        connect_s=settings.db_connect_timeout_s, statement_s=settings.db_statement_timeout_s,
+        pool_s=settings.db_pool_timeout_s))
     migrate.require_current(db.engine)
     return db
 
@@ -125,5 +129,8 @@ def _register_trace_schema(app: FastAPI) -> None:
 
 
 def app_from_env() -> FastAPI:
-    """Factory for multi-process serving (`uvicorn --factory`): settings from the environment."""
+    """Factory for multi-process serving (`uvicorn --factory`, in each worker process): settings from the
+    environment; the process dies with uvicorn's supervisor (`memplan serve`), even if that is killed."""
+    parent = os.environ.get(PARENT_ENV, "")  # set by `memplan serve --processes N` to its own pid
+    die_with_parent(expected_parent=int(parent) if parent.isdigit() else None)
     return create_app(Settings())

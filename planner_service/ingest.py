@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import multiprocessing
 import os
 import time
 import zlib
@@ -20,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from client.contract import TRACE_SCHEMA_VERSION, Trace
+from planner_service.lifeline import forkserver_context, pool_child_start
 
 
 @dataclass(frozen=True)
@@ -67,19 +67,40 @@ class GzipTooLarge(ValueError):
     """Inflates beyond the limit (413)."""
 
 
-def gunzip_limited(data: bytes, limit: int) -> bytes:
-    """Decompress gzip without ever holding more than `limit` bytes (gzip-bomb safe). Picklable errors:
-    it also runs in the ingest processes."""
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as exc:
-        raise BadGzip(f"body is not valid gzip: {exc}") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise GzipTooLarge(f"decompressed body larger than {limit} bytes")
-    if not d.eof:
-        raise BadGzip("body is truncated gzip")
-    return out
+INFLATE_STEP = 4 * 2**20  # inflate at most this much per call: memory stays near what is kept, not twice it
+
+
+def gunzip_limited(data: bytes, limit: int) -> tuple[bytearray, int]:
+    """Decompress gzip without ever holding much more than `limit` bytes (gzip-bomb safe), and the number of
+    members it had. A gzip file may be several members back to back (RFC 1952): every member is inflated
+    and all of them together count against `limit`; anything after a member that is not another whole
+    member (garbage, a truncated member) is an error, so no byte of the body goes unchecked. Output grows in
+    `INFLATE_STEP` pieces (one call with the whole limit held a second copy while assembling its result).
+    Picklable errors: it also runs in the ingest processes."""
+    out = bytearray()
+    members = 0
+    rest = data
+    while True:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            piece = d.decompress(rest, INFLATE_STEP)
+            while True:
+                out += piece
+                if len(out) > limit:
+                    raise GzipTooLarge(f"decompressed body larger than {limit} bytes (all gzip members together)")
+                if d.eof:
+                    break
+                if not piece and not d.unconsumed_tail:
+                    raise BadGzip("body is truncated gzip" if members == 0
+                                  else f"gzip member {members + 1} is truncated")
+                piece = d.decompress(d.unconsumed_tail, INFLATE_STEP)
+        except zlib.error as exc:
+            where = "body" if members == 0 else f"gzip member {members + 1} of the body"
+            raise BadGzip(f"{where} is not valid gzip: {exc}") from None
+        members += 1
+        rest = d.unused_data
+        if not rest:
+            return out, members
 
 
 class InvalidJson(ValueError):
@@ -97,8 +118,11 @@ def inspect(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFac
 
     Raises (all picklable) BadGzip, GzipTooLarge, InvalidJson, InvalidTrace.
     """
-    raw = gunzip_limited(data, max_decompressed_bytes) if gzipped else data
-    gzip_body = data if gzipped else None
+    raw: bytes | bytearray
+    raw, members = gunzip_limited(data, max_decompressed_bytes) if gzipped else (data, 0)
+    # What is stored is what was validated: the client's gzip as is only when it is one member that inflates
+    # to exactly the bytes just validated; otherwise the canonical JSON, compressed here.
+    gzip_body = data if members == 1 else None
     context: dict[str, Any] = {}
     try:
         trace = Trace.model_validate_json(raw, context=context)
@@ -128,8 +152,10 @@ def _inspect_timed(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> I
     return Inspection(facts, time.perf_counter() - wall, time.thread_time() - cpu)
 
 
-def _lower_priority(niceness: int) -> None:
-    """Validating a large upload is ~0.1 s of CPU: let request handling (a poll is ~1 ms) go first."""
+def _start_ingest_process(niceness: int, owner_pid: int) -> None:
+    """An ingest process dies with the API process that owns it (`lifeline`), and runs below request
+    handling: validating a large upload is ~0.1 s of CPU, a poll ~1 ms, so let the poll go first."""
+    pool_child_start(owner_pid)
     os.nice(niceness)
 
 
@@ -150,8 +176,10 @@ class Ingestor:
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # forkserver: never fork a process that runs threads (the API's thread pool, solve workers)
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"),
-                                             initializer=_lower_priority, initargs=(self.niceness,))
+            # (and the forkserver and every pool process die with this process: `lifeline`)
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=forkserver_context(),
+                                             initializer=_start_ingest_process,
+                                             initargs=(self.niceness, os.getpid()))
         return self._pool
 
     def prestart(self) -> None:

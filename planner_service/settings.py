@@ -33,6 +33,15 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=16, ge=1, le=256, description=(
         "database connections each API process keeps open; also the number of threads that run blocking "
         "handlers, so a burst queues for a thread instead of opening (and closing) connections"))
+    db_connect_timeout_s: int = Field(default=5, ge=1, le=300, description=(
+        "PostgreSQL: give up connecting after this long (a database that accepts and never answers gives 503)"))
+    db_statement_timeout_s: float = Field(default=30.0, gt=0, le=3600, description=(
+        "PostgreSQL: the server cancels a statement after this long; one with no answer 2 s later (a frozen "
+        "server) has its connection dropped by the client (503)"))
+    db_pool_timeout_s: float = Field(default=10.0, gt=0, description="wait at most this long for a pooled "
+                                     "connection (503 beyond)")
+    readiness_timeout_s: float = Field(default=3.0, gt=0, le=60, description="/readyz answers 503 when the "
+                                       "database has not answered within this long")
     poll_interval_s: float = Field(default=0.2, gt=0, description="how often idle workers look for queued plans")
     max_attempts: int = Field(default=3, ge=1, description="solve attempts before a plan is marked failed")
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="largest request body accepted (413 beyond)")

@@ -30,7 +30,19 @@ PositiveBytes = Annotated[int, Strict(), Field(gt=0, le=2**53, description="a no
 Seconds = Annotated[float, Strict(), Field(ge=0.0, le=1e9, description="a duration in seconds")]
 BytesPerSecond = Annotated[float, Strict(), Field(gt=0.0, le=1e15, description="a throughput in bytes per second")]
 Count = Annotated[int, Strict(), Field(ge=0, le=2**53)]
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+# Strings: no NUL (U+0000) anywhere. PostgreSQL's text types refuse it (a 500 there where SQLite stores it);
+# the contract refuses it on every backend, with a 422 naming the field. (Lone surrogates, the other thing a
+# UTF-8 database cannot hold, never get this far: the JSON parser refuses them.) The pattern runs in
+# pydantic-core's Rust regex engine: ~0.07 us a name (200k parameter names: 17-21 ms -> 31-34 ms to validate).
+NO_NUL_PATTERN: Final = r"^[^\x00]*$"
+NO_NUL_MESSAGE: Final = "must not contain NUL (\\u0000) characters"
+Text = Annotated[str, Field(pattern=NO_NUL_PATTERN)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=NO_NUL_PATTERN)]
+
+
+def has_nul(value: str) -> bool:
+    """True if `value` holds a character the contract's strings refuse (see `NO_NUL_PATTERN`)."""
+    return "\x00" in value
 
 
 class ContractModel(BaseModel):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Int, Seconds
+from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Int, Seconds, Text
 
 
 class Feedback(ContractModel):
@@ -15,4 +15,4 @@ class Feedback(ContractModel):
     peak_device_bytes: Bytes
     peak_host_bytes: Bytes
     steps_measured: Int = Field(ge=1, le=10_000_000)
-    notes: str = Field(default="", max_length=4096)
+    notes: Text = Field(default="", max_length=4096)

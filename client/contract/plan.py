@@ -20,6 +20,7 @@ from client.contract.common import (
     Name,
     PositiveBytes,
     Seconds,
+    Text,
 )
 
 
@@ -156,7 +157,7 @@ class SolverReport(ContractModel):
         default=None, description="true: min_device_memory_bytes is proven the smallest; false or absent: that "
         "much fits, but a smaller device was not ruled out in the time given"
     )
-    message: str = Field(default="", max_length=4096)
+    message: Text = Field(default="", max_length=4096)
 
     def min_device_memory_text(self) -> str:
         """'the smallest device memory that fits is N bytes', with 'at most' unless that minimum was proven."""

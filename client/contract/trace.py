@@ -33,6 +33,7 @@ from client.contract.common import (
     Name,
     PositiveBytes,
     Seconds,
+    Text,
 )
 
 
@@ -134,7 +135,7 @@ class Hardware(ContractModel):
 
 class Software(ContractModel):
     torch_version: Name
-    cuda_version: str | None = Field(default=None, max_length=64)
+    cuda_version: Text | None = Field(default=None, max_length=64)
     python_version: Name
     memplan_version: Name
 

@@ -11,10 +11,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from client.contract import ErrorBody
+from client.contract.common import NO_NUL_MESSAGE, NO_NUL_PATTERN
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
@@ -41,8 +43,15 @@ def field_path(loc: Sequence[int | str]) -> str:
     return out or "(root)"
 
 
+def _message(error: Any) -> str:
+    """pydantic's message, except for the contract's no-NUL rule, which says what is wrong in words."""
+    if error["type"] == "string_pattern_mismatch" and NO_NUL_PATTERN in error["msg"]:
+        return NO_NUL_MESSAGE
+    return str(error["msg"])
+
+
 def validation_detail(errors: Sequence[Any], prefix: Sequence[str | int] = ()) -> list[dict[str, str]]:
-    return [{"field": field_path([*prefix, *e["loc"]]), "message": e["msg"], "type": e["type"]} for e in errors]
+    return [{"field": field_path([*prefix, *e["loc"]]), "message": _message(e), "type": e["type"]} for e in errors]
 
 
 def _allowed_methods(request: Request) -> set[str]:
@@ -82,3 +91,8 @@ def install(app: FastAPI) -> None:
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
         return JSONResponse({"error": "database unavailable, retry later", "detail": None}, status_code=503,
                             headers={"Retry-After": "1"})
+
+    @app.exception_handler(PoolTimeout)
+    async def _db_busy(_: Request, exc: PoolTimeout) -> JSONResponse:
+        return JSONResponse({"error": "no database connection free in time, retry later", "detail": None},
+                            status_code=503, headers={"Retry-After": "1"})

@@ -11,8 +11,10 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
+from planner_service.api import links
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
+from planner_service.api.params import HardwareFilter, ModelFilter, PlanId
 from planner_service.api.poll_shortcut import etag_matches
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.change_feed import ChangeFeed
@@ -40,7 +42,9 @@ def _solver_version() -> str:
 
 
 @router.post("", status_code=202, response_model=PlanRecord,
-             responses={200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused"}})
+             responses={202: {"links": links.PLAN_RECORD},
+                        200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused",
+                              "links": links.PLAN_RECORD}})
 def request_plan(body: PlanRequest, response: Response, session: SessionDep, principal: PrincipalDep) -> PlanRecord:
     trace = TraceRepository(session).get(body.trace_id, principal.project_id, payload=False)
     if trace is None:
@@ -96,8 +100,9 @@ async def _until_changed(feed: ChangeFeed | None, plan_id: str, seconds: float) 
 
 
 @router.get("/{plan_id}", response_model=PlanRecord,
-            responses={304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
-async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
+            responses={200: {"links": links.PLAN_RECORD},
+                       304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
+async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
                    wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds for a final "
                                                                   "status (or, with If-None-Match, any change)")] = 0.0,
                    if_none_match: Annotated[str | None, Header(description="entity tag of a copy the client "
@@ -136,10 +141,10 @@ async def get_plan(plan_id: str, request: Request, principal: PrincipalDep,
         known = etag  # not final yet: wait for the next change, then read the record again
 
 
-@router.get("", response_model=Page[PlanRecord])
+@router.get("", response_model=Page[PlanRecord], responses={200: {"links": links.PLAN_PAGE}})
 def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
-               model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
-               hardware: Annotated[str | None, Query(description="hardware key")] = None,
+               model: ModelFilter = None,
+               hardware: HardwareFilter = None,
                status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
                id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="plans whose id "
                                                       "starts with this (the CLI's short ids)")] = None,
@@ -161,7 +166,7 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
 
 
 @router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
-def post_feedback(plan_id: str, body: Feedback, request: Request, session: SessionDep,
+def post_feedback(plan_id: PlanId, body: Feedback, request: Request, session: SessionDep,
                   principal: PrincipalDep) -> FeedbackRecord:
     plan = PlanRepository(session).get(plan_id, principal.project_id)
     if plan is None:

@@ -9,19 +9,23 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from client.contract import Page, TraceCreated, TraceRecord, TraceSummary
+from planner_service.api import links
 from planner_service.api.bodies import read_body
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
+from planner_service.api.params import HardwareFilter, ModelFilter, TraceId
 from planner_service.api.present import trace_summary
 from planner_service.db.cursor import BadCursor
-from planner_service.db.repositories import TraceRepository, decompress_trace
+from planner_service.db.repositories import TraceRepository, UnreadableStoredTrace, decompress_trace
 from planner_service.ingest import BadGzip, GzipTooLarge, Ingestor, InvalidJson, InvalidTrace
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
 
 @router.post("", status_code=201, response_model=TraceCreated,
-             responses={200: {"model": TraceCreated, "description": "identical content already stored"}},
+             responses={201: {"links": links.TRACE_CREATED},
+                        200: {"model": TraceCreated, "description": "identical content already stored",
+                              "links": links.TRACE_CREATED}},
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/json": {"schema": {"$ref": "#/components/schemas/Trace"}}}}})
 async def upload_trace(request: Request, response: Response, session: SessionDep, settings: SettingsDep,
@@ -56,17 +60,21 @@ async def upload_trace(request: Request, response: Response, session: SessionDep
 
 
 @router.get("/{trace_id}", response_model=TraceRecord)
-def get_trace(trace_id: str, session: SessionDep, principal: PrincipalDep) -> TraceRecord:
+def get_trace(trace_id: TraceId, session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> TraceRecord:
     row = TraceRepository(session).get(trace_id, principal.project_id)
     if row is None:
         raise ApiError(404, f"trace {trace_id} not found")
-    return TraceRecord(**trace_summary(row).model_dump(), trace=decompress_trace(row))
+    try:
+        trace = decompress_trace(row, settings.max_decompressed_bytes)
+    except UnreadableStoredTrace as exc:  # stored before uploads were checked whole: upload it again
+        raise ApiError(409, f"trace {trace_id}: {exc}") from exc
+    return TraceRecord(**trace_summary(row).model_dump(), trace=trace)
 
 
-@router.get("", response_model=Page[TraceSummary])
+@router.get("", response_model=Page[TraceSummary], responses={200: {"links": links.TRACE_PAGE}})
 def list_traces(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
-                model: Annotated[str | None, Query(description="model fingerprint or name")] = None,
-                hardware: Annotated[str | None, Query(description="hardware key")] = None,
+                model: ModelFilter = None,
+                hardware: HardwareFilter = None,
                 id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="traces whose id "
                                                        "starts with this (the CLI's short ids)")] = None,
                 sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",

@@ -56,6 +56,8 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
         # the factory reads its settings from the environment: pass on what the options changed
         os.environ["MEMPLAN_DATABASE_URL"] = settings.database_url
         os.environ["MEMPLAN_WORKERS"] = str(settings.workers)
+        # each API process dies with this one, even after a kill -9 (planner_service.lifeline)
+        os.environ["MEMPLAN_LIFELINE_PARENT"] = str(os.getpid())
         uvicorn.run("planner_service.app:app_from_env", factory=True, host=host, port=port, workers=processes,
                     log_level=log_level, access_log=False)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -20,11 +21,24 @@ def encode_cursor(created_at: datetime, row_id: str) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+MAX_CURSOR_CHARS = 200
+_ROW_ID = re.compile(r"[0-9a-f]{1,64}")
+
+
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """The (created_at, id) a cursor stands for; anything else is `BadCursor` (400), never a database error:
+    not base64 JSON, not a pair of strings, a naive or unparsable time, an id that is not one of ours."""
     try:
+        if len(cursor) > MAX_CURSOR_CHARS:
+            raise ValueError("too long")
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         at, row_id = json.loads(raw)
-        return datetime.fromisoformat(at), str(row_id)
+        if not isinstance(at, str) or not isinstance(row_id, str) or not _ROW_ID.fullmatch(row_id):
+            raise ValueError("not a (time, id) pair")
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None or when.utcoffset() is None:
+            raise ValueError("naive time")
+        return when, row_id
     except Exception as exc:  # any malformed cursor is the client's error
         raise BadCursor(f"cursor: not a cursor returned by this API ({cursor[:40]!r})") from exc
 

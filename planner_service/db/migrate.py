@@ -38,10 +38,24 @@ def _run(url: str, fn: Callable[[Config, str], None], revision: str) -> None:
     """Run an Alembic command on our own engine (SQLite pragmas, parent directory created)."""
     engine = make_engine(url)
     try:
-        with engine.begin() as conn:
-            cfg = alembic_config(url)
-            cfg.attributes["connection"] = conn
-            fn(cfg, revision)
+        with engine.connect() as conn:
+            sqlite = engine.dialect.name == "sqlite"
+            if sqlite:
+                # Alembic's batch mode rebuilds a SQLite table (create, copy, drop, rename); with foreign keys
+                # enforced, dropping the old table deletes every row that references it (ON DELETE CASCADE:
+                # rebuilding `trace` emptied `plan`). Off for the migration (the pragma only works outside a
+                # transaction), and every reference checked before the commit instead.
+                conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                conn.commit()
+            with conn.begin():
+                cfg = alembic_config(url)
+                cfg.attributes["connection"] = conn
+                fn(cfg, revision)
+                if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").all()):
+                    raise RuntimeError(f"migration to {revision} left rows with broken references: {broken[:5]}")
+            if sqlite:
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                conn.commit()
     finally:
         engine.dispose()
 

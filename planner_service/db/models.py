@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     Float,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     LargeBinary,
@@ -55,8 +56,12 @@ class ApiTokenRow(Base):
 
 
 class HardwareRow(Base):
+    """A device kind a project has traces from. Per project: another project's row with the same key is
+    another row (the key is what the client sends; nothing of one project shows in another's)."""
+
     __tablename__ = "hardware"
 
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), primary_key=True)
     key: Mapped[str] = mapped_column(String(600), primary_key=True)
     device_type: Mapped[str] = mapped_column(String(16))
     device_name: Mapped[str] = mapped_column(String(512))
@@ -66,8 +71,12 @@ class HardwareRow(Base):
 
 
 class ModelRow(Base):
+    """A model a project has traces of, by the fingerprint its agent computed. Per project, like HardwareRow:
+    a fingerprint is the client's word, so two projects naming one fingerprint each keep their own name."""
+
     __tablename__ = "model"
 
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), primary_key=True)
     fingerprint: Mapped[str] = mapped_column(String(512), primary_key=True)
     name: Mapped[str] = mapped_column(String(512))
     architecture: Mapped[str] = mapped_column(String(512))
@@ -81,17 +90,19 @@ class TraceRow(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"))
     content_hash: Mapped[str] = mapped_column(String(64))
-    model_fingerprint: Mapped[str] = mapped_column(ForeignKey("model.fingerprint"))
-    hardware_key: Mapped[str] = mapped_column(ForeignKey("hardware.key"))
+    model_fingerprint: Mapped[str] = mapped_column(String(512))
+    hardware_key: Mapped[str] = mapped_column(String(600))
     workload_key: Mapped[str] = mapped_column(String(200))
     schema_version: Mapped[int] = mapped_column(Integer)
     payload_gzip: Mapped[bytes] = mapped_column(LargeBinary, doc="gzip of the trace JSON in the current schema (as uploaded, or canonical)")
     payload_bytes: Mapped[int] = mapped_column(BigInteger, doc="uncompressed size")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
-    model: Mapped[ModelRow] = relationship()
+    model: Mapped[ModelRow] = relationship(viewonly=True)
 
     __table_args__ = (
+        ForeignKeyConstraint(["project_id", "model_fingerprint"], ["model.project_id", "model.fingerprint"]),
+        ForeignKeyConstraint(["project_id", "hardware_key"], ["hardware.project_id", "hardware.key"]),
         Index("ix_trace_model_created", "model_fingerprint", "created_at", "id"),
         Index("ix_trace_hardware_created", "hardware_key", "created_at", "id"),
         Index("ix_trace_created", "created_at", "id"),
@@ -129,7 +140,8 @@ class PlanRow(Base):
 
     trace: Mapped[TraceRow] = relationship()
     model: Mapped[ModelRow] = relationship(
-        primaryjoin="foreign(PlanRow.model_fingerprint) == ModelRow.fingerprint", viewonly=True
+        primaryjoin="and_(foreign(PlanRow.project_id) == ModelRow.project_id, "
+                    "foreign(PlanRow.model_fingerprint) == ModelRow.fingerprint)", viewonly=True
     )
     feedback: Mapped[list[FeedbackRow]] = relationship(back_populates="plan", order_by="FeedbackRow.created_at")
 

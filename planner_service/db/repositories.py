@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
+from pydantic import ValidationError
 from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
@@ -17,7 +17,7 @@ from client.contract import Constraints, Feedback, Objective, PlanHeadline, Trac
 from planner_service.db.base import utcnow
 from planner_service.db.cursor import after, encode_cursor
 from planner_service.db.models import DEFAULT_PROJECT, FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
-from planner_service.ingest import TraceFacts
+from planner_service.ingest import BadGzip, GzipTooLarge, TraceFacts, gunzip_limited
 
 R = TypeVar("R")
 ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
@@ -73,8 +73,26 @@ def _page(session: Session, stmt: Any, model: Any, limit: int, cursor: str | Non
 
 
 # ------------------------------------------------------------------------------------------- traces
-def decompress_trace(row: TraceRow) -> Trace:
-    return Trace.model_validate_json(gzip.decompress(row.payload_gzip))
+STORED_TRACE_READ_LIMIT = 256 * 2**20  # the service's default max_decompressed_bytes
+
+
+class UnreadableStoredTrace(ValueError):
+    """A stored payload that does not inflate (within the limit) to a valid trace. Since uploads are checked
+    whole (every gzip member) none is stored; rows stored before may hold a bomb or garbage."""
+
+
+def read_stored_trace(payload_gzip: bytes, limit: int = STORED_TRACE_READ_LIMIT) -> Trace:
+    """The trace of a stored payload, inflated under `limit` (a row stored before uploads were checked
+    whole is never inflated without bound); `UnreadableStoredTrace` if it cannot be read."""
+    try:
+        raw, _ = gunzip_limited(payload_gzip, limit)
+        return Trace.model_validate_json(raw)
+    except (BadGzip, GzipTooLarge, ValidationError) as exc:
+        raise UnreadableStoredTrace(f"stored trace cannot be read: {str(exc)[:200]}") from None
+
+
+def decompress_trace(row: TraceRow, limit: int = STORED_TRACE_READ_LIMIT) -> Trace:
+    return read_stored_trace(row.payload_gzip, limit)
 
 
 class TraceRepository:
@@ -97,8 +115,8 @@ class TraceRepository:
         existing = self.by_hash(project_id, facts.content_hash)
         if existing is not None:
             return existing, False
-        self._ensure_model(facts)
-        self._ensure_hardware(facts)
+        self._ensure_model(facts, project_id)
+        self._ensure_hardware(facts, project_id)
         row = TraceRow(project_id=project_id, content_hash=facts.content_hash,
                        model_fingerprint=facts.model_fingerprint, hardware_key=facts.hardware_key,
                        workload_key=facts.workload_key, schema_version=facts.schema_version,
@@ -113,21 +131,22 @@ class TraceRepository:
             return winner, False
         return row, True
 
-    def _ensure_model(self, f: TraceFacts) -> None:
-        if self.s.get(ModelRow, f.model_fingerprint) is None:
+    def _ensure_model(self, f: TraceFacts, project_id: str) -> None:
+        """The project's catalogue row of the model (the first trace of it names it)."""
+        if self.s.get(ModelRow, {"project_id": project_id, "fingerprint": f.model_fingerprint}) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(ModelRow(fingerprint=f.model_fingerprint, name=f.model_name,
+                    self.s.add(ModelRow(project_id=project_id, fingerprint=f.model_fingerprint, name=f.model_name,
                                         architecture=f.architecture, parameter_count=f.parameter_count,
                                         created_at=utcnow()))
             except IntegrityError:
                 pass
 
-    def _ensure_hardware(self, f: TraceFacts) -> None:
-        if self.s.get(HardwareRow, f.hardware_key) is None:
+    def _ensure_hardware(self, f: TraceFacts, project_id: str) -> None:
+        if self.s.get(HardwareRow, {"project_id": project_id, "key": f.hardware_key}) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(HardwareRow(key=f.hardware_key, device_type=f.device_type, device_name=f.device_name,
+                    self.s.add(HardwareRow(project_id=project_id, key=f.hardware_key, device_type=f.device_type, device_name=f.device_name,
                                            device_memory_bytes=f.device_memory_bytes, device_count=f.device_count,
                                            created_at=utcnow()))
             except IntegrityError:
@@ -198,7 +217,8 @@ class PlanRepository:
              cursor: str | None, descending: bool = True, with_result: bool = False,
              id_prefix: str | None = None) -> PageResult[PlanRow]:
         """A page of plans with their models; the stored Plans (megabytes each) only `with_result`."""
-        stmt = (select(PlanRow).join(ModelRow, ModelRow.fingerprint == PlanRow.model_fingerprint)
+        stmt = (select(PlanRow).join(ModelRow, (ModelRow.project_id == PlanRow.project_id)
+                                     & (ModelRow.fingerprint == PlanRow.model_fingerprint))
                 .where(PlanRow.project_id == project_id)
                 .options(contains_eager(PlanRow.model), *((undefer(PlanRow.result),) if with_result else ())))
         if model:
@@ -301,6 +321,7 @@ class CatalogRepository:
         plans = (select(PlanRow.model_fingerprint, func.count().label("n")).where(PlanRow.project_id == project_id)
                  .group_by(PlanRow.model_fingerprint).subquery())
         stmt = (select(ModelRow, traces.c.n, func.coalesce(plans.c.n, 0))
+                .where(ModelRow.project_id == project_id)
                 .join(traces, traces.c.model_fingerprint == ModelRow.fingerprint)
                 .outerjoin(plans, plans.c.model_fingerprint == ModelRow.fingerprint)
                 .order_by(ModelRow.name, ModelRow.fingerprint))
@@ -313,6 +334,7 @@ class CatalogRepository:
         plans = (select(PlanRow.hardware_key, func.count().label("n")).where(PlanRow.project_id == project_id)
                  .group_by(PlanRow.hardware_key).subquery())
         stmt = (select(HardwareRow, traces.c.n, func.coalesce(plans.c.n, 0))
+                .where(HardwareRow.project_id == project_id)
                 .join(traces, traces.c.hardware_key == HardwareRow.key)
                 .outerjoin(plans, plans.c.hardware_key == HardwareRow.key)
                 .order_by(HardwareRow.key))

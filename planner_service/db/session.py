@@ -4,14 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+from planner_service.db.deadline import StatementDeadline
 
 
-def make_engine(url: str, pool_size: int = 16) -> Engine:
+@dataclass(frozen=True)
+class Timeouts:
+    """Bounds on waiting for PostgreSQL (SQLite is a local file: its busy timeout is the only wait)."""
+
+    connect_s: int = 5
+    statement_s: float = 30.0
+    pool_s: float = 10.0
+    grace_s: float = 2.0  # a statement with no answer this long after the server's own timeout: server frozen
+
+    def connect_args(self) -> dict[str, Any]:
+        return {"connect_timeout": self.connect_s, "options": f"-c statement_timeout={int(self.statement_s * 1000)}"}
+
+
+def make_engine(url: str, pool_size: int = 16, timeouts: Timeouts | None = None) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[1] if "///" in url else ""
         if path and path != ":memory:":
@@ -31,16 +48,23 @@ def make_engine(url: str, pool_size: int = 16) -> Engine:
     # fails one request with 503 and SQLAlchemy then invalidates the whole pool (tests/service/test_faults.py).
     # The pool holds what the API's thread limiter admits (settings.db_pool_size) plus a few for the worker
     # threads: an overflow connection is opened and closed per use, which costs PostgreSQL a process fork.
-    return create_engine(url, pool_size=pool_size + 4, max_overflow=8, pool_recycle=1800)
+    if timeouts is None:
+        return create_engine(url, pool_size=pool_size + 4, max_overflow=8, pool_recycle=1800)
+    return create_engine(url, pool_size=pool_size + 4, max_overflow=8, pool_recycle=1800,
+                         pool_timeout=timeouts.pool_s, connect_args=timeouts.connect_args())
 
 
 class Database:
     """Owns the engine; hands out sessions."""
 
-    def __init__(self, url: str, pool_size: int = 16) -> None:
+    def __init__(self, url: str, pool_size: int = 16, timeouts: Timeouts | None = None) -> None:
         self.url = url
-        self.engine = make_engine(url, pool_size)
+        self.timeouts = timeouts
+        self.engine = make_engine(url, pool_size, timeouts)
         self._factory = sessionmaker(self.engine, expire_on_commit=False)
+        self._deadline: StatementDeadline | None = None
+        if timeouts is not None and self.engine.dialect.name == "postgresql":
+            self._deadline = StatementDeadline(self.engine, timeouts.statement_s + timeouts.grace_s)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -61,5 +85,24 @@ class Database:
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             yield conn
 
+    def probe_revision(self, timeout_s: float) -> str | None:
+        """The schema revision, read on a new connection (not a pooled one, which may be stuck behind a
+        frozen server) that gives up within about `timeout_s`: the readiness check."""
+        from planner_service.db.migrate import current_revision
+
+        if self.engine.dialect.name != "postgresql":
+            return current_revision(self.engine)
+        seconds = max(1, int(timeout_s))
+        probe = create_engine(self.url, poolclass=NullPool, connect_args=Timeouts(
+            connect_s=seconds, statement_s=timeout_s).connect_args())
+        deadline = StatementDeadline(probe, timeout_s)
+        try:
+            return current_revision(probe)
+        finally:
+            deadline.close()
+            probe.dispose()
+
     def dispose(self) -> None:
+        if self._deadline is not None:
+            self._deadline.close()
         self.engine.dispose()

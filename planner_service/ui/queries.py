@@ -6,7 +6,6 @@ so a page never shows another project's plans, models or hardware; the router on
 
 from __future__ import annotations
 
-import gzip
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -18,7 +17,7 @@ from sqlalchemy.orm import Session
 from client.contract import PlanRecord, Predictions, SolverReport, Trace
 from planner_service.api.present import plan_record
 from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow
-from planner_service.db.repositories import CatalogRepository, PlanRepository
+from planner_service.db.repositories import CatalogRepository, PlanRepository, read_stored_trace
 
 PLAN_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "infeasible")
 SortOrder = Literal["-created_at", "created_at"]
@@ -78,7 +77,7 @@ class StoredTrace:
     payload_gzip: bytes
 
     def parse(self) -> Trace:
-        return Trace.model_validate_json(gzip.decompress(self.payload_gzip))
+        return read_stored_trace(self.payload_gzip)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from client.contract.common import NO_NUL_MESSAGE, has_nul
 from client.units import format_bytes
 from planner_service.api.deps import UI_TOKEN_COOKIE, DatabaseDep, PrincipalDep, SettingsDep
 from planner_service.auth import resolve
@@ -68,6 +69,8 @@ def _filters(request: Request) -> PlanFilters:
         value = q.get(name, "").strip()
         if len(value) > MAX_FILTER_CHARS:
             raise BadQuery(f"{name}: longer than {MAX_FILTER_CHARS} characters")
+        if has_nul(value):
+            raise BadQuery(f"{name}: {NO_NUL_MESSAGE}")
         return value or None
 
     status = text("status")
@@ -137,6 +140,8 @@ def plans_page(request: Request, db: DatabaseDep, principal: PrincipalDep) -> Re
 
 @router.get("/ui/plans/{plan_id}", response_class=HTMLResponse)
 def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal: PrincipalDep) -> Response:
+    if has_nul(plan_id):
+        return _error_page(request, 400, "Bad request", f"plan_id: {NO_NUL_MESSAGE}")
     if len(plan_id) > 64:
         return _error_page(request, 404, "Plan not found", f"plan_id: no plan {plan_id[:64]!r}…")
     with db.session() as s:

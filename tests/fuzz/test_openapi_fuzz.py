@@ -1,41 +1,80 @@
-"""Schemathesis fuzzes the real service on loopback from its OpenAPI document: no 5xx, no schema violations.
+"""Schemathesis fuzzes the real service on loopback from its OpenAPI document, on SQLite and on PostgreSQL:
+no 5xx, no schema violations, with NUL and other hostile strings in the generated data.
 
-Runs the `st` CLI (its pytest plugin does not support this pytest) against the real server, with every
-check except `positive_data_acceptance`: the contract has cross-field invariants that JSON Schema cannot
-state (bandwidth samples sorted, block index == position, byte sums), and cursors are opaque, so a
-schema-valid request may rightly get 400/422. Server errors and response-schema violations stay checked.
+Runs the `st` CLI (its pytest plugin does not support this pytest) against the real server, all phases:
+examples, coverage, fuzzing, and stateful sequences that follow the document's OpenAPI links
+(`planner_service/api/links.py`) with real trace and plan ids from responses. The database is seeded with
+two traces and a solved plan first, so list responses carry ids for the links to follow (random bodies
+rarely make a valid trace). `hostile_hooks.py` replaces the strings of some generated paths, queries and bodies
+with NUL and other hostile strings. Every check runs except `positive_data_acceptance`: the contract has
+cross-field invariants that JSON Schema cannot state (bandwidth samples sorted, block index == position,
+byte sums), and cursors are opaque, so a schema-valid request may rightly get 400/422.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
+import httpx
 import pytest
 
 from planner_service.db.migrate import upgrade
 from planner_service.embedded import EmbeddedServer
 from planner_service.settings import Settings
+from planner_service.solver.synthetic import synthetic_trace
 
 pytestmark = pytest.mark.slow
 MIN_REQUESTS = 1000
 
 
-def test_fuzzed_api_has_no_server_errors_or_schema_violations(tmp_path: Path) -> None:
+def _seed(base: str) -> None:
+    """Two traces and a solved plan: real ids for the links that start from list responses."""
+    with httpx.Client(base_url=base, timeout=60) as c:
+        ids = [c.post("/v1/traces", content=synthetic_trace(n_blocks=n, hidden=64, vocab=100).canonical_json())
+               .json()["id"] for n in (2, 3)]
+        plan = c.post("/v1/plans", json={"trace_id": ids[0], "constraints": {"device_memory_bytes": 2**34}}).json()
+        assert c.get(f"/v1/plans/{plan['id']}", params={"wait": 60}).json()["status"] in ("done", "infeasible")
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_fuzzed_api_has_no_server_errors_or_schema_violations(backend: str, tmp_path: Path,
+                                                              request: pytest.FixtureRequest) -> None:
     st = shutil.which("st", path=str(Path(sys.executable).parent))
     assert st, "schemathesis CLI `st` is not installed (it is a dev dependency)"
-    url = f"sqlite:///{tmp_path / 'fuzz.db'}"
-    upgrade(url)
-    cfg = Settings(database_url=url, workers=1, rate_limit_per_s=1e6, rate_limit_burst=1_000_000, auto_upgrade=False)
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'fuzz.db'}"
+        upgrade(url)
+    else:
+        url = request.getfixturevalue("postgres_url")
+    cfg = Settings(database_url=url, workers=1, rate_limit_per_s=1e6, rate_limit_burst=1_000_000, auto_upgrade=False,
+                   ingest_prestart=False)
     har = tmp_path / "fuzz.har"
     with EmbeddedServer(cfg) as base:
+        _seed(base)
         res = subprocess.run(
             [st, "run", f"{base}/openapi.json", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-             "--max-examples", "150", "--seed", "20261121", "--report", "har", "--report-har-path", str(har)],
-            capture_output=True, text=True, timeout=1200)
+             "--phases", "examples,coverage,fuzzing,stateful", "--mode", "all", "--generation-allow-x00", "true",
+             "--max-examples", "60", "--seed", "20261125", "--workers", "2", "--no-color",
+             "--report", "har", "--report-har-path", str(har)],
+            capture_output=True, text=True, timeout=1200,
+            env={**os.environ, "SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("hostile_hooks.py"))})
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
-    sent = len(json.loads(har.read_text())["log"]["entries"])
-    assert sent >= MIN_REQUESTS, f"only {sent} generated requests"
+    entries = json.loads(har.read_text())["log"]["entries"]
+    assert len(entries) >= MIN_REQUESTS, f"only {len(entries)} generated requests"
+    statuses = [e["response"]["status"] for e in entries]
+    assert not [s for s in statuses if s >= 500]
+    # hostile strings reached the server: NUL in paths, queries and bodies (each a 4xx, never a 5xx)
+    with_nul = [e for e in entries if "\x00" in unquote(e["request"]["url"])
+                or "\\u0000" in (e["request"].get("postData") or {}).get("text", "")]
+    assert with_nul, "no generated request carried a NUL character"
+    # stateful sequences used real ids: a plan fetched by an id a response gave (200, not 404)
+    assert any(e["request"]["method"] == "GET" and "/v1/plans/" in e["request"]["url"]
+               and e["response"]["status"] == 200 for e in entries)
+    print(f"{backend}: {len(entries)} requests, {len(with_nul)} with NUL, statuses "
+          f"{ {s: statuses.count(s) for s in sorted(set(statuses))} }")

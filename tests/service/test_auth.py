@@ -58,6 +58,38 @@ def test_project_b_cannot_see_project_a_objects(secured) -> None:  # type: ignor
     assert tid_b.status_code == 201 and tid_b.json()["id"] != tid
 
 
+def test_a_fingerprint_shared_by_two_projects_keeps_each_projects_own_name(secured) -> None:  # type: ignore[no-untyped-def]
+    """The catalogue is per project: B uploading with A's model fingerprint (and hardware key) sees only what
+    B sent, in /v1/models, /v1/hardware, trace records, lists and /ui/catalog, and A's pages never show B's."""
+    api, a, b, _ = secured
+    mine = synthetic_trace(n_blocks=2, hidden=64, vocab=100, name="a-secret-name")
+    theirs = mine.model_copy(update={
+        "model": mine.model.model_copy(update={"name": "b-own-name"}),
+        "hardware": mine.hardware.model_copy(update={"device_memory_bytes": mine.hardware.device_memory_bytes + 1})})
+    assert theirs.model.fingerprint == mine.model.fingerprint and theirs.hardware.key == mine.hardware.key
+    tid_a = api.post("/v1/traces", content=mine.canonical_json(), headers=a).json()["id"]
+    tid_b = api.post("/v1/traces", content=theirs.canonical_json(), headers=b).json()["id"]
+    pid_a = api.post("/v1/plans", json={"trace_id": tid_a, "constraints": LIMITS}, headers=a).json()["id"]
+    for headers, own, other, tid, traces, plans in ((a, "a-secret-name", "b-own-name", tid_a, 1, 1),
+                                                     (b, "b-own-name", "a-secret-name", tid_b, 1, 0)):
+        models = api.get("/v1/models", headers=headers).json()
+        assert [(m["name"], m["traces"], m["plans"]) for m in models] == [(own, traces, plans)]
+        hardware = api.get("/v1/hardware", headers=headers).json()
+        assert len(hardware) == 1 and (hardware[0]["traces"], hardware[0]["plans"]) == (traces, plans)
+        expected_bytes = (mine if headers is a else theirs).hardware.device_memory_bytes
+        assert hardware[0]["device_memory_bytes"] == expected_bytes
+        assert api.get(f"/v1/traces/{tid}", headers=headers).json()["model_name"] == own
+        assert [t["model_name"] for t in api.get("/v1/traces", headers=headers).json()["items"]] == [own]
+        assert [t["id"] for t in api.get("/v1/traces", params={"model": own}, headers=headers).json()["items"]] == [tid]
+        assert api.get("/v1/traces", params={"model": other}, headers=headers).json()["items"] == []
+        page = api.get("/ui/catalog", headers=headers).text
+        assert own in page and other not in page
+    plan = api.get(f"/v1/plans/{pid_a}", headers=a).json()
+    assert plan["model_name"] == "a-secret-name"
+    assert [p["model_name"] for p in api.get("/v1/plans", headers=a).json()["items"]] == ["a-secret-name"]
+    assert "b-own-name" not in api.get("/ui/plans", headers=a).text
+
+
 def test_tokens_are_stored_hashed_and_never_logged(secured, settings, caplog) -> None:  # type: ignore[no-untyped-def]
     api, a, _, token_a = secured
     with caplog.at_level(logging.DEBUG):

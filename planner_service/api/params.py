@@ -1,0 +1,22 @@
+"""Typed path and query parameters of the API: the strings the database will see obey the contract's rules.
+
+A NUL character in an id or a filter reaches PostgreSQL as a parameter it refuses (`psycopg.DataError`, a 500
+before this module). These types give a 422 naming the parameter instead, on every backend, with the same
+pattern the wire contract's strings use (`client.contract.common.NO_NUL_PATTERN`). Cursors are not here:
+they are opaque, and any malformed one is a 400 from `db.cursor.decode_cursor`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Path, Query
+
+from client.contract.common import MAX_NAME_CHARS, NO_NUL_PATTERN
+
+TraceId = Annotated[str, Path(description="a trace id", pattern=NO_NUL_PATTERN)]
+PlanId = Annotated[str, Path(description="a plan id", pattern=NO_NUL_PATTERN)]
+ModelFilter = Annotated[str | None, Query(description="model fingerprint or name", max_length=MAX_NAME_CHARS,
+                                          pattern=NO_NUL_PATTERN)]
+HardwareFilter = Annotated[str | None, Query(description="hardware key", max_length=4 * MAX_NAME_CHARS,
+                                             pattern=NO_NUL_PATTERN)]
