@@ -177,3 +177,24 @@ def test_retry_strategy_never_retries_a_failed_plan_and_backs_off_otherwise() ->
         waits.append(decision.retry_at)
     assert waits[0] < waits[1] < waits[2] < waits[3]  # 1, 2, 4, 8 s from now
     assert strategy.get_retry_decision(exception=OSError("db down"), job=job(ENGINE_MAX_TRIES - 1)) is None
+
+
+@pytest.mark.postgres
+def test_procrastinates_schema_is_applied_and_removed_by_alembic(postgres_url: str) -> None:
+    from planner_service.db.migrate import downgrade, upgrade
+
+    objects = text("SELECT (SELECT count(*) FROM pg_class WHERE relname LIKE 'procrastinate%'), "
+                   "(SELECT count(*) FROM pg_proc WHERE proname LIKE 'procrastinate%'), "
+                   "(SELECT count(*) FROM pg_type WHERE typname LIKE 'procrastinate%')")
+    db = Database(postgres_url)
+    with db.session() as s:
+        tables, functions, types = s.execute(objects).one()
+        assert tables >= 4 and functions >= 10 and types >= 3
+        assert s.scalar(text("SELECT to_regclass('procrastinate_jobs')")) is not None
+    downgrade(postgres_url, "0004")
+    with db.session() as s:
+        assert tuple(s.execute(objects).one()) == (0, 0, 0)
+    upgrade(postgres_url)
+    with db.session() as s:
+        assert tuple(s.execute(objects).one()) == (tables, functions, types)
+    db.dispose()
