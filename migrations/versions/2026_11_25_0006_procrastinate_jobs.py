@@ -2,10 +2,10 @@
 
 PostgreSQL: procrastinate's own schema (the `schema.sql` shipped in the installed package: its tables,
 types, functions and triggers, all named `procrastinate_*`) is applied here, so Alembic stays the one way
-the schema is made. This revision is for procrastinate's schema at migration level `SCHEMA_LEVEL` (the last
-file in the package's `sql/migrations/`); an installed procrastinate whose schema is newer is refused here
-with a message, not applied silently: a procrastinate upgrade that changes the schema gets its own Alembic
-revision that executes the package's new migration files in order (docs/ARCHITECTURE.md, "Solve jobs").
+the schema is made, and the schema level it brings (the last file of the package's `sql/migrations/`, which
+`schema.sql` includes) is recorded as the comment of `procrastinate_jobs`. A later procrastinate that changes
+its schema gets its own revision, which executes the package's migration files named after the recorded
+level, in order, and records the new level (docs/architecture/jobs.md, "Upgrading procrastinate").
 
 Both databases: the plan's lease (`lease_owner`, `lease_expires_at`) is dropped: workers no longer claim
 plan rows (on SQLite the in-process pool runs them; see planner_service/jobs/).
@@ -26,18 +26,14 @@ down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-SCHEMA_LEVEL = "03.04.00_50_post_add_retry_failed_job_procedure.sql"
+LEVEL_PREFIX = "memplan: procrastinate schema level "
 
 
-def _procrastinate_schema() -> str:
+def _procrastinate_schema() -> tuple[str, str]:
+    """(schema.sql, its level: the name of the last migration file it includes)."""
     sql = resources.files("procrastinate.sql")
-    levels = sorted(p.name for p in (sql / "migrations").iterdir() if p.name.endswith(".sql"))
-    if levels[-1] != SCHEMA_LEVEL:
-        raise RuntimeError(
-            f"the installed procrastinate's schema is at {levels[-1]}; revision 0006 applies level {SCHEMA_LEVEL}. "
-            "Install the procrastinate version pinned in pyproject.toml, or add an Alembic revision for the newer "
-            "schema (docs/ARCHITECTURE.md, 'Solve jobs')")
-    return (sql / "schema.sql").read_text(encoding="utf-8")
+    level = max(p.name for p in (sql / "migrations").iterdir() if p.name.endswith(".sql"))
+    return (sql / "schema.sql").read_text(encoding="utf-8"), level
 
 
 def upgrade() -> None:
@@ -47,8 +43,11 @@ def upgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
         return
+    schema, level = _procrastinate_schema()
     # Through the driver: the SQL is procrastinate's, run as it ships (no bind-parameter parsing of its text).
-    bind.connection.driver_connection.execute(_procrastinate_schema())  # type: ignore[union-attr]
+    driver = bind.connection.driver_connection
+    driver.execute(schema)  # type: ignore[union-attr]
+    driver.execute(f"COMMENT ON TABLE procrastinate_jobs IS '{LEVEL_PREFIX}{level}'")  # type: ignore[union-attr]
 
 
 def downgrade() -> None:

@@ -190,11 +190,38 @@ def test_procrastinates_schema_is_applied_and_removed_by_alembic(postgres_url: s
     with db.session() as s:
         tables, functions, types = s.execute(objects).one()
         assert tables >= 4 and functions >= 10 and types >= 3
-        assert s.scalar(text("SELECT to_regclass('procrastinate_jobs')")) is not None
+        level = s.scalar(text("SELECT obj_description('procrastinate_jobs'::regclass, 'pg_class')"))
+        assert level == "memplan: procrastinate schema level 03.04.00_50_post_add_retry_failed_job_procedure.sql"
     downgrade(postgres_url, "0004")
     with db.session() as s:
         assert tuple(s.execute(objects).one()) == (0, 0, 0)
     upgrade(postgres_url)
     with db.session() as s:
         assert tuple(s.execute(objects).one()) == (tables, functions, types)
+    db.dispose()
+
+
+@pytest.mark.postgres
+def test_procrastinates_own_cli_runs_the_solve_jobs(postgres_url: str, trace) -> None:  # type: ignore[no-untyped-def]
+    """Operators' tool: `procrastinate --app=planner_service.jobs.engine.app worker` on MEMPLAN_DATABASE_URL."""
+    import os
+    import subprocess
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from planner_service.app import create_app
+
+    settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False)
+    with TestClient(create_app(settings)) as api:  # API only: the plan and its job are queued
+        trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
+        plan_id = api.post("/v1/plans", json={"trace_id": trace_id,
+                                              "constraints": {"device_memory_bytes": 2**34}}).json()["id"]
+    done = subprocess.run([sys.executable, "-m", "procrastinate", "--app=planner_service.jobs.engine.app",
+                           "worker", "--one-shot"], env={**os.environ, "MEMPLAN_DATABASE_URL": postgres_url},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    db = Database(postgres_url)
+    row = _row(db, plan_id)
+    assert row.status in ("done", "infeasible") and row.attempts == 1 and row.result is not None
     db.dispose()
