@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
+import time
 from typing import Any
 
 import procrastinate
@@ -90,6 +92,15 @@ def _resources(context: JobContext) -> tuple[Database, Settings]:
         return _fallback
 
 
+def worker_options(settings: Settings) -> dict[str, Any]:
+    """Every worker's options, ours and `procrastinate worker`'s alike: operators' workers beat, recover and
+    are recovered like the service's."""
+    return {"queues": [QUEUE], "delete_jobs": "successful",
+            "update_heartbeat_interval": settings.stalled_after_s / 4,
+            "stalled_worker_timeout": settings.stalled_after_s,
+            "fetch_job_polling_interval": max(settings.poll_interval_s, 0.05)}
+
+
 def build_app(database_url: str, settings: Settings | None = None) -> procrastinate.App:
     """A procrastinate app on `database_url` with the solve and recovery tasks. One app per runner: apps on
     different databases (tests, several services in one process) share nothing."""
@@ -97,11 +108,7 @@ def build_app(database_url: str, settings: Settings | None = None) -> procrastin
     app = procrastinate.App(
         connector=procrastinate.PsycopgConnector(conninfo=libpq_url(database_url) if database_url else "",
                                                  min_size=1, max_size=4),
-        # what `procrastinate worker` uses too, so operators' workers recover and are recovered alike
-        worker_defaults={"queues": [QUEUE], "delete_jobs": "successful",
-                         "update_heartbeat_interval": settings.stalled_after_s / 4,
-                         "stalled_worker_timeout": settings.stalled_after_s,
-                         "fetch_job_polling_interval": max(settings.poll_interval_s, 0.05)},
+        worker_defaults=worker_options(settings),  # type: ignore[arg-type]  # `procrastinate worker` uses them
     )
 
     @app.task(name=SOLVE_TASK, queue=QUEUE, pass_context=True, retry=PlanRetryStrategy(settings.retry_backoff_s))
@@ -153,7 +160,7 @@ class EngineWorker:
             worker = Worker(app, concurrency=self.concurrency, name=self.name, wait=wait,
                             install_signal_handlers=install_signal_handlers,
                             additional_context={"db": self.db, "settings": self.settings, "stop": self._stop},
-                            **{k: v for k, v in app.worker_defaults.items()})
+                            **worker_options(self.settings))
             self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
             self._ready.set()
             if self._stop.is_set():
@@ -164,29 +171,55 @@ class EngineWorker:
                 pass
 
     def run(self, *, wait: bool = True) -> None:
-        """In the foreground until SIGINT/SIGTERM (procrastinate's handlers: running solves finish first)."""
-        asyncio.run(self.run_async(wait=wait, install_signal_handlers=True))
+        """In the foreground until SIGINT/SIGTERM (running solves finish first); `wait=False`: until the queue
+        is empty."""
+        if not wait:
+            asyncio.run(self.run_async(wait=False))
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._request_stop())
+        self._serve()
 
     def start(self) -> None:
-        def main() -> None:
+        """On a thread of this process."""
+        self._thread = threading.Thread(target=self._serve, name="memplan-solve-worker", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        """Run the worker until asked to stop. Procrastinate stops a worker whose database connection fails
+        (it leaves restarting to a supervisor): this is that supervisor, with backoff."""
+        delay = 1.0
+        while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 asyncio.run(self.run_async())
             except Exception:
-                log.exception("solve worker stopped on an error")
-            finally:
-                self._ready.set()
+                log.exception("solve worker stopped on an error; starting it again in %.0f s", delay)
+            else:
+                if self._stop.is_set():
+                    break
+                log.warning("solve worker stopped (its database connection failed); starting it again in %.0f s",
+                            delay)
+            self._ready.set()
+            if time.monotonic() - started > 60:
+                delay = 1.0
+            self._stop.wait(delay)
+            delay = min(30.0, delay * 2)
+        self._ready.set()
 
-        self._thread = threading.Thread(target=main, name="memplan-solve-worker", daemon=True)
-        self._thread.start()
+    def _request_stop(self) -> None:
+        self._stop.set()
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop finished meanwhile
+                pass
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop fetching; running solves get `timeout_s` to finish (a fault-injected delay is cut short)."""
         self._stop.set()
         self._ready.wait(timeout_s)
-        if self._loop is not None and self._task is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._task.cancel)
-            except RuntimeError:  # the loop finished meanwhile
-                pass
+        self._request_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)

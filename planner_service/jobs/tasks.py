@@ -121,8 +121,8 @@ def _inputs(db: Database, plan_id: str) -> tuple[Trace, PlanRequest]:
         payload = s.scalar(select(TraceRow.payload_gzip).where(TraceRow.id == plan.trace_id))
         if payload is None:
             raise LookupError(f"trace {plan.trace_id} is gone")
-        request = PlanRequest(trace_id=plan.trace_id, constraints=plan.constraints, objective=plan.objective,
-                              solver=plan.solver)
+        request = PlanRequest.model_validate({"trace_id": plan.trace_id, "constraints": plan.constraints,
+                                              "objective": plan.objective, "solver": plan.solver})
     return Trace.model_validate_json(gzip.decompress(payload)), request
 
 

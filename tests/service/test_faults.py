@@ -242,3 +242,7 @@ def test_database_restart_under_load_gives_503_loses_nothing_and_recovers(privat
         for trace_id in acknowledged:  # nothing acknowledged was lost
             assert httpx.get(f"{url}/v1/traces/{trace_id}", timeout=10).status_code == 200
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+        # the in-process solve worker lived through the outage (or was started again): plans still get solved
+        pid = httpx.post(f"{url}/v1/plans", json={"trace_id": acknowledged[-1], "constraints": LIMITS},
+                         timeout=10).json()["id"]
+        assert _wait_status(url, pid, {"done", "infeasible", "failed"}, 60)["status"] in ("done", "infeasible")
