@@ -101,13 +101,14 @@ def worker_options(settings: Settings) -> dict[str, Any]:
             "fetch_job_polling_interval": max(settings.poll_interval_s, 0.05)}
 
 
-def build_app(database_url: str, settings: Settings | None = None) -> procrastinate.App:
+def build_app(database_url: str, settings: Settings | None = None, *, concurrency: int = 1) -> procrastinate.App:
     """A procrastinate app on `database_url` with the solve and recovery tasks. One app per runner: apps on
-    different databases (tests, several services in one process) share nothing."""
+    different databases (tests, several services in one process) share nothing. Its pool holds a connection
+    for LISTEN, one for heartbeats and fetches, and one per job finishing at once."""
     settings = settings or Settings()
     app = procrastinate.App(
         connector=procrastinate.PsycopgConnector(conninfo=libpq_url(database_url) if database_url else "",
-                                                 min_size=1, max_size=4),
+                                                 min_size=1, max_size=max(4, concurrency + 2)),
         worker_defaults=worker_options(settings),  # type: ignore[arg-type]  # `procrastinate worker` uses them
     )
 
@@ -155,7 +156,7 @@ class EngineWorker:
         self._ready = threading.Event()
 
     async def run_async(self, *, wait: bool = True, install_signal_handlers: bool = False) -> None:
-        app = build_app(self.db.url, self.settings)
+        app = build_app(self.db.url, self.settings, concurrency=self.concurrency)
         async with app.open_async():
             worker = Worker(app, concurrency=self.concurrency, name=self.name, wait=wait,
                             install_signal_handlers=install_signal_handlers,
