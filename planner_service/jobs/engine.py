@@ -88,6 +88,9 @@ def _resources(context: JobContext) -> tuple[Database, Settings]:
     with _fallback_lock:
         if _fallback is None:
             settings = Settings()
+            if not settings.database_url.startswith("postgresql"):
+                raise RuntimeError("MEMPLAN_DATABASE_URL must name the service's PostgreSQL database "
+                                   f"(got {make_url(settings.database_url).render_as_string(hide_password=True)})")
             _fallback = (Database(settings.database_url, pool_size=4), settings)
         return _fallback
 

@@ -225,3 +225,38 @@ def test_procrastinates_own_cli_runs_the_solve_jobs(postgres_url: str, trace) ->
     row = _row(db, plan_id)
     assert row.status in ("done", "infeasible") and row.attempts == 1 and row.result is not None
     db.dispose()
+
+
+def test_a_failed_attempt_is_run_again_by_the_real_worker_after_a_backoff(settings: Settings, trace,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Through the service's own runner (procrastinate's retry on PostgreSQL, the pool's timer on SQLite)."""
+    from fastapi.testclient import TestClient
+
+    from planner_service.app import create_app
+
+    real = tasks.solve_request
+    calls: list[int] = []
+
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]  # FAULT INJECTION: fails its first call
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionResetError("a transient fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tasks, "solve_request", flaky)
+    with TestClient(create_app(settings.model_copy(update={"retry_backoff_s": 0.2}))) as api:
+        trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
+        plan_id = api.post("/v1/plans", json={"trace_id": trace_id,
+                                              "constraints": {"device_memory_bytes": 2**34}}).json()["id"]
+        body = api.get(f"/v1/plans/{plan_id}", params={"wait": 30}).json()
+    assert body["status"] in ("done", "infeasible") and body["attempts"] == 2 and len(calls) == 2
+
+
+def test_memplan_worker_on_sqlite_says_solving_runs_in_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "client.cli", "worker"], capture_output=True, text=True,
+                          env={**os.environ, "MEMPLAN_DATABASE_URL": f"sqlite:///{tmp_path / 'm.db'}"}, timeout=60)
+    assert done.returncode == 2 and "needs PostgreSQL" in done.stderr and "memplan serve" in done.stderr
