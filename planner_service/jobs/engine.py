@@ -12,6 +12,7 @@ Operators can use procrastinate's own CLI on the app below (the database from ME
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -67,8 +68,6 @@ _DEFER = text("SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(:queue, :task, 0, :l
 
 def defer_plan(session: Session, plan_id: str) -> None:
     """Queue the plan's solve job inside the caller's transaction: committed with the plan row, or not at all."""
-    import json
-
     session.execute(_DEFER, {"queue": QUEUE, "task": SOLVE_TASK, "lock": f"plan:{plan_id}",
                              "queueing_lock": f"plan:{plan_id}", "args": json.dumps({"plan_id": plan_id})})
 
@@ -130,8 +129,12 @@ def build_app(database_url: str, settings: Settings | None = None, *, concurrenc
         stalled = list(await manager.get_stalled_jobs(task_name=SOLVE_TASK,
                                                       seconds_since_heartbeat=task_settings.stalled_after_s))
         for job in stalled:
+            try:
+                await manager.retry_job(job)
+            except Exception:  # it finished (or another worker recovered it) since it was listed
+                log.warning("stalled job %s could not be queued again", job.id, exc_info=True)
+                continue
             log.warning("job %s (%s) lost its worker; queued again", job.id, job.task_kwargs)
-            await manager.retry_job(job)
         return len(stalled)
 
     return app

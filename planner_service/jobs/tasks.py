@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import traceback
+from typing import Any
 
 from sqlalchemy import select, update
 
@@ -65,8 +66,9 @@ def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.
     if attempt is None:
         return "skipped"
     log.info("solving plan", extra={"plan_id": plan_id, "attempt": attempt})
+    stored = _stored_inputs(db, plan_id)  # a database error propagates: the runner retries, nothing is lost
     try:
-        trace, request = _inputs(db, plan_id)
+        trace, request = _decode(*stored)
     except Exception as exc:  # a stored trace that cannot be read never becomes readable by retrying
         _record(db, plan_id, attempt, "failed", None, f"the plan's trace cannot be read: {_describe(exc)}")
         raise PlanFailed(f"plan {plan_id}: trace cannot be read") from exc
@@ -114,16 +116,20 @@ def _start(db: Database, plan_id: str, max_attempts: int) -> int | None:
         return attempt if res.rowcount == 1 else None  # type: ignore[attr-defined]
 
 
-def _inputs(db: Database, plan_id: str) -> tuple[Trace, PlanRequest]:
+def _stored_inputs(db: Database, plan_id: str) -> tuple[bytes | None, dict[str, Any]]:
+    """The plan's stored trace (gzip bytes; None if gone) and request fields, as stored."""
     with db.session() as s:
         plan = s.get(PlanRow, plan_id)
         assert plan is not None
         payload = s.scalar(select(TraceRow.payload_gzip).where(TraceRow.id == plan.trace_id))
-        if payload is None:
-            raise LookupError(f"trace {plan.trace_id} is gone")
-        request = PlanRequest.model_validate({"trace_id": plan.trace_id, "constraints": plan.constraints,
-                                              "objective": plan.objective, "solver": plan.solver})
-    return Trace.model_validate_json(gzip.decompress(payload)), request
+        return payload, {"trace_id": plan.trace_id, "constraints": plan.constraints, "objective": plan.objective,
+                         "solver": plan.solver}
+
+
+def _decode(payload: bytes | None, request: dict[str, Any]) -> tuple[Trace, PlanRequest]:
+    if payload is None:
+        raise LookupError(f"trace {request['trace_id']} is gone")
+    return Trace.model_validate_json(gzip.decompress(payload)), PlanRequest.model_validate(request)
 
 
 def _record(db: Database, plan_id: str, attempt: int, status: str, result: dict | None,  # type: ignore[type-arg]

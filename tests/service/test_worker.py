@@ -260,3 +260,24 @@ def test_memplan_worker_on_sqlite_says_solving_runs_in_serve(tmp_path) -> None: 
     done = subprocess.run([sys.executable, "-m", "client.cli", "worker"], capture_output=True, text=True,
                           env={**os.environ, "MEMPLAN_DATABASE_URL": f"sqlite:///{tmp_path / 'm.db'}"}, timeout=60)
     assert done.returncode == 2 and "needs PostgreSQL" in done.stderr and "memplan serve" in done.stderr
+
+
+def test_a_database_error_while_reading_the_inputs_is_retried_not_recorded_as_the_plans_fault(
+        settings: Settings, trace, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy.exc import OperationalError
+
+    db = Database(settings.database_url)
+    plan_id = _queue_plan(db, trace)
+    real = tasks._stored_inputs
+
+    def database_gone(*_a, **_k):  # type: ignore[no-untyped-def]  # FAULT INJECTION: the database drops out
+        raise OperationalError("SELECT ...", {}, ConnectionResetError("server closed the connection"))
+
+    monkeypatch.setattr(tasks, "_stored_inputs", database_gone)
+    with pytest.raises(OperationalError):
+        run_plan(db, settings, plan_id)
+    assert (_row(db, plan_id).status, _row(db, plan_id).attempts) == ("running", 1)  # the runner retries it
+    monkeypatch.setattr(tasks, "_stored_inputs", real)
+    assert run_plan(db, settings, plan_id) in ("done", "infeasible")
+    assert _row(db, plan_id).attempts == 2
+    db.dispose()
