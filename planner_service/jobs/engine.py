@@ -28,7 +28,7 @@ from sqlalchemy import make_url, text
 from sqlalchemy.orm import Session
 
 from planner_service.db.session import Database
-from planner_service.jobs.tasks import PlanFailed, run_plan
+from planner_service.jobs.tasks import MAX_RUNS, PlanFailed, PlanRetry, give_up, run_plan
 from planner_service.settings import Settings
 
 log = logging.getLogger("memplan.worker")
@@ -37,7 +37,6 @@ QUEUE = "solve"
 SOLVE_TASK = "memplan.solve_plan"
 RECOVER_TASK = "memplan.recover_stalled"
 RECOVER_CRON = "* * * * * */5"  # every 5 s (croniter's sixth field is seconds)
-ENGINE_MAX_TRIES = 10  # a job failing for reasons outside the plan (the database down) is tried this often
 
 
 def libpq_url(database_url: str) -> str:
@@ -56,7 +55,7 @@ class PlanRetryStrategy(BaseRetryStrategy):
         self.base_s, self.cap_s = base_s, cap_s
 
     def get_retry_decision(self, *, exception: BaseException, job: Job) -> RetryDecision | None:
-        if isinstance(exception, PlanFailed) or job.attempts + 1 >= ENGINE_MAX_TRIES:
+        if isinstance(exception, PlanFailed) or job.attempts + 1 >= MAX_RUNS:
             return None
         return RetryDecision(retry_in={"seconds": min(self.cap_s, self.base_s * 2 ** job.attempts)})
 
@@ -117,7 +116,16 @@ def build_app(database_url: str, settings: Settings | None = None, *, concurrenc
     @app.task(name=SOLVE_TASK, queue=QUEUE, pass_context=True, retry=PlanRetryStrategy(settings.retry_backoff_s))
     def solve_plan(context: JobContext, plan_id: str) -> str:
         db, task_settings = _resources(context)
-        return run_plan(db, task_settings, plan_id, stop=context.additional_context.get("stop"))
+        try:
+            return run_plan(db, task_settings, plan_id, stop=context.additional_context.get("stop"))
+        except (PlanFailed, PlanRetry):
+            raise
+        except Exception as exc:  # outside the plan (the database): retried, up to the last run
+            runs = (context.job.attempts if context.job else 0) + 1
+            if runs >= MAX_RUNS:
+                give_up(db, plan_id, runs, exc)
+                raise PlanFailed(f"plan {plan_id}: gave up after {runs} runs") from exc
+            raise
 
     @app.periodic(cron=RECOVER_CRON, periodic_id="recover")
     @app.task(name=RECOVER_TASK, queue=QUEUE, queueing_lock=RECOVER_TASK, pass_context=True)

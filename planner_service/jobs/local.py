@@ -14,11 +14,10 @@ from sqlalchemy.orm import Session
 
 from planner_service.db.models import PlanRow
 from planner_service.db.session import Database
-from planner_service.jobs.tasks import PlanFailed, run_plan
+from planner_service.jobs.tasks import MAX_RUNS, PlanFailed, give_up, run_plan
 from planner_service.settings import Settings
 
 log = logging.getLogger("memplan.worker")
-MAX_TRIES = 10  # runs of one plan's task that fail outside the plan (the database locked or gone)
 
 
 class LocalSolver:
@@ -60,10 +59,13 @@ class LocalSolver:
             run_plan(self.db, self.settings, plan_id, stop=self._stop)
         except PlanFailed:
             log.exception("plan %s failed", plan_id)
-        except Exception:
-            if tries + 1 >= MAX_TRIES:
-                log.exception("plan %s: giving up after %d runs; it stays unfinished until the next start",
-                              plan_id, tries + 1)
+        except Exception as exc:
+            if tries + 1 >= MAX_RUNS:
+                log.exception("plan %s: giving up after %d runs", plan_id, tries + 1)
+                try:
+                    give_up(self.db, plan_id, tries + 1, exc)
+                except Exception:
+                    log.exception("plan %s could not be marked failed; it runs again at the next start", plan_id)
                 return
             delay = min(60.0, self.settings.retry_backoff_s * 2 ** tries)
             log.warning("plan %s will run again in %.1f s", plan_id, delay, exc_info=True)

@@ -29,6 +29,7 @@ from planner_service.settings import Settings
 
 log = logging.getLogger("memplan.worker")
 REASON_MAX_CHARS = 4000
+MAX_RUNS = 10  # runs of one plan's job that fail outside the plan (the database gone) before runners give up
 
 
 class PlanFailed(Exception):
@@ -89,6 +90,17 @@ def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.
     _record(db, plan_id, attempt, status, plan.model_dump(mode="json"), None)
     log.info("plan solved", extra={"plan_id": plan_id, "status": status, "solver": request.solver})
     return status
+
+
+def give_up(db: Database, plan_id: str, runs: int, exc: BaseException) -> None:
+    """A runner stops running the plan's job (it failed `runs` times outside the plan: the database down for
+    long): fail the plan with that reason rather than leave it queued or running forever."""
+    with db.session() as s:
+        res = s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(("queued", "running")))
+                        .values(status="failed", finished_at=utcnow(),
+                                error=f"gave up after {runs} runs of its job: {_describe(exc)}"))
+    if res.rowcount == 1:  # type: ignore[attr-defined]
+        PLAN_OUTCOMES.labels("failed").inc()
 
 
 def _describe(exc: BaseException) -> str:

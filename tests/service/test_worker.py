@@ -18,9 +18,9 @@ from planner_service.jobs.tasks import PlanFailed, PlanRetry, run_plan
 from planner_service.settings import Settings
 
 
-def _queue_plan(db: Database, trace, *, project: str = "default") -> str:  # type: ignore[no-untyped-def]
+def _queue_plan(db: Database, trace) -> str:  # type: ignore[no-untyped-def]
     with db.session() as s:
-        row, _ = TraceRepository(s).add(trace, project)
+        row, _ = TraceRepository(s).add(trace)
         return PlanRepository(s).create(row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time,
                                         "cpsat", "v").id
 
@@ -162,7 +162,8 @@ def test_the_job_is_deferred_in_the_plans_transaction_once_per_plan(postgres_url
 def test_retry_strategy_never_retries_a_failed_plan_and_backs_off_otherwise() -> None:
     from procrastinate.jobs import Job
 
-    from planner_service.jobs.engine import ENGINE_MAX_TRIES, PlanRetryStrategy
+    from planner_service.jobs.engine import PlanRetryStrategy
+    from planner_service.jobs.tasks import MAX_RUNS
 
     strategy = PlanRetryStrategy(base_s=1.0, cap_s=60.0)
 
@@ -176,7 +177,7 @@ def test_retry_strategy_never_retries_a_failed_plan_and_backs_off_otherwise() ->
         assert decision is not None and decision.retry_at is not None
         waits.append(decision.retry_at)
     assert waits[0] < waits[1] < waits[2] < waits[3]  # 1, 2, 4, 8 s from now
-    assert strategy.get_retry_decision(exception=OSError("db down"), job=job(ENGINE_MAX_TRIES - 1)) is None
+    assert strategy.get_retry_decision(exception=OSError("db down"), job=job(MAX_RUNS - 1)) is None
 
 
 @pytest.mark.postgres
@@ -280,4 +281,17 @@ def test_a_database_error_while_reading_the_inputs_is_retried_not_recorded_as_th
     monkeypatch.setattr(tasks, "_stored_inputs", real)
     assert run_plan(db, settings, plan_id) in ("done", "infeasible")
     assert _row(db, plan_id).attempts == 2
+    db.dispose()
+
+
+def test_a_plan_whose_job_a_runner_gives_up_on_is_failed_with_the_reason(settings: Settings, trace) -> None:  # type: ignore[no-untyped-def]
+    db = Database(settings.database_url)
+    plan_id, solved_id = _queue_plan(db, trace), _queue_plan(db, trace)
+    run_plan(db, settings, solved_id)
+    for pid in (plan_id, solved_id):
+        tasks.give_up(db, pid, 10, ConnectionRefusedError("database unreachable"))
+    row = _row(db, plan_id)
+    assert row.status == "failed" and row.finished_at is not None
+    assert row.error == "gave up after 10 runs of its job: ConnectionRefusedError: database unreachable"
+    assert _row(db, solved_id).status in ("done", "infeasible")  # a finished plan is left as it is
     db.dispose()
