@@ -7,6 +7,7 @@ from sqlalchemy import engine_from_config, pool
 
 from planner_service.db import models  # noqa: F401  (registers the tables on Base.metadata)
 from planner_service.db.base import Base
+from planner_service.db.migrate import include_name
 
 config = context.config
 target_metadata = Base.metadata
@@ -19,6 +20,7 @@ def run_migrations_offline() -> None:
         literal_binds=True,
         compare_type=True,
         render_as_batch=True,
+        include_name=include_name,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -38,7 +40,8 @@ def run_migrations_online() -> None:
 
 def _run(connection: object) -> None:
     context.configure(
-        connection=connection, target_metadata=target_metadata, compare_type=True, render_as_batch=True
+        connection=connection, target_metadata=target_metadata, compare_type=True, render_as_batch=True,
+        include_name=include_name,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -1,4 +1,4 @@
-"""FastAPI app factory: settings -> database (schema checked or upgraded) -> routers -> worker pool."""
+"""FastAPI app factory: settings -> database (schema checked or upgraded) -> routers -> solve queue."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from planner_service.db import migrate
 from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.session import Database, Timeouts
 from planner_service.ingest import Ingestor
-from planner_service.jobs.worker import WorkerPool
+from planner_service.jobs.queue import solve_queue
 from planner_service.lifeline import PARENT_ENV, die_with_parent
 from planner_service.settings import Settings, get_settings
 
@@ -74,15 +74,15 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
         app.state.change_feed = _change_feed(settings)
         if app.state.change_feed is not None:
             app.state.change_feed.start()
-        pool = WorkerPool(db, settings, n_workers)
-        pool.start()
+        app.state.solve_queue = solve_queue(db, settings, n_workers)
+        app.state.solve_queue.start()
         # Everything imported and built so far lives as long as the process: keep it out of the cyclic
         # collector's full passes, which otherwise stall the event loop for tens of ms under load.
         gc.freeze()
         try:
             yield
         finally:
-            pool.stop()
+            app.state.solve_queue.stop()
             if app.state.change_feed is not None:
                 await app.state.change_feed.stop()
             app.state.ingestor.close()

@@ -29,7 +29,11 @@ class Settings(BaseSettings):
         default=None, description="run migrations at start; default: yes for SQLite, never otherwise"
     )
     workers: int = Field(default=1, ge=0, le=64, description="in-process solve workers (0: only external workers)")
-    lease_s: float = Field(default=60.0, gt=0, description="a running plan whose lease expires is re-queued")
+    stalled_after_s: float = Field(default=30.0, gt=0, description=(
+        "PostgreSQL: a solve whose worker sent no heartbeat for this long is queued again for another worker "
+        "(workers beat every quarter of it)"))
+    retry_backoff_s: float = Field(default=1.0, gt=0, description="first wait before a failed solve job runs "
+                                   "again; doubled per retry, at most 60 s")
     db_pool_size: int = Field(default=16, ge=1, le=256, description=(
         "database connections each API process keeps open; also the number of threads that run blocking "
         "handlers, so a burst queues for a thread instead of opening (and closing) connections"))
@@ -42,14 +46,14 @@ class Settings(BaseSettings):
                                      "connection (503 beyond)")
     readiness_timeout_s: float = Field(default=3.0, gt=0, le=60, description="/readyz answers 503 when the "
                                        "database has not answered within this long")
-    poll_interval_s: float = Field(default=0.2, gt=0, description="how often idle workers look for queued plans")
+    poll_interval_s: float = Field(default=0.2, gt=0, description="how often idle workers look for queued jobs (besides being notified)")
     max_attempts: int = Field(default=3, ge=1, description="solve attempts before a plan is marked failed")
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="largest request body accepted (413 beyond)")
     max_decompressed_bytes: int = Field(default=256 * 2**20, gt=0, description="largest gunzipped body accepted")
     max_wait_s: float = Field(default=60.0, gt=0, description="longest long-poll `?wait=` honoured")
     list_limit_max: int = Field(default=200, gt=0)
     fault_solve_delay_s: float = Field(
-        default=0.0, ge=0, description="FAULT INJECTION for tests: hold each solve this long (keeps the lease alive)")
+        default=0.0, ge=0, description="FAULT INJECTION for tests: hold each solve this long (the worker keeps beating)")
     ingest_processes: int = Field(default=2, ge=0, le=64,
                                   description="processes that validate large uploads (0: in the API process)")
     ingest_prestart: bool = Field(default=True, description="start the ingest processes with the service "

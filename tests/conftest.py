@@ -140,7 +140,7 @@ def settings(db_url: str):  # type: ignore[no-untyped-def]
     from planner_service.settings import Settings
 
     # ingest_prestart off: hundreds of short-lived test apps need no ingest processes until one uploads
-    return Settings(database_url=db_url, workers=1, poll_interval_s=0.05, lease_s=5.0, auto_upgrade=False,
+    return Settings(database_url=db_url, workers=1, poll_interval_s=0.05, stalled_after_s=5.0, auto_upgrade=False,
                     ingest_prestart=False)
 
 

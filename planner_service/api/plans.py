@@ -45,7 +45,8 @@ def _solver_version() -> str:
              responses={202: {"links": links.PLAN_RECORD},
                         200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused",
                               "links": links.PLAN_RECORD}})
-def request_plan(body: PlanRequest, response: Response, session: SessionDep, principal: PrincipalDep) -> PlanRecord:
+def request_plan(body: PlanRequest, request: Request, response: Response, session: SessionDep,
+                 principal: PrincipalDep) -> PlanRecord:
     trace = TraceRepository(session).get(body.trace_id, principal.project_id, payload=False)
     if trace is None:
         raise ApiError(404, f"trace_id: trace {body.trace_id} not found")
@@ -56,6 +57,7 @@ def request_plan(body: PlanRequest, response: Response, session: SessionDep, pri
         response.status_code = 200
         return plan_record(existing, reused=True)
     row = repo.create(trace, body.constraints, body.objective, body.solver, version)
+    request.app.state.solve_queue.enqueue(session, row.id)  # in this transaction: the plan and its job, or neither
     return plan_record(row, with_feedback=False)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from typing import Annotated
 
 import typer
@@ -72,24 +71,26 @@ def _redact(url: str) -> str:
 
 
 def worker(database_url: DbUrlOpt = None,
-           once: Annotated[bool, typer.Option(help="solve at most one plan, then exit")] = False) -> None:
-    """Run a solve worker against the service's database (scale out: run many, on any machine)."""
+           concurrency: Annotated[int, typer.Option(help="plans solved at once by this worker")] = 1,
+           once: Annotated[bool, typer.Option(help="solve what is queued now, then exit")] = False) -> None:
+    """Run a solve worker (procrastinate) against the service's PostgreSQL database: run many, on any machine."""
     from planner_service.app import prepare_database
-    from planner_service.jobs.worker import Worker
+    from planner_service.jobs.engine import EngineWorker
     from planner_service.observability import configure_logging
 
     configure_logging()
     settings = _settings(database_url)
+    if settings.is_sqlite:
+        err_console.print("[red]`memplan worker` needs PostgreSQL[/]: on SQLite `memplan serve` solves plans in "
+                          "its own process (--workers N)")
+        raise typer.Exit(2)
     db = prepare_database(settings)
-    w = Worker(db, settings)
-    if once:
-        w.run_once()
-        return
-    signal.signal(signal.SIGTERM, lambda *_: w.stop())
-    try:
-        w.run_forever()
+    try:  # SIGINT/SIGTERM: procrastinate stops fetching and lets running solves finish
+        EngineWorker(db, settings, concurrency).run(wait=not once)
     except KeyboardInterrupt:
-        w.stop()
+        pass
+    finally:
+        db.dispose()
 
 
 @db_app.command("upgrade")

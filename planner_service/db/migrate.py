@@ -20,6 +20,12 @@ class SchemaOutOfDate(RuntimeError):
     """The database schema is not at the code's migration head."""
 
 
+def include_name(name: str | None, type_: str, parent_names: object) -> bool:
+    """What Alembic compares with the ORM models: not procrastinate's own tables (revision 0006 applies
+    procrastinate's schema as it ships; the ORM does not map it)."""
+    return not (type_ in ("table", "index") and (name or "").startswith(("procrastinate_", "idx_procrastinate_")))
+
+
 def migrations_dir() -> Path:
     here = Path(__file__).resolve().parent.parent
     packaged = here / "_migrations"  # wheel installs ship the migrations inside the package

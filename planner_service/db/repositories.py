@@ -5,11 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select, update
+from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
 
@@ -233,53 +232,6 @@ class PlanRepository:
 
     def queue_depth(self) -> int:
         return int(self.s.scalar(select(func.count()).select_from(PlanRow).where(PlanRow.status == "queued")) or 0)
-
-    # --- job lifecycle (workers) ---------------------------------------------------------------
-    def claim(self, worker_id: str, lease_s: float) -> PlanRow | None:
-        """Take the oldest queued plan (or one whose lease expired) with an optimistic conditional update."""
-        now = utcnow()
-        claimable = or_(PlanRow.status == "queued",
-                        (PlanRow.status == "running") & (PlanRow.lease_expires_at < now))
-        # SKIP LOCKED (PostgreSQL) lets concurrent workers pass each other's candidates; SQLite serialises writers.
-        candidates = list(self.s.scalars(select(PlanRow.id).where(claimable).order_by(PlanRow.created_at).limit(8)
-                                         .with_for_update(skip_locked=True)))
-        for plan_id in candidates:
-            res = self.s.execute(
-                update(PlanRow).where(PlanRow.id == plan_id, claimable)
-                .values(status="running", lease_owner=worker_id, lease_expires_at=now + timedelta(seconds=lease_s),
-                        attempts=PlanRow.attempts + 1, started_at=now)
-                .execution_options(synchronize_session=False)
-            )
-            if res.rowcount == 1:  # type: ignore[attr-defined]
-                self.s.flush()
-                row = self.s.get(PlanRow, plan_id, populate_existing=True)
-                return row
-        return None
-
-    def extend_lease(self, plan_id: str, worker_id: str, lease_s: float) -> bool:
-        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.lease_owner == worker_id,
-                                                   PlanRow.status == "running")
-                             .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s)))
-        return res.rowcount == 1  # type: ignore[attr-defined]
-
-    def finish(self, plan_id: str, worker_id: str, status: str, result: dict[str, Any] | None,
-               error: str | None) -> bool:
-        """Record the outcome if this worker still holds the lease (a re-claimed plan is not overwritten).
-        `status` "queued" hands the plan back for another attempt (no finish time)."""
-        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.lease_owner == worker_id,
-                                                   PlanRow.status == "running")
-                             .values(status=status, result=result, headline=plan_headline(result), error=error,
-                                     finished_at=utcnow() if status in FINAL_STATUSES else None,
-                                     lease_owner=None, lease_expires_at=None))
-        return res.rowcount == 1  # type: ignore[attr-defined]
-
-    def fail_exhausted(self, max_attempts: int) -> int:
-        """Plans whose lease expired after their last allowed attempt are failed, not retried forever."""
-        res = self.s.execute(update(PlanRow).where(PlanRow.status == "running", PlanRow.lease_expires_at < utcnow(),
-                                                   PlanRow.attempts >= max_attempts)
-                             .values(status="failed", error=f"worker lost {max_attempts} times (lease expired)",
-                                     finished_at=utcnow(), lease_owner=None, lease_expires_at=None))
-        return int(res.rowcount or 0)  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------------------- feedback

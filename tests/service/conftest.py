@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from client.cli.embedded import free_port
+from planner_service.embedded import free_port
 
 
 def _pg_bin() -> str | None:

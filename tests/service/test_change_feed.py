@@ -47,7 +47,7 @@ def _eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
 
 @pytest.fixture
 def api(postgres_url: str) -> Iterator[TestClient]:
-    settings = Settings(database_url=postgres_url, workers=1, poll_interval_s=0.05, lease_s=5.0, auto_upgrade=False,
+    settings = Settings(database_url=postgres_url, workers=1, poll_interval_s=0.05, stalled_after_s=5.0, auto_upgrade=False,
                         ingest_prestart=False)
     with TestClient(create_app(settings)) as client:
         assert _eventually(lambda: client.app.state.change_feed.listening)  # type: ignore[attr-defined]
@@ -134,8 +134,8 @@ def test_long_poll_wakes_on_the_change_notification(api: TestClient, trace: Any,
     assert r.status_code == 200 and r.headers["etag"] != tag and r.json()["attempts"] == 2
 
 
-def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_lease_renewals(postgres_url: str,
-                                                                                trace: Any) -> None:
+def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_other_columns(postgres_url: str,
+                                                                               trace: Any) -> None:
     settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False)
     with TestClient(create_app(settings)) as api:  # a plan row; then no service runs (no worker re-queues it)
         trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
@@ -144,7 +144,7 @@ def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_lease_renewals(
             psycopg.connect(_libpq(postgres_url), autocommit=True) as writer:
         listener.execute(f"LISTEN {PLAN_CHANNEL}")
         statements = [
-            "UPDATE plan SET lease_expires_at = now() WHERE id = %(p)s",  # a renewal: nobody is told
+            "UPDATE plan SET error = 'a note' WHERE id = %(p)s",  # not part of the tag: nobody is told
             "UPDATE plan SET status = 'running' WHERE id = %(p)s",
             "UPDATE plan SET attempts = attempts + 1 WHERE id = %(p)s",
             "UPDATE plan SET started_at = now() WHERE id = %(p)s",

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from client.cli.embedded import free_port, wait_until_ready
+from planner_service.embedded import free_port, wait_until_ready
 from client.contract import Trace
 from planner_service.db.migrate import upgrade
 from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow

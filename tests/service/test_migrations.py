@@ -9,7 +9,14 @@ from sqlalchemy import create_engine, inspect
 
 from planner_service.app import prepare_database
 from planner_service.db.base import Base
-from planner_service.db.migrate import SchemaOutOfDate, current_revision, downgrade, head_revision, upgrade
+from planner_service.db.migrate import (
+    SchemaOutOfDate,
+    current_revision,
+    downgrade,
+    head_revision,
+    include_name,
+    upgrade,
+)
 from planner_service.settings import Settings
 
 
@@ -17,7 +24,8 @@ def test_upgrade_to_head_matches_the_orm_models(empty_db_url: str) -> None:
     upgrade(empty_db_url)
     engine = create_engine(empty_db_url)
     with engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True,
+                                                                            "include_name": include_name}), Base.metadata)
     engine.dispose()
     assert diff == [], f"models and migrations disagree: {diff}"
 

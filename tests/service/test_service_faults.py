@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from client.cli.embedded import free_port, wait_until_ready
+from planner_service.embedded import free_port, wait_until_ready
 from planner_service.db.migrate import upgrade
 from planner_service.solver.synthetic import synthetic_trace
 from tests.service.conftest import PrivateCluster
@@ -165,9 +165,9 @@ def test_no_process_outlives_a_killed_api(processes: int, tmp_path: Path, reques
 
 
 def test_no_process_outlives_a_killed_embedded_server(tmp_path: Path) -> None:
-    """`memplan demo` runs the service in a thread of its own process (client.cli.embedded): killed, that
+    """`memplan demo` runs the service in a thread of its own process (planner_service.embedded): killed, that
     process leaves no ingest processes behind either."""
-    code = ("import sys, time; from client.cli.embedded import EmbeddedServer; "
+    code = ("import sys, time; from planner_service.embedded import EmbeddedServer; "
             "from planner_service.settings import Settings; "
             f"s = EmbeddedServer(Settings(database_url='sqlite:///{tmp_path / 'e.db'}', workers=1, "
             "ingest_inline_max_bytes=0)); "
