@@ -66,7 +66,7 @@ def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], de
 
 def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, fraction: float, steps: int,
             device: torch.device, plain_steps: int) -> dict[str, Any]:
-    from agent.wrap import unwrap, wrap
+    from agent.wrapping import unwrap, wrap
     from client.contract import Constraints
     from planner_service.solver import solve
 
