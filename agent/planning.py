@@ -67,7 +67,7 @@ def server_url(server: str | None) -> str | None:
 def workload_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any) -> str:
     """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind)."""
     from agent.profiler.optimizer_probe import optimizer_kind
-    from agent.profiler.profile import _PRECISION, _batch_shape, _majority_dtype
+    from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 
     params = list(model.parameters())
     dtype = _majority_dtype(params)

@@ -338,6 +338,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
         args, kwargs = captured[probed]
         try:
             probe = probe_block(repeated.modules[probed - 1], args, kwargs, dev, probed, opt)
+        except (TypeError, ValueError):
+            raise  # a bug (the agent's or the model's), not a missing measurement
         except Exception as e:  # e.g. a block whose captured inputs carry state (a KV cache it appends to)
             log.warning("runtime probe skipped (%s: %s): the trace has no measured runtime costs, the cost "
                         "model charges copies by bandwidth", type(e).__name__, e)
@@ -352,6 +354,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     if dev.type == "cpu":
         try:
             persistent = probe_persistent(model, res.ordered, opt, dev)
+        except (TypeError, ValueError):
+            raise  # a bug (the agent's or the model's), not a missing measurement
         except Exception as e:
             log.warning("persistent-chunk probe skipped (%s: %s): the device optimizer throughput is the plain "
                         "step's", type(e).__name__, e)
