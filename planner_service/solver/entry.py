@@ -27,7 +27,7 @@ from client.contract import (
     Trace,
 )
 from planner_service.solver import cpsat_solve, protrain
-from planner_service.solver.cost_model import Cost, predictions_of
+from planner_service.solver.cost_model import Cost, evaluate_decision, predictions_of
 from planner_service.solver.instance import (
     CostParams,
     Decision,
@@ -42,7 +42,8 @@ from planner_service.solver.layout import ChunkLayout, candidate_layouts
 # Bump whenever a change can alter a plan (cost model, model, search, defaults): the service dedups by it.
 # 1.1: no copy/compute overlap on a CPU device (CostParams.copy_overlap)
 # 1.2: on a CPU device, the runtime costs the profiler measures (swap, chunk runtime) replace/add to copy times
-SOLVER_VERSION = "policy-1.2"
+# 1.3: when the un-managed iteration fits the limit, the plan manages nothing (`_everything_fits`)
+SOLVER_VERSION = "policy-1.3"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {Mode.keep: ActivationMode.keep, Mode.checkpoint: ActivationMode.checkpoint, Mode.swap: ActivationMode.swap}
@@ -107,6 +108,48 @@ def _min_device_memory(
     return limit, proven
 
 
+def _unmanaged_decision(inst: PolicyInstance) -> Decision:
+    """Every chunk persistent (no buffers), every block keeps its activations: the iteration as measured."""
+    return Decision(offloaded=(False,) * inst.n_chunks, n_buffers=0, modes=(Mode.keep,) * inst.n_blocks)
+
+
+def _everything_fits(trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams
+                     ) -> _Best | None:
+    """When the measured un-managed peak is within the device limit and the cost model (with its margin) agrees
+    on some layout, the un-managed decision on the fastest such layout; else None (search).
+
+    Offloading, recompute or swap only ever trade time for memory on a real device; the cost model can still
+    rank them faster where its host-side figures are optimistic (a CPU "device", whose host optimizer runs on
+    the same cores), so when everything fits the answer is fixed instead of searched."""
+    if trace.measurements.peak_device_bytes > constraints.device_memory_bytes:
+        return None
+    best: _Best | None = None
+    for lay in layouts:
+        inst = build_instance(trace, lay, constraints, params)
+        decision = _unmanaged_decision(inst)
+        cost = evaluate_decision(inst, decision)
+        if cost.fits and (best is None or cost.iteration_ns < best.cost.iteration_ns):
+            best = _Best(inst, decision, cost)
+    return best
+
+
+def _unmanaged_plan(trace: Trace, constraints: Constraints, solver: str, best: _Best, t0: float) -> Plan:
+    peak = trace.measurements.peak_device_bytes
+    return Plan(
+        trace_hash=trace.content_hash(),
+        constraints=constraints,
+        policy=policy_of(trace, best.inst.layout, best.decision),
+        predictions=predictions_of(best.inst, best.decision, best.cost),
+        solver=SolverReport(
+            solver=solver, solver_version=SOLVER_VERSION, status=SolverStatus.feasible,
+            objective=best.cost.iteration_ns / 1e9, solve_s=time.perf_counter() - t0,
+            message=f"everything fits: the un-managed peak {peak} bytes is within the {constraints.device_memory_bytes}"
+            f"-byte limit, so every chunk stays persistent on the device and every block keeps its activations "
+            f"(nothing offloaded, recomputed or swapped; no search)",
+        ),
+    )
+
+
 def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed: int = 0) -> Plan:
     """Fastest memory policy for `trace` under `constraints` (see the module docstring).
 
@@ -124,6 +167,9 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
     deadline = t0 + constraints.time_limit_s
     params = resolve_params(trace, CostParams(alpha=alpha_for(trace)))
     layouts = candidate_layouts(trace)
+    fits = _everything_fits(trace, layouts, constraints, params)
+    if fits is not None:
+        return _unmanaged_plan(trace, constraints, solver, fits, t0)
     best: _Best | None = None
     bounds: list[float] = []
     statuses: list[str] = []
