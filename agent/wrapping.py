@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agent.batch_guard import BatchShapeGuard, batch_shape
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import MoveGuard, byte_size, check_not_compiled
 
@@ -68,6 +69,7 @@ class Wrapped:
     allocator: AllocatorSelection | None = field(default=None, repr=False)
     kv_cache: KVCacheOff | None = field(default=None, repr=False)
     move_guard: MoveGuard | None = field(default=None, repr=False)
+    batch_guard: BatchShapeGuard | None = field(default=None, repr=False)
     unwrapped: bool = False
 
     def report(self) -> WrapReport:
@@ -135,6 +137,7 @@ def wrap(
     optimizer: torch.optim.Optimizer,
     *,
     sample_batch: Any = None,
+    max_batch: Any = None,
     server: str | None = None,
     device_memory: int | float | str | None = None,
     host_memory: int | float | str | None = None,
@@ -151,7 +154,10 @@ def wrap(
 ) -> Wrapped:
     """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
 
-    `sample_batch`: one batch as the model takes it (needed without `plan`, to profile); `loss_fn(output,
+    `sample_batch`: one batch as the model takes it (needed without `plan`, to profile); `max_batch`: the
+    largest batch you will train on (rows and sequence length), profiled and planned for instead of
+    `sample_batch`; a larger batch at run time warns once (CPU) or raises BatchShapeError before the forward
+    (GPU). `loss_fn(output,
     batch)` if the model does not return `.loss`. `server`: planner service URL (default MEMPLAN_SERVER;
     neither: solve in-process). `device_memory` / `host_memory`: limits as bytes (an int, or a float with
     no fraction such as 80e9) or a size string ("80GiB", "24GB"); default: the device's and the host's.
@@ -185,7 +191,8 @@ def wrap(
     check_supported(optimizer)
     cache_off = KVCacheOff(model)  # training never uses the KV cache; unwrap restores the user's setting
     try:
-        wrapped = _wrap(model, optimizer, cache_off, plan=plan, sample_batch=sample_batch, server=server,
+        wrapped = _wrap(model, optimizer, cache_off, plan=plan,
+                        sample_batch=max_batch if max_batch is not None else sample_batch, server=server,
                         device_memory=device_bytes, host_memory=host_bytes, blocks=blocks, options=options,
                         loss_fn=loss_fn, feedback_steps=feedback_steps, feedback_path=feedback_path,
                         wait_s=wait_s, service_budget_s=service_budget_s, reuse=reuse, allocation=allocation)
@@ -230,6 +237,9 @@ def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer, cache_off: KVCache
         unwrap(wrapped)
         raise
     wrapped.move_guard = MoveGuard(model, wrapped.runtime.ctx.device, next(model.parameters()).dtype)
+    planned_shape = batch_shape(sample_batch) if sample_batch is not None else None
+    if planned_shape is not None:
+        wrapped.batch_guard = BatchShapeGuard(model, planned_shape, wrapped.runtime.ctx.device)
     if feedback_steps:
         local = LocalSink(feedback_path or local_feedback_path(), plan_id=source.plan_id, trace_hash=plan.trace_hash)
         sink = ServiceSink(source.server, source.plan_id, fallback=local) if (
@@ -331,6 +341,9 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     if wrapped.move_guard is not None:
         wrapped.move_guard.remove()
         wrapped.move_guard = None
+    if wrapped.batch_guard is not None:
+        wrapped.batch_guard.remove()
+        wrapped.batch_guard = None
     state = wrapped.optimizer.state_dict()
     wrapped.runtime.detach()
     model = wrapped.model

@@ -279,3 +279,39 @@ def test_a_compiled_model_or_block_is_refused_with_one_clear_error() -> None:
     model.trunk[1].compile()
     with pytest.raises(CompiledModelError, match=r"model.trunk.1: was compiled in place"):
         agent.wrap(model, adamw(model), sample_batch=x, loss_fn=loss_of)
+
+
+# ------------------------------------------------------------------------------------------- batch shapes
+def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
+        llama: tuple[nn.Module, dict[str, torch.Tensor], int], caplog: pytest.LogCaptureFixture) -> None:
+    """Defect: dynamic padding / a longer eval batch silently exceeded the plan's limit (+78% measured)."""
+    import logging
+
+    import agent
+    from agent.batch_guard import BatchShapeGuard, BatchShapeError
+
+    model, batch = copy.deepcopy(llama[0]), llama[1]
+    longer = {k: torch.cat([v, v], dim=1) for k, v in batch.items()}  # 2 x 64
+    caplog.set_level(logging.WARNING, logger="agent")
+    wrapped = agent.wrap(model, adamw(model), sample_batch=batch, device_memory="1GiB", feedback_steps=None)
+    for b in (batch, longer, longer):
+        wrapped.model(**b).loss.backward()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+    said = [r.getMessage() for r in caplog.records if "larger than" in r.getMessage()]
+    assert said == [said[0]] and "batch of 2 x 64 (rows x sequence) is larger than the 2 x 32" in said[0]
+    assert "max_batch" in said[0]
+    agent.unwrap(wrapped)
+
+    caplog.clear()
+    planned = agent.wrap(model, adamw(model), sample_batch=batch, max_batch=longer, device_memory="1GiB",
+                         feedback_steps=None)
+    assert planned.source.trace is not None and planned.source.trace.workload.sequence_length == 64
+    planned.model(**longer).loss.backward()
+    assert not [r for r in caplog.records if "larger than" in r.getMessage()]
+    agent.unwrap(planned)
+
+    # on a GPU the same batch is refused before the forward runs (checked here on the guard itself: no GPU)
+    guard = BatchShapeGuard(nn.Linear(2, 2), (2, 32), torch.device("cuda", 0))
+    with pytest.raises(BatchShapeError, match="refused before the forward"):
+        guard._check(nn.Linear(2, 2), (), longer)
