@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -48,9 +49,29 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.T
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_with_library_defaults_trains_offloaded_like_plain_pytorch(
         family: str, caplog: pytest.LogCaptureFixture) -> None:
+    model, config = build_with_library_defaults(family, layers=2, hidden=128, vocab=2048, seq=64)
+    check(family, model, config, caplog)
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon", "qwen2"])
+def test_eager_attention_with_the_cache_on_trains_like_plain_pytorch(
+        family: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Eager attention made `agent.profile` crash before (re-running a block appended to the KV cache)."""
+    from transformers import AutoModelForCausalLM
+
+    from agent.model_zoo import library_default_config
+
+    config = library_default_config(family, layers=2, hidden=128, vocab=2048, seq=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.train()
+    assert model.config._attn_implementation == "eager"
+    check(f"{family}-eager", model, config, caplog)
+
+
+def check(family: str, model: nn.Module, config: Any, caplog: pytest.LogCaptureFixture) -> None:
     import agent
 
-    model, config = build_with_library_defaults(family, layers=2, hidden=128, vocab=2048, seq=64)
     batch = sample_batch(config, 2, 32)
     assert model.config.use_cache is True, "the library default is the point of this test"
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -62,6 +83,7 @@ def test_family_with_library_defaults_trains_offloaded_like_plain_pytorch(
     probe = copy.deepcopy(model)
     peak = agent.profile(probe, batch, optimizer=adamw(probe), repeats=1,
                          allocation_trace=False).measurements.peak_device_bytes
+    assert probe.config.use_cache is True  # agent.profile gives the setting back
 
     caplog.set_level(logging.WARNING, logger="agent")
     wrapped = agent.wrap(model, adamw(model), sample_batch=batch, device_memory=int(peak * LIMIT_FRACTION),
