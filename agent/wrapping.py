@@ -176,7 +176,11 @@ def wrap(
     `wrapped.clip_grad_norm_`, not `torch.nn.utils.clip_grad_norm_(model.parameters())`.
     Raises, leaving model and optimizer untouched: BlockDetectionError (no repeated blocks to plan for),
     PlanInfeasibleError (nothing fits; says what would), PlanMismatchError / ActivationPlanError (the plan
-    does not match the model, naming the parameter or block), UnsupportedOptimizerError.
+    does not match the model, naming the parameter or block), UnsupportedOptimizerError, CompiledModelError
+    (a torch.compile'd model or block), ValueError/TypeError naming a bad argument.
+    While wrapped: the KV cache is off (`use_cache=False`; `unwrap` restores it), `.model.to()` to where the
+    model is is a no-op and any other move or cast raises WrappedModelMoveError, and a batch larger than
+    planned warns once (CPU) or raises BatchShapeError (GPU). See docs/architecture/wrap.md.
     """
     from agent.allocator.select import MODES
     from agent.runtime.optimizer import check_supported
