@@ -167,7 +167,7 @@ def library_default_config(family: str, layers: int = 2, hidden: int = 64, vocab
         "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": 1, "intermediate_size": 2 * hidden, "max_position_embeddings": seq, **tokens,
     }
-    head_dim = {"head_dim": hidden // heads}
+    head_dim: dict[str, Any] = {"head_dim": hidden // heads}
     makers: dict[str, Any] = {
         "gpt2": lambda: transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq,
                                                 **tokens),

@@ -305,7 +305,7 @@ def _request_and_wait(client: Client, trace: Trace, constraints: Constraints, wa
     return _wait_with_progress(client, record.id, wait_s)
 
 
-def _service_failure(exc: Exception, url: str, what: str) -> str:
+def _service_failure(exc: Exception, url: str | None, what: str) -> str:
     """Log why the service could not give a plan (once) and return the reason; re-raise the agent's own bugs.
 
     Down or busy (connection, timeout, budget, 5xx, 429): a warning. Any other answer (a 4xx: the service

@@ -288,7 +288,7 @@ def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
     import logging
 
     import agent
-    from agent.batch_guard import BatchShapeGuard, BatchShapeError
+    from agent.batch_guard import BatchShapeError, BatchShapeGuard
 
     model, batch = copy.deepcopy(llama[0]), llama[1]
     longer = {k: torch.cat([v, v], dim=1) for k, v in batch.items()}  # 2 x 64
