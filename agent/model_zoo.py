@@ -145,7 +145,8 @@ def sample_batch(
 # --------------------------------------------------------------------------- families at library defaults
 DEFAULTS_FAMILIES: Final[tuple[str, ...]] = (
     "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "falcon", "phi", "phi3", "gpt_neox",
-    "opt", "bloom", "olmo", "olmo2", "stablelm", "starcoder2", "granite", "gptj",
+    "opt", "bloom", "olmo", "olmo2", "stablelm", "starcoder2", "granite", "gptj", "mixtral", "qwen2_moe",
+    "gemma3_text", "cohere", "gpt_bigcode",
 )
 """Families `build_with_library_defaults` knows (Hugging Face `model_type`s)."""
 
@@ -195,6 +196,14 @@ def library_default_config(family: str, layers: int = 2, hidden: int = 64, vocab
                                               num_attention_heads=heads, ffn_dim=2 * hidden,
                                               max_position_embeddings=seq, word_embed_proj_dim=hidden, **tokens),
         "bloom": lambda: transformers.BloomConfig(hidden_size=hidden, n_layer=layers, n_head=heads, **tokens),
+        "mixtral": lambda: transformers.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**llama_like, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=hidden // 2,
+                                                         shared_expert_intermediate_size=hidden // 2),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(**llama_like, **head_dim),
+        "cohere": lambda: transformers.CohereConfig(**llama_like),
+        "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(n_embd=hidden, n_layer=layers, n_head=heads,
+                                                             n_positions=seq, **tokens),
     }
     return makers[family]()
 

@@ -22,7 +22,7 @@ from agent.model_zoo import DEFAULTS_FAMILIES, build_with_library_defaults, samp
 pytestmark = pytest.mark.slow
 
 CLIP = False  # set True when the clip branch lands: clipping as Trainer does it, on the wrapped model's parameters
-FAMILIES = DEFAULTS_FAMILIES  # 19 families: gpt2, llama, mistral, qwen2/3, gemma/2, falcon, phi/3, gpt_neox, opt, ...
+FAMILIES = DEFAULTS_FAMILIES  # 24 families: gpt2, llama, mistral, qwen2/3, gemma/2/3, falcon, phi/3, MoE (mixtral, qwen2_moe), ...
 STEPS = 5
 TOL = 1e-5
 LIMIT_FRACTION = 0.7  # of the un-managed peak: the model's states no longer all fit
