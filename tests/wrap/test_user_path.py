@@ -48,10 +48,8 @@ def test_the_readme_import_gives_the_functions_whatever_was_imported_before(befo
     """Defect: `import agent; agent.wrap(...)` raised RecursionError, and once the submodule `agent.wrap`
     was imported, `agent.wrap` was that module ('module' object is not callable)."""
     proc = run_python(f"""
-        import sys
         {before}
         import agent
-        assert "torch" in sys.modules or not {bool(before)!r} or True
         for name in ("wrap", "unwrap", "profile"):
             f = getattr(agent, name)
             assert callable(f) and type(f).__name__ == "function", (name, f)
