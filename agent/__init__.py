@@ -1,24 +1,34 @@
 """memplan agent: runs inside the training job (profile -> plan -> apply -> measure -> report).
 
 `agent.profile(...)` measures a training iteration and returns a wire-contract Trace;
-`agent.wrap(...)` applies a plan to a model and optimizer. Submodules load on first use, so importing
-`agent` is cheap.
+`agent.wrap(...)` applies a plan to a model and optimizer, `agent.unwrap(...)` gives them back.
+The functions live in `agent.profiler` and `agent.wrapping` (no submodule shares a name with a function,
+so `agent.wrap` is the function whatever was imported before). They load on first use, so importing
+`agent` stays cheap (no torch import).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.profiler import profile
+    from agent.wrapping import unwrap, wrap
 
 __all__ = ["profile", "wrap", "unwrap"]
 
+_LAZY = {"profile": "agent.profiler", "wrap": "agent.wrapping", "unwrap": "agent.wrapping"}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "profile":
-        from agent.profiler import profile
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agent' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
 
-        return profile
-    if name in ("wrap", "unwrap"):
-        from agent import wrap as _wrap_module
 
-        return getattr(_wrap_module, name)
-    raise AttributeError(f"module 'agent' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

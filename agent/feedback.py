@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from agent.measure import DevicePeakMeter, device_state_tensors
-from agent.wrap import DEFAULT_FEEDBACK_STEPS
+from agent.wrapping import DEFAULT_FEEDBACK_STEPS
 from client.contract import Feedback
 
 if TYPE_CHECKING:

@@ -8,7 +8,10 @@ Order of `obtain_plan` (the training job comes first: nothing here may crash or 
 3. with a server: upload the trace, request a plan, wait for it with a progress indicator (at most
    `wait_s`); without one, or when the service is down, errors or is slower than `wait_s`: solve
    in-process with the same solver the service runs (`planner_service.solver.solve`), saying so once
-   in the log.
+   in the log. Every exchange with the service shares one total budget (`service_budget_s`, see
+   `service_call.py`), so a server that trickles bytes or hangs cannot stall the job. Only the service's
+   failures lead to the fallback (down or busy: a warning; an answer the agent did not expect, such as a
+   4xx: an ERROR); a bug in the agent's own code is raised, never reported as "service down".
 An infeasible answer is an error (`PlanInfeasibleError`) that says how much device memory would fit.
 """
 
@@ -18,6 +21,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,6 +29,7 @@ import torch
 from torch import nn
 
 from agent.runtime.options import RuntimeOptions, job_workload
+from agent.service_call import ServiceBudget, classify
 from client.contract import Constraints, Plan, SolverStatus, Trace, Workload
 
 if TYPE_CHECKING:
@@ -35,6 +40,8 @@ log = logging.getLogger(__name__)
 
 Origin = Literal["given", "history", "service", "embedded", "fallback"]
 DEFAULT_WAIT_S = 120.0
+SERVICE_BUDGET_MARGIN_S = 15.0
+"""Default total budget of the service path: the solve wait plus this (history look-up, upload, request)."""
 
 
 class PlanInfeasibleError(RuntimeError):
@@ -62,7 +69,7 @@ def server_url(server: str | None) -> str | None:
 def workload_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any) -> str:
     """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind)."""
     from agent.profiler.optimizer_probe import optimizer_kind
-    from agent.profiler.profile import _PRECISION, _batch_shape, _majority_dtype
+    from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 
     params = list(model.parameters())
     dtype = _majority_dtype(params)
@@ -175,12 +182,17 @@ def obtain_plan(
     loss_fn: Any = None,
     time_limit_s: float = 10.0,
     wait_s: float = DEFAULT_WAIT_S,
+    service_budget_s: float | None = None,
     reuse: bool = True,
     request_timeout_s: float = 10.0,
     options: RuntimeOptions | None = None,
     clips_gradients: bool = False,
+    blocks: Sequence[nn.Module] | None = None,
 ) -> PlanSource:
-    """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError."""
+    """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError.
+
+    `service_budget_s` (default `wait_s` + SERVICE_BUDGET_MARGIN_S): the total time every exchange with the
+    service may take together (profiling and in-process solving are not counted)."""
     import agent
     from agent.profiler.hardware import probe_hardware
     from agent.profiler.parameters import fingerprint
@@ -201,24 +213,23 @@ def obtain_plan(
     constraints = _constraints(hw, device_memory, host_memory, time_limit_s)
 
     client: Client | None = None
+    budget: ServiceBudget | None = None
     down: str | None = None  # why the service could not be used
     if url is not None:
         from client.sdk import Client
 
         client = Client(url, timeout=request_timeout_s, max_retries=1)
+        budget = ServiceBudget(service_budget_s if service_budget_s is not None
+                               else wait_s + SERVICE_BUDGET_MARGIN_S, client.close)
     try:
-        if client is not None and reuse:
+        if client is not None and budget is not None and reuse:
+            # the job's own keys are computed outside the service's except: a bug here is the agent's
+            keys = (fingerprint(model), hw.key, workload_key(model, optimizer, sample_batch))
+            c = client
             try:
-                found = find_in_history(
-                    client,
-                    fingerprint(model),
-                    hw.key,
-                    workload_key(model, optimizer, sample_batch),
-                    constraints,
-                )
-            except Exception as exc:  # noqa: BLE001 - a down service must not stop the job
-                down = f"{type(exc).__name__}: {exc}"
-                log.warning("memplan: service %s unreachable (%s); solving in-process instead", url, down)
+                found = budget.call(lambda: find_in_history(c, *keys, constraints), "history look-up")
+            except Exception as exc:
+                down = _service_failure(exc, url, "history look-up")
                 client.close()
                 client = None
                 found = None
@@ -241,17 +252,18 @@ def obtain_plan(
             loss_fn=loss_fn,
             optimizer=optimizer if same_device else None,
             device=dev,
+            blocks=blocks,
             device_memory_limit=device_memory,
             hardware=hw,
         )
         # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions
         trace = trace.model_copy(update={"workload": job_workload(trace.workload, options,
                                                                   clips_gradients=clips_gradients)})
-        if client is not None:
+        if client is not None and budget is not None:
+            c = client
             try:
-                created = client.upload_trace(trace)
-                record = client.request_plan(created.id, constraints)
-                record = _wait_with_progress(client, record.id, wait_s)
+                record = budget.call(lambda: _request_and_wait(c, trace, constraints, min(wait_s, budget.left())),
+                                     "upload, request and wait")
                 if record.status == "done" and _usable(record.plan):
                     return PlanSource(
                         record.plan,
@@ -266,11 +278,11 @@ def obtain_plan(
                 reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
                     f": {record.error}" if record.error else ""
                 )
+                log.warning("memplan: no plan from %s (%s); solving in-process instead", url, reason)
             except PlanInfeasibleError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a down or failing service must not stop the job
-                reason = f"{type(exc).__name__}: {exc}"
-            log.warning("memplan: no plan from %s (%s); solving in-process instead", url, reason)
+            except Exception as exc:
+                reason = _service_failure(exc, url, "plan request")
             plan = check_feasible(solve_embedded(trace, constraints), constraints)
             return PlanSource(
                 plan,
@@ -292,3 +304,27 @@ def obtain_plan(
     finally:
         if client is not None:
             client.close()
+
+
+def _request_and_wait(client: Client, trace: Trace, constraints: Constraints, wait_s: float) -> Any:
+    created = client.upload_trace(trace)
+    record = client.request_plan(created.id, constraints)
+    return _wait_with_progress(client, record.id, wait_s)
+
+
+def _service_failure(exc: Exception, url: str | None, what: str) -> str:
+    """Log why the service could not give a plan (once) and return the reason; re-raise the agent's own bugs.
+
+    Down or busy (connection, timeout, budget, 5xx, 429): a warning. Any other answer (a 4xx: the service
+    rejected the agent's request; a response that does not validate): an ERROR with the reason, since it
+    is a defect on one side or the other, but the job still gets a plan in-process."""
+    kind = classify(exc)
+    if kind is None:
+        raise exc
+    reason = f"{type(exc).__name__}: {exc}"
+    if kind == "down":
+        log.warning("memplan: service %s unavailable during %s (%s); solving in-process instead", url, what, reason)
+    else:
+        log.error("memplan: service %s rejected the agent's %s (%s); this is a defect, please report it; "
+                  "solving in-process instead", url, what, reason)
+    return reason

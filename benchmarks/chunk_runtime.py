@@ -62,7 +62,7 @@ def _interleaved(fns: dict[str, Any], rounds: int) -> dict[str, float]:
 
 def bench_host_optimizer(layers: int, hidden: int, rounds: int) -> dict[str, Any]:
     from agent.runtime import manual_plan
-    from agent.wrap import wrap
+    from agent.wrapping import wrap
 
     model = _llama(layers, hidden)
     n = sum(p.numel() for p in model.parameters())
@@ -114,7 +114,7 @@ def bench_cpu_training(rounds: int) -> dict[str, Any]:
     import copy
 
     from agent.runtime import manual_plan
-    from agent.wrap import wrap
+    from agent.wrapping import wrap
 
     base = _llama(layers=4, hidden=256)
     batch, seq = 4, 128
@@ -182,7 +182,7 @@ def bench_cuda_training(
 ) -> dict[str, Any]:
     """NOT RUN in the session that wrote it (no GPU there): written to run when a GPU is present."""
     from agent.runtime import RuntimeOptions, manual_plan
-    from agent.wrap import wrap
+    from agent.wrapping import wrap
     from client.contract import Placement
 
     device = torch.device("cuda", torch.cuda.current_device())

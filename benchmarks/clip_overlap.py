@@ -51,7 +51,7 @@ def _job(args: argparse.Namespace, device: torch.device, fields: dict[str, bool]
          ) -> tuple[Callable[[], None], Any]:
     from agent.model_zoo import build
     from agent.runtime import RuntimeOptions, manual_plan
-    from agent.wrap import wrap
+    from agent.wrapping import wrap
 
     model, _ = build("llama", layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq=args.seq, seed=0)
     model = model.to(device)

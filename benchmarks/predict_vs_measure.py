@@ -1,6 +1,8 @@
 """Benchmark: the plan's predicted iteration time and peak memory against what the runtime measures.
 
-For each model (gpt2 and llama from transformers configs, random weights; `--layers`, default 4 12 24)
+For each model (gpt2 and llama from transformers configs as the zoo builds them, and `--library-defaults`
+families, default qwen2 and gemma2, built as users load them: KV cache on, SDPA or the family's attention,
+tied embeddings where the family ties them; random weights; `--layers`, default 4 12 24)
 the job is profiled once (`agent.profile`, the real trace), then for each device limit (`--fractions` of
 the trace's measured un-managed peak) the CP-SAT plan is solved in-process, applied with the one-call
 path (`agent.wrap(..., plan=...)`: chunk runtime + activation modes + step monitor), and
@@ -28,7 +30,7 @@ differ by up to ~8%; one trial samples that once per row, the median of three sa
 
 Usage: .venv/bin/python benchmarks/predict_vs_measure.py [--hidden 128] [--seq 128] [--batch 4]
        [--layers 4 12 24] [--fractions 0.45 0.7 1.0] [--steps 20] [--plain-steps 5] [--kinds gpt2 llama]
-       [--device cpu|cuda] [--trials N]
+       [--library-defaults qwen2 gemma2] [--device cpu|cuda] [--trials N]
 Prints a table and writes benchmarks/results/predict_vs_measure-<UTC timestamp>.json (and the
 -latest pointer). Each row records its plan's offloaded
 chunks (`offloaded_chunks`, with `chunk_size_bytes`, `n_buffers` and `modes`), so an outlier can be re-run.
@@ -47,6 +49,7 @@ import torch
 from _results import Run, save
 
 RESULTS = Path(__file__).resolve().parent / "results" / "predict_vs_measure.json"
+DEFAULTS_SUFFIX = "-dflt"  # a `--library-defaults` family's rows: "qwen2-dflt"
 
 
 def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, n: int) -> float:
@@ -67,7 +70,7 @@ def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], de
 
 def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, fraction: float, steps: int,
             device: torch.device, plain_steps: int) -> dict[str, Any]:
-    from agent.wrap import unwrap, wrap
+    from agent.wrapping import unwrap, wrap
     from client.contract import Constraints
     from planner_service.solver import solve
 
@@ -137,6 +140,8 @@ def _ranges(xs: list[int]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", nargs="+", default=["gpt2", "llama"])
+    ap.add_argument("--library-defaults", nargs="*", default=["qwen2", "gemma2"],
+                    help="families built at their library defaults (agent.model_zoo.DEFAULTS_FAMILIES); none: skip")
     ap.add_argument("--layers", nargs="+", type=int, default=[4, 12, 24])
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.45, 0.7, 1.0])
     ap.add_argument("--hidden", type=int, default=128)
@@ -174,13 +179,13 @@ def main() -> None:
         del model, batch
     rows: list[dict[str, Any]] = []
     run = Run("predict_vs_measure", args)
-    header = (f"{'model':<12} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
+    header = (f"{'model':<16} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
               f"{'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}  offloaded chunks")
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"trial {trial + 1} of {args.trials}")
         print(header)
-        for kind in args.kinds:
+        for kind in [*args.kinds, *(f"{f}{DEFAULTS_SUFFIX}" for f in args.library_defaults)]:
             for layers in args.layers:
                 rows += measure_model(kind, layers, args, device, trial)
     trials = [summarize([r for r in rows if r["trial"] == t]) for t in range(args.trials)]
@@ -204,7 +209,13 @@ def measure_model(kind: str, layers: int, args: argparse.Namespace, device: torc
     import agent
     from agent.model_zoo import build, sample_batch
 
-    model, cfg = build(kind, layers, args.hidden, seq=max(args.seq, 128))
+    if kind.endswith(DEFAULTS_SUFFIX):
+        from agent.model_zoo import build_with_library_defaults
+
+        model, cfg = build_with_library_defaults(kind.removesuffix(DEFAULTS_SUFFIX), layers, args.hidden,
+                                                 vocab=1000, seq=max(args.seq, 128))
+    else:
+        model, cfg = build(kind, layers, args.hidden, seq=max(args.seq, 128))
     model.to(device)  # type: ignore[arg-type]
     batch = sample_batch(cfg, args.batch, args.seq, device=device)
     probe = copy.deepcopy(model)
@@ -220,10 +231,10 @@ def measure_model(kind: str, layers: int, args: argparse.Namespace, device: torc
         rows.append(row)
         name = f"{kind}-{layers}L"
         if "modes" not in row:
-            print(f"{name:<12} {fraction:>5.2f} {row['status']}: fits from {row.get('min_device_memory_bytes')}")
+            print(f"{name:<16} {fraction:>5.2f} {row['status']}: fits from {row.get('min_device_memory_bytes')}")
             continue
         mib = 2**20
-        print(f"{name:<12} {fraction:>5.2f} {row['modes']:<26} {row['offloaded']:>2}/{row['chunks']:<2} "
+        print(f"{name:<16} {fraction:>5.2f} {row['modes']:<26} {row['offloaded']:>2}/{row['chunks']:<2} "
               f"{row['predicted_iteration_s'] * 1e3:>9.1f} {row['measured_iteration_s'] * 1e3:>9.1f} "
               f"{row['iteration_error']:>+7.1%} {row['load_drift']:>+7.1%} {row['drift_after']:>+7.1%} "
               f"{row['predicted_peak_device_bytes'] / mib:>9.2f} {row['measured_peak_device_bytes'] / mib:>9.2f} "

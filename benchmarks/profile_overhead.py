@@ -94,7 +94,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     capture = StageCapture()
-    prof_log = logging.getLogger("agent.profiler.profile")
+    prof_log = logging.getLogger("agent.profiler.profiling")
     prof_log.setLevel(logging.DEBUG)
     prof_log.addHandler(capture)
 

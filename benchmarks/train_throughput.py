@@ -142,7 +142,7 @@ def run_fsdp2_offload(model: nn.Module, batch: Any, steps: int, device: torch.de
 
 
 def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, plan: Any) -> dict[str, Any]:
-    from agent.wrap import unwrap, wrap
+    from agent.wrapping import unwrap, wrap
 
     if plan.policy is None:
         return {"skipped": f"infeasible: fits from {plan.solver.min_device_memory_bytes} bytes"}

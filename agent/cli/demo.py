@@ -63,7 +63,7 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
     from rich.table import Table
 
     from agent import model_zoo
-    from agent.wrap import unwrap, wrap
+    from agent.wrapping import unwrap, wrap
     from client.cli.render import plan_table
 
     console.print(f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from agent.wrap import Wrapped
+    from agent.wrapping import Wrapped
 
 
 def sample_batch(trainer: Any) -> Any:
@@ -53,7 +53,7 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     Trainer keeps using its own `trainer.model` (the same module, now managed) and the wrapped optimizer.
     Raises ValueError if the Trainer already holds a learning-rate scheduler (it would drive the unwrapped
     optimizer) or runs on several processes."""
-    from agent.wrap import wrap
+    from agent.wrapping import wrap
 
     if getattr(trainer.model, "_memplan_wrapped", False):
         raise RuntimeError("trainer.model: is already wrapped")

@@ -1,8 +1,8 @@
 """Block layout of a model: the prologue, the repeated blocks and the epilogue, found by module structure.
 
-Detection rule: the repeated blocks are the children of the longest `nn.ModuleList` whose children all
-have the same class (`GPT2Block` in `transformer.h`, `LlamaDecoderLayer` in `model.layers`, or the
-modules of a plain model's `blocks` list). Every parameter outside those blocks belongs to the prologue
+Detection rule: the repeated blocks are the children of the longest `nn.ModuleList` (or `nn.Sequential`
+of at least two children; a ModuleList wins a tie) whose children all have the same class (`GPT2Block` in
+`transformer.h`, `LlamaDecoderLayer` in `model.layers`, or the modules of a plain model's `blocks` list). Every parameter outside those blocks belongs to the prologue
 (used before the first block runs) or the epilogue (used after the last block; final norm, head, loss);
 which of the two is settled by first use during a real forward (see `parameters.py`).
 
@@ -74,17 +74,21 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
 
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < (
+                1 if isinstance(module, nn.ModuleList) else 2):
             continue
         classes = {type(child) for child in module}
         if len(classes) != 1:
             continue
-        if best is None or len(module) > len(best[1]):
+        # the longest list wins; on a tie an nn.ModuleList (the usual home of transformer blocks)
+        if best is None or (len(module), isinstance(module, nn.ModuleList)) > (
+                len(best[1]), isinstance(best[1], nn.ModuleList)):
             best = (name, module)
     if best is None:
         raise BlockDetectionError(
-            f"{type(model).__name__}: found no nn.ModuleList of same-class blocks. Pass the repeated blocks "
-            "explicitly: profile(model, batch, blocks=[...]) with the block modules in execution order "
+            f"{type(model).__name__}: found no nn.ModuleList or nn.Sequential of same-class blocks. Pass the "
+            "repeated blocks explicitly: agent.wrap(model, optimizer, ..., blocks=[...]) or "
+            "agent.profile(model, batch, blocks=[...]) with the block modules in execution order "
             "(e.g. blocks=list(model.layers)), or keep them in an nn.ModuleList attribute such as `self.blocks`."
         )
     list_name, module_list = best

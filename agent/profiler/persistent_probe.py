@@ -103,7 +103,10 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
     try:
         # the user's optimizer class and first group's hyper-parameters over the same parameters (a fresh one:
         # the user's state is not touched)
-        user = type(optimizer)(trainable, **hyper)
+        try:
+            user = type(optimizer)(trainable, **hyper)
+        except (TypeError, ValueError):
+            return None  # the optimizer class cannot be rebuilt from its defaults: not probed
         manager = TimedManager(model, layout, DeviceContext(device), RuntimeOptions(device=device))
         chunked = ChunkedOptimizer(user, layout, manager)
         manager.attach_optimizer(chunked)
@@ -114,7 +117,7 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
         step.total = 0.0
         chunked.step()  # timed, on the same gradients
         chunked.zero_grad()
-    except (UnsupportedOptimizerError, TypeError, ValueError):
+    except UnsupportedOptimizerError:
         return None
     finally:
         if manager is not None:  # the parameters get their own storages back below: no copy of the values

@@ -310,10 +310,15 @@ class _OffloadedChunk:
             accepted = inspect.signature(type(optimizer).__init__).parameters
             hyper = {k: group[k] for k in optimizer.defaults if k in group and k in accepted and k != "params"}
             try:
-                self.optimizer = ChunkedOptimizer(type(optimizer)(params, **hyper), layout, self.manager)
-                self.manager.attach_optimizer(self.optimizer)
-            except (UnsupportedOptimizerError, TypeError, ValueError):
-                self.optimizer = None
+                inner: torch.optim.Optimizer | None = type(optimizer)(params, **hyper)
+            except (TypeError, ValueError):
+                inner = None  # the optimizer class cannot be rebuilt from its defaults: probed without a step
+            if inner is not None:
+                try:
+                    self.optimizer = ChunkedOptimizer(inner, layout, self.manager)
+                    self.manager.attach_optimizer(self.optimizer)
+                except UnsupportedOptimizerError:
+                    self.optimizer = None
 
     def reset(self) -> None:
         self.timer.total = 0.0

@@ -121,11 +121,20 @@ class TrainingStep:
 
 @contextmanager
 def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
-    """Restore parameters, gradients, optimizer state and RNG states after the block, even on error."""
+    """Restore parameters, gradients, optimizer state and RNG states after the block, even on error; never
+    change a tensor of the optimizer's state in place (see below)."""
     params = [p for p in model.parameters()]
     values = [p.detach().to("cpu", copy=True) for p in params]
     grads = [p.grad for p in params]
     opt_state = _host_copy(optimizer.state_dict()) if optimizer is not None else None
+    if optimizer is not None:
+        # The profiled steps update the optimizer's state in place; its tensors may be shared with a dict the
+        # caller still holds (a checkpoint passed to `optimizer.load_state_dict` on the same device): step
+        # private copies instead (the caller's originals are freed here unless the caller holds them).
+        for state in optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.detach().clone()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:

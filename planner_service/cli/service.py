@@ -24,7 +24,7 @@ def _settings(database_url: str | None, **kw: object):  # type: ignore[no-untype
 
 
 def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+          port: Annotated[int, typer.Option(help="TCP port", envvar="MEMPLAN_PORT")] = 8000,
           workers: Annotated[int | None, typer.Option(help="in-process solve workers (0: external only)")] = None,
           database_url: DbUrlOpt = None,
           processes: Annotated[int, typer.Option(help="API processes (each with its own workers); >1 needs a "

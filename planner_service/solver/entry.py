@@ -27,7 +27,7 @@ from client.contract import (
     Trace,
 )
 from planner_service.solver import cpsat_solve, protrain
-from planner_service.solver.cost_model import Cost, predictions_of
+from planner_service.solver.cost_model import Cost, evaluate_decision, predictions_of
 from planner_service.solver.instance import (
     CostParams,
     Decision,
@@ -42,7 +42,8 @@ from planner_service.solver.layout import ChunkLayout, candidate_layouts
 # Bump whenever a change can alter a plan (cost model, model, search, defaults): the service dedups by it.
 # 1.1: no copy/compute overlap on a CPU device (CostParams.copy_overlap)
 # 1.2: on a CPU device, the runtime costs the profiler measures (swap, chunk runtime) replace/add to copy times
-SOLVER_VERSION = "policy-1.2"
+# 1.3: when the un-managed iteration fits the limit, the plan manages nothing (`_everything_fits`), and says so
+SOLVER_VERSION = "policy-1.3"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {Mode.keep: ActivationMode.keep, Mode.checkpoint: ActivationMode.checkpoint, Mode.swap: ActivationMode.swap}
@@ -109,6 +110,35 @@ def _min_device_memory(
     return limit, proven
 
 
+def _unmanaged_decision(inst: PolicyInstance) -> Decision:
+    """Every chunk persistent (no buffers), every block keeps its activations: the iteration as measured."""
+    return Decision(offloaded=(False,) * inst.n_chunks, n_buffers=0, modes=(Mode.keep,) * inst.n_blocks)
+
+
+def _everything_fits(trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams
+                     ) -> _Best | None:
+    """On a device whose copies are serial with compute (a CPU device), when the measured un-managed peak is
+    within the limit and the cost model (with its margin) agrees on some layout: the un-managed decision on the
+    fastest such layout; else None (the search's answer stands).
+
+    There, offloading, recompute or swap only trade time for memory; the cost model can still rank them faster
+    where its host-side figures are optimistic (the host optimizer runs on the same cores as the "device"
+    step), so when everything fits the answer is fixed. On a GPU, offloading without memory pressure can pay
+    (the host step hides behind backward, ZeRO-Offload's point), so the search decides there. The search still runs, for its proven bound:
+    the plan is `optimal` only when the un-managed answer is the cost model's optimum too, and its message
+    says when the cost model would have preferred a managed policy."""
+    if params.copy_overlap or trace.measurements.peak_device_bytes > constraints.device_memory_bytes:
+        return None  # on a GPU, offloading can pay without memory pressure (host steps hidden behind backward)
+    best: _Best | None = None
+    for lay in layouts:
+        inst = build_instance(trace, lay, constraints, params)
+        decision = _unmanaged_decision(inst)
+        cost = evaluate_decision(inst, decision)
+        if cost.fits and (best is None or cost.iteration_ns < best.cost.iteration_ns):
+            best = _Best(inst, decision, cost)
+    return best
+
+
 def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed: int = 0) -> Plan:
     """Fastest memory policy for `trace` under `constraints` (see the module docstring).
 
@@ -126,6 +156,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
     deadline = t0 + constraints.time_limit_s
     params = resolve_params(trace, CostParams(alpha=alpha_for(trace)))
     layouts = candidate_layouts(trace)
+    fits = _everything_fits(trace, layouts, constraints, params)
     best: _Best | None = None
     bounds: list[float] = []
     statuses: list[str] = []
@@ -182,6 +213,17 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
                                 message=message),
         )
 
+    note = ""
+    if fits is not None:  # the search still ran: its bound says how far the un-managed answer is from optimal
+        searched_ns = best.cost.iteration_ns
+        best = fits
+        note = (f"everything fits: the un-managed peak {trace.measurements.peak_device_bytes} bytes is within the "
+                f"{constraints.device_memory_bytes}-byte limit, so every chunk stays persistent on the device and "
+                "every block keeps its activations (nothing offloaded, recomputed or swapped)")
+        if searched_ns < best.cost.iteration_ns:
+            note += (f"; the cost model ranks a managed policy faster ({searched_ns / 1e9:.4g}s vs "
+                     f"{best.cost.iteration_ns / 1e9:.4g}s), not applied")
+        note += ". "
     objective_ns = best.cost.iteration_ns
     if solver == "cpsat":
         bound_ns = min(bounds) if bounds else 0.0
@@ -206,7 +248,7 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
             best_bound=best_bound,
             gap=gap_out,
             solve_s=time.perf_counter() - t0,
-            message=f"chunk size {best.inst.layout.chunk_size_bytes >> 20}MiB of {sizes} "
+            message=f"{note}chunk size {best.inst.layout.chunk_size_bytes >> 20}MiB of {sizes} "
             f"({_per_size(by_size) if by_size else 'ProTrain search'}); alpha {params.alpha:.3f}; "
             f"copies {'overlap compute' if params.copy_overlap else 'serial with compute (cpu device)'}",
         ),

@@ -39,7 +39,7 @@ def losses_and_params(model: torch.nn.Module, opt: torch.optim.Optimizer, batche
     ("head", 1, "CCCK"),
 ])
 def test_modes_with_offloaded_chunks_train_like_unmanaged_pytorch(offload: str, n_buffers: int, strip: str) -> None:
-    from agent.wrap import unwrap, wrap
+    from agent.wrapping import unwrap, wrap
 
     base, _ = build("gpt2", layers=len(strip), hidden=64, vocab=128, seq=32, seed=0)
     batches = data(4)

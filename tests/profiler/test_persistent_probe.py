@@ -38,7 +38,7 @@ def test_cpu_trace_charges_the_persistent_path_as_the_device_optimizer_throughpu
         cpu_hardware: Hardware, caplog: pytest.LogCaptureFixture) -> None:
     model, cfg = build("gpt2", layers=2, hidden=32, vocab=64, seq=16, seed=0)
     batch = sample_batch(cfg, 2, 16)
-    with caplog.at_level(logging.DEBUG, logger="agent.profiler.profile"):
+    with caplog.at_level(logging.DEBUG, logger="agent.profiler.profiling"):
         trace = profile(model, batch, hardware=cpu_hardware, allocation_trace=False)
     logged = [r for r in caplog.records if r.getMessage().startswith("persistent chunks:")]
     assert len(logged) == 1

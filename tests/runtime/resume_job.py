@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from runtime_helpers import alternate, batches, plan_for, tiny_model
 
-from agent.wrap import wrap
+from agent.wrapping import wrap
 
 
 def run(spec: dict[str, Any]) -> list[float]:

@@ -25,7 +25,7 @@ from runtime_helpers import (
 )
 
 from agent.runtime import RuntimeOptions
-from agent.wrap import wrap
+from agent.wrapping import wrap
 
 
 def bf16_model() -> torch.nn.Module:

@@ -25,7 +25,7 @@ from runtime_helpers import (
 )
 
 from agent.runtime import RuntimeOptions
-from agent.wrap import Wrapped, wrap
+from agent.wrapping import Wrapped, wrap
 
 TOL = 1e-5
 

@@ -18,7 +18,7 @@ from runtime_helpers import (
 )
 
 from agent.runtime import RuntimeOptions
-from agent.wrap import unwrap, wrap
+from agent.wrapping import unwrap, wrap
 
 STEPS = 20
 TOL = 1e-5

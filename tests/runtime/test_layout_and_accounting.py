@@ -10,7 +10,7 @@ from runtime_helpers import Trainer, batches, chunk_bytes_for, clone, plan_for, 
 
 from agent.runtime import PlanMismatchError, RuntimeOptions, UnsupportedOptimizerError, manual_plan
 from agent.runtime.device import element_size
-from agent.wrap import wrap
+from agent.wrapping import wrap
 from client.contract import Chunk, Placement, Plan, Policy
 
 
@@ -294,7 +294,7 @@ def test_mixed_precision_keeps_fp32_masters_and_agrees_across_placements(dtype: 
 
 
 def test_unwrap_after_mixed_precision_restores_fp32_parameters_from_the_masters() -> None:
-    from agent.wrap import unwrap
+    from agent.wrapping import unwrap
 
     model = tiny_model("gpt2")
     plan = manual_plan(

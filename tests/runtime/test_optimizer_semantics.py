@@ -22,7 +22,7 @@ from runtime_helpers import (
 )
 
 from agent.runtime import RuntimeOptions
-from agent.wrap import Wrapped, unwrap, wrap
+from agent.wrapping import Wrapped, unwrap, wrap
 
 TOL = 1e-5
 MakeOpt = Callable[[torch.nn.Module], torch.optim.Optimizer]

@@ -9,7 +9,7 @@ from runtime_helpers import batches, clone, max_rel_diff, param_rel_diff, plan_f
 from torch import nn
 
 from agent.runtime import manual_plan
-from agent.wrap import wrap
+from agent.wrapping import wrap
 
 STEPS = 6
 TOL = 1e-6

@@ -20,7 +20,7 @@ def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_plan_solved_under_a_tight_limit_trains_like_plain_pytorch(kind: str) -> None:
     import agent
-    from agent.wrap import wrap
+    from agent.wrapping import wrap
     from planner_service.solver import solve
 
     base, _ = build(kind, layers=4, hidden=128, vocab=128, seq=32, seed=0)

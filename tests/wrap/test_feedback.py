@@ -14,7 +14,7 @@ import torch
 from agent.feedback import LocalSink, ServiceSink, StepMonitor
 from agent.model_zoo import build, sample_batch
 from agent.runtime import manual_plan
-from agent.wrap import unwrap, wrap
+from agent.wrapping import unwrap, wrap
 
 
 @pytest.fixture

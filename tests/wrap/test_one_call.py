@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from agent.model_zoo import build, sample_batch
-from agent.wrap import Wrapped, unwrap, wrap
+from agent.wrapping import Wrapped, unwrap, wrap
 from client.contract import Feedback
 from planner_service.embedded import EmbeddedServer, free_port
 
@@ -171,7 +171,7 @@ def test_wrap_on_a_model_it_cannot_handle_gives_a_clear_error_and_leaves_it_unto
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = list(model.parameters())
-    with pytest.raises(BlockDetectionError, match="no nn.ModuleList of same-class blocks"):
+    with pytest.raises(BlockDetectionError, match=r"no nn.ModuleList or nn.Sequential of same-class blocks.*agent.wrap\(model, optimizer, ..., blocks="):
         wrap(model, opt, sample_batch=torch.randn(4, 16), loss_fn=lambda out, batch: out)
     assert list(model.parameters()) == params
     for n, p in model.named_parameters():

@@ -8,7 +8,7 @@ import torch
 
 from agent.model_zoo import build, sample_batch
 from agent.runtime import manual_plan
-from agent.wrap import unwrap, wrap
+from agent.wrapping import unwrap, wrap
 
 
 def test_report_says_one_buffer_and_names_the_origin_once() -> None:

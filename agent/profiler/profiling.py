@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from agent.kv_cache import KVCacheOff
 from agent.profiler.allocation_trace import AllocationTraceTooLarge, build_allocation_trace
 from agent.profiler.clock import DeviceClock
 from agent.profiler.cuda_history import CudaAllocatorHistory, CudaGauge
@@ -141,7 +142,7 @@ def profile(
             [p for p in model.parameters() if p.requires_grad], lr=1e-4)
         kind = optimizer_kind(opt)
         batch = move_batch(sample_batch, dev)
-        with preserved_training_state(model, optimizer):
+        with preserved_training_state(model, optimizer), KVCacheOff(model):  # training never uses the cache
             result = _measure(model, batch, loss_fn, opt, dev, repeated, allocation_trace, repeats, hw)
         extrapolated = n_profiled < len(repeated_all)
 
@@ -336,6 +337,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
         args, kwargs = captured[probed]
         try:
             probe = probe_block(repeated.modules[probed - 1], args, kwargs, dev, probed, opt)
+        except (TypeError, ValueError):
+            raise  # a bug (the agent's or the model's), not a missing measurement
         except Exception as e:  # e.g. a block whose captured inputs carry state (a KV cache it appends to)
             log.warning("runtime probe skipped (%s: %s): the trace has no measured runtime costs, the cost "
                         "model charges copies by bandwidth", type(e).__name__, e)
@@ -350,6 +353,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     if dev.type == "cpu":
         try:
             persistent = probe_persistent(model, res.ordered, opt, dev)
+        except (TypeError, ValueError):
+            raise  # a bug (the agent's or the model's), not a missing measurement
         except Exception as e:
             log.warning("persistent-chunk probe skipped (%s: %s): the device optimizer throughput is the plain "
                         "step's", type(e).__name__, e)
@@ -563,9 +568,12 @@ def _truncated(model: nn.Module, repeated: RepeatedBlocks, k: int) -> Iterator[R
     container = model.get_submodule(repeated.container_name)
     parent_path, _, attr = repeated.container_name.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    if not isinstance(container, nn.ModuleList):
-        raise BlockDetectionError(f"max_blocks: {repeated.container_name!r} is not an nn.ModuleList")
-    setattr(parent, attr, nn.ModuleList(list(container)[:k]))
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or not attr:
+        raise BlockDetectionError(
+            f"max_blocks: {repeated.container_name or 'the model'!r} is not an nn.ModuleList or nn.Sequential "
+            "inside the model")
+    kept = list(container)[:k]
+    setattr(parent, attr, nn.Sequential(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept))
     try:
         yield RepeatedBlocks(repeated.names[:k], repeated.modules[:k], repeated.container_name)
     finally:

@@ -21,8 +21,13 @@ feedback after `feedback_steps` steps (`feedback.py`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from agent.batch_guard import BatchShapeGuard, batch_shape
+from agent.kv_cache import KVCacheOff
+from agent.model_guards import MoveGuard, byte_size, check_not_compiled
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -62,6 +67,9 @@ class Wrapped:
     activations: ActivationManager | None = field(default=None, repr=False)
     monitor: StepMonitor | None = field(default=None, repr=False)
     allocator: AllocatorSelection | None = field(default=None, repr=False)
+    kv_cache: KVCacheOff | None = field(default=None, repr=False)
+    move_guard: MoveGuard | None = field(default=None, repr=False)
+    batch_guard: BatchShapeGuard | None = field(default=None, repr=False)
     unwrapped: bool = False
 
     def report(self) -> WrapReport:
@@ -129,28 +137,38 @@ def wrap(
     optimizer: torch.optim.Optimizer,
     *,
     sample_batch: Any = None,
+    max_batch: Any = None,
     server: str | None = None,
-    device_memory: int | None = None,
-    host_memory: int | None = None,
+    device_memory: int | float | str | None = None,
+    host_memory: int | float | str | None = None,
+    blocks: Sequence[nn.Module] | None = None,
     plan: Plan | None = None,
     options: RuntimeOptions | None = None,
     loss_fn: Any = None,
     feedback_steps: int | None = DEFAULT_FEEDBACK_STEPS,
     feedback_path: Path | None = None,
     wait_s: float = 120.0,
+    service_budget_s: float | None = None,
     reuse: bool = True,
     allocation: str = "caching",
     clips_gradients: bool = False,
 ) -> Wrapped:
     """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
 
-    `sample_batch`: one batch as the model takes it (needed without `plan`, to profile); `loss_fn(output,
+    `sample_batch`: one batch as the model takes it (needed without `plan`, to profile); `max_batch`: the
+    largest batch you will train on (rows and sequence length), profiled and planned for instead of
+    `sample_batch`; a larger batch at run time warns once (CPU) or raises BatchShapeError before the forward
+    (GPU). `loss_fn(output,
     batch)` if the model does not return `.loss`. `server`: planner service URL (default MEMPLAN_SERVER;
-    neither: solve in-process). `device_memory` / `host_memory`: limits in bytes (default: the device's and
-    the host's). `feedback_steps`: after this many optimizer steps the measured iteration time and peaks go
+    neither: solve in-process). `device_memory` / `host_memory`: limits as bytes (an int, or a float with
+    no fraction such as 80e9) or a size string ("80GiB", "24GB"); default: the device's and the host's.
+    `blocks`: the model's repeated blocks in execution order, when they are not found by themselves (an
+    `nn.ModuleList` or `nn.Sequential` of same-class modules is). `feedback_steps`: after this many optimizer steps the measured iteration time and peaks go
     to the service (plans from it) or to `feedback_path` (default MEMPLAN_FEEDBACK_PATH, else
     ~/.memplan/feedback.jsonl); None: no
-    monitor. `wait_s`: longest wait for the service's plan before solving in-process. `reuse=False`:
+    monitor. `wait_s`: longest wait for the service's plan before solving in-process; `service_budget_s`: the most time the
+    whole service path may take (history look-up, upload, request, wait; default `wait_s` + 15 s), after
+    which `wrap` solves in-process and says so once. `reuse=False`:
     profile and plan afresh even when the service's history has a plan for this job. `clips_gradients`: the
     job scales gradients after backward on most steps (clipping): the plan then counts the redo of the
     overlapped host steps (clipping works either way; this only informs the prediction).
@@ -162,24 +180,53 @@ def wrap(
     torch's result.
     Raises, leaving model and optimizer untouched: BlockDetectionError (no repeated blocks to plan for),
     PlanInfeasibleError (nothing fits; says what would), PlanMismatchError / ActivationPlanError (the plan
-    does not match the model, naming the parameter or block), UnsupportedOptimizerError.
+    does not match the model, naming the parameter or block), UnsupportedOptimizerError, CompiledModelError
+    (a torch.compile'd model or block), ValueError/TypeError naming a bad argument.
+    While wrapped: the KV cache is off (`use_cache=False`; `unwrap` restores it), `.model.to()` to where the
+    model is is a no-op and any other move or cast raises WrappedModelMoveError, and a batch larger than
+    planned warns once (CPU) or raises BatchShapeError (GPU). See docs/architecture/wrap.md.
     """
     from agent.allocator.select import MODES
-    from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
-    from agent.planning import PlanSource, obtain_plan
-    from agent.runtime.activations import apply_activation_policy, block_targets
     from agent.runtime.optimizer import check_supported
 
     if getattr(model, "_memplan_wrapped", False):
         raise RuntimeError("model: is already wrapped; unwrap it first")
     if allocation not in MODES:
         raise ValueError(f"allocation: must be one of {', '.join(MODES)}, got {allocation!r}")
+    device_bytes = byte_size("device_memory", device_memory)
+    host_bytes = byte_size("host_memory", host_memory)
+    check_not_compiled(model)
     check_supported(optimizer)
+    cache_off = KVCacheOff(model)  # training never uses the KV cache; unwrap restores the user's setting
+    try:
+        wrapped = _wrap(model, optimizer, cache_off, plan=plan,
+                        sample_batch=max_batch if max_batch is not None else sample_batch, server=server,
+                        device_memory=device_bytes, host_memory=host_bytes, blocks=blocks, options=options,
+                        loss_fn=loss_fn, feedback_steps=feedback_steps, feedback_path=feedback_path,
+                        wait_s=wait_s, service_budget_s=service_budget_s, reuse=reuse, allocation=allocation,
+                        clips_gradients=clips_gradients)
+    except BaseException:
+        cache_off.restore()
+        raise
+    return wrapped
+
+
+def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer, cache_off: KVCacheOff, *, plan: Plan | None,
+          sample_batch: Any, server: str | None, device_memory: int | None, host_memory: int | None,
+          blocks: Sequence[nn.Module] | None, options: RuntimeOptions | None, loss_fn: Any,
+          feedback_steps: int | None, feedback_path: Path | None, wait_s: float, service_budget_s: float | None,
+          reuse: bool, allocation: str, clips_gradients: bool) -> Wrapped:
+    """`wrap` after its argument checks, with the KV cache already off."""
+    from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
+    from agent.planning import PlanSource, obtain_plan
+    from agent.runtime.activations import apply_activation_policy, block_targets
+
     if plan is not None:
         source = PlanSource(plan, "given", message="plan given to wrap")
     else:
         source = obtain_plan(model, optimizer, sample_batch, server=server, device_memory=device_memory,
-                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s, reuse=reuse,
+                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s,
+                             service_budget_s=service_budget_s, reuse=reuse, blocks=blocks,
                              options=options, clips_gradients=clips_gradients)
         log.info("memplan: %s", source.message)
     plan = source.plan
@@ -190,6 +237,7 @@ def wrap(
     wrapped = apply_plan(model, optimizer, plan, options, arena=allocation == "planned")
     wrapped.source = source
     wrapped.allocator = selection
+    wrapped.kv_cache = cache_off
     if selection is not None:
         selection.attach(model)
     try:
@@ -198,6 +246,10 @@ def wrap(
     except BaseException:
         unwrap(wrapped)
         raise
+    wrapped.move_guard = MoveGuard(model, wrapped.runtime.ctx.device, next(model.parameters()).dtype)
+    planned_shape = batch_shape(sample_batch) if sample_batch is not None else None
+    if planned_shape is not None:
+        wrapped.batch_guard = BatchShapeGuard(model, planned_shape, wrapped.runtime.ctx.device)
     if feedback_steps:
         local = LocalSink(feedback_path or local_feedback_path(), plan_id=source.plan_id, trace_hash=plan.trace_hash)
         sink = ServiceSink(source.server, source.plan_id, fallback=local) if (
@@ -296,6 +348,12 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     if wrapped.activations is not None:
         wrapped.activations.remove()
         wrapped.activations = None
+    if wrapped.move_guard is not None:
+        wrapped.move_guard.remove()
+        wrapped.move_guard = None
+    if wrapped.batch_guard is not None:
+        wrapped.batch_guard.remove()
+        wrapped.batch_guard = None
     state = wrapped.optimizer.state_dict()
     wrapped.runtime.detach()
     model = wrapped.model
@@ -312,5 +370,8 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
             },
         }
         wrapped.original_optimizer.load_state_dict(state)
+    if wrapped.kv_cache is not None:
+        wrapped.kv_cache.restore()
+        wrapped.kv_cache = None
     wrapped.unwrapped = True
     return model

@@ -1,0 +1,61 @@
+"""Batches larger than the plan's: the plan is made for one batch shape (the largest the user declares).
+
+`BatchShapeGuard` is a forward pre-hook on the wrapped model. A batch larger than planned (more rows or a
+longer sequence than `max_batch`, else `sample_batch`) uses more memory than the plan budgeted: on CPU it
+warns once and runs; on a GPU it raises `BatchShapeError` before the forward runs, rather than letting the
+iteration run out of device memory halfway (with the runtime's state in between). The message names the
+shapes and the fix: pass the largest batch as `max_batch=` to `wrap`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger(__name__)
+
+
+class BatchShapeError(RuntimeError):
+    """A batch larger than the one the plan was made for, on a GPU."""
+
+
+def batch_shape(batch: Any) -> tuple[int, int] | None:
+    """(rows, sequence length) of a batch as the model takes it: `input_ids` if present, else its first tensor."""
+    from agent.profiler.tensors import iter_tensors
+
+    t = batch.get("input_ids") if isinstance(batch, dict) else None
+    if not isinstance(t, torch.Tensor):
+        t = next(iter_tensors(batch), None)
+    if t is None or t.dim() == 0:
+        return None
+    return int(t.shape[0]), int(t.shape[1]) if t.dim() > 1 else 1
+
+
+class BatchShapeGuard:
+    """Warn once (CPU) or raise (GPU) when the model is called on a batch larger than `planned`."""
+
+    def __init__(self, model: nn.Module, planned: tuple[int, int], device: torch.device) -> None:
+        self.planned, self.device, self.warned = planned, device, False
+        self._handle: RemovableHandle = model.register_forward_pre_hook(self._check, with_kwargs=True,
+                                                                       prepend=True)  # before the runtime
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        shape = batch_shape(kwargs) if kwargs else batch_shape(args)
+        if shape is None or (shape[0] <= self.planned[0] and shape[1] <= self.planned[1]):
+            return
+        message = (f"batch of {shape[0]} x {shape[1]} (rows x sequence) is larger than the {self.planned[0]} x "
+                   f"{self.planned[1]} the memory plan was made for; pass the largest batch you train on as "
+                   "agent.wrap(..., max_batch=...)")
+        if self.device.type == "cuda":
+            raise BatchShapeError(f"{message} (refused before the forward: it would exceed the plan's device memory)")
+        if not self.warned:
+            self.warned = True
+            log.warning("memplan: %s; running it anyway on %s (memory above the plan's limit)", message,
+                        self.device.type)

@@ -1,0 +1,109 @@
+"""Checks and guards `wrap` puts around the user's arguments and model.
+
+* `byte_size`: a memory limit given as bytes (int, or a float with no fraction such as 80e9) or as the
+  CLI's size strings ("80GiB", "24GB"; `client.units.parse_bytes`); anything else is an error naming the
+  argument.
+* `check_not_compiled`: a model (or block) already compiled with `torch.compile` is refused with one
+  message saying what works (wrap first; compiling after wrap is refused too, see `MoveGuard`'s note and
+  docs/architecture/wrap.md).
+* `MoveGuard`: after `wrap`, the parameters are views into the runtime's chunk buffers. `model.to(...)`
+  to the device and dtype the model already has (what Hugging Face Trainer does after the model is
+  wrapped) returns the model unchanged; a real move or cast, and `.cuda()` / `.half()` / ... (any
+  `_apply`), raise `WrappedModelMoveError` instead of being silently undone by the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from client.units import parse_bytes
+
+
+def byte_size(name: str, value: object) -> int | None:
+    """`value` as a byte count (None stays None); ValueError/TypeError naming `name` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{name}: {value!r} is not a whole number of bytes (use an int or a size such as '24GiB')")
+        n = int(value)
+    elif isinstance(value, str):
+        try:
+            n = parse_bytes(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    else:
+        raise TypeError(
+            f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {type(value).__name__}")
+    if n <= 0:
+        raise ValueError(f"{name}: must be positive, got {value!r}")
+    return n
+
+
+class CompiledModelError(TypeError):
+    """The model or one of its modules was compiled with torch.compile before `wrap`."""
+
+
+_COMPILE_ADVICE = ("memplan's runtime moves parameters between device buffers and the host with hooks that "
+                   "torch.compile cannot trace: wrap the uncompiled model and train it uncompiled "
+                   "(see 'Limits' in README.md)")
+
+
+def check_not_compiled(model: nn.Module) -> None:
+    """Raise CompiledModelError when `model` or any submodule is a torch.compile result or compiled in place."""
+    for name, module in model.named_modules():
+        where = f"model.{name}" if name else "model"
+        if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+            raise CompiledModelError(f"{where}: is a torch.compile result (OptimizedModule); {_COMPILE_ADVICE}")
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            raise CompiledModelError(f"{where}: was compiled in place (module.compile()); {_COMPILE_ADVICE}")
+
+
+class WrappedModelMoveError(RuntimeError):
+    """A wrapped model was asked to move to another device or dtype."""
+
+
+class MoveGuard:
+    """Installed on a wrapped model: `.to()` to where it already is is a no-op, anything else raises."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        self.model, self.device, self.dtype = model, device, dtype
+        model.to = self._to  # type: ignore[method-assign]
+        model._apply = self._apply  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        for name in ("to", "_apply"):
+            if name in self.model.__dict__:
+                del self.model.__dict__[name]
+
+    def _same_device(self, device: torch.device | None) -> bool:
+        if device is None:
+            return True
+        if device.type != self.device.type:
+            return False
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return index == self.device.index
+        return device.index in (None, self.device.index, 0)
+
+    def _to(self, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if self._same_device(device) and dtype in (None, self.dtype):
+            return self.model
+        raise WrappedModelMoveError(
+            f"model.to({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])}): the model is "
+            f"wrapped by memplan on {self.device} in {self.dtype}; moving or casting it would be undone by the "
+            "runtime. Move or cast the model before agent.wrap (or agent.unwrap, move, wrap again)")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        raise WrappedModelMoveError(
+            "model: is wrapped by memplan; .cuda()/.cpu()/.half()/.float()/... would move or cast parameters "
+            "that live in the runtime's buffers. Do it before agent.wrap (or agent.unwrap first)")

@@ -1,0 +1,233 @@
+"""The service path of `wrap` under faults: one total budget, and only the service's failures are "down".
+
+Real parts: the real planner service (SQLite) on a loopback port, behind a small real HTTP proxy on another
+loopback port that lets chosen requests through and misbehaves on others (hangs, trickles one byte every
+second, answers a status of its choosing). The agent talks HTTP to the proxy exactly as to a service.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.server
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+from agent.model_zoo import build_with_library_defaults, sample_batch
+from client.cli.embedded import EmbeddedServer, free_port
+
+pytestmark = pytest.mark.slow
+
+Rule = Callable[[str, str], "str | tuple[int, str] | None"]  # (method, path) -> "hang" | "trickle" | (status, body) | None
+
+
+class MisbehavingProxy:
+    """Forwards to `upstream` unless `rule(method, path)` says to hang, trickle or answer a status."""
+
+    def __init__(self, upstream: str | None, rule: Rule) -> None:
+        self.upstream, self.rule, self.stop = upstream, rule, threading.Event()
+        self.seen: list[str] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.seen.append(f"{self.command} {self.path}")
+                action = proxy.rule(self.command, self.path)
+                if action == "hang":
+                    proxy.stop.wait()
+                    return
+                if action == "trickle":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "100000")
+                    self.end_headers()
+                    while not proxy.stop.wait(1.0):
+                        try:
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                        except OSError:
+                            return
+                    return
+                if isinstance(action, tuple):
+                    status, text = action
+                    payload = text.encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                assert proxy.upstream is not None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+                r = httpx.request(self.command, proxy.upstream + self.path, content=body, headers=headers, timeout=60)
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _handle
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> MisbehavingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from planner_service.settings import Settings
+
+    db = tmp_path_factory.mktemp("svc") / "memplan.db"
+    with EmbeddedServer(Settings(database_url=f"sqlite:///{db}", workers=1)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def job() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    model, config = build_with_library_defaults("llama", layers=2, hidden=64, vocab=256, seq=64)
+    return model, sample_batch(config, 2, 16)
+
+
+def wrap_in_thread(job: tuple[nn.Module, dict[str, torch.Tensor]], url: str, limit_s: float, **kw: Any) -> Any:
+    """`agent.wrap` against `url` on a thread; fails the test if it has not returned after `limit_s` (a stall)."""
+    import agent
+
+    model = copy.deepcopy(job[0])
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["wrapped"] = agent.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sample_batch=job[1],
+                                        device_memory="1GiB", server=url, feedback_steps=None, **kw)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"wrap stalled for more than {limit_s}s against a misbehaving service"
+    box["took"] = time.monotonic() - t0
+    if "error" in box:
+        raise box["error"]
+    return box
+
+
+PLAN_GET = re.compile(r"^/v1/plans/[^/?]+")
+
+
+@pytest.mark.parametrize("misbehaviour", ["trickle", "hang"])
+def test_a_service_that_trickles_or_hangs_on_get_plan_costs_at_most_the_budget(
+        service: str, job: tuple[nn.Module, dict[str, torch.Tensor]], misbehaviour: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 17 defect 7: a server trickling a byte every few seconds stalled wrap without end; one hanging on
+    GET plan blocked it for 30 s + the wait, ignoring the agent's settings."""
+    caplog.set_level(logging.WARNING, logger="agent")
+
+    def rule(method: str, path: str) -> str | None:
+        return misbehaviour if method == "GET" and PLAN_GET.match(path) else None
+
+    with MisbehavingProxy(service, rule) as proxy:
+        box = wrap_in_thread(job, proxy.url, limit_s=90, service_budget_s=4.0, reuse=False)
+    wrapped = box["wrapped"]
+    assert wrapped.source.origin == "fallback"
+    assert "service budget of 4s" in wrapped.source.message
+    assert any(s.startswith("POST /v1/plans") for s in proxy.seen) and any(PLAN_GET.match(s.split()[1])
+                                                                           for s in proxy.seen if s.startswith("GET"))
+    said = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+
+
+def test_a_trickling_history_look_up_is_cut_by_the_budget_too(
+        job: tuple[nn.Module, dict[str, torch.Tensor]], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="agent")
+    with MisbehavingProxy(None, lambda m, p: "trickle") as proxy:
+        box = wrap_in_thread(job, proxy.url, limit_s=90, service_budget_s=3.0)
+    assert box["wrapped"].source.origin == "fallback"
+    assert "history look-up: no answer within the service budget of 3s" in box["wrapped"].source.message
+    assert [s.split("?")[0] for s in proxy.seen] == ["GET /v1/plans"]  # nothing else was tried after the budget
+
+
+def test_the_default_budget_is_the_wait_plus_a_margin() -> None:
+    import inspect
+
+    from agent.planning import SERVICE_BUDGET_MARGIN_S, obtain_plan
+
+    assert inspect.signature(obtain_plan).parameters["service_budget_s"].default is None
+    assert 0 < SERVICE_BUDGET_MARGIN_S <= 30
+
+
+@pytest.mark.parametrize(("status", "level"), [(503, logging.WARNING), (429, logging.WARNING),
+                                               (422, logging.ERROR), (400, logging.ERROR)])
+def test_only_5xx_429_and_connection_errors_are_service_down_other_answers_are_errors(
+        service: str, job: tuple[nn.Module, dict[str, torch.Tensor]], status: int, level: int,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 18: a 4xx (the service rejecting the agent's own trace) silently became an in-process fallback."""
+    caplog.set_level(logging.WARNING, logger="agent")
+    body = '{"error": "hostile answer", "detail": [{"field": "model.fingerprint", "message": "bad"}]}'
+
+    def rule(method: str, path: str) -> tuple[int, str] | None:
+        return (status, body) if method == "POST" and path.startswith("/v1/traces") else None
+
+    with MisbehavingProxy(service, rule) as proxy:
+        box = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)
+    assert box["wrapped"].source.origin == "fallback"  # the job still trains
+    said = [r for r in caplog.records if "solving in-process" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == level, [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert str(status) in said[0].getMessage()
+    if level == logging.ERROR:
+        assert "rejected" in said[0].getMessage() and "model.fingerprint" in said[0].getMessage()
+
+
+def test_a_connection_refused_is_service_down(job: tuple[nn.Module, dict[str, torch.Tensor]],
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="agent")
+    box = wrap_in_thread(job, f"http://127.0.0.1:{free_port()}", limit_s=90)
+    assert box["wrapped"].source.origin == "fallback"
+    said = [r for r in caplog.records if "solving in-process" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "unavailable" in said[0].getMessage()
+
+
+def test_a_bug_in_the_agent_is_raised_not_reported_as_the_service_being_down(
+        service: str, job: tuple[nn.Module, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 18: fingerprint/workload_key ran inside `except Exception`, so their bugs read 'service unreachable'.
+    The fault is injected into the agent's own function (a stand-in for a real bug); the service is real."""
+    import agent.profiler.parameters as parameters
+
+    def broken(model: nn.Module) -> str:
+        raise TypeError("a bug in the agent's fingerprint")
+
+    import agent
+
+    monkeypatch.setattr(parameters, "fingerprint", broken)
+    model = copy.deepcopy(job[0])
+    with pytest.raises(TypeError, match="a bug in the agent's fingerprint"):
+        agent.wrap(model, torch.optim.AdamW(model.parameters()), sample_batch=job[1], server=service)
+    assert model.config.use_cache is True  # the failed wrap gave the cache setting back
