@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from client.cli import alloc, demo, policy, profile, remote, service
+from planner_service.whatif import cli as whatif_cli
 
 app = typer.Typer(no_args_is_help=True, help="memplan: plan GPU memory for LLM training.")
 
@@ -24,3 +25,4 @@ app.add_typer(plans_app, name="plan", hidden=True)  # `memplan plan solve` reads
 app.add_typer(alloc.app, name="alloc")
 app.command("profile")(profile.profile)
 app.command("demo")(demo.demo)
+whatif_cli.register(app)  # `memplan whatif`, `memplan hardware catalog` (planner_service/whatif/cli.py)
