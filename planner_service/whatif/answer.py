@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 from client.contract import CatalogEntry, Constraints, Plan, SolverStatus, Trace
@@ -83,14 +84,14 @@ def answer(trace: Trace, entry: CatalogEntry, *, host_memory_bytes: int | None =
 
     plan = plan_for(device, host)
     w = trace.workload
-    base = dict(hardware=entry.key, batch=w.batch_size, seq=w.sequence_length, dtype=w.precision.value,
-                device_memory_bytes=device, host_memory_bytes=host,
-                unmanaged_peak_device_bytes=trace.measurements.peak_device_bytes, source=trace.source,
-                calibrated=bool(trace.modelled and trace.modelled.calibrated))
+    make = partial(Answer, hardware=entry.key, batch=w.batch_size, seq=w.sequence_length, dtype=w.precision.value,
+                   device_memory_bytes=device, host_memory_bytes=host,
+                   unmanaged_peak_device_bytes=trace.measurements.peak_device_bytes, source=trace.source,
+                   calibrated=bool(trace.modelled and trace.modelled.calibrated))
     if _fits(plan):
         pred = plan.predictions
         assert pred is not None
-        return Answer(**base, fits=True, binding=None, min_device_memory_bytes=None, min_host_memory_bytes=None,
+        return make(fits=True, binding=None, min_device_memory_bytes=None, min_host_memory_bytes=None,
                       peak_device_bytes=pred.peak_device_bytes, peak_host_bytes=pred.peak_host_bytes,
                       iteration_s=pred.iteration_s,
                       tokens_per_s=w.batch_size * w.sequence_length / pred.iteration_s if pred.iteration_s else None,
@@ -111,7 +112,7 @@ def answer(trace: Trace, entry: CatalogEntry, *, host_memory_bytes: int | None =
         if min_device is None:  # not even an arbitrarily large device fits this host: both bind
             binding = "device+host"
             min_device = unlimited.solver.min_device_memory_bytes
-    return Answer(**base, fits=False, binding=binding, min_device_memory_bytes=min_device,
+    return make(fits=False, binding=binding, min_device_memory_bytes=min_device,
                   min_host_memory_bytes=min_host, peak_device_bytes=None, peak_host_bytes=None, iteration_s=None,
                   tokens_per_s=None, solver_status=plan.solver.status.value, plan_summary=_summary(plan), plan=plan)
 

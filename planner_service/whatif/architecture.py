@@ -97,7 +97,6 @@ def config_from_flags(family: str, *, layers: int, hidden: int, heads: int | Non
 
 def fake_model(config: PretrainedConfig, dtype: str = "fp32") -> tuple[nn.Module, FakeTensorMode]:
     """`AutoModelForCausalLM.from_config(config)` on fake tensors, in `dtype`, in training mode."""
-    import torch
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from client.contract import BandwidthCurves, BandwidthSample, CatalogEntry, DeviceType, Hardware, HardwareCatalog
+from client.contract import (
+    BandwidthCurves,
+    BandwidthSample,
+    CatalogEntry,
+    DeviceType,
+    Hardware,
+    HardwareCatalog,
+)
 
 CATALOG_ENV = "MEMPLAN_CATALOG"
 

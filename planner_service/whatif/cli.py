@@ -101,9 +101,12 @@ def whatif(
     from planner_service.whatif.answer import Answer, answer, largest_batch
     from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
     from planner_service.whatif.catalog import CatalogError, entry
-    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
     from planner_service.whatif.retarget import retarget, source_entry
 
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise _fail(f"--dtype: {dtype!r} is not one of bf16, fp16, fp32")
+    if seq is not None and seq < 1:
+        raise _fail(f"--seq: must be at least 1, got {seq}")
     cat = _catalog(catalog)
     keys = [k.strip() for h in hardware for k in h.split(",") if k.strip()]
     if not keys:
@@ -168,6 +171,8 @@ def whatif(
     except ValueError:
         raise _fail(f"--optimizer: {optimizer!r} is not one of adamw, adam, sgd") from None
 
+    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on  # imports torch
+
     iterations: dict[int, object] = {}
 
     def answer_at(b: int, e: object) -> Answer:
@@ -184,7 +189,11 @@ def whatif(
         _print([answer_at(batch_n, e) for e in entries], as_json)
         return
     for e in entries:
-        search = largest_batch(lambda b, e=e: answer_at(b, e))
+
+        def at_batch(b: int, e: object = e) -> Answer:
+            return answer_at(b, e)
+
+        search = largest_batch(at_batch)
         results.append({"hardware": e.key, "largest_batch": search.largest.batch if search.largest else None,
                         "largest": search.largest.to_json() if search.largest else None,
                         "tried": [{"batch": a.batch, "fits": a.fits, "tokens_per_s": a.tokens_per_s,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass
+from typing import TypeVar
 
 from client.contract import (
     BlockInfo,
@@ -44,6 +45,7 @@ from planner_service.whatif.architecture import RepeatedBlocks, describe, fake_m
 from planner_service.whatif.catalog import to_hardware
 from planner_service.whatif.fake_iteration import IterationRecord, ParameterUse, run_iteration
 
+T = TypeVar("T")
 METHOD = "fake-tensor iteration + roofline"
 _ELT = {"fp32": 4, "bf16": 2, "fp16": 2}
 _TORCH_DTYPE_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -159,7 +161,10 @@ def _extrapolate(small: ModelIteration, big: ModelIteration, layers: int, name: 
     r, s = big.record, small.record
     extra = layers - k
     container = big.repeated[-1].rsplit(".", 1)[0] if "." in big.repeated[-1] else ""
-    prefix_of = (lambda j: f"{container}.{j}" if container else str(j))
+
+    def prefix_of(j: int) -> str:
+        return f"{container}.{j}" if container else str(j)
+
     last = big.repeated[-1]
 
     def renamed(text: str, j: int) -> str:
@@ -175,7 +180,7 @@ def _extrapolate(small: ModelIteration, big: ModelIteration, layers: int, name: 
     params += [ParameterUse(p.name, p.module_path, layers + 1, p.shape, p.dtype, p.numel, p.nbytes, p.aliases)
                for p in tail]
 
-    def grow(per_block: list) -> list:  # type: ignore[type-arg]
+    def grow(per_block: list[T]) -> list[T]:
         return per_block[: k + 1] + [per_block[k]] * extra + [per_block[k + 1]]
 
     record = IterationRecord(

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from client.contract import HardwareCatalog
-from planner_service.whatif.catalog import CATALOG_ENV, CatalogError, entry, load_catalog, shipped, to_hardware
+from planner_service.whatif.catalog import (
+    CATALOG_ENV,
+    CatalogError,
+    entry,
+    load_catalog,
+    shipped,
+    to_hardware,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = ["a100-40gb-pcie", "a100-80gb-pcie", "a100-40gb-sxm", "a100-80gb-sxm", "h100-pcie", "h100-sxm", "h200",

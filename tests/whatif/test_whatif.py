@@ -102,6 +102,7 @@ def test_larger_batch_binds_device_memory_with_the_minimum_that_fits(catalog: di
     assert all(a.tokens_per_s and a.tokens_per_s > 0 for a in search.tried if a.fits)
 
 
+@pytest.mark.slow
 def test_batch_max_from_family_flags_prints_every_batch_tried() -> None:
     out = _memplan("whatif", "--family", "gpt2", "--layers", "2", "--hidden", "1024", "--vocab", "8000",
                    "--hardware", "l4", "--batch", "max", "--seq", "4096", "--time-limit", "0.5", "--json")
@@ -117,7 +118,8 @@ def test_batch_max_from_family_flags_prints_every_batch_tried() -> None:
     (["--hardware", "l4", "--batch", "lots", "--seq", "8"], "not a number or 'max'"),
     (["--hardware", "l4", "--batch", "1"], "--seq: required"),
     (["--hardware", "l4", "--batch", "1", "--seq", "8", "--host-memory", "much"], "--host-memory"),
-    (["--hardware", "l4", "--batch", "1", "--seq", "8", "--dtype", "fp8"], "dtype"),
+    (["--hardware", "l4", "--batch", "1", "--seq", "8", "--dtype", "fp8"], "--dtype: 'fp8'"),
+    (["--hardware", "l4", "--batch", "1", "--seq", "0"], "--seq: must be at least 1"),
 ])
 def test_bad_questions_exit_2_naming_the_option(llama_7b: Path, args: list[str], message: str) -> None:
     out = _memplan("whatif", "--config", str(llama_7b), *args)
