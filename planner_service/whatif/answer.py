@@ -3,7 +3,8 @@
 `answer` solves a (modelled or retargeted) trace with the planner's own solver (`planner_service.solver.solve`)
 under the device memory of the catalogue entry and the host memory given (or the entry's typical host):
 - it fits: the plan's predicted iteration time, tokens/s, peak device and host bytes;
-- it does not: which limit binds. Solved again with unlimited host memory: if that fits, host memory binds
+- it does not: which limit binds (none is named when the solver found no answer within its time limit and
+  proved nothing: `solver_status` "unknown"). Solved again with unlimited host memory: if that fits, host memory binds
   and the smallest host memory that fits is found by bisection (to 1%); if not, device memory binds and the
   solver's smallest device memory that fits is reported (under the given host, or, when even that is not
   enough, under unlimited host memory, and then both bind).
@@ -98,10 +99,12 @@ def answer(trace: Trace, entry: CatalogEntry, *, host_memory_bytes: int | None =
                       solver_status=plan.solver.status.value, plan_summary=_summary(plan), plan=plan)
 
     unlimited = plan_for(device, UNLIMITED_HOST_BYTES)
-    binding: Binding
+    binding: Binding | None
     min_device: int | None
     min_host: int | None = None
-    if _fits(unlimited):
+    if plan.solver.status == SolverStatus.unknown and not _fits(unlimited):
+        binding, min_device = None, None  # no answer within the time limit: say so, do not guess a limit
+    elif _fits(unlimited):
         binding = "host"
         min_device = None
         assert unlimited.predictions is not None
@@ -118,8 +121,13 @@ def answer(trace: Trace, entry: CatalogEntry, *, host_memory_bytes: int | None =
 
 
 def _smallest_host(plan_for: Callable[[int, int], Plan], device: int, lo: int, hi: int) -> int:
-    """Smallest host limit in (lo, hi] under which a plan fits `device` (bisection to 1% of the answer)."""
+    """Smallest host limit in (lo, hi] under which a plan fits `device` (bisection to 1% of the answer).
+
+    `hi` is the host use of the plan found without a host limit; if a plan does not fit under it (limits
+    carry margins), it is doubled until one does."""
     hi = max(hi, lo + 1)
+    while not _fits(plan_for(device, hi)) and hi < UNLIMITED_HOST_BYTES:
+        lo, hi = hi, min(UNLIMITED_HOST_BYTES, hi * 2)
     while hi - lo > max(1, hi // 100):
         mid = (lo + hi) // 2
         if _fits(plan_for(device, mid)):

@@ -41,7 +41,13 @@ from client.contract import (
 )
 from client.contract.common import MAX_NAME_CHARS
 from planner_service.whatif import roofline
-from planner_service.whatif.architecture import RepeatedBlocks, describe, fake_model, repeated_blocks
+from planner_service.whatif.architecture import (
+    ArchitectureError,
+    RepeatedBlocks,
+    describe,
+    fake_model,
+    repeated_blocks,
+)
 from planner_service.whatif.catalog import to_hardware
 from planner_service.whatif.fake_iteration import IterationRecord, ParameterUse, run_iteration
 
@@ -128,7 +134,13 @@ def _iterate_built(config: object, workload: ModelledWorkload, name: str | None)
     vocab = int(getattr(config, "vocab_size", 0) or 2)
     with mode:
         ids = torch.randint(0, vocab, (workload.batch_size, workload.sequence_length))
-    record = run_iteration(model, rb, {"input_ids": ids, "labels": ids}, mode)
+    try:
+        record = run_iteration(model, rb, {"input_ids": ids, "labels": ids}, mode)
+    except Exception as exc:  # the model's forward does something fake tensors cannot (e.g. reads a value)
+        raise ArchitectureError(
+            f"{type(model).__name__}: one training iteration could not run on fake tensors "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); profile it instead and "
+            "retarget the measured trace (memplan whatif --trace)") from exc
     return ModelIteration(
         name=name or describe(config),  # type: ignore[arg-type]
         architecture=type(model).__name__, fingerprint=_fingerprint(type(model).__name__, record.parameters),
