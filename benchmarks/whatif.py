@@ -5,7 +5,7 @@ Target (issue 21): a 7B what-if answer under 5 s on 2 cores. Two figures, each t
   --batch 1 --seq 4096 --json`, in a fresh process (interpreter start and the torch/transformers imports
   included): wall seconds and the child's CPU seconds (user + system; on a shared machine CPU seconds are
   what the run costs on idle cores);
-- `answer`: in this process, after the imports: config -> fake-tensor iteration (3 blocks run, the rest
+- `answer`: in this process, after the imports: config -> fake-tensor iteration (4 blocks run, the rest
   extrapolated) -> modelled trace -> solve -> answer, wall and CPU seconds.
 The process's peak RSS is recorded too: a 7B bf16 model would need 13.5 GB just for its weights.
 

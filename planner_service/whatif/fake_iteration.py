@@ -16,6 +16,14 @@ tests/whatif/test_memory_vs_profiler.py):
   op's FLOPs (`torch.utils.flop_counter`'s formulas) and bytes read and written, per block and phase;
 - saved-tensor hooks: the bytes each block saves for backward (a storage counts once, in the first block
   that saves it; parameters, buffers and the batch are excluded), and each block's input bytes.
+Attention: with `gpu_attention` (the default for pricing on a catalogue entry), every
+`F.scaled_dot_product_attention` call runs the CUDA fused kernels' ops instead of whatever the CPU would pick
+(their meta kernels run on fake tensors of any device): flash attention without a mask, memory-efficient
+attention with one (a boolean mask becomes an additive bias of the query's dtype, as PyTorch's CUDA path
+does), both saving the output and log-sum-exp rather than attention weights. The CPU picks its own flash
+kernel only without a mask (GPT-2, for one, passes a mask and gets the math path: b*h*s^2 fp32 weights);
+`gpu_attention=False` keeps the CPU's choice, which is what the profiler measures on this machine.
+
 The optimizer step is not run (its scalar `step` reads a value, which fake tensors do not have): its state
 and its transient are added from the optimizer's definition (`optimizer_state`).
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -256,6 +266,36 @@ def _key(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+# --------------------------------------------------------------------------------------------- attention
+class _GpuAttention(TorchFunctionMode):
+    """`F.scaled_dot_product_attention` as CUDA runs it: flash without a mask, memory-efficient with one."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        a = {**dict(zip(names, args, strict=False)), **kwargs}
+        q, k, v = a["query"], a["key"], a["value"]
+        mask, dropout, causal, scale = a.get("attn_mask"), a.get("dropout_p", 0.0), a.get("is_causal", False), \
+            a.get("scale")
+        if q.dim() != 4:
+            return func(*args, **kwargs)
+        if k.shape[-3] != q.shape[-3]:  # grouped-query attention: the kernels take as many k/v heads as q heads
+            rep = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False,
+                                                                      scale=scale)[0]
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(mask.logical_not(), float("-inf"))
+        elif mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout, causal,
+                                                                      scale=scale)[0]
+
+
 # --------------------------------------------------------------------------------------------- hooks
 class _Hooks:
     """Block hooks driving the cursor, first-use order, saved-tensor and input accounting."""
@@ -371,7 +411,7 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 
 def run_iteration(model: nn.Module, repeated: RepeatedBlocks, batch: dict[str, torch.Tensor],
-                  mode: FakeTensorMode) -> IterationRecord:
+                  mode: FakeTensorMode, *, gpu_attention: bool = True) -> IterationRecord:
     """Forward (with `batch` as keyword arguments), loss, backward of `model`, all on fake tensors of `mode`
     (the model's: tensors the forward creates, such as position ids, are fake too)."""
     n_blocks = len(repeated) + 2
@@ -392,7 +432,7 @@ def run_iteration(model: nn.Module, repeated: RepeatedBlocks, batch: dict[str, t
     cursor = tracker.cursor
     hooks = _Hooks(model, repeated, cursor, excluded)
     try:
-        with mode, hooks, tracker:
+        with mode, hooks, (_GpuAttention() if gpu_attention else nullcontext()), tracker:
             cursor.move(0, Phase.forward)
             output = model(**batch)
             loss = _loss_of(output)

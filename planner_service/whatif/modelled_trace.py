@@ -86,27 +86,32 @@ class ModelIteration:
     edge_paths: tuple[tuple[str, ...], tuple[str, ...]]
     record: IterationRecord
     sampled_blocks: int | None = None  # set when the iteration ran on this many blocks and was extrapolated
+    gpu_attention: bool = True
 
 
 def iterate(config: object, workload: ModelledWorkload, *, name: str | None = None,
-            exact: bool = False) -> ModelIteration:
+            exact: bool = False, gpu_attention: bool = True) -> ModelIteration:
     """Build `config`'s causal LM on fake tensors and run one training iteration of `workload` on it.
 
-    A model of more than `SAMPLED_BLOCKS` repeated blocks is run twice, truncated to 2 and to 3 blocks, and
-    the rest extrapolated (as the profiler's `max_blocks`): blocks 3..L copy block 3's figures (block 1 holds
-    the tensors every block shares, e.g. rotary tables), and the resident bytes, the dynamic peak and what
-    survives backward grow by the difference between the two runs per extra block. This assumes the
+    A model of more than `SAMPLED_BLOCKS` (4) repeated blocks is run twice, truncated to 3 and to 4 blocks,
+    and the rest extrapolated (as the profiler's `max_blocks`): blocks 5..L copy block 4's figures (block 1
+    holds the tensors every block shares, e.g. rotary tables), and the resident bytes, the dynamic peak and
+    what survives backward grow by the difference between the two runs per extra block. (From 2 to 3
+    blocks the peak can still move to another place in the iteration; from 3 blocks on it grew by the same
+    amount per block on every model tried.) This assumes the
     repeated blocks are identical (one class, one config); `exact=True` runs every block instead.
+    `gpu_attention` runs attention as CUDA's fused kernels do (see fake_iteration.py); False keeps this CPU's
+    kernel choice (what the profiler measures here).
     """
     layers = _num_layers(config)
     if exact or layers is None or layers <= SAMPLED_BLOCKS:
-        return _iterate_built(config, workload, name)
-    small = _iterate_built(_with_layers(config, SAMPLED_BLOCKS - 1), workload, name)
-    big = _iterate_built(_with_layers(config, SAMPLED_BLOCKS), workload, name)
+        return _iterate_built(config, workload, name, gpu_attention)
+    small = _iterate_built(_with_layers(config, SAMPLED_BLOCKS - 1), workload, name, gpu_attention)
+    big = _iterate_built(_with_layers(config, SAMPLED_BLOCKS), workload, name, gpu_attention)
     return _extrapolate(small, big, layers, name or describe(config))  # type: ignore[arg-type]
 
 
-SAMPLED_BLOCKS = 3
+SAMPLED_BLOCKS = 4
 
 
 def _num_layers(config: object) -> int | None:
@@ -126,7 +131,8 @@ def _with_layers(config: object, k: int) -> object:
     return c
 
 
-def _iterate_built(config: object, workload: ModelledWorkload, name: str | None) -> ModelIteration:
+def _iterate_built(config: object, workload: ModelledWorkload, name: str | None,
+                   gpu_attention: bool) -> ModelIteration:
     import torch
 
     model, mode = fake_model(config, workload.dtype)  # type: ignore[arg-type]
@@ -135,7 +141,7 @@ def _iterate_built(config: object, workload: ModelledWorkload, name: str | None)
     with mode:
         ids = torch.randint(0, vocab, (workload.batch_size, workload.sequence_length))
     try:
-        record = run_iteration(model, rb, {"input_ids": ids, "labels": ids}, mode)
+        record = run_iteration(model, rb, {"input_ids": ids, "labels": ids}, mode, gpu_attention=gpu_attention)
     except Exception as exc:  # the model's forward does something fake tensors cannot (e.g. reads a value)
         raise ArchitectureError(
             f"{type(model).__name__}: one training iteration could not run on fake tensors "
@@ -145,7 +151,7 @@ def _iterate_built(config: object, workload: ModelledWorkload, name: str | None)
         name=name or describe(config),  # type: ignore[arg-type]
         architecture=type(model).__name__, fingerprint=_fingerprint(type(model).__name__, record.parameters),
         workload=workload, repeated=rb.names, block_classes=tuple(type(m).__name__ for m in rb.modules),
-        edge_paths=_edge_paths(record), record=record)
+        edge_paths=_edge_paths(record), record=record, gpu_attention=gpu_attention)
 
 
 def _fingerprint(architecture: str, params: list[ParameterUse]) -> str:
@@ -210,7 +216,8 @@ def _extrapolate(small: ModelIteration, big: ModelIteration, layers: int, name: 
                           fingerprint=_fingerprint(big.architecture, params),
                           workload=big.workload, repeated=names,
                           block_classes=big.block_classes + (big.block_classes[-1],) * extra,
-                          edge_paths=(big.edge_paths[0], big.edge_paths[1]), record=record, sampled_blocks=k)
+                          edge_paths=(big.edge_paths[0], big.edge_paths[1]), record=record, sampled_blocks=k,
+                          gpu_attention=big.gpu_attention)
 
 
 def _edge_name(kind: str, paths: tuple[str, ...]) -> str:
@@ -220,9 +227,11 @@ def _edge_name(kind: str, paths: tuple[str, ...]) -> str:
 
 
 def method_of(it: ModelIteration) -> str:
+    attention = "CUDA fused attention" if it.gpu_attention else "this CPU's attention kernels"
     if it.sampled_blocks is None:
-        return METHOD
-    return f"fake-tensor iteration ({it.sampled_blocks} of {len(it.repeated)} blocks run, rest extrapolated) + roofline"
+        return f"{METHOD} ({attention})"
+    return (f"fake-tensor iteration ({it.sampled_blocks} of {len(it.repeated)} blocks run, rest extrapolated; "
+            f"{attention}) + roofline")
 
 
 def unmanaged_peak_bytes(it: ModelIteration) -> int:

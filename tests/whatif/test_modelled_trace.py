@@ -27,7 +27,7 @@ def test_measured_traces_keep_their_json_and_hash() -> None:
 
 
 def test_a_modelled_trace_is_a_valid_wire_trace_that_says_how_it_was_made() -> None:
-    cfg = transformers.AutoConfig.for_model("qwen2", num_hidden_layers=5, hidden_size=128, num_attention_heads=4,
+    cfg = transformers.AutoConfig.for_model("qwen2", num_hidden_layers=6, hidden_size=128, num_attention_heads=4,
                                             num_key_value_heads=2, intermediate_size=256, vocab_size=1000)
     cat = load_catalog(use_env=False)
     it = iterate(cfg, ModelledWorkload(4, 256, "bf16", OptimizerKind.adamw))
@@ -35,8 +35,8 @@ def test_a_modelled_trace_is_a_valid_wire_trace_that_says_how_it_was_made() -> N
     for t in (a100, h100):
         t2 = Trace.model_validate_json(t.model_dump_json())
         assert t2.source == "modelled" and not t2.modelled.calibrated
-        assert "5 blocks" in t2.modelled.method and t2.modelled.factors == roofline.Efficiency().as_factors()
-        assert t2.measurements.extrapolated and len(t2.model.blocks) == 7
+        assert "4 of 6 blocks" in t2.modelled.method and t2.modelled.factors == roofline.Efficiency().as_factors()
+        assert t2.measurements.extrapolated and len(t2.model.blocks) == 8
         assert t2.workload.optimizer_state_bytes_per_param == 4 and t2.workload.gradient_bytes_per_param == 2
     assert h100.hardware.host_memory_bytes == 2**36
     # memory does not depend on the GPU; time does (an H100 is faster in FLOPs and in bandwidth)
