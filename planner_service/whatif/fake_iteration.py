@@ -97,6 +97,10 @@ class IterationRecord:
     live_after_backward_bytes: int  # gradients and whatever else survives backward
     forward: list[OpCosts]
     backward: list[OpCosts]
+    # the iteration's segments between cursor moves: (block, phase, peak live bytes within the segment), and
+    # the live bytes where each block's forward starts (for growing the timeline to more blocks)
+    segments: list[tuple[int | None, Phase, int]] = field(default_factory=list)
+    forward_start_live: dict[int, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------- cursor
@@ -446,7 +450,13 @@ def run_iteration(model: nn.Module, repeated: RepeatedBlocks, batch: dict[str, t
         tracker.close()
     params = _ordered_parameters(model, repeated, hooks.first_use)
     hooks.inputs[0] = hooks._unique_bytes(list(batch.values()), set())  # the prologue's input: the batch
-    return IterationRecord(
+    marks = cursor.marks
+    segments = [(a.block, a.phase, max(b.peak_before, a.live, b.live)) for a, b in zip(marks, marks[1:], strict=False)]
+    starts: dict[int, int] = {}
+    for m in marks:
+        if m.phase == Phase.forward and m.block is not None and m.block not in starts:
+            starts[m.block] = m.live
+    return IterationRecord(segments=segments, forward_start_live=starts,
         n_blocks=n_blocks, parameters=params, resident_bytes=resident,
         activation_bytes=hooks.activation, input_bytes=hooks.inputs,
         forward_transient_bytes=_transients(cursor.marks, n_blocks, Phase.forward),

@@ -34,6 +34,7 @@ from client.contract import (
     OptimizerKind,
     OptimizerMeasurement,
     ParameterInfo,
+    Phase,
     Precision,
     Software,
     Trace,
@@ -171,6 +172,37 @@ def _edge_paths(record: IterationRecord) -> tuple[tuple[str, ...], tuple[str, ..
     return tuple(paths[0]), tuple(paths[1])
 
 
+def _grown_peak(r: IterationRecord, s: IterationRecord, extra: int) -> int:
+    """The dynamic peak of `r` (k blocks) with `extra` more blocks, segment by segment.
+
+    Per extra block, the live level grows by `df` (what one block keeps from its forward: the growth between
+    the starts of blocks k-1 and k) through the forward of the added blocks, the epilogue and the backward of
+    the added blocks, and by `dg` (what survives one block's backward, mostly its gradients: the growth of
+    the post-backward level between the (k-1)- and k-block runs) through the backward of the first blocks.
+    Block k's backward stands for every block from k to L: its level is linear in the block's position, so
+    its maximum is at an end, grown by `df` or by `dg`. Segments before block k's forward do not grow.
+    """
+    k = r.n_blocks - 2
+    df = r.forward_start_live.get(k, 0) - r.forward_start_live.get(k - 1, 0)
+    dg = r.live_after_backward_bytes - s.live_after_backward_bytes
+    if not r.segments:  # no timeline: the peaks' difference per block
+        return r.dynamic_peak_bytes + extra * max(0, r.dynamic_peak_bytes - s.dynamic_peak_bytes)
+    best = 0
+    for block, phase, peak in r.segments:
+        if block is None:
+            grow = 0
+        elif phase == Phase.forward:
+            grow = df if block >= k else 0
+        elif block == k + 1:  # epilogue backward: every block's activations are still alive
+            grow = df
+        elif block == k:
+            grow = max(df, dg)
+        else:
+            grow = dg
+        best = max(best, peak + extra * max(0, grow))
+    return best
+
+
 def _extrapolate(small: ModelIteration, big: ModelIteration, layers: int, name: str) -> ModelIteration:
     """`big` (k blocks) grown to `layers` blocks, using `small` (k - 1 blocks) for the per-block growth."""
     k = len(big.repeated)
@@ -207,7 +239,7 @@ def _extrapolate(small: ModelIteration, big: ModelIteration, layers: int, name: 
         activation_bytes=grow(r.activation_bytes), input_bytes=grow(r.input_bytes),
         forward_transient_bytes=grow(r.forward_transient_bytes),
         backward_transient_bytes=grow(r.backward_transient_bytes),
-        dynamic_peak_bytes=r.dynamic_peak_bytes + extra * max(0, r.dynamic_peak_bytes - s.dynamic_peak_bytes),
+        dynamic_peak_bytes=_grown_peak(r, s, extra),
         live_after_backward_bytes=r.live_after_backward_bytes
         + extra * max(0, r.live_after_backward_bytes - s.live_after_backward_bytes),
         forward=grow(r.forward), backward=grow(r.backward))

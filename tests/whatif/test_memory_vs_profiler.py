@@ -69,16 +69,17 @@ def test_block_detection_agrees_with_the_profiler(family: str) -> None:
     assert list(repeated_blocks(fake).names) == list(detect_blocks(real).names)
 
 
-def test_extrapolated_iteration_equals_running_every_block() -> None:
+@pytest.mark.parametrize("gpu_attention", [True, False])
+def test_extrapolated_iteration_equals_running_every_block(gpu_attention: bool) -> None:
     cfg = transformers.AutoConfig.for_model("llama", **{**SIZES, "num_hidden_layers": 7}, **GQA)
-    sampled = iterate(cfg, ModelledWorkload(2, 16, "bf16"))
-    full = iterate(cfg, ModelledWorkload(2, 16, "bf16"), exact=True)
+    sampled = iterate(cfg, ModelledWorkload(2, 16, "bf16"), gpu_attention=gpu_attention)
+    full = iterate(cfg, ModelledWorkload(2, 16, "bf16"), exact=True, gpu_attention=gpu_attention)
     assert sampled.sampled_blocks == 4 and full.sampled_blocks is None
     a, b = sampled.record, full.record
-    assert (a.resident_bytes, a.live_after_backward_bytes) == (b.resident_bytes, b.live_after_backward_bytes)
-    # the peak's place in the iteration can still move as blocks are added (on this toy model, between 4 and
-    # 5 blocks): the sampled peak is then a little low (here 1.5%); on Llama-2-7B it is exact
-    assert b.dynamic_peak_bytes * 0.97 <= a.dynamic_peak_bytes <= b.dynamic_peak_bytes
+    # the peak's place in this toy's iteration moves between 4 and 5 blocks: growing the peak alone by the
+    # difference of the two sampled runs was 1.5% low here; growing the timeline segment by segment is exact
+    assert (a.resident_bytes, a.dynamic_peak_bytes, a.live_after_backward_bytes) == \
+        (b.resident_bytes, b.dynamic_peak_bytes, b.live_after_backward_bytes)
     assert a.activation_bytes == b.activation_bytes and a.input_bytes == b.input_bytes
     assert [(p.name, p.block, p.aliases) for p in a.parameters] == [(p.name, p.block, p.aliases) for p in b.parameters]
     assert sampled.fingerprint == full.fingerprint
