@@ -106,12 +106,12 @@ def main() -> None:
             print(f"{setup:24s} {name:10s} {params / 1e9:6.2f}B fits@1 {str(r['fits_batch_1']):5s} "
                   f"largest batch {r['largest_batch']!s:4s} best {tps:>8s} tokens/s (batch {r['best_batch']})"
                   f" [{r['seconds']:.0f} s]", flush=True)
-    largest = {s: max((r for r in rows if r["setup"] == s and r["fits_batch_1"]), key=lambda r: r["parameters"],
-                      default=None) for s in args.setups.split(",")}
-    for s, r in largest.items():
-        print(f"largest trainable on {s}: {r['model'] if r else 'none'}")
-    save(args.out, run.document(rows=rows, largest_trainable={s: (r["model"] if r else None)
-                                                               for s, r in largest.items()},
+    largest: dict[str, str | None] = {}
+    for setup in args.setups.split(","):
+        fitting = [r for r in rows if r["setup"] == setup and r["fits_batch_1"]]
+        largest[setup] = max(fitting, key=lambda r: r["parameters"])["model"] if fitting else None
+        print(f"largest trainable on {setup}: {largest[setup] or 'none'}")
+    save(args.out, run.document(rows=rows, largest_trainable=largest,
                                 modelled=True, calibrated=False, protrain_paper_figures=None))
 
 
