@@ -13,6 +13,7 @@ import typer
 from agent.cli import demo, profile
 from client.cli import remote
 from planner_service.cli import alloc, service, solve
+from planner_service.whatif import cli as whatif_cli
 
 app = typer.Typer(no_args_is_help=True, help="memplan: plan GPU memory for LLM training.")
 
@@ -30,7 +31,16 @@ app.add_typer(remote.traces_app, name="traces")
 app.add_typer(plans_app, name="plans")
 app.add_typer(plans_app, name="plan", hidden=True)  # `memplan plan solve` reads naturally too
 app.command("models")(remote.models)
-app.command("hardware")(remote.hardware)
 app.add_typer(alloc.app, name="alloc")
 app.command("profile")(profile.profile)
 app.command("demo")(demo.demo)
+whatif_cli.register(app)  # `memplan whatif`, `memplan hardware catalog` (planner_service/whatif/cli.py)
+whatif_cli.hardware_app.command("list")(remote.hardware)
+
+
+@whatif_cli.hardware_app.callback(invoke_without_command=True)
+def hardware(ctx: typer.Context, as_json: remote.JsonOpt = False, server: remote.ServerOpt = None,
+             token: remote.TokenOpt = None) -> None:
+    """Hardware: without a subcommand, the machines the service has traces from (as `hardware list`)."""
+    if ctx.invoked_subcommand is None:
+        remote.hardware(as_json=as_json, server=server, token=token)

@@ -16,6 +16,7 @@ from client.contract.api import (
 )
 from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, ContractModel
 from client.contract.feedback import Feedback
+from client.contract.hardware import CatalogEntry, DenseThroughput, HardwareCatalog, HostLink, LinkKind
 from client.contract.plan import (
     ActivationMode,
     AllocationPlan,
@@ -48,6 +49,7 @@ from client.contract.trace import (
     Hardware,
     Measurements,
     ModelInfo,
+    ModelledFrom,
     OptimizerKind,
     OptimizerMeasurement,
     ParameterInfo,

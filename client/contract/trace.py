@@ -29,6 +29,7 @@ from client.contract.common import (
     BytesPerSecond,
     ContractModel,
     Count,
+    Float,
     Int,
     Name,
     PositiveBytes,
@@ -540,8 +541,23 @@ class AllocationTrace(ContractModel):
 
 
 # ------------------------------------------------------------------------------------------------ trace
+class ModelledFrom(ContractModel):
+    """Where a modelled trace's numbers come from: an architecture and a hardware catalogue entry, not a run.
+
+    Memory figures come from one training iteration of the model executed on fake tensors (no data); times
+    from FLOPs and bytes of each operation over the entry's throughput, scaled by `factors`.
+    """
+
+    source: Literal["modelled"] = "modelled"
+    hardware_key: Name = Field(description="the catalogue entry the times and bandwidths come from")
+    method: Name = Field(description="how the numbers were derived, e.g. 'fake-tensor iteration + roofline'")
+    factors: dict[Name, Float] = Field(default_factory=dict, description="efficiency factors used (name -> value)")
+    calibrated: Bool = Field(default=False, description="true when the factors were fitted to measured traces")
+
+
 class Trace(ContractModel):
-    """Everything the planner needs about one job. Every number in it was measured by the agent."""
+    """Everything the planner needs about one job. Every number in it was measured by the agent, unless
+    `modelled` is set (a what-if trace: computed from the architecture and a hardware catalogue entry)."""
 
     schema_version: Literal[1, 2] = Field(
         default=TRACE_SCHEMA_VERSION, description="2; a schema 1 trace (events as `event_columns` lists) is read "
@@ -552,6 +568,14 @@ class Trace(ContractModel):
     workload: Workload
     measurements: Measurements
     allocation_trace: AllocationTrace | None = None
+    # Left out of the JSON when absent, so measured traces keep their content hashes.
+    modelled: ModelledFrom | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="set on modelled (what-if) traces: the catalogue entry, method and factors used")
+
+    @property
+    def source(self) -> Literal["measured", "modelled"]:
+        return "measured" if self.modelled is None else "modelled"
 
     @model_validator(mode="after")
     def _current_schema(self, info: ValidationInfo) -> Trace:

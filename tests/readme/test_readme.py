@@ -7,7 +7,9 @@ against a fresh real PostgreSQL database and a free loopback port; background se
 checked (the API answers, a worker solves a plan) and stopped.
 
 Not run, by name (`NOT_RUN`), with the reason: the two set-up commands (`scripts/test.sh` is what runs this
-test; `scripts/demo.sh` sets up a virtual environment and is run by tests/demo).
+test; `scripts/demo.sh` sets up a virtual environment and is run by tests/demo). Run elsewhere, by name
+(`RUN_ELSEWHERE`): the Trainer block, which needs a `transformers.Trainer` (tests/integrations/
+test_readme_trainer.py runs it as written on a real one).
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ NOT_RUN = {
     "./scripts/demo.sh": "sets up .venv and trains a demo model; tests/demo runs the demo itself",
     "./scripts/test.sh": "runs the whole test suite, this test included",
 }
+RUN_ELSEWHERE = {
+    "wrap_trainer(": "tests/integrations/test_readme_trainer.py runs it as written with a real transformers.Trainer",
+}
 BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.S | re.M)
 
 
 def blocks(language: str) -> list[str]:
     return [code for lang, code in BLOCK.findall(README.read_text()) if lang == language]
+
+
+def run_elsewhere(code: str) -> bool:
+    return any(marker in code for marker in RUN_ELSEWHERE)
 
 
 def is_excluded(code: str) -> bool:
@@ -45,6 +54,7 @@ def is_excluded(code: str) -> bool:
 
 def test_the_readme_has_the_blocks_this_test_runs() -> None:
     assert len(blocks("python")) >= 1
+    assert sum(run_elsewhere(b) for b in blocks("python")) == 1, "only the Trainer block runs in another test"
     assert len(blocks("bash")) >= 2
     assert sum(is_excluded(b) for b in blocks("bash")) == 1, "only the set-up block may be left out"
 
@@ -63,7 +73,7 @@ def names() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(blocks("python"))))
+@pytest.mark.parametrize("index", [i for i, b in enumerate(blocks("python")) if not run_elsewhere(b)])
 def test_python_block_runs_as_written(index: int, names: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     code = blocks("python")[index]
     namespace = dict(names)
@@ -85,7 +95,7 @@ def _venv_dir(tmp_path: Path) -> Path:
 @pytest.mark.postgres
 @pytest.mark.parametrize("index", [i for i, b in enumerate(blocks("bash")) if not is_excluded(b)])
 def test_bash_block_runs_as_written(index: int, tmp_path: Path, postgres_admin: str) -> None:
-    from client.cli.embedded import free_port
+    from planner_service.embedded import free_port
     from client.sdk import Client
     from planner_service.solver.synthetic import synthetic_trace
     from tests.conftest import _fresh_postgres

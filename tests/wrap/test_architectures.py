@@ -21,7 +21,7 @@ from agent.model_zoo import DEFAULTS_FAMILIES, build_with_library_defaults, samp
 
 pytestmark = pytest.mark.slow
 
-CLIP = False  # set True when the clip branch lands: clipping as Trainer does it, on the wrapped model's parameters
+MAX_GRAD_NORM = 1.0  # clipping as Trainer does it: torch.nn.utils.clip_grad_norm_ on the model's parameters
 FAMILIES = DEFAULTS_FAMILIES  # 24 families: gpt2, llama, mistral, qwen2/3, gemma/2/3, falcon, phi/3, MoE (mixtral, qwen2_moe), ...
 STEPS = 5
 TOL = 1e-5
@@ -38,8 +38,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.T
     for _ in range(STEPS):
         loss = model(**batch).loss
         loss.backward()
-        if CLIP:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from agent.model_zoo import build_with_library_defaults, sample_batch
-from client.cli.embedded import EmbeddedServer, free_port
+from planner_service.embedded import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.slow
 

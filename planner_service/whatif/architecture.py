@@ -1,0 +1,156 @@
+"""A Hugging Face config -> the model built on fake tensors (no weights, no memory), and its repeated blocks.
+
+`load_config` reads a `config.json` (a file or a directory holding one); `config_from_flags` builds one from
+a family (`model_type`) and sizes. `fake_model` builds `AutoModelForCausalLM.from_config(config)` inside a
+`FakeTensorMode`: the module tree, parameter names, shapes and dtypes are the library's, with the library's
+defaults (attention implementation, use_cache, tied embeddings), and no parameter holds data. A 7B model is
+built in about a second.
+
+Why fake tensors and not the `meta` device: both allocate nothing, but a meta tensor's device is `meta`,
+and PyTorch then picks other kernels than on a real device (SDPA falls back to its math path, which saves
+b*h*s^2 attention weights for backward where a real device's fused kernel saves b*h*s log-sum-exps), so
+memory would be modelled for a run nobody does. A fake tensor says it is on `cpu` and gets the CPU's
+kernel choices: the same as the profiler's runs on this machine (and for attention, the same saved tensors
+as a GPU's fused kernels).
+
+`repeated_blocks` is the profiler's block detection (agent/profiler/layout.py), reimplemented because the
+planner service must not import the agent: the children of the longest `nn.ModuleList` whose children all
+have one class. tests/whatif check that both find the same blocks on the same models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import PretrainedConfig
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ArchitectureError(ValueError):
+    """The config cannot be read or built, or the model has no repeated blocks."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name not in table:
+        raise ArchitectureError(f"dtype: {name!r} is not one of {', '.join(DTYPES)}")
+    return table[name]
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    """The config in `path` (a config.json, or a directory holding one); `model_type` picks the class."""
+    import transformers
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise ArchitectureError(f"config {p}: cannot read ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ArchitectureError(f"config {p}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ArchitectureError(f"config {p}: must be a JSON object")
+    model_type = data.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ArchitectureError(f"config {p}: model_type: missing (e.g. \"llama\")")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **data)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ArchitectureError(f"config {p}: model_type {model_type!r}: {exc}") from None
+
+
+def config_from_flags(family: str, *, layers: int, hidden: int, heads: int | None = None,
+                      kv_heads: int | None = None, intermediate: int | None = None, vocab: int = 32000,
+                      max_positions: int = 4096) -> PretrainedConfig:
+    """A config of `family` (a Hugging Face `model_type`) with these sizes; everything else the library's."""
+    import transformers
+
+    for name, value in (("layers", layers), ("hidden", hidden), ("vocab", vocab), ("max_positions", max_positions)):
+        if value < 1:
+            raise ArchitectureError(f"{name}: must be at least 1, got {value}")
+    n_heads = heads if heads is not None else max(1, hidden // 128)
+    if hidden % n_heads:
+        raise ArchitectureError(f"heads: {n_heads} does not divide hidden={hidden}")
+    kwargs: dict[str, Any] = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": n_heads,
+                              "vocab_size": vocab, "max_position_embeddings": max_positions}
+    if kv_heads is not None:
+        kwargs["num_key_value_heads"] = kv_heads
+    if intermediate is not None:
+        kwargs["intermediate_size"] = intermediate
+    try:
+        return transformers.AutoConfig.for_model(family, **kwargs)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ArchitectureError(f"family: {family!r}: {exc}") from None
+
+
+def fake_model(config: PretrainedConfig, dtype: str = "fp32") -> tuple[nn.Module, FakeTensorMode]:
+    """`AutoModelForCausalLM.from_config(config)` on fake tensors, in `dtype`, in training mode."""
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    try:
+        with mode:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    except ArchitectureError:
+        raise
+    except Exception as exc:
+        raise ArchitectureError(f"config: {type(config).__name__} cannot be built as a causal LM: {exc}") from None
+    model.train()
+    return model, mode
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """The repeated blocks of a model, in execution order, with their module paths."""
+
+    names: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
+    container_name: str
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def index_of_path(self, module_path: str) -> int | None:
+        for i, name in enumerate(self.names):
+            if module_path == name or module_path.startswith(name + "."):
+                return i
+        return None
+
+
+def repeated_blocks(model: nn.Module) -> RepeatedBlocks:
+    """The children of the longest `nn.ModuleList` whose children share one class (the profiler's rule)."""
+    from torch import nn
+
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
+    if best is None:
+        raise ArchitectureError(f"{type(model).__name__}: found no nn.ModuleList of same-class blocks")
+    list_name, modules = best
+    prefix = f"{list_name}." if list_name else ""
+    return RepeatedBlocks(tuple(f"{prefix}{i}" for i in range(len(modules))), tuple(modules), list_name)
+
+
+def describe(config: PretrainedConfig) -> str:
+    """A short human name: family, layers, width (e.g. 'llama-32L-4096H')."""
+    layers = getattr(config, "num_hidden_layers", None)
+    hidden = getattr(config, "hidden_size", None)
+    return f"{config.model_type}" + (f"-{layers}L" if layers else "") + (f"-{hidden}H" if hidden else "")
