@@ -43,7 +43,7 @@ def cli_run(config: Path, hardware: str) -> tuple[float, float, int, dict[str, o
     """Wall s, CPU s and peak RSS (bytes) of one `memplan whatif` process, and its JSON answer."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "client.cli", "whatif", "--config", str(config), "--hardware",
+    out = subprocess.run([sys.executable, "-m", "memplan", "whatif", "--config", str(config), "--hardware",
                           hardware, "--batch", "1", "--seq", "4096", "--json"], capture_output=True, text=True,
                          check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
     wall = time.perf_counter() - t0

@@ -109,6 +109,15 @@ def fake_model(config: PretrainedConfig, dtype: str = "fp32") -> tuple[nn.Module
     except Exception as exc:
         raise ArchitectureError(f"config: {type(config).__name__} cannot be built as a causal LM: {exc}") from None
     model.train()
+    # training never uses the KV cache: memplan trains with it off (agent/kv_cache.py), so the modelled
+    # iteration does too (with it on, some families keep cache tensors alive: gpt_neox +14% block activations)
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and hasattr(cfg, "use_cache"):
+            cfg.use_cache = False
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "use_cache"):
+        generation.use_cache = False
     return model, mode
 
 

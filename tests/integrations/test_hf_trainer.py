@@ -98,14 +98,14 @@ def _accelerate_loop(model: torch.nn.Module, wrap: bool, limit: int) -> list[tup
     """A plain Accelerate loop (prepare, accelerator.backward, accelerator.clip_grad_norm_)."""
     from accelerate import Accelerator
 
-    import agent.wrap
+    import agent
 
     data = hf_jobs.dataset()
     opt: Any = torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True)
     loader = torch.utils.data.DataLoader(data[:24], batch_size=4)
     if wrap:
         first = next(iter(loader))
-        w = agent.wrap.wrap(model, opt, sample_batch=first, device_memory=limit, feedback_steps=None)
+        w = agent.wrap(model, opt, sample_batch=first, device_memory=limit, feedback_steps=None)
         assert w.plan.policy is not None and any(c.placement.value == "offloaded" for c in w.plan.policy.chunks)
         model, opt = w.model, w.optimizer
     acc = Accelerator(cpu=True)

@@ -243,7 +243,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str], str]]:
     upgrade(db_url)
     port = free_port()
     env = {**os.environ, "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_WORKERS": "0"}
-    process = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--log-level",
+    process = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--log-level",
                                 "warning"], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -31,7 +31,7 @@ def serve(database_url: str, *args: str, **env: str) -> Iterator[tuple[str, subp
     """`memplan serve ARGS` on a free loopback port, as a user starts it; stopped (and reaped) at the end."""
     port = free_port()
     environment = {**os.environ, "MEMPLAN_DATABASE_URL": database_url, **env}
-    process = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", "--port", str(port), "--log-level",
+    process = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--log-level",
                                 "warning", *args], env=environment, text=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -258,7 +258,7 @@ def test_memplan_worker_on_sqlite_says_solving_runs_in_serve(tmp_path) -> None: 
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "client.cli", "worker"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "memplan", "worker"], capture_output=True, text=True,
                           env={**os.environ, "MEMPLAN_DATABASE_URL": f"sqlite:///{tmp_path / 'm.db'}"}, timeout=60)
     assert done.returncode == 2 and "needs PostgreSQL" in done.stderr and "memplan serve" in done.stderr
 

@@ -29,9 +29,12 @@ def test_a_limit_above_the_unmanaged_peak_keeps_everything_on_the_device(cpu_tra
     assert [c.placement.value for c in plan.policy.chunks] == ["persistent"] * len(plan.policy.chunks)
     assert set(plan.policy.mode_strip()) == {"K"} and plan.policy.n_buffers == 0
     assert plan.solver.message.startswith("everything fits: the un-managed peak")
-    # the cost model ranks offloading faster on this CPU trace: the plan says so, and does not claim optimality
-    assert plan.solver.status == SolverStatus.feasible and "ranks a managed policy faster" in plan.solver.message
-    assert plan.solver.gap is not None and plan.solver.gap > 0
+    # whether the cost model ranks a managed policy faster depends on this machine's measured times: when it
+    # does, the plan says so and does not claim optimality; either way status and gap agree
+    assert plan.solver.gap is not None
+    assert (plan.solver.status == SolverStatus.optimal) == (plan.solver.gap == 0)
+    if "ranks a managed policy faster" in plan.solver.message:
+        assert plan.solver.status == SolverStatus.feasible and plan.solver.gap > 0
 
 
 def test_a_limit_below_the_unmanaged_peak_is_still_searched(cpu_trace: Trace) -> None:

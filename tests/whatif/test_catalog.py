@@ -26,7 +26,7 @@ REQUIRED = ["a100-40gb-pcie", "a100-80gb-pcie", "a100-40gb-sxm", "a100-80gb-sxm"
 
 
 def _memplan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 

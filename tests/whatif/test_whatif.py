@@ -35,7 +35,7 @@ GiB = 2**30
 
 
 def _memplan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COLUMNS": "200"})
 
 
