@@ -15,9 +15,10 @@ How it works. `simulated_cuda()` is a context manager that, for its duration,
   pinned), the activation swap store gets its two CUDA streams, its pinned host buffers are marked,
   and the host worker runs inline (one thread, so the dispatch mode below sees its work);
 * records every read and write of every tensor storage through a `TorchDispatchMode` (the operator
-  schema says which arguments an op writes), with the stream it was issued on: an op touching only
-  host storages (`host_empty`, swap buffers, what host ops made) runs on the host; any other op is a
-  kernel on the current stream.
+  schema says which arguments an op writes), with the stream it was issued on: an op inside a
+  host-worker job, or touching only host storages (`host_empty`, swap buffers, what host ops made), runs on the host;
+  any other op is a kernel on the current stream. A storage not seen before (a tensor made before the
+  simulation, or by `torch.empty`) is device memory, unless a host-worker job touches it first.
 
 Happens-before is tracked with vector clocks: one clock per stream plus one for the host. A kernel
 ticks its stream's clock; `Event.record` copies the stream's vector; `wait_event` / `wait_stream`
@@ -56,10 +57,12 @@ from torch.utils._pytree import tree_flatten
 
 Allocator = Literal["caching", "planned"]
 HOST = 0  # agent index of the host; streams are 1, 2, ...
-_NO_DATA_OPS = {
+_ALLOC_OPS = {
     torch.ops.aten.empty.memory_format,
     torch.ops.aten.empty_strided.default,
     torch.ops.aten.empty_like.default,
+}
+_NO_DATA_OPS = {
     torch.ops.aten.detach.default,
     torch.ops.aten.alias.default,
     torch.ops.aten.view.default,
@@ -80,7 +83,7 @@ def _stack(skip: int = 2, limit: int = 30) -> tuple[tuple[str, int, str], ...]:
     f = sys._getframe(skip)
     while f is not None and len(frames) < limit:
         code = f.f_code
-        if "/torch/" not in code.co_filename and code.co_filename != __file__:
+        if "/torch/" not in code.co_filename and code.co_filename not in (__file__, weakref.__file__):
             frames.append((code.co_filename, f.f_lineno, code.co_name))
         f = f.f_back
     return tuple(frames)
@@ -132,6 +135,7 @@ class Clocks:
         self.names = ["host", "compute (default stream)"]
         self.storages: dict[int, _Storage] = {}
         self.violations: list[Violation] = []
+        self.in_host_job = False  # the (inline) host worker is running a job: every op is host work
         self._current = threading.local()
 
     # ------------------------------------------------------------------ agents
@@ -169,20 +173,24 @@ class Clocks:
         key = st.data_ptr()
         info = self.storages.get(key)
         if info is None:
-            host = host_op if created else False
+            host = host_op
             info = _Storage(st.nbytes(), host=host, pinned=False, alloc_agent=HOST if host else self.current())
             self.storages[key] = info
-            if not host:
-                weakref.finalize(st, self._freed, key, info)
+            weakref.finalize(st, self._freed, key, info)
         return key, info
 
     def mark_host(self, t: torch.Tensor, *, pinned: bool) -> None:
         st = t.untyped_storage()
         info = self.storages.get(st.data_ptr())
-        if info is None or not info.host:
-            self.storages[st.data_ptr()] = _Storage(st.nbytes(), host=True, pinned=pinned, alloc_agent=HOST)
-        else:
-            info.pinned = pinned
+        if info is None:
+            info = self.storages[st.data_ptr()] = _Storage(st.nbytes(), host=True, pinned=pinned, alloc_agent=HOST)
+            weakref.finalize(st, self._freed, st.data_ptr(), info)
+        info.host, info.pinned, info.alloc_agent = True, pinned, HOST
+
+    def kind(self, t: torch.Tensor) -> str:
+        """"host", "device", or "unknown" (not seen yet: a factory op's result, or made before the simulation)."""
+        info = self.storages.get(t.untyped_storage().data_ptr())
+        return "unknown" if info is None else "host" if info.host else "device"
 
     def is_host(self, t: torch.Tensor) -> bool:
         info = self.storages.get(t.untyped_storage().data_ptr())
@@ -229,6 +237,8 @@ class Clocks:
         if self.storages.get(key) is not info:
             return
         del self.storages[key]
+        if info.host:
+            return  # PyTorch's caching host allocator tracks the streams that used a pinned block itself
         owner = self.vc[info.alloc_agent]
         for a in info.accesses:
             if a.agent in (info.alloc_agent, HOST) or a.agent in info.recorded or owner[a.agent] >= a.clock:
@@ -317,10 +327,18 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        c = self.clocks
+        if func in _ALLOC_OPS:  # no data access, but the new storage belongs to the current stream (or host)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    c.storage(t, host_op=c.in_host_job, created=True)
+            return out
         if func in _NO_DATA_OPS:
             return out
-        c = self.clocks
         schema = func._schema
+        writes_any = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if not writes_any and schema.returns and all(r.alias_info is not None for r in schema.returns):
+            return out  # a view (slice, transpose, as_strided, ...): metadata only, no memory access
         inputs: list[tuple[torch.Tensor, bool, str]] = []
         for i, arg in enumerate(schema.arguments):
             value = kwargs.get(arg.name) if arg.kwarg_only or arg.name in kwargs else (args[i] if i < len(args) else None)
@@ -328,7 +346,10 @@ class _Recorder(TorchDispatchMode):
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor):
                     inputs.append((t, write, f"{func} argument {arg.name!r}"))
-        host_op = bool(inputs) and all(c.is_host(t) for t, _, _ in inputs)
+        known = [c.kind(t) for t, _, _ in inputs]
+        # the host worker's jobs are host work; elsewhere an op on host buffers only; anything else is a
+        # kernel (a storage not seen before counts as device memory, what torch.empty on CUDA would give)
+        host_op = c.in_host_job or (bool(known) and all(k == "host" for k in known))
         agent = HOST if host_op else c.current()
         c.submit(agent)
         c.vc[agent][agent] += 1
@@ -361,16 +382,27 @@ class SimulatedCuda:
         self.clocks = Clocks(allocator)
         self.default = SimStream(self.clocks, agent=1)
         self._streams: dict[int, SimStream] = {1: self.default}
+        self._make_classes()
 
     @property
     def violations(self) -> list[Violation]:
         return self.clocks.violations
 
-    def Stream(self, device: Any = None, priority: int = 0, **_: Any) -> SimStream:  # noqa: N802 (torch's name)
-        return SimStream(self.clocks)
+    def _make_classes(self) -> None:
+        """torch.cuda.Stream / Event stand-ins: real classes (annotations like `torch.cuda.Stream | None`
+        are evaluated by libraries imported during the simulation), bound to this simulation's clocks."""
+        clocks = self.clocks
 
-    def Event(self, enable_timing: bool = False, **kw: Any) -> SimEvent:  # noqa: N802
-        return SimEvent(self.clocks, enable_timing, **kw)
+        class Stream(SimStream):
+            def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+                super().__init__(clocks)
+
+        class Event(SimEvent):
+            def __init__(self, enable_timing: bool = False, **kw: Any) -> None:
+                super().__init__(clocks, enable_timing, **kw)
+
+        self.Stream = Stream  # noqa: N815 (torch's names)
+        self.Event = Event  # noqa: N815
 
     def current_stream(self, device: Any = None) -> SimStream:
         agent = self.clocks.current()
@@ -395,6 +427,11 @@ class SimulatedCuda:
     def synchronize(self, device: Any = None) -> None:
         for v in self.clocks.vc[1:]:
             self.clocks.host_waits_for(v)
+
+    def kernels_on(self, name: str) -> int:
+        """How many kernels ran on the stream called `name` (e.g. "upload stream"); 0 if it does not exist."""
+        c = self.clocks
+        return sum(c.vc[i][i] for i, n in enumerate(c.names) if n == name)
 
     def mark_host(self, t: torch.Tensor, *, pinned: bool) -> torch.Tensor:
         self.clocks.mark_host(t, pinned=pinned)
@@ -471,8 +508,20 @@ def _plug_runtime(stack: contextlib.ExitStack, sim: SimulatedCuda) -> None:
     _patch(stack, arena_mod, "runtime_arena_context", runtime_arena_context)
 
     class InlineHostWorker(HostWorker):
+        """The host worker, inline (one thread for the dispatch mode to see), its jobs marked as host work."""
+
         def __init__(self, *, inline: bool = False) -> None:
             super().__init__(inline=True)
+
+        def submit(self, fn: Callable[..., None], *args: Any) -> Any:
+            def as_host_job(*a: Any) -> None:
+                sim.clocks.in_host_job = True
+                try:
+                    fn(*a)
+                finally:
+                    sim.clocks.in_host_job = False
+
+            return super().submit(as_host_job, *args)
 
     _patch(stack, manager_mod, "HostWorker", InlineHostWorker)
 
