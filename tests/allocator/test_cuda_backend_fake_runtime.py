@@ -23,6 +23,7 @@ from agent.allocator.library import Library, load_library
 from agent.allocator.slots import plan_slots
 from tests.allocator.conftest import event, plan_for
 
+pytestmark = pytest.mark.cuda_semantics
 KiB = 1024
 
 
