@@ -1,0 +1,49 @@
+"""benchmarks/train_throughput.py: an indexed CUDA device, ratios only between strategies that fit, each
+strategy in its own process (issue 19 defects 1 and 7; the CUDA parts cannot run here)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture()
+def tt(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("train_throughput")
+
+
+def test_an_unindexed_cuda_device_becomes_cuda_0(tt: ModuleType) -> None:
+    """Defect 1: torch.device("cuda") compares unequal to cuda:0 (swap silently off) and set_device refuses it."""
+    assert torch.device("cuda") != torch.device("cuda", 0)
+    assert tt.resolve_device("cuda") == torch.device("cuda", 0)
+    assert tt.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert tt.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_a_ratio_is_printed_only_when_both_strategies_fit(tt: ModuleType) -> None:
+    rows = {
+        "cpsat": {"tokens_per_s": 300.0, "iteration_s": 1.0, "fits": True},
+        "protrain": {"tokens_per_s": 200.0, "iteration_s": 1.0, "fits": True},
+        "fsdp2_offload": {"tokens_per_s": 100.0, "iteration_s": 1.0, "fits": False},
+        "fsdp2_offload_ckpt": {"skipped": "out of memory under the limit"},
+    }
+    lines = tt.ratio_lines(rows)
+    assert lines[0] == "cpsat / protrain: 1.50x"
+    assert lines[1] == "cpsat / fsdp2_offload: no ratio (fsdp2_offload did not fit)"
+    assert lines[2] == "cpsat / fsdp2_offload_ckpt: no ratio (fsdp2_offload_ckpt did not run)"
+
+
+def test_a_strategy_runs_in_a_fresh_process_with_the_model_built_on_the_cpu(tt: ModuleType) -> None:
+    spec = {"kind": "llama", "layers": 1, "hidden": 32, "seq": 16, "batch": 1, "steps": 1, "device": "cpu",
+            "dtype": "fp32", "threads": 1, "strategy": "plain", "limit_bytes": None}
+    row = tt.in_fresh_process(spec)
+    assert row["iteration_s"] > 0 and row["peak_device_bytes"] > 0
+    bad = tt.in_fresh_process({**spec, "strategy": "cpsat", "plan_file": "/nonexistent/plan.json"})
+    assert "the cpsat process failed" in bad["skipped"] and "No such file" in bad["skipped"]
