@@ -47,3 +47,13 @@ def test_a_strategy_runs_in_a_fresh_process_with_the_model_built_on_the_cpu(tt: 
     assert row["iteration_s"] > 0 and row["peak_device_bytes"] > 0
     bad = tt.in_fresh_process({**spec, "strategy": "cpsat", "plan_file": "/nonexistent/plan.json"})
     assert "the cpsat process failed" in bad["skipped"] and "No such file" in bad["skipped"]
+
+
+def test_predict_vs_measure_uses_an_indexed_device_and_counts_no_foreign_bytes_on_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    pvm = importlib.import_module("predict_vs_measure")
+    assert pvm.resolve_device("cuda") == torch.device("cuda", 0)
+    assert pvm.foreign_device_bytes(torch.device("cpu"), {"input_ids": torch.zeros(4, dtype=torch.long)}) == 0
+    assert "no row had a feasible plan" in pvm.summary_line(pvm.summarize([]))
