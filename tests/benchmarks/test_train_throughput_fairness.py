@@ -4,6 +4,8 @@ strategy in its own process (issue 19 defects 1 and 7; the CUDA parts cannot run
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -57,3 +59,33 @@ def test_predict_vs_measure_uses_an_indexed_device_and_counts_no_foreign_bytes_o
     assert pvm.resolve_device("cuda") == torch.device("cuda", 0)
     assert pvm.foreign_device_bytes(torch.device("cpu"), {"input_ids": torch.zeros(4, dtype=torch.long)}) == 0
     assert "no row had a feasible plan" in pvm.summary_line(pvm.summarize([]))
+
+
+def test_gpu_check_lists_its_steps_and_writes_a_report_of_what_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/gpu_check.py needs a GPU for a real run; its dry run and its report are checked here."""
+    import subprocess
+
+    root = BENCHMARKS.parent
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--device", "cuda:1"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    names = [line.split(":")[0] for line in done.stdout.splitlines()]
+    assert names == ["nvidia-smi", "torch", "check_cuda_build", "cuda_tests", "predict_vs_measure", "train_throughput"]
+    assert "benchmarks/train_throughput.py --device cuda:1" in done.stdout and "--dtype bf16" in done.stdout
+
+    spec = importlib.util.spec_from_file_location("gpu_check", root / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gc = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gc)  # dataclasses look their module up there
+    spec.loader.exec_module(gc)
+    outcomes = [gc.run_step(gc.Step("ok", [sys.executable, "-c", "print('fine')"]), tmp_path),
+                gc.run_step(gc.Step("fails", [sys.executable, "-c", "raise SystemExit(3)"]), tmp_path),
+                gc.run_step(gc.Step("absent", ["/nonexistent/nvidia-smi"]), tmp_path)]
+    js, md = gc.write_report(outcomes, tmp_path, {"device": "cuda:1"})
+    import json
+
+    steps = json.loads(js.read_text())["steps"]
+    assert [(s["name"], s["returncode"]) for s in steps] == [("ok", 0), ("fails", 3), ("absent", None)]
+    assert "fine" in steps[0]["output_tail"] and "| fails | 3 |" in md.read_text()
