@@ -312,7 +312,7 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
             plan_file.write_text(plan.model_dump_json())
             rows[solver] = in_fresh_process({**base, "strategy": solver, "limit_bytes": limit,
                                              "plan_file": str(plan_file)})
-    for name, r in rows.items():
+    for r in rows.values():
         if "iteration_s" in r:
             r["tokens_per_s"] = tokens / r["iteration_s"]
             peak = r.get("peak_device_bytes")

@@ -39,7 +39,9 @@ class Step:
     name: str
     command: list[str]
     timeout_s: int = 3600
-    results: list[str] = field(default_factory=list)  # result files (relative to ROOT) to copy into the report
+    results: list[str] = field(
+        default_factory=list
+    )  # result files (relative to ROOT) to copy into the report
 
 
 @dataclass
@@ -60,20 +62,49 @@ def steps(device: str, quick: bool, python: str) -> list[Step]:
         "'gpu': torch.cuda.get_device_name(d) if ok else None, "
         "'memory_bytes': torch.cuda.get_device_properties(d).total_memory if ok else None}))"
     )
-    size = (["--layers", "4", "--hidden", "256", "--seq", "256", "--batch", "2"] if quick
-            else ["--layers", "16", "--hidden", "2048", "--seq", "1024", "--batch", "4", "--dtype", "bf16"])
-    pvm = (["--kinds", "llama", "--layers", "4", "--hidden", "256", "--seq", "256"] if quick
-           else ["--kinds", "gpt2", "llama", "--layers", "12", "24", "--hidden", "1024", "--seq", "512"])
+    size = (
+        ["--layers", "4", "--hidden", "256", "--seq", "256", "--batch", "2"]
+        if quick
+        else ["--layers", "16", "--hidden", "2048", "--seq", "1024", "--batch", "4", "--dtype", "bf16"]
+    )
+    pvm = (
+        ["--kinds", "llama", "--layers", "4", "--hidden", "256", "--seq", "256"]
+        if quick
+        else ["--kinds", "gpt2", "llama", "--layers", "12", "24", "--hidden", "1024", "--seq", "512"]
+    )
     return [
         Step("nvidia-smi", ["nvidia-smi"], timeout_s=60),
         Step("torch", [python, "-c", env_probe], timeout_s=120),
         Step("check_cuda_build", ["bash", "scripts/check_cuda_build.sh"], timeout_s=900),
-        Step("cuda_tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/allocator",
-                            "tests/cuda_semantics", "tests/runtime", "tests/activations", "-rs"], timeout_s=3600),
-        Step("predict_vs_measure", [python, "benchmarks/predict_vs_measure.py", "--device", device, *pvm],
-             timeout_s=7200, results=["benchmarks/results/predict_vs_measure-latest.json"]),
-        Step("train_throughput", [python, "benchmarks/train_throughput.py", "--device", device, *size],
-             timeout_s=7200, results=["benchmarks/results/train_throughput-latest.json"]),
+        Step(
+            "cuda_tests",
+            [
+                python,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/allocator",
+                "tests/cuda_semantics",
+                "tests/runtime",
+                "tests/activations",
+                "-rs",
+            ],
+            timeout_s=3600,
+        ),
+        Step(
+            "predict_vs_measure",
+            [python, "benchmarks/predict_vs_measure.py", "--device", device, *pvm],
+            timeout_s=7200,
+            results=["benchmarks/results/predict_vs_measure-latest.json"],
+        ),
+        Step(
+            "train_throughput",
+            [python, "benchmarks/train_throughput.py", "--device", device, *size],
+            timeout_s=7200,
+            results=["benchmarks/results/train_throughput-latest.json"],
+        ),
     ]
 
 
@@ -99,8 +130,14 @@ def run_step(step: Step, out: Path) -> Outcome:
 
 
 def markdown(outcomes: list[Outcome], meta: dict[str, str]) -> str:
-    lines = ["# memplan GPU check", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
-             "| step | exit | seconds | result files |", "|---|---|---|---|"]
+    lines = [
+        "# memplan GPU check",
+        "",
+        *(f"- {k}: {v}" for k, v in meta.items()),
+        "",
+        "| step | exit | seconds | result files |",
+        "|---|---|---|---|",
+    ]
     for o in outcomes:
         status = "not run" if o.returncode is None else str(o.returncode)
         lines.append(f"| {o.name} | {status} | {o.seconds:.0f} | {', '.join(o.copied) or '-'} |")
@@ -121,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="report folder (default: gpu-check-<UTC time>)")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--quick", action="store_true", help="small benchmark models (minutes instead of an hour)")
+    ap.add_argument(
+        "--quick", action="store_true", help="small benchmark models (minutes instead of an hour)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args(argv)
@@ -132,13 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = (args.out or ROOT / f"gpu-check-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
-            "platform": platform.platform(), "device": args.device, "quick": str(args.quick)}
+    meta = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "device": args.device,
+        "quick": str(args.quick),
+    }
     outcomes = []
     for s in plan:
         print(f"[gpu_check] {s.name} ...", flush=True)
         outcomes.append(run_step(s, out))
-        print(f"[gpu_check] {s.name}: exit {outcomes[-1].returncode} in {outcomes[-1].seconds:.0f} s", flush=True)
+        print(
+            f"[gpu_check] {s.name}: exit {outcomes[-1].returncode} in {outcomes[-1].seconds:.0f} s",
+            flush=True,
+        )
     js, md = write_report(outcomes, out, meta)
     print(f"[gpu_check] report: {md} and {js}; attach the folder {out} to the bug report")
     return 0 if all(o.returncode == 0 for o in outcomes) else 1

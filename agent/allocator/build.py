@@ -49,7 +49,14 @@ SOURCES: dict[Backend, tuple[str, ...]] = {
 }
 HEADERS = ("planned_allocator.h", "fake_cuda/cuda_runtime_api.h")
 # The C symbols PyTorch's CUDAPluggableAllocator and agent/allocator/library.py need from the CUDA library.
-CUDA_EXPORTS = ("mp_cuda_malloc", "mp_cuda_free", "mp_cuda_install", "mp_cuda_empty_cache", "mp_create", "mp_alloc")
+CUDA_EXPORTS = (
+    "mp_cuda_malloc",
+    "mp_cuda_free",
+    "mp_cuda_install",
+    "mp_cuda_empty_cache",
+    "mp_create",
+    "mp_alloc",
+)
 
 
 class AllocatorBuildError(RuntimeError):
@@ -125,7 +132,9 @@ def _layouts() -> Iterator[tuple[Path, list[Path], list[Path]]]:
     """(runtime include dir, extra include dirs for crt/, lib dirs) for every place a runtime may be."""
     nvidia_roots = _nvidia_roots()
     for root in nvidia_roots:
-        for sub in sorted(root.glob("cu[0-9]*")):  # CUDA 13+: nvidia/cu13/{include,lib}, crt in the same folder
+        for sub in sorted(
+            root.glob("cu[0-9]*")
+        ):  # CUDA 13+: nvidia/cu13/{include,lib}, crt in the same folder
             yield sub / "include", [], [sub / "lib"]
         crt = [r / "cuda_nvcc" / "include" for r in nvidia_roots]  # CUDA 12: crt/ comes with the nvcc wheel
         yield root / "cuda_runtime" / "include", crt, [root / "cuda_runtime" / "lib"]
@@ -229,14 +238,20 @@ def check_cuda_build(major: int | None, output: Path) -> Path:
     cmd = build_command("cuda", cxx, output, werror=True)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise AllocatorBuildError(f"the CUDA backend does not compile cleanly:\n$ {' '.join(cmd)}\n{done.stderr[-6000:]}")
-    print(f"built {output} against CUDA {rt.major} headers in {', '.join(map(str, rt.include_dirs))}; libcudart {rt.library}")
+        raise AllocatorBuildError(
+            f"the CUDA backend does not compile cleanly:\n$ {' '.join(cmd)}\n{done.stderr[-6000:]}"
+        )
+    print(
+        f"built {output} against CUDA {rt.major} headers in {', '.join(map(str, rt.include_dirs))}; libcudart {rt.library}"
+    )
     return output
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compile the planned allocator's CUDA backend with -Werror.")
-    parser.add_argument("--cuda-major", type=int, default=None, help="CUDA major version (default: PyTorch's)")
+    parser.add_argument(
+        "--cuda-major", type=int, default=None, help="CUDA major version (default: PyTorch's)"
+    )
     parser.add_argument("--output", type=Path, required=True, help="where to write the shared library")
     args = parser.parse_args(argv)
     try:

@@ -69,10 +69,16 @@ def test_the_cuda_13_wheel_layout_is_found_with_its_separate_crt_headers(
     (cu13 / "lib" / "libcudart.so.13").write_bytes(b"")
     monkeypatch.setenv("MEMPLAN_CUDA_WHEELS", str(tmp_path))
     rt = find_cuda_runtime(13)
-    assert rt.include_dirs == (cu13 / "include",) and rt.library == cu13 / "lib" / "libcudart.so.13" and rt.major == 13
+    assert (
+        rt.include_dirs == (cu13 / "include",)
+        and rt.library == cu13 / "lib" / "libcudart.so.13"
+        and rt.major == 13
+    )
 
 
-def test_the_cuda_12_wheel_layout_takes_crt_from_the_nvcc_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_the_cuda_12_wheel_layout_takes_crt_from_the_nvcc_wheel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     root = tmp_path / "nvidia"
     (root / "cuda_runtime" / "include").mkdir(parents=True)
     (root / "cuda_runtime" / "lib").mkdir()

@@ -79,10 +79,14 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Fake]:
     f.lib.cdll.fake_cuda_reset()
 
 
-def install(f: Fake, offsets: dict[int, int], sizes: dict[int, int], order: list[tuple[int, int]]) -> PlannedCore:
+def install(
+    f: Fake, offsets: dict[int, int], sizes: dict[int, int], order: list[tuple[int, int]]
+) -> PlannedCore:
     """A core whose plan has buffers `sizes` at `offsets`, live over [alloc, free) of `order`, installed as the hook's core."""
     evs = [event(i, sizes[i], a, b) for i, (a, b) in enumerate(order)]
-    core = PlannedCore(f.lib, plan_slots(plan_for(evs, offsets), evs), device=0, debug=True, rules=MatchRules())
+    core = PlannedCore(
+        f.lib, plan_slots(plan_for(evs, offsets), evs), device=0, debug=True, rules=MatchRules()
+    )
     f.lib.mp_cuda_install(core.handle, 0)  # type: ignore[attr-defined]
     return core
 
@@ -106,7 +110,9 @@ def test_the_fake_runtime_reports_a_missing_wait_and_accepts_an_event_wait(fake:
 def test_a_range_reused_on_another_stream_waits_for_the_stream_that_used_it(fake: Fake) -> None:
     primary, side = fake.stream(), fake.stream()
     # a [0,1) and b [1,2) share offset 0; c [2,3) and d [3,4) too
-    core = install(fake, {0: 0, 1: 0, 2: 0, 3: 0}, {i: 4 * KiB for i in range(4)}, [(0, 1), (1, 2), (2, 3), (3, 4)])
+    core = install(
+        fake, {0: 0, 1: 0, 2: 0, 3: 0}, {i: 4 * KiB for i in range(4)}, [(0, 1), (1, 2), (2, 3), (3, 4)]
+    )
     core.begin_iteration()
     a = fake.malloc(4 * KiB, primary)  # the first allocation makes `primary` the ordering stream
     assert fake.launch(primary, a, 4 * KiB, write=True)
@@ -161,7 +167,9 @@ def test_out_of_memory_empties_the_cache_and_retries_and_released_blocks_are_poi
     core.begin_iteration()
     p = fake.malloc(256 * KiB)
     fake.free(p, 256 * KiB)  # cached
-    fake.lib.cdll.fake_cuda_set_capacity(fake.counter("live_bytes") + 100 * KiB)  # room only without the cached block
+    fake.lib.cdll.fake_cuda_set_capacity(
+        fake.counter("live_bytes") + 100 * KiB
+    )  # room only without the cached block
     q = fake.malloc(300 * KiB)  # fails once, the cache is emptied (cudaFree), the retry succeeds
     assert fake.counter("failed_mallocs") == 1 and fake.counter("frees") == 1
     assert fake.lib.cdll.fake_cuda_is_poisoned(p, 256 * KiB) == 1  # really released
@@ -207,7 +215,16 @@ def test_out_of_memory_raises_a_clear_error_instead_of_returning_null(tmp_path: 
     src.write_text(DRIVER)
     exe = tmp_path / "driver"
     subprocess.run(
-        [find_compiler(), "-std=c++17", f"-I{CSRC}", str(src), str(lib), f"-Wl,-rpath,{lib.parent}", "-o", str(exe)],
+        [
+            find_compiler(),
+            "-std=c++17",
+            f"-I{CSRC}",
+            str(src),
+            str(lib),
+            f"-Wl,-rpath,{lib.parent}",
+            "-o",
+            str(exe),
+        ],
         check=True,
         capture_output=True,
         timeout=120,

@@ -43,8 +43,19 @@ def test_a_ratio_is_printed_only_when_both_strategies_fit(tt: ModuleType) -> Non
 
 
 def test_a_strategy_runs_in_a_fresh_process_with_the_model_built_on_the_cpu(tt: ModuleType) -> None:
-    spec = {"kind": "llama", "layers": 1, "hidden": 32, "seq": 16, "batch": 1, "steps": 1, "device": "cpu",
-            "dtype": "fp32", "threads": 1, "strategy": "plain", "limit_bytes": None}
+    spec = {
+        "kind": "llama",
+        "layers": 1,
+        "hidden": 32,
+        "seq": 16,
+        "batch": 1,
+        "steps": 1,
+        "device": "cpu",
+        "dtype": "fp32",
+        "threads": 1,
+        "strategy": "plain",
+        "limit_bytes": None,
+    }
     row = tt.in_fresh_process(spec)
     assert row["iteration_s"] > 0 and row["peak_device_bytes"] > 0
     bad = tt.in_fresh_process({**spec, "strategy": "cpsat", "plan_file": "/nonexistent/plan.json"})
@@ -68,11 +79,23 @@ def test_gpu_check_lists_its_steps_and_writes_a_report_of_what_ran(
     import subprocess
 
     root = BENCHMARKS.parent
-    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--device", "cuda:1"], cwd=root,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--device", "cuda:1"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     names = [line.split(":")[0] for line in done.stdout.splitlines()]
-    assert names == ["nvidia-smi", "torch", "check_cuda_build", "cuda_tests", "predict_vs_measure", "train_throughput"]
+    assert names == [
+        "nvidia-smi",
+        "torch",
+        "check_cuda_build",
+        "cuda_tests",
+        "predict_vs_measure",
+        "train_throughput",
+    ]
     assert "benchmarks/train_throughput.py --device cuda:1" in done.stdout and "--dtype bf16" in done.stdout
 
     spec = importlib.util.spec_from_file_location("gpu_check", root / "scripts" / "gpu_check.py")
@@ -80,9 +103,11 @@ def test_gpu_check_lists_its_steps_and_writes_a_report_of_what_ran(
     gc = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gc)  # dataclasses look their module up there
     spec.loader.exec_module(gc)
-    outcomes = [gc.run_step(gc.Step("ok", [sys.executable, "-c", "print('fine')"]), tmp_path),
-                gc.run_step(gc.Step("fails", [sys.executable, "-c", "raise SystemExit(3)"]), tmp_path),
-                gc.run_step(gc.Step("absent", ["/nonexistent/nvidia-smi"]), tmp_path)]
+    outcomes = [
+        gc.run_step(gc.Step("ok", [sys.executable, "-c", "print('fine')"]), tmp_path),
+        gc.run_step(gc.Step("fails", [sys.executable, "-c", "raise SystemExit(3)"]), tmp_path),
+        gc.run_step(gc.Step("absent", ["/nonexistent/nvidia-smi"]), tmp_path),
+    ]
     js, md = gc.write_report(outcomes, tmp_path, {"device": "cuda:1"})
     import json
 

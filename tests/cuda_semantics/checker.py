@@ -174,7 +174,9 @@ class Clocks:
         info = self.storages.get(key)
         if info is None:
             host = host_op
-            info = _Storage(st.nbytes(), host=host, pinned=False, alloc_agent=HOST if host else self.current())
+            info = _Storage(
+                st.nbytes(), host=host, pinned=False, alloc_agent=HOST if host else self.current()
+            )
             self.storages[key] = info
             weakref.finalize(st, self._freed, key, info)
         return key, info
@@ -183,12 +185,14 @@ class Clocks:
         st = t.untyped_storage()
         info = self.storages.get(st.data_ptr())
         if info is None:
-            info = self.storages[st.data_ptr()] = _Storage(st.nbytes(), host=True, pinned=pinned, alloc_agent=HOST)
+            info = self.storages[st.data_ptr()] = _Storage(
+                st.nbytes(), host=True, pinned=pinned, alloc_agent=HOST
+            )
             weakref.finalize(st, self._freed, st.data_ptr(), info)
         info.host, info.pinned, info.alloc_agent = True, pinned, HOST
 
     def kind(self, t: torch.Tensor) -> str:
-        """"host", "device", or "unknown" (not seen yet: a factory op's result, or made before the simulation)."""
+        """ "host", "device", or "unknown" (not seen yet: a factory op's result, or made before the simulation)."""
         info = self.storages.get(t.untyped_storage().data_ptr())
         return "unknown" if info is None else "host" if info.host else "device"
 
@@ -202,7 +206,9 @@ class Clocks:
             info.recorded.add(agent)
 
     # ------------------------------------------------------------------ accesses
-    def access(self, t: torch.Tensor, agent: int, *, write: bool, what: str, host_op: bool, created: bool) -> None:
+    def access(
+        self, t: torch.Tensor, agent: int, *, write: bool, what: str, host_op: bool, created: bool
+    ) -> None:
         if t.numel() == 0 or t.device.type != "cpu" or t.layout != torch.strided:
             return
         key, info = self.storage(t, host_op=host_op, created=created)
@@ -265,7 +271,9 @@ class SimStream:
 
     def __init__(self, clocks: Clocks, name: str | None = None, agent: int | None = None) -> None:
         self._clocks = clocks
-        self.agent = agent if agent is not None else clocks.new_agent(name or f"side stream {len(clocks.names) - 1}")
+        self.agent = (
+            agent if agent is not None else clocks.new_agent(name or f"side stream {len(clocks.names) - 1}")
+        )
 
     def wait_event(self, event: SimEvent) -> None:
         self._clocks.merge(self._clocks.submit(self.agent), event.vc)
@@ -341,7 +349,11 @@ class _Recorder(TorchDispatchMode):
             return out  # a view (slice, transpose, as_strided, ...): metadata only, no memory access
         inputs: list[tuple[torch.Tensor, bool, str]] = []
         for i, arg in enumerate(schema.arguments):
-            value = kwargs.get(arg.name) if arg.kwarg_only or arg.name in kwargs else (args[i] if i < len(args) else None)
+            value = (
+                kwargs.get(arg.name)
+                if arg.kwarg_only or arg.name in kwargs
+                else (args[i] if i < len(args) else None)
+            )
             write = arg.alias_info is not None and arg.alias_info.is_write
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor):
@@ -366,7 +378,10 @@ class _Recorder(TorchDispatchMode):
         if not host_op:
             blocking_copy = func is torch.ops.aten.copy_.default and (
                 not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
-                or any(c.is_host(t) and not c.storages[t.untyped_storage().data_ptr()].pinned for t, _, _ in inputs)
+                or any(
+                    c.is_host(t) and not c.storages[t.untyped_storage().data_ptr()].pinned
+                    for t, _, _ in inputs
+                )
             )
             if blocking_copy and any(c.is_host(t) for t, _, _ in inputs):
                 c.host_waits_for(c.vc[agent])  # a synchronous host<->device copy returns when it is done
@@ -441,7 +456,9 @@ class SimulatedCuda:
         """Raise StreamOrderError listing every violation found so far."""
         if self.violations:
             shown = "\n\n".join(str(v) for v in self.violations[:3])
-            raise StreamOrderError(f"{len(self.violations)} stream-order violation(s); the first ones:\n\n{shown}")
+            raise StreamOrderError(
+                f"{len(self.violations)} stream-order violation(s); the first ones:\n\n{shown}"
+            )
 
 
 def _patch(stack: contextlib.ExitStack, obj: Any, name: str, value: Any) -> None:

@@ -32,7 +32,9 @@ def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
 
 def train_wrapped(kind: str, offload: str, *, n_chunks: int = 8, n_buffers: int = 2) -> list[float]:
     model = tiny_model(kind)
-    plan = plan_for(model, alternate if offload == "alternate" else offload, n_chunks=n_chunks, n_buffers=n_buffers)
+    plan = plan_for(
+        model, alternate if offload == "alternate" else offload, n_chunks=n_chunks, n_buffers=n_buffers
+    )
     w = wrap(model, adamw(model), plan=plan)
     losses = train(Trainer(w.model, w.optimizer), batches(STEPS))
     w.synchronize()
