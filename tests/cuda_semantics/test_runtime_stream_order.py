@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from agent.model_zoo import build
+from agent.runtime import RuntimeOptions
 from agent.runtime.activations import apply_activation_policy
 from agent.wrap import unwrap, wrap
 from tests.activations.activation_helpers import VOCAB, data, policy_for, run
@@ -30,12 +31,14 @@ def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
 
 
-def train_wrapped(kind: str, offload: str, *, n_chunks: int = 8, n_buffers: int = 2) -> list[float]:
+def train_wrapped(
+    kind: str, offload: str, *, n_chunks: int = 8, n_buffers: int = 2, options: RuntimeOptions | None = None
+) -> list[float]:
     model = tiny_model(kind)
-    plan = plan_for(
-        model, alternate if offload == "alternate" else offload, n_chunks=n_chunks, n_buffers=n_buffers
-    )
-    w = wrap(model, adamw(model), plan=plan)
+    dtype = options.compute_dtype if options is not None else None
+    rule = alternate if offload == "alternate" else offload
+    plan = plan_for(model, rule, n_chunks=n_chunks, n_buffers=n_buffers, compute_dtype=dtype)
+    w = wrap(model, adamw(model), plan=plan, options=options)
     losses = train(Trainer(w.model, w.optimizer), batches(STEPS))
     w.synchronize()
     unwrap(w)
@@ -50,6 +53,23 @@ def test_the_equivalence_scenarios_keep_every_access_ordered(kind: str, offload:
     assert len(losses) == STEPS and all(x == x for x in losses)
     if offload != "none":  # the CUDA paths ran: uploads and gradient offloads on their own streams
         assert sim.kernels_on("upload stream") > 0 and sim.kernels_on("offload stream") > 0
+    sim.check()
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("gpt2", RuntimeOptions(compute_dtype=torch.bfloat16)),  # fp32 masters on the host, staged gradients
+        ("llama", RuntimeOptions(overlap_host_step=False)),  # host steps at optimizer.step()
+    ],
+    ids=["bf16-mixed", "deferred-host-step"],
+)
+def test_mixed_precision_and_deferred_host_steps_keep_every_access_ordered(
+    kind: str, options: RuntimeOptions
+) -> None:
+    with simulated_cuda("caching") as sim:
+        train_wrapped(kind, "all", options=options)
+    assert sim.kernels_on("upload stream") > 0 and sim.kernels_on("offload stream") > 0
     sim.check()
 
 
