@@ -3,7 +3,8 @@
 # -Wall -Wextra -Werror, and check the symbols PyTorch's CUDAPluggableAllocator needs are exported.
 # Needs no GPU and no CUDA toolkit: the headers and libcudart come from NVIDIA's small pip wheels
 # (nvidia-cuda-runtime + nvidia-cuda-crt for CUDA 13, ~3 MB; nvidia-cuda-runtime-cu12 +
-# nvidia-cuda-nvcc-cu12 for CUDA 12), installed once into a cache folder, never a CUDA build of torch.
+# nvidia-cuda-nvcc-cu12 for CUDA 12, of which only the headers are kept), installed once into a cache
+# folder, never a CUDA build of torch.
 #
 #   scripts/check_cuda_build.sh [CUDA_MAJOR]     default: PyTorch's CUDA major, else 13 (torch 2.13's)
 #
@@ -26,6 +27,10 @@ if [[ ! -f "$CACHE/.complete" ]]; then
   echo "check_cuda_build: installing ${WHEELS[*]} into $CACHE"
   rm -rf "$CACHE" && mkdir -p "$CACHE"
   "$PY" -m pip install --quiet --no-deps --target "$CACHE" "${WHEELS[@]}"
+  # CUDA 12 takes crt/ from the nvcc wheel: keep its headers, drop the compiler (~100 MB)
+  if [[ -d "$CACHE/nvidia/cuda_nvcc" ]]; then
+    find "$CACHE/nvidia/cuda_nvcc" -mindepth 1 -maxdepth 1 ! -name include ! -name __init__.py -exec rm -rf {} +
+  fi
   touch "$CACHE/.complete"
 fi
 OUT="$(mktemp -d)"
