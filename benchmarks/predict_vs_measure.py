@@ -12,6 +12,12 @@ trace's peak), the rest timed (median; the default `--steps 20` times 17 steps).
 predicted - 1. Before the rows the first configuration is profiled once and thrown away (process warm-up:
 without it the first trace carried one-time costs and read ~10% slow).
 
+Fair device peaks (issue 19 defect 7): the reference model stays on the CPU (only the profiled copy, the
+plain timing copy and the wrapped copy go to the device, one at a time), `gc.collect()` and
+`torch.cuda.empty_cache()` run before each of them, and on CUDA the measured peak has the bytes already
+allocated on the device when the row starts (other than its batch) subtracted (`device_bytes_at_start`).
+`--device cuda` means `cuda:0`.
+
 Targets (issue 7): peak memory never more than 2% above the prediction and at most 8% below it;
 iteration time within 10%.
 
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -52,8 +59,30 @@ RESULTS = Path(__file__).resolve().parent / "results" / "predict_vs_measure.json
 DEFAULTS_SUFFIX = "-dflt"  # a `--library-defaults` family's rows: "qwen2-dflt"
 
 
+def resolve_device(name: str) -> torch.device:
+    """`cuda` -> `cuda:0` (an indexed device: un-indexed, it compares unequal to the runtime's cuda:0)."""
+    device = torch.device(name)
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
+def release(device: torch.device) -> None:
+    """Free what the last copy left: Python garbage, then (CUDA) the caching allocator's unused blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def foreign_device_bytes(device: torch.device, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes allocated on the device now that are not the batch's (0 on CPU): what a peak must not count."""
+    if device.type != "cuda":
+        return 0
+    release(device)
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch.values() if t.device.type == "cuda")
+    return max(0, int(torch.cuda.memory_allocated(device)) - batch_bytes)
+
+
 def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, n: int) -> float:
-    m = copy.deepcopy(model)
+    m = copy.deepcopy(model).to(device)  # the reference stays on the CPU
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
     times = []
     for i in range(n + 1):
@@ -65,11 +94,14 @@ def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], de
             torch.cuda.synchronize(device)
         if i:
             times.append(time.perf_counter() - t0)
+    del m, opt
+    release(device)
     return statistics.median(times)
 
 
 def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, fraction: float, steps: int,
             device: torch.device, plain_steps: int) -> dict[str, Any]:
+    from agent.runtime import RuntimeOptions
     from agent.wrapping import unwrap, wrap
     from client.contract import Constraints
     from planner_service.solver import solve
@@ -84,8 +116,10 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
         row["min_device_memory_bytes"] = plan.solver.min_device_memory_bytes
         return row
     row["plain_now_s"] = plain_iteration_s(model, batch, device, plain_steps)
-    m = copy.deepcopy(model)
-    run = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps)
+    at_start = foreign_device_bytes(device, batch)
+    m = copy.deepcopy(model)  # on the CPU: wrap places it on `device`
+    run = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps,
+               options=RuntimeOptions(device=device))
     try:
         for _ in range(steps):
             run.model(**batch).loss.backward()
@@ -94,9 +128,12 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
         rep = run.report()
     finally:
         unwrap(run)
+    del run, m
+    release(device)
     row["plain_after_s"] = plain_iteration_s(model, batch, device, plain_steps)
     meas = rep.measured
     assert meas is not None
+    measured_peak = meas.peak_device_bytes - at_start
     pred = plan.predictions
     p = plan.policy
     row.update({
@@ -112,8 +149,9 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
         "measured_iteration_s": meas.iteration_s,
         "iteration_error": meas.iteration_s / pred.iteration_s - 1.0,
         "predicted_peak_device_bytes": pred.peak_device_bytes,
-        "measured_peak_device_bytes": meas.peak_device_bytes,
-        "peak_error": meas.peak_device_bytes / pred.peak_device_bytes - 1.0,
+        "measured_peak_device_bytes": measured_peak,
+        "device_bytes_at_start": at_start,
+        "peak_error": measured_peak / pred.peak_device_bytes - 1.0,
         "predicted_peak_host_bytes": pred.peak_host_bytes,
         "measured_peak_host_bytes": meas.peak_host_bytes,
         "trace_iteration_s": trace.measurements.iteration_s,
@@ -154,7 +192,7 @@ def main() -> None:
                     help="skip the throw-away profile of the first configuration before the rows")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: steadier timings on a shared machine; 0: torch's default)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     ap.add_argument("--trials", type=int, default=1,
                     help="repeat every configuration (fresh build, profile, plan, run) and also report per "
                          "configuration the median iteration error and the worst peak error")
@@ -164,19 +202,21 @@ def main() -> None:
     import agent
     from agent.model_zoo import build, sample_batch
 
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.warmup:
         # one-time costs of a process (first use of the profiler's dispatch tracker, allocator growth, thread
         # pools) would otherwise land in the first configuration's trace: profile it once and throw that away
         model, cfg = build(args.kinds[0], args.layers[0], args.hidden, seq=max(args.seq, 128))
-        model.to(device)  # type: ignore[arg-type]
         batch = sample_batch(cfg, args.batch, args.seq, device=device)
-        agent.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        probe = copy.deepcopy(model).to(device)
+        agent.profile(probe, batch, optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
                       allocation_trace=False)
+        del probe
         plain_iteration_s(model, batch, device, args.plain_steps)
         del model, batch
+        release(device)
     rows: list[dict[str, Any]] = []
     run = Run("predict_vs_measure", args)
     header = (f"{'model':<16} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
@@ -213,17 +253,18 @@ def measure_model(kind: str, layers: int, args: argparse.Namespace, device: torc
         from agent.model_zoo import build_with_library_defaults
 
         model, cfg = build_with_library_defaults(kind.removesuffix(DEFAULTS_SUFFIX), layers, args.hidden,
-                                                 vocab=1000, seq=max(args.seq, 128))
+                                                 vocab=1000, seq=max(args.seq, 128))  # the reference stays on the CPU
     else:
         model, cfg = build(kind, layers, args.hidden, seq=max(args.seq, 128))
-    model.to(device)  # type: ignore[arg-type]
     batch = sample_batch(cfg, args.batch, args.seq, device=device)
-    probe = copy.deepcopy(model)
+    release(device)
+    probe = copy.deepcopy(model).to(device)
     t0 = time.perf_counter()
     trace = agent.profile(probe, batch, optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
                           allocation_trace=False)
     profile_s = time.perf_counter() - t0
     del probe
+    release(device)
     rows = []
     for fraction in args.fractions:
         row = {"trial": trial, "kind": kind, "layers": layers, "profile_s": profile_s,
@@ -262,6 +303,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
+    if not summary["rows"]:
+        return "no row had a feasible plan (every fraction below what the model needs)"
     return (f"peak within [-8%, +2%]: {summary['peak_within_target']}/{summary['rows']} "
             f"(min {summary['peak_error_min']:+.2%}, max {summary['peak_error_max']:+.2%}); "
             f"iteration within 10%: {summary['iteration_within_10pct']}/{summary['rows']} "

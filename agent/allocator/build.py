@@ -1,9 +1,21 @@
 """Build the planned allocator's C++ library from source on first use, cached under the user's cache dir.
 
-Two libraries from the same core (`csrc/core.cpp`): a host-memory backend (`host_backend.cpp`, built
-wherever a C++ compiler exists, so CI tests the core) and a CUDA backend (`cuda_backend.cpp`, needs
-the CUDA runtime's headers and `libcudart`, either from a toolkit or from the `nvidia-cuda-runtime`
-wheel that CUDA builds of PyTorch install; no nvcc is needed because there are no kernels).
+Three libraries from the same core (`csrc/core.cpp`): a host-memory backend (`host_backend.cpp`, built
+wherever a C++ compiler exists, so CI tests the core); the CUDA backend (`cuda_backend.cpp`, needs
+the CUDA runtime's headers and `libcudart`; no nvcc because there are no kernels); and, for tests
+only, the same CUDA backend built against a fake runtime (`csrc/fake_cuda/`, a test double that
+exists because no GPU runs here).
+
+Where the CUDA runtime comes from (`find_cuda_runtime`), first match wins:
+* the pip wheels PyTorch depends on, in both layouts: CUDA 13 (`nvidia/cu13/include`, `nvidia/cu13/lib`,
+  with `crt/host_defines.h` from `nvidia-cuda-crt` in the same folder) and CUDA 12
+  (`nvidia/cuda_runtime/`, with `crt/` from the nvcc wheel, `nvidia/cuda_nvcc/include`), looked up
+  in the `nvidia` namespace package and in the folders of `$MEMPLAN_CUDA_WHEELS` (os.pathsep-separated
+  roots holding an `nvidia/` folder, e.g. a `pip install --target`);
+* a toolkit: `$CUDA_HOME`, `$CUDA_PATH`, `/usr/local/cuda`.
+When PyTorch is a CUDA build, only a runtime of its CUDA major version qualifies. The library is linked
+by path, which records the soname (`libcudart.so.13`): the dynamic loader then binds to the copy
+PyTorch already loaded (same soname), not a second one.
 
 The cache key hashes the sources, the flags and the compiler's version, so an edited source or a new
 compiler rebuilds. Concurrent first uses each compile into a private temporary file and publish it
@@ -12,24 +24,39 @@ with an atomic rename, so no lock is needed.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Backend = Literal["host", "cuda"]
+Backend = Literal["host", "cuda", "cuda_fake"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-COMMON_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=default", "-Wall")
+FAKE_CUDA = CSRC / "fake_cuda"
+COMMON_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=default", "-Wall", "-Wextra")
 SOURCES: dict[Backend, tuple[str, ...]] = {
     "host": ("core.cpp", "host_backend.cpp"),
     "cuda": ("core.cpp", "cuda_backend.cpp"),
+    "cuda_fake": ("core.cpp", "cuda_backend.cpp", "fake_cuda/fake_cudart.cpp"),
 }
-HEADERS = ("planned_allocator.h",)
+HEADERS = ("planned_allocator.h", "fake_cuda/cuda_runtime_api.h")
+# The C symbols PyTorch's CUDAPluggableAllocator and agent/allocator/library.py need from the CUDA library.
+CUDA_EXPORTS = (
+    "mp_cuda_malloc",
+    "mp_cuda_free",
+    "mp_cuda_install",
+    "mp_cuda_empty_cache",
+    "mp_create",
+    "mp_alloc",
+)
 
 
 class AllocatorBuildError(RuntimeError):
@@ -38,10 +65,11 @@ class AllocatorBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class CudaRuntime:
-    """Where the CUDA runtime's headers and shared library are."""
+    """Where the CUDA runtime's headers (one or two folders: runtime and crt/) and shared library are."""
 
-    include_dir: Path
+    include_dirs: tuple[Path, ...]
     library: Path
+    major: int
 
 
 def cache_dir() -> Path:
@@ -70,37 +98,84 @@ def find_compiler() -> str:
 
 
 def _cudart_in(lib_dir: Path) -> Path | None:
+    if not lib_dir.is_dir():
+        return None
     for name in ("libcudart.so", *sorted(p.name for p in lib_dir.glob("libcudart.so.*"))):
         if (lib_dir / name).is_file():
             return lib_dir / name
     return None
 
 
-def find_cuda_runtime() -> CudaRuntime:
-    """Prefer the runtime PyTorch itself loads (the nvidia-cuda-runtime wheel), then a toolkit."""
-    candidates: list[Path] = []
+def _header_major(include_dir: Path) -> int | None:
+    """CUDA major version from `CUDART_VERSION` in cuda_runtime_api.h (13050 -> 13)."""
     try:
-        import nvidia.cuda_runtime as wheel  # type: ignore[import-not-found]
+        text = (include_dir / "cuda_runtime_api.h").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
+    return int(m.group(1)) // 1000 if m else None
 
-        candidates += [Path(p) for p in wheel.__path__]
+
+def _nvidia_roots() -> list[Path]:
+    """`nvidia/` folders: those of `$MEMPLAN_CUDA_WHEELS` first, then the installed namespace package."""
+    roots = [Path(p) / "nvidia" for p in os.environ.get("MEMPLAN_CUDA_WHEELS", "").split(os.pathsep) if p]
+    try:
+        import nvidia  # type: ignore[import-not-found]  # namespace package of NVIDIA's pip wheels
+
+        roots += [Path(p) for p in nvidia.__path__]
     except ImportError:
         pass
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]))
-    candidates.append(Path("/usr/local/cuda"))
-    for root in candidates:
-        header = root / "include" / "cuda_runtime_api.h"
-        if not header.is_file():
+    return roots
+
+
+def _layouts() -> Iterator[tuple[Path, list[Path], list[Path]]]:
+    """(runtime include dir, extra include dirs for crt/, lib dirs) for every place a runtime may be."""
+    nvidia_roots = _nvidia_roots()
+    for root in nvidia_roots:
+        for sub in sorted(
+            root.glob("cu[0-9]*")
+        ):  # CUDA 13+: nvidia/cu13/{include,lib}, crt in the same folder
+            yield sub / "include", [], [sub / "lib"]
+        crt = [r / "cuda_nvcc" / "include" for r in nvidia_roots]  # CUDA 12: crt/ comes with the nvcc wheel
+        yield root / "cuda_runtime" / "include", crt, [root / "cuda_runtime" / "lib"]
+    toolkits = [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    for tk in (*toolkits, Path("/usr/local/cuda")):
+        yield tk / "include", [], [tk / "lib64", tk / "lib", tk / "targets" / "x86_64-linux" / "lib"]
+
+
+def torch_cuda_major() -> int | None:
+    """The CUDA major version PyTorch was built for; None for a CPU build."""
+    import torch
+
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+
+
+def find_cuda_runtime(major: int | None = None) -> CudaRuntime:
+    """The CUDA runtime headers and libcudart, of CUDA `major` (default: PyTorch's, any for a CPU build)."""
+    want = major if major is not None else torch_cuda_major()
+    looked: list[str] = []
+    for include, crt_dirs, lib_dirs in _layouts():
+        looked.append(str(include))
+        if not (include / "cuda_runtime_api.h").is_file():
             continue
-        for lib_dir in (root / "lib", root / "lib64", root / "targets" / "x86_64-linux" / "lib"):
-            lib = _cudart_in(lib_dir) if lib_dir.is_dir() else None
-            if lib is not None:
-                return CudaRuntime(include_dir=root / "include", library=lib)
-    looked = ", ".join(str(c) for c in candidates)
+        found_major = _header_major(include)
+        if want is not None and found_major != want:
+            looked[-1] += f" (CUDA {found_major}, not {want})"
+            continue
+        crt = [d for d in (include, *crt_dirs) if (d / "crt" / "host_defines.h").is_file()]
+        if not crt:
+            looked[-1] += " (no crt/host_defines.h: install nvidia-cuda-crt, or the nvcc wheel for CUDA 12)"
+            continue
+        lib = next((lib for d in lib_dirs if (lib := _cudart_in(d)) is not None), None)
+        if lib is None:
+            looked[-1] += " (no libcudart next to it)"
+            continue
+        dirs = (include,) if crt[0] == include else (include, crt[0])
+        return CudaRuntime(include_dirs=dirs, library=lib, major=found_major or 0)
     raise AllocatorBuildError(
-        f"no CUDA runtime headers and libcudart found (looked in {looked}): install a CUDA build of PyTorch "
-        "(it brings the nvidia-cuda-runtime wheel) or a CUDA toolkit and set CUDA_HOME"
+        f"no CUDA {want if want else ''} runtime headers and libcudart found (looked in: {'; '.join(looked)}): "
+        "install a CUDA build of PyTorch (it brings the nvidia-cuda-runtime wheel) or a CUDA toolkit and set "
+        "CUDA_HOME; scripts/check_cuda_build.sh shows the few-MB wheels that suffice"
     )
 
 
@@ -112,15 +187,17 @@ def _compiler_version(cxx: str) -> str:
     return out.stdout
 
 
-def build_command(backend: Backend, cxx: str, output: Path) -> list[str]:
+def build_command(backend: Backend, cxx: str, output: Path, *, werror: bool = False) -> list[str]:
     sources = [str(CSRC / s) for s in SOURCES[backend]]
-    cmd = [cxx, *COMMON_FLAGS, *sources, "-o", str(output)]
+    cmd = [cxx, *COMMON_FLAGS, *(["-Werror"] if werror else []), *sources, "-o", str(output)]
     if backend == "cuda":
         rt = find_cuda_runtime()
         # link the runtime by path: the soname (libcudart.so.N) is recorded, so the copy PyTorch has
         # already loaded is the one used at run time
-        cmd[1:1] = [f"-I{rt.include_dir}"]
+        cmd[1:1] = [f"-I{d}" for d in rt.include_dirs]
         cmd += [str(rt.library), f"-Wl,-rpath,{rt.library.parent}"]
+    elif backend == "cuda_fake":
+        cmd[1:1] = [f"-I{FAKE_CUDA}"]  # the fake's cuda_runtime_api.h; its definitions are compiled in
     return cmd
 
 
@@ -152,3 +229,38 @@ def library_path(backend: Backend) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def check_cuda_build(major: int | None, output: Path) -> Path:
+    """Compile the CUDA backend against the real CUDA headers with -Werror into `output` (no GPU needed)."""
+    cxx = find_compiler()
+    rt = find_cuda_runtime(major)
+    cmd = build_command("cuda", cxx, output, werror=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise AllocatorBuildError(
+            f"the CUDA backend does not compile cleanly:\n$ {' '.join(cmd)}\n{done.stderr[-6000:]}"
+        )
+    print(
+        f"built {output} against CUDA {rt.major} headers in {', '.join(map(str, rt.include_dirs))}; libcudart {rt.library}"
+    )
+    return output
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compile the planned allocator's CUDA backend with -Werror.")
+    parser.add_argument(
+        "--cuda-major", type=int, default=None, help="CUDA major version (default: PyTorch's)"
+    )
+    parser.add_argument("--output", type=Path, required=True, help="where to write the shared library")
+    args = parser.parse_args(argv)
+    try:
+        check_cuda_build(args.cuda_major, args.output)
+    except AllocatorBuildError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

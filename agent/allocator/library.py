@@ -37,6 +37,7 @@ STAT_FIELDS: tuple[str, ...] = (
     "debug_violations",
     "failed_allocs",
     "unguarded_pool_fallbacks",
+    "arena_reserve_failures",
 )
 
 
@@ -90,8 +91,10 @@ class Library:
                 [c_void_p, POINTER(ctypes.c_int64), c_uint64, POINTER(c_uint64), c_uint64, c_uint64, c_int],
             ),
         }
-        if path.name.endswith("_cuda.so"):
+        if "_cuda" in path.name:  # the CUDA backend, real or built against the fake runtime
             sig["mp_cuda_install"] = (None, [c_void_p, c_int])
+            sig["mp_cuda_empty_cache"] = (c_uint64, [])
+            sig["mp_cuda_cached_bytes"] = (c_uint64, [])
         for name, (restype, argtypes) in sig.items():
             fn = getattr(lib, name)
             fn.restype = restype

@@ -49,6 +49,7 @@ class AllocatorStats:
     debug_violations: int
     failed_allocs: int
     unguarded_pool_fallbacks: int
+    arena_reserve_failures: int
 
     @property
     def fallbacks(self) -> int:

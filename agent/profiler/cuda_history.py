@@ -2,13 +2,16 @@
 
 `CudaAllocatorHistory` turns on `torch.cuda.memory._record_memory_history` for the window, reads
 `torch.cuda.memory._snapshot()["device_traces"]` at the end and always turns recording off again (on
-success or error). Each `alloc` entry becomes a `StorageRecord` (size is the allocator's rounded block
-size, what a plan must place); the matching `free_completed` entry (same address, the moment the block is
+success or error). Each `alloc` entry becomes a `StorageRecord` (size is the size the program requested,
+which the trace entries carry, not the caching allocator's rounded block); the matching `free_completed` entry (same address, the moment the block is
 reusable on its stream) is its free. Blocks are attributed to the profiler's cursor without timestamps:
 at every cursor mark the gauge reads the allocator's cumulative allocation count
 (`memory_stats()["allocation.all.allocated"]`), and the n-th `alloc` entry of the window belongs to the
 last mark whose count is at most n. Saved-for-backward storages are matched by (address, allocation
 count at pack time), so a later reuse of the same address is not confused with them.
+
+`skip_actions=` (drop segment events from the history) exists only in newer PyTorch; older versions
+allowed by pyproject's torch floor record them too, and `records` ignores them either way.
 
 Written against the PyTorch 2.x API; the development machine has no GPU, so this path was not run there.
 """
@@ -16,6 +19,7 @@ Written against the PyTorch 2.x API; the development machine has no GPU, so this
 from __future__ import annotations
 
 import bisect
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,11 @@ class CudaGauge:
         return peak
 
 
+def record_history_takes_skip_actions() -> bool:
+    """Whether this PyTorch's `_record_memory_history` accepts `skip_actions=` (absent in older 2.x)."""
+    return "skip_actions" in inspect.signature(torch.cuda.memory._record_memory_history).parameters
+
+
 class CudaAllocatorHistory:
     """Context manager recording the caching allocator's events for one window on `device`."""
 
@@ -64,9 +73,12 @@ class CudaAllocatorHistory:
     def __enter__(self) -> CudaAllocatorHistory:
         torch.cuda.synchronize(self.device)
         self._count_base = int(torch.cuda.memory_stats(self.device).get(_COUNT_KEY, 0))
+        options: dict[str, Any] = {}
+        if record_history_takes_skip_actions():
+            options["skip_actions"] = ["segment_alloc", "segment_free", "segment_map", "segment_unmap"]
         torch.cuda.memory._record_memory_history(
             enabled="all", context=None, stacks="python", max_entries=self.max_entries, device=self.device,
-            clear_history=True, skip_actions=["segment_alloc", "segment_free", "segment_map", "segment_unmap"],
+            clear_history=True, **options,
         )
         return self
 

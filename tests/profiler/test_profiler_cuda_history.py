@@ -37,3 +37,27 @@ def test_history_entries_become_records_with_blocks_frees_and_saved_flags() -> N
     assert next_event == 14  # the free of a pre-window allocation is not an event of the window
     assert [r.saved_for_backward for r in records] == [True, True, False]
     assert by_addr[0x1000] == [(0, 5), (2, 7)]
+
+
+def test_skip_actions_is_passed_only_to_a_pytorch_that_takes_it(monkeypatch) -> None:
+    """Issue 19 defect 10: pyproject allows torch>=2.4, whose `_record_memory_history` has no `skip_actions`."""
+    from agent.profiler import cuda_history
+
+    assert cuda_history.record_history_takes_skip_actions()  # the installed torch (2.13) takes it
+
+    def record_history_of_torch_2_4(enabled="all", context="all", stacks="all", max_entries=0, device=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_history_of_torch_2_4)
+    assert not cuda_history.record_history_takes_skip_actions()
+
+
+def test_segment_entries_recorded_by_an_older_pytorch_are_ignored() -> None:
+    history = CudaAllocatorHistory(torch.device("cuda", 0))
+    history.entries = [
+        {"action": "segment_alloc", "addr": 0x0, "size": 2 << 20, "stream": 0},
+        {"action": "alloc", "addr": 0x1000, "size": 512, "stream": 0},
+        {"action": "segment_free", "addr": 0x0, "size": 2 << 20, "stream": 0},
+    ]
+    records, next_event, _ = history.records(0, 0, [0], [(0, Phase.forward)])
+    assert [(r.nbytes, r.free_event) for r in records] == [(512, None)] and next_event == 1

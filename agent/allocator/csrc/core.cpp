@@ -54,6 +54,7 @@ struct mp_core {
     uint64_t relax_after = 8;  // consecutive misses after which the pool's guard is lifted (0: never)
     uint64_t miss_run = 0;     // consecutive requests during the replay that missed the plan
     bool debug = false;
+    bool reserve_failed = false;  // the arena's reservation failed once: not retried on every allocation
     bool cycling = false;   // replaying the iteration's slots (from the first begin_iteration on)
     std::vector<Slot> slots;
     std::vector<uint64_t> cyc;  // every slot, in allocation order (the order of the `sizes` given)
@@ -303,10 +304,19 @@ struct mp_core {
         debug_ranges[start] = end;
     }
 
+    // Reserve the arena once. A failure is remembered: later allocations go straight to the plain
+    // backend instead of asking the device for the whole arena again on every request (on CUDA each
+    // failed cudaMalloc of the arena costs a driver call and may empty caches); mp_reserve_arena
+    // retries explicitly.
     bool reserve() {
         if (base != nullptr || arena_extent == 0) return true;
+        if (reserve_failed) return false;
         base = static_cast<uint8_t*>(mp_backend_alloc(arena_extent, alignment, device));
-        if (base == nullptr) return false;
+        if (base == nullptr) {
+            reserve_failed = true;
+            st.arena_reserve_failures++;
+            return false;
+        }
         st.arena_bytes = arena_extent;
         st.reserved_bytes += arena_extent;
         st.peak_reserved_bytes = std::max(st.peak_reserved_bytes, st.reserved_bytes);
@@ -553,6 +563,7 @@ void* mp_arena_base(mp_core* c) {
 
 int mp_reserve_arena(mp_core* c) {
     std::lock_guard<std::mutex> g(c->mu);
+    c->reserve_failed = false;  // an explicit request retries
     return c->reserve() ? 0 : 1;
 }
 

@@ -51,6 +51,7 @@ typedef struct {
     uint64_t debug_violations;       // debug mode: overlapping live ranges or inconsistent frees found
     uint64_t failed_allocs;          // the backend had no memory (nullptr returned)
     uint64_t unguarded_pool_fallbacks;  // pool fallbacks made while the guard was lifted (after `relax_after` misses)
+    uint64_t arena_reserve_failures;    // the backend could not reserve the arena (tried once, then on mp_reserve_arena)
 } mp_stats;
 
 typedef struct mp_core mp_core;
@@ -77,7 +78,7 @@ int mp_owns(mp_core* core, void* ptr);       // 1: a live block of this core
 void mp_begin_iteration(mp_core* core);      // an iteration starts: the replay cursor goes to its first slot
 uint64_t mp_cursor(mp_core* core);           // index (among the iteration's slots) of the next expected one
 void* mp_arena_base(mp_core* core);          // nullptr until reserved
-int mp_reserve_arena(mp_core* core);         // 0: reserved (or already), 1: backend out of memory
+int mp_reserve_arena(mp_core* core);         // 0: reserved (or already), 1: backend out of memory (retries after a failure)
 void mp_get_stats(mp_core* core, mp_stats* out);
 void mp_reset_peaks(mp_core* core);
 // Debug check of every invariant (arena tiled by live blocks and gaps, no overlapping live range,
