@@ -17,7 +17,7 @@ import torch
 from agent.model_zoo import build
 from agent.runtime import RuntimeOptions
 from agent.runtime.activations import apply_activation_policy
-from agent.wrap import unwrap, wrap
+from agent.wrapping import unwrap, wrap
 from tests.activations.activation_helpers import VOCAB, data, policy_for, run
 from tests.cuda_semantics.checker import StreamOrderError, simulated_cuda
 from tests.runtime.runtime_helpers import Trainer, alternate, batches, plan_for, tiny_model, train
