@@ -57,10 +57,12 @@ def test_fuzzed_api_has_no_server_errors_or_schema_violations(backend: str, tmp_
     har = tmp_path / "fuzz.har"
     with EmbeddedServer(cfg) as base:
         _seed(base)
+        # one worker: with two, schemathesis' threads call hypothesis' lambda descriptions (ast.parse) at once,
+        # which CPython 3.11 can fail with "SystemError: AST constructor recursion depth mismatch" (seen here)
         res = subprocess.run(
             [st, "run", f"{base}/openapi.json", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
              "--phases", "examples,coverage,fuzzing,stateful", "--mode", "all", "--generation-allow-x00", "true",
-             "--max-examples", "60", "--seed", "20261125", "--workers", "2", "--no-color",
+             "--max-examples", "60", "--seed", "20261125", "--workers", "1", "--no-color",
              "--report", "har", "--report-har-path", str(har)],
             capture_output=True, text=True, timeout=1200,
             env={**os.environ, "SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("hostile_hooks.py"))})
