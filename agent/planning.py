@@ -66,8 +66,9 @@ def server_url(server: str | None) -> str | None:
     return server or os.environ.get("MEMPLAN_SERVER") or None
 
 
-def workload_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any) -> str:
-    """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind)."""
+def workload_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *,
+                 clips_gradients: bool = False) -> str:
+    """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind, clipping)."""
     from agent.profiler.optimizer_probe import optimizer_kind
     from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 
@@ -83,6 +84,7 @@ def workload_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_batc
         optimizer=optimizer_kind(optimizer),
         optimizer_state_bytes_per_param=0,
         gradient_bytes_per_param=params[0].element_size(),
+        clips_gradients=clips_gradients,
     )
     return w.key
 
@@ -224,7 +226,7 @@ def obtain_plan(
     try:
         if client is not None and budget is not None and reuse:
             # the job's own keys are computed outside the service's except: a bug here is the agent's
-            keys = (fingerprint(model), hw.key, workload_key(model, optimizer, sample_batch))
+            keys = (fingerprint(model), hw.key, workload_key(model, optimizer, sample_batch, clips_gradients=clips_gradients))
             c = client
             try:
                 found = budget.call(lambda: find_in_history(c, *keys, constraints), "history look-up")

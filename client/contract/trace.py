@@ -223,7 +223,10 @@ class Workload(ContractModel):
 
     @property
     def key(self) -> str:
-        return f"b{self.batch_size}:s{self.sequence_length}:{self.precision.value}:{self.optimizer.value}"
+        """Stable identity of the workload for plan reuse: shape, precision, optimizer, and `:clip` for a job
+        that clips (its plan counts the redo of speculative host steps; keys of other jobs are unchanged)."""
+        clip = ":clip" if self.clips_gradients else ""
+        return f"b{self.batch_size}:s{self.sequence_length}:{self.precision.value}:{self.optimizer.value}{clip}"
 
 
 # ------------------------------------------------------------------------------------------ measurement

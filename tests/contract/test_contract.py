@@ -261,3 +261,15 @@ def test_workload_clipping_fields_are_strict() -> None:
     for bad in ({"clips_gradients": 0}, {"undo_backup_bytes_per_param": 81}, {"undo_backup_bytes_per_param": 1.0}):
         with pytest.raises(pydantic.ValidationError):
             Workload.model_validate({**base, **bad})
+
+
+def test_a_job_that_clips_has_its_own_workload_key() -> None:
+    """A plan reused from history must come from a job that clips alike (its prediction counts the redo)."""
+    from client.contract import Workload
+
+    base = {"batch_size": 2, "sequence_length": 16, "precision": "fp32", "optimizer": "adamw",
+            "optimizer_state_bytes_per_param": 8, "gradient_bytes_per_param": 4}
+    plain = Workload.model_validate(base)
+    clipped = Workload.model_validate({**base, "clips_gradients": True})
+    assert plain.key == "b2:s16:fp32:adamw"  # keys of jobs that do not clip are as before
+    assert clipped.key == "b2:s16:fp32:adamw:clip"
