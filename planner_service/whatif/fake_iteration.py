@@ -24,12 +24,18 @@ does), both saving the output and log-sum-exp rather than attention weights. The
 kernel only without a mask (GPT-2, for one, passes a mask and gets the math path: b*h*s^2 fp32 weights);
 `gpu_attention=False` keeps the CPU's choice, which is what the profiler measures on this machine.
 
+Packed sequences: the library's check for several sequences packed in one row reads the position ids'
+values, which fake tensors lack, so it would assume packing and build a causal mask (and repeat grouped k/v
+heads) that a real run of an unpacked batch never builds; `_UnpackedSequences` answers "not packed" for the
+fake run's own tensors, the true answer for a modelled batch.
+
 The optimizer step is not run (its scalar `step` reads a value, which fake tensors do not have): its state
 and its transient are added from the optimizer's definition (`optimizer_state`).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -39,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -300,6 +306,76 @@ class _GpuAttention(TorchFunctionMode):
                                                                       scale=scale)[0]
 
 
+# --------------------------------------------------------------------------------------------- packing
+class _UnpackedSequences:
+    """While entered: Hugging Face's packed-sequence check answers "not packed" for this mode's fake tensors.
+
+    Models built on `transformers.masking_utils` (llama, mistral, qwen, gemma, gpt_neox, starcoder2, ...)
+    call `find_packed_sequence_indices(position_ids)` when given no attention mask. It reads the ids' values:
+    on a real batch of one sequence per row it returns None, the causal mask is skipped and SDPA runs with
+    `is_causal=True` and `enable_gqa=True` (k/v keep their grouped heads). Fake tensors have no values, so
+    the library assumes packing and materialises a (batch, 1, s, s) mask, which also makes it repeat k/v to
+    every query head: +24576 B of saved tensors per block on tests/whatif's GQA starcoder2 (13%), +8192 B
+    on gpt_neox, for a run nobody does. The modelled workload is `batch` sequences of `seq` tokens each,
+    never packed, so "not packed" is this batch's true answer.
+
+    Only fake tensors of an entered mode get that answer (anything else, e.g. a `torch.compile` trace in
+    another thread, gets the library's check); the function is replaced while at least one mode is entered
+    and restored after the last leaves. A transformers without the function is left as it is (the profiler
+    comparison in tests/whatif would show the difference).
+    """
+
+    _lock = threading.Lock()
+    _modes: dict[int, int] = {}  # id(FakeTensorMode) -> times entered
+    _original: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> _UnpackedSequences:
+        try:
+            from transformers import masking_utils
+        except ImportError:
+            return self
+        cls = type(self)
+        with cls._lock:
+            if not cls._modes:
+                original = getattr(masking_utils, "find_packed_sequence_indices", None)
+                if original is None:
+                    return self
+                cls._original = original
+                setattr(masking_utils, "find_packed_sequence_indices", cls._answer)  # noqa: B010
+            cls._modes[id(self.mode)] = cls._modes.get(id(self.mode), 0) + 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cls = type(self)
+        with cls._lock:
+            count = cls._modes.get(id(self.mode), 0)
+            if count == 0:
+                return
+            if count == 1:
+                del cls._modes[id(self.mode)]
+            else:
+                cls._modes[id(self.mode)] = count - 1
+            if not cls._modes and cls._original is not None:
+                from transformers import masking_utils
+
+                setattr(masking_utils, "find_packed_sequence_indices", cls._original)  # noqa: B010
+                cls._original = None
+
+    @classmethod
+    def _answer(cls, position_ids: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(position_ids, FakeTensor) and id(position_ids.fake_mode) in cls._modes:
+            return None
+        original = cls._original
+        if original is None:  # restored between the library's lookup and this call: answer as the library
+            from transformers import masking_utils
+
+            original = masking_utils.find_packed_sequence_indices
+        return original(position_ids)
+
+
 # --------------------------------------------------------------------------------------------- hooks
 class _Hooks:
     """Block hooks driving the cursor, first-use order, saved-tensor and input accounting."""
@@ -436,7 +512,7 @@ def run_iteration(model: nn.Module, repeated: RepeatedBlocks, batch: dict[str, t
     cursor = tracker.cursor
     hooks = _Hooks(model, repeated, cursor, excluded)
     try:
-        with mode, hooks, (_GpuAttention() if gpu_attention else nullcontext()), tracker:
+        with _UnpackedSequences(mode), mode, hooks, (_GpuAttention() if gpu_attention else nullcontext()), tracker:
             cursor.move(0, Phase.forward)
             output = model(**batch)
             loss = _loss_of(output)
