@@ -309,7 +309,7 @@ class ModelStateManager:
 
     def unpack_saved(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook (activation management calls it from its own unpack hook)."""
-        return self.saved.unpack(packed) if self.saved is not None else packed  # type: ignore[no-any-return]
+        return self.saved.unpack(packed) if self.saved is not None else packed
 
     def evict_all(self) -> None:
         if self.residency is not None:

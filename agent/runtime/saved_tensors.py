@@ -156,7 +156,7 @@ class SavedTensorRebinder:
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: rebuild a packed buffer tensor from wherever its chunk is now."""
         if not isinstance(packed, SavedChunkView):
-            return packed  # type: ignore[no-any-return]
+            return packed
         if not self.phase.forward:
             self.on_backward()
         slot = self.residency.acquire(packed.chunk)

@@ -233,7 +233,7 @@ class SwapStore:
     @section(SWAP_IN)
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, PassedThrough):
-            return packed.unpack(packed.packed) if packed.unpack is not None else packed.packed  # type: ignore[no-any-return]
+            return packed.unpack(packed.packed) if packed.unpack is not None else packed.packed
         assert isinstance(packed, SwappedView)
         entry = packed.entry
         if entry.on_device is None:

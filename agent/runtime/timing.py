@@ -5,7 +5,8 @@ callback, `zero_grad`, `step`) and each move of a chunk (upload, evict, gradient
 `memplan::<name>`: under `torch.profiler` it is a `record_function` range (as FSDP2 labels its
 `FSDP::pre_forward`, `FSDP::all_gather`, ...), and every registered `TimingListener` receives its wall time
 and nesting depth. The profiler's probes time the runtime through this, not by subclassing it. With no
-listener and no active profiler a section is one flag check.
+listener and no active profiler a section costs about half a microsecond (one wrapper call and
+one check), on the hooks torch calls per module, saved tensor and gradient.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ ENTRY_POINTS = frozenset(
 )
 
 
+_profiler_enabled = torch.autograd._profiler_enabled
+
+
 class TimingListener(Protocol):
     """Receives each finished section: its name, wall seconds, and depth (0: not inside another section)."""
 
@@ -73,6 +77,8 @@ class RuntimeTiming:
         self.depth = depth + 1
         t0 = time.perf_counter()
         try:
+            if not _profiler_enabled():  # a listener only: no profiler range (it would cost a few us a call)
+                return fn(*args, **kwargs)
             with torch.profiler.record_function(f"memplan::{name}"):
                 return fn(*args, **kwargs)
         finally:
@@ -92,7 +98,7 @@ def section(name: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             timing: RuntimeTiming = self.timing
-            if not timing.active:
+            if not timing._listeners and not _profiler_enabled():  # the common case: one check, ~0.5 us a call
                 return fn(self, *args, **kwargs)
             return timing.run(name, fn, self, *args, **kwargs)
 
