@@ -94,6 +94,7 @@ class ModelStateManager:
 
     @property
     def pool(self) -> BufferPool | None:
+        """The device buffers offloaded chunks are uploaded into (None without offloaded chunks)."""
         return self.residency.pool if self.residency is not None else None
 
     @property
@@ -103,18 +104,21 @@ class ModelStateManager:
 
     # ================================================================================== setup/teardown
     def attach_optimizer(self, optimizer: ChunkedOptimizer) -> None:
+        """Step the chunks with `optimizer` (it makes one stepper per chunk)."""
         self.optimizer = optimizer
         optimizer.bind_chunks(self.states)
         if self.host_steps is not None:
             self.host_steps.optimizer = optimizer
 
     def _move_buffers_to_device(self) -> None:
+        """The model's buffers (not parameters: the chunks hold those) go to the runtime's device."""
         for module in self.model.modules():
             for name, buf in module._buffers.items():
                 if buf is not None and buf.device != self.ctx.device:
                     module._buffers[name] = buf.to(self.ctx.device)
 
     def _install_hooks(self) -> None:
+        """Root forward, state-dict and gradient hooks; pre/post hooks on each module owning offloaded chunks."""
         self._hooked: set[int] = set()
         self._sync_grad_hooks()
         m = self.model
@@ -312,6 +316,7 @@ class ModelStateManager:
         return self.saved.unpack(packed) if self.saved is not None else packed
 
     def evict_all(self) -> None:
+        """Every offloaded chunk leaves its buffer (its parameters then point at the host copy)."""
         if self.residency is not None:
             self.residency.evict_all()
 

@@ -22,8 +22,10 @@ class Phase:
 
     @property
     def backward(self) -> bool:
+        """Backward runs (recomputations inside it included)."""
         return self.state is TrainingState.BACKWARD
 
     @property
     def forward(self) -> bool:
+        """The wrapped model's forward runs."""
         return self.state is TrainingState.FORWARD

@@ -172,11 +172,13 @@ class ChunkResidency:
             self.evict(self.pool.slots[st.slot])
 
     def evict_all(self) -> None:
+        """Release every buffer."""
         for slot in self.pool.slots:
             if slot.chunk is not None:
                 self.evict(slot)
 
     def unpin_all(self) -> None:
+        """End of backward: no module or recomputation holds a buffer any more."""
         for slot in self.pool.slots:
             slot.pins = 0
 

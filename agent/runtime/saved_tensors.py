@@ -76,6 +76,7 @@ class SavedTensorRebinder:
         self._root_pushed.append("")
 
     def exit_root_forward(self) -> None:
+        """The wrapped model's forward ended: pop what `enter_root_forward` pushed, record the check's answer."""
         pushed = self._root_pushed.pop() if self._root_pushed else ""
         if pushed:
             torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -86,6 +87,7 @@ class SavedTensorRebinder:
 
     # ======================================================================= per-module scopes
     def enter_module(self, module_id: int) -> None:
+        """A module owning offloaded parameters starts its forward: open a scope if needed."""
         self._module_scopes.append((module_id, False))
         if self.enter_scope():
             # the tensors this module's forward saves (its parameters, views of them) are recorded by
@@ -93,6 +95,7 @@ class SavedTensorRebinder:
             self._module_scopes[-1] = (module_id, True)
 
     def exit_module(self, module_id: int) -> None:
+        """The module's forward ended: close its scope if it opened one."""
         if self._module_scopes and self._module_scopes[-1][0] == module_id:
             if self._module_scopes.pop()[1]:
                 self.exit_scope()
@@ -113,6 +116,7 @@ class SavedTensorRebinder:
         return True
 
     def exit_scope(self) -> None:
+        """Pop the hooks `enter_scope` pushed."""
         torch._C._autograd._pop_saved_tensors_default_hooks()
         self._scope_depth -= 1
 
