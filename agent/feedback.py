@@ -33,7 +33,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from agent.measure import DevicePeakMeter, device_state_tensors
-from agent.wrapping import DEFAULT_FEEDBACK_STEPS
 from client.contract import Feedback
 
 if TYPE_CHECKING:
@@ -150,7 +149,7 @@ class StepMonitor:
         manager: ModelStateManager | None,
         activations: ActivationManager | None,
         sink: FeedbackSink | None,
-        steps: int = DEFAULT_FEEDBACK_STEPS,
+        steps: int,  # `wrap(feedback_steps=...)`, default `agent.wrapping.DEFAULT_FEEDBACK_STEPS`
         warmup: int = 2,
         notes: Callable[[], str] | None = None,
     ) -> None:

@@ -139,10 +139,10 @@ def check_feasible(plan: Plan, constraints: Constraints) -> Plan:
 
 
 def solve_embedded(trace: Trace, constraints: Constraints) -> Plan:
-    """The service's solver, in-process."""
-    from planner_service.solver import solve
+    """The service's solve, in-process: the same `solve_plan` its worker runs (policy, then allocation)."""
+    from planner_service.solver.plan import solve_plan  # the solver (ortools, numba) loads only when needed
 
-    return solve(trace, constraints)
+    return solve_plan(trace, constraints)
 
 
 def _wait_with_progress(client: Client, plan_id: str, wait_s: float) -> Any:

@@ -57,6 +57,7 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
     from agent.runtime.manager import ModelStateManager
     from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError, check_supported
     from agent.runtime.options import RuntimeOptions
+    from agent.runtime.timing import GRAD_HOOK, STEP, ZERO_GRAD
     from client.contract import Placement
 
     params = [o.param for o in ordered]
@@ -83,16 +84,12 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
     layout = ChunkLayout(chunk_numel=max(c.used_numel for c in chunks), compute_dtype=params[0].dtype,
                          chunks=chunks, n_buffers=0, by_param=by_param)
     hooks, step, zero = _Timer(), _Timer(), _Timer()
+    timers = {GRAD_HOOK: hooks, STEP: step, ZERO_GRAD: zero}
 
-    class TimedManager(ModelStateManager):
-        def _on_grad(self, param: torch.Tensor) -> None:
-            hooks.call(super()._on_grad, param)
-
-        def step(self) -> None:
-            step.call(super().step)
-
-        def zero_grad(self, *, set_to_none: bool = True) -> None:
-            zero.call(super().zero_grad, set_to_none=set_to_none)
+    def on_section(name: str, seconds: float, depth: int) -> None:
+        """The runtime's timing hook: the gradient hooks, `step` and `zero_grad`, each where torch calls it."""
+        if name in timers and depth == 0:
+            timers[name].total += seconds
 
     data = [p.data for p in params]
     grads = [p.grad for p in params]
@@ -107,7 +104,8 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
             user = type(optimizer)(trainable, **hyper)
         except (TypeError, ValueError):
             return None  # the optimizer class cannot be rebuilt from its defaults: not probed
-        manager = TimedManager(model, layout, DeviceContext(device), RuntimeOptions(device=device))
+        manager = ModelStateManager(model, layout, DeviceContext(device), RuntimeOptions(device=device))
+        manager.timing.add_listener(on_section)
         chunked = ChunkedOptimizer(user, layout, manager)
         manager.attach_optimizer(chunked)
         chunked.zero_grad()  # as after a step: no gradients, backward's fresh ones are copied into the chunks

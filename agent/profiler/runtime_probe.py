@@ -31,7 +31,6 @@ the assumption the `max_blocks` extrapolation makes). Parameters, gradients and 
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,23 +64,11 @@ class RuntimeProbe:
         return max(0.0, self.checkpoint_s - self.plain_s)
 
 
+@dataclass
 class _Timer:
-    """Accumulates the wall time of the outermost timed calls (hooks of the runtime may nest)."""
+    """Wall seconds summed from the runtime's timing hook (`agent.runtime.timing`)."""
 
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.depth = 0
-
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.depth:
-            return fn(*args, **kwargs)
-        self.depth = 1
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.total += time.perf_counter() - t0
-            self.depth = 0
+    total: float = 0.0
 
 
 class _NotProbed(Exception):
@@ -133,6 +120,7 @@ def probe_block(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     """Run the block in every mode (see the module docstring); None when the block cannot be probed
     (no trainable parameters, mixed parameter dtypes, no differentiable output)."""
     from agent.runtime.swap import SwapStore
+    from agent.runtime.timing import SWAP_IN, SWAP_OUT, SWAP_PREFETCH
 
     clock = DeviceClock(device)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -146,17 +134,16 @@ def probe_block(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     state |= {b.untyped_storage().data_ptr() for b in module.buffers()}
     out_timer, in_timer = _Timer(), _Timer()
 
-    class TimedStore(SwapStore):
-        def _pack(self, t: torch.Tensor) -> Any:
-            return out_timer.call(super()._pack, t)
+    store = SwapStore(device, lambda t: t.untyped_storage().data_ptr() in state)
 
-        def _unpack(self, packed: Any) -> torch.Tensor:
-            return in_timer.call(super()._unpack, packed)  # type: ignore[no-any-return]
+    def on_swap_section(name: str, seconds: float, depth: int) -> None:
+        """The store's timing hook: copies out (pack), copies in (unpack, prefetch), outermost calls only."""
+        if depth == 0:
+            timer = out_timer if name == SWAP_OUT else in_timer if name in (SWAP_IN, SWAP_PREFETCH) else None
+            if timer is not None:
+                timer.total += seconds
 
-        def prefetch(self, block: int, *, late: bool = False) -> bool:
-            return in_timer.call(super().prefetch, block, late=late)  # type: ignore[no-any-return]
-
-    store = TimedStore(device, lambda t: t.untyped_storage().data_ptr() in state)
+    store.timing.add_listener(on_swap_section)
 
     def swapped() -> Any:
         with store.swapping(index):
@@ -229,6 +216,7 @@ class _OffloadedChunk:
         from agent.runtime.manager import ModelStateManager
         from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError
         from agent.runtime.options import RuntimeOptions
+        from agent.runtime.timing import ENTRY_POINTS, EVICT, FLUSH, STEP, UPLOAD
         from client.contract import Placement
 
         names = {id(p): n for n, p in module.named_parameters()}
@@ -243,64 +231,24 @@ class _OffloadedChunk:
         layout = ChunkLayout(chunk_numel=offset, compute_dtype=params[0].dtype, chunks=[spec], n_buffers=1,
                              by_param=by_param)
         timer = self.timer = _Timer()
-        moves = self.moves = {"_upload": 0.0, "_evict": 0.0, "_flush": 0.0}
+        moves = self.moves = dict.fromkeys((UPLOAD, EVICT, FLUSH), 0.0)
 
-        def timed_move(name: str, fn: Callable[..., None], *a: Any, **k: Any) -> None:
-            t0 = time.perf_counter()
-            try:
-                fn(*a, **k)
-            finally:
-                moves[name] += time.perf_counter() - t0
-
-        class TimedManager(ModelStateManager):
-            """The chunk runtime, its entry points (hooks torch calls) timed."""
-
-            def _on_root_forward(self, *a: Any) -> None:
-                timer.call(super()._on_root_forward, *a)
-
-            def _after_root_forward(self, *a: Any) -> None:
-                timer.call(super()._after_root_forward, *a)
-
-            def _on_output_grad(self, *a: Any) -> None:
-                timer.call(super()._on_output_grad, *a)
-
-            def _end_backward(self, *, aborted: bool = False) -> None:
-                timer.call(super()._end_backward, aborted=aborted)
-
-            def _before_module(self, *a: Any) -> None:
-                timer.call(super()._before_module, *a)
-
-            def _after_module(self, *a: Any) -> None:
-                timer.call(super()._after_module, *a)
-
-            def pack_saved(self, t: torch.Tensor) -> Any:
-                return timer.call(super().pack_saved, t)
-
-            def unpack_saved(self, packed: Any) -> torch.Tensor:
-                return timer.call(super().unpack_saved, packed)  # type: ignore[no-any-return]
-
-            def _on_grad(self, param: torch.Tensor) -> None:
-                timer.call(super()._on_grad, param)
-
-            def zero_grad(self, *, set_to_none: bool = True) -> None:
-                timer.call(super().zero_grad, set_to_none=set_to_none)
-
-            # inside the entry points: what moving the chunk in and out costs (per upload, per release)
-            def _upload(self, *a: Any) -> None:
-                timed_move("_upload", super()._upload, *a)
-
-            def _evict(self, *a: Any) -> None:
-                timed_move("_evict", super()._evict, *a)
-
-            def _flush(self, *a: Any, **k: Any) -> None:
-                timed_move("_flush", super()._flush, *a, **k)
+        def on_section(name: str, seconds: float, depth: int) -> None:
+            """The runtime's timing hook: entry points (hooks torch calls, `zero_grad`; not `optimizer.step()`,
+            run outside the timed block) not inside another section make the runtime's time; uploads, releases
+            and gradient flushes, wherever they run, what moving costs."""
+            if name in ENTRY_POINTS and name != STEP and depth == 0:
+                timer.total += seconds
+            elif name in moves:
+                moves[name] += seconds
 
         self.params = params
         # the parameters' own storages: the runtime copies them into its chunk and never writes them, so
         # giving them back on close restores the values from before the probe (the probe's host steps
         # change the chunk's copy only)
         self.data = [p.data for p in params]
-        self.manager: Any = TimedManager(module, layout, DeviceContext(device), RuntimeOptions(device=device))
+        self.manager: Any = ModelStateManager(module, layout, DeviceContext(device), RuntimeOptions(device=device))
+        self.manager.timing.add_listener(on_section)
         self._counts = (0, 0)
         self.optimizer: ChunkedOptimizer | None = None
         if optimizer is not None and optimizer.param_groups:
@@ -333,7 +281,8 @@ class _OffloadedChunk:
         n_up, n_ev = c.uploads - self._counts[0], c.evictions - self._counts[1]
         if not n_up or not n_ev:
             return 0.0
-        return self.moves["_upload"] / n_up + (self.moves["_evict"] - self.moves["_flush"]) / n_ev
+        upload, evict, flush = (self.moves[k] for k in ("upload", "evict", "flush"))  # timing.UPLOAD, ...
+        return upload / n_up + (evict - flush) / n_ev
 
     def run(self, block: _Block, forward: Callable[[], Any]) -> tuple[float, float]:
         t = block.run(forward)

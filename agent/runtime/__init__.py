@@ -3,7 +3,8 @@
 Modules, each with one job: `layout` (plan -> parameter offsets, checked against the model), `chunks`
 (chunk memory), `buffers` (device buffer pool), `schedule` (recorded access order, prefetch, eviction),
 `device` (streams and events; no-ops on CPU), `host_worker` (host optimizer thread), `optimizer`
-(the user's optimizer reproduced per chunk), `manager` (the orchestration), `accounting` (bytes held),
+(the user's optimizer) with `stepper` (one per chunk), `manager` (hooks, lifecycle; wires `residency`,
+`gradients`, `saved_tensors`, `host_steps`), `phase`, `timing` (the timing hook), `accounting` (bytes held),
 `manual` (hand-built plans), `activations` (per-block keep/checkpoint/swap) with `swap` (saved tensors
 to host memory and back, one block ahead).
 """

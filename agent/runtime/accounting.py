@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from agent.runtime.buffers import BufferPool
+    from agent.runtime.chunks import ChunkState
+    from agent.runtime.device import DeviceContext
+    from agent.runtime.stepper import ChunkStepper
 
 
 @dataclass
@@ -67,3 +77,45 @@ class RuntimeReport:
             f"(pinned {m.pinned_host_bytes / gib:.3f} GiB); uploads {self.counters.uploads}, "
             f"resident hits {self.counters.resident_hits}, host optimizer {self.host_optimizer}"
         )
+
+
+def measure_memory(
+    states: Sequence[ChunkState], steppers: Sequence[ChunkStepper], pool: BufferPool | None, ctx: DeviceContext
+) -> MemoryReport:
+    """The bytes the chunks, their optimizer state and the buffer pool hold now, by side and category."""
+    rep = MemoryReport()
+    dev, host = rep.device, rep.host
+
+    def add(d: dict[str, int], key: str, n: int) -> None:
+        d[key] = d.get(key, 0) + n
+
+    seen: set[int] = set()
+    for st in states:
+        side = host if st.offloaded else dev
+        tensors = {
+            "parameters": st.host_params if st.offloaded else st.params,
+            "gradients": st.host_grad if st.offloaded else st.grad,
+            "master": st.master if st.mixed else None,
+            "gradient_staging": st.stage,
+            "gradient_exposed": st.user_grad,  # the `.grad` offloaded parameters show after backward
+            "undo_backup": st.backup_master,  # speculative host steps: master before the step
+        }
+        for key, t in tensors.items():
+            if t is None or t.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(t.untyped_storage().data_ptr())
+            add(side, key, t.nbytes)
+            if t.is_pinned():
+                rep.pinned_host_bytes += t.nbytes
+        inner = steppers[st.index].inner if steppers else None
+        if inner is not None:
+            for s in inner.state.values():
+                for v in s.values():
+                    if isinstance(v, torch.Tensor):
+                        on_host = st.offloaded or (ctx.is_cuda and v.device.type == "cpu")
+                        add(host if on_host else dev, "optimizer_state", v.nbytes)
+        if steppers and st.offloaded and steppers[st.index].backup_nbytes():
+            add(host, "undo_backup", steppers[st.index].backup_nbytes())  # optimizer state before the step
+    if pool is not None:
+        dev["buffers"] = pool.nbytes
+    return rep

@@ -128,3 +128,27 @@ def stage_for(state: ChunkState, ctx: DeviceContext, compute_dtype: torch.dtype)
     if state.stage is None:
         state.stage = ctx.host_empty(state.numel, compute_dtype, pinned=True)
     return state.stage
+
+
+class ViewCache:
+    """Per-parameter views of a chunk's flat tensors, made once per (place, chunk): making them is most of
+    the cost of binding parameters to a buffer or of re-pointing `.grad`."""
+
+    HOST = -1  # the chunk's host compute copy (a buffer slot is its index, >= 0)
+    GRAD = -2  # a persistent chunk's gradient area
+    USER_GRAD = -3  # an offloaded chunk's exposed `.grad` (user_grad)
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def get(self, where: int, st: ChunkState, flat: torch.Tensor | None) -> list[torch.Tensor]:
+        """The views of `flat` (the chunk's tensor at `where`) per parameter of chunk `st`."""
+        key = (where, st.index)
+        cached = self._views.get(key)
+        if cached is None:
+            assert flat is not None
+            cached = self._views[key] = views(flat, st.spec.entries)
+        return cached
+
+    def clear(self) -> None:
+        self._views = {}

@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from agent.runtime.device import Event
+from agent.runtime.timing import SWAP_IN, SWAP_OUT, SWAP_PREFETCH, RuntimeTiming, section
 
 ModelStateTest = Callable[[torch.Tensor], bool]
 
@@ -112,6 +113,7 @@ class SwapStore:
         self.is_cuda = device.type == "cuda"
         self.is_model_state = is_model_state
         self.counters = SwapCounters()
+        self.timing = RuntimeTiming()  # the profiler's probes time the store through its listeners
         if self.is_cuda:
             self.out_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
             self.in_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
@@ -146,6 +148,7 @@ class SwapStore:
         finally:
             self._current, self._outer = prev_block, prev_outer
 
+    @section(SWAP_OUT)
     def _pack(self, t: torch.Tensor) -> Any:
         if (t.device != self.device or t.layout != torch.strided or t.is_meta or self._current is None
                 or self.is_model_state(t)):
@@ -194,6 +197,7 @@ class SwapStore:
         """Blocks holding swapped tensors now (swapped in this forward, not yet fully unpacked)."""
         return [b for b, r in self._blocks.items() if r.entries]
 
+    @section(SWAP_PREFETCH)
     def prefetch(self, block: int, *, late: bool = False) -> bool:
         """Start copying block `block`'s swapped tensors back to the device; False if it has none pending.
 
@@ -226,9 +230,10 @@ class SwapStore:
         self.counters.prefetched_blocks += 1
         return True
 
+    @section(SWAP_IN)
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, PassedThrough):
-            return packed.unpack(packed.packed) if packed.unpack is not None else packed.packed  # type: ignore[no-any-return]
+            return packed.unpack(packed.packed) if packed.unpack is not None else packed.packed
         assert isinstance(packed, SwappedView)
         entry = packed.entry
         if entry.on_device is None:

@@ -19,13 +19,14 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from client.contract import Constraints, Plan, PlanRequest, SolverStatus, Trace
+from client.contract import Plan, PlanRequest, SolverStatus, Trace
 from planner_service.db.base import utcnow
 from planner_service.db.models import PlanRow, TraceRow
 from planner_service.db.repositories import FINAL_STATUSES, plan_headline
 from planner_service.db.session import Database
 from planner_service.observability import PLAN_OUTCOMES, SOLVE_SECONDS
 from planner_service.settings import Settings
+from planner_service.solver.plan import solve_plan
 
 log = logging.getLogger("memplan.worker")
 REASON_MAX_CHARS = 4000
@@ -41,22 +42,8 @@ class PlanRetry(Exception):
 
 
 def solve_request(trace: Trace, request: PlanRequest, *, seed: int = 0) -> Plan:
-    """Solve the memory policy, then place the iteration's buffers when the trace carries an allocation trace."""
-    from planner_service.solver import solve
-
-    plan = solve(trace, request.constraints, solver=request.solver, seed=seed)
-    if trace.allocation_trace is not None and plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible):
-        plan = plan.model_copy(update={"allocation": _allocate(trace, request.constraints)})
-    return plan
-
-
-def _allocate(trace: Trace, constraints: Constraints):  # type: ignore[no-untyped-def]
-    from planner_service.solver.allocation import plan_allocation, validate_allocation
-
-    assert trace.allocation_trace is not None
-    allocation = plan_allocation(trace.allocation_trace, time_limit_s=max(1.0, constraints.time_limit_s / 2))
-    validate_allocation(trace.allocation_trace, allocation)  # nothing unchecked is ever stored
-    return allocation
+    """The plan for one request: `solver.plan.solve_plan`, the one solve the agent's in-process path runs too."""
+    return solve_plan(trace, request, seed=seed)
 
 
 def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.Event | None = None) -> str:

@@ -1,0 +1,263 @@
+"""Gradient flow: from autograd into the chunks, to the host, and back out as the `.grad` users see.
+
+Persistent chunks: each fresh gradient is copied into the chunk's gradient area and `.grad` points there.
+Offloaded chunks: each gradient is gathered into the buffer's gradient area; when every parameter of the
+chunk used in forward has its gradient the area goes to the host on the offload stream (`flush`), the
+chunk leaves its buffer and, when speculating, its host step is queued. At the end of backward every
+offloaded parameter gets `.grad`, a host view of its chunk's `user_grad` (`expose`); the user's edits are
+folded back into the host gradient at `optimizer.step()` (`reconcile`) or before the next training forward
+(`retract`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agent.runtime.accounting import Counters
+from agent.runtime.buffers import Slot
+from agent.runtime.chunks import ChunkState, ViewCache, stage_for
+from agent.runtime.device import DeviceContext, Event, element_size
+from agent.runtime.host_steps import HostSteps
+from agent.runtime.host_worker import HostWorker
+from agent.runtime.residency import ChunkResidency
+from agent.runtime.timing import FLUSH, RuntimeTiming, section
+
+
+class GradientFlow:
+    """Gradient hooks' work, gradient areas, flushes to the host, and the `.grad` the user sees."""
+
+    def __init__(
+        self, states: list[ChunkState], positions: dict[int, tuple[int, int]], ctx: DeviceContext,
+        compute_dtype: torch.dtype, counters: Counters, views: ViewCache, timing: RuntimeTiming,
+        residency: ChunkResidency | None, host_steps: HostSteps | None, worker: HostWorker | None,
+    ) -> None:
+        self.states = states
+        self.positions = positions  # id(param) -> (chunk, position in the chunk's entries)
+        self.ctx = ctx
+        self.compute_dtype = compute_dtype
+        self.counters = counters
+        self.views = views
+        self.timing = timing
+        self.residency = residency
+        self.host_steps = host_steps
+        self.worker = worker
+        self._esize = element_size(compute_dtype)
+
+    # ======================================================================== arriving gradients
+    def receive(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated (post-accumulate-grad hook): move it into its chunk."""
+        if param.grad is None:
+            return
+        c, j = self.positions[id(param)]
+        st = self.states[c]
+        e = st.spec.entries[j]
+        if not st.offloaded:
+            view = self.grad_views(st)[j]
+            if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad), or the user's
+                view.copy_(param.grad)
+                param.grad = view
+            st.touched.add(j)
+            return
+        assert self.residency is not None and self.host_steps is not None
+        if st.stepped:
+            # a parameter used again after its chunk's speculative step (e.g. outside its module's forward)
+            self.host_steps.undo(st, why=f"parameter {e.name!r} got a gradient after its chunk's speculative host step")
+        if st.slot is None:
+            self.residency.acquire(c)
+        assert st.slot is not None
+        dst = self.residency.pool.slots[st.slot].grad[e.offset : e.end]
+        if j in st.in_slot:
+            dst.add_(param.grad.reshape(-1))
+        else:
+            dst.copy_(param.grad.reshape(-1))
+        param.grad = None
+        st.in_slot.add(j)
+        st.received.add(j)
+        if st.expected and st.expected <= st.received:
+            self.complete(st)
+
+    def complete(self, st: ChunkState) -> None:
+        """Every expected gradient of the chunk has arrived: send them to the host, step if overlapping."""
+        assert self.residency is not None and self.host_steps is not None
+        if st.slot is not None:
+            slot = self.residency.pool.slots[st.slot]
+            slot.pins = max(0, slot.pins - st.recompute_pins)
+            st.recompute_pins = 0
+            if slot.pins == 0:
+                self.residency.evict(slot)
+            elif st.in_slot:
+                self.flush(st, slot, keep=True)
+        st.complete = True
+        if self.host_steps.speculating() and st.touched and not st.stepped and self.host_steps.optimizer is not None:
+            self.host_steps.submit(st, speculative=True)
+
+    @section(FLUSH)
+    def flush(self, st: ChunkState, slot: Slot, *, keep: bool = False) -> None:
+        """Copy the chunk's gradient area to the host (overwrite after zero_grad, else add)."""
+        assert st.host_grad is not None and self.worker is not None
+        st.wait_host()  # host work may still read host_grad or the staging buffer
+        n = st.numel
+        first = st.flushes == 0
+        direct = first and not st.mixed
+        target = st.host_grad if direct else stage_for(st, self.ctx, self.compute_dtype)
+        computed = self.ctx.record()
+        stream = self.ctx.offload_stream
+        with self.ctx.on(stream):
+            self.ctx.wait(computed, stream)
+            target[:n].copy_(slot.grad[:n], non_blocking=True)
+            copied = self.ctx.record(stream)
+        slot.free_after.append(copied)
+        if keep:
+            self.ctx.wait(copied)
+            slot.grad[:n].zero_()
+        st.flushes += 1
+        st.touched |= st.in_slot
+        st.in_slot.clear()
+        events = [*st.pending_events, copied]
+        st.pending_events = []
+        if direct:
+            st.pending_events = events
+        else:
+            st.host_work = self.worker.submit(self._absorb, st, events, first)
+        self.counters.grad_flushes += 1
+        self.counters.grad_flush_bytes += n * self._esize
+
+    def _absorb(self, st: ChunkState, events: list[Event], first: bool) -> None:
+        """Host worker: fold the staged gradient copy into the fp32 host gradient."""
+        for ev in events:
+            self.ctx.host_wait(ev)
+        assert st.host_grad is not None and st.stage is not None
+        if first:
+            st.host_grad.copy_(st.stage)
+        else:
+            st.host_grad.add_(st.stage)
+
+    def grad_views(self, st: ChunkState) -> list[torch.Tensor]:
+        """The persistent chunk's per-parameter gradient views (made once: its gradient buffer never moves)."""
+        return self.views.get(ViewCache.GRAD, st, st.grad)
+
+    # ==================================================================== gradients the user sees
+    def expose(self) -> None:
+        """End of backward: every offloaded parameter with a gradient gets `.grad`, a view of its chunk's
+        `user_grad` (host, compute dtype), so code that reads or scales `.grad` (torch's clip_grad_norm_,
+        Accelerate, the Trainer) sees every gradient. In-flight host steps are settled first, so the
+        user never reads a gradient the worker is writing."""
+        assert self.worker is not None and self.residency is not None and self.host_steps is not None
+        for st in self.states:
+            if st.offloaded and st.touched and not st.user_grad_filled:
+                events = st.pending_events
+                st.pending_events = []
+                st.host_work = self.worker.submit(self.host_steps.fill_user_grad, st, events)
+                st.user_grad_filled = True
+        for st in self.states:
+            if not st.offloaded or not st.touched:
+                continue
+            st.wait_host()
+            assert st.user_grad is not None
+            # `.grad` must be on the parameter's device (the host copy), and the buffer is stale once the
+            # chunk is stepped (a chunk still pinned when it completed, e.g. by a recomputation, stayed)
+            self.residency.evict_chunk(st)
+            gv = self._user_grad_views(st)
+            for j, e in enumerate(st.spec.entries):
+                e.param.grad = gv[j] if j in st.touched else None
+            st.exposed = True
+            st.user_grad_filled = False
+
+    def _user_grad_views(self, st: ChunkState) -> list[torch.Tensor]:
+        return self.views.get(ViewCache.USER_GRAD, st, st.user_grad)
+
+    def reconcile(self, st: ChunkState) -> bool:
+        """Make the host gradient what the user's `.grad` now says; True when it changed since exposure.
+
+        A `.grad` replaced by another tensor is copied in, one set to None drops the parameter from the
+        step (as torch skips it). The gradient is compared by value: torch's clip multiplies by its clamped
+        coefficient even when it is 1.0 (no change), and version counters cannot tell: they bump without a
+        change, and `torch._foreach_mul_` on CPU was seen changing values without bumping them (torch 2.13)."""
+        if not st.exposed:
+            return False
+        assert st.user_grad is not None and st.host_grad is not None
+        changed = False
+        gv = self._user_grad_views(st)
+        for j in sorted(st.touched):
+            g = st.spec.entries[j].param.grad
+            if g is None:
+                st.touched.discard(j)
+                changed = True
+            elif g is not gv[j]:
+                gv[j].copy_(g)
+        if not torch.equal(st.user_grad, st.host_grad.to(st.user_grad.dtype)):
+            st.host_grad.copy_(st.user_grad)
+            changed = True
+        return changed
+
+    def sync_persistent(self, st: ChunkState) -> None:
+        """A persistent chunk steps from its gradient area, which its parameters' `.grad` view: a `.grad`
+        the user replaced by another tensor is copied in, one set to None is not stepped (as in torch)."""
+        gv = self.grad_views(st)
+        for j in sorted(st.touched):
+            g = st.spec.entries[j].param.grad
+            if g is None:
+                st.touched.discard(j)
+            elif g is not gv[j]:
+                gv[j].copy_(g)
+                st.spec.entries[j].param.grad = gv[j]
+
+    def retract(self) -> None:
+        """Before a training forward: the user's edits go into the host gradients, `.grad` of offloaded
+        parameters goes back to None (the next backward adds on the host), and a speculative step that no
+        `optimizer.step()` confirmed is undone (gradient accumulation: the gradient is not final)."""
+        for st in self.states:
+            if not st.offloaded or not (st.exposed or st.stepped):
+                continue
+            assert self.host_steps is not None
+            st.wait_host()
+            self.reconcile(st)
+            if st.stepped:
+                self.host_steps.undo(st, why="another backward pass started before optimizer.step() (gradient accumulation)")
+            if st.exposed:
+                for e in st.spec.entries:
+                    e.param.grad = None
+                st.exposed = False
+
+    @torch.no_grad()
+    def zero(self, *, set_to_none: bool = True) -> None:
+        """`zero_grad`: forget the gradients of every chunk (a speculative step no `step()` confirmed is undone)."""
+        for st in self.states:
+            if set_to_none:
+                st.touched = set()
+            else:
+                st.touched = {j for j, e in enumerate(st.spec.entries) if e.param.requires_grad}
+            if not st.offloaded:
+                if set_to_none:
+                    # as in plain PyTorch: no gradient until backward makes one; the gradient hook copies it
+                    # into the chunk's gradient area and points `.grad` there. (Zeroing the area and letting
+                    # backward accumulate into it cost a memset and an add pass over every gradient.)
+                    for e in st.spec.entries:
+                        e.param.grad = None
+                    continue
+                assert st.grad is not None
+                st.grad.zero_()
+                for e, g in zip(st.spec.entries, self.grad_views(st), strict=True):
+                    if e.param.requires_grad and e.param.grad is not g:
+                        e.param.grad = g
+                continue
+            assert self.host_steps is not None
+            if st.stepped:  # a speculative step no optimizer.step() confirmed: skipped, as torch would
+                self.host_steps.undo(st, why="zero_grad() without optimizer.step()")
+            st.flushes = 0
+            st.user_grad_filled = False
+            if st.exposed and set_to_none:
+                for e in st.spec.entries:
+                    e.param.grad = None
+                st.exposed = False
+            if not set_to_none:
+                st.wait_host()
+                assert st.host_grad is not None
+                for ev in st.pending_events:
+                    self.ctx.host_wait(ev)
+                st.pending_events = []
+                st.host_grad.zero_()
+                st.flushes = 1
+                if st.exposed:  # `.grad` stays, zeroed, as in plain PyTorch
+                    assert st.user_grad is not None
+                    st.user_grad.zero_()

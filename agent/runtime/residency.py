@@ -1,0 +1,187 @@
+"""Residency of offloaded chunks (FSDP2's param-group role): which chunk is in which device buffer.
+
+`acquire` makes a chunk resident (a hit, or a demand upload into the Belady victim's buffer) and prefetches
+the next chunks of the recorded access order into buffers whose chunks are needed later or never;
+`upload` (FSDP2's `unshard`) copies a chunk's host copy into a buffer on the upload stream and points the
+parameters there; `evict` (`reshard`) flushes the chunk's pending gradients (the gradient flow's job,
+called back), points the parameters at the host copy and frees the buffer once compute has read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from agent.runtime.accounting import Counters
+from agent.runtime.buffers import BufferPool, Slot
+from agent.runtime.chunks import ChunkState, ViewCache, bind
+from agent.runtime.device import DeviceContext, Event, element_size
+from agent.runtime.layout import ChunkLayout
+from agent.runtime.options import RuntimeOptions
+from agent.runtime.schedule import AccessSchedule
+from agent.runtime.timing import EVICT, UPLOAD, RuntimeTiming, section
+
+
+class ChunkResidency:
+    """Moves offloaded chunks between their host copies and the device buffers, one training thread."""
+
+    def __init__(
+        self, states: list[ChunkState], layout: ChunkLayout, ctx: DeviceContext, options: RuntimeOptions,
+        counters: Counters, schedule: AccessSchedule, views: ViewCache, timing: RuntimeTiming,
+    ) -> None:
+        self.states = states
+        self.layout = layout
+        self.ctx = ctx
+        self.options = options
+        self.counters = counters
+        self.schedule = schedule
+        self.views = views
+        self.timing = timing
+        self.pool = BufferPool(ctx, layout.n_buffers, layout.chunk_numel, layout.compute_dtype)
+        self.slot_by_storage = self.pool.storage_ids()
+        # set by the manager: flush a chunk's gradients still in its buffer before the buffer is reused
+        self.flush: Callable[[ChunkState, Slot], None] = _no_flush
+        self._clock = 0
+        # chunks whose saved tensors the running backward node has unpacked: it is about to read them,
+        # so no upload may overwrite their buffers until the next node runs
+        self._node: Any = None
+        self._node_chunks: set[int] = set()
+        self.upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
+        self.stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
+        self._esize = element_size(layout.compute_dtype)
+
+    def acquire(self, c: int, *, pin: bool = False) -> Slot:
+        """Make chunk `c` resident (pinned for the caller when `pin`), then prefetch what comes next."""
+        st = self.states[c]
+        self._clock += 1
+        self.schedule.demand(c)
+        if st.slot is None:
+            self.upload(st, self._victim(demand=True))
+            self.counters.demand_uploads += 1
+        else:
+            self.counters.resident_hits += 1
+        slot = self.pool.slots[st.slot]  # type: ignore[index]
+        slot.last_use = self._clock
+        if pin:
+            slot.pins += 1
+        if self.options.measure_uploads and st.ready is not None:
+            self.stall_timings.append((self.ctx.record(timing=True), st.ready))
+        self.ctx.wait(st.ready)
+        self.prefetch()
+        return slot
+
+    def note_unpacked(self, c: int) -> None:
+        """The running autograd node unpacked a saved tensor of chunk `c`: keep its buffer until the next node."""
+        node = torch._C._current_autograd_node()
+        if node is not self._node:
+            self._node, self._node_chunks = node, set()
+        self._node_chunks.add(c)
+
+    def forget_nodes(self) -> None:
+        """End of backward: no node reads anything any more."""
+        self._node = None
+        self._node_chunks = set()
+
+    def _victim(self, *, demand: bool, before: float = float("inf")) -> Slot | None:
+        for slot in self.pool.slots:
+            if slot.chunk is None:
+                return slot
+        # the chunks the running backward node unpacked; a node that is no longer running reads nothing (a
+        # recompute inside a later node's unpack must be able to evict what an earlier node used)
+        node_chunks = self._node_chunks if torch._C._current_autograd_node() is self._node else set()
+        candidates = [s for s in self.pool.slots if s.pins == 0 and s.chunk not in node_chunks]
+        if not candidates:
+            if demand:
+                held = [s.chunk for s in self.pool.slots]
+                raise RuntimeError(
+                    f"chunk runtime: all {len(self.pool.slots)} device buffers hold chunks in use {held}; "
+                    "the plan needs more buffers (policy.n_buffers) for this model"
+                    + (
+                        " (chunks recomputed in backward by activation checkpointing stay resident until "
+                        "their gradients are complete)"
+                        if any(self.states[c].recompute_pins for c in held if c is not None)
+                        else ""
+                    )
+                )
+            return None
+        best = max(candidates, key=lambda s: (self.schedule.next_use(s.chunk), -s.last_use))  # type: ignore[arg-type]
+        if not demand and self.schedule.next_use(best.chunk) <= before:  # type: ignore[arg-type]
+            return None
+        return best
+
+    def prefetch(self) -> None:
+        """Upload the next chunks of the access order while a buffer holds one needed later (or never)."""
+        for t in self.schedule.upcoming(len(self.pool.slots) - 1):
+            st = self.states[t]
+            if st.slot is not None or not st.offloaded:
+                continue
+            if st.host_work is not None and not st.host_work.done():
+                break  # its host step is still running: do not block the training thread for a prefetch
+            victim = self._victim(demand=False, before=self.schedule.next_use(t))
+            if victim is None:
+                break
+            self.upload(st, victim)
+            self.counters.prefetches += 1
+
+    @section(UPLOAD)
+    def upload(self, st: ChunkState, slot: Slot | None) -> None:
+        """Copy the chunk's host copy into `slot` (evicting its chunk) and point the parameters there."""
+        assert slot is not None and st.host_params is not None
+        if slot.chunk is not None:
+            self.evict(slot)
+        st.wait_host()  # the host step must have finished writing the upload source
+        n = st.numel
+        stream = self.ctx.upload_stream
+        with self.ctx.on(stream):
+            for ev in slot.free_after:
+                self.ctx.wait(ev, stream)
+            slot.free_after.clear()
+            timing = self.options.measure_uploads
+            start = self.ctx.record(stream, timing=True) if timing else None
+            slot.params[:n].copy_(st.host_params, non_blocking=True)
+            slot.grad[:n].zero_()
+            st.ready = self.ctx.record(stream, timing=timing)
+            if start is not None:
+                self.upload_timings.append((start, st.ready))
+        slot.chunk = st.index
+        st.slot = slot.index
+        bind(slot.params, st.spec.entries, self.views.get(slot.index, st, slot.params))
+        self.counters.uploads += 1
+        self.counters.upload_bytes += n * self._esize
+
+    @section(EVICT)
+    def evict(self, slot: Slot) -> None:
+        """Release the buffer: flush the chunk's pending gradients, point its parameters at the host copy."""
+        assert slot.chunk is not None
+        st = self.states[slot.chunk]
+        if st.in_slot:
+            self.flush(st, slot)
+        slot.free_after.append(self.ctx.record())  # compute that read the buffer so far
+        assert st.host_params is not None
+        bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
+        slot.chunk = None
+        st.slot = None
+        st.ready = None
+        self.counters.evictions += 1
+
+    def evict_chunk(self, st: ChunkState) -> None:
+        """Evict `st` if it is resident."""
+        if st.slot is not None:
+            self.evict(self.pool.slots[st.slot])
+
+    def evict_all(self) -> None:
+        """Release every buffer."""
+        for slot in self.pool.slots:
+            if slot.chunk is not None:
+                self.evict(slot)
+
+    def unpin_all(self) -> None:
+        """End of backward: no module or recomputation holds a buffer any more."""
+        for slot in self.pool.slots:
+            slot.pins = 0
+
+
+def _no_flush(st: ChunkState, slot: Slot) -> None:
+    raise AssertionError("ChunkResidency.flush: not wired")
