@@ -63,7 +63,12 @@ class GradientFlow:
             # a parameter used again after its chunk's speculative step (e.g. outside its module's forward)
             self.host_steps.undo(st, why=f"parameter {e.name!r} got a gradient after its chunk's speculative host step")
         if st.slot is None:
-            self.residency.acquire(c)
+            self.residency.acquire(c)  # waits for the upload it starts
+        else:
+            # resident because it was prefetched: its upload (which zeroes the gradient area on the upload
+            # stream) may still be in flight; the compute stream's write below must come after it (issue 19,
+            # defect 2: GPT-2's tied wte, alone in a chunk, gets its gradient last)
+            self.ctx.wait(st.ready)
         assert st.slot is not None
         dst = self.residency.pool.slots[st.slot].grad[e.offset : e.end]
         if j in st.in_slot:

@@ -73,14 +73,10 @@ def test_mixed_precision_and_deferred_host_steps_keep_every_access_ordered(
     sim.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=StreamOrderError,
-    reason="issue 19 defect 2: _on_grad writes a prefetched chunk's slot.grad on the compute stream without "
-    "waiting for the chunk's ready event, so the upload stream's slot.grad.zero_() may run after it (GPT-2's "
-    "tied wte in an embedding-only chunk); the runtime is being changed by another slice",
-)
 def test_gradients_into_a_prefetched_embedding_only_chunk_wait_for_its_upload() -> None:
+    # issue 19 defect 2: a gradient written into a prefetched chunk's gradient area on the compute stream
+    # before its upload (which zeroes the area on the upload stream) was waited for (GPT-2's tied wte, alone in
+    # a chunk); the checker found it on the runtime before the fix (a StreamOrderError with both stacks)
     with simulated_cuda("caching") as sim:
         train_wrapped("gpt2", "all", n_chunks=16, n_buffers=2)  # wte alone in chunk 0, prefetched in backward
     sim.check()
