@@ -30,7 +30,7 @@ from torch import nn
 
 from agent.runtime.options import RuntimeOptions, job_workload
 from agent.service_call import ServiceBudget, classify
-from client.contract import Constraints, Plan, SolverStatus, Trace, Workload
+from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, Workload
 
 if TYPE_CHECKING:
     from client.contract import Hardware
@@ -110,7 +110,7 @@ def find_in_history(
 ) -> tuple[str, Plan] | None:
     """The newest finished plan for this model, hardware and workload under the same limits, if any.
     Candidates are picked from the list's headlines; only a match's whole plan is fetched."""
-    for rec in client.list_plans(model=fingerprint, hardware=hardware_key, status="done"):
+    for rec in client.list_plans(model=fingerprint, hardware=hardware_key, status=PlanStatus.done):
         same_limits = (
             rec.constraints.device_memory_bytes == constraints.device_memory_bytes
             and rec.constraints.host_memory_bytes == constraints.host_memory_bytes
@@ -145,14 +145,12 @@ def solve_embedded(trace: Trace, constraints: Constraints) -> Plan:
 
 def _wait_with_progress(client: Client, plan_id: str, wait_s: float) -> Any:
     """Long-poll the plan until it is final or `wait_s` passes; a spinner line on a terminal, else log lines."""
-    from client.sdk import FINAL_STATUSES
-
     deadline = time.monotonic() + wait_s
     spinner = "|/-\\"
     tty = sys.stderr.isatty()
     i = 0
     record = client.get_plan(plan_id)
-    while record.status not in FINAL_STATUSES:
+    while not record.status.final:
         left = deadline - time.monotonic()
         if left <= 0:
             break
@@ -264,7 +262,7 @@ def obtain_plan(
             try:
                 record = budget.call(lambda: _request_and_wait(c, trace, constraints, min(wait_s, budget.left())),
                                      "upload, request and wait")
-                if record.status == "done" and _usable(record.plan):
+                if record.status is PlanStatus.done and _usable(record.plan):
                     return PlanSource(
                         record.plan,
                         "service",

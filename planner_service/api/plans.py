@@ -10,7 +10,15 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
+from client.contract import (
+    FINAL_PLAN_STATUSES,
+    Feedback,
+    FeedbackRecord,
+    Page,
+    PlanRecord,
+    PlanRequest,
+    PlanStatus,
+)
 from planner_service.api import links
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
@@ -20,7 +28,6 @@ from planner_service.api.present import feedback_record, plan_record, plan_recor
 from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.cursor import BadCursor
 from planner_service.db.repositories import (
-    FINAL_STATUSES,
     FeedbackRepository,
     PlanRepository,
     TraceRepository,
@@ -136,7 +143,7 @@ async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
         status, etag, body = loaded
         if feed is not None:
             feed.remember(plan_id, principal.project_id, etag, generation)
-        if status in FINAL_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
+        if status in FINAL_PLAN_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
             if etag_matches(if_none_match, etag):
                 return Response(status_code=304, headers={"etag": etag})
             return Response(body, media_type="application/json", headers={"etag": etag})
@@ -147,7 +154,7 @@ async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
 def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
                model: ModelFilter = None,
                hardware: HardwareFilter = None,
-               status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
+               status: PlanStatus | None = None,
                id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="plans whose id "
                                                       "starts with this (the CLI's short ids)")] = None,
                sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
@@ -173,7 +180,7 @@ def post_feedback(plan_id: PlanId, body: Feedback, request: Request, session: Se
     plan = PlanRepository(session).get(plan_id, principal.project_id)
     if plan is None:
         raise ApiError(404, f"plan {plan_id} not found")
-    if plan.status != "done":
+    if plan.status != PlanStatus.done:
         raise ApiError(409, f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)")
     record = feedback_record(FeedbackRepository(session).add(plan, body))
     feed: ChangeFeed | None = request.app.state.change_feed

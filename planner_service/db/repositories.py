@@ -12,15 +12,14 @@ from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
 
-from client.contract import Constraints, Feedback, Objective, PlanHeadline, Trace
+from client.contract import Constraints, Feedback, Objective, PlanHeadline, PlanStatus, Trace
 from planner_service.db.base import utcnow
 from planner_service.db.cursor import after, encode_cursor
 from planner_service.db.models import DEFAULT_PROJECT, FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
 from planner_service.ingest import BadGzip, GzipTooLarge, TraceFacts, gunzip_limited
 
 R = TypeVar("R")
-ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
-FINAL_STATUSES = ("done", "failed", "infeasible")
+REUSABLE_STATUSES = tuple(s.value for s in PlanStatus if s is not PlanStatus.failed)  # a failed request may be retried
 
 
 def plan_etag(plan_id: str, status: str, attempts: int, started_at: Any, finished_at: Any, n_feedback: int) -> str:
@@ -198,7 +197,7 @@ class PlanRepository:
     def reusable(self, project_id: str, key: str) -> PlanRow | None:
         """An earlier identical request of the project that is queued, running or finished (not failed)."""
         return self.s.scalar(select(PlanRow).where(PlanRow.project_id == project_id, PlanRow.request_key == key,
-                                                   PlanRow.status.in_(ACTIVE_STATUSES))
+                                                   PlanRow.status.in_(REUSABLE_STATUSES))
                              .order_by(PlanRow.created_at).limit(1))
 
     def create(self, trace: TraceRow, constraints: Constraints, objective: Objective, solver: str,
@@ -206,7 +205,7 @@ class PlanRepository:
         key = request_key(trace.content_hash, constraints, objective, solver, solver_version)
         row = PlanRow(trace_id=trace.id, project_id=trace.project_id, model_fingerprint=trace.model_fingerprint, hardware_key=trace.hardware_key,
                       workload_key=trace.workload_key, request_key=key, solver=solver, solver_version=solver_version,
-                      status="queued", constraints=constraints.model_dump(mode="json"), objective=objective.value,
+                      status=PlanStatus.queued.value, constraints=constraints.model_dump(mode="json"), objective=objective.value,
                       attempts=0, created_at=utcnow())
         self.s.add(row)
         self.s.flush()
@@ -231,7 +230,7 @@ class PlanRepository:
         return _page(self.s, stmt, PlanRow, limit, cursor, descending)
 
     def queue_depth(self) -> int:
-        return int(self.s.scalar(select(func.count()).select_from(PlanRow).where(PlanRow.status == "queued")) or 0)
+        return int(self.s.scalar(select(func.count()).select_from(PlanRow).where(PlanRow.status == PlanStatus.queued.value)) or 0)
 
 
 # ----------------------------------------------------------------------------------------- feedback

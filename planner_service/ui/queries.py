@@ -14,12 +14,12 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from client.contract import PlanRecord, Predictions, SolverReport, Trace
+from client.contract import PlanRecord, PlanStatus, Predictions, SolverReport, Trace
 from planner_service.api.present import plan_record
 from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow
 from planner_service.db.repositories import CatalogRepository, PlanRepository, read_stored_trace
 
-PLAN_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "infeasible")
+PLAN_STATUSES: tuple[PlanStatus, ...] = tuple(PlanStatus)
 SortOrder = Literal["-created_at", "created_at"]
 
 

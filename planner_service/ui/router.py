@@ -149,7 +149,7 @@ def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal:
     if detail is None:
         return _error_page(request, 404, "Plan not found", f"plan_id: no plan {plan_id!r}")
     page = plan_page(detail.record, detail.trace)
-    refresh = detail.record.status in ("queued", "running")
+    refresh = not detail.record.status.final
     return templates.TemplateResponse(request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh})
 
 
