@@ -87,7 +87,7 @@ def _plain_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], l
 
 
 def run_plain(model: nn.Module, batch: Any, steps: int, device: torch.device, ckpt_all: bool) -> dict[str, Any]:
-    from agent.profiler.layout import detect_blocks
+    from agent.profiler.block_detection import detect_blocks
     from agent.runtime.activations import ActivationManager, BlockTarget
     from client.contract import ActivationMode
 
@@ -114,7 +114,7 @@ def run_fsdp2_offload(model: nn.Module, batch: Any, steps: int, device: torch.de
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from agent.profiler.layout import detect_blocks
+    from agent.profiler.block_detection import detect_blocks
 
     created = False
     torch.cuda.set_device(device)
@@ -171,7 +171,7 @@ def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, pla
 
 def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     import agent
-    from agent.model_zoo import build, sample_batch
+    from agent.testing.model_zoo import build, sample_batch
     from client.contract import Constraints
     from planner_service.solver import solve
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from client.contract import Constraints, Feedback, Plan, Trace
 from client.units import format_bytes, parse_bytes
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 from tests.contract.forms import schema_1, trace_with_events
 
 

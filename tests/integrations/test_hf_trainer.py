@@ -96,9 +96,8 @@ def test_wrap_trainer_refuses_a_scheduler_built_on_the_unwrapped_optimizer(tmp_p
 
 def _accelerate_loop(model: torch.nn.Module, wrap: bool, limit: int) -> list[tuple[float, float]]:
     """A plain Accelerate loop (prepare, accelerator.backward, accelerator.clip_grad_norm_)."""
-    from accelerate import Accelerator
-
     import agent.wrap
+    from accelerate import Accelerator
 
     data = hf_jobs.dataset()
     opt: Any = torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True)

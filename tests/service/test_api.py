@@ -11,7 +11,7 @@ from sqlalchemy import create_engine, func, select
 
 from client.contract import PlanRecord, Trace
 from planner_service.db.models import HardwareRow, ModelRow, TraceRow
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 LIMITS = {"device_memory_bytes": 16 * 2**30}
 
