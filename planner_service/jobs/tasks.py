@@ -18,23 +18,11 @@ import time
 import traceback
 from typing import Any
 
-from sqlalchemy import select, update
-
-from client.contract import (
-    FINAL_PLAN_STATUSES,
-    PENDING_PLAN_STATUSES,
-    Constraints,
-    Plan,
-    PlanRequest,
-    PlanStatus,
-    SolverStatus,
-    Trace,
-)
-from planner_service.db.base import utcnow
-from planner_service.db.models import PlanRow, TraceRow
-from planner_service.db.repositories import plan_headline
+from client.contract import Constraints, Plan, PlanRequest, PlanStatus, SolverStatus, Trace
+from planner_service.db.repositories import PlanRepository
 from planner_service.db.session import Database
-from planner_service.observability import PLAN_OUTCOMES, SOLVE_SECONDS
+from planner_service.observability import SOLVE_SECONDS
+from planner_service.plans import service as plans
 from planner_service.settings import Settings
 
 log = logging.getLogger("memplan.worker")
@@ -117,11 +105,7 @@ def give_up(db: Database, plan_id: str, runs: int, exc: BaseException) -> None:
     """A runner stops running the plan's job (it failed `runs` times outside the plan: the database down for
     long): fail the plan with that reason rather than leave it queued or running forever."""
     with db.session() as s:
-        res = s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(tuple(PENDING_PLAN_STATUSES)))
-                        .values(status=PlanStatus.failed, finished_at=utcnow(),
-                                error=f"gave up after {runs} runs of its job: {_describe(exc)}"))
-    if res.rowcount == 1:  # type: ignore[attr-defined]
-        PLAN_OUTCOMES.labels(PlanStatus.failed).inc()
+        plans.give_up(s, plan_id, f"gave up after {runs} runs of its job: {_describe(exc)}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -129,34 +113,15 @@ def _describe(exc: BaseException) -> str:
 
 
 def _start(db: Database, plan_id: str, max_attempts: int) -> int | None:
-    """Count an attempt and mark the plan running, committed before any input is read; None when there is
-    nothing to do (final already, or gone). A plan found running was orphaned by a worker that died (its job
-    came back through stalled-job recovery or a restart): after its last allowed attempt it is failed."""
+    """The attempt counted and committed before any input is read (`plans.start_attempt`); None: nothing to do."""
     with db.session() as s:
-        row = s.execute(select(PlanRow.status, PlanRow.attempts).where(PlanRow.id == plan_id)).first()
-        if row is None or row.status in FINAL_PLAN_STATUSES:
-            return None
-        if row.status == PlanStatus.running and row.attempts >= max_attempts:
-            s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == PlanStatus.running)
-                      .values(status=PlanStatus.failed, finished_at=utcnow(),
-                              error=f"the worker solving it was lost {row.attempts} times (no heartbeat)"))
-            PLAN_OUTCOMES.labels(PlanStatus.failed).inc()
-            return None
-        attempt = row.attempts + 1
-        res = s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == row.status,
-                                              PlanRow.attempts == row.attempts)
-                        .values(status=PlanStatus.running, attempts=attempt, started_at=utcnow(), finished_at=None))
-        return attempt if res.rowcount == 1 else None  # type: ignore[attr-defined]
+        return plans.start_attempt(s, plan_id, max_attempts)
 
 
 def _stored_inputs(db: Database, plan_id: str) -> tuple[bytes | None, dict[str, Any]]:
     """The plan's stored trace (gzip bytes; None if gone) and request fields, as stored."""
     with db.session() as s:
-        plan = s.get(PlanRow, plan_id)
-        assert plan is not None
-        payload = s.scalar(select(TraceRow.payload_gzip).where(TraceRow.id == plan.trace_id))
-        return payload, {"trace_id": plan.trace_id, "constraints": plan.constraints, "objective": plan.objective,
-                         "solver": plan.solver}
+        return PlanRepository(s).solve_inputs(plan_id)
 
 
 def _decode(payload: bytes | None, request: dict[str, Any]) -> tuple[Trace, PlanRequest]:
@@ -165,18 +130,12 @@ def _decode(payload: bytes | None, request: dict[str, Any]) -> tuple[Trace, Plan
     return Trace.model_validate_json(gzip.decompress(payload)), PlanRequest.model_validate(request)
 
 
-def _record(db: Database, plan_id: str, attempt: int, status: PlanStatus | str, result: dict | None,  # type: ignore[type-arg]
+def _record(db: Database, plan_id: str, attempt: int, status: PlanStatus | str, result: dict[str, Any] | None,
             error: str | None) -> None:
     """Write the outcome of attempt `attempt`, only while the plan is still running that attempt (a worker
     presumed lost that comes back late cannot overwrite the attempt that replaced it)."""
     status = PlanStatus(status)
     with db.session() as s:
-        res = s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == PlanStatus.running,
-                                              PlanRow.attempts == attempt)
-                        .values(status=status, result=result, headline=plan_headline(result), error=error,
-                                finished_at=utcnow() if status.final else None))
-        if res.rowcount != 1:  # type: ignore[attr-defined]
-            log.warning("plan %s moved on past attempt %d; its outcome %s was dropped", plan_id, attempt, status)
-            return
-    if status.final:
-        PLAN_OUTCOMES.labels(status).inc()
+        recorded = plans.finish_attempt(s, plan_id, attempt, status, result, error)
+    if not recorded:
+        log.warning("plan %s moved on past attempt %d; its outcome %s was dropped", plan_id, attempt, status)
