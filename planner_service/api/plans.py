@@ -26,7 +26,7 @@ from planner_service.api.params import HardwareFilter, ModelFilter, PlanId
 from planner_service.api.poll_shortcut import etag_matches
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.change_feed import ChangeFeed
-from planner_service.db.cursor import BadCursor
+from planner_service.db.keyset_cursor import BadCursor
 from planner_service.db.repositories import PlanRepository, plan_etag, plan_version
 from planner_service.db.session import Database
 from planner_service.observability import POLL_ANSWERS

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinl
 
 from client.contract import Constraints, Feedback, Objective, PlanHeadline, PlanStatus, Trace
 from planner_service.db.base import utcnow
-from planner_service.db.cursor import after, encode_cursor
+from planner_service.db.keyset_cursor import after, encode_cursor
 from planner_service.db.models import (
     DEFAULT_PROJECT,
     ApiTokenRow,

@@ -20,7 +20,7 @@ from client.contract.common import NO_NUL_MESSAGE, has_nul
 from client.units import format_bytes
 from planner_service.api.deps import UI_TOKEN_COOKIE, DatabaseDep, PrincipalDep, SettingsDep
 from planner_service.auth import resolve
-from planner_service.db.cursor import BadCursor
+from planner_service.db.keyset_cursor import BadCursor
 from planner_service.ui.queries import (
     PLAN_STATUSES,
     PlanFilters,
