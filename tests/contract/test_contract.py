@@ -261,3 +261,16 @@ def test_workload_clipping_fields_are_strict() -> None:
     for bad in ({"clips_gradients": 0}, {"undo_backup_bytes_per_param": 81}, {"undo_backup_bytes_per_param": 1.0}):
         with pytest.raises(pydantic.ValidationError):
             Workload.model_validate({**base, **bad})
+
+
+def test_plan_statuses_are_one_enum_whose_final_members_are_the_three_outcomes() -> None:
+    """Issue 18: the statuses were spelled out in six places; the contract's `PlanStatus` is the one list."""
+    from client.contract import FINAL_PLAN_STATUSES, PENDING_PLAN_STATUSES, PlanRecord, PlanStatus
+
+    assert [s.value for s in PlanStatus] == ["queued", "running", "done", "failed", "infeasible"]
+    assert {s for s in PlanStatus if s.final} == FINAL_PLAN_STATUSES == {"done", "failed", "infeasible"}
+    assert {s for s in PlanStatus if s.pending} == PENDING_PLAN_STATUSES == {"queued", "running"}
+    fields = PlanRecord.model_json_schema()["$defs"]["PlanStatus"]
+    assert fields["enum"] == [s.value for s in PlanStatus]  # the wire's list is the enum's
+    with pytest.raises(ValidationError, match="status"):
+        PlanRecord.model_validate({"status": "paused"})
