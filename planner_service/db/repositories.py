@@ -252,13 +252,13 @@ class PlanRepository:
                                                    PlanRow.attempts == attempts)
                              .values(status=PlanStatus.running.value, attempts=attempts + 1, started_at=utcnow(),
                                      finished_at=None))
-        return res.rowcount == 1  # type: ignore[attr-defined, no-any-return]
+        return res.rowcount == 1  # type: ignore[attr-defined]
 
     def fail_if(self, plan_id: str, statuses: Sequence[str], error: str) -> bool:
         """Fail the plan with `error`, if its status is one of `statuses`."""
         res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(tuple(statuses)))
                              .values(status=PlanStatus.failed.value, finished_at=utcnow(), error=error))
-        return res.rowcount == 1  # type: ignore[attr-defined, no-any-return]
+        return res.rowcount == 1  # type: ignore[attr-defined]
 
     def finish_attempt(self, plan_id: str, attempt: int, status: PlanStatus, result: dict[str, Any] | None,
                        error: str | None) -> bool:
@@ -267,7 +267,7 @@ class PlanRepository:
                                                    PlanRow.attempts == attempt)
                              .values(status=status.value, result=result, headline=plan_headline(result), error=error,
                                      finished_at=utcnow() if status.final else None))
-        return res.rowcount == 1  # type: ignore[attr-defined, no-any-return]
+        return res.rowcount == 1  # type: ignore[attr-defined]
 
     def solve_inputs(self, plan_id: str) -> tuple[bytes | None, dict[str, Any]]:
         """The plan's stored trace (gzip bytes; None if gone) and its request's fields, as stored."""
