@@ -271,7 +271,7 @@ def obtain_plan(
                         server=url,
                         message=f"plan {record.id[:12]} from {url}" + (" (reused)" if record.reused else ""),
                     )
-                if record.status == "infeasible" and record.plan is not None:
+                if record.status is PlanStatus.infeasible and record.plan is not None:
                     check_feasible(record.plan, constraints)  # raises with the service's answer
                 reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
                     f": {record.error}" if record.error else ""
