@@ -134,6 +134,34 @@ def test_a_value_error_from_the_solvers_own_code_is_a_bug_not_a_bad_request(
     db.dispose()
 
 
+def test_the_runner_logs_the_traceback_of_a_value_error_from_the_solver(settings: Settings, trace,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    """The in-process pool's log line for a solver bug carries the traceback down to the line that raised."""
+    import logging
+
+    import numpy as np
+
+    from planner_service.jobs.local import LocalSolver
+
+    db = Database(settings.database_url)
+    plan_id = _queue_plan(db, trace)
+
+    def buggy_solver(*_a, **_k):  # type: ignore[no-untyped-def]  # FAULT INJECTION: a bug in the solver
+        return np.max(np.array([]))
+
+    monkeypatch.setattr(tasks, "solve_request", buggy_solver)
+    pool = LocalSolver(db, settings, workers=0)  # no pool: the retry it schedules never runs
+    with caplog.at_level(logging.WARNING, logger="memplan.worker"):
+        pool._run(plan_id, 0)
+    pool.stop()
+    logged = [r for r in caplog.records if r.exc_info]
+    assert logged, [r.getMessage() for r in caplog.records]
+    text = logging.Formatter().formatException(logged[0].exc_info)  # type: ignore[arg-type]
+    assert "zero-size array" in text and "buggy_solver" in text and "PlanRetry" in text
+    db.dispose()
+
+
 def test_the_solver_refuses_an_unknown_solver_with_its_own_error(trace) -> None:  # type: ignore[no-untyped-def]
     from planner_service.solver import PlanRequestRefused as Refused
     from planner_service.solver import solve
