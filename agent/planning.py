@@ -30,7 +30,7 @@ from torch import nn
 
 from agent.runtime.options import RuntimeOptions, job_workload
 from agent.service_call import ServiceBudget, classify
-from client.contract import Constraints, Plan, SolverStatus, Trace, Workload
+from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, Workload
 
 if TYPE_CHECKING:
     from client.contract import Hardware
@@ -112,7 +112,7 @@ def find_in_history(
 ) -> tuple[str, Plan] | None:
     """The newest finished plan for this model, hardware and workload under the same limits, if any.
     Candidates are picked from the list's headlines; only a match's whole plan is fetched."""
-    for rec in client.list_plans(model=fingerprint, hardware=hardware_key, status="done"):
+    for rec in client.list_plans(model=fingerprint, hardware=hardware_key, status=PlanStatus.done):
         same_limits = (
             rec.constraints.device_memory_bytes == constraints.device_memory_bytes
             and rec.constraints.host_memory_bytes == constraints.host_memory_bytes
@@ -147,14 +147,12 @@ def solve_embedded(trace: Trace, constraints: Constraints) -> Plan:
 
 def _wait_with_progress(client: Client, plan_id: str, wait_s: float) -> Any:
     """Long-poll the plan until it is final or `wait_s` passes; a spinner line on a terminal, else log lines."""
-    from client.sdk import FINAL_STATUSES
-
     deadline = time.monotonic() + wait_s
     spinner = "|/-\\"
     tty = sys.stderr.isatty()
     i = 0
     record = client.get_plan(plan_id)
-    while record.status not in FINAL_STATUSES:
+    while not record.status.final:
         left = deadline - time.monotonic()
         if left <= 0:
             break
@@ -266,7 +264,7 @@ def obtain_plan(
             try:
                 record = budget.call(lambda: _request_and_wait(c, trace, constraints, min(wait_s, budget.left())),
                                      "upload, request and wait")
-                if record.status == "done" and _usable(record.plan):
+                if record.status is PlanStatus.done and _usable(record.plan):
                     return PlanSource(
                         record.plan,
                         "service",
@@ -275,7 +273,7 @@ def obtain_plan(
                         server=url,
                         message=f"plan {record.id[:12]} from {url}" + (" (reused)" if record.reused else ""),
                     )
-                if record.status == "infeasible" and record.plan is not None:
+                if record.status is PlanStatus.infeasible and record.plan is not None:
                     check_feasible(record.plan, constraints)  # raises with the service's answer
                 reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
                     f": {record.error}" if record.error else ""

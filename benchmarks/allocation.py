@@ -127,7 +127,7 @@ def ablation(names: str, limit_s: float) -> list[dict[str, Any]]:
 
 def traces(layers: int, hidden: int, batch: int, seq: int) -> list[dict[str, Any]]:
     import agent
-    from agent import model_zoo
+    from agent.testing import model_zoo
     from planner_service.solver.allocation import (
         plan_allocation,
         simulate_caching_allocator,
@@ -200,7 +200,7 @@ def heuristics(trace: Any, label: str) -> list[dict[str, Any]]:
 
 def scale(sizes: list[int], layers: int, hidden: int, batch: int, seq: int) -> dict[str, Any]:
     import agent
-    from agent import model_zoo
+    from agent.testing import model_zoo
     from planner_service.solver.allocation import (
         plan_allocation,
         simulate_caching_allocator,

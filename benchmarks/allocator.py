@@ -67,7 +67,7 @@ def profiled_trace(kind: str, layers: int, hidden: int, heads: int, ckpt: bool, 
     import torch
 
     import agent
-    from agent.model_zoo import build
+    from agent.testing.model_zoo import build
 
     model, _ = build(kind, layers=layers, hidden=hidden, heads=heads, vocab=VOCAB, seq=CPU_SEQ, seed=0)
     if ckpt:
@@ -226,8 +226,8 @@ def _cuda_setup(cfg: tuple[Any, ...]) -> tuple[Any, Any, Any]:
     import torch
 
     import agent
-    from agent.model_zoo import build
     from agent.runtime import manual_plan
+    from agent.testing.model_zoo import build
     from client.contract import Placement
 
     _, kind, layers, hidden, heads, batch, seq, ckpt, offload = cfg

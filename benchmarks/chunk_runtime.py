@@ -40,7 +40,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "chunk_runtime.json"
 
 # ----------------------------------------------------------------------------------------- CPU parts
 def _llama(layers: int, hidden: int, vocab: int = 1000, seq: int = 256) -> torch.nn.Module:
-    from agent.model_zoo import build
+    from agent.testing.model_zoo import build
 
     model, _ = build("llama", layers=layers, hidden=hidden, vocab=vocab, seq=seq, seed=0)
     return model

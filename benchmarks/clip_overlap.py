@@ -49,8 +49,8 @@ VARIANTS: dict[str, tuple[dict[str, bool], float | None]] = {
 
 def _job(args: argparse.Namespace, device: torch.device, fields: dict[str, bool], max_norm: float | None
          ) -> tuple[Callable[[], None], Any]:
-    from agent.model_zoo import build
     from agent.runtime import RuntimeOptions, manual_plan
+    from agent.testing.model_zoo import build
     from agent.wrapping import wrap
 
     model, _ = build("llama", layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq=args.seq, seed=0)

@@ -24,7 +24,7 @@ from _results import save
 from client.contract import Constraints, Plan
 from planner_service.solver import SOLVER_VERSION, solve
 from planner_service.solver.cpsat_solve import LINEARIZATION_LEVEL, NUM_WORKERS
-from planner_service.solver.synthetic import MODEL_SHAPES, synthetic_trace
+from planner_service.solver.testing.synthetic import MODEL_SHAPES, synthetic_trace
 
 GiB = 2**30
 HOST_BYTES = 2048 * GiB  # a DGX-class node: the 70B model's states (about 1 TB) must fit the host

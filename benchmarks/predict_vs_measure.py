@@ -179,7 +179,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", nargs="+", default=["gpt2", "llama"])
     ap.add_argument("--library-defaults", nargs="*", default=["qwen2", "gemma2"],
-                    help="families built at their library defaults (agent.model_zoo.DEFAULTS_FAMILIES); none: skip")
+                    help="families built at their library defaults (agent.testing.model_zoo.DEFAULTS_FAMILIES); none: skip")
     ap.add_argument("--layers", nargs="+", type=int, default=[4, 12, 24])
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.45, 0.7, 1.0])
     ap.add_argument("--hidden", type=int, default=128)
@@ -200,7 +200,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import agent
-    from agent.model_zoo import build, sample_batch
+    from agent.testing.model_zoo import build, sample_batch
 
     device = resolve_device(args.device)
     if args.threads:
@@ -247,10 +247,10 @@ def measure_model(kind: str, layers: int, args: argparse.Namespace, device: torc
                   trial: int) -> list[dict[str, Any]]:
     """Profile one model (a fresh build and trace), then one row per device-memory fraction."""
     import agent
-    from agent.model_zoo import build, sample_batch
+    from agent.testing.model_zoo import build, sample_batch
 
     if kind.endswith(DEFAULTS_SUFFIX):
-        from agent.model_zoo import build_with_library_defaults
+        from agent.testing.model_zoo import build_with_library_defaults
 
         model, cfg = build_with_library_defaults(kind.removesuffix(DEFAULTS_SUFFIX), layers, args.hidden,
                                                  vocab=1000, seq=max(args.seq, 128))  # the reference stays on the CPU

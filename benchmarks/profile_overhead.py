@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from _results import save
 
-from agent.model_zoo import build, sample_batch
 from agent.profiler import profile
 from agent.profiler.hardware import cpu_model_name, probe_hardware
+from agent.testing.model_zoo import build, sample_batch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_overhead.json"
 KINDS = ("gpt2", "llama")

@@ -51,7 +51,7 @@ from _results import machine, save  # noqa: E402
 from client.contract import EventArrays  # noqa: E402
 from client.contract.trace import CATEGORIES, PHASES  # noqa: E402
 from planner_service.embedded import free_port, wait_until_ready  # noqa: E402
-from planner_service.solver.synthetic import synthetic_trace  # noqa: E402
+from planner_service.solver.testing.synthetic import synthetic_trace  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "service_load.json"
 

@@ -125,7 +125,7 @@ def _plain_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], l
 
 
 def run_plain(model: nn.Module, batch: Any, steps: int, device: torch.device, ckpt_all: bool) -> dict[str, Any]:
-    from agent.profiler.layout import detect_blocks
+    from agent.profiler.block_detection import detect_blocks
     from agent.runtime.activations import ActivationManager, BlockTarget
     from client.contract import ActivationMode
 
@@ -154,7 +154,7 @@ def run_fsdp2_offload(model: nn.Module, batch: Any, steps: int, device: torch.de
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from agent.profiler.layout import detect_blocks
+    from agent.profiler.block_detection import detect_blocks
 
     created = False
     torch.cuda.set_device(device)
@@ -220,7 +220,7 @@ def _load_plan(path: str) -> Any:
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One strategy (or the profile) in this fresh process: the limit set, the model built on the CPU."""
-    from agent.model_zoo import build, sample_batch
+    from agent.testing.model_zoo import build, sample_batch
 
     device = torch.device(spec["device"])
     threads = spec.get("threads")

@@ -37,7 +37,6 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_RETRIES = 2
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-FINAL_STATUSES = frozenset({"done", "failed", "infeasible"})
 
 
 def _base_url(base_url: str | None) -> str:
@@ -195,7 +194,7 @@ class PlanWait:
         return max(0.0, min(self.poll_s, self.deadline - time.monotonic()))
 
     def finished(self, record: PlanRecord) -> bool:
-        return record.status in FINAL_STATUSES or time.monotonic() >= self.deadline
+        return record.status.final or time.monotonic() >= self.deadline
 
 
 class BaseClient:

@@ -6,11 +6,11 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from planner_service.db.base import utcnow
 from planner_service.db.models import DEFAULT_PROJECT, ApiTokenRow, ProjectRow, new_id
+from planner_service.db.repositories import AccessRepository
 
 TOKEN_PREFIX = "mp_"
 
@@ -34,11 +34,11 @@ ANONYMOUS = Principal(project_id=DEFAULT_PROJECT, token_id=None)
 
 
 def ensure_project(session: Session, name: str) -> ProjectRow:
-    row = session.scalar(select(ProjectRow).where(ProjectRow.name == name))
+    access = AccessRepository(session)
+    row = access.project_named(name)
     if row is None:
         row = ProjectRow(id=DEFAULT_PROJECT if name == DEFAULT_PROJECT else new_id(), name=name, created_at=utcnow())
-        session.add(row)
-        session.flush()
+        access.add(row)
     return row
 
 
@@ -48,13 +48,12 @@ def create_token(session: Session, project: str, name: str = "") -> tuple[str, A
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     row = ApiTokenRow(project_id=proj.id, name=name or f"token for {project}", prefix=token[:10],
                       digest=digest(token), created_at=utcnow())
-    session.add(row)
-    session.flush()
+    AccessRepository(session).add(row)
     return token, row
 
 
 def revoke_token(session: Session, token_id: str) -> bool:
-    row = session.get(ApiTokenRow, token_id)
+    row = AccessRepository(session).token(token_id)
     if row is None or row.revoked_at is not None:
         return False
     row.revoked_at = utcnow()
@@ -62,6 +61,5 @@ def revoke_token(session: Session, token_id: str) -> bool:
 
 
 def resolve(session: Session, token: str) -> Principal | None:
-    row = session.scalar(select(ApiTokenRow).where(ApiTokenRow.digest == digest(token),
-                                                   ApiTokenRow.revoked_at.is_(None)))
+    row = AccessRepository(session).live_token(digest(token))
     return None if row is None else Principal(project_id=row.project_id, token_id=row.id)

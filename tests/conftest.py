@@ -155,6 +155,6 @@ def api(settings):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def trace():  # type: ignore[no-untyped-def]
-    from planner_service.solver.synthetic import synthetic_trace
+    from planner_service.solver.testing.synthetic import synthetic_trace
 
     return synthetic_trace(n_blocks=4, hidden=256, vocab=1000, batch=2, seq=128)

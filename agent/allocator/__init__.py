@@ -21,7 +21,7 @@ from agent.allocator.cuda import (
 from agent.allocator.host import PlannedAllocator
 from agent.allocator.select import AllocationMode, AllocatorSelection, select
 from agent.allocator.slots import PlanReplayError, ReplayOps, Slots, iteration_ops, plan_slots
-from agent.allocator.stats import AllocatorStats, BlockKind
+from agent.allocator.stats import AllocatorStats, ServedFrom
 
 __all__ = [
     "AllocationMode",
@@ -30,7 +30,7 @@ __all__ = [
     "AllocatorSelection",
     "AllocatorStats",
     "AllocatorSwitchError",
-    "BlockKind",
+    "ServedFrom",
     "CudaPlannedAllocator",
     "MatchRules",
     "PlanReplayError",

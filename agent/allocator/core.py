@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from agent.allocator.library import STAT_FIELDS, Library, StatsStruct
 from agent.allocator.slots import ReplayOps, Slots
-from agent.allocator.stats import AllocatorStats, BlockKind
+from agent.allocator.stats import AllocatorStats, ServedFrom
 
 RULE_LOOKAHEAD = 1
 RULE_SHRINK = 2
@@ -112,9 +112,9 @@ class PlannedCore:
                 f"planned allocator: could not reserve the arena of {self.slots.arena_bytes} bytes"
             )
 
-    def block_kind(self, address: int) -> BlockKind | None:
+    def served_from(self, address: int) -> ServedFrom | None:
         k = self.lib.mp_block_kind(self._h(), address)  # type: ignore[attr-defined]
-        return None if k < 0 else BlockKind(k)
+        return None if k < 0 else ServedFrom(k)
 
     def stats(self) -> AllocatorStats:
         s = StatsStruct()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from agent.allocator.core import MatchRules, PlannedCore
 from agent.allocator.library import load_library
 from agent.allocator.slots import ReplayOps, iteration_ops, plan_slots
-from agent.allocator.stats import AllocatorStats, BlockKind
+from agent.allocator.stats import AllocatorStats, ServedFrom
 from client.contract import AllocationEvent, AllocationPlan
 
 if TYPE_CHECKING:
@@ -84,8 +84,8 @@ class PlannedAllocator:
             return None
         return address - base
 
-    def block_kind(self, address: int) -> BlockKind | None:
-        return self._core.block_kind(address)
+    def served_from(self, address: int) -> ServedFrom | None:
+        return self._core.served_from(address)
 
     def cursor(self) -> int:
         return self._core.cursor()

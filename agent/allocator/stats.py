@@ -7,7 +7,7 @@ from enum import IntEnum
 from typing import Any
 
 
-class BlockKind(IntEnum):
+class ServedFrom(IntEnum):
     """Where a live block was served (values of `mp_block_kind`)."""
 
     planned = 0  # the expected iteration slot, at its planned offset

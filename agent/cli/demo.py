@@ -62,7 +62,7 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
     import torch
     from rich.table import Table
 
-    from agent import model_zoo
+    from agent.testing import model_zoo
     from agent.wrapping import unwrap, wrap
     from client.cli.render import plan_table
 

@@ -34,9 +34,9 @@ def profile(
     """Build MODEL from a transformers config (nothing downloaded), profile one training step, write the Trace."""
     import torch
 
-    from agent.model_zoo import KINDS, build, sample_batch
     from agent.profiler import BlockDetectionError, ProfilerInputError
     from agent.profiler import profile as run_profile
+    from agent.testing.model_zoo import KINDS, build, sample_batch
 
     if model not in KINDS:
         raise typer.BadParameter(f"{model!r} is not one of {', '.join(KINDS)}", param_hint="--model")

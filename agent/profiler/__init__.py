@@ -1,6 +1,6 @@
 """Agent profiler: measure a real training iteration and return a wire-contract Trace (`profile`)."""
 
-from agent.profiler.layout import BlockDetectionError
+from agent.profiler.block_detection import BlockDetectionError
 from agent.profiler.profiling import profile
 from agent.profiler.session import ProfilerInputError
 

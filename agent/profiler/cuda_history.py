@@ -4,8 +4,8 @@
 `torch.cuda.memory._snapshot()["device_traces"]` at the end and always turns recording off again (on
 success or error). Each `alloc` entry becomes a `StorageRecord` (size is the size the program requested,
 which the trace entries carry, not the caching allocator's rounded block); the matching `free_completed` entry (same address, the moment the block is
-reusable on its stream) is its free. Blocks are attributed to the profiler's cursor without timestamps:
-at every cursor mark the gauge reads the allocator's cumulative allocation count
+reusable on its stream) is its free. Blocks are attributed to the profiler's `BlockTracker` without timestamps:
+at every `BlockTracker` mark the gauge reads the allocator's cumulative allocation count
 (`memory_stats()["allocation.all.allocated"]`), and the n-th `alloc` entry of the window belongs to the
 last mark whose count is at most n. Saved-for-backward storages are matched by (address, allocation
 count at pack time), so a later reuse of the same address is not confused with them.
@@ -102,7 +102,7 @@ class CudaAllocatorHistory:
         first_event: int,
         first_sid: int,
         mark_counts: list[int],
-        mark_cursor: list[tuple[int | None, Phase]],
+        mark_blocks: list[tuple[int | None, Phase]],
     ) -> tuple[list[StorageRecord], int, dict[int, list[tuple[int, int]]]]:
         """Records of the window's allocations, numbered after `first_event`/`first_sid`.
 
@@ -118,7 +118,7 @@ class CudaAllocatorHistory:
             action = e.get("action")
             if action == "alloc":
                 k = bisect.bisect_right(mark_counts, n_alloc) - 1
-                block, phase = mark_cursor[k] if k >= 0 else (None, Phase.forward)
+                block, phase = mark_blocks[k] if k >= 0 else (None, Phase.forward)
                 sid = first_sid + len(records)
                 rec = StorageRecord(sid, int(e["size"]), event, block, phase)
                 records.append(rec)

@@ -1,7 +1,7 @@
 """Module and tensor hooks that follow one iteration block by block; always removed on exit.
 
 `BlockHooks` is a context manager. While it is open:
-- forward pre/post hooks on each repeated block move the `Cursor` (prologue -> block i -> epilogue);
+- forward pre/post hooks on each repeated block move the `BlockTracker` (prologue -> block i -> epilogue);
 - gradient hooks on each block's output tensors mark the start of its backward, and on its input tensors
   the end, so backward time and memory are attributed block by block;
 - optionally (`first_use=True`) forward pre-hooks on every module record the order in which parameters
@@ -24,20 +24,20 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from agent.profiler.cursor import Cursor
-from agent.profiler.layout import RepeatedBlocks
+from agent.profiler.block_detection import RepeatedBlocks
+from agent.profiler.block_marks import BlockTracker
 from agent.profiler.tensors import iter_tensors, storage_bytes, storage_key, unique_storage_bytes
 from client.contract import Phase
 
 
 class BlockHooks:
-    """Hooks on `model` that drive `cursor` through the blocks of one iteration."""
+    """Hooks on `model` that drive `block_tracker` through the blocks of one iteration."""
 
     def __init__(
         self,
         model: nn.Module,
         repeated: RepeatedBlocks,
-        cursor: Cursor,
+        block_tracker: BlockTracker,
         *,
         first_use: bool = False,
         saved_tensors: bool = False,
@@ -46,7 +46,7 @@ class BlockHooks:
     ) -> None:
         self.model = model
         self.repeated = repeated
-        self.cursor = cursor
+        self.block_tracker = block_tracker
         self.n_blocks = len(repeated) + 2  # prologue + repeated + epilogue
         self._first_use = first_use
         self._saved_tensors = saved_tensors
@@ -107,7 +107,7 @@ class BlockHooks:
     # ------------------------------------------------------------------ forward
     def _pre_hook(self, idx: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.cursor.move(idx, Phase.forward)
+            self.block_tracker.move(idx, Phase.forward)
             if self._saved_tensors:
                 # Inputs shared by every block (attention mask, rotary cos/sin) count once, in the first block.
                 tensors = list(iter_tensors((args, kwargs)))
@@ -130,7 +130,7 @@ class BlockHooks:
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if idx == last:
-                self.cursor.move(idx + 1, Phase.forward)  # the epilogue runs from here on
+                self.block_tracker.move(idx + 1, Phase.forward)  # the epilogue runs from here on
                 if self._saved_tensors:  # the epilogue's input is the last block's output
                     self.input_bytes[idx + 1] = unique_storage_bytes(list(iter_tensors(output)), self._excluded)
             if torch.is_grad_enabled():
@@ -145,7 +145,7 @@ class BlockHooks:
             for p in module.parameters(recurse=False):
                 if id(p) not in self._seen_params:
                     self._seen_params.add(id(p))
-                    block = self.cursor.block if self.cursor.block is not None else 0
+                    block = self.block_tracker.block if self.block_tracker.block is not None else 0
                     self.param_order.append((p, path, block))
 
         return hook
@@ -155,7 +155,7 @@ class BlockHooks:
         def hook(grad: torch.Tensor) -> None:
             if idx not in self._bwd_started:
                 self._bwd_started.add(idx)
-                self.cursor.move(idx, Phase.backward)
+                self.block_tracker.move(idx, Phase.backward)
 
         return hook
 
@@ -163,15 +163,15 @@ class BlockHooks:
         def hook(grad: torch.Tensor) -> None:
             # Only the end of this block's own backward counts: a shared input (e.g. position embeddings
             # that require grad) gets its gradient later, when other blocks are running.
-            if self.cursor.block == idx and self.cursor.phase == Phase.backward:
-                self.cursor.move(idx - 1, Phase.backward)
+            if self.block_tracker.block == idx and self.block_tracker.phase == Phase.backward:
+                self.block_tracker.move(idx - 1, Phase.backward)
 
         return hook
 
     # ------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        block = self.cursor.block
-        if block is None or self.cursor.phase != Phase.forward or t.is_meta or t.layout != torch.strided:
+        block = self.block_tracker.block
+        if block is None or self.block_tracker.phase != Phase.forward or t.is_meta or t.layout != torch.strided:
             return t
         key = storage_key(t)
         if key not in self._excluded and key not in self._saved_keys:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from agent.profiler.layout import RepeatedBlocks
+from agent.profiler.block_detection import RepeatedBlocks
 from client.contract import ParameterInfo
 
 

@@ -40,12 +40,12 @@ from torch import nn
 
 from agent.kv_cache import KVCacheOff
 from agent.profiler.allocation_trace import AllocationTraceTooLarge, build_allocation_trace
-from agent.profiler.clock import DeviceClock
+from agent.profiler.block_detection import BlockDetectionError, RepeatedBlocks, detect_blocks, edge_name
+from agent.profiler.block_marks import BlockTracker, Gauge, seconds_by_block, segments, transient_peaks
 from agent.profiler.cuda_history import CudaAllocatorHistory, CudaGauge
-from agent.profiler.cursor import Cursor, Gauge, seconds_by_block, segments, transient_peaks
+from agent.profiler.device_clock import DeviceClock
 from agent.profiler.hardware import probe_hardware
 from agent.profiler.hooks import BlockHooks
-from agent.profiler.layout import BlockDetectionError, RepeatedBlocks, detect_blocks, edge_name
 from agent.profiler.optimizer_probe import (
     host_step_throughput,
     optimizer_kind,
@@ -250,9 +250,9 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
         mark = now
 
     # 1. warm-up with first-use hooks
-    cursor = Cursor(clock)
-    with BlockHooks(model, repeated, cursor, first_use=True) as hooks:
-        step.run(cursor)
+    block_tracker = BlockTracker(clock)
+    with BlockHooks(model, repeated, block_tracker, first_use=True) as hooks:
+        step.run(block_tracker)
         first_use = list(hooks.param_order)
     res.ordered = order_parameters(model, repeated, first_use)
     stepped = [p for p in model.parameters() if p.grad is not None]
@@ -295,15 +295,15 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     hooked_walls: list[float] = []
     captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     for r in range(n_hooked):
-        cursor = Cursor(clock)
-        with BlockHooks(model, repeated, cursor) as hooks:
+        block_tracker = BlockTracker(clock)
+        with BlockHooks(model, repeated, block_tracker) as hooks:
             hooks.keep_inputs = r == n_hooked - 1
-            step.run(cursor)
+            step.run(block_tracker)
             captured = dict(hooks.block_inputs)
-        segs = segments(cursor.marks)
+        segs = segments(block_tracker.marks)
         fwd_runs.append(seconds_by_block(segs, n_blocks, Phase.forward))
         bwd_runs.append(seconds_by_block(segs, n_blocks, Phase.backward))
-        hooked_walls.append(cursor.marks[-1].time_s - cursor.marks[0].time_s)
+        hooked_walls.append(block_tracker.marks[-1].time_s - block_tracker.marks[0].time_s)
     fwd = [statistics.median(run[b] for run in fwd_runs) for b in range(n_blocks)]
     bwd = [statistics.median(run[b] for run in bwd_runs) for b in range(n_blocks)]
     compute_plain = max(res.iteration_s - opt_step_s - zero_grad_s, 0.0)
@@ -486,14 +486,14 @@ def _track_memory(
             tracker.register_external(t)
         gauge = tracker
         on_saved = tracker.mark_saved
-    cursor = Cursor(clock, gauge=gauge)
+    block_tracker = BlockTracker(clock, gauge=gauge)
     if tracker is not None:
-        tracker.cursor = cursor
+        tracker.block_tracker = block_tracker
     grad_keys: dict[tuple[str, int], int] = {}
-    with BlockHooks(model, repeated, cursor, saved_tensors=True, excluded_storages=excluded,
+    with BlockHooks(model, repeated, block_tracker, saved_tensors=True, excluded_storages=excluded,
                     on_saved=on_saved) as hooks:
         with tracker if tracker is not None else (history if history is not None else nullcontext()):
-            step.run(cursor)
+            step.run(block_tracker)
             if tracker is not None:
                 grad_sids = {rec.sid for p in model.parameters() if p.grad is not None
                              for rec in [tracker.record_of(p.grad)] if rec is not None}
@@ -506,7 +506,7 @@ def _track_memory(
                             block_of_param.get(id(p), 0)
         act, inp = list(hooks.activation_bytes), list(hooks.input_bytes)
     inp[0] = unique_storage_bytes(batch_tensors, set())
-    segs = segments(cursor.marks)
+    segs = segments(block_tracker.marks)
     fwd_tr = transient_peaks(segs, n_blocks, Phase.forward)
     bwd_tr = transient_peaks(segs, n_blocks, Phase.backward)
     peak = max([s.peak for s in segs] + [0])
@@ -518,7 +518,7 @@ def _track_memory(
             source = "dispatch_tracker"
         else:
             assert history is not None and isinstance(gauge, CudaGauge)
-            records, n_events, grad_sids, grad_blocks = _cuda_records(long_lived, history, gauge, cursor, grad_keys)
+            records, n_events, grad_sids, grad_blocks = _cuda_records(long_lived, history, gauge, block_tracker, grad_keys)
             source = "cuda_caching_allocator"
         try:
             alloc = build_allocation_trace(records, n_events, grad_sids=grad_sids, grad_blocks=grad_blocks,
@@ -530,7 +530,7 @@ def _track_memory(
 
 def _cuda_records(
     long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]], history: CudaAllocatorHistory,
-    gauge: CudaGauge, cursor: Cursor, grad_keys: dict[tuple[str, int], int],
+    gauge: CudaGauge, block_tracker: BlockTracker, grad_keys: dict[tuple[str, int], int],
 ) -> tuple[list[StorageRecord], int, set[int], dict[int, int | None]]:
     """Pre-existing model state first, then the allocator's events of the window (see cuda_history)."""
     records: list[StorageRecord] = []
@@ -543,7 +543,7 @@ def _cuda_records(
         seen.add(key)
         records.append(StorageRecord(len(records), nbytes, len(records), blk, Phase.forward, cat))
     window, n_events, by_addr = history.records(len(records), len(records), gauge.mark_counts,
-                                                [(m.block, m.phase) for m in cursor.marks])
+                                                [(m.block, m.phase) for m in block_tracker.marks])
     grad_sids: set[int] = set()
     grad_blocks: dict[int, int | None] = {}
     for (_, addr), blk in grad_keys.items():

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agent.profiler.clock import DeviceClock
+from agent.profiler.device_clock import DeviceClock
 from agent.profiler.tensors import iter_tensors
 
 

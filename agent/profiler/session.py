@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from agent.profiler.clock import DeviceClock
-from agent.profiler.cursor import Cursor
+from agent.profiler.block_marks import BlockTracker
+from agent.profiler.device_clock import DeviceClock
 from client.contract import Phase
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -57,7 +57,7 @@ def move_batch(batch: Any, device: torch.device) -> Any:
 
 
 class TrainingStep:
-    """forward -> loss -> backward -> optimizer step, marking phases on an optional cursor."""
+    """forward -> loss -> backward -> optimizer step, marking phases on an optional block_tracker."""
 
     def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizer: torch.optim.Optimizer,
                  n_blocks: int) -> None:
@@ -88,21 +88,21 @@ class TrainingStep:
         del output
         return loss
 
-    def run(self, cursor: Cursor | None = None) -> None:
-        """One iteration, moving `cursor` (if any) at the phase boundaries."""
+    def run(self, block_tracker: BlockTracker | None = None) -> None:
+        """One iteration, moving `block_tracker` (if any) at the phase boundaries."""
         self.optimizer.zero_grad(set_to_none=True)
-        if cursor is not None:
-            cursor.move(0, Phase.forward)
+        if block_tracker is not None:
+            block_tracker.move(0, Phase.forward)
         loss = self.forward_loss()
-        if cursor is not None:
-            cursor.move(self.epilogue, Phase.backward)
+        if block_tracker is not None:
+            block_tracker.move(self.epilogue, Phase.backward)
         loss.backward()
         del loss
-        if cursor is not None:
-            cursor.move(None, Phase.optimizer)
+        if block_tracker is not None:
+            block_tracker.move(None, Phase.optimizer)
         self.optimizer.step()
-        if cursor is not None:
-            cursor.move(None, Phase.optimizer)  # closes the optimizer segment
+        if block_tracker is not None:
+            block_tracker.move(None, Phase.optimizer)  # closes the optimizer segment
 
     def timed(self, clock: DeviceClock) -> tuple[float, float, float]:
         """One un-hooked iteration: wall seconds of the whole iteration, of its optimizer step and of its

@@ -3,7 +3,7 @@
 How it works: every ATen op of the iteration passes through `__torch_dispatch__`. After the op runs, each
 output that the op's schema does not declare as an alias of an input (views, in-place and out= ops
 allocate nothing) has its `untyped_storage()` looked up by StorageImpl address in a table of live
-storages; a storage not seen before is a new allocation (its `nbytes()` at that moment, the current block and phase from the `Cursor`). A
+storages; a storage not seen before is a new allocation (its `nbytes()` at that moment, the current block and phase from the `BlockTracker`). A
 `weakref.finalize` on the storage's Python object records the free: PyTorch keeps one Python object per
 live storage (PyObject preservation), so the finaliser runs exactly when the last tensor using the
 storage dies, including frees that happen inside C++ (autograd releasing saved tensors). Storages that
@@ -13,7 +13,7 @@ so views and in-place ops on them are not mistaken for allocations.
 This sees what PyTorch's CPU allocator is asked for, op by op, including memory that functional ops
 (softmax, layer_norm, cross-entropy) allocate and free between module hooks. It does not see allocator
 rounding or fragmentation (the CPU allocator is malloc), nor memory outside tensors. It is also the
-`Gauge` (live and peak bytes) for the cursor's marks.
+`Gauge` (live and peak bytes) for the `BlockTracker`'s marks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from agent.profiler.cursor import Cursor
+from agent.profiler.block_marks import BlockTracker
 from client.contract import AllocationCategory, Phase
 
 _EXTERNAL = -1
@@ -48,9 +48,9 @@ class StorageRecord:
 class StorageTracker(TorchDispatchMode):
     """Records allocations and frees of tensor storages; use as a context manager around one iteration."""
 
-    def __init__(self, cursor: Cursor | None = None) -> None:
+    def __init__(self, block_tracker: BlockTracker | None = None) -> None:
         super().__init__()
-        self.cursor = cursor
+        self.block_tracker = block_tracker
         self.records: list[StorageRecord] = []
         self.n_events = 0
         # Keyed by the StorageImpl's address (`_cdata`), removed when the storage dies, so a reused address
@@ -133,9 +133,9 @@ class StorageTracker(TorchDispatchMode):
         st = t.untyped_storage()
         if st._cdata in self._ids or st.nbytes() == 0:
             return
-        cursor = self.cursor
-        self._track(st, cursor.block if cursor is not None else None,
-                    cursor.phase if cursor is not None else Phase.forward, None)
+        block_tracker = self.block_tracker
+        self._track(st, block_tracker.block if block_tracker is not None else None,
+                    block_tracker.phase if block_tracker is not None else Phase.forward, None)
 
     def _track(self, st: Any, block: int | None, phase: Phase, category: AllocationCategory | None) -> None:
         sid = len(self.records)

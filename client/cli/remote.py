@@ -30,7 +30,7 @@ from client.cli.render import (
     plans_table,
     traces_table,
 )
-from client.contract import Constraints, PlanRecord, Trace, TraceSummary
+from client.contract import Constraints, PlanRecord, PlanStatus, Trace, TraceSummary
 from client.errors import MemplanError
 from client.sdk import Client
 
@@ -162,7 +162,7 @@ def _show(record: PlanRecord) -> None:
         console.print(plan_table(record.plan))
     if record.feedback:
         console.print(feedback_table(record))
-    elif record.status == "done":
+    elif record.status is PlanStatus.done:
         console.print("feedback: none yet (the agent posts what it measured after applying the plan)")
 
 

@@ -18,6 +18,8 @@ from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, Contrac
 from client.contract.feedback import Feedback
 from client.contract.hardware import CatalogEntry, DenseThroughput, HardwareCatalog, HostLink, LinkKind
 from client.contract.plan import (
+    FINAL_PLAN_STATUSES,
+    PENDING_PLAN_STATUSES,
     ActivationMode,
     AllocationPlan,
     BlockPolicy,

@@ -186,4 +186,25 @@ class Plan(ContractModel):
         return self
 
 
-PlanStatus = Literal["queued", "running", "done", "failed", "infeasible"]
+class PlanStatus(StrEnum):
+    """Where a plan request is: waiting for a worker, being solved, or one of the final outcomes."""
+
+    queued = "queued"
+    running = "running"
+    done = "done"
+    failed = "failed"
+    infeasible = "infeasible"
+
+    @property
+    def final(self) -> bool:
+        """True when the plan will not change status again (done, failed or infeasible)."""
+        return self in FINAL_PLAN_STATUSES
+
+    @property
+    def pending(self) -> bool:
+        """True while a worker has yet to finish the plan (queued or running)."""
+        return not self.final
+
+
+FINAL_PLAN_STATUSES: frozenset[PlanStatus] = frozenset({PlanStatus.done, PlanStatus.failed, PlanStatus.infeasible})
+PENDING_PLAN_STATUSES: frozenset[PlanStatus] = frozenset({PlanStatus.queued, PlanStatus.running})

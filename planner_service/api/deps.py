@@ -83,12 +83,12 @@ async def _principal(request: Request, db: Database, token: str) -> Principal | 
     change (revocations empty it at commit), else one query by digest."""
     feed: ChangeFeed | None = request.app.state.change_feed
     key = digest(token)
-    if feed is not None and (known := feed.principal(key)) is not None:
-        return known
+    if feed is not None and (known := feed.token_owner(key)) is not None:
+        return Principal(project_id=known[0], token_id=known[1])
     generation = feed.generation if feed is not None else 0
     found = await run_in_threadpool(_resolve, db, token)
-    if feed is not None and found is not None:
-        feed.keep_principal(key, found, generation)
+    if feed is not None and found is not None and found.token_id is not None:
+        feed.keep_token_owner(key, found.project_id, found.token_id, generation)
     return found
 
 

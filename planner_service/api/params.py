@@ -3,7 +3,7 @@
 A NUL character in an id or a filter reaches PostgreSQL as a parameter it refuses (`psycopg.DataError`, a 500
 before this module). These types give a 422 naming the parameter instead, on every backend, with the same
 pattern the wire contract's strings use (`client.contract.common.NO_NUL_PATTERN`). Cursors are not here:
-they are opaque, and any malformed one is a 400 from `db.cursor.decode_cursor`.
+they are opaque, and any malformed one is a 400 from `db.keyset_cursor.decode_cursor`.
 """
 
 from __future__ import annotations

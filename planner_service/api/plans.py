@@ -10,7 +10,15 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from client.contract import Feedback, FeedbackRecord, Page, PlanRecord, PlanRequest
+from client.contract import (
+    FINAL_PLAN_STATUSES,
+    Feedback,
+    FeedbackRecord,
+    Page,
+    PlanRecord,
+    PlanRequest,
+    PlanStatus,
+)
 from planner_service.api import links
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
@@ -18,27 +26,14 @@ from planner_service.api.params import HardwareFilter, ModelFilter, PlanId
 from planner_service.api.poll_shortcut import etag_matches
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.change_feed import ChangeFeed
-from planner_service.db.cursor import BadCursor
-from planner_service.db.repositories import (
-    FINAL_STATUSES,
-    FeedbackRepository,
-    PlanRepository,
-    TraceRepository,
-    plan_etag,
-    plan_version,
-    request_key,
-)
+from planner_service.db.keyset_cursor import BadCursor
+from planner_service.db.repositories import PlanRepository, plan_etag, plan_version
 from planner_service.db.session import Database
 from planner_service.observability import POLL_ANSWERS
+from planner_service.plans import service as plans
 from planner_service.settings import Settings
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES)
-
-
-def _solver_version() -> str:
-    from planner_service.solver import SOLVER_VERSION
-
-    return SOLVER_VERSION
 
 
 @router.post("", status_code=202, response_model=PlanRecord,
@@ -47,18 +42,14 @@ def _solver_version() -> str:
                               "links": links.PLAN_RECORD}})
 def request_plan(body: PlanRequest, request: Request, response: Response, session: SessionDep,
                  principal: PrincipalDep) -> PlanRecord:
-    trace = TraceRepository(session).get(body.trace_id, principal.project_id, payload=False)
-    if trace is None:
-        raise ApiError(404, f"trace_id: trace {body.trace_id} not found")
-    repo = PlanRepository(session)
-    version = _solver_version()
-    existing = repo.reusable(principal.project_id, request_key(trace.content_hash, body.constraints, body.objective, body.solver, version))
-    if existing is not None:
+    try:
+        found = plans.request_plan(session, principal.project_id, body, request.app.state.solve_queue.enqueue)
+    except plans.TraceNotFound as exc:
+        raise ApiError(404, str(exc)) from exc
+    if found.reused:
         response.status_code = 200
-        return plan_record(existing, reused=True)
-    row = repo.create(trace, body.constraints, body.objective, body.solver, version)
-    request.app.state.solve_queue.enqueue(session, row.id)  # in this transaction: the plan and its job, or neither
-    return plan_record(row, with_feedback=False)
+        return plan_record(found.plan, reused=True)
+    return plan_record(found.plan, with_feedback=False)
 
 
 def _version(db: Database, plan_id: str, project_id: str) -> str | None:
@@ -136,7 +127,7 @@ async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
         status, etag, body = loaded
         if feed is not None:
             feed.remember(plan_id, principal.project_id, etag, generation)
-        if status in FINAL_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
+        if status in FINAL_PLAN_STATUSES or time.monotonic() >= deadline or if_none_match is not None:
             if etag_matches(if_none_match, etag):
                 return Response(status_code=304, headers={"etag": etag})
             return Response(body, media_type="application/json", headers={"etag": etag})
@@ -147,7 +138,7 @@ async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
 def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
                model: ModelFilter = None,
                hardware: HardwareFilter = None,
-               status: Annotated[str | None, Query(pattern="^(queued|running|done|failed|infeasible)$")] = None,
+               status: PlanStatus | None = None,
                id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="plans whose id "
                                                       "starts with this (the CLI's short ids)")] = None,
                sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
@@ -170,13 +161,10 @@ def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalD
 @router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
 def post_feedback(plan_id: PlanId, body: Feedback, request: Request, session: SessionDep,
                   principal: PrincipalDep) -> FeedbackRecord:
-    plan = PlanRepository(session).get(plan_id, principal.project_id)
-    if plan is None:
-        raise ApiError(404, f"plan {plan_id} not found")
-    if plan.status != "done":
-        raise ApiError(409, f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)")
-    record = feedback_record(FeedbackRepository(session).add(plan, body))
-    feed: ChangeFeed | None = request.app.state.change_feed
-    if feed is not None:
-        feed.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
-    return record
+    try:
+        row = plans.add_feedback(session, principal.project_id, plan_id, body, request.app.state.change_feed)
+    except plans.PlanNotFound as exc:
+        raise ApiError(404, str(exc)) from exc
+    except plans.FeedbackNotAccepted as exc:
+        raise ApiError(409, str(exc)) from exc
+    return feedback_record(row)

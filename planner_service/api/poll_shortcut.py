@@ -60,7 +60,8 @@ class PollShortcut:
         principal: Principal | None = ANONYMOUS
         if settings.auth:
             token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
-            principal = feed.principal(digest(token)) if token else None
+            owner = feed.token_owner(digest(token)) if token else None
+            principal = Principal(project_id=owner[0], token_id=owner[1]) if owner is not None else None
         if principal is None:
             return False
         tag = feed.tag(plan_id, principal.project_id)

@@ -15,7 +15,7 @@ from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
 from planner_service.api.params import HardwareFilter, ModelFilter, TraceId
 from planner_service.api.present import trace_summary
-from planner_service.db.cursor import BadCursor
+from planner_service.db.keyset_cursor import BadCursor
 from planner_service.db.repositories import TraceRepository, UnreadableStoredTrace, decompress_trace
 from planner_service.ingest import BadGzip, GzipTooLarge, Ingestor, InvalidJson, InvalidTrace
 

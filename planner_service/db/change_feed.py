@@ -27,14 +27,13 @@ from collections import OrderedDict
 
 import psycopg
 
-from planner_service.auth import Principal
-
 log = logging.getLogger("memplan.service.change_feed")
 
 # migrations/versions/2026_11_21_0003_change_notifications.py
 PLAN_CHANNEL = "memplan_plan_changed"  # payload: the plan's id
 TOKEN_CHANNEL = "memplan_token_changed"  # payload: the token's id
 APPLICATION_NAME = "memplan-change-feed"  # how the listener's connection shows in pg_stat_activity
+TokenOwner = tuple[str, str]  # (project id, token id): plain values, so the feed needs nothing from `auth`
 
 
 class ChangeFeed:
@@ -48,7 +47,7 @@ class ChangeFeed:
         self.ping_s = ping_s
         self.reconnect_s = reconnect_s
         self._tags: OrderedDict[str, tuple[str, str]] = OrderedDict()  # plan id -> (project id, etag)
-        self._principals: OrderedDict[str, Principal] = OrderedDict()  # token digest -> who it is
+        self._owners: OrderedDict[str, TokenOwner] = OrderedDict()  # token digest -> (project id, token id)
         self._generation = 0  # bumped by every notification and every listener (re)connection or loss
         self._listening = False
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
@@ -82,17 +81,18 @@ class ChangeFeed:
         if len(self._tags) > self.capacity:
             self._tags.popitem(last=False)
 
-    def principal(self, token_digest: str) -> Principal | None:
-        """Who a token (by digest) is, if resolved here since the last token change (None: ask the database)."""
-        return self._principals.get(token_digest) if self._listening else None
+    def token_owner(self, token_digest: str) -> TokenOwner | None:
+        """(project id, token id) of a token (by digest), if resolved here since the last token change (None:
+        ask the database)."""
+        return self._owners.get(token_digest) if self._listening else None
 
-    def keep_principal(self, token_digest: str, principal: Principal, generation: int) -> None:
+    def keep_token_owner(self, token_digest: str, project_id: str, token_id: str, generation: int) -> None:
         """Keep a token resolved by a query that started at `generation`."""
         if not self._listening or generation != self._generation:
             return
-        self._principals[token_digest] = principal
-        if len(self._principals) > self.capacity:
-            self._principals.popitem(last=False)
+        self._owners[token_digest] = (project_id, token_id)
+        if len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)
 
     def forget(self, plan_id: str) -> None:
         """This process is changing the plan: drop its tag now rather than when the notification comes.
@@ -121,7 +121,7 @@ class ChangeFeed:
     def _tokens_changed(self) -> None:
         self.notifications += 1
         self._generation += 1
-        self._principals.clear()  # revocations are rare: forget every token rather than track which
+        self._owners.clear()  # revocations are rare: forget every token rather than track which
 
     def _changed(self, plan_id: str) -> None:
         self.notifications += 1
@@ -135,7 +135,7 @@ class ChangeFeed:
         self._listening = False
         self._generation += 1
         self._tags.clear()
-        self._principals.clear()
+        self._owners.clear()
         waiters, self._waiters = self._waiters, {}
         for futures in waiters.values():
             for future in futures:

@@ -21,6 +21,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
+from client.contract import PlanStatus
 from planner_service.db.base import Base, UTCDateTime, utcnow
 
 
@@ -123,7 +124,7 @@ class PlanRow(Base):
     request_key: Mapped[str] = mapped_column(String(64), doc="hash of trace, constraints, objective, solver, version")
     solver: Mapped[str] = mapped_column(String(64))
     solver_version: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), default="queued")
+    status: Mapped[str] = mapped_column(String(16), default=PlanStatus.queued.value)  # a PlanStatus value
     constraints: Mapped[dict[str, Any]] = mapped_column(JSON)
     objective: Mapped[str] = mapped_column(String(64))
     # Deferred: a Plan with an allocation is megabytes; lists read `headline`, a GET splices the stored text.

@@ -4,23 +4,32 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select
+from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
 
-from client.contract import Constraints, Feedback, Objective, PlanHeadline, Trace
+from client.contract import Constraints, Feedback, Objective, PlanHeadline, PlanStatus, Trace
 from planner_service.db.base import utcnow
-from planner_service.db.cursor import after, encode_cursor
-from planner_service.db.models import DEFAULT_PROJECT, FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
+from planner_service.db.keyset_cursor import after, encode_cursor
+from planner_service.db.models import (
+    DEFAULT_PROJECT,
+    ApiTokenRow,
+    FeedbackRow,
+    HardwareRow,
+    ModelRow,
+    PlanRow,
+    ProjectRow,
+    TraceRow,
+)
 from planner_service.ingest import BadGzip, GzipTooLarge, TraceFacts, gunzip_limited
 
 R = TypeVar("R")
-ACTIVE_STATUSES = ("queued", "running", "done", "infeasible")
-FINAL_STATUSES = ("done", "failed", "infeasible")
+REUSABLE_STATUSES = tuple(s.value for s in PlanStatus if s is not PlanStatus.failed)  # a failed request may be retried
 
 
 def plan_etag(plan_id: str, status: str, attempts: int, started_at: Any, finished_at: Any, n_feedback: int) -> str:
@@ -198,7 +207,7 @@ class PlanRepository:
     def reusable(self, project_id: str, key: str) -> PlanRow | None:
         """An earlier identical request of the project that is queued, running or finished (not failed)."""
         return self.s.scalar(select(PlanRow).where(PlanRow.project_id == project_id, PlanRow.request_key == key,
-                                                   PlanRow.status.in_(ACTIVE_STATUSES))
+                                                   PlanRow.status.in_(REUSABLE_STATUSES))
                              .order_by(PlanRow.created_at).limit(1))
 
     def create(self, trace: TraceRow, constraints: Constraints, objective: Objective, solver: str,
@@ -206,7 +215,7 @@ class PlanRepository:
         key = request_key(trace.content_hash, constraints, objective, solver, solver_version)
         row = PlanRow(trace_id=trace.id, project_id=trace.project_id, model_fingerprint=trace.model_fingerprint, hardware_key=trace.hardware_key,
                       workload_key=trace.workload_key, request_key=key, solver=solver, solver_version=solver_version,
-                      status="queued", constraints=constraints.model_dump(mode="json"), objective=objective.value,
+                      status=PlanStatus.queued.value, constraints=constraints.model_dump(mode="json"), objective=objective.value,
                       attempts=0, created_at=utcnow())
         self.s.add(row)
         self.s.flush()
@@ -230,8 +239,47 @@ class PlanRepository:
             stmt = stmt.where(PlanRow.id.startswith(id_prefix, autoescape=True))
         return _page(self.s, stmt, PlanRow, limit, cursor, descending)
 
+    # the solve job's writes: each changes the row only from the state the caller read (compare-and-set), so a
+    # worker presumed lost that comes back late cannot overwrite the attempt that replaced it
+    def progress(self, plan_id: str) -> tuple[str, int] | None:
+        """(status, attempts) of the plan, or None if it is gone."""
+        row = self.s.execute(select(PlanRow.status, PlanRow.attempts).where(PlanRow.id == plan_id)).first()
+        return None if row is None else (row.status, row.attempts)
+
+    def claim(self, plan_id: str, status: str, attempts: int) -> bool:
+        """Mark the plan running attempt `attempts + 1`, if it is still at (`status`, `attempts`)."""
+        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == status,
+                                                   PlanRow.attempts == attempts)
+                             .values(status=PlanStatus.running.value, attempts=attempts + 1, started_at=utcnow(),
+                                     finished_at=None))
+        return res.rowcount == 1  # type: ignore[attr-defined]
+
+    def fail_if(self, plan_id: str, statuses: Sequence[str], error: str) -> bool:
+        """Fail the plan with `error`, if its status is one of `statuses`."""
+        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(tuple(statuses)))
+                             .values(status=PlanStatus.failed.value, finished_at=utcnow(), error=error))
+        return res.rowcount == 1  # type: ignore[attr-defined]
+
+    def finish_attempt(self, plan_id: str, attempt: int, status: PlanStatus, result: dict[str, Any] | None,
+                       error: str | None) -> bool:
+        """Write attempt `attempt`'s outcome, if the plan is still running that attempt."""
+        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == PlanStatus.running.value,
+                                                   PlanRow.attempts == attempt)
+                             .values(status=status.value, result=result, headline=plan_headline(result), error=error,
+                                     finished_at=utcnow() if status.final else None))
+        return res.rowcount == 1  # type: ignore[attr-defined]
+
+    def solve_inputs(self, plan_id: str) -> tuple[bytes | None, dict[str, Any]]:
+        """The plan's stored trace (gzip bytes; None if gone) and its request's fields, as stored."""
+        plan = self.s.get(PlanRow, plan_id)
+        if plan is None:
+            raise LookupError(f"plan {plan_id} is gone")
+        payload = self.s.scalar(select(TraceRow.payload_gzip).where(TraceRow.id == plan.trace_id))
+        return payload, {"trace_id": plan.trace_id, "constraints": plan.constraints, "objective": plan.objective,
+                         "solver": plan.solver}
+
     def queue_depth(self) -> int:
-        return int(self.s.scalar(select(func.count()).select_from(PlanRow).where(PlanRow.status == "queued")) or 0)
+        return int(self.s.scalar(select(func.count()).select_from(PlanRow).where(PlanRow.status == PlanStatus.queued.value)) or 0)
 
 
 # ----------------------------------------------------------------------------------------- feedback
@@ -259,6 +307,37 @@ class FeedbackRepository:
         self.s.add(row)
         self.s.flush()
         return row
+
+    def counts(self, plan_ids: Sequence[str]) -> dict[str, int]:
+        """How many feedback reports each of these plans has (plans without any are absent)."""
+        if not plan_ids:
+            return {}
+        stmt = (select(FeedbackRow.plan_id, func.count()).where(FeedbackRow.plan_id.in_(plan_ids))
+                .group_by(FeedbackRow.plan_id))
+        return {pid: int(n) for pid, n in self.s.execute(stmt)}
+
+
+# ----------------------------------------------------------------------------------------- projects, tokens
+class AccessRepository:
+    """Projects and their API tokens (the rules, token generation and digests, are `planner_service.auth`'s)."""
+
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def project_named(self, name: str) -> ProjectRow | None:
+        return self.s.scalar(select(ProjectRow).where(ProjectRow.name == name))
+
+    def add(self, row: ProjectRow | ApiTokenRow) -> None:
+        self.s.add(row)
+        self.s.flush()
+
+    def token(self, token_id: str) -> ApiTokenRow | None:
+        return self.s.get(ApiTokenRow, token_id)
+
+    def live_token(self, token_digest: str) -> ApiTokenRow | None:
+        """The unrevoked token with this digest, if any."""
+        return self.s.scalar(select(ApiTokenRow).where(ApiTokenRow.digest == token_digest,
+                                                       ApiTokenRow.revoked_at.is_(None)))
 
 
 # ----------------------------------------------------------------------------------------- catalog

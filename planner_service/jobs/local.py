@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
+from client.contract import PENDING_PLAN_STATUSES
 from planner_service.db.models import PlanRow
 from planner_service.db.session import Database
 from planner_service.jobs.tasks import MAX_RUNS, PlanFailed, give_up, run_plan
@@ -35,7 +36,7 @@ class LocalSolver:
         if self._pool is None:
             return
         with self.db.session() as s:
-            ids = list(s.scalars(select(PlanRow.id).where(PlanRow.status.in_(("queued", "running")))
+            ids = list(s.scalars(select(PlanRow.id).where(PlanRow.status.in_(tuple(PENDING_PLAN_STATUSES)))
                                  .order_by(PlanRow.created_at)))
         for plan_id in ids:
             self.submit(plan_id)

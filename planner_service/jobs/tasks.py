@@ -2,7 +2,8 @@
 (procrastinate on PostgreSQL, the in-process pool on SQLite); runners decide only when it runs again.
 
 Every failure while solving one plan ends on that plan: an unreadable trace or a request the solver refuses
-fails it at once, with its reason; any other error hands it back for another attempt until
+(`PlanRequestRefused`) fails it at once, with its reason; any other error (a ValueError from the solver's own
+code included: that is a bug, not a bad request) hands it back for another attempt until
 `Settings.max_attempts`, then fails it. The attempt is counted in its own committed transaction before
 anything can fail, so no error rolls it back and the exhausted-attempts rule always fires (issue 17,
 defect 1). The task never logs the traceback itself: the runner logs it once.
@@ -17,14 +18,11 @@ import time
 import traceback
 from typing import Any
 
-from sqlalchemy import select, update
-
-from client.contract import Plan, PlanRequest, SolverStatus, Trace
-from planner_service.db.base import utcnow
-from planner_service.db.models import PlanRow, TraceRow
-from planner_service.db.repositories import FINAL_STATUSES, plan_headline
+from client.contract import Plan, PlanRequest, PlanStatus, SolverStatus, Trace
+from planner_service.db.repositories import PlanRepository
 from planner_service.db.session import Database
-from planner_service.observability import PLAN_OUTCOMES, SOLVE_SECONDS
+from planner_service.observability import SOLVE_SECONDS
+from planner_service.plans import service as plans
 from planner_service.settings import Settings
 from planner_service.solver.plan import solve_plan
 
@@ -58,7 +56,7 @@ def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.
     try:
         trace, request = _decode(*stored)
     except Exception as exc:  # a stored trace that cannot be read never becomes readable by retrying
-        _record(db, plan_id, attempt, "failed", None, f"the plan's trace cannot be read: {_describe(exc)}")
+        _record(db, plan_id, attempt, PlanStatus.failed, None, f"the plan's trace cannot be read: {_describe(exc)}")
         raise PlanFailed(f"plan {plan_id}: trace cannot be read") from exc
     started = time.perf_counter()
     try:
@@ -66,28 +64,35 @@ def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.
             (stop or threading.Event()).wait(settings.fault_solve_delay_s)
         plan = solve_request(trace, request)
     except Exception as exc:
-        # a request the solver refuses (ValueError) fails now; anything else gets its remaining attempts
-        final = isinstance(exc, ValueError) or attempt >= settings.max_attempts
-        _record(db, plan_id, attempt, "failed" if final else "queued", None, f"solve failed: {_describe(exc)}")
+        # a request the solver refuses fails now; anything else (a bug) gets its remaining attempts, and the
+        # runner logs its traceback (chained below)
+        refused = _is_refusal(exc)
+        final = refused or attempt >= settings.max_attempts
+        reason = f"the solver refused the request: {_describe(exc)}" if refused else f"solve failed: {_describe(exc)}"
+        _record(db, plan_id, attempt, PlanStatus.failed if final else PlanStatus.queued, None, reason)
         if final:
             raise PlanFailed(f"plan {plan_id}: solve failed on attempt {attempt}") from exc
         raise PlanRetry(f"plan {plan_id}: solve failed on attempt {attempt}, will retry") from exc
     SOLVE_SECONDS.labels(request.solver).observe(time.perf_counter() - started)
-    status = "infeasible" if plan.solver.status == SolverStatus.infeasible else "done"
+    status = PlanStatus.infeasible if plan.solver.status == SolverStatus.infeasible else PlanStatus.done
     _record(db, plan_id, attempt, status, plan.model_dump(mode="json"), None)
     log.info("plan solved", extra={"plan_id": plan_id, "status": status, "solver": request.solver})
     return status
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """The solver's own word that the request is wrong; every other exception, ValueError included, is a bug."""
+    # imported here: the solver package pulls in OR-Tools, which the worker loads with its first solve only
+    from planner_service.solver.errors import PlanRequestRefused
+
+    return isinstance(exc, PlanRequestRefused)
 
 
 def give_up(db: Database, plan_id: str, runs: int, exc: BaseException) -> None:
     """A runner stops running the plan's job (it failed `runs` times outside the plan: the database down for
     long): fail the plan with that reason rather than leave it queued or running forever."""
     with db.session() as s:
-        res = s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(("queued", "running")))
-                        .values(status="failed", finished_at=utcnow(),
-                                error=f"gave up after {runs} runs of its job: {_describe(exc)}"))
-    if res.rowcount == 1:  # type: ignore[attr-defined]
-        PLAN_OUTCOMES.labels("failed").inc()
+        plans.give_up(s, plan_id, f"gave up after {runs} runs of its job: {_describe(exc)}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -95,34 +100,15 @@ def _describe(exc: BaseException) -> str:
 
 
 def _start(db: Database, plan_id: str, max_attempts: int) -> int | None:
-    """Count an attempt and mark the plan running, committed before any input is read; None when there is
-    nothing to do (final already, or gone). A plan found running was orphaned by a worker that died (its job
-    came back through stalled-job recovery or a restart): after its last allowed attempt it is failed."""
+    """The attempt counted and committed before any input is read (`plans.start_attempt`); None: nothing to do."""
     with db.session() as s:
-        row = s.execute(select(PlanRow.status, PlanRow.attempts).where(PlanRow.id == plan_id)).first()
-        if row is None or row.status in FINAL_STATUSES:
-            return None
-        if row.status == "running" and row.attempts >= max_attempts:
-            s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == "running")
-                      .values(status="failed", finished_at=utcnow(),
-                              error=f"the worker solving it was lost {row.attempts} times (no heartbeat)"))
-            PLAN_OUTCOMES.labels("failed").inc()
-            return None
-        attempt = row.attempts + 1
-        res = s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == row.status,
-                                              PlanRow.attempts == row.attempts)
-                        .values(status="running", attempts=attempt, started_at=utcnow(), finished_at=None))
-        return attempt if res.rowcount == 1 else None  # type: ignore[attr-defined]
+        return plans.start_attempt(s, plan_id, max_attempts)
 
 
 def _stored_inputs(db: Database, plan_id: str) -> tuple[bytes | None, dict[str, Any]]:
     """The plan's stored trace (gzip bytes; None if gone) and request fields, as stored."""
     with db.session() as s:
-        plan = s.get(PlanRow, plan_id)
-        assert plan is not None
-        payload = s.scalar(select(TraceRow.payload_gzip).where(TraceRow.id == plan.trace_id))
-        return payload, {"trace_id": plan.trace_id, "constraints": plan.constraints, "objective": plan.objective,
-                         "solver": plan.solver}
+        return PlanRepository(s).solve_inputs(plan_id)
 
 
 def _decode(payload: bytes | None, request: dict[str, Any]) -> tuple[Trace, PlanRequest]:
@@ -131,17 +117,12 @@ def _decode(payload: bytes | None, request: dict[str, Any]) -> tuple[Trace, Plan
     return Trace.model_validate_json(gzip.decompress(payload)), PlanRequest.model_validate(request)
 
 
-def _record(db: Database, plan_id: str, attempt: int, status: str, result: dict | None,  # type: ignore[type-arg]
+def _record(db: Database, plan_id: str, attempt: int, status: PlanStatus | str, result: dict[str, Any] | None,
             error: str | None) -> None:
     """Write the outcome of attempt `attempt`, only while the plan is still running that attempt (a worker
     presumed lost that comes back late cannot overwrite the attempt that replaced it)."""
+    status = PlanStatus(status)
     with db.session() as s:
-        res = s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == "running",
-                                              PlanRow.attempts == attempt)
-                        .values(status=status, result=result, headline=plan_headline(result), error=error,
-                                finished_at=utcnow() if status in FINAL_STATUSES else None))
-        if res.rowcount != 1:  # type: ignore[attr-defined]
-            log.warning("plan %s moved on past attempt %d; its outcome %s was dropped", plan_id, attempt, status)
-            return
-    if status in FINAL_STATUSES:
-        PLAN_OUTCOMES.labels(status).inc()
+        recorded = plans.finish_attempt(s, plan_id, attempt, status, result, error)
+    if not recorded:
+        log.warning("plan %s moved on past attempt %d; its outcome %s was dropped", plan_id, attempt, status)

@@ -4,5 +4,6 @@ Entry point: `solve(trace, constraints, solver=...) -> Plan`.
 """
 
 from planner_service.solver.entry import SOLVER_VERSION, solve
+from planner_service.solver.errors import PlanRequestRefused
 
-__all__ = ["SOLVER_VERSION", "solve"]
+__all__ = ["SOLVER_VERSION", "PlanRequestRefused", "solve"]

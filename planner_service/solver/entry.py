@@ -28,6 +28,7 @@ from client.contract import (
 )
 from planner_service.solver import cpsat_solve, protrain
 from planner_service.solver.cost_model import Cost, evaluate_decision, predictions_of
+from planner_service.solver.errors import PlanRequestRefused
 from planner_service.solver.instance import (
     CostParams,
     Decision,
@@ -151,7 +152,7 @@ def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed
 def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed: int, gap_limit: float) -> Plan:
     """`solve` with an explicit relative gap limit (0.0: prove exact optimality, as the tests demand)."""
     if solver not in SOLVERS:
-        raise ValueError(f"solver: unknown {solver!r}; choose one of {', '.join(SOLVERS)}")
+        raise PlanRequestRefused(f"solver: unknown {solver!r}; choose one of {', '.join(SOLVERS)}")
     t0 = time.perf_counter()
     deadline = t0 + constraints.time_limit_s
     params = resolve_params(trace, CostParams(alpha=alpha_for(trace)))

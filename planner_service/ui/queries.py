@@ -1,4 +1,4 @@
-"""Every database read the history pages make: one function per page (plans, plan, catalog).
+"""What each history page reads (plans, plan, catalog), through the repositories: one function per page.
 
 Tenancy: each takes the caller's project (`Principal.project_id`) and passes it to the repositories,
 so a page never shows another project's plans, models or hardware; the router only calls these.
@@ -11,15 +11,19 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import ValidationError
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from client.contract import PlanRecord, Predictions, SolverReport, Trace
+from client.contract import PlanRecord, PlanStatus, Predictions, SolverReport, Trace
 from planner_service.api.present import plan_record
-from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow
-from planner_service.db.repositories import CatalogRepository, PlanRepository, read_stored_trace
+from planner_service.db.models import HardwareRow, ModelRow
+from planner_service.db.repositories import (
+    CatalogRepository,
+    FeedbackRepository,
+    PlanRepository,
+    read_stored_trace,
+)
 
-PLAN_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "infeasible")
+PLAN_STATUSES: tuple[PlanStatus, ...] = tuple(PlanStatus)
 SortOrder = Literal["-created_at", "created_at"]
 
 
@@ -101,11 +105,7 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
     page = PlanRepository(session).list(project_id=project_id, model=filters.model, hardware=filters.hardware, status=filters.status,
                                         limit=filters.limit, cursor=filters.cursor,
                                         descending=filters.sort.startswith("-"))
-    ids = [r.id for r in page.items]
-    counts: dict[str, int] = {}
-    if ids:
-        stmt = select(FeedbackRow.plan_id, func.count()).where(FeedbackRow.plan_id.in_(ids)).group_by(FeedbackRow.plan_id)
-        counts = {pid: int(n) for pid, n in session.execute(stmt)}
+    counts = FeedbackRepository(session).counts([r.id for r in page.items])
     items = [
         PlanListItem(
             id=r.id, status=r.status, model_name=r.model.name if r.model else r.model_fingerprint,

@@ -20,7 +20,7 @@ from client.contract.common import NO_NUL_MESSAGE, has_nul
 from client.units import format_bytes
 from planner_service.api.deps import UI_TOKEN_COOKIE, DatabaseDep, PrincipalDep, SettingsDep
 from planner_service.auth import resolve
-from planner_service.db.cursor import BadCursor
+from planner_service.db.keyset_cursor import BadCursor
 from planner_service.ui.queries import (
     PLAN_STATUSES,
     PlanFilters,
@@ -149,7 +149,7 @@ def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal:
     if detail is None:
         return _error_page(request, 404, "Plan not found", f"plan_id: no plan {plan_id!r}")
     page = plan_page(detail.record, detail.trace)
-    refresh = detail.record.status in ("queued", "running")
+    refresh = not detail.record.status.final
     return templates.TemplateResponse(request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh})
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from markupsafe import Markup
 from pydantic import ValidationError
 
-from client.contract import ActivationMode, FeedbackRecord, Placement, Plan, PlanRecord, Trace
+from client.contract import ActivationMode, FeedbackRecord, Placement, Plan, PlanRecord, PlanStatus, Trace
 from client.units import format_bytes
 from planner_service.ui.chart import render_svg
 from planner_service.ui.memory_series import memory_charts, needs_trace
@@ -235,7 +235,6 @@ class ChartCache:
 
 
 CHARTS = ChartCache()
-FINAL_STATUSES = ("done", "failed", "infeasible")
 
 
 def _charts(plan: Plan, stored: StoredTrace | None, measured_peak: int | None) -> tuple[list[tuple[str, Markup]], str]:
@@ -265,16 +264,17 @@ def plan_page(record: PlanRecord, stored: StoredTrace | None, cache: ChartCache 
     latest = record.feedback[-1] if record.feedback else None
     charts: list[tuple[str, Markup]] = []
     if plan is None:
-        note = {"queued": "Queued: a worker has not picked this plan up yet.",
-                "running": "Running: a worker is solving this plan."}.get(record.status, "This plan has no result.")
+        note = {PlanStatus.queued: "Queued: a worker has not picked this plan up yet.",
+                PlanStatus.running: "Running: a worker is solving this plan."}.get(record.status,
+                                                                                  "This plan has no result.")
     else:
         key = (record.id, str(record.finished_at), latest.id if latest else "")
-        cached = cache.get(key) if record.status in FINAL_STATUSES else None
+        cached = cache.get(key) if record.status.final else None
         if cached is not None:
             charts, note = cached, ""
         else:
             charts, note = _charts(plan, stored, latest.feedback.peak_device_bytes if latest else None)
-            if charts and record.status in FINAL_STATUSES:
+            if charts and record.status.final:
                 cache.put(key, charts)
     return PlanPage(
         record=record, plan=plan, charts=charts, chart_note=note,

@@ -13,7 +13,7 @@ memory would be modelled for a run nobody does. A fake tensor says it is on `cpu
 kernel choices: the same as the profiler's runs on this machine (and for attention, the same saved tensors
 as a GPU's fused kernels).
 
-`repeated_blocks` is the profiler's block detection (agent/profiler/layout.py), reimplemented because the
+`repeated_blocks` is the profiler's block detection (agent/profiler/block_detection.py), reimplemented because the
 planner service must not import the agent: the children of the longest `nn.ModuleList` whose children all
 have one class. tests/whatif check that both find the same blocks on the same models.
 """

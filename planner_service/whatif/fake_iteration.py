@@ -133,7 +133,7 @@ class _Cursor:
 
 def _transients(marks: list[_Mark], n_blocks: int, phase: Phase) -> list[int]:
     """Per block: its peak in `phase` above the higher of the live levels where its run starts and ends
-    (agent/profiler/cursor.py `transient_peaks`, over the same segments)."""
+    (agent/profiler/block_marks.py `transient_peaks`, over the same segments)."""
     segs = [(a.block, a.phase, a.live, b.live, max(b.peak_before, a.live, b.live))
             for a, b in zip(marks, marks[1:], strict=False)]
     out = [0] * n_blocks

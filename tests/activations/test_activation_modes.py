@@ -9,13 +9,13 @@ import torch
 from activation_helpers import TOL, VOCAB, assert_same_training, data, policy_for, rel, run
 from torch import nn
 
-from agent.model_zoo import build
 from agent.runtime.activations import (
     ActivationManager,
     ActivationPlanError,
     BlockTarget,
     apply_activation_policy,
 )
+from agent.testing.model_zoo import build
 from client.contract import ActivationMode, BlockPolicy
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from activation_helpers import TOL, block_aligned_policy, data, rel
 
-from agent.model_zoo import build
 from agent.runtime import manual_plan
 from agent.runtime.activations import apply_activation_policy
+from agent.testing.model_zoo import build
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -53,7 +53,7 @@ def profiled() -> AllocationTrace:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import agent
-    from agent import model_zoo
+    from agent.testing import model_zoo
 
     sample = BandwidthSample(size_bytes=1 << 20, bytes_per_s=1e10)
     # Given, so the profiler skips its bandwidth probe; the allocation trace does not depend on it.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.allocator import BlockKind, MatchRules, PlannedAllocator, iteration_ops
+from agent.allocator import MatchRules, PlannedAllocator, ServedFrom, iteration_ops
 from tests.allocator.conftest import event, plan_for
 
 
@@ -78,9 +78,9 @@ def test_unplanned_requests_use_the_arenas_free_gaps_then_plain_allocation(three
         pa.begin_iteration()
         a = pa.malloc(1000)
         extra = pa.malloc(1536)  # larger than b, the expected slot: best fit in the free gap [1024, 4096)
-        assert pa.block_kind(extra) == BlockKind.pool and pa.offset_of(extra) == 1024
+        assert pa.served_from(extra) == ServedFrom.pool and pa.offset_of(extra) == 1024
         huge = pa.malloc(1 << 20)  # larger than the arena: plain allocation
-        assert pa.block_kind(huge) == BlockKind.device and pa.offset_of(huge) is None
+        assert pa.served_from(huge) == ServedFrom.device and pa.offset_of(huge) is None
         s = pa.stats()
         assert (s.pool_fallbacks, s.device_fallbacks, s.mismatches) == (1, 1, 2)
         assert s.reserved_bytes == s.arena_bytes + (1 << 20)
@@ -97,7 +97,7 @@ def test_the_pool_keeps_out_of_the_next_planned_slots(three_buffers) -> None:
         extra = pa.malloc(1536)
         assert pa.offset_of(extra) == 4096 - 1536  # the top of the gap, clear of b's slot
         b = pa.malloc(600)
-        assert pa.block_kind(b) == BlockKind.planned
+        assert pa.served_from(b) == ServedFrom.planned
         for p in (a, extra, b):
             pa.free(p)
         pa.check()
@@ -128,7 +128,7 @@ def test_a_skipped_allocation_is_passed_over_by_lookahead() -> None:
         pa.free(a)
         # the program skipped b: c (2 KiB) arrives while the cursor expects b (512 B)
         c = pa.malloc(2048)
-        assert pa.offset_of(c) == 0 and pa.block_kind(c) == BlockKind.planned
+        assert pa.offset_of(c) == 0 and pa.served_from(c) == ServedFrom.planned
         s = pa.stats()
         assert (s.resyncs, s.skipped_slots, s.fallbacks) == (1, 1, 0)
         pa.free(c)

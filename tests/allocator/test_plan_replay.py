@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.allocator import BlockKind, PlannedAllocator
+from agent.allocator import PlannedAllocator, ServedFrom
 from tests.allocator.conftest import event, plan_for
 
 
@@ -18,7 +18,7 @@ def test_each_allocation_is_served_at_its_planned_offset(three_buffers) -> None:
             pa.free(a)
             c = pa.malloc(1024)
             assert (pa.offset_of(a), pa.offset_of(b), pa.offset_of(c)) == (0, 1024, 0)
-            assert pa.block_kind(c) == BlockKind.planned
+            assert pa.served_from(c) == ServedFrom.planned
             pa.free(b)
             pa.free(c)
         pa.check()
@@ -31,7 +31,7 @@ def test_sizes_match_after_rounding_to_the_plan_alignment(three_buffers) -> None
     with PlannedAllocator(plan, evs) as pa:
         pa.begin_iteration()
         a = pa.malloc(1001)  # planned 1000: same 1024-byte extent at 512-byte alignment
-        assert pa.offset_of(a) == 0 and pa.block_kind(a) == BlockKind.planned
+        assert pa.offset_of(a) == 0 and pa.served_from(a) == ServedFrom.planned
         pa.free(a)
 
 
@@ -43,11 +43,11 @@ def test_long_lived_buffers_made_before_the_first_iteration_take_their_slots_by_
         p1 = pa.malloc(2048)
         p0 = pa.malloc(4096)
         assert (pa.offset_of(p0), pa.offset_of(p1)) == (0, 4096)
-        assert pa.block_kind(p0) == BlockKind.persistent
+        assert pa.served_from(p0) == ServedFrom.persistent
         for _ in range(3):  # the cursor passes over the held parameters each iteration
             pa.begin_iteration()
             t = pa.malloc(512)
-            assert pa.offset_of(t) == 6144 and pa.block_kind(t) == BlockKind.planned
+            assert pa.offset_of(t) == 6144 and pa.served_from(t) == ServedFrom.planned
             pa.free(t)
         s = pa.stats()
         assert (s.persistent, s.planned, s.fallbacks, s.skipped_slots, s.iterations) == (2, 3, 0, 0, 2)

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from agent.model_zoo import build
 from agent.runtime import ChunkedOptimizer, ChunkLayout, RuntimeOptions, manual_plan
 from agent.runtime.arena import (
     ArenaDeviceContext,
@@ -19,6 +18,7 @@ from agent.runtime.arena import (
 )
 from agent.runtime.device import DeviceContext
 from agent.runtime.manager import ModelStateManager
+from agent.testing.model_zoo import build
 from client.contract import Placement
 
 VOCAB, SEQ = 128, 16

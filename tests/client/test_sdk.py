@@ -20,7 +20,7 @@ from client.contract import Constraints, Feedback
 from client.errors import APIConnectionError, NotFoundError, ServiceUnavailableError, UnprocessableEntityError
 from client.sdk import retry_delay
 from planner_service.embedded import EmbeddedServer, free_port
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 
 class FlakyServer:

@@ -7,7 +7,7 @@ from typing import Any
 
 from client.contract import Trace
 from planner_service.solver.allocation.scaled_traces import random_trace
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 
 def trace_with_events(n: int = 300) -> Trace:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from client.contract import Constraints, Feedback, Plan, Trace
 from client.units import format_bytes, parse_bytes
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 from tests.contract.forms import schema_1, trace_with_events
 
 
@@ -273,3 +273,16 @@ def test_a_job_that_clips_has_its_own_workload_key() -> None:
     clipped = Workload.model_validate({**base, "clips_gradients": True})
     assert plain.key == "b2:s16:fp32:adamw"  # keys of jobs that do not clip are as before
     assert clipped.key == "b2:s16:fp32:adamw:clip"
+
+
+def test_plan_statuses_are_one_enum_whose_final_members_are_the_three_outcomes() -> None:
+    """Issue 18: the statuses were spelled out in six places; the contract's `PlanStatus` is the one list."""
+    from client.contract import FINAL_PLAN_STATUSES, PENDING_PLAN_STATUSES, PlanRecord, PlanStatus
+
+    assert [s.value for s in PlanStatus] == ["queued", "running", "done", "failed", "infeasible"]
+    assert {s for s in PlanStatus if s.final} == FINAL_PLAN_STATUSES == {"done", "failed", "infeasible"}
+    assert {s for s in PlanStatus if s.pending} == PENDING_PLAN_STATUSES == {"queued", "running"}
+    fields = PlanRecord.model_json_schema()["$defs"]["PlanStatus"]
+    assert fields["enum"] == [s.value for s in PlanStatus]  # the wire's list is the enum's
+    with pytest.raises(ValidationError, match="status"):
+        PlanRecord.model_validate({"status": "paused"})

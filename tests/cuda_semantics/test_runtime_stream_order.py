@@ -14,9 +14,9 @@ import gc
 import pytest
 import torch
 
-from agent.model_zoo import build
 from agent.runtime import RuntimeOptions
 from agent.runtime.activations import apply_activation_policy
+from agent.testing.model_zoo import build
 from agent.wrapping import unwrap, wrap
 from tests.activations.activation_helpers import VOCAB, data, policy_for, run
 from tests.cuda_semantics.checker import StreamOrderError, simulated_cuda

@@ -17,7 +17,7 @@ import pytest
 from client.contract import Constraints, Feedback, Trace
 from client.sdk import Client
 from planner_service.embedded import free_port, wait_until_ready
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 
 def _memplan(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:

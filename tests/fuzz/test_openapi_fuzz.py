@@ -27,7 +27,7 @@ import pytest
 from planner_service.db.migrate import upgrade
 from planner_service.embedded import EmbeddedServer
 from planner_service.settings import Settings
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 pytestmark = pytest.mark.slow
 MIN_REQUESTS = 1000

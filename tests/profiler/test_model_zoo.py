@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.model_zoo import KINDS, build, sample_batch
+from agent.testing.model_zoo import KINDS, build, sample_batch
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from agent.model_zoo import build, sample_batch
 from agent.profiler import profile
 from agent.profiler.parameters import OrderedParameter
 from agent.profiler.persistent_probe import probe_persistent
+from agent.testing.model_zoo import build, sample_batch
 from client.contract import Hardware
 
 

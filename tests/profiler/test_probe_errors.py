@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import agent.profiler.profiling as profile_module
-from agent.model_zoo import build_with_library_defaults, sample_batch
+from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 
 
 def _job() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from agent.model_zoo import build, sample_batch
 from agent.profiler import profile
+from agent.testing.model_zoo import build, sample_batch
 from client.contract import Hardware, Trace
 
 

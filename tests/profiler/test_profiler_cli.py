@@ -33,7 +33,7 @@ def test_profile_command_rejects_an_unknown_architecture(tmp_path: Path) -> None
 
 def test_the_command_and_agent_profile_give_a_zoo_model_one_name(tmp_path: Path) -> None:
     import agent
-    from agent.model_zoo import build, sample_batch
+    from agent.testing.model_zoo import build, sample_batch
 
     out = tmp_path / "trace.json"
     result = CliRunner().invoke(app, ["profile", "--model", "qwen2", "--layers", "2", "--hidden", "64",

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from agent.model_zoo import build, sample_batch
 from agent.profiler import BlockDetectionError, profile
+from agent.testing.model_zoo import build, sample_batch
 from client.contract import BlockKind, Hardware
 
 # For each architecture: the repeated blocks' module prefix and the parameter names of prologue/epilogue.

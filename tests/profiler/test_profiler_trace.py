@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.model_zoo import build, sample_batch
 from agent.profiler import profile
+from agent.testing.model_zoo import build, sample_batch
 from client.contract import AllocationCategory, BlockKind, DeviceType, Hardware, Phase, Trace
 
 

@@ -63,7 +63,7 @@ def test_the_readme_has_the_blocks_this_test_runs() -> None:
 def names() -> dict[str, Any]:
     """What the README's Python blocks use: a model as users load it (library defaults), its optimizer, one
     batch and a loader of batches."""
-    from agent.model_zoo import build_with_library_defaults, sample_batch
+    from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 
     model, config = build_with_library_defaults("llama", layers=2, hidden=64, vocab=256, seq=64)
     batch = sample_batch(config, 2, 32)
@@ -95,9 +95,9 @@ def _venv_dir(tmp_path: Path) -> Path:
 @pytest.mark.postgres
 @pytest.mark.parametrize("index", [i for i, b in enumerate(blocks("bash")) if not is_excluded(b)])
 def test_bash_block_runs_as_written(index: int, tmp_path: Path, postgres_admin: str) -> None:
-    from planner_service.embedded import free_port
     from client.sdk import Client
-    from planner_service.solver.synthetic import synthetic_trace
+    from planner_service.embedded import free_port
+    from planner_service.solver.testing.synthetic import synthetic_trace
     from tests.conftest import _fresh_postgres
 
     code = blocks("bash")[index]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agent.model_zoo import build
 from agent.runtime import manual_plan
+from agent.testing.model_zoo import build
 from client.contract import Placement, Plan
 
 VOCAB = 128

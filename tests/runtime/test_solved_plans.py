@@ -6,7 +6,7 @@ import pytest
 import torch
 from runtime_helpers import Trainer, batches, clone, max_rel_diff, param_rel_diff, plain_trainer, train
 
-from agent.model_zoo import build
+from agent.testing.model_zoo import build
 from client.contract import Constraints, SolverStatus
 
 TOL = 1e-5

@@ -11,7 +11,7 @@ from sqlalchemy import create_engine, func, select
 
 from client.contract import PlanRecord, Trace
 from planner_service.db.models import HardwareRow, ModelRow, TraceRow
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 LIMITS = {"device_memory_bytes": 16 * 2**30}
 
@@ -244,6 +244,18 @@ def test_lists_filter_by_id_prefix_and_refuse_anything_but_hex(api, trace) -> No
     for bad in ("%", "_", "ABC", "x" * 3, "0" * 33):  # LIKE wildcards never reach the query
         r = api.get("/v1/plans", params={"id_prefix": bad})
         assert r.status_code == 422 and "id_prefix" in r.text, (bad, r.text)
+
+
+def test_lists_filter_by_status_and_refuse_a_status_that_is_not_one(api_no_worker, trace) -> None:  # type: ignore[no-untyped-def]
+    """The status filter is the contract's `PlanStatus`: a queued plan is found under queued, not under done;
+    an unknown status is a 422 naming the parameter."""
+    api = api_no_worker
+    trace_id = _upload(api, trace)
+    plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
+    assert [p["id"] for p in api.get("/v1/plans", params={"status": "queued"}).json()["items"]] == [plan_id]
+    assert api.get("/v1/plans", params={"status": "done"}).json()["items"] == []
+    r = api.get("/v1/plans", params={"status": "paused"})
+    assert r.status_code == 422 and "status" in r.text, r.text
 
 
 def test_a_cpu_machine_is_listed_with_its_ram_not_the_limit_a_job_set(api, trace) -> None:  # type: ignore[no-untyped-def]

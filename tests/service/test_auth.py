@@ -15,7 +15,7 @@ from planner_service.auth import create_token
 from planner_service.db.models import ApiTokenRow
 from planner_service.db.session import Database
 from planner_service.settings import Settings
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 LIMITS = {"device_memory_bytes": 2**34}
 

@@ -214,7 +214,7 @@ def test_a_known_token_is_resolved_from_memory_until_it_is_revoked(postgres_url:
         assert _eventually(lambda: feed.listening)
         headers = {"authorization": f"Bearer {token}"}
         assert api.get("/v1/plans", headers=headers).status_code == 200
-        assert feed.principal(digest(token)) is not None  # the next request needs no query
+        assert feed.token_owner(digest(token)) is not None  # the next request needs no query
         assert api.get("/v1/plans", headers=headers).status_code == 200
         trace_id = api.post("/v1/traces", content=trace.canonical_json(), headers=headers).json()["id"]
         plan = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}, headers=headers)
@@ -230,7 +230,7 @@ def test_a_known_token_is_resolved_from_memory_until_it_is_revoked(postgres_url:
         with db.session() as s:  # revoked past this process (the CLI, another API process)
             assert revoke_token(s, row.id)
         assert _eventually(lambda: api.get("/v1/plans", headers=headers).status_code == 401)
-        assert feed.principal(digest(token)) is None
+        assert feed.token_owner(digest(token)) is None
         assert api.get(f"/v1/plans/{plan.json()['id']}", headers=poll).status_code == 401
     db.dispose()
 

@@ -21,7 +21,7 @@ import pytest
 from planner_service.db.migrate import upgrade
 from planner_service.embedded import EmbeddedServer, free_port, wait_until_ready
 from planner_service.settings import Settings
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 pytestmark = pytest.mark.slow
 LIMITS = {"device_memory_bytes": 2**34}

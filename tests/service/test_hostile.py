@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from planner_service.embedded import free_port, wait_until_ready
 from client.contract import Trace
 from planner_service.db.migrate import upgrade
 from planner_service.db.models import FeedbackRow, HardwareRow, ModelRow, PlanRow, TraceRow
+from planner_service.embedded import free_port, wait_until_ready
 from tests.contract.forms import trace_with_events
 
 LIMITS = {"device_memory_bytes": 16 * 2**30}

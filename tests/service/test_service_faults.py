@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from planner_service.embedded import free_port, wait_until_ready
 from planner_service.db.migrate import upgrade
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.embedded import free_port, wait_until_ready
+from planner_service.solver.testing.synthetic import synthetic_trace
 from tests.service.conftest import PrivateCluster
 
 pytestmark = pytest.mark.slow

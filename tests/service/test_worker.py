@@ -16,6 +16,7 @@ from planner_service.db.session import Database
 from planner_service.jobs import tasks
 from planner_service.jobs.tasks import PlanFailed, PlanRetry, run_plan
 from planner_service.settings import Settings
+from planner_service.solver.errors import PlanRequestRefused
 
 
 def _queue_plan(db: Database, trace) -> str:  # type: ignore[no-untyped-def]
@@ -98,14 +99,75 @@ def test_a_request_the_solver_refuses_fails_at_once(settings: Settings, trace,
     plan_id = _queue_plan(db, trace)
 
     def refuse(*_a, **_k):  # type: ignore[no-untyped-def]
-        raise ValueError("constraints.device_memory_bytes: below the model's parameters")
+        raise PlanRequestRefused("constraints.device_memory_bytes: below the model's parameters")
 
     monkeypatch.setattr(tasks, "solve_request", refuse)
     with pytest.raises(PlanFailed):
         run_plan(db, settings, plan_id)
     row = _row(db, plan_id)
     assert (row.status, row.attempts) == ("failed", 1) and "device_memory_bytes" in (row.error or "")
+    assert "the solver refused the request" in (row.error or "")
     db.dispose()
+
+
+def test_a_value_error_from_the_solvers_own_code_is_a_bug_not_a_bad_request(
+        settings: Settings, trace, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 18: the worker labelled every ValueError a bad request and failed the plan at once. A ValueError
+    raised inside the solver (here a real one: numpy asked for the max of nothing) is a bug: it gets its
+    remaining attempts, its reason does not blame the request, and the exception chain keeps its traceback for
+    the runner's log."""
+    import numpy as np
+
+    db = Database(settings.database_url)
+    plan_id = _queue_plan(db, trace)
+
+    def buggy_solver(*_a, **_k):  # type: ignore[no-untyped-def]  # FAULT INJECTION: a bug in the solver
+        return np.max(np.array([]))  # ValueError: zero-size array to reduction operation maximum
+
+    monkeypatch.setattr(tasks, "solve_request", buggy_solver)
+    with pytest.raises(PlanRetry) as raised:
+        run_plan(db, settings, plan_id)
+    assert isinstance(raised.value.__cause__, ValueError) and raised.value.__cause__.__traceback__ is not None
+    row = _row(db, plan_id)
+    assert (row.status, row.attempts, row.finished_at) == ("queued", 1, None)
+    assert "zero-size array" in (row.error or "") and "refused" not in (row.error or "")
+    db.dispose()
+
+
+def test_the_runner_logs_the_traceback_of_a_value_error_from_the_solver(settings: Settings, trace,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    """The in-process pool's log line for a solver bug carries the traceback down to the line that raised."""
+    import logging
+
+    import numpy as np
+
+    from planner_service.jobs.local import LocalSolver
+
+    db = Database(settings.database_url)
+    plan_id = _queue_plan(db, trace)
+
+    def buggy_solver(*_a, **_k):  # type: ignore[no-untyped-def]  # FAULT INJECTION: a bug in the solver
+        return np.max(np.array([]))
+
+    monkeypatch.setattr(tasks, "solve_request", buggy_solver)
+    pool = LocalSolver(db, settings, workers=0)  # no pool: the retry it schedules never runs
+    with caplog.at_level(logging.WARNING, logger="memplan.worker"):
+        pool._run(plan_id, 0)
+    pool.stop()
+    logged = [r for r in caplog.records if r.exc_info]
+    assert logged, [r.getMessage() for r in caplog.records]
+    text = logging.Formatter().formatException(logged[0].exc_info)  # type: ignore[arg-type]
+    assert "zero-size array" in text and "buggy_solver" in text and "PlanRetry" in text
+    db.dispose()
+
+
+def test_the_solver_refuses_an_unknown_solver_with_its_own_error(trace) -> None:  # type: ignore[no-untyped-def]
+    from planner_service.solver import PlanRequestRefused as Refused
+    from planner_service.solver import solve
+
+    with pytest.raises(Refused, match="solver: unknown 'simplex'"):
+        solve(trace, Constraints(device_memory_bytes=2**34), solver="simplex")
 
 
 def test_the_plan_of_a_lost_worker_is_taken_over_and_the_late_worker_cannot_overwrite_it(settings: Settings,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cpu_trace() -> Trace:
     import agent
-    from agent.model_zoo import build, sample_batch
+    from agent.testing.model_zoo import build, sample_batch
 
     model, config = build("qwen2", layers=8, hidden=512, vocab=1000, seq=128)
     return agent.profile(model, sample_batch(config, 2, 128), repeats=1, allocation_trace=False)

@@ -13,7 +13,7 @@ from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.entry import solve_with_gap
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
 from planner_service.solver.layout import candidate_layouts
-from planner_service.solver.synthetic import BlockSpec, hand_trace
+from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
 
 MiB = 2**20
 

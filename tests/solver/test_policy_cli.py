@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from client.contract import Plan, SolverStatus
 from memplan.cli import app
 from planner_service.solver.cpsat_solve import RELATIVE_GAP_LIMIT
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 
 def _trace_file(tmp_path: Path) -> Path:

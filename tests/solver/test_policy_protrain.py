@@ -8,7 +8,7 @@ from client.contract import Constraints
 from planner_service.solver import protrain
 from planner_service.solver.instance import CostParams, Mode, build_instance
 from planner_service.solver.layout import candidate_layouts
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 GiB = 2**30
 K, C, S = Mode.keep, Mode.checkpoint, Mode.swap

@@ -9,7 +9,7 @@ from planner_service.solver import SOLVER_VERSION, solve
 from planner_service.solver.cost_model import evaluate
 from planner_service.solver.cpsat_solve import RELATIVE_GAP_LIMIT
 from planner_service.solver.entry import solve_with_gap
-from planner_service.solver.synthetic import MODEL_SHAPES, BlockSpec, hand_trace, synthetic_trace
+from planner_service.solver.testing.synthetic import MODEL_SHAPES, BlockSpec, hand_trace, synthetic_trace
 
 GiB = 2**30
 MiB = 2**20
@@ -196,7 +196,7 @@ def test_a_short_time_limit_still_returns_a_plan_with_its_gap(llama7b_trace):
 
 
 def test_blocks_without_parameters_belong_to_no_chunk_and_still_get_a_mode():
-    from planner_service.solver.synthetic import BlockSpec, hand_trace
+    from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
 
     spec = dict(forward_s=0.001, backward_s=0.002, recompute_s=0.001, activation_bytes=64 * MiB, input_bytes=MiB)
     trace = hand_trace([BlockSpec(8 * MiB, kind=BlockKind.prologue, **spec), BlockSpec(16 * MiB, **spec),

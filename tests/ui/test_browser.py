@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 from .conftest import Dom, iteration_allocations
 

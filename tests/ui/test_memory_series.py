@@ -8,7 +8,7 @@ from client.contract import AllocationTrace, Constraints, Plan, Trace
 from planner_service.solver import solve
 from planner_service.solver.allocation import plan_allocation
 from planner_service.solver.allocation.trace_check import trace_lower_bound
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 from planner_service.ui.memory_series import (
     MAX_CURVE_POINTS,
     allocation_chart,

@@ -6,7 +6,7 @@ import re
 from urllib.parse import parse_qs, urlparse
 
 from client.contract import PlanRecord
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 from .conftest import Dom, iteration_allocations
 

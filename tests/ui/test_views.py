@@ -9,7 +9,7 @@ import pytest
 
 from client.contract import Constraints, Feedback, FeedbackRecord, Plan, PlanRecord, Trace
 from planner_service.solver import solve
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 from planner_service.ui.queries import StoredTrace
 from planner_service.ui.views import ChartCache, comparisons, format_error, format_seconds, plan_page
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import agent
-from agent.profiler.layout import detect_blocks
+from agent.profiler.block_detection import detect_blocks
 from client.contract import Hardware
 from planner_service.whatif.architecture import fake_model, repeated_blocks
 from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, unmanaged_peak_bytes

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from client.contract import ModelledFrom, OptimizerKind, Trace
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 from planner_service.whatif import roofline
 from planner_service.whatif.catalog import load_catalog
 from planner_service.whatif.fake_iteration import OpCosts

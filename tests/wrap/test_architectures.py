@@ -1,7 +1,7 @@
 """Architecture matrix: Hugging Face causal-LM families as users get them, through `import agent; agent.wrap`.
 
 Each family is built from its config with the library's defaults (KV cache on, SDPA or the family's own
-attention, tied embeddings where the family ties them: `agent.model_zoo.build_with_library_defaults`; only
+attention, tied embeddings where the family ties them: `agent.testing.model_zoo.build_with_library_defaults`; only
 sizes and token ids are set), profiled with no measurement skipped, and trained 5 steps under a device limit
 that makes the planner offload parameter chunks; the losses equal plain PyTorch's within 1e-5 relative (fp32).
 Afterwards `unwrap` gives back the user's cache settings.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.model_zoo import DEFAULTS_FAMILIES, build_with_library_defaults, sample_batch
+from agent.testing.model_zoo import DEFAULTS_FAMILIES, build_with_library_defaults, sample_batch
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_eager_attention_with_the_cache_on_trains_like_plain_pytorch(
     """Eager attention made `agent.profile` crash before (re-running a block appended to the KV cache)."""
     from transformers import AutoModelForCausalLM
 
-    from agent.model_zoo import library_default_config
+    from agent.testing.model_zoo import library_default_config
 
     config = library_default_config(family, layers=2, hidden=128, vocab=2048, seq=64)
     torch.manual_seed(0)

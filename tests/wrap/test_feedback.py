@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from agent.feedback import LocalSink, ServiceSink, StepMonitor
-from agent.model_zoo import build, sample_batch
 from agent.runtime import manual_plan
+from agent.testing.model_zoo import build, sample_batch
 from agent.wrapping import unwrap, wrap
 
 

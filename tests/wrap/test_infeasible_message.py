@@ -8,7 +8,7 @@ import pytest
 from agent.planning import PlanInfeasibleError, check_feasible
 from client.contract import Constraints, Plan, SolverStatus
 from planner_service.solver import solve
-from planner_service.solver.synthetic import synthetic_trace
+from planner_service.solver.testing.synthetic import synthetic_trace
 
 MiB = 2**20
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.model_zoo import build, sample_batch
+from agent.testing.model_zoo import build, sample_batch
 from agent.wrapping import Wrapped, unwrap, wrap
 from client.contract import Feedback
 from planner_service.embedded import EmbeddedServer, free_port

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from agent.model_zoo import build, sample_batch
 from agent.runtime import manual_plan
+from agent.testing.model_zoo import build, sample_batch
 from agent.wrapping import unwrap, wrap
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.model_zoo import build_with_library_defaults, sample_batch
+from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 from planner_service.embedded import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.model_zoo import build_with_library_defaults, sample_batch
+from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_the_readme_call_runs_in_a_fresh_process_on_a_library_default_model() ->
     """`import agent; agent.wrap(...); agent.unwrap(...)` end to end in a new interpreter, as the README does."""
     proc = run_python("""
         import torch, agent
-        from agent.model_zoo import build_with_library_defaults, sample_batch
+        from agent.testing.model_zoo import build_with_library_defaults, sample_batch
         model, config = build_with_library_defaults("qwen2", layers=2, hidden=64, vocab=256, seq=64)
         batch = sample_batch(config, 2, 16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

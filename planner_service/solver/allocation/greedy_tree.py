@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from planner_service.solver.allocation.clock import now
+from planner_service.solver.allocation.numba_clock import now
 
 # Buffers taken in decreasing key order (ties by index), as `greedy.ORDERS`: the lexsort keys below
 # (last key primary, ascending) express (size, length, -lower) etc. descending.

@@ -48,7 +48,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from planner_service.solver.allocation.clock import now
+from planner_service.solver.allocation.numba_clock import now
 from planner_service.solver.allocation.sweep import sweep
 
 _NONE = -1
@@ -65,7 +65,7 @@ _C_NODES_LEFT, _C_NODES, _C_BACKTRACKS, _C_DEADLINE = 0, 1, 2, 3
 # every node above this many buffers, where one node costs up to milliseconds (linear in the partition).
 _CHECK_EVERY_NODE_ABOVE = 2000
 
-# The deadline check (`clock.now`, every 256 nodes, or every node on large problems) briefly takes the GIL back through numba's object mode;
+# The deadline check (`numba_clock.now`, every 256 nodes, or every node on large problems) briefly takes the GIL back through numba's object mode;
 # everything else runs without it (nogil=True), so solves in several threads proceed in parallel.
 warnings.filterwarnings("ignore", message="Code running in object mode won't allow parallel execution",
                         category=numba.NumbaWarning)

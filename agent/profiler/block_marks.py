@@ -33,7 +33,7 @@ class Mark:
 
 
 @dataclass
-class Cursor:
+class BlockTracker:
     """The current block and phase, updated by the profiler's hooks; keeps the marks of one iteration."""
 
     clock: object  # DeviceClock; typed loosely to keep this module free of torch
