@@ -6,10 +6,12 @@ How it works (one `SwapStore` per wrapped model, shared by every block in `swap`
   devices are passed to the hooks that were active outside the block (the chunk runtime's, when chunks
   are offloaded), so they keep their own handling. Every other saved tensor is swapped by *storage*: the
   whole storage is copied once into a host buffer (pinned on CUDA) on a copy-out stream, after an event
-  that marks the compute that produced it; `record_stream` keeps the caching allocator from reusing the
-  device memory before that copy ends. The packed value is the storage's entry plus the view geometry
+  that marks the compute that produced it; the entry holds the device storage until that copy is done
+  (`record_stream` would do for the caching allocator, but does nothing under the planned one), and drops it
+  after the compute stream waited for the copy's event. The packed value is the storage's entry plus the view geometry
   (dtype, size, stride, offset), so views of one storage (q/k/v split from one projection) share a copy.
-  The device storage is then held by nothing of ours: it is freed when the forward stops using it.
+  Once its copy is done the device storage is held by nothing of ours: it is freed when the forward stops
+  using it.
 - backward: `prefetch(block)` starts the copy back of a whole block on a copy-in stream: device memory
   is allocated on the compute stream (so the allocator orders its reuse there), the copy-in stream waits
   for that point and for the copy-out, and an event marks the copy's end. `unpack` makes the compute
@@ -71,6 +73,10 @@ class SwapEntry:
     packed: int = 0  # views packed that point at this entry
     unpacked: int = 0
     key: int = 0  # the device storage's address in `SwapStore._by_storage`
+    # the swapped device storage, held until its copy-out is done: `record_stream` does nothing under the planned
+    # (pluggable) allocator, so only a live reference keeps the storage from being handed out while the copy
+    # still reads it (issue 19, defect 5)
+    source: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,7 @@ class SwapStore:
         # CPU: host buffers of released entries by size, reused by the next copy-outs (see `_free_host`);
         # at most the largest set of swapped bytes live at once (the plan's swapped host bytes)
         self._host_free: dict[int, list[torch.Tensor]] = {}
+        self._copying: list[SwapEntry] = []  # entries whose swapped storage is held until its copy-out is done
         self._current: int | None = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
 
@@ -170,7 +177,23 @@ class SwapStore:
         entry.packed += 1
         return SwappedView(entry, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
+    def _settle_sources(self, *, wait: bool = False) -> None:
+        """Drop the swapped storages whose copy-out is done (all of them with `wait`). The compute stream first
+        waits for the copy's event, so whatever the allocator hands out after the free (on the compute stream)
+        is ordered after the copy; for a finished copy that wait costs nothing."""
+        still: list[SwapEntry] = []
+        for entry in self._copying:
+            done = entry.out_done
+            if done is not None and not wait and not done.query():
+                still.append(entry)
+                continue
+            if done is not None:
+                torch.cuda.current_stream(self.device).wait_event(done)
+            entry.source = None
+        self._copying = still
+
     def _copy_out(self, t: torch.Tensor, block: int) -> SwapEntry:
+        self._settle_sources()
         src = _uint8_view(t)
         nbytes = src.numel()
         free = self._host_free.get(nbytes)
@@ -182,7 +205,8 @@ class SwapStore:
                 self.out_stream.wait_event(produced)
                 host.copy_(src, non_blocking=True)
                 entry.out_done = self.out_stream.record_event()
-            src.record_stream(self.out_stream)  # the allocator may not reuse it before the copy ends
+            entry.source = src  # released by `_settle_sources` once the copy is done (record_stream is not enough)
+            self._copying.append(entry)
         else:
             host.copy_(src)
         c = self.counters
@@ -210,6 +234,7 @@ class SwapStore:
         if late:
             self.counters.late_fetches += 1
             self.counters.prefetched_blocks -= 1
+        self._settle_sources(wait=True)  # backward: every copy-out before it is needed anyway
         compute_point = torch.cuda.current_stream(self.device).record_event() if self.is_cuda else None
         for entry in rec.entries:
             if entry.on_device is not None or entry.host is None:
@@ -273,7 +298,7 @@ class SwapStore:
 
     def _release(self, entry: SwapEntry) -> None:
         """Every packed view was unpacked: drop our device copy and the host buffer."""
-        entry.on_device = None
+        self._drop_device_copy(entry)
         if entry.host is not None:
             self.counters.host_bytes_live -= entry.nbytes
             self._free_host(entry)
@@ -291,9 +316,22 @@ class SwapStore:
             if e.host is not None:
                 self.counters.host_bytes_live -= e.nbytes
                 self._free_host(e)
-            e.on_device = None
+            self._drop_device_copy(e)
             if self._by_storage.get(e.key) is e:
                 del self._by_storage[e.key]
+
+    def _drop_device_copy(self, entry: SwapEntry) -> None:
+        """Free the prefetched device copy; the compute stream waits for the copy-in writing it first (an entry
+        dropped without being unpacked, e.g. a graph freed without backward), so a reuse of the memory on the
+        compute stream cannot overtake the copy. A swapped storage still held for its copy-out is let go too."""
+        if entry.on_device is not None and entry.in_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.in_done)
+        entry.on_device = None
+        if entry.source is not None:
+            if entry.out_done is not None:
+                torch.cuda.current_stream(self.device).wait_event(entry.out_done)
+            entry.source = None
+            self._copying = [e for e in self._copying if e is not entry]
 
     def _free_host(self, entry: SwapEntry) -> None:
         """The entry's host buffer is no longer needed. On CUDA the caching host allocator keeps pinned memory

@@ -3,8 +3,8 @@ under the stream-ordering checker (`checker.simulated_cuda`, a test double: no G
 
 Scenarios are the equivalence tests' models (tests/runtime) and the activation-swap tests' (tests/
 activations), trained a few steps through `agent.wrap` / `apply_activation_policy` exactly as users call
-them. Known defects of issue 19 that the checker finds are `xfail(strict=True)`: when the runtime is
-fixed the test passes, strict xfail turns that into a failure, and the marker must come off.
+them. Issue 19's defects 2 and 5 were found by these tests on the runtime before their fixes (they raised
+StreamOrderError with both stack traces); they pass now.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from agent.runtime.activations import apply_activation_policy
 from agent.testing.model_zoo import build
 from agent.wrapping import unwrap, wrap
 from tests.activations.activation_helpers import VOCAB, data, policy_for, run
-from tests.cuda_semantics.checker import StreamOrderError, simulated_cuda
+from tests.cuda_semantics.checker import simulated_cuda
 from tests.runtime.runtime_helpers import Trainer, alternate, batches, plan_for, tiny_model, train
 
 pytestmark = pytest.mark.cuda_semantics
@@ -100,12 +100,8 @@ def test_activation_swap_is_ordered_under_the_caching_allocator(kind: str, strip
     swap_run(kind, strip, "caching")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=StreamOrderError,
-    reason="issue 19 defect 5: swap relies on record_stream to keep a swapped storage from reuse until its "
-    "D2H copy ends; under the planned allocator (CUDAPluggableAllocator) record_stream does nothing, so the "
-    "storage freed on the compute stream can be handed out while the copy still reads it",
-)
 def test_activation_swap_is_ordered_under_the_planned_allocator() -> None:
+    # issue 19 defect 5: swap relied on record_stream to keep a swapped storage from reuse until its D2H copy
+    # ended; under the planned allocator record_stream does nothing, so the storage freed on the compute stream
+    # could be handed out while the copy still read it (the checker found it before the fix)
     swap_run("gpt2", "SSSS", "planned")
