@@ -114,7 +114,7 @@ def _change_feed(settings: Settings) -> ChangeFeed | None:
 def _register_trace_schema(app: FastAPI) -> None:
     original = app.openapi
 
-    def openapi() -> dict:  # type: ignore[type-arg]
+    def openapi() -> dict:
         if app.openapi_schema:
             return app.openapi_schema
         schema = original()

@@ -72,7 +72,7 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
     batches = [model_zoo.sample_batch(config, batch, seq, seed=i, device=device) for i in range(4)]
 
     console.print("1. un-managed baseline (plain PyTorch) ...")
-    plain = copy.deepcopy(base).to(device)  # type: ignore[arg-type]
+    plain = copy.deepcopy(base).to(device)
     plain_opt = _adamw(plain)
     plain_losses, plain_peak, plain_iter = _train_plain(plain, plain_opt, batches, steps, device)
     del plain, plain_opt
@@ -87,7 +87,7 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
                           "`memplan serve` uses in this environment: the demo's traces, plans and feedback stay "
                           "there; MEMPLAN_DATABASE_URL picks another)", highlight=False)
         console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
-        model = copy.deepcopy(base).to(device)  # type: ignore[arg-type]
+        model = copy.deepcopy(base).to(device)
         run = wrap(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
                    feedback_steps=steps, reuse=reuse)
         assert run.source is not None

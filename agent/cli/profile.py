@@ -57,9 +57,9 @@ def profile(
     except ValueError as exc:
         err_console.print(f"[red]model[/]: {exc}")
         raise typer.Exit(2) from exc
-    net.to(dtype=dtypes[dtype])  # type: ignore[call-arg,arg-type]  # nn.Module.to, in place
+    net.to(dtype=dtypes[dtype])  # type: ignore[call-arg]  # nn.Module.to, in place
     if max_blocks is None:
-        net.to(dev)  # type: ignore[call-arg,arg-type]  # with --max-blocks the profiler moves only the profiled blocks
+        net.to(dev)  # type: ignore[arg-type]  # with --max-blocks the profiler moves only the profiled blocks
     try:
         trace = run_profile(net, sample, device=dev, allocation_trace=not no_allocation_trace, max_blocks=max_blocks,
                             repeats=repeats, device_memory_limit=limit)  # named as agent.wrap names it

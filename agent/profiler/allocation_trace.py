@@ -68,4 +68,4 @@ def build_allocation_trace(
     # objects and no per-value validation.
     arrays = EventArrays.from_arrays(**cols | {"category": EventArrays.codes(cols["category"], CATEGORIES),
                                                "phase": EventArrays.codes(cols["phase"], PHASES)})
-    return AllocationTrace(source=source, horizon=horizon, event_arrays=arrays)  # type: ignore[arg-type]  # source: str -> Literal
+    return AllocationTrace(source=source, horizon=horizon, event_arrays=arrays)  # source: str -> Literal

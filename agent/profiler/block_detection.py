@@ -72,7 +72,7 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
         container = parents.pop() if len(parents) == 1 else None
         return RepeatedBlocks(tuple(names), tuple(blocks), container)
 
-    best: tuple[str, nn.ModuleList] | None = None
+    best: tuple[str, nn.ModuleList | nn.Sequential] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < (
                 1 if isinstance(module, nn.ModuleList) else 2):

@@ -92,7 +92,7 @@ class _Block:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.grads: list[torch.Tensor] | None = None  # output gradients, made at the first run
 
-    def run(self, forward: Callable[[], Any], before_backward: Callable[[], None] | None = None) -> tuple[float, float]:
+    def run(self, forward: Callable[[], Any], before_backward: Callable[[], object] | None = None) -> tuple[float, float]:
         for p in self.params:
             p.grad = None
         for a in self.args:

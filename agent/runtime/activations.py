@@ -201,9 +201,9 @@ class ActivationManager:
         self._installed.append(rec)
         original = t.module.forward  # bound method (or the instance attribute already there)
         if t.mode == ActivationMode.checkpoint:
-            t.module.forward = self._checkpointed(original)  # type: ignore[method-assign]
+            t.module.forward = self._checkpointed(original)
         elif t.mode == ActivationMode.swap:
-            t.module.forward = self._swapped(original, t.index)  # type: ignore[method-assign]
+            t.module.forward = self._swapped(original, t.index)
         if self.store is not None:  # backward-start triggers drive the prefetch
             rec.handles.append(t.module.register_forward_hook(self._trigger_hook(t.index)))
 

@@ -141,7 +141,7 @@ def plans_request(trace_id: Annotated[str, typer.Argument(help="trace id, or a u
                   wait: Annotated[bool, typer.Option(help="wait for the result")] = False,
                   server: ServerOpt = None, token: TokenOpt = None) -> None:
     """Request a plan for an uploaded trace."""
-    constraints = Constraints(device_memory_bytes=bytes_option(device_memory),  # type: ignore[arg-type]
+    constraints = Constraints(device_memory_bytes=bytes_option(device_memory),
                               host_memory_bytes=bytes_option(host_memory), time_limit_s=time_limit)
     try:
         with _client(server, token) as c:

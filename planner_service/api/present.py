@@ -40,8 +40,8 @@ def plan_record_body(row: PlanRow, raw_plan: str | None) -> bytes:
 def plan_record(row: PlanRow, *, reused: bool = False, with_feedback: bool = True,
                 with_plan: bool = True) -> PlanRecord:
     return PlanRecord(
-        id=row.id, trace_id=row.trace_id, status=row.status, reused=reused, solver=row.solver,  # type: ignore[arg-type]
-        constraints=row.constraints, objective=row.objective,  # type: ignore[arg-type]
+        id=row.id, trace_id=row.trace_id, status=row.status, reused=reused, solver=row.solver,
+        constraints=row.constraints, objective=row.objective,
         model_name=row.model.name if row.model else row.model_fingerprint, model_fingerprint=row.model_fingerprint,
         hardware_key=row.hardware_key, workload_key=row.workload_key,
         plan=Plan.model_validate(row.result) if with_plan and row.result else None,

@@ -194,12 +194,12 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         remaining = max(0.5, deadline - time.perf_counter())
         min_bytes, min_proven = _min_device_memory(trace, layouts, constraints, params, seed, remaining)
         status = SolverStatus.infeasible if (all_proven or solver == "protrain") else SolverStatus.unknown
-        fits = (f"smallest device memory that fits: {min_bytes} bytes" if min_proven
+        smallest = (f"smallest device memory that fits: {min_bytes} bytes" if min_proven
                 else f"smallest device memory that fits: at most {min_bytes} bytes (not proven smallest in the "
                      "time given)" if min_bytes is not None else "no fitting device memory found in the time given")
         message = (
             f"nothing fits {constraints.device_memory_bytes} device bytes (alpha {params.alpha:.3f}) within the host "
-            f"limits; {fits} (chunk sizes tried: {sizes})"
+            f"limits; {smallest} (chunk sizes tried: {sizes})"
             if status == SolverStatus.infeasible
             else f"no policy found within {constraints.time_limit_s}s ({_per_size(by_size)})"
         )

@@ -36,7 +36,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _catalog(files: list[Path] | None) -> dict:  # type: ignore[type-arg]
+def _catalog(files: list[Path] | None) -> dict:
     from planner_service.whatif.catalog import CatalogError, load_catalog
 
     try:
@@ -213,7 +213,7 @@ def whatif(
         console.print(t)
 
 
-def _print(answers: list, as_json: bool) -> None:  # type: ignore[type-arg]
+def _print(answers: list, as_json: bool) -> None:
     from planner_service.whatif.answer import tokens_per_s_str
 
     if as_json:
