@@ -40,8 +40,9 @@ class BatchShapeGuard:
 
     def __init__(self, model: nn.Module, planned: tuple[int, int], device: torch.device) -> None:
         self.planned, self.device, self.warned = planned, device, False
-        self._handle: RemovableHandle = model.register_forward_pre_hook(self._check, with_kwargs=True,
-                                                                       prepend=True)  # before the runtime
+        self._handle: RemovableHandle = model.register_forward_pre_hook(
+            self._check, with_kwargs=True, prepend=True
+        )  # before the runtime
 
     def remove(self) -> None:
         self._handle.remove()
@@ -50,12 +51,19 @@ class BatchShapeGuard:
         shape = batch_shape(kwargs) if kwargs else batch_shape(args)
         if shape is None or (shape[0] <= self.planned[0] and shape[1] <= self.planned[1]):
             return
-        message = (f"batch of {shape[0]} x {shape[1]} (rows x sequence) is larger than the {self.planned[0]} x "
-                   f"{self.planned[1]} the memory plan was made for; pass the largest batch you train on as "
-                   "agent.wrap(..., max_batch=...)")
+        message = (
+            f"batch of {shape[0]} x {shape[1]} (rows x sequence) is larger than the {self.planned[0]} x "
+            f"{self.planned[1]} the memory plan was made for; pass the largest batch you train on as "
+            "agent.wrap(..., max_batch=...)"
+        )
         if self.device.type == "cuda":
-            raise BatchShapeError(f"{message} (refused before the forward: it would exceed the plan's device memory)")
+            raise BatchShapeError(
+                f"{message} (refused before the forward: it would exceed the plan's device memory)"
+            )
         if not self.warned:
             self.warned = True
-            log.warning("memplan: %s; running it anyway on %s (memory above the plan's limit)", message,
-                        self.device.type)
+            log.warning(
+                "memplan: %s; running it anyway on %s (memory above the plan's limit)",
+                message,
+                self.device.type,
+            )

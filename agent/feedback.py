@@ -81,9 +81,12 @@ class LocalSink:
             f.write(line + "\n")
         if self.path not in _ANNOUNCED:  # said once per file and process, not at every run's feedback
             _ANNOUNCED.add(self.path)
-            log.warning("memplan: feedback (what was measured against the plan's predictions) is recorded in %s, "
-                        "not in a planner service: pass server= or set MEMPLAN_SERVER to keep it beside the plan; "
-                        "MEMPLAN_FEEDBACK_PATH moves the file", self.path)
+            log.warning(
+                "memplan: feedback (what was measured against the plan's predictions) is recorded in %s, "
+                "not in a planner service: pass server= or set MEMPLAN_SERVER to keep it beside the plan; "
+                "MEMPLAN_FEEDBACK_PATH moves the file",
+                self.path,
+            )
         return f"recorded locally in {self.path}"
 
 
@@ -224,7 +227,9 @@ class StepMonitor:
         if isinstance(self.sink, ServiceSink):
             # a slow service must not stall the training step: post from a background thread
             self.measured.sent_to = "posting"
-            self._sender = threading.Thread(target=self._send, args=(fb,), name="memplan-feedback", daemon=True)
+            self._sender = threading.Thread(
+                target=self._send, args=(fb,), name="memplan-feedback", daemon=True
+            )
             self._sender.start()
         else:
             self._send(fb)

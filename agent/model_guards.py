@@ -28,12 +28,16 @@ def byte_size(name: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        raise TypeError(f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {value!r}")
+        raise TypeError(
+            f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {value!r}"
+        )
     if isinstance(value, int):
         n = value
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise ValueError(f"{name}: {value!r} is not a whole number of bytes (use an int or a size such as '24GiB')")
+            raise ValueError(
+                f"{name}: {value!r} is not a whole number of bytes (use an int or a size such as '24GiB')"
+            )
         n = int(value)
     elif isinstance(value, str):
         try:
@@ -42,7 +46,8 @@ def byte_size(name: str, value: object) -> int | None:
             raise ValueError(f"{name}: {exc}") from None
     else:
         raise TypeError(
-            f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {type(value).__name__}")
+            f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {type(value).__name__}"
+        )
     if n <= 0:
         raise ValueError(f"{name}: must be positive, got {value!r}")
     return n
@@ -52,9 +57,11 @@ class CompiledModelError(TypeError):
     """The model or one of its modules was compiled with torch.compile before `wrap`."""
 
 
-_COMPILE_ADVICE = ("memplan's runtime moves parameters between device buffers and the host with hooks that "
-                   "torch.compile cannot trace: wrap the uncompiled model and train it uncompiled "
-                   "(see 'Limits' in README.md)")
+_COMPILE_ADVICE = (
+    "memplan's runtime moves parameters between device buffers and the host with hooks that "
+    "torch.compile cannot trace: wrap the uncompiled model and train it uncompiled "
+    "(see 'Limits' in README.md)"
+)
 
 
 def check_not_compiled(model: nn.Module) -> None:
@@ -62,7 +69,9 @@ def check_not_compiled(model: nn.Module) -> None:
     for name, module in model.named_modules():
         where = f"model.{name}" if name else "model"
         if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
-            raise CompiledModelError(f"{where}: is a torch.compile result (OptimizedModule); {_COMPILE_ADVICE}")
+            raise CompiledModelError(
+                f"{where}: is a torch.compile result (OptimizedModule); {_COMPILE_ADVICE}"
+            )
         if getattr(module, "_compiled_call_impl", None) is not None:
             raise CompiledModelError(f"{where}: was compiled in place (module.compile()); {_COMPILE_ADVICE}")
 
@@ -101,9 +110,11 @@ class MoveGuard:
         raise WrappedModelMoveError(
             f"model.to({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])}): the model is "
             f"wrapped by memplan on {self.device} in {self.dtype}; moving or casting it would be undone by the "
-            "runtime. Move or cast the model before agent.wrap (or agent.unwrap, move, wrap again)")
+            "runtime. Move or cast the model before agent.wrap (or agent.unwrap, move, wrap again)"
+        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         raise WrappedModelMoveError(
             "model: is wrapped by memplan; .cuda()/.cpu()/.half()/.float()/... would move or cast parameters "
-            "that live in the runtime's buffers. Do it before agent.wrap (or agent.unwrap first)")
+            "that live in the runtime's buffers. Do it before agent.wrap (or agent.unwrap first)"
+        )

@@ -66,8 +66,9 @@ def server_url(server: str | None) -> str | None:
     return server or os.environ.get("MEMPLAN_SERVER") or None
 
 
-def workload_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *,
-                 clips_gradients: bool = False) -> str:
+def workload_key(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *, clips_gradients: bool = False
+) -> str:
     """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind, clipping)."""
     from agent.profiler.optimizer_probe import optimizer_kind
     from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
@@ -117,8 +118,11 @@ def find_in_history(
             rec.constraints.device_memory_bytes == constraints.device_memory_bytes
             and rec.constraints.host_memory_bytes == constraints.host_memory_bytes
         )
-        solved = (rec.headline is not None and rec.headline.solver is not None
-                  and rec.headline.solver.status in (SolverStatus.optimal, SolverStatus.feasible))
+        solved = (
+            rec.headline is not None
+            and rec.headline.solver is not None
+            and rec.headline.solver.status in (SolverStatus.optimal, SolverStatus.feasible)
+        )
         if rec.model_fingerprint == fingerprint and rec.workload_key == workload and same_limits and solved:
             plan = client.get_plan(rec.id).plan
             if _usable(plan):
@@ -219,12 +223,18 @@ def obtain_plan(
         from client.sdk import Client
 
         client = Client(url, timeout=request_timeout_s, max_retries=1)
-        budget = ServiceBudget(service_budget_s if service_budget_s is not None
-                               else wait_s + SERVICE_BUDGET_MARGIN_S, client.close)
+        budget = ServiceBudget(
+            service_budget_s if service_budget_s is not None else wait_s + SERVICE_BUDGET_MARGIN_S,
+            client.close,
+        )
     try:
         if client is not None and budget is not None and reuse:
             # the job's own keys are computed outside the service's except: a bug here is the agent's
-            keys = (fingerprint(model), hw.key, workload_key(model, optimizer, sample_batch, clips_gradients=clips_gradients))
+            keys = (
+                fingerprint(model),
+                hw.key,
+                workload_key(model, optimizer, sample_batch, clips_gradients=clips_gradients),
+            )
             c = client
             try:
                 found = budget.call(lambda: find_in_history(c, *keys, constraints), "history look-up")
@@ -257,13 +267,16 @@ def obtain_plan(
             hardware=hw,
         )
         # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions
-        trace = trace.model_copy(update={"workload": job_workload(trace.workload, options,
-                                                                  clips_gradients=clips_gradients)})
+        trace = trace.model_copy(
+            update={"workload": job_workload(trace.workload, options, clips_gradients=clips_gradients)}
+        )
         if client is not None and budget is not None:
             c = client
             try:
-                record = budget.call(lambda: _request_and_wait(c, trace, constraints, min(wait_s, budget.left())),
-                                     "upload, request and wait")
+                record = budget.call(
+                    lambda: _request_and_wait(c, trace, constraints, min(wait_s, budget.left())),
+                    "upload, request and wait",
+                )
                 if record.status is PlanStatus.done and _usable(record.plan):
                     return PlanSource(
                         record.plan,
@@ -323,8 +336,15 @@ def _service_failure(exc: Exception, url: str | None, what: str) -> str:
         raise exc
     reason = f"{type(exc).__name__}: {exc}"
     if kind == "down":
-        log.warning("memplan: service %s unavailable during %s (%s); solving in-process instead", url, what, reason)
+        log.warning(
+            "memplan: service %s unavailable during %s (%s); solving in-process instead", url, what, reason
+        )
     else:
-        log.error("memplan: service %s rejected the agent's %s (%s); this is a defect, please report it; "
-                  "solving in-process instead", url, what, reason)
+        log.error(
+            "memplan: service %s rejected the agent's %s (%s); this is a defect, please report it; "
+            "solving in-process instead",
+            url,
+            what,
+            reason,
+        )
     return reason

@@ -64,12 +64,24 @@ class WrapReport:
             return "-" if x is None else f"{x * 1e3:.1f} ms"
 
         return [
-            ("iteration time", s(self.predicted_iteration_s), s(m.iteration_s if m else None),
-             self._err(m.iteration_s if m else None, self.predicted_iteration_s)),
-            ("peak device memory", b(self.predicted_peak_device_bytes), b(m.peak_device_bytes if m else None),
-             self._err(m.peak_device_bytes if m else None, self.predicted_peak_device_bytes)),
-            ("peak host memory", b(self.predicted_peak_host_bytes), b(m.peak_host_bytes if m else None),
-             self._err(m.peak_host_bytes if m else None, self.predicted_peak_host_bytes)),
+            (
+                "iteration time",
+                s(self.predicted_iteration_s),
+                s(m.iteration_s if m else None),
+                self._err(m.iteration_s if m else None, self.predicted_iteration_s),
+            ),
+            (
+                "peak device memory",
+                b(self.predicted_peak_device_bytes),
+                b(m.peak_device_bytes if m else None),
+                self._err(m.peak_device_bytes if m else None, self.predicted_peak_device_bytes),
+            ),
+            (
+                "peak host memory",
+                b(self.predicted_peak_host_bytes),
+                b(m.peak_host_bytes if m else None),
+                self._err(m.peak_host_bytes if m else None, self.predicted_peak_host_bytes),
+            ),
         ]
 
     def __str__(self) -> str:
@@ -83,7 +95,9 @@ class WrapReport:
         if self.feedback_to:
             lines.append(f"  feedback: {self.feedback_to}")
         if self.swap is not None:
-            lines.append(f"  swap: {self.swap.swapped_out_bytes / 2**20:.1f} MiB out, {self.swap.prefetched_blocks} blocks "
-                         f"prefetched, {self.swap.late_fetches} late, {self.swap.demand_fetches} on demand")
+            lines.append(
+                f"  swap: {self.swap.swapped_out_bytes / 2**20:.1f} MiB out, {self.swap.prefetched_blocks} blocks "
+                f"prefetched, {self.swap.late_fetches} late, {self.swap.demand_fetches} on demand"
+            )
         lines.append(f"  runtime: {self.runtime}")
         return "\n".join(lines)

@@ -68,7 +68,7 @@ class ServiceBudget:
 
 
 def classify(exc: BaseException) -> Failure | None:
-    """"down", "rejected" or None (not the service's doing: re-raise). See the module docstring."""
+    """ "down", "rejected" or None (not the service's doing: re-raise). See the module docstring."""
     if isinstance(exc, APIConnectionError):
         return "down"
     if isinstance(exc, APIStatusError):

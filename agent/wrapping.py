@@ -86,16 +86,21 @@ class Wrapped:
         store = self.activations.store if self.activations is not None else None
         origin = self.source.origin if self.source is not None else "given"
         return WrapReport(
-            origin=origin, message=(self.source.message if self.source is not None else "") or origin,
-            solver=self.plan.solver.solver, solver_status=self.plan.solver.status.value,
-            mode_strip=policy.mode_strip(), chunks=len(policy.chunks),
-            offloaded_chunks=sum(c.placement.value == "offloaded" for c in policy.chunks), n_buffers=policy.n_buffers,
+            origin=origin,
+            message=(self.source.message if self.source is not None else "") or origin,
+            solver=self.plan.solver.solver,
+            solver_status=self.plan.solver.status.value,
+            mode_strip=policy.mode_strip(),
+            chunks=len(policy.chunks),
+            offloaded_chunks=sum(c.placement.value == "offloaded" for c in policy.chunks),
+            n_buffers=policy.n_buffers,
             predicted_iteration_s=pred.iteration_s if pred else None,
             predicted_peak_device_bytes=pred.peak_device_bytes if pred else None,
             predicted_peak_host_bytes=pred.peak_host_bytes if pred else None,
             measured=(m.sent or m.feedback()) if m is not None else None,
             feedback_to=m.sent_to if m is not None else None,
-            runtime=self.runtime_report(), swap=store.counters if store is not None else None,
+            runtime=self.runtime_report(),
+            swap=store.counters if store is not None else None,
         )
 
     def runtime_report(self) -> RuntimeReport:
@@ -199,23 +204,53 @@ def wrap(
     check_supported(optimizer)
     cache_off = KVCacheOff(model)  # training never uses the KV cache; unwrap restores the user's setting
     try:
-        wrapped = _wrap(model, optimizer, cache_off, plan=plan,
-                        sample_batch=max_batch if max_batch is not None else sample_batch, server=server,
-                        device_memory=device_bytes, host_memory=host_bytes, blocks=blocks, options=options,
-                        loss_fn=loss_fn, feedback_steps=feedback_steps, feedback_path=feedback_path,
-                        wait_s=wait_s, service_budget_s=service_budget_s, reuse=reuse, allocation=allocation,
-                        clips_gradients=clips_gradients)
+        wrapped = _wrap(
+            model,
+            optimizer,
+            cache_off,
+            plan=plan,
+            sample_batch=max_batch if max_batch is not None else sample_batch,
+            server=server,
+            device_memory=device_bytes,
+            host_memory=host_bytes,
+            blocks=blocks,
+            options=options,
+            loss_fn=loss_fn,
+            feedback_steps=feedback_steps,
+            feedback_path=feedback_path,
+            wait_s=wait_s,
+            service_budget_s=service_budget_s,
+            reuse=reuse,
+            allocation=allocation,
+            clips_gradients=clips_gradients,
+        )
     except BaseException:
         cache_off.restore()
         raise
     return wrapped
 
 
-def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer, cache_off: KVCacheOff, *, plan: Plan | None,
-          sample_batch: Any, server: str | None, device_memory: int | None, host_memory: int | None,
-          blocks: Sequence[nn.Module] | None, options: RuntimeOptions | None, loss_fn: Any,
-          feedback_steps: int | None, feedback_path: Path | None, wait_s: float, service_budget_s: float | None,
-          reuse: bool, allocation: str, clips_gradients: bool) -> Wrapped:
+def _wrap(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cache_off: KVCacheOff,
+    *,
+    plan: Plan | None,
+    sample_batch: Any,
+    server: str | None,
+    device_memory: int | None,
+    host_memory: int | None,
+    blocks: Sequence[nn.Module] | None,
+    options: RuntimeOptions | None,
+    loss_fn: Any,
+    feedback_steps: int | None,
+    feedback_path: Path | None,
+    wait_s: float,
+    service_budget_s: float | None,
+    reuse: bool,
+    allocation: str,
+    clips_gradients: bool,
+) -> Wrapped:
     """`wrap` after its argument checks, with the KV cache already off."""
     from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
     from agent.planning import PlanSource, obtain_plan
@@ -224,10 +259,21 @@ def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer, cache_off: KVCache
     if plan is not None:
         source = PlanSource(plan, "given", message="plan given to wrap")
     else:
-        source = obtain_plan(model, optimizer, sample_batch, server=server, device_memory=device_memory,
-                             host_memory=host_memory, loss_fn=loss_fn, wait_s=wait_s,
-                             service_budget_s=service_budget_s, reuse=reuse, blocks=blocks,
-                             options=options, clips_gradients=clips_gradients)
+        source = obtain_plan(
+            model,
+            optimizer,
+            sample_batch,
+            server=server,
+            device_memory=device_memory,
+            host_memory=host_memory,
+            loss_fn=loss_fn,
+            wait_s=wait_s,
+            service_budget_s=service_budget_s,
+            reuse=reuse,
+            blocks=blocks,
+            options=options,
+            clips_gradients=clips_gradients,
+        )
         log.info("memplan: %s", source.message)
     plan = source.plan
     if plan.policy is None:
@@ -241,8 +287,9 @@ def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer, cache_off: KVCache
     if selection is not None:
         selection.attach(model)
     try:
-        wrapped.activations = apply_activation_policy(model, plan.policy, wrapped.runtime.ctx.device,
-                                                      wrapped.runtime)
+        wrapped.activations = apply_activation_policy(
+            model, plan.policy, wrapped.runtime.ctx.device, wrapped.runtime
+        )
     except BaseException:
         unwrap(wrapped)
         raise
@@ -251,13 +298,25 @@ def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer, cache_off: KVCache
     if planned_shape is not None:
         wrapped.batch_guard = BatchShapeGuard(model, planned_shape, wrapped.runtime.ctx.device)
     if feedback_steps:
-        local = LocalSink(feedback_path or local_feedback_path(), plan_id=source.plan_id, trace_hash=plan.trace_hash)
-        sink = ServiceSink(source.server, source.plan_id, fallback=local) if (
-            source.server and source.plan_id) else local
+        local = LocalSink(
+            feedback_path or local_feedback_path(), plan_id=source.plan_id, trace_hash=plan.trace_hash
+        )
+        sink = (
+            ServiceSink(source.server, source.plan_id, fallback=local)
+            if (source.server and source.plan_id)
+            else local
+        )
         strip = plan.policy.mode_strip()
-        wrapped.monitor = StepMonitor(model, wrapped.optimizer, wrapped.runtime.ctx.device, manager=wrapped.runtime,
-                                      activations=wrapped.activations, sink=sink, steps=feedback_steps,
-                                      notes=lambda: f"memplan agent; plan origin {source.origin}; modes {strip}")
+        wrapped.monitor = StepMonitor(
+            model,
+            wrapped.optimizer,
+            wrapped.runtime.ctx.device,
+            manager=wrapped.runtime,
+            activations=wrapped.activations,
+            sink=sink,
+            steps=feedback_steps,
+            notes=lambda: f"memplan agent; plan origin {source.origin}; modes {strip}",
+        )
     return wrapped
 
 
@@ -277,8 +336,9 @@ def target_device(model: nn.Module, options: RuntimeOptions | None = None) -> to
     return device
 
 
-def _select_allocator(allocation: str, plan: Plan, source: PlanSource, device: torch.device
-                      ) -> AllocatorSelection | None:
+def _select_allocator(
+    allocation: str, plan: Plan, source: PlanSource, device: torch.device
+) -> AllocatorSelection | None:
     """allocation="planned": the planned CUDA allocator for every tensor of the iteration (Level 2), installed
     before the runtime allocates anything; on a device without a pluggable allocator (CPU) only the runtime's
     own buffers are planned (Level 1, the arena in `apply_plan`)."""
@@ -287,16 +347,23 @@ def _select_allocator(allocation: str, plan: Plan, source: PlanSource, device: t
     from agent.allocator.select import select
 
     if device.type != "cuda":
-        log.info("memplan: allocation='planned' on %s: the runtime's buffers use the planned arena; "
-                 "other tensors keep PyTorch's allocator (no pluggable allocator off CUDA)", device.type)
+        log.info(
+            "memplan: allocation='planned' on %s: the runtime's buffers use the planned arena; "
+            "other tensors keep PyTorch's allocator (no pluggable allocator off CUDA)",
+            device.type,
+        )
         return None
     events = source.trace.allocation_trace if source.trace is not None else None
     return select("planned", plan, events, device=device)
 
 
 def apply_plan(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, options: RuntimeOptions | None = None,
-    *, arena: bool = False,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+    options: RuntimeOptions | None = None,
+    *,
+    arena: bool = False,
 ) -> Wrapped:
     """The model-state part of `wrap`: chunks, offload and host optimizer as the plan says (no activation
     modes, no monitor). `arena`: the runtime's device buffers are views into one planned arena (nothing of

@@ -17,9 +17,14 @@ def machine(device: Any = None) -> dict[str, Any]:
     from agent.profiler.hardware import cpu_model_name
 
     device = torch.device(device or "cpu")
-    return {"cpu": cpu_model_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "torch": torch.__version__, "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    return {
+        "cpu": cpu_model_name(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
 
 
 def stamped(path: Path, when: float | None = None) -> Path:
@@ -57,7 +62,13 @@ class Run:
     def document(self, device: Any = None, **fields: Any) -> dict[str, Any]:
         from planner_service.solver import SOLVER_VERSION
 
-        return {"benchmark": self.benchmark, "solver_version": SOLVER_VERSION,
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()},
-                "machine": machine(device), "load_average_before": self.load_before,
-                "load_average_after": os.getloadavg(), "wall_s": time.perf_counter() - self.t0, **fields}
+        return {
+            "benchmark": self.benchmark,
+            "solver_version": SOLVER_VERSION,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()},
+            "machine": machine(device),
+            "load_average_before": self.load_before,
+            "load_average_after": os.getloadavg(),
+            "wall_s": time.perf_counter() - self.t0,
+            **fields,
+        }

@@ -64,17 +64,25 @@ def challenging(cpsat_baseline: bool) -> list[dict[str, Any]]:
             continue
         buffers = read_minimalloc_csv(path)
         lows, ups, sizes = [b.lower for b in buffers], [b.upper for b in buffers], [b.size for b in buffers]
-        greedy = min(max(o + s for o, s in zip(best_fit(lows, ups, sizes, k) or [], sizes, strict=True))
-                     for k in ORDERS)  # no deadline given: best_fit always returns offsets
+        greedy = min(
+            max(o + s for o, s in zip(best_fit(lows, ups, sizes, k) or [], sizes, strict=True))
+            for k in ORDERS
+        )  # no deadline given: best_fit always returns offsets
         plan = plan_buffers(buffers, capacity_bytes=CAPACITY, time_limit_s=60.0, minimize=False)
         ok = plan.status.value in ("optimal", "feasible")
         if ok:
             validate_placement(buffers, plan.offsets, capacity=CAPACITY)
         row = {
-            "instance": name, "buffers": len(buffers), "lower_bound": lower_bound(buffers),
-            "best_fit_arena": greedy, "arena": plan.arena_bytes if ok else None, "status": plan.status.value,
-            "fits": ok and plan.arena_bytes <= CAPACITY, "solve_s": round(plan.solve_s, 3),
-            "search_nodes": plan.search_nodes, "method": plan.method,
+            "instance": name,
+            "buffers": len(buffers),
+            "lower_bound": lower_bound(buffers),
+            "best_fit_arena": greedy,
+            "arena": plan.arena_bytes if ok else None,
+            "status": plan.status.value,
+            "fits": ok and plan.arena_bytes <= CAPACITY,
+            "solve_s": round(plan.solve_s, 3),
+            "search_nodes": plan.search_nodes,
+            "method": plan.method,
         }
         if ok and plan.arena_bytes > plan.lower_bound_bytes:
             # Capacity above the bound: how far below the capacity does minimising get in 30 s?
@@ -90,11 +98,16 @@ def challenging(cpsat_baseline: bool) -> list[dict[str, Any]]:
             row["cpsat_nooverlap2d_30s"] = base.status.value
             row["cpsat_s"] = round(base.elapsed_s, 2)
         rows.append(row)
-        print(f"{name}: {row['buffers']} buffers, lower bound {row['lower_bound']}, best fit {greedy}, "
-              f"planned {row['arena']} ({row['status']}), {row['solve_s']} s, {row['search_nodes']} nodes"
-              + (f"; minimised in 30 s: {row['minimised_arena_30s']} ({row['minimised_status']})"
-                 if "minimised_arena_30s" in row else "")
-              + (f"; plain CP-SAT NoOverlap2D, 30 s: {row['cpsat_nooverlap2d_30s']}" if cpsat_baseline else ""))
+        print(
+            f"{name}: {row['buffers']} buffers, lower bound {row['lower_bound']}, best fit {greedy}, "
+            f"planned {row['arena']} ({row['status']}), {row['solve_s']} s, {row['search_nodes']} nodes"
+            + (
+                f"; minimised in 30 s: {row['minimised_arena_30s']} ({row['minimised_status']})"
+                if "minimised_arena_30s" in row
+                else ""
+            )
+            + (f"; plain CP-SAT NoOverlap2D, 30 s: {row['cpsat_nooverlap2d_30s']}" if cpsat_baseline else "")
+        )
     return rows
 
 
@@ -119,8 +132,15 @@ def ablation(names: str, limit_s: float) -> list[dict[str, Any]]:
         args = ([b.lower for b in buffers], [b.upper for b in buffers], [b.size for b in buffers])
         for label, rules in variants:
             res = search_placement(*args, CAPACITY, time_limit_s=limit_s, rules=rules)
-            rows.append({"instance": name, "variant": label, "status": res.status.value,
-                         "s": round(res.elapsed_s, 2), "nodes": res.nodes})
+            rows.append(
+                {
+                    "instance": name,
+                    "variant": label,
+                    "status": res.status.value,
+                    "s": round(res.elapsed_s, 2),
+                    "nodes": res.nodes,
+                }
+            )
             print(f"ablation {name} {label}: {res.status.value}, {res.elapsed_s:.2f} s, {res.nodes} nodes")
     return rows
 
@@ -148,21 +168,31 @@ def traces(layers: int, hidden: int, batch: int, seq: int) -> list[dict[str, Any
         sim = simulate_caching_allocator(at, iterations=2)
         row = {
             "model": f"{kind} {layers} layers, hidden {hidden}, batch {batch}, seq {seq}",
-            "trace_source": at.source, "device": tr.hardware.device_type.value, "events": len(at.events),
-            "long_lived": sum(e.free_index is None for e in at.events), "horizon": at.horizon,
-            "lower_bound": plan.lower_bound_bytes, "arena": plan.arena_bytes, "gap": round(plan.gap, 6),
-            "status": plan.status.value, "solve_s": round(plan.solve_s, 3), "profile_s": round(profile_s, 1),
-            "caching_peak_reserved": sim.peak_reserved_bytes, "caching_peak_allocated": sim.peak_allocated_bytes,
+            "trace_source": at.source,
+            "device": tr.hardware.device_type.value,
+            "events": len(at.events),
+            "long_lived": sum(e.free_index is None for e in at.events),
+            "horizon": at.horizon,
+            "lower_bound": plan.lower_bound_bytes,
+            "arena": plan.arena_bytes,
+            "gap": round(plan.gap, 6),
+            "status": plan.status.value,
+            "solve_s": round(plan.solve_s, 3),
+            "profile_s": round(profile_s, 1),
+            "caching_peak_reserved": sim.peak_reserved_bytes,
+            "caching_peak_allocated": sim.peak_allocated_bytes,
             "caching_fragmentation": round(sim.fragmentation_ratio, 4),
             "caching_over_lower_bound": round(sim.peak_reserved_bytes / plan.lower_bound_bytes - 1, 4),
             "caching_segments": sim.segments_allocated,
             "caching_small_large": [sim.small_segments_allocated, sim.large_segments_allocated],
         }
         rows.append(row)
-        print(f"{kind}: {row['events']} buffers ({row['long_lived']} long-lived), lower bound {row['lower_bound']}, "
-              f"arena {row['arena']} (gap {row['gap']:.4%}, {row['status']}, {row['solve_s']} s); caching allocator "
-              f"reserved {row['caching_peak_reserved']} (fragmentation {row['caching_fragmentation']:.2%}, "
-              f"{row['caching_over_lower_bound']:.2%} over the bound, {row['caching_segments']} segments)")
+        print(
+            f"{kind}: {row['events']} buffers ({row['long_lived']} long-lived), lower bound {row['lower_bound']}, "
+            f"arena {row['arena']} (gap {row['gap']:.4%}, {row['status']}, {row['solve_s']} s); caching allocator "
+            f"reserved {row['caching_peak_reserved']} (fragmentation {row['caching_fragmentation']:.2%}, "
+            f"{row['caching_over_lower_bound']:.2%} over the bound, {row['caching_segments']} segments)"
+        )
     return rows
 
 
@@ -184,16 +214,27 @@ def heuristics(trace: Any, label: str) -> list[dict[str, Any]]:
         ("sweep best fit, backward (O(n log n))", lambda: sweep_best_fit(lo, up, units, reverse=True)),
     ]
     for order in ORDERS:
-        runs.append((f"best fit by {order} (quadratic)",
-                     lambda order=order: np.asarray(best_fit(lo.tolist(), up.tolist(), units.tolist(), order))))
+        runs.append(
+            (
+                f"best fit by {order} (quadratic)",
+                lambda order=order: np.asarray(best_fit(lo.tolist(), up.tolist(), units.tolist(), order)),
+            )
+        )
     rows = []
     for name, fn in runs:
         t0 = time.perf_counter()
         offsets = fn()
         elapsed = time.perf_counter() - t0
         gap = int((offsets + units).max()) / lb - 1
-        rows.append({"trace": label, "buffers": int(it.sum()), "heuristic": name, "gap_padded": round(gap, 6),
-                     "s": round(elapsed, 3)})
+        rows.append(
+            {
+                "trace": label,
+                "buffers": int(it.sum()),
+                "heuristic": name,
+                "gap_padded": round(gap, 6),
+                "s": round(elapsed, 3),
+            }
+        )
         print(f"{label}: {name}: gap {gap:.4%} over the padded bound, {elapsed:.2f} s")
     return rows
 
@@ -212,20 +253,27 @@ def scale(sizes: list[int], layers: int, hidden: int, batch: int, seq: int) -> d
     tr = agent.profile(model, model_zoo.sample_batch(config, batch, seq), repeats=1)
     base = tr.allocation_trace
     assert base is not None
-    out: dict[str, Any] = {"base": f"llama {layers} layers, hidden {hidden}, batch {batch}, seq {seq}: "
-                                   f"{len(base)} events, horizon {base.horizon}, source {base.source}"}
+    out: dict[str, Any] = {
+        "base": f"llama {layers} layers, hidden {hidden}, batch {batch}, seq {seq}: "
+        f"{len(base)} events, horizon {base.horizon}, source {base.source}"
+    }
     print(out["base"])
     out["heuristics"] = heuristics(base, "profiled llama")
     deep_k = max(1, 15_000 // len(base))
-    out["heuristics"] += heuristics(replicate_trace(base, deep_k, layout="deep"), f"profiled llama, deep x{deep_k}")
+    out["heuristics"] += heuristics(
+        replicate_trace(base, deep_k, layout="deep"), f"profiled llama, deep x{deep_k}"
+    )
     out["heuristics"] += heuristics(random_trace(15_000, seed=1), "random 15k")
     rows = []
     for n in sizes:
         limit = 10.0 if n <= 100_000 else 60.0
         for kind in ("sequential", "deep", "random"):
             t0 = time.perf_counter()
-            trace = (random_trace(n, seed=0) if kind == "random"
-                     else replicate_trace(base, max(1, round(n / len(base))), layout=kind))  # type: ignore[arg-type]
+            trace = (
+                random_trace(n, seed=0)
+                if kind == "random"
+                else replicate_trace(base, max(1, round(n / len(base))), layout=kind)
+            )  # type: ignore[arg-type]
             build_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             plan = plan_allocation(trace, time_limit_s=limit)
@@ -236,21 +284,34 @@ def scale(sizes: list[int], layers: int, hidden: int, batch: int, seq: int) -> d
             t0 = time.perf_counter()
             sim = simulate_caching_allocator(trace, iterations=2)
             sim_s = time.perf_counter() - t0
-            row = {"trace": f"{kind} {len(trace)}", "events": len(trace), "time_limit_s": limit,
-                   "plan_wall_s": round(plan_s, 2), "status": plan.status.value, "gap": round(plan.gap, 6),
-                   "validate_s": round(validate_s, 2), "simulate_s": round(sim_s, 2), "build_s": round(build_s, 2),
-                   "caching_fragmentation": round(sim.fragmentation_ratio, 4),
-                   "caching_over_lower_bound": round(sim.peak_reserved_bytes / plan.lower_bound_bytes - 1, 4)}
+            row = {
+                "trace": f"{kind} {len(trace)}",
+                "events": len(trace),
+                "time_limit_s": limit,
+                "plan_wall_s": round(plan_s, 2),
+                "status": plan.status.value,
+                "gap": round(plan.gap, 6),
+                "validate_s": round(validate_s, 2),
+                "simulate_s": round(sim_s, 2),
+                "build_s": round(build_s, 2),
+                "caching_fragmentation": round(sim.fragmentation_ratio, 4),
+                "caching_over_lower_bound": round(sim.peak_reserved_bytes / plan.lower_bound_bytes - 1, 4),
+            }
             rows.append(row)
-            print(f"{row['trace']}: plan {plan_s:.2f} s (limit {limit:g}), {plan.status.value}, gap {plan.gap:.4%}; "
-                  f"validate {validate_s:.2f} s; caching allocator replay {sim_s:.2f} s "
-                  f"(fragmentation {sim.fragmentation_ratio:.2%}, {row['caching_over_lower_bound']:.2%} over the bound)")
+            print(
+                f"{row['trace']}: plan {plan_s:.2f} s (limit {limit:g}), {plan.status.value}, gap {plan.gap:.4%}; "
+                f"validate {validate_s:.2f} s; caching allocator replay {sim_s:.2f} s "
+                f"(fragmentation {sim.fragmentation_ratio:.2%}, {row['caching_over_lower_bound']:.2%} over the bound)"
+            )
             if n == max(sizes) and kind != "sequential":
                 t0 = time.perf_counter()
                 short = plan_allocation(trace, time_limit_s=1.0)
                 short_s = time.perf_counter() - t0
-                row["one_second_limit"] = {"plan_wall_s": round(short_s, 2), "status": short.status.value,
-                                           "gap": round(short.gap, 6)}
+                row["one_second_limit"] = {
+                    "plan_wall_s": round(short_s, 2),
+                    "status": short.status.value,
+                    "gap": round(short.gap, 6),
+                }
                 print(f"  with a 1 s limit: {short_s:.2f} s, {short.status.value}, gap {short.gap:.4%}")
             del trace, plan
     out["runs"] = rows
@@ -274,12 +335,15 @@ def main() -> None:
     args = parser.parse_args()
     # One file per run, holding the parts this run ran (earlier runs keep their own files).
     out: dict[str, Any] = {"benchmark": "allocation", "args": vars(args)}
-    out["machine"] = f"{platform.processor() or platform.machine()}, {platform.system()}, {os.cpu_count()} cores"
+    out["machine"] = (
+        f"{platform.processor() or platform.machine()}, {platform.system()}, {os.cpu_count()} cores"
+    )
     out["numba_load_s"] = round(warm_up(), 2)
     print(f"numba search load/compile: {out['numba_load_s']} s")
     if args.scale:
-        out["scale"] = scale([int(v) for v in args.scale_sizes.split(",")], args.scale_layers, args.scale_hidden,
-                             4, 128)
+        out["scale"] = scale(
+            [int(v) for v in args.scale_sizes.split(",")], args.scale_layers, args.scale_hidden, 4, 128
+        )
         out["scale"]["machine_load_1min"] = os.getloadavg()[0]
         save(RESULTS, out)
         return

@@ -47,8 +47,9 @@ VARIANTS: dict[str, tuple[dict[str, bool], float | None]] = {
 }
 
 
-def _job(args: argparse.Namespace, device: torch.device, fields: dict[str, bool], max_norm: float | None
-         ) -> tuple[Callable[[], None], Any]:
+def _job(
+    args: argparse.Namespace, device: torch.device, fields: dict[str, bool], max_norm: float | None
+) -> tuple[Callable[[], None], Any]:
     from agent.runtime import RuntimeOptions, manual_plan
     from agent.testing.model_zoo import build
     from agent.wrapping import wrap
@@ -78,9 +79,15 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     for step, _ in jobs.values():  # warm-up: state allocation, recorded access order, learned accumulation
         step()
         step()
-    before = {name: (w.runtime.counters.host_step_s, w.runtime.counters.host_steps,
-                     w.runtime.counters.speculative_steps, w.runtime.counters.host_step_redos)
-              for name, (_, w) in jobs.items()}
+    before = {
+        name: (
+            w.runtime.counters.host_step_s,
+            w.runtime.counters.host_steps,
+            w.runtime.counters.speculative_steps,
+            w.runtime.counters.host_step_redos,
+        )
+        for name, (_, w) in jobs.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in jobs}
     for _ in range(args.rounds):
         for name, (step, _) in jobs.items():
@@ -105,7 +112,8 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "backup_cost_s": v["no_clip"] - v["no_backup"],
         "redo_cost_s": v["clip_active"] - v["clip_inactive"],
         "clip_inactive_vs_deferred_clip_s": v["deferred_clip"] - v["clip_inactive"],
-        "undo_backup_host_bytes": out["variants"]["no_clip"]["host_bytes"] - out["variants"]["no_backup"]["host_bytes"],
+        "undo_backup_host_bytes": out["variants"]["no_clip"]["host_bytes"]
+        - out["variants"]["no_backup"]["host_bytes"],
     }
     return out
 
@@ -129,8 +137,10 @@ def main() -> None:
         results[device.type] = r
         print(f"{device.type}: median seconds per iteration")
         for name, d in r["variants"].items():
-            print(f"  {name:17s} {d['iteration_s'] * 1e3:9.2f} ms   host steps {d['host_step_s_per_iteration'] * 1e3:7.2f} ms"
-                  f"   speculative {d['speculative_steps_per_iteration']:.0f}   redone {d['redos_per_iteration']:.0f}")
+            print(
+                f"  {name:17s} {d['iteration_s'] * 1e3:9.2f} ms   host steps {d['host_step_s_per_iteration'] * 1e3:7.2f} ms"
+                f"   speculative {d['speculative_steps_per_iteration']:.0f}   redone {d['redos_per_iteration']:.0f}"
+            )
         for name, val in r["derived"].items():
             print(f"  {name:33s} {val * 1e3:9.2f} ms" if name.endswith("_s") else f"  {name:33s} {val}")
     save(args.out, run.document(devices[-1], results=results))

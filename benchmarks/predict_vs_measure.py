@@ -81,7 +81,9 @@ def foreign_device_bytes(device: torch.device, batch: dict[str, torch.Tensor]) -
     return max(0, int(torch.cuda.memory_allocated(device)) - batch_bytes)
 
 
-def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, n: int) -> float:
+def plain_iteration_s(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, n: int
+) -> float:
     m = copy.deepcopy(model).to(device)  # the reference stays on the CPU
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
     times = []
@@ -99,8 +101,15 @@ def plain_iteration_s(model: torch.nn.Module, batch: dict[str, torch.Tensor], de
     return statistics.median(times)
 
 
-def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, fraction: float, steps: int,
-            device: torch.device, plain_steps: int) -> dict[str, Any]:
+def run_row(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    trace: Any,
+    fraction: float,
+    steps: int,
+    device: torch.device,
+    plain_steps: int,
+) -> dict[str, Any]:
     from agent.runtime import RuntimeOptions
     from agent.wrapping import unwrap, wrap
     from client.contract import Constraints
@@ -110,16 +119,25 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
     t0 = time.perf_counter()
     plan = solve(trace, Constraints(device_memory_bytes=limit, time_limit_s=10.0))
     solve_s = time.perf_counter() - t0
-    row: dict[str, Any] = {"fraction": fraction, "limit_bytes": limit, "solve_s": solve_s,
-                           "status": plan.solver.status.value}
+    row: dict[str, Any] = {
+        "fraction": fraction,
+        "limit_bytes": limit,
+        "solve_s": solve_s,
+        "status": plan.solver.status.value,
+    }
     if plan.policy is None or plan.predictions is None:
         row["min_device_memory_bytes"] = plan.solver.min_device_memory_bytes
         return row
     row["plain_now_s"] = plain_iteration_s(model, batch, device, plain_steps)
     at_start = foreign_device_bytes(device, batch)
     m = copy.deepcopy(model)  # on the CPU: wrap places it on `device`
-    run = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps,
-               options=RuntimeOptions(device=device))
+    run = wrap(
+        m,
+        torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
+        plan=plan,
+        feedback_steps=steps,
+        options=RuntimeOptions(device=device),
+    )
     try:
         for _ in range(steps):
             run.model(**batch).loss.backward()
@@ -136,31 +154,33 @@ def run_row(model: torch.nn.Module, batch: dict[str, torch.Tensor], trace: Any, 
     measured_peak = meas.peak_device_bytes - at_start
     pred = plan.predictions
     p = plan.policy
-    row.update({
-        "modes": p.mode_strip(),
-        "chunks": len(p.chunks),
-        "offloaded": sum(c.placement.value == "offloaded" for c in p.chunks),
-        # the plan itself, so an outlier can be re-run: which chunks were offloaded, and the chunk size that
-        # (with the trace's parameter order) gives every chunk's parameters
-        "offloaded_chunks": [c.index for c in p.chunks if c.placement.value == "offloaded"],
-        "chunk_size_bytes": p.chunk_size_bytes,
-        "n_buffers": p.n_buffers,
-        "predicted_iteration_s": pred.iteration_s,
-        "measured_iteration_s": meas.iteration_s,
-        "iteration_error": meas.iteration_s / pred.iteration_s - 1.0,
-        "predicted_peak_device_bytes": pred.peak_device_bytes,
-        "measured_peak_device_bytes": measured_peak,
-        "device_bytes_at_start": at_start,
-        "peak_error": measured_peak / pred.peak_device_bytes - 1.0,
-        "predicted_peak_host_bytes": pred.peak_host_bytes,
-        "measured_peak_host_bytes": meas.peak_host_bytes,
-        "trace_iteration_s": trace.measurements.iteration_s,
-        "load_drift": row["plain_now_s"] / trace.measurements.iteration_s - 1.0,
-        "drift_after": row["plain_after_s"] / trace.measurements.iteration_s - 1.0,
-        "steps_timed": meas.steps_measured,
-        "swap_late_fetches": rep.swap.late_fetches if rep.swap else 0,
-        "swap_demand_fetches": rep.swap.demand_fetches if rep.swap else 0,
-    })
+    row.update(
+        {
+            "modes": p.mode_strip(),
+            "chunks": len(p.chunks),
+            "offloaded": sum(c.placement.value == "offloaded" for c in p.chunks),
+            # the plan itself, so an outlier can be re-run: which chunks were offloaded, and the chunk size that
+            # (with the trace's parameter order) gives every chunk's parameters
+            "offloaded_chunks": [c.index for c in p.chunks if c.placement.value == "offloaded"],
+            "chunk_size_bytes": p.chunk_size_bytes,
+            "n_buffers": p.n_buffers,
+            "predicted_iteration_s": pred.iteration_s,
+            "measured_iteration_s": meas.iteration_s,
+            "iteration_error": meas.iteration_s / pred.iteration_s - 1.0,
+            "predicted_peak_device_bytes": pred.peak_device_bytes,
+            "measured_peak_device_bytes": measured_peak,
+            "device_bytes_at_start": at_start,
+            "peak_error": measured_peak / pred.peak_device_bytes - 1.0,
+            "predicted_peak_host_bytes": pred.peak_host_bytes,
+            "measured_peak_host_bytes": meas.peak_host_bytes,
+            "trace_iteration_s": trace.measurements.iteration_s,
+            "load_drift": row["plain_now_s"] / trace.measurements.iteration_s - 1.0,
+            "drift_after": row["plain_after_s"] / trace.measurements.iteration_s - 1.0,
+            "steps_timed": meas.steps_measured,
+            "swap_late_fetches": rep.swap.late_fetches if rep.swap else 0,
+            "swap_demand_fetches": rep.swap.demand_fetches if rep.swap else 0,
+        }
+    )
     return row
 
 
@@ -178,24 +198,48 @@ def _ranges(xs: list[int]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", nargs="+", default=["gpt2", "llama"])
-    ap.add_argument("--library-defaults", nargs="*", default=["qwen2", "gemma2"],
-                    help="families built at their library defaults (agent.testing.model_zoo.DEFAULTS_FAMILIES); none: skip")
+    ap.add_argument(
+        "--library-defaults",
+        nargs="*",
+        default=["qwen2", "gemma2"],
+        help="families built at their library defaults (agent.testing.model_zoo.DEFAULTS_FAMILIES); none: skip",
+    )
     ap.add_argument("--layers", nargs="+", type=int, default=[4, 12, 24])
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.45, 0.7, 1.0])
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=20,
-                    help="managed steps per row: 2 warm-up, 1 under the memory meter, the rest timed (median)")
-    ap.add_argument("--plain-steps", type=int, default=5, help="plain iterations timed before and after each row")
-    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
-                    help="skip the throw-away profile of the first configuration before the rows")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (1: steadier timings on a shared machine; 0: torch's default)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--trials", type=int, default=1,
-                    help="repeat every configuration (fresh build, profile, plan, run) and also report per "
-                         "configuration the median iteration error and the worst peak error")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="managed steps per row: 2 warm-up, 1 under the memory meter, the rest timed (median)",
+    )
+    ap.add_argument(
+        "--plain-steps", type=int, default=5, help="plain iterations timed before and after each row"
+    )
+    ap.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the throw-away profile of the first configuration before the rows",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: steadier timings on a shared machine; 0: torch's default)",
+    )
+    ap.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]"
+    )
+    ap.add_argument(
+        "--trials",
+        type=int,
+        default=1,
+        help="repeat every configuration (fresh build, profile, plan, run) and also report per "
+        "configuration the median iteration error and the worst peak error",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
@@ -211,16 +255,22 @@ def main() -> None:
         model, cfg = build(args.kinds[0], args.layers[0], args.hidden, seq=max(args.seq, 128))
         batch = sample_batch(cfg, args.batch, args.seq, device=device)
         probe = copy.deepcopy(model).to(device)
-        agent.profile(probe, batch, optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
-                      allocation_trace=False)
+        agent.profile(
+            probe,
+            batch,
+            optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
+            allocation_trace=False,
+        )
         del probe
         plain_iteration_s(model, batch, device, args.plain_steps)
         del model, batch
         release(device)
     rows: list[dict[str, Any]] = []
     run = Run("predict_vs_measure", args)
-    header = (f"{'model':<16} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
-              f"{'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}  offloaded chunks")
+    header = (
+        f"{'model':<16} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
+        f"{'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}  offloaded chunks"
+    )
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"trial {trial + 1} of {args.trials}")
@@ -233,18 +283,36 @@ def main() -> None:
         print(("" if args.trials == 1 else f"trial {t + 1}: ") + summary_line(summary))
     combined = combine_trials(rows) if args.trials > 1 else None
     if combined is not None:
-        print(f"over {args.trials} trials (per configuration: median iteration error, worst peak error): "
-              + summary_line(combined["summary"]))
-    print("headline: iteration within 10% per trial "
-          + " / ".join(str(t["iteration_within_10pct"]) for t in trials)
-          + (f", by the median of {args.trials}: {combined['summary']['iteration_within_10pct']}" if combined else "")
-          + f" of {trials[0]['rows'] if trials else 0}")
-    save(args.out, run.document(device, summary=trials[0] if args.trials == 1 else combined["summary"],
-                                headline=headline(trials, combined), trials=trials, combined=combined, rows=rows))
+        print(
+            f"over {args.trials} trials (per configuration: median iteration error, worst peak error): "
+            + summary_line(combined["summary"])
+        )
+    print(
+        "headline: iteration within 10% per trial "
+        + " / ".join(str(t["iteration_within_10pct"]) for t in trials)
+        + (
+            f", by the median of {args.trials}: {combined['summary']['iteration_within_10pct']}"
+            if combined
+            else ""
+        )
+        + f" of {trials[0]['rows'] if trials else 0}"
+    )
+    save(
+        args.out,
+        run.document(
+            device,
+            summary=trials[0] if args.trials == 1 else combined["summary"],
+            headline=headline(trials, combined),
+            trials=trials,
+            combined=combined,
+            rows=rows,
+        ),
+    )
 
 
-def measure_model(kind: str, layers: int, args: argparse.Namespace, device: torch.device,
-                  trial: int) -> list[dict[str, Any]]:
+def measure_model(
+    kind: str, layers: int, args: argparse.Namespace, device: torch.device, trial: int
+) -> list[dict[str, Any]]:
     """Profile one model (a fresh build and trace), then one row per device-memory fraction."""
     import agent
     from agent.testing.model_zoo import build, sample_batch
@@ -252,34 +320,49 @@ def measure_model(kind: str, layers: int, args: argparse.Namespace, device: torc
     if kind.endswith(DEFAULTS_SUFFIX):
         from agent.testing.model_zoo import build_with_library_defaults
 
-        model, cfg = build_with_library_defaults(kind.removesuffix(DEFAULTS_SUFFIX), layers, args.hidden,
-                                                 vocab=1000, seq=max(args.seq, 128))  # the reference stays on the CPU
+        model, cfg = build_with_library_defaults(
+            kind.removesuffix(DEFAULTS_SUFFIX), layers, args.hidden, vocab=1000, seq=max(args.seq, 128)
+        )  # the reference stays on the CPU
     else:
         model, cfg = build(kind, layers, args.hidden, seq=max(args.seq, 128))
     batch = sample_batch(cfg, args.batch, args.seq, device=device)
     release(device)
     probe = copy.deepcopy(model).to(device)
     t0 = time.perf_counter()
-    trace = agent.profile(probe, batch, optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
-                          allocation_trace=False)
+    trace = agent.profile(
+        probe,
+        batch,
+        optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
+        allocation_trace=False,
+    )
     profile_s = time.perf_counter() - t0
     del probe
     release(device)
     rows = []
     for fraction in args.fractions:
-        row = {"trial": trial, "kind": kind, "layers": layers, "profile_s": profile_s,
-               **run_row(model, batch, trace, fraction, args.steps, device, args.plain_steps)}
+        row = {
+            "trial": trial,
+            "kind": kind,
+            "layers": layers,
+            "profile_s": profile_s,
+            **run_row(model, batch, trace, fraction, args.steps, device, args.plain_steps),
+        }
         rows.append(row)
         name = f"{kind}-{layers}L"
         if "modes" not in row:
-            print(f"{name:<16} {fraction:>5.2f} {row['status']}: fits from {row.get('min_device_memory_bytes')}")
+            print(
+                f"{name:<16} {fraction:>5.2f} {row['status']}: fits from {row.get('min_device_memory_bytes')}"
+            )
             continue
         mib = 2**20
-        print(f"{name:<16} {fraction:>5.2f} {row['modes']:<26} {row['offloaded']:>2}/{row['chunks']:<2} "
-              f"{row['predicted_iteration_s'] * 1e3:>9.1f} {row['measured_iteration_s'] * 1e3:>9.1f} "
-              f"{row['iteration_error']:>+7.1%} {row['load_drift']:>+7.1%} {row['drift_after']:>+7.1%} "
-              f"{row['predicted_peak_device_bytes'] / mib:>9.2f} {row['measured_peak_device_bytes'] / mib:>9.2f} "
-              f"{row['peak_error']:>+7.2%}  {_ranges(row['offloaded_chunks'])}", flush=True)
+        print(
+            f"{name:<16} {fraction:>5.2f} {row['modes']:<26} {row['offloaded']:>2}/{row['chunks']:<2} "
+            f"{row['predicted_iteration_s'] * 1e3:>9.1f} {row['measured_iteration_s'] * 1e3:>9.1f} "
+            f"{row['iteration_error']:>+7.1%} {row['load_drift']:>+7.1%} {row['drift_after']:>+7.1%} "
+            f"{row['predicted_peak_device_bytes'] / mib:>9.2f} {row['measured_peak_device_bytes'] / mib:>9.2f} "
+            f"{row['peak_error']:>+7.2%}  {_ranges(row['offloaded_chunks'])}",
+            flush=True,
+        )
     return rows
 
 
@@ -292,24 +375,37 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_error_max": max((r["peak_error"] for r in done), default=None),
         "peak_error_min": min((r["peak_error"] for r in done), default=None),
         "iteration_within_10pct": sum(abs(r["iteration_error"]) <= 0.10 for r in done),
-        "iteration_error_median_abs": statistics.median(abs(r["iteration_error"]) for r in done) if done else None,
+        "iteration_error_median_abs": statistics.median(abs(r["iteration_error"]) for r in done)
+        if done
+        else None,
         "iteration_error_max_abs": max((abs(r["iteration_error"]) for r in done), default=None),
-        "worst_iteration_row": (lambda r: f"{r['kind']}-{r['layers']}L at {r['fraction']}: {r['iteration_error']:+.1%}")(
-            max(done, key=lambda r: abs(r["iteration_error"]))) if done else None,
+        "worst_iteration_row": (
+            lambda r: f"{r['kind']}-{r['layers']}L at {r['fraction']}: {r['iteration_error']:+.1%}"
+        )(max(done, key=lambda r: abs(r["iteration_error"])))
+        if done
+        else None,
         # rows without drift (the per-configuration medians of combine_trials) report None, not 0.0
-        "load_drift_max_abs": max((max(abs(r["load_drift"]), abs(r["drift_after"]))
-                                   for r in done if "load_drift" in r and "drift_after" in r), default=None),
+        "load_drift_max_abs": max(
+            (
+                max(abs(r["load_drift"]), abs(r["drift_after"]))
+                for r in done
+                if "load_drift" in r and "drift_after" in r
+            ),
+            default=None,
+        ),
     }
 
 
 def summary_line(summary: dict[str, Any]) -> str:
     if not summary["rows"]:
         return "no row had a feasible plan (every fraction below what the model needs)"
-    return (f"peak within [-8%, +2%]: {summary['peak_within_target']}/{summary['rows']} "
-            f"(min {summary['peak_error_min']:+.2%}, max {summary['peak_error_max']:+.2%}); "
-            f"iteration within 10%: {summary['iteration_within_10pct']}/{summary['rows']} "
-            f"(median |error| {summary['iteration_error_median_abs']:.1%}, worst {summary['worst_iteration_row']})"
-            + (f"; largest |drift| {summary['load_drift_max_abs']:.1%}" if summary["load_drift_max_abs"] else ""))
+    return (
+        f"peak within [-8%, +2%]: {summary['peak_within_target']}/{summary['rows']} "
+        f"(min {summary['peak_error_min']:+.2%}, max {summary['peak_error_max']:+.2%}); "
+        f"iteration within 10%: {summary['iteration_within_10pct']}/{summary['rows']} "
+        f"(median |error| {summary['iteration_error_median_abs']:.1%}, worst {summary['worst_iteration_row']})"
+        + (f"; largest |drift| {summary['load_drift_max_abs']:.1%}" if summary["load_drift_max_abs"] else "")
+    )
 
 
 def combine_trials(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -323,10 +419,18 @@ def combine_trials(rows: list[dict[str, Any]]) -> dict[str, Any]:
     combined = []
     for (kind, layers, fraction), rs in by_config.items():
         worst_peak = max((r["peak_error"] for r in rs), key=abs)
-        combined.append({"kind": kind, "layers": layers, "fraction": fraction, "trials": len(rs),
-                         "iteration_error": statistics.median(r["iteration_error"] for r in rs),
-                         "iteration_errors": [r["iteration_error"] for r in rs],
-                         "peak_error": worst_peak, "peak_errors": [r["peak_error"] for r in rs]})
+        combined.append(
+            {
+                "kind": kind,
+                "layers": layers,
+                "fraction": fraction,
+                "trials": len(rs),
+                "iteration_error": statistics.median(r["iteration_error"] for r in rs),
+                "iteration_errors": [r["iteration_error"] for r in rs],
+                "peak_error": worst_peak,
+                "peak_errors": [r["peak_error"] for r in rs],
+            }
+        )
     summary = summarize(combined)
     # the drift is the machine's, measured per trial: the largest over every trial's rows
     summary["load_drift_max_abs"] = summarize(rows)["load_drift_max_abs"]

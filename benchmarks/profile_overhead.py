@@ -86,9 +86,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--layers", default=",".join(map(str, LAYERS)))
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch intra-op threads (0: torch's default). With 1, process CPU time is the work done, "
-                         "unaffected by other jobs on a shared machine (no OpenMP spin-waiting)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0: torch's default). With 1, process CPU time is the work done, "
+        "unaffected by other jobs on a shared machine (no OpenMP spin-waiting)",
+    )
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -109,12 +113,18 @@ def main() -> None:
     rows = []
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.1f} (1 min) on {os.cpu_count()} cores")
-    print(f"device {hardware.device_name} ({device.type}), {os.cpu_count()} cores, {torch.get_num_threads()} torch "
-          f"threads; hidden {args.hidden}, "
-          f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, AdamW")
-    print(f"hardware probe {probe_s:.2f} s (once per process); first profile in a process {first_use_s:.2f} s")
-    print(f"{'model':<14}{'params':>12}{'iter s':>10}{'profile s':>11}{'ratio':>8}{'cpu ratio':>11}{'job ratio':>11}"
-          f"{'events':>9}{'trace MiB':>11}")
+    print(
+        f"device {hardware.device_name} ({device.type}), {os.cpu_count()} cores, {torch.get_num_threads()} torch "
+        f"threads; hidden {args.hidden}, "
+        f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, AdamW"
+    )
+    print(
+        f"hardware probe {probe_s:.2f} s (once per process); first profile in a process {first_use_s:.2f} s"
+    )
+    print(
+        f"{'model':<14}{'params':>12}{'iter s':>10}{'profile s':>11}{'ratio':>8}{'cpu ratio':>11}{'job ratio':>11}"
+        f"{'events':>9}{'trace MiB':>11}"
+    )
     for kind in args.kinds.split(","):
         for layers in map(int, args.layers.split(",")):
             model, config = build(kind, layers, args.hidden, vocab=args.vocab, seq=args.seq)
@@ -131,42 +141,77 @@ def main() -> None:
             events = len(trace.allocation_trace.events) if trace.allocation_trace else 0
             size_mib = len(trace.canonical_json()) / 2**20
             row = {
-                "model": f"{kind}-{layers}L-{args.hidden}H", "kind": kind, "layers": layers,
-                "parameters": trace.model.parameter_count, "iteration_s": iteration_s,
-                "iteration_s_before": before[0], "iteration_s_after": after[0],
-                "profiler_iteration_s": trace.measurements.iteration_s, "profile_s": profile_s,
-                "ratio": profile_s / iteration_s, "iteration_cpu_s": iteration_cpu_s, "profile_cpu_s": profile_cpu_s,
+                "model": f"{kind}-{layers}L-{args.hidden}H",
+                "kind": kind,
+                "layers": layers,
+                "parameters": trace.model.parameter_count,
+                "iteration_s": iteration_s,
+                "iteration_s_before": before[0],
+                "iteration_s_after": after[0],
+                "profiler_iteration_s": trace.measurements.iteration_s,
+                "profile_s": profile_s,
+                "ratio": profile_s / iteration_s,
+                "iteration_cpu_s": iteration_cpu_s,
+                "profile_cpu_s": profile_cpu_s,
                 "cpu_ratio": profile_cpu_s / iteration_cpu_s,
                 # what a job pays: `wrap` in a fresh process probes the hardware and pays the first use too
                 "job_ratio": (profile_s + probe_s + first_use_s) / iteration_s,
-                "allocation_events": events, "trace_mib": size_mib,
+                "allocation_events": events,
+                "trace_mib": size_mib,
                 "peak_device_bytes": trace.measurements.peak_device_bytes,
                 "stages_s": capture.stages,
             }
             rows.append(row)
-            print(f"{row['model']:<14}{row['parameters']:>12,}{iteration_s:>10.3f}{profile_s:>11.2f}"
-                  f"{row['ratio']:>8.2f}{row['cpu_ratio']:>11.2f}{row['job_ratio']:>11.2f}{events:>9,}{size_mib:>11.2f}")
-            print("    stages in iterations: " + ", ".join(
-                f"{k} {v / iteration_s:.2f}" for k, v in capture.stages.items()))
+            print(
+                f"{row['model']:<14}{row['parameters']:>12,}{iteration_s:>10.3f}{profile_s:>11.2f}"
+                f"{row['ratio']:>8.2f}{row['cpu_ratio']:>11.2f}{row['job_ratio']:>11.2f}{events:>9,}{size_mib:>11.2f}"
+            )
+            print(
+                "    stages in iterations: "
+                + ", ".join(f"{k} {v / iteration_s:.2f}" for k, v in capture.stages.items())
+            )
             del model, batch, trace
     load_after = os.getloadavg()
     worst = max(r["ratio"] for r in rows)
     worst_cpu = max(r["cpu_ratio"] for r in rows)
     worst_job = max(r["job_ratio"] for r in rows)
-    print(f"worst ratio {worst:.2f} wall, {worst_cpu:.2f} process CPU time (target <= 10); with the hardware "
-          f"probe and first use, as a job pays them: {worst_job:.2f}; load average after: {load_after[0]:.1f}")
-    save(RESULTS.with_name(f"profile_overhead_threads{torch.get_num_threads()}.json"), {
-        "benchmark": "profile_overhead", "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"device": hardware.device_name, "device_type": device.type, "cpu": cpu_model_name(),
-                    "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
-        "config": {"hidden": args.hidden, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
-                   "plain_iterations": args.plain, "dtype": "float32", "optimizer": "AdamW",
-                   "torch_threads": torch.get_num_threads()},
-        "load_average_1min": {"before": load_before[0], "after": load_after[0]},
-        "hardware_probe_s": probe_s, "first_profile_in_process_s": first_use_s,
-        "rows": rows, "worst_ratio": worst, "worst_cpu_ratio": worst_cpu, "worst_job_ratio": worst_job,
-        "target_ratio": 10.0,
-    })
+    print(
+        f"worst ratio {worst:.2f} wall, {worst_cpu:.2f} process CPU time (target <= 10); with the hardware "
+        f"probe and first use, as a job pays them: {worst_job:.2f}; load average after: {load_after[0]:.1f}"
+    )
+    save(
+        RESULTS.with_name(f"profile_overhead_threads{torch.get_num_threads()}.json"),
+        {
+            "benchmark": "profile_overhead",
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "machine": {
+                "device": hardware.device_name,
+                "device_type": device.type,
+                "cpu": cpu_model_name(),
+                "cores": os.cpu_count(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            "config": {
+                "hidden": args.hidden,
+                "seq": args.seq,
+                "batch": args.batch,
+                "vocab": args.vocab,
+                "plain_iterations": args.plain,
+                "dtype": "float32",
+                "optimizer": "AdamW",
+                "torch_threads": torch.get_num_threads(),
+            },
+            "load_average_1min": {"before": load_before[0], "after": load_after[0]},
+            "hardware_probe_s": probe_s,
+            "first_profile_in_process_s": first_use_s,
+            "rows": rows,
+            "worst_ratio": worst,
+            "worst_cpu_ratio": worst_cpu,
+            "worst_job_ratio": worst_job,
+            "target_ratio": 10.0,
+        },
+    )
 
 
 if __name__ == "__main__":

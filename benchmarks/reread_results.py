@@ -47,8 +47,10 @@ def main() -> None:
         doc = json.loads(path.read_text())
         if args.analysis == "profile-job-ratio":
             rows = job_ratios(doc)
-            print(f"{path}: probe {doc['hardware_probe_s']:.2f} s, first use {doc['first_profile_in_process_s']:.2f} s; "
-                  f"rows over 10 as a job pays: {sum(j > 10 for _, _, j in rows)}/{len(rows)}")
+            print(
+                f"{path}: probe {doc['hardware_probe_s']:.2f} s, first use {doc['first_profile_in_process_s']:.2f} s; "
+                f"rows over 10 as a job pays: {sum(j > 10 for _, _, j in rows)}/{len(rows)}"
+            )
             for model, ratio, job in rows:
                 print(f"  {model:<16} profile only {ratio:6.2f}   what a job pays {job:6.2f}")
         else:

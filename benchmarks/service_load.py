@@ -60,10 +60,15 @@ def _events(rng: np.random.Generator, n: int, schema: int) -> dict[str, Any]:
     """`n` random allocation events in the wire form of trace schema `schema` (2: packed arrays; 1: lists)."""
     horizon = 4 * n
     alloc = rng.integers(0, horizon - 1, size=n)
-    cols = {"id": np.arange(n), "size_bytes": rng.choice([512, 4096, 65536, 1 << 20, 3 << 20], size=n),
-            "alloc_index": alloc, "free_index": np.minimum(horizon, alloc + 1 + rng.integers(0, 512, size=n)),
-            "category": rng.choice([CATEGORIES.index(c) for c in ("activation", "temp", "grad")], size=n),
-            "block": rng.integers(0, 24, size=n), "phase": rng.integers(0, 2, size=n)}
+    cols = {
+        "id": np.arange(n),
+        "size_bytes": rng.choice([512, 4096, 65536, 1 << 20, 3 << 20], size=n),
+        "alloc_index": alloc,
+        "free_index": np.minimum(horizon, alloc + 1 + rng.integers(0, 512, size=n)),
+        "category": rng.choice([CATEGORIES.index(c) for c in ("activation", "temp", "grad")], size=n),
+        "block": rng.integers(0, 24, size=n),
+        "phase": rng.integers(0, 2, size=n),
+    }
     if schema == 2:
         events = {"event_arrays": json.loads(EventArrays.from_arrays(**cols).model_dump_json())}
     else:
@@ -76,8 +81,9 @@ def _events(rng: np.random.Generator, n: int, schema: int) -> dict[str, Any]:
 def make_trace_gzip(agent: int, version: int, target_gzip_bytes: int, schema: int = 2) -> bytes:
     """A distinct, valid trace whose gzip body is about `target_gzip_bytes`: a synthetic model plus random
     allocation events, as many as fill the target (measured on a first 10^4 events)."""
-    base = synthetic_trace(n_blocks=24 + agent % 8, hidden=1024, vocab=32000 + version,
-                           name=f"load-model-{agent % 10}").model_dump(mode="json")
+    base = synthetic_trace(
+        n_blocks=24 + agent % 8, hidden=1024, vocab=32000 + version, name=f"load-model-{agent % 10}"
+    ).model_dump(mode="json")
     base["schema_version"] = schema
     rng = np.random.default_rng(agent * 1000 + version)
 
@@ -112,9 +118,12 @@ def cpu_by_role(roots: dict[str, int]) -> dict[str, float]:
             text = stat.read_text()
         except OSError:
             continue
-        rest = text[text.rindex(")") + 2:].split()
-        table[int(stat.parent.name)] = (int(rest[1]), text[text.index("(") + 1:text.rindex(")")],
-                                        (int(rest[11]) + int(rest[12])) / tick)  # ppid, comm, utime + stime
+        rest = text[text.rindex(")") + 2 :].split()
+        table[int(stat.parent.name)] = (
+            int(rest[1]),
+            text[text.index("(") + 1 : text.rindex(")")],
+            (int(rest[11]) + int(rest[12])) / tick,
+        )  # ppid, comm, utime + stime
     out = dict.fromkeys([*roots, "postgres"], 0.0)
     by_pid = {pid: role for role, pid in roots.items()}
     for pid, (_, comm, cpu) in table.items():
@@ -165,7 +174,9 @@ class Agent:
 
     async def upload(self, timed: bool) -> None:
         t0 = time.perf_counter()
-        async with self.http.post("/v1/traces", data=self.bodies[self.version], headers=self.UPLOAD_HEADERS) as r:
+        async with self.http.post(
+            "/v1/traces", data=self.bodies[self.version], headers=self.UPLOAD_HEADERS
+        ) as r:
             body = await r.read()
             if r.status not in (200, 201):
                 self.stats.errors.append(f"upload {r.status}: {body[:200]!r}")
@@ -232,16 +243,26 @@ class Agent:
                 due = max(due + period, time.monotonic())
 
 
-async def run_load(url: str, agents: int, duration: float, poll_hz: float, upload_every: float,
-                   bodies: list[list[bytes]], roots: dict[str, int],
-                   headers: dict[str, str]) -> tuple[Stats, float, dict[str, float]]:
+async def run_load(
+    url: str,
+    agents: int,
+    duration: float,
+    poll_hz: float,
+    upload_every: float,
+    bodies: list[list[bytes]],
+    roots: dict[str, int],
+    headers: dict[str, str],
+) -> tuple[Stats, float, dict[str, float]]:
     """Warm-up (not timed): every agent uploads its first trace and gets a plan to poll. Then the window."""
     stats = Stats()
     connector = aiohttp.TCPConnector(limit=agents * 2)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=60),
-                                     headers=headers) as http:
+    async with aiohttp.ClientSession(
+        url, connector=connector, timeout=aiohttp.ClientTimeout(total=60), headers=headers
+    ) as http:
         fleet = [Agent(i, http, bodies[i], stats) for i in range(agents)]
-        gate = asyncio.Semaphore(4)  # a few at a time: every API process sees uploads (its first ones are cold)
+        gate = asyncio.Semaphore(
+            4
+        )  # a few at a time: every API process sees uploads (its first ones are cold)
 
         async def first_upload(a: Agent) -> None:
             async with gate:
@@ -257,9 +278,11 @@ async def run_load(url: str, agents: int, duration: float, poll_hz: float, uploa
         await asyncio.gather(*(a.run(start, duration, poll_hz, upload_every) for a in fleet))
         wall = time.monotonic() - start
         busy1, self1, roles1 = machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF), cpu_by_role(roots)
-        cpu = {"load_generator_s": round(cpu_s(self1) - cpu_s(self0), 1),
-               **{f"{role}_s": round(roles1[role] - roles0[role], 1) for role in roles1},
-               "machine_busy_fraction": round((busy1 - busy0) / (wall * (os.cpu_count() or 1)), 3)}
+        cpu = {
+            "load_generator_s": round(cpu_s(self1) - cpu_s(self0), 1),
+            **{f"{role}_s": round(roles1[role] - roles0[role], 1) for role in roles1},
+            "machine_busy_fraction": round((busy1 - busy0) / (wall * (os.cpu_count() or 1)), 3),
+        }
         # Busy time none of the above account for: other work on the machine (a run with much of it is noisy).
         cpu["other_s"] = round(busy1 - busy0 - sum(v for k, v in cpu.items() if k.endswith("_s")), 1)
         return stats, wall, cpu
@@ -286,26 +309,47 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=50)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--upload-every", type=float, default=60.0, help="seconds between an agent's uploads")
-    ap.add_argument("--poll-hz", type=float, default=11.0,
-                    help="plan polls per second per agent (50 x 11 = 550/s offered, above the 500/s target)")
+    ap.add_argument(
+        "--poll-hz",
+        type=float,
+        default=11.0,
+        help="plan polls per second per agent (50 x 11 = 550/s offered, above the 500/s target)",
+    )
     ap.add_argument("--trace-gzip-bytes", type=int, default=1_000_000)
-    ap.add_argument("--trace-schema", type=int, choices=(1, 2), default=2,
-                    help="wire form of the allocation events: 2 packed arrays (what the agent sends), 1 JSON lists")
+    ap.add_argument(
+        "--trace-schema",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="wire form of the allocation events: 2 packed arrays (what the agent sends), 1 JSON lists",
+    )
     ap.add_argument("--processes", type=int, default=2, help="API processes")
     ap.add_argument("--admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     ap.add_argument("--database-url", default=None, help="use this database instead of a fresh one")
     ap.add_argument("--no-worker", action="store_true", help="no solve worker (isolates the API's own cost)")
-    ap.add_argument("--runs", type=int, default=1, help="independent runs (fresh database and service each); "
-                    "the result has each run's figures and the percentiles of all runs' requests pooled")
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="independent runs (fresh database and service each); "
+        "the result has each run's figures and the percentiles of all runs' requests pooled",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where to save the result")
-    ap.add_argument("--auth", action="store_true",
-                    help="production mode (as docker-compose.yml): MEMPLAN_AUTH=true, every request with a bearer token")
+    ap.add_argument(
+        "--auth",
+        action="store_true",
+        help="production mode (as docker-compose.yml): MEMPLAN_AUTH=true, every request with a bearer token",
+    )
     args = ap.parse_args()
 
     versions = 2 + int(args.duration // args.upload_every)  # the warm-up upload, then one per period
-    print(f"building {args.agents} x {versions} distinct traces of ~{args.trace_gzip_bytes / 1e6:.1f} MB gzip ...")
-    bodies = [[make_trace_gzip(i, v, args.trace_gzip_bytes, args.trace_schema) for v in range(versions)]
-              for i in range(args.agents)]
+    print(
+        f"building {args.agents} x {versions} distinct traces of ~{args.trace_gzip_bytes / 1e6:.1f} MB gzip ..."
+    )
+    bodies = [
+        [make_trace_gzip(i, v, args.trace_gzip_bytes, args.trace_schema) for v in range(versions)]
+        for i in range(args.agents)
+    ]
     sizes = [len(b) for row in bodies for b in row]
     print(f"  gzip sizes {min(sizes) / 1e6:.2f}..{max(sizes) / 1e6:.2f} MB")
 
@@ -325,20 +369,28 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
         "machine": machine(),
         "load_avg_1m_after": os.getloadavg()[0],
-        "agents": args.agents, "api_processes": args.processes,
-        "trace_gzip_mb_median": round(statistics.median(sizes) / 1e6, 3), "trace_schema": args.trace_schema,
-        "poll_hz_per_agent": args.poll_hz, "upload_every_s": args.upload_every,
+        "agents": args.agents,
+        "api_processes": args.processes,
+        "trace_gzip_mb_median": round(statistics.median(sizes) / 1e6, 3),
+        "trace_schema": args.trace_schema,
+        "poll_hz_per_agent": args.poll_hz,
+        "upload_every_s": args.upload_every,
         "ingest_niceness": os.environ.get("MEMPLAN_INGEST_NICENESS", "default"),
         "auth": args.auth,
         "layout": f"{args.processes} API processes (--workers 0)"
-                  + ("" if args.no_worker else " + 1 `memplan worker` (SCHED_IDLE: `chrt --idle 0`)"),
+        + ("" if args.no_worker else " + 1 `memplan worker` (SCHED_IDLE: `chrt --idle 0`)"),
         "runs": [run_figures(*run) for run in runs],
         # Every run's requests together: with 50 uploads a run, one run's upload p99 is its slowest upload.
-        "pooled": {"runs": len(runs), "errors": len(pooled.errors), "gets": len(pooled.get_s),
-                   "get_p99_ms": round(pct(pooled.get_s, 99) * 1e3, 2), "uploads": len(pooled.upload_s),
-                   "upload_p50_ms": round(pct(pooled.upload_s, 50) * 1e3, 1),
-                   "upload_p99_ms": round(pct(pooled.upload_s, 99) * 1e3, 1),
-                   "upload_max_ms": round(max(pooled.upload_s, default=float("nan")) * 1e3, 1)},
+        "pooled": {
+            "runs": len(runs),
+            "errors": len(pooled.errors),
+            "gets": len(pooled.get_s),
+            "get_p99_ms": round(pct(pooled.get_s, 99) * 1e3, 2),
+            "uploads": len(pooled.upload_s),
+            "upload_p50_ms": round(pct(pooled.upload_s, 50) * 1e3, 1),
+            "upload_p99_ms": round(pct(pooled.upload_s, 99) * 1e3, 1),
+            "upload_max_ms": round(max(pooled.upload_s, default=float("nan")) * 1e3, 1),
+        },
         "targets": {"errors": 0, "get_p99_ms": 20, "get_per_s": 500, "upload_p99_ms": 300},
     }
     print(json.dumps(result["pooled"], indent=1))
@@ -352,32 +404,74 @@ def one_run(args: argparse.Namespace, bodies: list[list[bytes]]) -> tuple[Stats,
     if db_url is None:
         db_url, created = fresh_postgres_db(args.admin_url)
     port = free_port()
-    env = {**os.environ, "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_RATE_LIMIT_PER_S": "100000",
-           "MEMPLAN_RATE_LIMIT_BURST": "100000"}
-    subprocess.run([sys.executable, "-m", "memplan", "db", "upgrade"], env=env, check=True, capture_output=True)
+    env = {
+        **os.environ,
+        "MEMPLAN_DATABASE_URL": db_url,
+        "MEMPLAN_RATE_LIMIT_PER_S": "100000",
+        "MEMPLAN_RATE_LIMIT_BURST": "100000",
+    }
+    subprocess.run(
+        [sys.executable, "-m", "memplan", "db", "upgrade"], env=env, check=True, capture_output=True
+    )
     headers: dict[str, str] = {}
     if args.auth:
         env["MEMPLAN_AUTH"] = "true"
-        made = subprocess.run([sys.executable, "-m", "memplan", "tokens", "create", "--project", "load"],
-                              env=env, check=True, capture_output=True, text=True)
+        made = subprocess.run(
+            [sys.executable, "-m", "memplan", "tokens", "create", "--project", "load"],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         headers["authorization"] = f"Bearer {made.stdout.strip().splitlines()[-1]}"
     # The production layout (docker-compose.yml): API processes without solvers, a separate worker process
     # (SCHED_IDLE, as an operator would run batch work on a shared box: a CPU running only idle-class work
     # counts as idle when a request wakes up) so solves never take CPU or the GIL from requests.
-    server = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--workers", "0",
-                               "--processes", str(args.processes), "--log-level", "warning"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    worker_cmd = ["true"] if args.no_worker else ["chrt", "--idle", "0", sys.executable, "-m", "memplan", "worker"]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "memplan",
+            "serve",
+            "--port",
+            str(port),
+            "--workers",
+            "0",
+            "--processes",
+            str(args.processes),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    worker_cmd = (
+        ["true"] if args.no_worker else ["chrt", "--idle", "0", sys.executable, "-m", "memplan", "worker"]
+    )
     worker = subprocess.Popen(worker_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(url, server)
-        print(f"load: {args.agents} agents for {args.duration:.0f} s against {url} ({args.processes} API processes)")
+        print(
+            f"load: {args.agents} agents for {args.duration:.0f} s against {url} ({args.processes} API processes)"
+        )
         # uvloop (installed with uvicorn[standard]): the generator shares the 2 cores with the service, and its
         # own cost per request is not what is measured.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(run_load(url, args.agents, args.duration, args.poll_hz, args.upload_every, bodies,
-                                       {"api": server.pid, "worker": worker.pid}, headers))
+            return runner.run(
+                run_load(
+                    url,
+                    args.agents,
+                    args.duration,
+                    args.poll_hz,
+                    args.upload_every,
+                    bodies,
+                    {"api": server.pid, "worker": worker.pid},
+                    headers,
+                )
+            )
     finally:
         for proc in (worker, server):
             proc.terminate()
@@ -393,16 +487,20 @@ def one_run(args: argparse.Namespace, bodies: list[list[bytes]]) -> tuple[Stats,
 def run_figures(stats: Stats, wall: float, cpu: dict[str, float]) -> dict[str, Any]:
     return {
         "duration_s": round(wall, 1),
-        "errors": len(stats.errors), "error_samples": stats.errors[:5],
-        "gets": len(stats.get_s), "get_per_s": round(len(stats.get_s) / wall, 1),
-        "get_p50_ms": round(pct(stats.get_s, 50) * 1e3, 2), "get_p99_ms": round(pct(stats.get_s, 99) * 1e3, 2),
+        "errors": len(stats.errors),
+        "error_samples": stats.errors[:5],
+        "gets": len(stats.get_s),
+        "get_per_s": round(len(stats.get_s) / wall, 1),
+        "get_p50_ms": round(pct(stats.get_s, 50) * 1e3, 2),
+        "get_p99_ms": round(pct(stats.get_s, 99) * 1e3, 2),
         "uploads": len(stats.upload_s),
         "upload_p50_ms": round(pct(stats.upload_s, 50) * 1e3, 1),
         "upload_p99_ms": round(pct(stats.upload_s, 99) * 1e3, 1),
         # The slowest uploads with the server's own account (Server-Timing, ms): read the body; ingest (hand-over
         # to an ingest process and back) of which validate (wall and CPU there); store.
         "upload_slowest": [f"{s * 1e3:.0f} ms: {timing}" for s, timing in sorted(stats.upload_timing)[-5:]],
-        "full_gets": stats.full_gets, "full_get_mb_mean": round(stats.full_get_bytes / max(1, stats.full_gets) / 1e6, 2),
+        "full_gets": stats.full_gets,
+        "full_get_mb_mean": round(stats.full_get_bytes / max(1, stats.full_gets) / 1e6, 2),
         "plans_final_seen_in_window": stats.final_seen,
         # Where the cores went during the window (CPU seconds; the window is `duration_s` x cores).
         "cpu": cpu,

@@ -84,8 +84,14 @@ def host_adamw(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
 
 
-def _timed_loop(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], steps: int,
-                device: torch.device, meter_state: Callable[[], list[Any]] | None) -> tuple[float, int | None]:
+def _timed_loop(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    steps: int,
+    device: torch.device,
+    meter_state: Callable[[], list[Any]] | None,
+) -> tuple[float, int | None]:
     """Median iteration seconds of `steps` timed steps (after 2 warm-up) and the peak of one metered step."""
     from agent.measure import DevicePeakMeter
 
@@ -116,7 +122,9 @@ def _plain_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], l
     from client.contract import AllocationCategory
 
     def state() -> list[Any]:
-        out: list[tuple[torch.Tensor, AllocationCategory]] = [(p, AllocationCategory.param) for p in model.parameters()]
+        out: list[tuple[torch.Tensor, AllocationCategory]] = [
+            (p, AllocationCategory.param) for p in model.parameters()
+        ]
         out += [(b, AllocationCategory.param) for b in model.buffers()]
         out += [(v, AllocationCategory.optimizer) for _, v in state_tensors(opt)]
         return out
@@ -124,7 +132,9 @@ def _plain_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], l
     return state
 
 
-def run_plain(model: nn.Module, batch: Any, steps: int, device: torch.device, ckpt_all: bool) -> dict[str, Any]:
+def run_plain(
+    model: nn.Module, batch: Any, steps: int, device: torch.device, ckpt_all: bool
+) -> dict[str, Any]:
     from agent.profiler.block_detection import detect_blocks
     from agent.runtime.activations import ActivationManager, BlockTarget
     from client.contract import ActivationMode
@@ -134,8 +144,10 @@ def run_plain(model: nn.Module, batch: Any, steps: int, device: torch.device, ck
     mgr = None
     if ckpt_all:
         blocks = detect_blocks(m)
-        targets = [BlockTarget(i + 1, n, mod, ActivationMode.checkpoint)
-                   for i, (n, mod) in enumerate(zip(blocks.names, blocks.modules, strict=True))]
+        targets = [
+            BlockTarget(i + 1, n, mod, ActivationMode.checkpoint)
+            for i, (n, mod) in enumerate(zip(blocks.names, blocks.modules, strict=True))
+        ]
         mgr = ActivationManager(m, targets, device)
     try:
         it, peak = _timed_loop(m, opt, batch, steps, device, _plain_state(m, opt))
@@ -145,8 +157,9 @@ def run_plain(model: nn.Module, batch: Any, steps: int, device: torch.device, ck
     return {"iteration_s": it, "peak_device_bytes": peak}
 
 
-def run_fsdp2_offload(model: nn.Module, batch: Any, steps: int, device: torch.device,
-                      ckpt_all: bool = False) -> dict[str, Any]:
+def run_fsdp2_offload(
+    model: nn.Module, batch: Any, steps: int, device: torch.device, ckpt_all: bool = False
+) -> dict[str, Any]:
     """FSDP2 with CPUOffloadPolicy on one GPU (optionally every block checkpointed). Written for CUDA; not
     run in the CPU-only sessions that wrote it."""
     if device.type != "cuda":
@@ -187,8 +200,13 @@ def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, pla
     if plan.policy is None:
         return {"skipped": f"infeasible: fits from {plan.solver.min_device_memory_bytes} bytes"}
     m = copy.deepcopy(model)  # on the CPU: wrap places it (the runtime's device is RuntimeOptions' or CUDA's)
-    run = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), plan=plan, feedback_steps=steps + 3,
-               options=RuntimeOptions(device=device))
+    run = wrap(
+        m,
+        torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
+        plan=plan,
+        feedback_steps=steps + 3,
+        options=RuntimeOptions(device=device),
+    )
     try:
         times = []
         for i in range(steps + 3):
@@ -204,11 +222,16 @@ def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, pla
     finally:
         unwrap(run)
     assert plan.predictions is not None and rep.measured is not None
-    return {"iteration_s": statistics.median(times), "peak_device_bytes": rep.measured.peak_device_bytes,
-            "predicted_peak_device_bytes": plan.predictions.peak_device_bytes,
-            "predicted_iteration_s": plan.predictions.iteration_s, "modes": plan.policy.mode_strip(),
-            "offloaded_chunks": sum(c.placement.value == "offloaded" for c in plan.policy.chunks),
-            "chunks": len(plan.policy.chunks), "n_buffers": plan.policy.n_buffers}
+    return {
+        "iteration_s": statistics.median(times),
+        "peak_device_bytes": rep.measured.peak_device_bytes,
+        "predicted_peak_device_bytes": plan.predictions.peak_device_bytes,
+        "predicted_iteration_s": plan.predictions.iteration_s,
+        "modes": plan.policy.mode_strip(),
+        "offloaded_chunks": sum(c.placement.value == "offloaded" for c in plan.policy.chunks),
+        "chunks": len(plan.policy.chunks),
+        "n_buffers": plan.policy.n_buffers,
+    }
 
 
 # ------------------------------------------------------------------------------------------ one process each
@@ -250,8 +273,12 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             import agent
 
             probe = copy.deepcopy(model).to(device)
-            trace = agent.profile(probe, batch, optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
-                                  allocation_trace=False)
+            trace = agent.profile(
+                probe,
+                batch,
+                optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
+                allocation_trace=False,
+            )
             Path(spec["trace_file"]).write_text(trace.model_dump_json())
             return {"peak_device_bytes": trace.measurements.peak_device_bytes}
         if strategy in ("plain", "ckpt_all"):
@@ -274,11 +301,20 @@ def in_fresh_process(spec: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="memplan-bench-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "row.json"
         spec_file.write_text(json.dumps(spec))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_file), "--worker-out", str(out_file)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            str(spec_file),
+            "--worker-out",
+            str(out_file),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not out_file.is_file():
-            return {"skipped": f"the {spec['strategy']} process failed (exit {done.returncode}): "
-                               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no output'}"[:300]}
+            return {
+                "skipped": f"the {spec['strategy']} process failed (exit {done.returncode}): "
+                f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no output'}"[:300]
+            }
         row: dict[str, Any] = json.loads(out_file.read_text())
         return row
 
@@ -287,8 +323,17 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
     from client.contract import Constraints, Trace
     from planner_service.solver import solve
 
-    base = {"kind": kind, "layers": layers, "hidden": args.hidden, "seq": args.seq, "batch": args.batch,
-            "steps": args.steps, "device": str(device), "dtype": args.dtype, "threads": args.threads}
+    base = {
+        "kind": kind,
+        "layers": layers,
+        "hidden": args.hidden,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "device": str(device),
+        "dtype": args.dtype,
+        "threads": args.threads,
+    }
     tokens = args.batch * args.seq
     rows: dict[str, dict[str, Any]] = {}
     # plain sets the limit (unbounded then); with --device-memory it runs under the limit like the others
@@ -306,18 +351,27 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
                 continue
             plan = solve(trace, Constraints(device_memory_bytes=limit, time_limit_s=10.0), solver=solver)
             if plan.policy is None:
-                rows[solver] = {"skipped": f"infeasible: fits from {plan.solver.min_device_memory_bytes} bytes"}
+                rows[solver] = {
+                    "skipped": f"infeasible: fits from {plan.solver.min_device_memory_bytes} bytes"
+                }
                 continue
             plan_file = Path(tmp) / f"plan-{solver}.json"
             plan_file.write_text(plan.model_dump_json())
-            rows[solver] = in_fresh_process({**base, "strategy": solver, "limit_bytes": limit,
-                                             "plan_file": str(plan_file)})
+            rows[solver] = in_fresh_process(
+                {**base, "strategy": solver, "limit_bytes": limit, "plan_file": str(plan_file)}
+            )
     for r in rows.values():
         if "iteration_s" in r:
             r["tokens_per_s"] = tokens / r["iteration_s"]
             peak = r.get("peak_device_bytes")
             r["fits"] = peak is not None and peak <= limit
-    return {"kind": kind, "layers": layers, "limit_bytes": limit, "tokens_per_iteration": tokens, "strategies": rows}
+    return {
+        "kind": kind,
+        "layers": layers,
+        "limit_bytes": limit,
+        "tokens_per_iteration": tokens,
+        "strategies": rows,
+    }
 
 
 def ratio_lines(strategies: dict[str, dict[str, Any]]) -> list[str]:
@@ -329,8 +383,11 @@ def ratio_lines(strategies: dict[str, dict[str, Any]]) -> list[str]:
         if c.get("fits") and o.get("fits"):
             out.append(f"cpsat / {other}: {c['tokens_per_s'] / o['tokens_per_s']:.2f}x")
         else:
-            why = [f"{n} {'did not fit' if 'iteration_s' in r else 'did not run'}" for n, r in (("cpsat", c), (other, o))
-                   if not r.get("fits")]
+            why = [
+                f"{n} {'did not fit' if 'iteration_s' in r else 'did not run'}"
+                for n, r in (("cpsat", c), (other, o))
+                if not r.get("fits")
+            ]
             out.append(f"cpsat / {other}: no ratio ({', '.join(why)})")
     return out
 
@@ -345,9 +402,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--fraction", type=float, default=0.45)
     ap.add_argument("--device-memory", type=int, default=None)
-    ap.add_argument("--sweep", nargs="*", type=int, default=None, help="depths for the largest-model comparison")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch intra-op threads (default: 1 on CPU, steadier on a shared machine; every core on CUDA)")
+    ap.add_argument(
+        "--sweep", nargs="*", type=int, default=None, help="depths for the largest-model comparison"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: 1 on CPU, steadier on a shared machine; every core on CUDA)",
+    )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda:0 when CUDA is available)")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -371,7 +434,9 @@ def main() -> None:
     for layers in depths:
         res = compare(args.kind, layers, args, device)
         results.append(res)
-        print(f"{args.kind}-{layers}L, limit {res['limit_bytes'] / 2**20:.1f} MiB, {res['tokens_per_iteration']} tokens/iteration")
+        print(
+            f"{args.kind}-{layers}L, limit {res['limit_bytes'] / 2**20:.1f} MiB, {res['tokens_per_iteration']} tokens/iteration"
+        )
         print(f"  {'strategy':<18} {'tokens/s':>10} {'peak MiB':>9} {'fits':>5}  notes")
         for name in STRATEGIES:
             r = res["strategies"][name]
@@ -379,8 +444,12 @@ def main() -> None:
                 print(f"  {name:<18} {'-':>10} {'-':>9} {'-':>5}  not run: {r['skipped']}")
                 continue
             peak = r.get("peak_device_bytes")
-            notes = f"modes {r['modes']}, {r['offloaded_chunks']}/{r['chunks']} offloaded" if "modes" in r else ""
-            print(f"  {name:<18} {r['tokens_per_s']:>10.0f} {(peak or 0) / 2**20:>9.2f} {str(r['fits']):>5}  {notes}")
+            notes = (
+                f"modes {r['modes']}, {r['offloaded_chunks']}/{r['chunks']} offloaded" if "modes" in r else ""
+            )
+            print(
+                f"  {name:<18} {r['tokens_per_s']:>10.0f} {(peak or 0) / 2**20:>9.2f} {str(r['fits']):>5}  {notes}"
+            )
         for line in ratio_lines(res["strategies"]):
             print(f"  {line}")
     largest: dict[str, int | None] = {}

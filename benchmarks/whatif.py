@@ -32,10 +32,21 @@ from benchmarks._results import Run, save  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "whatif.json"
 LLAMA_2_7B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "hidden_act": "silu", "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float16",
 }
 
 
@@ -43,9 +54,27 @@ def cli_run(config: Path, hardware: str) -> tuple[float, float, int, dict[str, o
     """Wall s, CPU s and peak RSS (bytes) of one `memplan whatif` process, and its JSON answer."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "memplan", "whatif", "--config", str(config), "--hardware",
-                          hardware, "--batch", "1", "--seq", "4096", "--json"], capture_output=True, text=True,
-                         check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memplan",
+            "whatif",
+            "--config",
+            str(config),
+            "--hardware",
+            hardware,
+            "--batch",
+            "1",
+            "--seq",
+            "4096",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -83,20 +112,35 @@ def main() -> None:
         inproc = [in_process(config, args.hardware) for _ in range(args.repeat)]
     answer = cli[-1][3]
     doc = run.document(
-        model="Llama-2-7B (config only)", hardware=args.hardware, batch=1, seq=4096, dtype="bf16",
-        cli_wall_s=[c[0] for c in cli], cli_cpu_s=[c[1] for c in cli],
-        cli_wall_median_s=statistics.median(c[0] for c in cli), cli_cpu_median_s=statistics.median(c[1] for c in cli),
+        model="Llama-2-7B (config only)",
+        hardware=args.hardware,
+        batch=1,
+        seq=4096,
+        dtype="bf16",
+        cli_wall_s=[c[0] for c in cli],
+        cli_cpu_s=[c[1] for c in cli],
+        cli_wall_median_s=statistics.median(c[0] for c in cli),
+        cli_cpu_median_s=statistics.median(c[1] for c in cli),
         cli_peak_rss_bytes=max(c[2] for c in cli),
-        answer_wall_s=[r[0] for r in inproc], answer_cpu_s=[r[1] for r in inproc],
+        answer_wall_s=[r[0] for r in inproc],
+        answer_cpu_s=[r[1] for r in inproc],
         answer_wall_median_s=statistics.median(r[0] for r in inproc),
         answer_cpu_median_s=statistics.median(r[1] for r in inproc),
-        target_s=5.0, answer=answer)
+        target_s=5.0,
+        answer=answer,
+    )
     print(f"Llama-2-7B what-if on {args.hardware} (batch 1, seq 4096, bf16), median of {args.repeat}:")
-    print(f"  memplan whatif (fresh process): wall {doc['cli_wall_median_s']:.2f} s, CPU {doc['cli_cpu_median_s']:.2f} s,"
-          f" peak RSS {doc['cli_peak_rss_bytes'] / 2**30:.2f} GiB")
-    print(f"  answer after imports:           wall {doc['answer_wall_median_s']:.2f} s, CPU {doc['answer_cpu_median_s']:.2f} s")
-    print(f"  fits {answer['fits']}, iteration {answer['iteration_s']:.3f} s, {answer['tokens_per_s']:,.0f} tokens/s"
-          f" (target: under 5 s; load average {doc['load_average_before']} -> {doc['load_average_after']})")
+    print(
+        f"  memplan whatif (fresh process): wall {doc['cli_wall_median_s']:.2f} s, CPU {doc['cli_cpu_median_s']:.2f} s,"
+        f" peak RSS {doc['cli_peak_rss_bytes'] / 2**30:.2f} GiB"
+    )
+    print(
+        f"  answer after imports:           wall {doc['answer_wall_median_s']:.2f} s, CPU {doc['answer_cpu_median_s']:.2f} s"
+    )
+    print(
+        f"  fits {answer['fits']}, iteration {answer['iteration_s']:.3f} s, {answer['tokens_per_s']:,.0f} tokens/s"
+        f" (target: under 5 s; load average {doc['load_average_before']} -> {doc['load_average_after']})"
+    )
     save(args.out, doc)
 
 

@@ -32,26 +32,71 @@ from benchmarks._results import Run, save  # noqa: E402
 
 GiB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results" / "whatif_protrain.json"
-SETUPS = {"rtx-3090 + 384 GiB": ("rtx-3090", 384 * GiB), "a100-80gb-sxm + 1 TiB": ("a100-80gb-sxm", 1024 * GiB)}
+SETUPS = {
+    "rtx-3090 + 384 GiB": ("rtx-3090", 384 * GiB),
+    "a100-80gb-sxm + 1 TiB": ("a100-80gb-sxm", 1024 * GiB),
+}
 # Published architecture configs (Hugging Face model cards); only the sizes that matter for memory and FLOPs.
 MODELS: dict[str, dict[str, Any]] = {
-    "gpt2-1.5b": {"model_type": "gpt2", "n_embd": 1600, "n_layer": 48, "n_head": 25, "vocab_size": 50257,
-                  "n_positions": 1024},
-    "llama-1b": {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256,
-                 "tie_word_embeddings": True, "max_position_embeddings": 4096},
-    "llama-7b": {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                 "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
-                 "max_position_embeddings": 4096},
-    "llama-13b": {"model_type": "llama", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
-                  "num_key_value_heads": 40, "intermediate_size": 13824, "vocab_size": 32000,
-                  "max_position_embeddings": 4096},
-    "llama-34b": {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 48, "num_attention_heads": 64,
-                  "num_key_value_heads": 8, "intermediate_size": 22016, "vocab_size": 32000,
-                  "max_position_embeddings": 4096},
-    "llama-70b": {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
-                  "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 32000,
-                  "max_position_embeddings": 4096},
+    "gpt2-1.5b": {
+        "model_type": "gpt2",
+        "n_embd": 1600,
+        "n_layer": 48,
+        "n_head": 25,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    },
+    "llama-1b": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
+    },
+    "llama-7b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+    },
+    "llama-13b": {
+        "model_type": "llama",
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "intermediate_size": 13824,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+    },
+    "llama-34b": {
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 22016,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+    },
+    "llama-70b": {
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+    },
 }
 
 
@@ -83,36 +128,67 @@ def main() -> None:
             t0 = time.perf_counter()
             iterations: dict[int, Any] = {}
 
-            def at(b: int, cfg: Any = cfg, entry: Any = entry, host: int = host,
-                   iterations: dict[int, Any] = iterations) -> Any:
+            def at(
+                b: int,
+                cfg: Any = cfg,
+                entry: Any = entry,
+                host: int = host,
+                iterations: dict[int, Any] = iterations,
+            ) -> Any:
                 if b not in iterations:
                     iterations[b] = iterate(cfg, ModelledWorkload(b, args.seq, args.dtype))
-                return answer(trace_on(iterations[b], entry, host_memory_bytes=host), entry,
-                              host_memory_bytes=host, time_limit_s=args.time_limit)
+                return answer(
+                    trace_on(iterations[b], entry, host_memory_bytes=host),
+                    entry,
+                    host_memory_bytes=host,
+                    time_limit_s=args.time_limit,
+                )
 
             search = largest_batch(at, limit=args.max_batch)
             best = max((a for a in search.tried if a.fits), key=lambda a: a.tokens_per_s or 0.0, default=None)
             first = search.tried[0]
             params = sum(p.numel for p in next(iter(iterations.values())).record.parameters)
-            rows.append({"setup": setup, "model": name, "parameters": params, "fits_batch_1": first.fits,
-                         "binding_at_batch_1": first.binding, "largest_batch": search.largest.batch
-                         if search.largest else None, "best_tokens_per_s": best.tokens_per_s if best else None,
-                         "best_batch": best.batch if best else None,
-                         "tried": [{"batch": a.batch, "fits": a.fits, "tokens_per_s": a.tokens_per_s,
-                                    "binding": a.binding} for a in search.tried],
-                         "seconds": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "setup": setup,
+                    "model": name,
+                    "parameters": params,
+                    "fits_batch_1": first.fits,
+                    "binding_at_batch_1": first.binding,
+                    "largest_batch": search.largest.batch if search.largest else None,
+                    "best_tokens_per_s": best.tokens_per_s if best else None,
+                    "best_batch": best.batch if best else None,
+                    "tried": [
+                        {
+                            "batch": a.batch,
+                            "fits": a.fits,
+                            "tokens_per_s": a.tokens_per_s,
+                            "binding": a.binding,
+                        }
+                        for a in search.tried
+                    ],
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
             r = rows[-1]
             tps = f"{r['best_tokens_per_s']:,.0f}" if r["best_tokens_per_s"] else "-"
-            print(f"{setup:24s} {name:10s} {params / 1e9:6.2f}B fits@1 {str(r['fits_batch_1']):5s} "
-                  f"largest batch {r['largest_batch']!s:4s} best {tps:>8s} tokens/s (batch {r['best_batch']})"
-                  f" [{r['seconds']:.0f} s]", flush=True)
+            print(
+                f"{setup:24s} {name:10s} {params / 1e9:6.2f}B fits@1 {str(r['fits_batch_1']):5s} "
+                f"largest batch {r['largest_batch']!s:4s} best {tps:>8s} tokens/s (batch {r['best_batch']})"
+                f" [{r['seconds']:.0f} s]",
+                flush=True,
+            )
     largest: dict[str, str | None] = {}
     for setup in args.setups.split(","):
         fitting = [r for r in rows if r["setup"] == setup and r["fits_batch_1"]]
         largest[setup] = max(fitting, key=lambda r: r["parameters"])["model"] if fitting else None
         print(f"largest trainable on {setup}: {largest[setup] or 'none'}")
-    save(args.out, run.document(rows=rows, largest_trainable=largest,
-                                modelled=True, calibrated=False, protrain_paper_figures=None))
+    save(
+        args.out,
+        run.document(
+            rows=rows, largest_trainable=largest, modelled=True, calibrated=False, protrain_paper_figures=None
+        ),
+    )
 
 
 if __name__ == "__main__":

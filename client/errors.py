@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["APIConnectionError", "APIStatusError", "APITimeoutError", "AuthenticationError", "BadRequestError",
-           "ConflictError", "InternalServerError", "MemplanError", "NotFoundError", "PayloadTooLargeError",
-           "PermissionDeniedError", "RateLimitError", "ServiceUnavailableError", "UnprocessableEntityError",
-           "error_for_status"]
+__all__ = [
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AuthenticationError",
+    "BadRequestError",
+    "ConflictError",
+    "InternalServerError",
+    "MemplanError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "RateLimitError",
+    "ServiceUnavailableError",
+    "UnprocessableEntityError",
+    "error_for_status",
+]
 
 
 class MemplanError(Exception):
@@ -35,20 +48,44 @@ class APIStatusError(MemplanError):
 
 
 class BadRequestError(APIStatusError): ...
+
+
 class AuthenticationError(APIStatusError): ...
+
+
 class PermissionDeniedError(APIStatusError): ...
+
+
 class NotFoundError(APIStatusError): ...
+
+
 class ConflictError(APIStatusError): ...
+
+
 class PayloadTooLargeError(APIStatusError): ...
+
+
 class UnprocessableEntityError(APIStatusError): ...
+
+
 class RateLimitError(APIStatusError): ...
+
+
 class InternalServerError(APIStatusError): ...
+
+
 class ServiceUnavailableError(InternalServerError): ...
 
 
 _BY_STATUS: dict[int, type[APIStatusError]] = {
-    400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
-    409: ConflictError, 413: PayloadTooLargeError, 422: UnprocessableEntityError, 429: RateLimitError,
+    400: BadRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    409: ConflictError,
+    413: PayloadTooLargeError,
+    422: UnprocessableEntityError,
+    429: RateLimitError,
     503: ServiceUnavailableError,
 }
 
@@ -57,7 +94,9 @@ def error_for_status(status: int, body: Any) -> APIStatusError:
     cls = _BY_STATUS.get(status) or (InternalServerError if status >= 500 else APIStatusError)
     message = body.get("error", "") if isinstance(body, dict) else str(body)[:500]
     if isinstance(body, dict) and isinstance(body.get("detail"), list):
-        fields = "; ".join(f"{d.get('field')}: {d.get('message')}" for d in body["detail"][:5] if isinstance(d, dict))
+        fields = "; ".join(
+            f"{d.get('field')}: {d.get('message')}" for d in body["detail"][:5] if isinstance(d, dict)
+        )
         if fields:
             message = f"{message} ({fields})"
     return cls(message, status_code=status, body=body)

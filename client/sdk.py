@@ -54,7 +54,9 @@ def _headers(token: str | None) -> dict[str, str]:
     return headers
 
 
-def retry_delay(attempt: int, response: httpx.Response | None, *, base_s: float = 0.5, cap_s: float = 8.0) -> float:
+def retry_delay(
+    attempt: int, response: httpx.Response | None, *, base_s: float = 0.5, cap_s: float = 8.0
+) -> float:
     """Exponential backoff with full jitter; a server's Retry-After (seconds or date) wins when given."""
     if response is not None:
         after = response.headers.get("retry-after")
@@ -221,12 +223,28 @@ class BaseClient:
         return response.status_code in RETRY_STATUSES and attempt < self.max_retries
 
     # requests ----------------------------------------------------------------------------------
-    def _raw_request(self, method: str, path: str, *, params: dict[str, Any] | None = None, json: Any = None,
-                     content: bytes | None = None, headers: dict[str, str] | None = None,
-                     timeout: float | None = None) -> APIRequest[Any]:
+    def _raw_request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> APIRequest[Any]:
         """Any call, answered with the decoded body (for calls the SDK has no method for)."""
-        return APIRequest(method, path, _raw, params=params, json=json, content=content, headers=headers or {},
-                          timeout=timeout)
+        return APIRequest(
+            method,
+            path,
+            _raw,
+            params=params,
+            json=json,
+            content=content,
+            headers=headers or {},
+            timeout=timeout,
+        )
 
     def _upload_trace(self, trace: Trace, compress: bool) -> APIRequest[TraceCreated]:
         body, headers = _trace_body(trace, compress)
@@ -235,40 +253,84 @@ class BaseClient:
     def _get_trace(self, trace_id: str) -> APIRequest[TraceRecord]:
         return APIRequest("GET", f"/v1/traces/{trace_id}", TraceRecord.model_validate)
 
-    def _list_traces_page(self, model: str | None, hardware: str | None, limit: int, cursor: str | None,
-                          sort: str, id_prefix: str | None) -> APIRequest[Page[TraceSummary]]:
-        return APIRequest("GET", "/v1/traces", Page[TraceSummary].model_validate,
-                          params=_params(model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort,
-                                         id_prefix=id_prefix))
+    def _list_traces_page(
+        self,
+        model: str | None,
+        hardware: str | None,
+        limit: int,
+        cursor: str | None,
+        sort: str,
+        id_prefix: str | None,
+    ) -> APIRequest[Page[TraceSummary]]:
+        return APIRequest(
+            "GET",
+            "/v1/traces",
+            Page[TraceSummary].model_validate,
+            params=_params(
+                model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort, id_prefix=id_prefix
+            ),
+        )
 
     def _request_plan(self, trace_id: str, constraints: Constraints, solver: str) -> APIRequest[PlanRecord]:
-        body = PlanRequest(trace_id=trace_id, constraints=constraints, solver=solver)  # the contract checks the name
+        body = PlanRequest(
+            trace_id=trace_id, constraints=constraints, solver=solver
+        )  # the contract checks the name
         return APIRequest("POST", "/v1/plans", PlanRecord.model_validate, json=body.model_dump(mode="json"))
 
     def _get_plan(self, plan_id: str, wait_s: float, headers: dict[str, str]) -> APIRequest[Any]:
         """A plan read; its answer (a 304 included) is read by `self._plans.resolve`, not by `parse`."""
-        return APIRequest("GET", f"/v1/plans/{plan_id}", _raw, params=_params(wait=wait_s or None),
-                          headers=headers, timeout=DEFAULT_TIMEOUT_S + wait_s)
+        return APIRequest(
+            "GET",
+            f"/v1/plans/{plan_id}",
+            _raw,
+            params=_params(wait=wait_s or None),
+            headers=headers,
+            timeout=DEFAULT_TIMEOUT_S + wait_s,
+        )
 
-    def _list_plans_page(self, model: str | None, hardware: str | None, status: str | None, limit: int,
-                         cursor: str | None, sort: str, with_plan: bool,
-                         id_prefix: str | None) -> APIRequest[Page[PlanRecord]]:
-        return APIRequest("GET", "/v1/plans", Page[PlanRecord].model_validate,
-                          params=_params(model=model, hardware=hardware, status=status, limit=limit, cursor=cursor,
-                                         sort=sort, with_plan=with_plan or None, id_prefix=id_prefix))
+    def _list_plans_page(
+        self,
+        model: str | None,
+        hardware: str | None,
+        status: str | None,
+        limit: int,
+        cursor: str | None,
+        sort: str,
+        with_plan: bool,
+        id_prefix: str | None,
+    ) -> APIRequest[Page[PlanRecord]]:
+        return APIRequest(
+            "GET",
+            "/v1/plans",
+            Page[PlanRecord].model_validate,
+            params=_params(
+                model=model,
+                hardware=hardware,
+                status=status,
+                limit=limit,
+                cursor=cursor,
+                sort=sort,
+                with_plan=with_plan or None,
+                id_prefix=id_prefix,
+            ),
+        )
 
     def _post_feedback(self, plan_id: str, feedback: Feedback) -> APIRequest[FeedbackRecord]:
         def parse(body: Any) -> FeedbackRecord:
             self._plans.forget(plan_id)
             return FeedbackRecord.model_validate(body)
 
-        return APIRequest("POST", f"/v1/plans/{plan_id}/feedback", parse, json=feedback.model_dump(mode="json"))
+        return APIRequest(
+            "POST", f"/v1/plans/{plan_id}/feedback", parse, json=feedback.model_dump(mode="json")
+        )
 
     def _models(self) -> APIRequest[list[ModelSummary]]:
         return APIRequest("GET", "/v1/models", lambda body: [ModelSummary.model_validate(m) for m in body])
 
     def _hardware(self) -> APIRequest[list[HardwareSummary]]:
-        return APIRequest("GET", "/v1/hardware", lambda body: [HardwareSummary.model_validate(h) for h in body])
+        return APIRequest(
+            "GET", "/v1/hardware", lambda body: [HardwareSummary.model_validate(h) for h in body]
+        )
 
     def _health(self) -> APIRequest[dict[str, Any]]:
         return APIRequest("GET", "/healthz", dict)
@@ -277,11 +339,19 @@ class BaseClient:
 class Client(BaseClient):
     """Synchronous client. `Client(base_url, token=..., timeout=..., max_retries=...)`; env: MEMPLAN_SERVER/TOKEN."""
 
-    def __init__(self, base_url: str | None = None, *, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         super().__init__(base_url, token=token, max_retries=max_retries)
-        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -320,9 +390,16 @@ class Client(BaseClient):
     def get_trace(self, trace_id: str) -> TraceRecord:
         return self._call(self._get_trace(trace_id))
 
-    def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
-                         cursor: str | None = None, sort: str = "-created_at",
-                         id_prefix: str | None = None) -> Page[TraceSummary]:
+    def list_traces_page(
+        self,
+        *,
+        model: str | None = None,
+        hardware: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        sort: str = "-created_at",
+        id_prefix: str | None = None,
+    ) -> Page[TraceSummary]:
         return self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
@@ -350,10 +427,21 @@ class Client(BaseClient):
             if wait.finished(record):
                 return record
 
-    def list_plans_page(self, *, model: str | None = None, hardware: str | None = None, status: str | None = None,
-                        limit: int = 50, cursor: str | None = None, sort: str = "-created_at",
-                        with_plan: bool = False, id_prefix: str | None = None) -> Page[PlanRecord]:
-        return self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix))
+    def list_plans_page(
+        self,
+        *,
+        model: str | None = None,
+        hardware: str | None = None,
+        status: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        sort: str = "-created_at",
+        with_plan: bool = False,
+        id_prefix: str | None = None,
+    ) -> Page[PlanRecord]:
+        return self._call(
+            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix)
+        )
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
         """Every matching plan, newest first, following cursors. Records carry the plan's `headline`; the
@@ -377,12 +465,19 @@ class Client(BaseClient):
 class AsyncClient(BaseClient):
     """Asynchronous twin of `Client` (same methods, awaitable; list methods are async iterators)."""
 
-    def __init__(self, base_url: str | None = None, *, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         super().__init__(base_url, token=token, max_retries=max_retries)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout,
-                                       transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport
+        )
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -419,15 +514,24 @@ class AsyncClient(BaseClient):
     async def get_trace(self, trace_id: str) -> TraceRecord:
         return await self._call(self._get_trace(trace_id))
 
-    async def list_traces_page(self, *, model: str | None = None, hardware: str | None = None, limit: int = 50,
-                               cursor: str | None = None, sort: str = "-created_at",
-                         id_prefix: str | None = None) -> Page[TraceSummary]:
+    async def list_traces_page(
+        self,
+        *,
+        model: str | None = None,
+        hardware: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        sort: str = "-created_at",
+        id_prefix: str | None = None,
+    ) -> Page[TraceSummary]:
         return await self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
 
     def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
         return _afollow(self.list_traces_page, filters)
 
-    async def request_plan(self, trace_id: str, constraints: Constraints, *, solver: str = "cpsat") -> PlanRecord:
+    async def request_plan(
+        self, trace_id: str, constraints: Constraints, *, solver: str = "cpsat"
+    ) -> PlanRecord:
         return await self._call(self._request_plan(trace_id, constraints, solver))
 
     async def get_plan(self, plan_id: str, *, wait_s: float = 0.0) -> PlanRecord:
@@ -437,17 +541,30 @@ class AsyncClient(BaseClient):
                 return record
         raise AssertionError("unreachable: a request without If-None-Match gets no 304")
 
-    async def wait_for_plan(self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0) -> PlanRecord:
+    async def wait_for_plan(
+        self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0
+    ) -> PlanRecord:
         wait = PlanWait(timeout_s, poll_s)
         while True:
             record = await self.get_plan(plan_id, wait_s=wait.next_wait_s())
             if wait.finished(record):
                 return record
 
-    async def list_plans_page(self, *, model: str | None = None, hardware: str | None = None,
-                              status: str | None = None, limit: int = 50, cursor: str | None = None,
-                              sort: str = "-created_at", with_plan: bool = False, id_prefix: str | None = None) -> Page[PlanRecord]:
-        return await self._call(self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix))
+    async def list_plans_page(
+        self,
+        *,
+        model: str | None = None,
+        hardware: str | None = None,
+        status: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        sort: str = "-created_at",
+        with_plan: bool = False,
+        id_prefix: str | None = None,
+    ) -> Page[PlanRecord]:
+        return await self._call(
+            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix)
+        )
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:
         return _afollow(self.list_plans_page, filters)

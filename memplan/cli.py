@@ -39,8 +39,12 @@ whatif_cli.hardware_app.command("list")(remote.hardware)
 
 
 @whatif_cli.hardware_app.callback(invoke_without_command=True)
-def hardware(ctx: typer.Context, as_json: remote.JsonOpt = False, server: remote.ServerOpt = None,
-             token: remote.TokenOpt = None) -> None:
+def hardware(
+    ctx: typer.Context,
+    as_json: remote.JsonOpt = False,
+    server: remote.ServerOpt = None,
+    token: remote.TokenOpt = None,
+) -> None:
     """Hardware: without a subcommand, the machines the service has traces from (as `hardware list`)."""
     if ctx.invoked_subcommand is None:
         remote.hardware(as_json=as_json, server=server, token=token)

@@ -33,9 +33,15 @@ def prepare_database(settings: Settings) -> Database:
     """Upgrade automatically for the embedded SQLite default; elsewhere refuse an out-of-date schema."""
     if settings.should_auto_upgrade:
         migrate.upgrade(settings.database_url)
-    db = Database(settings.database_url, settings.db_pool_size, Timeouts(
-        connect_s=settings.db_connect_timeout_s, statement_s=settings.db_statement_timeout_s,
-        pool_s=settings.db_pool_timeout_s))
+    db = Database(
+        settings.database_url,
+        settings.db_pool_size,
+        Timeouts(
+            connect_s=settings.db_connect_timeout_s,
+            statement_s=settings.db_statement_timeout_s,
+            pool_s=settings.db_pool_timeout_s,
+        ),
+    )
     migrate.require_current(db.engine)
     return db
 
@@ -51,8 +57,10 @@ def check_bind(host: str, settings: Settings) -> None:
     except ValueError:
         loopback = False
     if not loopback and not settings.auth:
-        raise InsecureBind(f"refusing to serve on {host} without authentication: set MEMPLAN_AUTH=true and create "
-                           "tokens with `memplan tokens create --project NAME`, or bind to 127.0.0.1")
+        raise InsecureBind(
+            f"refusing to serve on {host} without authentication: set MEMPLAN_AUTH=true and create "
+            "tokens with `memplan tokens create --project NAME`, or bind to 127.0.0.1"
+        )
 
 
 def create_app(settings: Settings | None = None, *, workers: int | None = None) -> FastAPI:
@@ -67,8 +75,9 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
         app.state.db = db
         app.state.settings = settings
         app.state.rate_limiter = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)
-        app.state.ingestor = Ingestor(settings.ingest_processes, settings.ingest_inline_max_bytes,
-                                      settings.ingest_niceness)
+        app.state.ingestor = Ingestor(
+            settings.ingest_processes, settings.ingest_inline_max_bytes, settings.ingest_niceness
+        )
         if settings.ingest_prestart:
             app.state.ingestor.prestart()
         app.state.change_feed = _change_feed(settings)
@@ -88,8 +97,12 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
             app.state.ingestor.close()
             db.dispose()
 
-    app = FastAPI(title="memplan planner", version="0.1.0", lifespan=lifespan,
-                  description="Stores training traces, solves memory plans in workers, keeps the history.")
+    app = FastAPI(
+        title="memplan planner",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Stores training traces, solves memory plans in workers, keeps the history.",
+    )
     errors.install(app)
     for router in (traces.router, plans.router, catalog.router, health.router, ui.router):
         app.include_router(router)

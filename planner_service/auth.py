@@ -37,7 +37,9 @@ def ensure_project(session: Session, name: str) -> ProjectRow:
     access = AccessRepository(session)
     row = access.project_named(name)
     if row is None:
-        row = ProjectRow(id=DEFAULT_PROJECT if name == DEFAULT_PROJECT else new_id(), name=name, created_at=utcnow())
+        row = ProjectRow(
+            id=DEFAULT_PROJECT if name == DEFAULT_PROJECT else new_id(), name=name, created_at=utcnow()
+        )
         access.add(row)
     return row
 
@@ -46,8 +48,13 @@ def create_token(session: Session, project: str, name: str = "") -> tuple[str, A
     """A new token for `project` (created if missing). The clear text is returned once and never stored."""
     proj = ensure_project(session, project)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = ApiTokenRow(project_id=proj.id, name=name or f"token for {project}", prefix=token[:10],
-                      digest=digest(token), created_at=utcnow())
+    row = ApiTokenRow(
+        project_id=proj.id,
+        name=name or f"token for {project}",
+        prefix=token[:10],
+        digest=digest(token),
+        created_at=utcnow(),
+    )
     AccessRepository(session).add(row)
     return token, row
 

@@ -50,8 +50,13 @@ class EmbeddedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         # the database it serves, password hidden: what a person is told it writes to
         self.database = make_url(settings.database_url).render_as_string(hide_password=True)
-        config = uvicorn.Config(create_app(settings, workers=workers), host="127.0.0.1", port=self.port,
-                                log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            create_app(settings, workers=workers),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="memplan-embedded-server", daemon=True)
 
@@ -64,7 +69,8 @@ class EmbeddedServer:
             time.sleep(0.02)
         return self.url
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._server.should_exit = True
         self._thread.join(30)

@@ -42,7 +42,9 @@ class TraceFacts:
     payload_bytes: int
 
     @classmethod
-    def of(cls, trace: Trace, *, payload_gzip: bytes | None = None, payload_bytes: int | None = None) -> TraceFacts:
+    def of(
+        cls, trace: Trace, *, payload_gzip: bytes | None = None, payload_bytes: int | None = None
+    ) -> TraceFacts:
         """Facts of a validated trace; `payload_gzip` (the client's gzip body, in the current schema) is
         stored as is, else the canonical JSON is compressed."""
         canonical = trace.canonical_json()
@@ -51,12 +53,22 @@ class TraceFacts:
         m, h = trace.model, trace.hardware
         import hashlib
 
-        return cls(content_hash=hashlib.sha256(canonical).hexdigest(), schema_version=trace.schema_version,
-                   model_fingerprint=m.fingerprint, model_name=m.name, architecture=m.architecture,
-                   parameter_count=m.parameter_count, hardware_key=h.key, device_type=h.device_type.value,
-                   device_name=h.device_name, device_memory_bytes=h.machine_device_memory_bytes,
-                   device_count=h.device_count, workload_key=trace.workload.key, payload_gzip=payload_gzip,
-                   payload_bytes=payload_bytes)
+        return cls(
+            content_hash=hashlib.sha256(canonical).hexdigest(),
+            schema_version=trace.schema_version,
+            model_fingerprint=m.fingerprint,
+            model_name=m.name,
+            architecture=m.architecture,
+            parameter_count=m.parameter_count,
+            hardware_key=h.key,
+            device_type=h.device_type.value,
+            device_name=h.device_name,
+            device_memory_bytes=h.machine_device_memory_bytes,
+            device_count=h.device_count,
+            workload_key=trace.workload.key,
+            payload_gzip=payload_gzip,
+            payload_bytes=payload_bytes,
+        )
 
 
 class BadGzip(ValueError):
@@ -87,12 +99,17 @@ def gunzip_limited(data: bytes, limit: int) -> tuple[bytearray, int]:
             while True:
                 out += piece
                 if len(out) > limit:
-                    raise GzipTooLarge(f"decompressed body larger than {limit} bytes (all gzip members together)")
+                    raise GzipTooLarge(
+                        f"decompressed body larger than {limit} bytes (all gzip members together)"
+                    )
                 if d.eof:
                     break
                 if not piece and not d.unconsumed_tail:
-                    raise BadGzip("body is truncated gzip" if members == 0
-                                  else f"gzip member {members + 1} is truncated")
+                    raise BadGzip(
+                        "body is truncated gzip"
+                        if members == 0
+                        else f"gzip member {members + 1} is truncated"
+                    )
                 piece = d.decompress(d.unconsumed_tail, INFLATE_STEP)
         except zlib.error as exc:
             where = "body" if members == 0 else f"gzip member {members + 1} of the body"
@@ -130,10 +147,14 @@ def inspect(data: bytes, gzipped: bool, max_decompressed_bytes: int) -> TraceFac
         errors = exc.errors(include_url=False, include_context=False, include_input=False)
         if errors and errors[0]["type"] == "json_invalid":
             raise InvalidJson(f"body is not valid JSON: {errors[0]['msg']}") from None
-        raise InvalidTrace([{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]) from None
+        raise InvalidTrace(
+            [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]
+        ) from None
     if context.get("received_schema_version") != TRACE_SCHEMA_VERSION:
         gzip_body = None  # an older schema's upload is stored in the current form
-    return TraceFacts.of(trace, payload_gzip=gzip_body, payload_bytes=len(raw) if gzip_body is not None else None)
+    return TraceFacts.of(
+        trace, payload_gzip=gzip_body, payload_bytes=len(raw) if gzip_body is not None else None
+    )
 
 
 @dataclass(frozen=True)
@@ -177,9 +198,12 @@ class Ingestor:
         if self._pool is None:
             # forkserver: never fork a process that runs threads (the API's thread pool, solve workers)
             # (and the forkserver and every pool process die with this process: `lifeline`)
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=forkserver_context(),
-                                             initializer=_start_ingest_process,
-                                             initargs=(self.niceness, os.getpid()))
+            self._pool = ProcessPoolExecutor(
+                self.processes,
+                mp_context=forkserver_context(),
+                initializer=_start_ingest_process,
+                initargs=(self.niceness, os.getpid()),
+            )
         return self._pool
 
     def prestart(self) -> None:

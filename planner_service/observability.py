@@ -23,16 +23,32 @@ request_id_var: ContextVar[str | None] = ContextVar("memplan_request_id", defaul
 
 # One registry per process; metric objects are module-level as prometheus_client expects.
 REGISTRY = CollectorRegistry(auto_describe=True)
-REQUEST_SECONDS = Histogram("memplan_http_request_seconds", "HTTP request latency", ["method", "route", "status"],
-                            registry=REGISTRY,
-                            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60))
+REQUEST_SECONDS = Histogram(
+    "memplan_http_request_seconds",
+    "HTTP request latency",
+    ["method", "route", "status"],
+    registry=REGISTRY,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
+)
 QUEUE_DEPTH = Gauge("memplan_plan_queue_depth", "plans waiting for a worker", registry=REGISTRY)
-SOLVE_SECONDS = Histogram("memplan_solve_seconds", "wall time of one plan solve", ["solver"], registry=REGISTRY,
-                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-POLL_ANSWERS = Counter("memplan_plan_tag_reads_total", "plan entity tags read to answer polls, by source "
-                       "(shortcut: a 304 from memory before routing; memory: the route, from the change feed; "
-                       "database: one narrow query)", ["source"], registry=REGISTRY)
-PLAN_OUTCOMES = Counter("memplan_plan_outcomes_total", "finished plans by outcome", ["status"], registry=REGISTRY)
+SOLVE_SECONDS = Histogram(
+    "memplan_solve_seconds",
+    "wall time of one plan solve",
+    ["solver"],
+    registry=REGISTRY,
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+POLL_ANSWERS = Counter(
+    "memplan_plan_tag_reads_total",
+    "plan entity tags read to answer polls, by source "
+    "(shortcut: a 304 from memory before routing; memory: the route, from the change feed; "
+    "database: one narrow query)",
+    ["source"],
+    registry=REGISTRY,
+)
+PLAN_OUTCOMES = Counter(
+    "memplan_plan_outcomes_total", "finished plans by outcome", ["status"], registry=REGISTRY
+)
 
 
 class JsonFormatter(logging.Formatter):
@@ -41,8 +57,12 @@ class JsonFormatter(logging.Formatter):
     _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, object] = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
-               "logger": record.name, "message": record.getMessage()}
+        out: dict[str, object] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         rid = request_id_var.get()
         if rid:
             out["request_id"] = rid
@@ -99,8 +119,15 @@ class ObserveMiddleware:
             REQUEST_SECONDS.labels(scope["method"], template, str(status)).observe(elapsed)
             if access_log.isEnabledFor(logging.INFO):
                 # Never the headers (they carry tokens) nor the query string (it may carry cursors): path only.
-                access_log.info("request", extra={"method": scope["method"], "path": template, "status": status,
-                                                  "duration_ms": round(elapsed * 1e3, 2)})
+                access_log.info(
+                    "request",
+                    extra={
+                        "method": scope["method"],
+                        "path": template,
+                        "status": status,
+                        "duration_ms": round(elapsed * 1e3, 2),
+                    },
+                )
             request_id_var.reset(token)
 
 

@@ -13,9 +13,9 @@ check() {  # check NAME COMMAND...: run one check, remember it when it fails
     if ! "$@"; then failed+=("${name}"); fi
 }
 
-check "ruff check" "${bin}ruff" check agent client planner_service benchmarks tests
-check "ruff format" "${bin}ruff" format --check --output-format concise agent client planner_service benchmarks tests
-check "mypy" "${bin}mypy" agent client planner_service
+check "ruff check" "${bin}ruff" check agent client planner_service memplan benchmarks tests
+check "ruff format" "${bin}ruff" format --check --output-format concise agent client planner_service memplan benchmarks tests
+check "mypy" "${bin}mypy" agent client planner_service memplan
 # import layers (.importlinter): client imports neither agent nor planner_service; planner_service never
 # imports agent; memplan (the command's composition root) sits on top. PYTHONPATH: this tree's code.
 check "import layers" env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${bin}lint-imports" --no-cache .importlinter

@@ -12,7 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-POSTGRES_ADMIN_URL = os.environ.get("MEMPLAN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+POSTGRES_ADMIN_URL = os.environ.get(
+    "MEMPLAN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
 
 
 def in_ci() -> bool:
@@ -23,10 +25,8 @@ def in_ci() -> bool:
 # Skips that are allowed in CI: node id prefix -> why the test cannot run on some CI machines. Anything else
 # that skips with CI set fails, so a test can never pass CI by not running.
 CI_ALLOWED_SKIPS: dict[str, str] = {
-    "tests/allocator/test_build.py::test_the_cuda_backend_compiles":
-        "CUDA-only: needs the CUDA runtime headers and libcudart",
-    "tests/allocator/test_switching.py::test_installing_without_cuda_fails_with_a_clear_error":
-        "CPU-only: on a GPU machine it would really swap this process's CUDA allocator",
+    "tests/allocator/test_build.py::test_the_cuda_backend_compiles": "CUDA-only: needs the CUDA runtime headers and libcudart",
+    "tests/allocator/test_switching.py::test_installing_without_cuda_fails_with_a_clear_error": "CPU-only: on a GPU machine it would really swap this process's CUDA allocator",
 }
 
 
@@ -42,8 +42,10 @@ def _fail_skip_in_ci(report: pytest.TestReport | pytest.CollectReport) -> None:
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
-    report.longrepr = (f"{report.nodeid} skipped in CI ({reason}); a skip in CI is a failure unless "
-                       "tests/conftest.py CI_ALLOWED_SKIPS names the test with a reason")
+    report.longrepr = (
+        f"{report.nodeid} skipped in CI ({reason}); a skip in CI is a failure unless "
+        "tests/conftest.py CI_ALLOWED_SKIPS names the test with a reason"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -85,8 +87,12 @@ def postgres_admin() -> str:
     problem = _postgres_reachable()
     if problem:
         if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is required in CI and is not reachable at {POSTGRES_ADMIN_URL}: {problem}")
-        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL} (run scripts/ensure_postgres.sh): {problem}")
+            pytest.fail(
+                f"PostgreSQL is required in CI and is not reachable at {POSTGRES_ADMIN_URL}: {problem}"
+            )
+        pytest.skip(
+            f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL} (run scripts/ensure_postgres.sh): {problem}"
+        )
     return POSTGRES_ADMIN_URL
 
 
@@ -138,8 +144,14 @@ def settings(db_url: str):  # type: ignore[no-untyped-def]
     from planner_service.settings import Settings
 
     # ingest_prestart off: hundreds of short-lived test apps need no ingest processes until one uploads
-    return Settings(database_url=db_url, workers=1, poll_interval_s=0.05, stalled_after_s=5.0, auto_upgrade=False,
-                    ingest_prestart=False)
+    return Settings(
+        database_url=db_url,
+        workers=1,
+        poll_interval_s=0.05,
+        stalled_after_s=5.0,
+        auto_upgrade=False,
+        ingest_prestart=False,
+    )
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import CI_ALLOWED_SKIPS, REPO, ci_skip_allowed
 
-SAMPLE = '''
+SAMPLE = """
 import pytest
 
 def test_skips_at_run_time():
@@ -27,7 +27,7 @@ def test_expected_failure():
 
 def test_passes():
     pass
-'''
+"""
 
 
 def _run(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
@@ -36,9 +36,25 @@ def _run(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     if ci is not None:
         env["CI"] = ci
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                           "-rA", str(tmp_path / "test_sample.py")], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            "-rA",
+            str(tmp_path / "test_sample.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("ci", [None, "0", "false"])

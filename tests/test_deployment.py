@@ -39,8 +39,14 @@ def test_ci_runs_the_readme_test_command() -> None:
 def _link(tmp_path: Path, path: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HOME": str(tmp_path), "PATH": path}
     env.pop("MEMPLAN_BIN_DIR", None)
-    return subprocess.run([str(REPO / "scripts" / "link_memplan.sh")], env=env, capture_output=True, text=True,
-                          check=True, timeout=30)
+    return subprocess.run(
+        [str(REPO / "scripts" / "link_memplan.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
 
 
 def test_setup_puts_memplan_on_path_or_prints_the_line_to_add(tmp_path: Path) -> None:
@@ -55,7 +61,9 @@ def test_setup_puts_memplan_on_path_or_prints_the_line_to_add(tmp_path: Path) ->
 
     elsewhere = tmp_path / "other"
     elsewhere.mkdir()
-    out = _link(elsewhere, os.environ["PATH"]).stdout  # ~/.local/bin not on PATH: nothing linked, one line to add
+    out = _link(
+        elsewhere, os.environ["PATH"]
+    ).stdout  # ~/.local/bin not on PATH: nothing linked, one line to add
     assert not (elsewhere / ".local").exists()
     assert f'export PATH="{REPO}/.venv/bin:$PATH"' in out
 
@@ -74,7 +82,13 @@ def test_the_console_script_is_the_assembled_command() -> None:
     module, attr = entry.split(":")
     app = getattr(importlib.import_module(module), attr)
     assert isinstance(app, typer.Typer)
-    help_text = subprocess.run([sys.executable, "-m", module.rsplit(".", 1)[0], "--help"], capture_output=True,
-                               text=True, check=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", module.rsplit(".", 1)[0], "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
     for command in ("serve", "worker", "plans", "traces", "models", "hardware", "profile", "demo", "alloc"):
         assert command in help_text, command

@@ -21,20 +21,31 @@ from client.cli.common import ServerOpt, bytes_option, console
 from client.units import format_bytes
 
 
-def demo(server: ServerOpt = None,
-         layers: Annotated[int, typer.Option(help="decoder blocks")] = 6,
-         hidden: Annotated[int, typer.Option(help="hidden size")] = 128,
-         batch: Annotated[int, typer.Option(help="batch size")] = 4,
-         seq: Annotated[int, typer.Option(help="sequence length")] = 128,
-         steps: Annotated[int, typer.Option(help="training steps of each run (baseline and managed)")] = 30,
-         device_memory: Annotated[str | None, typer.Option(
-             help="device-memory limit (default: 45% of the measured un-managed peak)")] = None,
-         fraction: Annotated[float, typer.Option(help="limit as a fraction of the un-managed peak")] = 0.45,
-         threads: Annotated[int | None, typer.Option(
-             help="torch compute threads (default on CPU: cores - 1, leaving one to the in-process service)")] = None,
-         reuse: Annotated[bool, typer.Option(
-             help="reuse a plan from the service's history for this model, hardware and workload (its "
-                  "predictions then come from the earlier run's trace)")] = False) -> None:
+def demo(
+    server: ServerOpt = None,
+    layers: Annotated[int, typer.Option(help="decoder blocks")] = 6,
+    hidden: Annotated[int, typer.Option(help="hidden size")] = 128,
+    batch: Annotated[int, typer.Option(help="batch size")] = 4,
+    seq: Annotated[int, typer.Option(help="sequence length")] = 128,
+    steps: Annotated[int, typer.Option(help="training steps of each run (baseline and managed)")] = 30,
+    device_memory: Annotated[
+        str | None, typer.Option(help="device-memory limit (default: 45% of the measured un-managed peak)")
+    ] = None,
+    fraction: Annotated[float, typer.Option(help="limit as a fraction of the un-managed peak")] = 0.45,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch compute threads (default on CPU: cores - 1, leaving one to the in-process service)"
+        ),
+    ] = None,
+    reuse: Annotated[
+        bool,
+        typer.Option(
+            help="reuse a plan from the service's history for this model, hardware and workload (its "
+            "predictions then come from the earlier run's trace)"
+        ),
+    ] = False,
+) -> None:
     """Train a small llama under a tight memory limit with a plan from the service; compare with plain PyTorch."""
     import torch
 
@@ -55,8 +66,19 @@ def demo(server: ServerOpt = None,
         torch.set_num_threads(threads_before)
 
 
-def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, steps: int, device_memory: str | None,
-         fraction: float, reuse: bool, device: Any, t_start: float) -> None:
+def _run(
+    server: str | None,
+    layers: int,
+    hidden: int,
+    batch: int,
+    seq: int,
+    steps: int,
+    device_memory: str | None,
+    fraction: float,
+    reuse: bool,
+    device: Any,
+    t_start: float,
+) -> None:
     import copy
 
     import torch
@@ -66,8 +88,10 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
     from agent.wrapping import unwrap, wrap
     from client.cli.render import plan_table
 
-    console.print(f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "
-                  f"{steps} steps per run on {device} ({torch.get_num_threads()} compute threads)")
+    console.print(
+        f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "
+        f"{steps} steps per run on {device} ({torch.get_num_threads()} compute threads)"
+    )
     base, config = model_zoo.build("llama", layers, hidden, seq=max(seq, 128))
     batches = [model_zoo.sample_batch(config, batch, seq, seed=i, device=device) for i in range(4)]
 
@@ -77,19 +101,31 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
     plain_losses, plain_peak, plain_iter = _train_plain(plain, plain_opt, batches, steps, device)
     del plain, plain_opt
     limit = bytes_option(device_memory) or int(plain_peak * fraction)
-    console.print(f"   peak device memory {format_bytes(plain_peak)}, {plain_iter * 1e3:.0f} ms/iteration; "
-                  f"limit for the managed run: {format_bytes(limit)}")
+    console.print(
+        f"   peak device memory {format_bytes(plain_peak)}, {plain_iter * 1e3:.0f} ms/iteration; "
+        f"limit for the managed run: {format_bytes(limit)}"
+    )
 
     service = _service(server)
     with service as url:
         if server is None:
-            console.print(f"   planner service: in-process at {url}, database {service.database} (the database "
-                          "`memplan serve` uses in this environment: the demo's traces, plans and feedback stay "
-                          "there; MEMPLAN_DATABASE_URL picks another)", highlight=False)
+            console.print(
+                f"   planner service: in-process at {url}, database {service.database} (the database "
+                "`memplan serve` uses in this environment: the demo's traces, plans and feedback stay "
+                "there; MEMPLAN_DATABASE_URL picks another)",
+                highlight=False,
+            )
         console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
         model = copy.deepcopy(base).to(device)
-        run = wrap(model, _adamw(model), sample_batch=batches[0], server=url, device_memory=limit,
-                   feedback_steps=steps, reuse=reuse)
+        run = wrap(
+            model,
+            _adamw(model),
+            sample_batch=batches[0],
+            server=url,
+            device_memory=limit,
+            feedback_steps=steps,
+            reuse=reuse,
+        )
         assert run.source is not None
         console.print(f"   {run.source.message}")
         if run.source.origin == "history":
@@ -111,8 +147,10 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
     console.print(f"feedback: {report.feedback_to or 'not sent'}")
     if report.swap is not None:
         s = report.swap
-        console.print(f"swap: {format_bytes(s.swapped_out_bytes)} copied out, {s.prefetched_blocks} block prefetches, "
-                      f"{s.late_fetches} late, {s.demand_fetches} on demand")
+        console.print(
+            f"swap: {format_bytes(s.swapped_out_bytes)} copied out, {s.prefetched_blocks} block prefetches, "
+            f"{s.late_fetches} late, {s.demand_fetches} on demand"
+        )
 
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(managed_losses, plain_losses, strict=True)]
     lt = Table(title="loss curve: managed vs un-managed baseline")
@@ -123,8 +161,10 @@ def _run(server: str | None, layers: int, hidden: int, batch: int, seq: int, ste
         lt.add_row(str(i), f"{plain_losses[i]:.6f}", f"{managed_losses[i]:.6f}", f"{rel[i]:.1e}")
     console.print(lt)
     agree = max(rel) <= 1e-5
-    console.print(f"max relative loss difference over {steps} steps: {max(rel):.2e} "
-                  + ("[green](agrees within 1e-5)[/]" if agree else "[red](differs)[/]"))
+    console.print(
+        f"max relative loss difference over {steps} steps: {max(rel):.2e} "
+        + ("[green](agrees within 1e-5)[/]" if agree else "[red](differs)[/]")
+    )
     console.print(f"demo took {time.perf_counter() - t_start:.0f} s")
     if not agree:
         raise typer.Exit(1)
@@ -150,7 +190,9 @@ def _train(model: Any, opt: Any, batches: list[Any], steps: int) -> list[float]:
     return losses
 
 
-def _train_plain(model: Any, opt: Any, batches: list[Any], steps: int, device: Any) -> tuple[list[float], int, float]:
+def _train_plain(
+    model: Any, opt: Any, batches: list[Any], steps: int, device: Any
+) -> tuple[list[float], int, float]:
     """The baseline: losses, peak device bytes of step 2 (profiler semantics), median iteration seconds."""
     import statistics
 

@@ -11,23 +11,37 @@ from client.cli.common import bytes_option, console, err_console, write_json
 
 
 def profile(
-    model: Annotated[str, typer.Option("--model", help="architecture: gpt2, llama, mistral, qwen2 or gpt_neox")],
+    model: Annotated[
+        str, typer.Option("--model", help="architecture: gpt2, llama, mistral, qwen2 or gpt_neox")
+    ],
     layers: Annotated[int, typer.Option("--layers", min=1, help="number of transformer blocks")],
     hidden: Annotated[int, typer.Option("--hidden", min=1, help="hidden size")],
     batch: Annotated[int, typer.Option("--batch", min=1, help="micro-batch size")] = 4,
     seq: Annotated[int, typer.Option("--seq", min=1, help="sequence length")] = 128,
-    output: Annotated[Path, typer.Option("-o", "--output", help="write the Trace JSON here")] = Path("trace.json"),
+    output: Annotated[Path, typer.Option("-o", "--output", help="write the Trace JSON here")] = Path(
+        "trace.json"
+    ),
     heads: Annotated[int | None, typer.Option("--heads", help="attention heads (default hidden/64)")] = None,
     vocab: Annotated[int, typer.Option("--vocab", min=2, help="vocabulary size")] = 32000,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="parameter dtype: fp32, bf16 or fp16")] = "fp32",
-    max_blocks: Annotated[int | None, typer.Option(
-        "--max-blocks", min=1, help="profile only this many blocks and extrapolate (models larger than the device)")
+    max_blocks: Annotated[
+        int | None,
+        typer.Option(
+            "--max-blocks",
+            min=1,
+            help="profile only this many blocks and extrapolate (models larger than the device)",
+        ),
     ] = None,
-    device_memory: Annotated[str | None, typer.Option(
-        "--device-memory", help="report this device capacity instead of the measured one, e.g. 24GiB")] = None,
-    no_allocation_trace: Annotated[bool, typer.Option(
-        "--no-allocation-trace", help="leave out the allocation trace")] = False,
+    device_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--device-memory", help="report this device capacity instead of the measured one, e.g. 24GiB"
+        ),
+    ] = None,
+    no_allocation_trace: Annotated[
+        bool, typer.Option("--no-allocation-trace", help="leave out the allocation trace")
+    ] = False,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="timed repetitions (medians)")] = 3,
     seed: Annotated[int, typer.Option("--seed", help="weight initialisation seed")] = 0,
 ) -> None:
@@ -61,8 +75,15 @@ def profile(
     if max_blocks is None:
         net.to(dev)  # type: ignore[arg-type]  # with --max-blocks the profiler moves only the profiled blocks
     try:
-        trace = run_profile(net, sample, device=dev, allocation_trace=not no_allocation_trace, max_blocks=max_blocks,
-                            repeats=repeats, device_memory_limit=limit)  # named as agent.wrap names it
+        trace = run_profile(
+            net,
+            sample,
+            device=dev,
+            allocation_trace=not no_allocation_trace,
+            max_blocks=max_blocks,
+            repeats=repeats,
+            device_memory_limit=limit,
+        )  # named as agent.wrap names it
     except (BlockDetectionError, ProfilerInputError) as exc:
         err_console.print(f"[red]profile[/]: {exc}")
         raise typer.Exit(2) from exc

@@ -58,8 +58,10 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     if getattr(trainer.model, "_memplan_wrapped", False):
         raise RuntimeError("trainer.model: is already wrapped")
     if trainer.lr_scheduler is not None:
-        raise ValueError("trainer.lr_scheduler: already built on the unwrapped optimizer; pass only the optimizer "
-                         "(or none) to the Trainer and let it build the scheduler during train()")
+        raise ValueError(
+            "trainer.lr_scheduler: already built on the unwrapped optimizer; pass only the optimizer "
+            "(or none) to the Trainer and let it build the scheduler during train()"
+        )
     if trainer.args.world_size > 1:
         raise ValueError(f"trainer.args.world_size: {trainer.args.world_size}; memplan runs on one process")
     if trainer.optimizer is None:
@@ -69,7 +71,9 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     # the Trainer clips by default (max_grad_norm=1.0): the plan counts the redo of overlapped host steps
-    wrap_kwargs.setdefault("clips_gradients", bool(trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0))
+    wrap_kwargs.setdefault(
+        "clips_gradients", bool(trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0)
+    )
     try:
         if "sample_batch" not in wrap_kwargs and "plan" not in wrap_kwargs:
             wrap_kwargs["sample_batch"] = sample_batch(trainer)

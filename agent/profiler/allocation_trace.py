@@ -61,11 +61,19 @@ def build_allocation_trace(
             free_index = -1
         else:
             free_index = r.free_event if r.free_event is not None else horizon
-        for f, v in zip(EVENT_FIELDS, (r.sid, r.nbytes, r.alloc_event, free_index, category,
-                                       -1 if block is None else block, r.phase), strict=True):
+        for f, v in zip(
+            EVENT_FIELDS,
+            (r.sid, r.nbytes, r.alloc_event, free_index, category, -1 if block is None else block, r.phase),
+            strict=True,
+        ):
             cols[f].append(v)
     # Columns straight into the contract's packed wire form (validated there by array checks), no per-event
     # objects and no per-value validation.
-    arrays = EventArrays.from_arrays(**cols | {"category": EventArrays.codes(cols["category"], CATEGORIES),
-                                               "phase": EventArrays.codes(cols["phase"], PHASES)})
+    arrays = EventArrays.from_arrays(
+        **cols
+        | {
+            "category": EventArrays.codes(cols["category"], CATEGORIES),
+            "phase": EventArrays.codes(cols["phase"], PHASES),
+        }
+    )
     return AllocationTrace(source=source, horizon=horizon, event_arrays=arrays)  # source: str -> Literal

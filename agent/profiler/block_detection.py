@@ -51,7 +51,9 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
     path_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     if blocks is not None:
         if len(blocks) == 0:
-            raise BlockDetectionError("blocks: is empty; pass the model's repeated blocks, e.g. list(model.layers)")
+            raise BlockDetectionError(
+                "blocks: is empty; pass the model's repeated blocks, e.g. list(model.layers)"
+            )
         names: list[str] = []
         for i, b in enumerate(blocks):
             if not isinstance(b, nn.Module):
@@ -67,7 +69,9 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
         for i, a in enumerate(names):
             for j, b2 in enumerate(names):
                 if i != j and b2.startswith(a + "."):
-                    raise BlockDetectionError(f"blocks[{j}]: {b2!r} is inside blocks[{i}] {a!r}; blocks must not nest")
+                    raise BlockDetectionError(
+                        f"blocks[{j}]: {b2!r} is inside blocks[{i}] {a!r}; blocks must not nest"
+                    )
         parents = {n.rsplit(".", 1)[0] if "." in n else "" for n in names}
         container = parents.pop() if len(parents) == 1 else None
         return RepeatedBlocks(tuple(names), tuple(blocks), container)
@@ -75,14 +79,17 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
     best: tuple[str, nn.ModuleList | nn.Sequential] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < (
-                1 if isinstance(module, nn.ModuleList) else 2):
+            1 if isinstance(module, nn.ModuleList) else 2
+        ):
             continue
         classes = {type(child) for child in module}
         if len(classes) != 1:
             continue
         # the longest list wins; on a tie an nn.ModuleList (the usual home of transformer blocks)
         if best is None or (len(module), isinstance(module, nn.ModuleList)) > (
-                len(best[1]), isinstance(best[1], nn.ModuleList)):
+            len(best[1]),
+            isinstance(best[1], nn.ModuleList),
+        ):
             best = (name, module)
     if best is None:
         raise BlockDetectionError(

@@ -66,8 +66,16 @@ def segments(marks: list[Mark]) -> list[Segment]:
     """The spans between consecutive marks, each attributed to the block and phase its first mark set."""
     out: list[Segment] = []
     for a, b in zip(marks, marks[1:], strict=False):
-        out.append(Segment(a.block, a.phase, b.time_s - a.time_s, a.live_bytes, b.live_bytes,
-                           max(b.peak_before_bytes, a.live_bytes, b.live_bytes)))
+        out.append(
+            Segment(
+                a.block,
+                a.phase,
+                b.time_s - a.time_s,
+                a.live_bytes,
+                b.live_bytes,
+                max(b.peak_before_bytes, a.live_bytes, b.live_bytes),
+            )
+        )
     return out
 
 

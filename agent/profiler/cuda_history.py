@@ -77,8 +77,13 @@ class CudaAllocatorHistory:
         if record_history_takes_skip_actions():
             options["skip_actions"] = ["segment_alloc", "segment_free", "segment_map", "segment_unmap"]
         torch.cuda.memory._record_memory_history(
-            enabled="all", context=None, stacks="python", max_entries=self.max_entries, device=self.device,
-            clear_history=True, **options,
+            enabled="all",
+            context=None,
+            stacks="python",
+            max_entries=self.max_entries,
+            device=self.device,
+            clear_history=True,
+            **options,
         )
         return self
 
@@ -140,5 +145,7 @@ class CudaAllocatorHistory:
         return records, event, by_addr
 
 
-def existing_record(sid: int, event: int, nbytes: int, category: AllocationCategory, block: int | None) -> StorageRecord:
+def existing_record(
+    sid: int, event: int, nbytes: int, category: AllocationCategory, block: int | None
+) -> StorageRecord:
     return StorageRecord(sid, nbytes, event, block, Phase.forward, category)

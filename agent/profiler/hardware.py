@@ -81,8 +81,12 @@ def _reps(size: int) -> int:
 
 def measure_bandwidth(device: torch.device, sizes: tuple[int, ...] = BANDWIDTH_SIZES) -> BandwidthCurves:
     """H2D and D2H copy bandwidth, pinned and pageable, at each size (median of repetitions)."""
-    curves: dict[str, list[BandwidthSample]] = {"h2d_pinned": [], "d2h_pinned": [], "h2d_pageable": [],
-                                                "d2h_pageable": []}
+    curves: dict[str, list[BandwidthSample]] = {
+        "h2d_pinned": [],
+        "d2h_pinned": [],
+        "h2d_pageable": [],
+        "d2h_pageable": [],
+    }
     pin = device.type == "cuda"
     for size in sorted(set(sizes)):
         dev = torch.empty(size, dtype=torch.uint8, device=device)
@@ -138,5 +142,9 @@ def probe_hardware(device: torch.device, device_memory_limit: int | None = None)
     """The Hardware of `device` (measured once per process and device, then reused)."""
     if device_memory_limit is not None and device_memory_limit <= 0:
         raise ValueError(f"device_memory_limit: must be positive, got {device_memory_limit}")
-    key = str(device if device.index is not None or device.type == "cpu" else torch.device("cuda", torch.cuda.current_device()))
+    key = str(
+        device
+        if device.index is not None or device.type == "cpu"
+        else torch.device("cuda", torch.cuda.current_device())
+    )
     return _probe(key, device_memory_limit).model_copy(deep=True)

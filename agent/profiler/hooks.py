@@ -55,7 +55,9 @@ class BlockHooks:
         self._handles: list[RemovableHandle] = []
         self._stack = ExitStack()
         # results
-        self.param_order: list[tuple[nn.Parameter, str, int]] = []  # (parameter, module path, block at first use)
+        self.param_order: list[
+            tuple[nn.Parameter, str, int]
+        ] = []  # (parameter, module path, block at first use)
         self.activation_bytes = [0] * self.n_blocks
         self.input_bytes = [0] * self.n_blocks
         self.block_inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -132,7 +134,9 @@ class BlockHooks:
             if idx == last:
                 self.block_tracker.move(idx + 1, Phase.forward)  # the epilogue runs from here on
                 if self._saved_tensors:  # the epilogue's input is the last block's output
-                    self.input_bytes[idx + 1] = unique_storage_bytes(list(iter_tensors(output)), self._excluded)
+                    self.input_bytes[idx + 1] = unique_storage_bytes(
+                        list(iter_tensors(output)), self._excluded
+                    )
             if torch.is_grad_enabled():
                 for t in iter_tensors(output):
                     if t.requires_grad:
@@ -171,7 +175,12 @@ class BlockHooks:
     # ------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         block = self.block_tracker.block
-        if block is None or self.block_tracker.phase != Phase.forward or t.is_meta or t.layout != torch.strided:
+        if (
+            block is None
+            or self.block_tracker.phase != Phase.forward
+            or t.is_meta
+            or t.layout != torch.strided
+        ):
             return t
         key = storage_key(t)
         if key not in self._excluded and key not in self._saved_keys:

@@ -21,8 +21,11 @@ from client.contract import OptimizerKind
 HOST_SAMPLE_BYTES = 16 * 2**20
 HOST_SAMPLE_TENSORS = 16
 
-_KINDS: dict[str, OptimizerKind] = {"AdamW": OptimizerKind.adamw, "Adam": OptimizerKind.adam,
-                                    "SGD": OptimizerKind.sgd}
+_KINDS: dict[str, OptimizerKind] = {
+    "AdamW": OptimizerKind.adamw,
+    "Adam": OptimizerKind.adam,
+    "SGD": OptimizerKind.sgd,
+}
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> OptimizerKind:

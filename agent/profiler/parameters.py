@@ -56,15 +56,21 @@ def order_parameters(
             continue
         seen.add(id(p))
         name = canonical[id(p)]
-        out.append(OrderedParameter(p, name, path, block_of_path(path, block),
-                                    tuple(n for n in names[id(p)] if n != name)))
+        out.append(
+            OrderedParameter(
+                p, name, path, block_of_path(path, block), tuple(n for n in names[id(p)] if n != name)
+            )
+        )
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         path = name.rsplit(".", 1)[0] if "." in name else ""
-        out.append(OrderedParameter(p, name, path, block_of_path(path, None),
-                                    tuple(n for n in names[id(p)] if n != name)))
+        out.append(
+            OrderedParameter(
+                p, name, path, block_of_path(path, None), tuple(n for n in names[id(p)] if n != name)
+            )
+        )
     return out
 
 

@@ -48,8 +48,12 @@ class PersistentProbe:
         return self.grad_hooks_s + self.step_s + self.zero_grad_s
 
 
-def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], optimizer: torch.optim.Optimizer,
-                     device: torch.device) -> PersistentProbe | None:
+def probe_persistent(
+    model: nn.Module,
+    ordered: Sequence[OrderedParameter],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> PersistentProbe | None:
     """Time the runtime's persistent path on every parameter of `model` (see the module docstring); None when
     the runtime cannot hold these parameters (mixed dtypes, another device, an optimizer it does not support)."""
     from agent.runtime.device import DeviceContext
@@ -76,13 +80,24 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
         if o.block != block:
             block, offset = o.block, 0
             chunks.append(ChunkSpec(index=len(chunks), placement=Placement.persistent))
-        e = ParamEntry(name=o.name, param=o.param, chunk=len(chunks) - 1, offset=offset, numel=o.param.numel(),
-                       shape=o.param.shape)
+        e = ParamEntry(
+            name=o.name,
+            param=o.param,
+            chunk=len(chunks) - 1,
+            offset=offset,
+            numel=o.param.numel(),
+            shape=o.param.shape,
+        )
         chunks[-1].entries.append(e)
         by_param[id(o.param)] = e
         offset += e.numel
-    layout = ChunkLayout(chunk_numel=max(c.used_numel for c in chunks), compute_dtype=params[0].dtype,
-                         chunks=chunks, n_buffers=0, by_param=by_param)
+    layout = ChunkLayout(
+        chunk_numel=max(c.used_numel for c in chunks),
+        compute_dtype=params[0].dtype,
+        chunks=chunks,
+        n_buffers=0,
+        by_param=by_param,
+    )
     hooks, step, zero = _Timer(), _Timer(), _Timer()
     timers = {GRAD_HOOK: hooks, STEP: step, ZERO_GRAD: zero}
 
@@ -123,5 +138,10 @@ def probe_persistent(model: nn.Module, ordered: Sequence[OrderedParameter], opti
         for p, d, g in zip(params, data, grads, strict=True):
             p.data = d
             p.grad = g
-    return PersistentProbe(grad_hooks_s=hooks.total, step_s=step.total, zero_grad_s=zero.total,
-                           stepped_bytes=sum(p.numel() * p.element_size() for p in trainable), chunks=len(chunks))
+    return PersistentProbe(
+        grad_hooks_s=hooks.total,
+        step_s=step.total,
+        zero_grad_s=zero.total,
+        stepped_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        chunks=len(chunks),
+    )

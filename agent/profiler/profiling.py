@@ -138,8 +138,11 @@ def profile(
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
     t_hw = time.perf_counter() - t_hw
     with _truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
-        opt = optimizer if optimizer is not None else torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        opt = (
+            optimizer
+            if optimizer is not None
+            else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        )
         kind = optimizer_kind(opt)
         batch = move_batch(sample_batch, dev)
         with preserved_training_state(model, optimizer), KVCacheOff(model):  # training never uses the cache
@@ -152,8 +155,15 @@ def profile(
     alloc = result.allocation
     if extrapolated:
         ordered, block_meas, iteration_s, peak = _extrapolate(
-            repeated_all, n_profiled, ordered, block_meas, iteration_s, peak, all_params_named,
-            model_state_bytes_per_byte=result.model_state_bytes_per_param_byte)
+            repeated_all,
+            n_profiled,
+            ordered,
+            block_meas,
+            iteration_s,
+            peak,
+            all_params_named,
+            model_state_bytes_per_byte=result.model_state_bytes_per_param_byte,
+        )
         alloc = None  # the trace of a truncated iteration would not be the real one's
 
     infos = parameter_infos(ordered)
@@ -168,13 +178,34 @@ def profile(
             cls = type(model.get_submodule(o.module_path)).__name__
             if cls not in classes[info.block]:
                 classes[info.block].append(cls)
-    block_infos = [BlockInfo(index=0, name=edge_name("prologue", paths[0]), kind=BlockKind.prologue,
-                             module_class="+".join(classes[0]) or "none", parameter_bytes=per_block[0])]
+    block_infos = [
+        BlockInfo(
+            index=0,
+            name=edge_name("prologue", paths[0]),
+            kind=BlockKind.prologue,
+            module_class="+".join(classes[0]) or "none",
+            parameter_bytes=per_block[0],
+        )
+    ]
     for i, (bname, module) in enumerate(zip(repeated_all.names, repeated_all.modules, strict=True)):
-        block_infos.append(BlockInfo(index=i + 1, name=bname, kind=BlockKind.block,
-                                     module_class=type(module).__name__, parameter_bytes=per_block[i + 1]))
-    block_infos.append(BlockInfo(index=n_blocks - 1, name=edge_name("epilogue", paths[-1]), kind=BlockKind.epilogue,
-                                 module_class="+".join(classes[-1]) or "none", parameter_bytes=per_block[-1]))
+        block_infos.append(
+            BlockInfo(
+                index=i + 1,
+                name=bname,
+                kind=BlockKind.block,
+                module_class=type(module).__name__,
+                parameter_bytes=per_block[i + 1],
+            )
+        )
+    block_infos.append(
+        BlockInfo(
+            index=n_blocks - 1,
+            name=edge_name("epilogue", paths[-1]),
+            kind=BlockKind.epilogue,
+            module_class="+".join(classes[-1]) or "none",
+            parameter_bytes=per_block[-1],
+        )
+    )
 
     params = [o.param for o in ordered]
     p_dtype = _majority_dtype(params)
@@ -203,19 +234,33 @@ def profile(
     t1 = time.perf_counter()
     host_opt = host_step_throughput()
     t2 = time.perf_counter()
-    log.debug("profile stages (s): %s", {**result.stages, "hardware": t_hw, "host_optimizer": t2 - t1,
-                                         "hook_overhead_per_iteration": result.hook_overhead_s})
+    log.debug(
+        "profile stages (s): %s",
+        {
+            **result.stages,
+            "hardware": t_hw,
+            "host_optimizer": t2 - t1,
+            "hook_overhead_per_iteration": result.hook_overhead_s,
+        },
+    )
     measurements = Measurements(
         blocks=block_meas,
-        optimizer=OptimizerMeasurement(device_bytes_per_s=result.device_opt_bytes_per_s,
-                                       host_bytes_per_s=host_opt),
+        optimizer=OptimizerMeasurement(
+            device_bytes_per_s=result.device_opt_bytes_per_s, host_bytes_per_s=host_opt
+        ),
         iteration_s=iteration_s,
         peak_device_bytes=peak,
         extrapolated=extrapolated,
         profiled_blocks=list(range(n_profiled + 1)) + [n_blocks - 1] if extrapolated else [],
     )
-    return Trace(hardware=hw, software=_software(), model=model_info, workload=workload,
-                 measurements=measurements, allocation_trace=alloc)
+    return Trace(
+        hardware=hw,
+        software=_software(),
+        model=model_info,
+        workload=workload,
+        measurements=measurements,
+        allocation_trace=alloc,
+    )
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -233,8 +278,17 @@ class _Result:
     stages: dict[str, float]
 
 
-def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.optim.Optimizer,
-             dev: torch.device, repeated: RepeatedBlocks, want_trace: bool, repeats: int, hw: Hardware) -> _Result:
+def _measure(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None,
+    opt: torch.optim.Optimizer,
+    dev: torch.device,
+    repeated: RepeatedBlocks,
+    want_trace: bool,
+    repeats: int,
+    hw: Hardware,
+) -> _Result:
     clock = DeviceClock(dev)
     n_blocks = len(repeated) + 2
     step = TrainingStep(model, batch, loss_fn, opt, n_blocks)
@@ -263,7 +317,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     res.optimizer_state_bytes_per_param = state_bytes_per_param(opt, stepped)
     stepped_bytes = sum(p.numel() * p.element_size() for p in stepped)
     res.model_state_bytes_per_param_byte = 1.0 + (grad_elt + res.optimizer_state_bytes_per_param) / max(
-        1, stepped[0].element_size())
+        1, stepped[0].element_size()
+    )
 
     stage("warmup")
 
@@ -310,8 +365,12 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
     hooked_sum = sum(fwd) + sum(bwd)
     scale = compute_plain / hooked_sum if hooked_sum > 0 else 1.0
     res.hook_overhead_s = statistics.median(hooked_walls) - res.iteration_s
-    log.debug("hooked iteration %.4fs vs plain %.4fs; per-block times scaled by %.3f",
-              statistics.median(hooked_walls), res.iteration_s, scale)
+    log.debug(
+        "hooked iteration %.4fs vs plain %.4fs; per-block times scaled by %.3f",
+        statistics.median(hooked_walls),
+        res.iteration_s,
+        scale,
+    )
 
     stage("hooked")
 
@@ -340,8 +399,12 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
         except (TypeError, ValueError):
             raise  # a bug (the agent's or the model's), not a missing measurement
         except Exception as e:  # e.g. a block whose captured inputs carry state (a KV cache it appends to)
-            log.warning("runtime probe skipped (%s: %s): the trace has no measured runtime costs, the cost "
-                        "model charges copies by bandwidth", type(e).__name__, e)
+            log.warning(
+                "runtime probe skipped (%s: %s): the trace has no measured runtime costs, the cost "
+                "model charges copies by bandwidth",
+                type(e).__name__,
+                e,
+            )
             probe = None
     captured.clear()
 
@@ -356,40 +419,69 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn | None, opt: torch.op
         except (TypeError, ValueError):
             raise  # a bug (the agent's or the model's), not a missing measurement
         except Exception as e:
-            log.warning("persistent-chunk probe skipped (%s: %s): the device optimizer throughput is the plain "
-                        "step's", type(e).__name__, e)
+            log.warning(
+                "persistent-chunk probe skipped (%s: %s): the device optimizer throughput is the plain "
+                "step's",
+                type(e).__name__,
+                e,
+            )
             persistent = None
         if persistent is not None and persistent.total_s > 0:
             res.device_opt_bytes_per_s = persistent.stepped_bytes / persistent.total_s
-            log.debug("persistent chunks: %s (plain step %.4fs, zero_grad %.4fs)", persistent, opt_step_s,
-                      zero_grad_s)
+            log.debug(
+                "persistent chunks: %s (plain step %.4fs, zero_grad %.4fs)",
+                persistent,
+                opt_step_s,
+                zero_grad_s,
+            )
 
     stage("persistent_probe")
 
     # 5. tracked iteration: memory (after recompute, so no captured input is alive during it)
-    act, inp, fwd_tr, bwd_tr, peak, alloc = _track_memory(model, step, opt, batch, dev, repeated, res.ordered,
-                                                          want_trace)
+    act, inp, fwd_tr, bwd_tr, peak, alloc = _track_memory(
+        model, step, opt, batch, dev, repeated, res.ordered, want_trace
+    )
     res.peak_bytes = peak_plain if peak_plain is not None else peak
     res.allocation = alloc
     stage("tracked")
     res.stages = stages
 
-    swap_out, swap_in, offload, upload = [0.0] * n_blocks, [0.0] * n_blocks, [0.0] * n_blocks, [0.0] * n_blocks
+    swap_out, swap_in, offload, upload = (
+        [0.0] * n_blocks,
+        [0.0] * n_blocks,
+        [0.0] * n_blocks,
+        [0.0] * n_blocks,
+    )
     if probe is not None:
-        swap_out, swap_in, recompute, offload, upload = _runtime_costs(probe, probed, act, recompute, res.ordered,
-                                                                       hw)
+        swap_out, swap_in, recompute, offload, upload = _runtime_costs(
+            probe, probed, act, recompute, res.ordered, hw
+        )
     res.blocks = [
-        BlockMeasurement(block=b, forward_s=fwd[b] * scale, backward_s=bwd[b] * scale, recompute_s=recompute[b],
-                         activation_bytes=act[b], input_bytes=inp[b], forward_transient_peak_bytes=fwd_tr[b],
-                         backward_transient_peak_bytes=bwd_tr[b], swap_out_s=swap_out[b], swap_in_s=swap_in[b],
-                         offload_overhead_s=offload[b], upload_overhead_s=upload[b])
+        BlockMeasurement(
+            block=b,
+            forward_s=fwd[b] * scale,
+            backward_s=bwd[b] * scale,
+            recompute_s=recompute[b],
+            activation_bytes=act[b],
+            input_bytes=inp[b],
+            forward_transient_peak_bytes=fwd_tr[b],
+            backward_transient_peak_bytes=bwd_tr[b],
+            swap_out_s=swap_out[b],
+            swap_in_s=swap_in[b],
+            offload_overhead_s=offload[b],
+            upload_overhead_s=upload[b],
+        )
         for b in range(n_blocks)
     ]
     return res
 
 
 def _runtime_costs(
-    probe: RuntimeProbe, probed: int, act: list[int], recompute: list[float], ordered: list[OrderedParameter],
+    probe: RuntimeProbe,
+    probed: int,
+    act: list[int],
+    recompute: list[float],
+    ordered: list[OrderedParameter],
     hw: Hardware,
 ) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
     """Per-block runtime costs from the probe of block `probed` (see runtime_probe.py).
@@ -421,7 +513,9 @@ def _runtime_costs(
     once = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)
     n_params = max(1, probe.offload_params)
     counts = [0] * n
-    for o in ordered:  # every parameter tensor, as the cost model spreads a block's figure over its parameters
+    for (
+        o
+    ) in ordered:  # every parameter tensor, as the cost model spreads a block's figure over its parameters
         counts[o.block] += 1
     upload = [upload_rest / n_params * counts[b] for b in range(n)]
     offload = [once / n_params * counts[b] for b in range(n)]
@@ -444,8 +538,14 @@ def _copy_s(curve: list[BandwidthSample], nbytes: int) -> float:
 
 
 def _track_memory(
-    model: nn.Module, step: TrainingStep, opt: torch.optim.Optimizer, batch: Any, dev: torch.device,
-    repeated: RepeatedBlocks, ordered: list[OrderedParameter], want_trace: bool,
+    model: nn.Module,
+    step: TrainingStep,
+    opt: torch.optim.Optimizer,
+    batch: Any,
+    dev: torch.device,
+    repeated: RepeatedBlocks,
+    ordered: list[OrderedParameter],
+    want_trace: bool,
 ) -> tuple[list[int], list[int], list[int], list[int], int, AllocationTrace | None]:
     """One iteration under a storage tracker: activations, inputs, transients, peak, allocation trace."""
     n_blocks = len(repeated) + 2
@@ -490,20 +590,32 @@ def _track_memory(
     if tracker is not None:
         tracker.block_tracker = block_tracker
     grad_keys: dict[tuple[str, int], int] = {}
-    with BlockHooks(model, repeated, block_tracker, saved_tensors=True, excluded_storages=excluded,
-                    on_saved=on_saved) as hooks:
+    with BlockHooks(
+        model, repeated, block_tracker, saved_tensors=True, excluded_storages=excluded, on_saved=on_saved
+    ) as hooks:
         with tracker if tracker is not None else (history if history is not None else nullcontext()):
             step.run(block_tracker)
             if tracker is not None:
-                grad_sids = {rec.sid for p in model.parameters() if p.grad is not None
-                             for rec in [tracker.record_of(p.grad)] if rec is not None}
-                grad_blocks = {rec.sid: block_of_param.get(id(p), rec.block) for p in model.parameters()
-                               if p.grad is not None for rec in [tracker.record_of(p.grad)] if rec is not None}
+                grad_sids = {
+                    rec.sid
+                    for p in model.parameters()
+                    if p.grad is not None
+                    for rec in [tracker.record_of(p.grad)]
+                    if rec is not None
+                }
+                grad_blocks = {
+                    rec.sid: block_of_param.get(id(p), rec.block)
+                    for p in model.parameters()
+                    if p.grad is not None
+                    for rec in [tracker.record_of(p.grad)]
+                    if rec is not None
+                }
             else:
                 for p in model.parameters():
                     if p.grad is not None:
-                        grad_keys[(str(p.grad.device), p.grad.untyped_storage().data_ptr())] = \
+                        grad_keys[(str(p.grad.device), p.grad.untyped_storage().data_ptr())] = (
                             block_of_param.get(id(p), 0)
+                        )
         act, inp = list(hooks.activation_bytes), list(hooks.input_bytes)
     inp[0] = unique_storage_bytes(batch_tensors, set())
     segs = segments(block_tracker.marks)
@@ -518,19 +630,25 @@ def _track_memory(
             source = "dispatch_tracker"
         else:
             assert history is not None and isinstance(gauge, CudaGauge)
-            records, n_events, grad_sids, grad_blocks = _cuda_records(long_lived, history, gauge, block_tracker, grad_keys)
+            records, n_events, grad_sids, grad_blocks = _cuda_records(
+                long_lived, history, gauge, block_tracker, grad_keys
+            )
             source = "cuda_caching_allocator"
         try:
-            alloc = build_allocation_trace(records, n_events, grad_sids=grad_sids, grad_blocks=grad_blocks,
-                                           source=source)
+            alloc = build_allocation_trace(
+                records, n_events, grad_sids=grad_sids, grad_blocks=grad_blocks, source=source
+            )
         except AllocationTraceTooLarge as e:
             log.warning("%s; the trace is sent without one", e)
     return act, inp, fwd_tr, bwd_tr, peak, alloc
 
 
 def _cuda_records(
-    long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]], history: CudaAllocatorHistory,
-    gauge: CudaGauge, block_tracker: BlockTracker, grad_keys: dict[tuple[str, int], int],
+    long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]],
+    history: CudaAllocatorHistory,
+    gauge: CudaGauge,
+    block_tracker: BlockTracker,
+    grad_keys: dict[tuple[str, int], int],
 ) -> tuple[list[StorageRecord], int, set[int], dict[int, int | None]]:
     """Pre-existing model state first, then the allocator's events of the window (see cuda_history)."""
     records: list[StorageRecord] = []
@@ -542,8 +660,9 @@ def _cuda_records(
             continue
         seen.add(key)
         records.append(StorageRecord(len(records), nbytes, len(records), blk, Phase.forward, cat))
-    window, n_events, by_addr = history.records(len(records), len(records), gauge.mark_counts,
-                                                [(m.block, m.phase) for m in block_tracker.marks])
+    window, n_events, by_addr = history.records(
+        len(records), len(records), gauge.mark_counts, [(m.block, m.phase) for m in block_tracker.marks]
+    )
     grad_sids: set[int] = set()
     grad_blocks: dict[int, int | None] = {}
     for (_, addr), blk in grad_keys.items():
@@ -564,16 +683,20 @@ def _truncated(model: nn.Module, repeated: RepeatedBlocks, k: int) -> Iterator[R
         return
     if repeated.container_name is None:
         raise BlockDetectionError(
-            "max_blocks: extrapolation needs the repeated blocks in one nn.ModuleList; the given blocks are not")
+            "max_blocks: extrapolation needs the repeated blocks in one nn.ModuleList; the given blocks are not"
+        )
     container = model.get_submodule(repeated.container_name)
     parent_path, _, attr = repeated.container_name.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     if not isinstance(container, (nn.ModuleList, nn.Sequential)) or not attr:
         raise BlockDetectionError(
             f"max_blocks: {repeated.container_name or 'the model'!r} is not an nn.ModuleList or nn.Sequential "
-            "inside the model")
+            "inside the model"
+        )
     kept = list(container)[:k]
-    setattr(parent, attr, nn.Sequential(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept))
+    setattr(
+        parent, attr, nn.Sequential(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept)
+    )
     try:
         yield RepeatedBlocks(repeated.names[:k], repeated.modules[:k], repeated.container_name)
     finally:
@@ -581,7 +704,9 @@ def _truncated(model: nn.Module, repeated: RepeatedBlocks, k: int) -> Iterator[R
 
 
 @contextmanager
-def _on_device(model: nn.Module, dev: torch.device, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+def _on_device(
+    model: nn.Module, dev: torch.device, optimizer: torch.optim.Optimizer | None
+) -> Iterator[None]:
     """Move the (possibly truncated) model to `dev` for profiling, and back afterwards."""
     devices = {p.device for p in model.parameters()}
     if devices == {dev}:
@@ -590,7 +715,8 @@ def _on_device(model: nn.Module, dev: torch.device, optimizer: torch.optim.Optim
     if optimizer is not None:
         raise ProfilerInputError(
             f"device: the model's parameters are on {sorted(map(str, devices))}, not {dev}; move the model to the "
-            "device before creating its optimizer, or pass optimizer=None to profile with a fresh AdamW")
+            "device before creating its optimizer, or pass optimizer=None to profile with a fresh AdamW"
+        )
     home = next(iter(model.parameters())).device
     model.to(dev)
     try:
@@ -600,8 +726,14 @@ def _on_device(model: nn.Module, dev: torch.device, optimizer: torch.optim.Optim
 
 
 def _extrapolate(
-    repeated: RepeatedBlocks, k: int, ordered: list[OrderedParameter], blocks: list[BlockMeasurement],
-    iteration_s: float, peak: int, named: dict[str, nn.Parameter], model_state_bytes_per_byte: float,
+    repeated: RepeatedBlocks,
+    k: int,
+    ordered: list[OrderedParameter],
+    blocks: list[BlockMeasurement],
+    iteration_s: float,
+    peak: int,
+    named: dict[str, nn.Parameter],
+    model_state_bytes_per_byte: float,
 ) -> tuple[list[OrderedParameter], list[BlockMeasurement], float, int]:
     """Copy the last profiled block's figures (and its parameter order) to the unprofiled identical blocks."""
     n = len(repeated)
@@ -610,18 +742,27 @@ def _extrapolate(
     rep_params = [o for o in ordered if o.block == rep]
     epilogue_old = k + 1
     head = [o for o in ordered if o.block <= k]
-    tail = [OrderedParameter(o.param, o.name, o.module_path, n + 1, o.aliases) for o in ordered
-            if o.block == epilogue_old]
+    tail = [
+        OrderedParameter(o.param, o.name, o.module_path, n + 1, o.aliases)
+        for o in ordered
+        if o.block == epilogue_old
+    ]
     middle: list[OrderedParameter] = []
     for j in range(k, n):
         prefix = repeated.names[j] + "."
         for o in rep_params:
             if not o.name.startswith(rep_prefix):
-                raise BlockDetectionError(f"max_blocks: parameter {o.name!r} of block {rep} is outside its module")
-            pname = prefix + o.name[len(rep_prefix):]
+                raise BlockDetectionError(
+                    f"max_blocks: parameter {o.name!r} of block {rep} is outside its module"
+                )
+            pname = prefix + o.name[len(rep_prefix) :]
             if pname not in named:
-                raise BlockDetectionError(f"max_blocks: block {repeated.names[j]!r} has no {pname!r}; blocks differ")
-            middle.append(OrderedParameter(named[pname], pname, prefix + o.module_path[len(rep_prefix):], j + 1, ()))
+                raise BlockDetectionError(
+                    f"max_blocks: block {repeated.names[j]!r} has no {pname!r}; blocks differ"
+                )
+            middle.append(
+                OrderedParameter(named[pname], pname, prefix + o.module_path[len(rep_prefix) :], j + 1, ())
+            )
     rb = blocks[rep]
     new_blocks = blocks[: k + 1]
     for j in range(k + 1, n + 1):
@@ -634,7 +775,9 @@ def _extrapolate(
     return head + middle + tail, new_blocks, iteration_s, peak
 
 
-def _blocks_that_fit(model: nn.Module, repeated: RepeatedBlocks, dev: torch.device, limit: int | None) -> int | None:
+def _blocks_that_fit(
+    model: nn.Module, repeated: RepeatedBlocks, dev: torch.device, limit: int | None
+) -> int | None:
     """How many repeated blocks to profile when the whole model would not fit the device, else None.
 
     Capacity: `device_memory_limit` if given, and on CUDA the free device memory when the model is not on
@@ -660,8 +803,14 @@ def _blocks_that_fit(model: nn.Module, repeated: RepeatedBlocks, dev: torch.devi
     per_block = max(1, state_bytes(list(repeated.modules[0].parameters())))
     others = max(0, total - per_block * len(repeated))
     fit = max(1, min(len(repeated) - 1, (budget - others) // per_block))
-    log.warning("model states (~%d MiB) exceed half of the device's %d MiB: profiling %d of %d blocks and "
-                "extrapolating the rest", total >> 20, capacity >> 20, fit, len(repeated))
+    log.warning(
+        "model states (~%d MiB) exceed half of the device's %d MiB: profiling %d of %d blocks and "
+        "extrapolating the rest",
+        total >> 20,
+        capacity >> 20,
+        fit,
+        len(repeated),
+    )
     return int(fit)
 
 
@@ -702,5 +851,9 @@ def _software() -> Software:
         memplan_version = version("memplan")
     except PackageNotFoundError:
         memplan_version = "unknown"
-    return Software(torch_version=torch.__version__, cuda_version=torch.version.cuda,
-                    python_version=sys.version.split()[0], memplan_version=memplan_version)
+    return Software(
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        python_version=sys.version.split()[0],
+        memplan_version=memplan_version,
+    )

@@ -56,7 +56,9 @@ class RuntimeProbe:
     offload_params: int  # parameter tensors in the probed chunk
     offload_bytes: int  # their bytes (the copies the bandwidth model already charges)
     offload_stepped: bool = False  # offload_s includes the chunk's host optimizer step (run in its hook)
-    upload_s: float = 0.0  # one upload and one release of the chunk (copy of its bytes included), within offload_s
+    upload_s: float = (
+        0.0  # one upload and one release of the chunk (copy of its bytes included), within offload_s
+    )
 
     @property
     def checkpoint_extra_s(self) -> float:
@@ -82,17 +84,23 @@ def _outputs(value: Any) -> list[torch.Tensor]:
 class _Block:
     """Runs the block on its captured inputs: forward, then backward from fixed output gradients."""
 
-    def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], clock: DeviceClock) -> None:
+    def __init__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], clock: DeviceClock
+    ) -> None:
         self.module = module
         self.kwargs = kwargs
         self.clock = clock
         # the block's input needs a gradient in training (it comes from the block before)
-        self.args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                          else a for a in args)
+        self.args = tuple(
+            a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args
+        )
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.grads: list[torch.Tensor] | None = None  # output gradients, made at the first run
 
-    def run(self, forward: Callable[[], Any], before_backward: Callable[[], object] | None = None) -> tuple[float, float]:
+    def run(
+        self, forward: Callable[[], Any], before_backward: Callable[[], object] | None = None
+    ) -> tuple[float, float]:
         for p in self.params:
             p.grad = None
         for a in self.args:
@@ -115,8 +123,15 @@ class _Block:
         return t1 - t0, t2 - t1
 
 
-def probe_block(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
-                index: int, optimizer: torch.optim.Optimizer | None = None, rounds: int = 2) -> RuntimeProbe | None:
+def probe_block(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    index: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    rounds: int = 2,
+) -> RuntimeProbe | None:
     """Run the block in every mode (see the module docstring); None when the block cannot be probed
     (no trainable parameters, mixed parameter dtypes, no differentiable output)."""
     from agent.runtime.swap import SwapStore
@@ -199,9 +214,14 @@ def probe_block(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     swap_out = max(best(swap_direct, 0), best(swap_t, 0) - best(plain_t, 0))
     swap_in = max(best(swap_direct, 1), best(swap_t, 1) - best(plain_t, 1))
     return RuntimeProbe(
-        plain_s=min(sum(t) for t in plain_t), checkpoint_s=min(ckpt_s),
-        swap_out_s=swap_out, swap_in_s=swap_in, offload_s=resident, upload_s=reupload,
-        offload_params=len(params), offload_bytes=sum(p.numel() * p.element_size() for p in params),
+        plain_s=min(sum(t) for t in plain_t),
+        checkpoint_s=min(ckpt_s),
+        swap_out_s=swap_out,
+        swap_in_s=swap_in,
+        offload_s=resident,
+        upload_s=reupload,
+        offload_params=len(params),
+        offload_bytes=sum(p.numel() * p.element_size() for p in params),
         offload_stepped=offload.optimizer is not None,
     )
 
@@ -209,8 +229,13 @@ def probe_block(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 class _OffloadedChunk:
     """The block's parameters in one offloaded chunk of the chunk runtime (one device buffer)."""
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], device: torch.device,
-                 optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> None:
         from agent.runtime.device import DeviceContext
         from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
         from agent.runtime.manager import ModelStateManager
@@ -228,8 +253,9 @@ class _OffloadedChunk:
             spec.entries.append(e)
             by_param[id(p)] = e
             offset += p.numel()
-        layout = ChunkLayout(chunk_numel=offset, compute_dtype=params[0].dtype, chunks=[spec], n_buffers=1,
-                             by_param=by_param)
+        layout = ChunkLayout(
+            chunk_numel=offset, compute_dtype=params[0].dtype, chunks=[spec], n_buffers=1, by_param=by_param
+        )
         timer = self.timer = _Timer()
         moves = self.moves = dict.fromkeys((UPLOAD, EVICT, FLUSH), 0.0)
 
@@ -247,7 +273,9 @@ class _OffloadedChunk:
         # giving them back on close restores the values from before the probe (the probe's host steps
         # change the chunk's copy only)
         self.data = [p.data for p in params]
-        self.manager: Any = ModelStateManager(module, layout, DeviceContext(device), RuntimeOptions(device=device))
+        self.manager: Any = ModelStateManager(
+            module, layout, DeviceContext(device), RuntimeOptions(device=device)
+        )
         self.manager.timing.add_listener(on_section)
         self._counts = (0, 0)
         self.optimizer: ChunkedOptimizer | None = None
@@ -256,7 +284,9 @@ class _OffloadedChunk:
             # the chunk's host step runs inside the gradient hook that completes the chunk, as in training
             group = optimizer.param_groups[0]
             accepted = inspect.signature(type(optimizer).__init__).parameters
-            hyper = {k: group[k] for k in optimizer.defaults if k in group and k in accepted and k != "params"}
+            hyper = {
+                k: group[k] for k in optimizer.defaults if k in group and k in accepted and k != "params"
+            }
             try:
                 inner: torch.optim.Optimizer | None = type(optimizer)(params, **hyper)
             except (TypeError, ValueError):
@@ -298,4 +328,3 @@ class _OffloadedChunk:
         manager.detach()  # parameters are ordinary tensors again (holding the probe's stepped values)
         for p, d in zip(self.params, self.data, strict=True):
             p.data = d
-

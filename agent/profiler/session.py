@@ -59,8 +59,14 @@ def move_batch(batch: Any, device: torch.device) -> Any:
 class TrainingStep:
     """forward -> loss -> backward -> optimizer step, marking phases on an optional block_tracker."""
 
-    def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizer: torch.optim.Optimizer,
-                 n_blocks: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn | None,
+        optimizer: torch.optim.Optimizer,
+        n_blocks: int,
+    ) -> None:
         self.model = model
         self.batch = batch
         self.loss_fn = loss_fn or default_loss
@@ -76,8 +82,10 @@ class TrainingStep:
             else:
                 output = self.model(self.batch)
         except Exception as e:
-            e.add_note(f"memplan profiler: raised by the forward of {type(self.model).__name__} on the sample batch "
-                       "(check that sample_batch is what model(**batch) or model(*batch) takes)")
+            e.add_note(
+                f"memplan profiler: raised by the forward of {type(self.model).__name__} on the sample batch "
+                "(check that sample_batch is what model(**batch) or model(*batch) takes)"
+            )
             raise
         loss = self.loss_fn(output, self.batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -136,7 +144,9 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
                 if isinstance(value, torch.Tensor):
                     state[key] = value.detach().clone()
     cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda_rng = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
     try:
         yield
     finally:

@@ -65,7 +65,11 @@ class StorageTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ registration
     def register_existing(
-        self, tensor: torch.Tensor, category: AllocationCategory, block: int | None, phase: Phase = Phase.forward
+        self,
+        tensor: torch.Tensor,
+        category: AllocationCategory,
+        block: int | None,
+        phase: Phase = Phase.forward,
     ) -> None:
         """A storage alive before the window that belongs to the iteration's memory (model state)."""
         st = tensor.untyped_storage()
@@ -134,8 +138,12 @@ class StorageTracker(TorchDispatchMode):
         if st._cdata in self._ids or st.nbytes() == 0:
             return
         block_tracker = self.block_tracker
-        self._track(st, block_tracker.block if block_tracker is not None else None,
-                    block_tracker.phase if block_tracker is not None else Phase.forward, None)
+        self._track(
+            st,
+            block_tracker.block if block_tracker is not None else None,
+            block_tracker.phase if block_tracker is not None else Phase.forward,
+            None,
+        )
 
     def _track(self, st: Any, block: int | None, phase: Phase, category: AllocationCategory | None) -> None:
         sid = len(self.records)

@@ -31,7 +31,9 @@ def storage_bytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-def unique_storage_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor], exclude: set[tuple[str, int]]) -> int:
+def unique_storage_bytes(
+    tensors: Iterator[torch.Tensor] | list[torch.Tensor], exclude: set[tuple[str, int]]
+) -> int:
     """Sum of the storage sizes of `tensors`, each storage counted once, skipping keys in `exclude`."""
     seen: set[tuple[str, int]] = set()
     total = 0

@@ -47,7 +47,9 @@ class Counters:
     host_steps: int = 0
     host_step_s: float = 0.0
     speculative_steps: int = 0  # host steps run during backward, before optimizer.step() validated them
-    host_step_redos: int = 0  # speculative steps redone at optimizer.step() (gradient or hyper-parameters changed)
+    host_step_redos: int = (
+        0  # speculative steps redone at optimizer.step() (gradient or hyper-parameters changed)
+    )
     host_step_undos: int = 0  # speculative steps undone (gradient accumulation, zero_grad without step)
     device_steps: int = 0
     iterations: int = 0  # completed backward passes
@@ -80,7 +82,10 @@ class RuntimeReport:
 
 
 def measure_memory(
-    states: Sequence[ChunkState], steppers: Sequence[ChunkStepper], pool: BufferPool | None, ctx: DeviceContext
+    states: Sequence[ChunkState],
+    steppers: Sequence[ChunkStepper],
+    pool: BufferPool | None,
+    ctx: DeviceContext,
 ) -> MemoryReport:
     """The bytes the chunks, their optimizer state and the buffer pool hold now, by side and category."""
     rep = MemoryReport()

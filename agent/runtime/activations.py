@@ -101,11 +101,14 @@ def _check_checkpoint_buffers(policy: Policy, targets: list[BlockTarget]) -> Non
     for t in targets:
         if t.mode != ActivationMode.checkpoint:
             continue
-        chunks = sorted({chunk_of[f"{t.name}.{n}"] for n, _ in t.module.named_parameters() if f"{t.name}.{n}" in chunk_of})
+        chunks = sorted(
+            {chunk_of[f"{t.name}.{n}"] for n, _ in t.module.named_parameters() if f"{t.name}.{n}" in chunk_of}
+        )
         if len(chunks) > policy.n_buffers:
             raise ActivationPlanError(
                 f"policy.blocks[{t.index}]: checkpointed block {t.name!r} has parameters in offloaded chunks {chunks} "
-                f"but policy.n_buffers is {policy.n_buffers}: its recompute needs them on the device at once")
+                f"but policy.n_buffers is {policy.n_buffers}: its recompute needs them on the device at once"
+            )
 
 
 def default_state_storages(model: nn.Module) -> Callable[[], set[int]]:
@@ -338,4 +341,6 @@ def apply_activation_policy(
     targets = block_targets(model, policy)
     if runtime is None:
         return ActivationManager(model, targets, device)
-    return ActivationManager(model, targets, device, runtime_state_storages(runtime, model), runtime.saved_scope)
+    return ActivationManager(
+        model, targets, device, runtime_state_storages(runtime, model), runtime.saved_scope
+    )

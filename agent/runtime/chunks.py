@@ -92,8 +92,9 @@ class ChunkState:
             self.host_work = None
 
 
-def allocate(spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype, *, fp32_master: bool = True
-             ) -> ChunkState:
+def allocate(
+    spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype, *, fp32_master: bool = True
+) -> ChunkState:
     """Allocate a chunk's memory on its side and copy the parameters' current values into it. Without an
     fp32 master (`fp32_master` False, narrow compute dtype) the compute copy is the master and the host
     gradient has the compute dtype."""

@@ -27,9 +27,17 @@ class GradientFlow:
     """Gradient hooks' work, gradient areas, flushes to the host, and the `.grad` the user sees."""
 
     def __init__(
-        self, states: list[ChunkState], positions: dict[int, tuple[int, int]], ctx: DeviceContext,
-        compute_dtype: torch.dtype, counters: Counters, views: ViewCache, timing: RuntimeTiming,
-        residency: ChunkResidency | None, host_steps: HostSteps | None, worker: HostWorker | None,
+        self,
+        states: list[ChunkState],
+        positions: dict[int, tuple[int, int]],
+        ctx: DeviceContext,
+        compute_dtype: torch.dtype,
+        counters: Counters,
+        views: ViewCache,
+        timing: RuntimeTiming,
+        residency: ChunkResidency | None,
+        host_steps: HostSteps | None,
+        worker: HostWorker | None,
     ) -> None:
         self.states = states
         self.positions = positions  # id(param) -> (chunk, position in the chunk's entries)
@@ -61,7 +69,9 @@ class GradientFlow:
         assert self.residency is not None and self.host_steps is not None
         if st.stepped:
             # a parameter used again after its chunk's speculative step (e.g. outside its module's forward)
-            self.host_steps.undo(st, why=f"parameter {e.name!r} got a gradient after its chunk's speculative host step")
+            self.host_steps.undo(
+                st, why=f"parameter {e.name!r} got a gradient after its chunk's speculative host step"
+            )
         if st.slot is None:
             self.residency.acquire(c)  # waits for the upload it starts
         else:
@@ -93,7 +103,12 @@ class GradientFlow:
             elif st.in_slot:
                 self.flush(st, slot, keep=True)
         st.complete = True
-        if self.host_steps.speculating() and st.touched and not st.stepped and self.host_steps.optimizer is not None:
+        if (
+            self.host_steps.speculating()
+            and st.touched
+            and not st.stepped
+            and self.host_steps.optimizer is not None
+        ):
             self.host_steps.submit(st, speculative=True)
 
     @section(FLUSH)
@@ -218,7 +233,9 @@ class GradientFlow:
             st.wait_host()
             self.reconcile(st)
             if st.stepped:
-                self.host_steps.undo(st, why="another backward pass started before optimizer.step() (gradient accumulation)")
+                self.host_steps.undo(
+                    st, why="another backward pass started before optimizer.step() (gradient accumulation)"
+                )
             if st.exposed:
                 for e in st.spec.entries:
                     e.param.grad = None

@@ -29,8 +29,13 @@ class HostSteps:
     """Queues, speculates, validates, undoes and redoes the host optimizer steps of offloaded chunks."""
 
     def __init__(
-        self, ctx: DeviceContext, options: RuntimeOptions, counters: Counters, worker: HostWorker,
-        residency: ChunkResidency, compute_dtype: torch.dtype,
+        self,
+        ctx: DeviceContext,
+        options: RuntimeOptions,
+        counters: Counters,
+        worker: HostWorker,
+        residency: ChunkResidency,
+        compute_dtype: torch.dtype,
     ) -> None:
         self.ctx = ctx
         self.options = options
@@ -59,7 +64,9 @@ class HostSteps:
         st.pending_events = []
         backup = speculative and self.options.undo_host_steps
         touched = set(st.touched)
-        st.host_work = self.worker.submit(self._host_step, st, hypers, touched, events, speculative, backup, redo)
+        st.host_work = self.worker.submit(
+            self._host_step, st, hypers, touched, events, speculative, backup, redo
+        )
         st.stepped = speculative
         st.spec_backup = backup
         st.spec_hypers = hypers if speculative else None
@@ -69,8 +76,14 @@ class HostSteps:
             self.counters.speculative_steps += 1
 
     def _host_step(
-        self, st: ChunkState, hypers: list[dict[str, Any]], touched: set[int], events: list[Event],
-        speculative: bool, backup: bool, redo: bool,
+        self,
+        st: ChunkState,
+        hypers: list[dict[str, Any]],
+        touched: set[int],
+        events: list[Event],
+        speculative: bool,
+        backup: bool,
+        redo: bool,
     ) -> None:
         """Host worker: the chunk's optimizer step on its fp32 master, then refresh the upload source.
 
@@ -135,7 +148,11 @@ class HostSteps:
         """At `optimizer.step()`: keep the chunk's speculative step if it is still valid, else restore and
         redo it; a chunk not stepped yet (with gradients) is queued now."""
         if st.stepped:
-            if grad_changed or st.spec_touched != frozenset(st.touched) or not same_hypers(st.spec_hypers, hypers):
+            if (
+                grad_changed
+                or st.spec_touched != frozenset(st.touched)
+                or not same_hypers(st.spec_hypers, hypers)
+            ):
                 # validation failed: the gradient (e.g. clipped), the parameters with a gradient or the
                 # hyper-parameters differ from what the speculative step used: restore and step again
                 if not st.spec_backup:

@@ -21,7 +21,9 @@ from typing import Any
 class HostWorker:
     def __init__(self, *, inline: bool = False) -> None:
         self.inline = inline
-        self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="memplan-host-optimizer")
+        self._pool = (
+            None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="memplan-host-optimizer")
+        )
 
     def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
         if self._pool is not None:

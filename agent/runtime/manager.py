@@ -63,7 +63,8 @@ class ModelStateManager:
         self.phase = Phase()
         self._original = {id(e.param): (e.param.dtype, e.param.device) for e in layout.by_param.values()}
         self.states: list[ChunkState] = [
-            allocate(spec, ctx, layout.compute_dtype, fp32_master=options.fp32_master) for spec in layout.chunks
+            allocate(spec, ctx, layout.compute_dtype, fp32_master=options.fp32_master)
+            for spec in layout.chunks
         ]
         self._pos = {id(e.param): (e.chunk, j) for spec in layout.chunks for j, e in enumerate(spec.entries)}
         self.has_offload = bool(layout.offloaded)
@@ -75,14 +76,27 @@ class ModelStateManager:
         self.worker: HostWorker | None = None
         if self.has_offload:
             self.worker = HostWorker(inline=not ctx.is_cuda)
-            self.residency = ChunkResidency(self.states, layout, ctx, options, self.counters, self.schedule,
-                                            self._views, self.timing)
-            self.host_steps = HostSteps(ctx, options, self.counters, self.worker, self.residency,
-                                        layout.compute_dtype)
-            self.saved = SavedTensorRebinder(self.residency, ctx, layout.compute_dtype, self.phase,
-                                             self._ensure_backward, self.timing)
-        self.gradients = GradientFlow(self.states, self._pos, ctx, layout.compute_dtype, self.counters, self._views,
-                                      self.timing, self.residency, self.host_steps, self.worker)
+            self.residency = ChunkResidency(
+                self.states, layout, ctx, options, self.counters, self.schedule, self._views, self.timing
+            )
+            self.host_steps = HostSteps(
+                ctx, options, self.counters, self.worker, self.residency, layout.compute_dtype
+            )
+            self.saved = SavedTensorRebinder(
+                self.residency, ctx, layout.compute_dtype, self.phase, self._ensure_backward, self.timing
+            )
+        self.gradients = GradientFlow(
+            self.states,
+            self._pos,
+            ctx,
+            layout.compute_dtype,
+            self.counters,
+            self._views,
+            self.timing,
+            self.residency,
+            self.host_steps,
+            self.worker,
+        )
         if self.residency is not None:
             self.residency.flush = self.gradients.flush
         self.optimizer: ChunkedOptimizer | None = None

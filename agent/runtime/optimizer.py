@@ -40,6 +40,7 @@ class ChunkRuntime(Protocol):
         self, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor: ...
 
+
 # Optimizers whose update of a parameter depends only on that parameter's own gradient and state,
 # so they can be split into chunks exactly.
 SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (

@@ -55,8 +55,9 @@ class RuntimeOptions:
     measure_uploads: bool = False
 
 
-def job_workload(workload: Workload, options: RuntimeOptions | None = None, *, clips_gradients: bool = False
-                 ) -> Workload:
+def job_workload(
+    workload: Workload, options: RuntimeOptions | None = None, *, clips_gradients: bool = False
+) -> Workload:
     """The profiled workload as the runtime will run it, for the planner: the fp32 master and its fp32
     optimizer state (a narrower model dtype with `fp32_master`), the undo backup of speculative host steps
     (`undo_host_steps` with `overlap_host_step`: a copy of the master and of the optimizer state) and whether
@@ -69,7 +70,11 @@ def job_workload(workload: Workload, options: RuntimeOptions | None = None, *, c
     master = 4 if workload.precision != Precision.fp32 and opts.fp32_master else 0
     state = workload.optimizer_state_bytes_per_param * (4 // elt if master else 1)
     backup = (master or elt) + state if opts.overlap_host_step and opts.undo_host_steps else 0
-    return workload.model_copy(update={
-        "master_bytes_per_param": master, "optimizer_state_bytes_per_param": state,
-        "undo_backup_bytes_per_param": backup, "clips_gradients": clips_gradients,
-    })
+    return workload.model_copy(
+        update={
+            "master_bytes_per_param": master,
+            "optimizer_state_bytes_per_param": state,
+            "undo_backup_bytes_per_param": backup,
+            "clips_gradients": clips_gradients,
+        }
+    )

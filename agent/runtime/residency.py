@@ -28,8 +28,15 @@ class ChunkResidency:
     """Moves offloaded chunks between their host copies and the device buffers, one training thread."""
 
     def __init__(
-        self, states: list[ChunkState], layout: ChunkLayout, ctx: DeviceContext, options: RuntimeOptions,
-        counters: Counters, schedule: AccessSchedule, views: ViewCache, timing: RuntimeTiming,
+        self,
+        states: list[ChunkState],
+        layout: ChunkLayout,
+        ctx: DeviceContext,
+        options: RuntimeOptions,
+        counters: Counters,
+        schedule: AccessSchedule,
+        views: ViewCache,
+        timing: RuntimeTiming,
     ) -> None:
         self.states = states
         self.layout = layout

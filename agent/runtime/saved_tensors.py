@@ -39,8 +39,13 @@ class SavedTensorRebinder:
     """Pushes and pops the saved-tensor hooks (per scope, or around the whole forward) and packs/unpacks."""
 
     def __init__(
-        self, residency: ChunkResidency, ctx: DeviceContext, compute_dtype: torch.dtype, phase: Phase,
-        on_backward: Callable[[], None], timing: RuntimeTiming,
+        self,
+        residency: ChunkResidency,
+        ctx: DeviceContext,
+        compute_dtype: torch.dtype,
+        phase: Phase,
+        on_backward: Callable[[], None],
+        timing: RuntimeTiming,
     ) -> None:
         self.residency = residency
         self.ctx = ctx

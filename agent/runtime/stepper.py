@@ -94,7 +94,9 @@ class ChunkStepper:
             # Persistent chunks step with the user's implementation choice; offloaded chunks step on
             # the host with the fused (or foreach) CPU implementation.
             self.impl_kwargs = (
-                host_impl(cls, hyper_parameters(outer_groups[self.runs[0].outer])) if state.offloaded else device_impl
+                host_impl(cls, hyper_parameters(outer_groups[self.runs[0].outer]))
+                if state.offloaded
+                else device_impl
             )
             self.impl = next(iter(self.impl_kwargs), "default")
             self._rebuild({})
@@ -106,7 +108,8 @@ class ChunkStepper:
         self._group_order = list(groups)
         make: Any = self.cls  # the supported classes all take foreach=/fused=
         self.inner = make(
-            [{"params": ps, **hyper_parameters(self._outer_groups[g])} for g, ps in groups.items()], **self.impl_kwargs
+            [{"params": ps, **hyper_parameters(self._outer_groups[g])} for g, ps in groups.items()],
+            **self.impl_kwargs,
         )
         for t, st in states.items():
             self.inner.state[t] = st

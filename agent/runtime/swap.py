@@ -133,7 +133,9 @@ class SwapStore:
         # CPU: host buffers of released entries by size, reused by the next copy-outs (see `_free_host`);
         # at most the largest set of swapped bytes live at once (the plan's swapped host bytes)
         self._host_free: dict[int, list[torch.Tensor]] = {}
-        self._copying: list[SwapEntry] = []  # entries whose swapped storage is held until its copy-out is done
+        self._copying: list[
+            SwapEntry
+        ] = []  # entries whose swapped storage is held until its copy-out is done
         self._current: int | None = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
 
@@ -157,8 +159,13 @@ class SwapStore:
 
     @section(SWAP_OUT)
     def _pack(self, t: torch.Tensor) -> Any:
-        if (t.device != self.device or t.layout != torch.strided or t.is_meta or self._current is None
-                or self.is_model_state(t)):
+        if (
+            t.device != self.device
+            or t.layout != torch.strided
+            or t.is_meta
+            or self._current is None
+            or self.is_model_state(t)
+        ):
             if self._outer is None:
                 return PassedThrough(t, None)
             return PassedThrough(self._outer[0](t), self._outer[1])
@@ -205,7 +212,9 @@ class SwapStore:
                 self.out_stream.wait_event(produced)
                 host.copy_(src, non_blocking=True)
                 entry.out_done = self.out_stream.record_event()
-            entry.source = src  # released by `_settle_sources` once the copy is done (record_stream is not enough)
+            entry.source = (
+                src  # released by `_settle_sources` once the copy is done (record_stream is not enough)
+            )
             self._copying.append(entry)
         else:
             host.copy_(src)
@@ -274,7 +283,8 @@ class SwapStore:
         data = entry.on_device
         assert data is not None
         out = torch.empty(0, dtype=packed.dtype, device=self.device).set_(
-            data.untyped_storage(), packed.offset, packed.size, packed.stride)
+            data.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
         entry.unpacked += 1
         if entry.unpacked >= entry.packed:
             self._release(entry)
@@ -288,7 +298,8 @@ class SwapStore:
         if entry.host is None:
             raise RuntimeError(
                 "activation swap: a swapped tensor was unpacked after its host copy was released (a second "
-                "backward through the same graph needs retain_graph=True before the first one)")
+                "backward through the same graph needs retain_graph=True before the first one)"
+            )
         dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
         if entry.out_done is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.out_done)
@@ -303,7 +314,9 @@ class SwapStore:
             self.counters.host_bytes_live -= entry.nbytes
             self._free_host(entry)
         if self._by_storage.get(entry.key) is entry:
-            del self._by_storage[entry.key]  # a storage that lives on (a batch tensor) is copied afresh next time
+            del self._by_storage[
+                entry.key
+            ]  # a storage that lives on (a batch tensor) is copied afresh next time
         for b in [b for b, r in self._blocks.items() if id(entry) in r.ids]:
             if all(e.host is None for e in self._blocks[b].entries):
                 del self._blocks[b]

@@ -40,8 +40,19 @@ SWAP_OUT = "swap_out"  # pack hook: a saved tensor copied to the host
 SWAP_IN = "swap_in"  # unpack hook: a swapped tensor back on the device
 SWAP_PREFETCH = "swap_prefetch"  # a block's swapped tensors copied back ahead of use
 ENTRY_POINTS = frozenset(
-    {ROOT_FORWARD, AFTER_ROOT_FORWARD, OUTPUT_GRAD, END_BACKWARD, MODULE_FORWARD, AFTER_MODULE_FORWARD, PACK,
-     UNPACK, GRAD_HOOK, ZERO_GRAD, STEP}
+    {
+        ROOT_FORWARD,
+        AFTER_ROOT_FORWARD,
+        OUTPUT_GRAD,
+        END_BACKWARD,
+        MODULE_FORWARD,
+        AFTER_MODULE_FORWARD,
+        PACK,
+        UNPACK,
+        GRAD_HOOK,
+        ZERO_GRAD,
+        STEP,
+    }
 )
 
 
@@ -98,7 +109,9 @@ def section(name: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             timing: RuntimeTiming = self.timing
-            if not timing._listeners and not _profiler_enabled():  # the common case: one check, ~0.5 us a call
+            if (
+                not timing._listeners and not _profiler_enabled()
+            ):  # the common case: one check, ~0.5 us a call
                 return fn(self, *args, **kwargs)
             return timing.run(name, fn, self, *args, **kwargs)
 

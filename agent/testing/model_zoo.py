@@ -58,7 +58,12 @@ def make_config(
         raise ValueError(f"heads: {n_heads} must be at least 1 and divide hidden={hidden}")
 
     # No KV cache in training; special tokens inside the (usually small) vocabulary.
-    common: dict[str, Any] = {"vocab_size": vocab, "use_cache": False, "bos_token_id": 0, "eos_token_id": vocab - 1}
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "use_cache": False,
+        "bos_token_id": 0,
+        "eos_token_id": vocab - 1,
+    }
     if kind == "gpt2":
         return transformers.GPT2Config(
             n_layer=layers, n_embd=hidden, n_head=n_heads, n_positions=seq, **common
@@ -144,15 +149,37 @@ def sample_batch(
 
 # --------------------------------------------------------------------------- families at library defaults
 DEFAULTS_FAMILIES: Final[tuple[str, ...]] = (
-    "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "falcon", "phi", "phi3", "gpt_neox",
-    "opt", "bloom", "olmo", "olmo2", "stablelm", "starcoder2", "granite", "gptj", "mixtral", "qwen2_moe",
-    "gemma3_text", "cohere", "gpt_bigcode",
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "falcon",
+    "phi",
+    "phi3",
+    "gpt_neox",
+    "opt",
+    "bloom",
+    "olmo",
+    "olmo2",
+    "stablelm",
+    "starcoder2",
+    "granite",
+    "gptj",
+    "mixtral",
+    "qwen2_moe",
+    "gemma3_text",
+    "cohere",
+    "gpt_bigcode",
 )
 """Families `build_with_library_defaults` knows (Hugging Face `model_type`s)."""
 
 
-def library_default_config(family: str, layers: int = 2, hidden: int = 64, vocab: int = 128,
-                           seq: int = 64) -> PretrainedConfig:
+def library_default_config(
+    family: str, layers: int = 2, hidden: int = 64, vocab: int = 128, seq: int = 64
+) -> PretrainedConfig:
     """A config of `family` as its library makes it: only the sizes are set (layers, width, 2 heads, vocabulary,
     positions) and the special token ids moved inside the small vocabulary. `use_cache`, the attention
     implementation and `tie_word_embeddings` keep the library's defaults (unlike `make_config`/`build`,
@@ -163,17 +190,34 @@ def library_default_config(family: str, layers: int = 2, hidden: int = 64, vocab
     if family not in DEFAULTS_FAMILIES:
         raise ValueError(f"family: {family!r} is not one of {', '.join(DEFAULTS_FAMILIES)}")
     heads = 2
-    tokens: dict[str, Any] = {"vocab_size": vocab, "bos_token_id": 0, "eos_token_id": vocab - 1, "pad_token_id": 1}
+    tokens: dict[str, Any] = {
+        "vocab_size": vocab,
+        "bos_token_id": 0,
+        "eos_token_id": vocab - 1,
+        "pad_token_id": 1,
+    }
     llama_like: dict[str, Any] = {
-        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": 1, "intermediate_size": 2 * hidden, "max_position_embeddings": seq, **tokens,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 1,
+        "intermediate_size": 2 * hidden,
+        "max_position_embeddings": seq,
+        **tokens,
     }
     head_dim: dict[str, Any] = {"head_dim": hidden // heads}
     makers: dict[str, Any] = {
-        "gpt2": lambda: transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq,
-                                                **tokens),
-        "gptj": lambda: transformers.GPTJConfig(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq,
-                                                rotary_dim=hidden // heads // 2, **tokens),
+        "gpt2": lambda: transformers.GPT2Config(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, **tokens
+        ),
+        "gptj": lambda: transformers.GPTJConfig(
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=seq,
+            rotary_dim=hidden // heads // 2,
+            **tokens,
+        ),
         "llama": lambda: transformers.LlamaConfig(**llama_like),
         "mistral": lambda: transformers.MistralConfig(**llama_like),
         "qwen2": lambda: transformers.Qwen2Config(**llama_like),
@@ -187,29 +231,49 @@ def library_default_config(family: str, layers: int = 2, hidden: int = 64, vocab
         "stablelm": lambda: transformers.StableLmConfig(**llama_like),
         "starcoder2": lambda: transformers.Starcoder2Config(**llama_like),
         "granite": lambda: transformers.GraniteConfig(**llama_like),
-        "falcon": lambda: transformers.FalconConfig(hidden_size=hidden, num_hidden_layers=layers,
-                                                    num_attention_heads=heads, **tokens),
-        "gpt_neox": lambda: transformers.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers,
-                                                       num_attention_heads=heads, intermediate_size=2 * hidden,
-                                                       max_position_embeddings=seq, **tokens),
-        "opt": lambda: transformers.OPTConfig(hidden_size=hidden, num_hidden_layers=layers,
-                                              num_attention_heads=heads, ffn_dim=2 * hidden,
-                                              max_position_embeddings=seq, word_embed_proj_dim=hidden, **tokens),
+        "falcon": lambda: transformers.FalconConfig(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, **tokens
+        ),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * hidden,
+            max_position_embeddings=seq,
+            **tokens,
+        ),
+        "opt": lambda: transformers.OPTConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            ffn_dim=2 * hidden,
+            max_position_embeddings=seq,
+            word_embed_proj_dim=hidden,
+            **tokens,
+        ),
         "bloom": lambda: transformers.BloomConfig(hidden_size=hidden, n_layer=layers, n_head=heads, **tokens),
-        "mixtral": lambda: transformers.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2),
-        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**llama_like, num_experts=4, num_experts_per_tok=2,
-                                                         moe_intermediate_size=hidden // 2,
-                                                         shared_expert_intermediate_size=hidden // 2),
+        "mixtral": lambda: transformers.MixtralConfig(
+            **llama_like, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **llama_like,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden // 2,
+        ),
         "gemma3_text": lambda: transformers.Gemma3TextConfig(**llama_like, **head_dim),
         "cohere": lambda: transformers.CohereConfig(**llama_like),
-        "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(n_embd=hidden, n_layer=layers, n_head=heads,
-                                                             n_positions=seq, **tokens),
+        "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, **tokens
+        ),
     }
     return makers[family]()
 
 
-def build_with_library_defaults(family: str, layers: int = 2, hidden: int = 64, vocab: int = 128,
-                                seq: int = 64, *, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
+def build_with_library_defaults(
+    family: str, layers: int = 2, hidden: int = 64, vocab: int = 128, seq: int = 64, *, seed: int = 0
+) -> tuple[PreTrainedModel, PretrainedConfig]:
     """`AutoModelForCausalLM.from_config(library_default_config(...))` with `torch.manual_seed(seed)`, in
     training mode on CPU: random weights, the library's defaults (KV cache on, SDPA or the family's own
     attention, tied embeddings where the family ties them)."""

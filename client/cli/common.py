@@ -12,7 +12,9 @@ from rich.console import Console
 from client.units import parse_bytes
 
 console = Console()
-err_console = Console(stderr=True, soft_wrap=True)  # errors are not cut into lines: paths stay whole for copying
+err_console = Console(
+    stderr=True, soft_wrap=True
+)  # errors are not cut into lines: paths stay whole for copying
 
 
 def bytes_option(value: str | None) -> int | None:
@@ -24,8 +26,10 @@ def bytes_option(value: str | None) -> int | None:
         raise typer.BadParameter(str(exc)) from exc
 
 
-ServerOpt = Annotated[str | None, typer.Option("--server", envvar="MEMPLAN_SERVER",
-                                               help="planner service URL, e.g. http://127.0.0.1:8000")]
+ServerOpt = Annotated[
+    str | None,
+    typer.Option("--server", envvar="MEMPLAN_SERVER", help="planner service URL, e.g. http://127.0.0.1:8000"),
+]
 TokenOpt = Annotated[str | None, typer.Option("--token", envvar="MEMPLAN_TOKEN", help="API token")]
 
 

@@ -23,14 +23,26 @@ class FileKind:
 
 # Most specific first: a record's keys are a superset of nothing else listed here.
 KINDS = (
-    FileKind("a Trace", frozenset({"hardware", "model", "workload", "measurements"}),
-             "`memplan profile -o`, `agent.profile` or `memplan traces get -o`"),
-    FileKind("a Plan", frozenset({"trace_hash", "solver", "constraints"}),
-             "`memplan plans solve -o` or `memplan plans get -o`"),
-    FileKind("a plan record (the API's answer for a plan)", frozenset({"trace_id", "status", "constraints"}),
-             "GET /v1/plans/{id}"),
-    FileKind("a trace record (the API's answer for a trace)", frozenset({"trace", "content_hash"}),
-             "GET /v1/traces/{id}; its `trace` field is the Trace"),
+    FileKind(
+        "a Trace",
+        frozenset({"hardware", "model", "workload", "measurements"}),
+        "`memplan profile -o`, `agent.profile` or `memplan traces get -o`",
+    ),
+    FileKind(
+        "a Plan",
+        frozenset({"trace_hash", "solver", "constraints"}),
+        "`memplan plans solve -o` or `memplan plans get -o`",
+    ),
+    FileKind(
+        "a plan record (the API's answer for a plan)",
+        frozenset({"trace_id", "status", "constraints"}),
+        "GET /v1/plans/{id}",
+    ),
+    FileKind(
+        "a trace record (the API's answer for a trace)",
+        frozenset({"trace", "content_hash"}),
+        "GET /v1/traces/{id}; its `trace` field is the Trace",
+    ),
     FileKind("Feedback", frozenset({"iteration_s", "steps_measured"}), "the agent's measurements of a plan"),
     FileKind("an AllocationTrace", frozenset({"source", "horizon"}), "a Trace's `allocation_trace` field"),
 )
@@ -80,11 +92,14 @@ def parse_as(path: Path, data: Any, model: type[M], wanted: FileKind) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        shown = "\n".join(f"  {'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}"
-                          for e in errors[:_ERRORS_SHOWN])
+        shown = "\n".join(
+            f"  {'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in errors[:_ERRORS_SHOWN]
+        )
         more = f"\n  ... and {len(errors) - _ERRORS_SHOWN} more" if len(errors) > _ERRORS_SHOWN else ""
-        raise WrongFile(f"{path} is {wanted.name} with {len(errors)} invalid field"
-                        f"{'s' if len(errors) != 1 else ''}:\n{shown}{more}") from exc
+        raise WrongFile(
+            f"{path} is {wanted.name} with {len(errors)} invalid field"
+            f"{'s' if len(errors) != 1 else ''}:\n{shown}{more}"
+        ) from exc
 
 
 def read_as(path: Path, model: type[M], wanted: FileKind) -> M:

@@ -41,16 +41,20 @@ def _resolve_id(kind: str, typed: str, find: Callable[[str, int], Sequence[tuple
     if len(found) > 1:
         more = " (and more)" if len(found) > _CANDIDATES_SHOWN else ""
         lines = "\n".join(f"  {i}  {what}" for i, what in found[:_CANDIDATES_SHOWN])
-        raise LookupFailed(f"{kind} id prefix {typed!r} is ambiguous; it starts{more}:\n{lines}\n"
-                           f"type more characters of the id")
+        raise LookupFailed(
+            f"{kind} id prefix {typed!r} is ambiguous; it starts{more}:\n{lines}\n"
+            f"type more characters of the id"
+        )
     return found[0][0]
 
 
 def resolve_plan_id(client: Client, typed: str) -> str:
     def find(prefix: str, n: int) -> list[tuple[str, str]]:
         page = client.list_plans_page(id_prefix=prefix, limit=n)
-        return [(r.id, f"{r.status}  {r.model_name}  {r.hardware_key}  {r.created_at:%Y-%m-%d %H:%M:%S}")
-                for r in page.items]
+        return [
+            (r.id, f"{r.status}  {r.model_name}  {r.hardware_key}  {r.created_at:%Y-%m-%d %H:%M:%S}")
+            for r in page.items
+        ]
 
     return _resolve_id("plan", typed, find)
 
@@ -58,7 +62,9 @@ def resolve_plan_id(client: Client, typed: str) -> str:
 def resolve_trace_id(client: Client, typed: str) -> str:
     def find(prefix: str, n: int) -> list[tuple[str, str]]:
         page = client.list_traces_page(id_prefix=prefix, limit=n)
-        return [(r.id, f"{r.model_name}  {r.hardware_key}  {r.created_at:%Y-%m-%d %H:%M:%S}") for r in page.items]
+        return [
+            (r.id, f"{r.model_name}  {r.hardware_key}  {r.created_at:%Y-%m-%d %H:%M:%S}") for r in page.items
+        ]
 
     return _resolve_id("trace", typed, find)
 

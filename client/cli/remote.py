@@ -36,7 +36,9 @@ from client.sdk import Client
 
 traces_app = typer.Typer(no_args_is_help=True, help="Upload and browse traces.")
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="print the rows as a JSON array (whole ids) instead of a table")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="print the rows as a JSON array (whole ids) instead of a table")
+]
 LimitOpt = Annotated[int, typer.Option(min=1, help="most rows to show")]
 
 
@@ -55,8 +57,11 @@ def _print_json(rows: Sequence[BaseModel]) -> None:
 
 
 @traces_app.command("upload")
-def traces_upload(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="trace JSON")],
-                  server: ServerOpt = None, token: TokenOpt = None) -> None:
+def traces_upload(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="trace JSON")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
     """Upload a trace (gzip-compressed on the wire); prints its id."""
     try:
         trace = read_as(file, Trace, TRACE)
@@ -67,13 +72,18 @@ def traces_upload(file: Annotated[Path, typer.Argument(exists=True, dir_okay=Fal
             created = c.upload_trace(trace)
     except MemplanError as exc:
         raise _fail(exc) from exc
-    console.print(f"{created.id}  ({'new' if created.created else 'already stored'}, sha256 {created.content_hash[:12]})")
+    console.print(
+        f"{created.id}  ({'new' if created.created else 'already stored'}, sha256 {created.content_hash[:12]})"
+    )
 
 
 @traces_app.command("get")
-def traces_get(trace_id: Annotated[str, typer.Argument(help="trace id, or a unique prefix of it")],
-               output: Annotated[Path | None, typer.Option("-o", "--output")] = None,
-               server: ServerOpt = None, token: TokenOpt = None) -> None:
+def traces_get(
+    trace_id: Annotated[str, typer.Argument(help="trace id, or a unique prefix of it")],
+    output: Annotated[Path | None, typer.Option("-o", "--output")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
     """Fetch a trace; writes it to --output or prints a summary."""
     try:
         with _client(server, token) as c:
@@ -115,16 +125,23 @@ def _newest_first(streams: list[Iterator[Any]], limit: int) -> list[Any]:
 
 
 @traces_app.command("list")
-def traces_list(model: Annotated[str | None, typer.Option(help="model name (exact, prefix or substring) or "
-                                                                "fingerprint")] = None,
-                hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
-                limit: LimitOpt = 50, as_json: JsonOpt = False,
-                server: ServerOpt = None, token: TokenOpt = None) -> None:
+def traces_list(
+    model: Annotated[
+        str | None, typer.Option(help="model name (exact, prefix or substring) or fingerprint")
+    ] = None,
+    hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
+    limit: LimitOpt = 50,
+    as_json: JsonOpt = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
     """List traces, newest first."""
     try:
         with _client(server, token) as c:
             filters, said = _filters(c, model, hardware)
-            rows: list[TraceSummary] = _newest_first([c.list_traces(limit=_page(limit), **f) for f in filters], limit)
+            rows: list[TraceSummary] = _newest_first(
+                [c.list_traces(limit=_page(limit), **f) for f in filters], limit
+            )
     except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -133,16 +150,22 @@ def traces_list(model: Annotated[str | None, typer.Option(help="model name (exac
         console.print(traces_table(rows, title="traces" + (f" ({said})" if said else "")))
 
 
-def plans_request(trace_id: Annotated[str, typer.Argument(help="trace id, or a unique prefix of it")],
-                  device_memory: Annotated[str, typer.Option(help="device memory limit, e.g. 24GiB")],
-                  host_memory: Annotated[str | None, typer.Option(help="host memory limit, e.g. 256GiB")] = None,
-                  time_limit: Annotated[float, typer.Option(help="solver time limit, seconds")] = 10.0,
-                  solver: Annotated[str, typer.Option(help="cpsat or protrain")] = "cpsat",
-                  wait: Annotated[bool, typer.Option(help="wait for the result")] = False,
-                  server: ServerOpt = None, token: TokenOpt = None) -> None:
+def plans_request(
+    trace_id: Annotated[str, typer.Argument(help="trace id, or a unique prefix of it")],
+    device_memory: Annotated[str, typer.Option(help="device memory limit, e.g. 24GiB")],
+    host_memory: Annotated[str | None, typer.Option(help="host memory limit, e.g. 256GiB")] = None,
+    time_limit: Annotated[float, typer.Option(help="solver time limit, seconds")] = 10.0,
+    solver: Annotated[str, typer.Option(help="cpsat or protrain")] = "cpsat",
+    wait: Annotated[bool, typer.Option(help="wait for the result")] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
     """Request a plan for an uploaded trace."""
-    constraints = Constraints(device_memory_bytes=bytes_option(device_memory),
-                              host_memory_bytes=bytes_option(host_memory), time_limit_s=time_limit)
+    constraints = Constraints(
+        device_memory_bytes=bytes_option(device_memory),
+        host_memory_bytes=bytes_option(host_memory),
+        time_limit_s=time_limit,
+    )
     try:
         with _client(server, token) as c:
             record = c.request_plan(resolve_trace_id(c, trace_id), constraints, solver=solver)
@@ -156,8 +179,9 @@ def plans_request(trace_id: Annotated[str, typer.Argument(help="trace id, or a u
 
 
 def _show(record: PlanRecord) -> None:
-    console.print(f"plan {record.id}: {record.status}" + (f" ({record.error})" if record.error else ""),
-                  highlight=False)
+    console.print(
+        f"plan {record.id}: {record.status}" + (f" ({record.error})" if record.error else ""), highlight=False
+    )
     if record.plan is not None:
         console.print(plan_table(record.plan))
     if record.feedback:
@@ -166,10 +190,13 @@ def _show(record: PlanRecord) -> None:
         console.print("feedback: none yet (the agent posts what it measured after applying the plan)")
 
 
-def plans_get(plan_id: Annotated[str, typer.Argument(help="plan id, or a unique prefix of it")],
-              wait: Annotated[bool, typer.Option(help="long-poll until finished")] = False,
-              output: Annotated[Path | None, typer.Option("-o", "--output", help="write the Plan JSON")] = None,
-              server: ServerOpt = None, token: TokenOpt = None) -> None:
+def plans_get(
+    plan_id: Annotated[str, typer.Argument(help="plan id, or a unique prefix of it")],
+    wait: Annotated[bool, typer.Option(help="long-poll until finished")] = False,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="write the Plan JSON")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
     """Show a plan, and the feedback measured while it was applied (optionally wait for it)."""
     try:
         with _client(server, token) as c:
@@ -183,18 +210,24 @@ def plans_get(plan_id: Annotated[str, typer.Argument(help="plan id, or a unique 
         console.print(f"wrote {output}")
 
 
-def plans_list(model: Annotated[str | None, typer.Option(help="model name (exact, prefix or substring) or "
-                                                               "fingerprint")] = None,
-               hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
-               status: Annotated[str | None, typer.Option(help="queued|running|done|failed|infeasible")] = None,
-               limit: LimitOpt = 50, as_json: JsonOpt = False,
-               server: ServerOpt = None, token: TokenOpt = None) -> None:
+def plans_list(
+    model: Annotated[
+        str | None, typer.Option(help="model name (exact, prefix or substring) or fingerprint")
+    ] = None,
+    hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
+    status: Annotated[str | None, typer.Option(help="queued|running|done|failed|infeasible")] = None,
+    limit: LimitOpt = 50,
+    as_json: JsonOpt = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+) -> None:
     """List plans, newest first (ids shown short: any unique prefix is accepted back)."""
     try:
         with _client(server, token) as c:
             filters, said = _filters(c, model, hardware)
             rows: list[PlanRecord] = _newest_first(
-                [c.list_plans(status=status, limit=_page(limit), **f) for f in filters], limit)
+                [c.list_plans(status=status, limit=_page(limit), **f) for f in filters], limit
+            )
     except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -227,5 +260,3 @@ def hardware(as_json: JsonOpt = False, server: ServerOpt = None, token: TokenOpt
         _print_json(rows)
     else:
         console.print(hardware_table(rows))
-
-

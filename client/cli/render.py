@@ -21,11 +21,18 @@ def plan_table(plan: Plan, title: str = "plan") -> Table:
     s = plan.solver
     bound = f"{s.best_bound:.4f} s" if s.best_bound is not None else "-"
     gap = f"{s.gap:.2%}" if s.gap is not None else "-"
-    t.add_row("solver", f"{s.solver} {s.solver_version}: {s.status.value} in {s.solve_s:.2f} s (bound {bound}, gap {gap})")
+    t.add_row(
+        "solver",
+        f"{s.solver} {s.solver_version}: {s.status.value} in {s.solve_s:.2f} s (bound {bound}, gap {gap})",
+    )
     if s.message:
         t.add_row("", s.message)
     c = plan.constraints
-    host = format_bytes(c.host_memory_bytes) if c.host_memory_bytes else "the machine's memory as the trace measured it"
+    host = (
+        format_bytes(c.host_memory_bytes)
+        if c.host_memory_bytes
+        else "the machine's memory as the trace measured it"
+    )
     t.add_row("limits", f"device {format_bytes(c.device_memory_bytes)}; host {host}")
     if s.min_device_memory_bytes is not None:
         t.add_row("fits from", format_bytes(s.min_device_memory_bytes))
@@ -33,24 +40,36 @@ def plan_table(plan: Plan, title: str = "plan") -> Table:
         p = plan.policy
         persistent = sum(1 for ch in p.chunks if ch.placement == Placement.persistent)
         strip = "".join("P" if ch.placement == Placement.persistent else "o" for ch in p.chunks)
-        t.add_row("chunks", f"{plural(len(p.chunks), 'chunk')} of {format_bytes(p.chunk_size_bytes)}: {persistent} "
-                            f"persistent, {len(p.chunks) - persistent} offloaded, "
-                            f"{plural(p.n_buffers, 'device buffer')} for offloaded chunks")
+        t.add_row(
+            "chunks",
+            f"{plural(len(p.chunks), 'chunk')} of {format_bytes(p.chunk_size_bytes)}: {persistent} "
+            f"persistent, {len(p.chunks) - persistent} offloaded, "
+            f"{plural(p.n_buffers, 'device buffer')} for offloaded chunks",
+        )
         t.add_row("chunk strip", f"{strip}  (P persistent, o offloaded)")
         t.add_row("block modes", f"{p.mode_strip()}  (K keep, C checkpoint, S swap)")
     if plan.predictions is not None:
         pr = plan.predictions
-        t.add_row("predicted", f"{pr.iteration_s * 1e3:.1f} ms/iter (fwd {pr.forward_s * 1e3:.1f}, bwd "
-                               f"{pr.backward_s * 1e3:.1f}, optim dev {pr.device_optimizer_s * 1e3:.1f} / host "
-                               f"{pr.host_optimizer_s * 1e3:.1f})")
-        t.add_row("peak memory", f"device {format_bytes(pr.peak_device_bytes)}, host {format_bytes(pr.peak_host_bytes)}")
+        t.add_row(
+            "predicted",
+            f"{pr.iteration_s * 1e3:.1f} ms/iter (fwd {pr.forward_s * 1e3:.1f}, bwd "
+            f"{pr.backward_s * 1e3:.1f}, optim dev {pr.device_optimizer_s * 1e3:.1f} / host "
+            f"{pr.host_optimizer_s * 1e3:.1f})",
+        )
+        t.add_row(
+            "peak memory",
+            f"device {format_bytes(pr.peak_device_bytes)}, host {format_bytes(pr.peak_host_bytes)}",
+        )
     if plan.allocation is not None:
         a = plan.allocation
         # The service places the buffers of the profiled iteration (the trace's allocation trace, recorded
         # without this plan's offloading and recomputation): say so, it is not the managed run's arena.
-        t.add_row("allocation", f"profiled (un-managed) iteration: arena {format_bytes(a.arena_bytes)} vs live-bytes "
-                                f"bound {format_bytes(a.lower_bound_bytes)} (gap {a.gap:.2%}, {a.status.value}, "
-                                f"{plural(len(a.offsets), 'buffer')} placed)")
+        t.add_row(
+            "allocation",
+            f"profiled (un-managed) iteration: arena {format_bytes(a.arena_bytes)} vs live-bytes "
+            f"bound {format_bytes(a.lower_bound_bytes)} (gap {a.gap:.2%}, {a.status.value}, "
+            f"{plural(len(a.offsets), 'buffer')} placed)",
+        )
     return t
 
 
@@ -65,9 +84,16 @@ def feedback_table(record: PlanRecord) -> Table:
 
     for f in record.feedback:
         fb = f.feedback
-        t.add_row(f.created_at.strftime("%Y-%m-%d %H:%M:%S"), str(fb.steps_measured), f"{fb.iteration_s * 1e3:.1f} ms",
-                  err(f.iteration_error), format_bytes(fb.peak_device_bytes), err(f.peak_device_error),
-                  format_bytes(fb.peak_host_bytes), fb.notes or "")
+        t.add_row(
+            f.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            str(fb.steps_measured),
+            f"{fb.iteration_s * 1e3:.1f} ms",
+            err(f.iteration_error),
+            format_bytes(fb.peak_device_bytes),
+            err(f.peak_device_error),
+            format_bytes(fb.peak_host_bytes),
+            fb.notes or "",
+        )
     return t
 
 
@@ -77,9 +103,15 @@ def plans_table(records: list[PlanRecord], title: str = "plans") -> Table:
         t.add_column(col)
     for r in records:
         pred = r.headline.predictions if r.headline else None
-        t.add_row(short_id(r.id), r.status, r.model_name, r.hardware_key,
-                  format_bytes(r.constraints.device_memory_bytes),
-                  f"{pred.iteration_s * 1e3:.1f} ms" if pred else "-", r.created_at.strftime("%Y-%m-%d %H:%M:%S"))
+        t.add_row(
+            short_id(r.id),
+            r.status,
+            r.model_name,
+            r.hardware_key,
+            format_bytes(r.constraints.device_memory_bytes),
+            f"{pred.iteration_s * 1e3:.1f} ms" if pred else "-",
+            r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
     return t
 
 
@@ -88,7 +120,13 @@ def traces_table(rows: list[TraceSummary], title: str = "traces") -> Table:
     for col in ("id", "model", "hardware", "workload", "created"):
         t.add_column(col)
     for r in rows:
-        t.add_row(short_id(r.id), r.model_name, r.hardware_key, r.workload_key, r.created_at.strftime("%Y-%m-%d %H:%M:%S"))
+        t.add_row(
+            short_id(r.id),
+            r.model_name,
+            r.hardware_key,
+            r.workload_key,
+            r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
     return t
 
 
@@ -97,15 +135,30 @@ def models_table(rows: list[ModelSummary]) -> Table:
     for col in ("name", "fingerprint", "architecture", "parameters", "traces", "plans"):
         t.add_column(col, justify="right" if col in ("parameters", "traces", "plans") else "left")
     for m in rows:
-        t.add_row(m.name, short_id(m.fingerprint), m.architecture, f"{m.parameter_count:,}", str(m.traces), str(m.plans))
+        t.add_row(
+            m.name,
+            short_id(m.fingerprint),
+            m.architecture,
+            f"{m.parameter_count:,}",
+            str(m.traces),
+            str(m.plans),
+        )
     return t
 
 
 def hardware_table(rows: list[HardwareSummary]) -> Table:
     t = Table(title="hardware (--hardware takes a key, a prefix or part of one)")
     for col in ("key", "device", "memory per device", "devices", "traces", "plans"):
-        t.add_column(col, justify="right" if col in ("memory per device", "devices", "traces", "plans") else "left")
+        t.add_column(
+            col, justify="right" if col in ("memory per device", "devices", "traces", "plans") else "left"
+        )
     for h in rows:
-        t.add_row(h.key, f"{h.device_type} {h.device_name}", format_bytes(h.device_memory_bytes), str(h.device_count),
-                  str(h.traces), str(h.plans))
+        t.add_row(
+            h.key,
+            f"{h.device_type} {h.device_name}",
+            format_bytes(h.device_memory_bytes),
+            str(h.device_count),
+            str(h.traces),
+            str(h.plans),
+        )
     return t

@@ -69,7 +69,9 @@ class PlanRecord(BaseModel):
     id: str
     trace_id: str
     status: PlanStatus
-    reused: bool = Field(default=False, description="true when an identical earlier request's plan was returned")
+    reused: bool = Field(
+        default=False, description="true when an identical earlier request's plan was returned"
+    )
     solver: str
     constraints: Constraints
     objective: Objective
@@ -77,8 +79,12 @@ class PlanRecord(BaseModel):
     model_fingerprint: str
     hardware_key: str
     workload_key: str
-    plan: Plan | None = Field(default=None, description="the whole plan (in lists only with `with_plan=true`)")
-    headline: PlanHeadline | None = Field(default=None, description="predictions and solver report, once solved")
+    plan: Plan | None = Field(
+        default=None, description="the whole plan (in lists only with `with_plan=true`)"
+    )
+    headline: PlanHeadline | None = Field(
+        default=None, description="predictions and solver report, once solved"
+    )
     error: str | None = None
     attempts: int = 0
     created_at: datetime
@@ -114,4 +120,6 @@ class FieldError(BaseModel):
 
 class ErrorBody(BaseModel):
     error: str = Field(description="what went wrong, in one sentence")
-    detail: list[FieldError] | None = Field(default=None, description="per-field problems (validation errors)")
+    detail: list[FieldError] | None = Field(
+        default=None, description="per-field problems (validation errors)"
+    )

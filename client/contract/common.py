@@ -25,10 +25,14 @@ Bool = Annotated[bool, Strict()]
 Float = Annotated[float, Strict()]  # ints are still accepted; bools and strings are not
 
 # Units live in field names (`_bytes`, `_s`, `_bytes_per_s`); these aliases carry the range checks.
-Bytes = Annotated[int, Strict(), Field(ge=0, le=2**53, description="a size in bytes (at most 2**53: exact in JSON doubles)")]
+Bytes = Annotated[
+    int, Strict(), Field(ge=0, le=2**53, description="a size in bytes (at most 2**53: exact in JSON doubles)")
+]
 PositiveBytes = Annotated[int, Strict(), Field(gt=0, le=2**53, description="a non-zero size in bytes")]
 Seconds = Annotated[float, Strict(), Field(ge=0.0, le=1e9, description="a duration in seconds")]
-BytesPerSecond = Annotated[float, Strict(), Field(gt=0.0, le=1e15, description="a throughput in bytes per second")]
+BytesPerSecond = Annotated[
+    float, Strict(), Field(gt=0.0, le=1e15, description="a throughput in bytes per second")
+]
 Count = Annotated[int, Strict(), Field(ge=0, le=2**53)]
 # Strings: no NUL (U+0000) anywhere. PostgreSQL's text types refuse it (a 500 there where SQLite stores it);
 # the contract refuses it on every backend, with a 422 naming the field. (Lone surrogates, the other thing a

@@ -42,8 +42,9 @@ class HostLink(ContractModel):
             raise ValueError("pcie_generation, lanes: required for a PCIe link")
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
             if getattr(self, name) > self.peak_bytes_per_s:
-                raise ValueError(f"{name}: {getattr(self, name):.4g} exceeds the link's peak "
-                                 f"{self.peak_bytes_per_s:.4g}")
+                raise ValueError(
+                    f"{name}: {getattr(self, name):.4g} exceeds the link's peak {self.peak_bytes_per_s:.4g}"
+                )
         return self
 
 
@@ -74,7 +75,9 @@ class CatalogEntry(ContractModel):
     @classmethod
     def _key_shape(cls, v: str) -> str:
         if not _KEY.match(v):
-            raise ValueError(f"{v!r}: use lower-case letters, digits, '.', '_' or '-' (at most 64 characters)")
+            raise ValueError(
+                f"{v!r}: use lower-case letters, digits, '.', '_' or '-' (at most 64 characters)"
+            )
         return v
 
 

@@ -65,7 +65,9 @@ class Chunk(ContractModel):
 
 class BlockPolicy(ContractModel):
     block: Int = Field(ge=0, description="index into the trace's `ModelInfo.blocks`")
-    module: Name = Field(description="the block's module path, copied from the trace, so a plan applies alone")
+    module: Name = Field(
+        description="the block's module path, copied from the trace, so a plan applies alone"
+    )
     mode: ActivationMode
 
 
@@ -137,8 +139,10 @@ class Predictions(ContractModel):
     peak_host_bytes: Bytes
     breakdown: dict[Name, Float] = Field(default_factory=dict, description="named terms of the cost model")
     device_memory_timeline: list[TimelinePoint] = Field(
-        default_factory=list, max_length=4 * MAX_BLOCKS + 8,
-        description="predicted device bytes in use step by step (empty if the solver gives none)")
+        default_factory=list,
+        max_length=4 * MAX_BLOCKS + 8,
+        description="predicted device bytes in use step by step (empty if the solver gives none)",
+    )
 
 
 class SolverReport(ContractModel):
@@ -150,12 +154,14 @@ class SolverReport(ContractModel):
     gap: Float | None = Field(default=None, ge=0.0, description="(objective - bound) / objective")
     solve_s: Seconds
     min_device_memory_bytes: Bytes | None = Field(
-        default=None, description="when infeasible: the smallest device memory that would fit (an upper bound "
-        "on it when min_device_memory_proven is not true)"
+        default=None,
+        description="when infeasible: the smallest device memory that would fit (an upper bound "
+        "on it when min_device_memory_proven is not true)",
     )
     min_device_memory_proven: Bool | None = Field(
-        default=None, description="true: min_device_memory_bytes is proven the smallest; false or absent: that "
-        "much fits, but a smaller device was not ruled out in the time given"
+        default=None,
+        description="true: min_device_memory_bytes is proven the smallest; false or absent: that "
+        "much fits, but a smaller device was not ruled out in the time given",
     )
     message: Text = Field(default="", max_length=4096)
 
@@ -165,8 +171,10 @@ class SolverReport(ContractModel):
             return ""
         if self.min_device_memory_proven:
             return f"the smallest device memory that fits is {self.min_device_memory_bytes} bytes"
-        return (f"the smallest device memory that fits is at most {self.min_device_memory_bytes} bytes "
-                "(not proven smallest in the time given)")
+        return (
+            f"the smallest device memory that fits is at most {self.min_device_memory_bytes} bytes "
+            "(not proven smallest in the time given)"
+        )
 
 
 class Plan(ContractModel):
@@ -206,5 +214,7 @@ class PlanStatus(StrEnum):
         return not self.final
 
 
-FINAL_PLAN_STATUSES: frozenset[PlanStatus] = frozenset({PlanStatus.done, PlanStatus.failed, PlanStatus.infeasible})
+FINAL_PLAN_STATUSES: frozenset[PlanStatus] = frozenset(
+    {PlanStatus.done, PlanStatus.failed, PlanStatus.infeasible}
+)
 PENDING_PLAN_STATUSES: frozenset[PlanStatus] = frozenset({PlanStatus.queued, PlanStatus.running})

@@ -182,7 +182,9 @@ class ModelInfo(ContractModel):
         seen: set[str] = set()
         for i, p in enumerate(self.parameters):
             if p.block >= len(self.blocks):
-                raise ValueError(f"parameters[{i}].block: {p.block} names no block (there are {len(self.blocks)})")
+                raise ValueError(
+                    f"parameters[{i}].block: {p.block} names no block (there are {len(self.blocks)})"
+                )
             if p.name in seen:
                 raise ValueError(f"parameters[{i}].name: {p.name!r} appears twice")
             seen.add(p.name)
@@ -211,22 +213,33 @@ class Workload(ContractModel):
         ge=0, le=64, description="optimizer state per parameter, e.g. 8 for Adam's two fp32 moments"
     )
     master_bytes_per_param: Int = Field(
-        default=0, ge=0, le=16, description="extra fp32 master copy per parameter in mixed precision (4), else 0"
+        default=0,
+        ge=0,
+        le=16,
+        description="extra fp32 master copy per parameter in mixed precision (4), else 0",
     )
     gradient_bytes_per_param: Int = Field(ge=1, le=16, description="bytes of one gradient element")
     undo_backup_bytes_per_param: Int = Field(
-        default=0, ge=0, le=80, description="host bytes per offloaded parameter the runtime keeps to undo a "
-        "speculative host optimizer step (a copy of the master and of the optimizer state); 0: none kept")
+        default=0,
+        ge=0,
+        le=80,
+        description="host bytes per offloaded parameter the runtime keeps to undo a "
+        "speculative host optimizer step (a copy of the master and of the optimizer state); 0: none kept",
+    )
     clips_gradients: Bool = Field(
-        default=False, description="the job changes gradients after backward on most steps (clipping that "
-        "scales): speculative host steps are redone at optimizer.step(), after backward, not overlapped")
+        default=False,
+        description="the job changes gradients after backward on most steps (clipping that "
+        "scales): speculative host steps are redone at optimizer.step(), after backward, not overlapped",
+    )
 
     @property
     def key(self) -> str:
         """Stable identity of the workload for plan reuse: shape, precision, optimizer, and `:clip` for a job
         that clips (its plan counts the redo of speculative host steps; keys of other jobs are unchanged)."""
         clip = ":clip" if self.clips_gradients else ""
-        return f"b{self.batch_size}:s{self.sequence_length}:{self.precision.value}:{self.optimizer.value}{clip}"
+        return (
+            f"b{self.batch_size}:s{self.sequence_length}:{self.precision.value}:{self.optimizer.value}{clip}"
+        )
 
 
 # ------------------------------------------------------------------------------------------ measurement
@@ -244,23 +257,35 @@ class BlockMeasurement(ContractModel):
     # Runtime costs measured through the agent runtime's own code paths (optional: 0.0 = not measured,
     # the cost model then charges copies by bytes over the bandwidth curves, as before).
     swap_out_s: Seconds = Field(
-        default=0.0, description="extra forward time when this block's saved tensors are swapped out to the host "
-        "(runtime swap store: host buffers, copies, hooks)")
+        default=0.0,
+        description="extra forward time when this block's saved tensors are swapped out to the host "
+        "(runtime swap store: host buffers, copies, hooks)",
+    )
     swap_in_s: Seconds = Field(
-        default=0.0, description="extra backward time to bring this block's swapped tensors back (prefetch, "
-        "unpack, release)")
+        default=0.0,
+        description="extra backward time to bring this block's swapped tensors back (prefetch, "
+        "unpack, release)",
+    )
     offload_overhead_s: Seconds = Field(
-        default=0.0, description="extra time of one iteration when this block's parameters are in an offloaded "
+        default=0.0,
+        description="extra time of one iteration when this block's parameters are in an offloaded "
         "chunk of the chunk runtime (residency hooks, gradient gather, bind/release, host step), beyond the "
-        "copies of their bytes (charged by bandwidth), the host step (charged by throughput) and the uploads")
+        "copies of their bytes (charged by bandwidth), the host step (charged by throughput) and the uploads",
+    )
     upload_overhead_s: Seconds = Field(
-        default=0.0, description="extra time of each upload of this block's parameters into a device buffer "
-        "(release, buffer choice, bind), beyond the copy of their bytes (charged by bandwidth)")
+        default=0.0,
+        description="extra time of each upload of this block's parameters into a device buffer "
+        "(release, buffer choice, bind), beyond the copy of their bytes (charged by bandwidth)",
+    )
 
 
 class OptimizerMeasurement(ContractModel):
-    device_bytes_per_s: BytesPerSecond = Field(description="real optimizer step on the device, parameter bytes/s")
-    host_bytes_per_s: BytesPerSecond = Field(description="fused/foreach optimizer on the host, parameter bytes/s")
+    device_bytes_per_s: BytesPerSecond = Field(
+        description="real optimizer step on the device, parameter bytes/s"
+    )
+    host_bytes_per_s: BytesPerSecond = Field(
+        description="fused/foreach optimizer on the host, parameter bytes/s"
+    )
 
 
 class Measurements(ContractModel):
@@ -301,8 +326,15 @@ EVENT_FIELDS = ("id", "size_bytes", "alloc_index", "free_index", "category", "bl
 # The packed wire form (`EventArrays`, trace schema 2): each column's little-endian numpy dtype. A long-lived
 # buffer's free_index and an event outside any block's block are -1; category and phase are positions in
 # the enums' member order (`CATEGORIES`, `PHASES`).
-EVENT_DTYPES: Final[dict[str, str]] = {"id": "<i8", "size_bytes": "<i8", "alloc_index": "<i4",
-                                       "free_index": "<i4", "category": "u1", "block": "<i2", "phase": "u1"}
+EVENT_DTYPES: Final[dict[str, str]] = {
+    "id": "<i8",
+    "size_bytes": "<i8",
+    "alloc_index": "<i4",
+    "free_index": "<i4",
+    "category": "u1",
+    "block": "<i2",
+    "phase": "u1",
+}
 CATEGORIES: Final = tuple(AllocationCategory)
 PHASES: Final = tuple(Phase)
 MAX_HORIZON: Final = 2**31 - 1  # logical times fit the packed int32 columns
@@ -314,8 +346,9 @@ def _base64_in_python_mode(value: Any, info: ValidationInfo) -> Any:
     trace) is the same base64url text, decoded here, not taken as UTF-8."""
     if info.mode == "python" and isinstance(value, str):
         try:  # either alphabet, as pydantic's JSON decoder; any other character is an error
-            return base64.b64decode(value.replace("-", "+").replace("_", "/") + "=" * (-len(value) % 4),
-                                    validate=True)
+            return base64.b64decode(
+                value.replace("-", "+").replace("_", "/") + "=" * (-len(value) % 4), validate=True
+            )
         except ValueError as exc:
             raise ValueError(f"not base64url: {exc}") from None
     return value
@@ -325,8 +358,13 @@ def _packed(dtype: str, meaning: str) -> Any:
     """A packed column: its length is checked against `count` (at most MAX_ALLOCATION_EVENTS) after decoding;
     the body size limit bounds the text before."""
     width = np.dtype(dtype).itemsize
-    return Annotated[bytes, BeforeValidator(_base64_in_python_mode), Field(
-        description=f"base64url of `count` little-endian {dtype} values ({width} bytes per event): {meaning}")]
+    return Annotated[
+        bytes,
+        BeforeValidator(_base64_in_python_mode),
+        Field(
+            description=f"base64url of `count` little-endian {dtype} values ({width} bytes per event): {meaning}"
+        ),
+    ]
 
 
 class AllocationColumns(ContractModel):
@@ -337,12 +375,15 @@ class AllocationColumns(ContractModel):
     id: list[Annotated[int, Strict(), Field(ge=0, le=_ID_MAX)]] = Field(max_length=MAX_ALLOCATION_EVENTS)
     size_bytes: list[PositiveBytes] = Field(max_length=MAX_ALLOCATION_EVENTS)
     alloc_index: list[Annotated[int, Strict(), Field(ge=0, lt=MAX_HORIZON)]] = Field(
-        max_length=MAX_ALLOCATION_EVENTS)
+        max_length=MAX_ALLOCATION_EVENTS
+    )
     free_index: list[Annotated[int, Strict(), Field(ge=1, le=MAX_HORIZON)] | None] = Field(
-        max_length=MAX_ALLOCATION_EVENTS)
+        max_length=MAX_ALLOCATION_EVENTS
+    )
     category: list[CategoryName] = Field(max_length=MAX_ALLOCATION_EVENTS)
     block: list[Annotated[int, Strict(), Field(ge=0, lt=MAX_BLOCKS)] | None] = Field(
-        max_length=MAX_ALLOCATION_EVENTS)
+        max_length=MAX_ALLOCATION_EVENTS
+    )
     phase: list[PhaseName] = Field(max_length=MAX_ALLOCATION_EVENTS)
 
     @model_validator(mode="after")
@@ -357,11 +398,14 @@ class AllocationColumns(ContractModel):
         """The same events as packed arrays, validated (the caller's `AllocationTrace` checks them against
         its horizon)."""
         return EventArrays.from_arrays(
-            id=self.id, size_bytes=self.size_bytes, alloc_index=self.alloc_index,
+            id=self.id,
+            size_bytes=self.size_bytes,
+            alloc_index=self.alloc_index,
             free_index=[-1 if f is None else f for f in self.free_index],
             category=EventArrays.codes(self.category, CATEGORIES),
             block=[-1 if b is None else b for b in self.block],
-            phase=EventArrays.codes(self.phase, PHASES))
+            phase=EventArrays.codes(self.phase, PHASES),
+        )
 
 
 def _first(bad: np.ndarray) -> int | None:
@@ -389,8 +433,10 @@ class EventArrays(ContractModel):
     id: _packed("<i8", "the buffer's id (>= 0, unique)")  # type: ignore[valid-type]
     size_bytes: _packed("<i8", "bytes (> 0, <= 2**53)")  # type: ignore[valid-type]
     alloc_index: _packed("<i4", "logical time of the allocation (>= 0, < horizon)")  # type: ignore[valid-type]
-    free_index: _packed("<i4", "logical time of the free (> alloc_index, <= horizon); "  # type: ignore[valid-type]
-                               "-1: long-lived (lives across iterations)")
+    free_index: _packed(  # type: ignore[valid-type]
+        "<i4",
+        "logical time of the free (> alloc_index, <= horizon); -1: long-lived (lives across iterations)",
+    )
     category: _packed("u1", "0 param, 1 grad, 2 optimizer, 3 activation, 4 temp")  # type: ignore[valid-type]
     block: _packed("<i2", "block active at allocation (< number of blocks); -1: none")  # type: ignore[valid-type]
     phase: _packed("u1", "0 forward, 1 backward, 2 optimizer")  # type: ignore[valid-type]
@@ -431,7 +477,9 @@ class EventArrays(ContractModel):
         for f, dtype in EVENT_DTYPES.items():
             got, width = len(getattr(self, f)), np.dtype(dtype).itemsize
             if got != n * width:
-                raise ValueError(f"event_arrays.{f}: {got} bytes; {n} events of {dtype} are {n * width} bytes")
+                raise ValueError(
+                    f"event_arrays.{f}: {got} bytes; {n} events of {dtype} are {n * width} bytes"
+                )
         ids = self.array("id")
         _first_bad("id", ids < 0, ids, "is negative")
         if np.unique(ids).size != n:
@@ -461,9 +509,12 @@ class AllocationTrace(ContractModel):
 
     source: Literal["cuda_caching_allocator", "dispatch_tracker"]
     horizon: Int = Field(ge=1, le=MAX_HORIZON, description="number of logical time steps in one iteration")
-    event_arrays: EventArrays | None = Field(default=None, description="the events (always set once validated)")
+    event_arrays: EventArrays | None = Field(
+        default=None, description="the events (always set once validated)"
+    )
     event_columns: AllocationColumns | None = Field(
-        default=None, exclude=True, description="schema 1 form of the events (lists); packed on arrival")
+        default=None, exclude=True, description="schema 1 form of the events (lists); packed on arrival"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -486,7 +537,9 @@ class AllocationTrace(ContractModel):
                 except ValidationError as exc:
                     first = exc.errors()[0]
                     where = "".join(f".{p}" for p in first["loc"])
-                    raise ValueError(f"events[{i}]{where}: {first['msg'].removeprefix('Value error, ')}") from None
+                    raise ValueError(
+                        f"events[{i}]{where}: {first['msg'].removeprefix('Value error, ')}"
+                    ) from None
             for f in EVENT_FIELDS:
                 value = getattr(row, f)
                 cols[f].append(value.value if f in ("category", "phase") else value)
@@ -524,20 +577,31 @@ class AllocationTrace(ContractModel):
         free = a.array("free_index").tolist()
         block = a.array("block").tolist()
         return AllocationColumns.model_construct(
-            id=a.array("id").tolist(), size_bytes=a.array("size_bytes").tolist(),
+            id=a.array("id").tolist(),
+            size_bytes=a.array("size_bytes").tolist(),
             alloc_index=a.array("alloc_index").tolist(),
             free_index=[None if f < 0 else f for f in free],
             category=[CATEGORIES[c].value for c in a.array("category").tolist()],
             block=[None if b < 0 else b for b in block],
-            phase=[PHASES[p].value for p in a.array("phase").tolist()])
+            phase=[PHASES[p].value for p in a.array("phase").tolist()],
+        )
 
     @cached_property
     def events(self) -> list[AllocationEvent]:
         """The events as objects (built once, unvalidated: the arrays were validated)."""
         a = self.arrays
-        return [AllocationEvent.model_construct(id=i, size_bytes=s, alloc_index=al, free_index=None if f < 0 else f,
-                                                category=CATEGORIES[c], block=None if b < 0 else b, phase=PHASES[ph])
-                for i, s, al, f, c, b, ph in zip(*(a.array(name).tolist() for name in EVENT_FIELDS), strict=True)]
+        return [
+            AllocationEvent.model_construct(
+                id=i,
+                size_bytes=s,
+                alloc_index=al,
+                free_index=None if f < 0 else f,
+                category=CATEGORIES[c],
+                block=None if b < 0 else b,
+                phase=PHASES[ph],
+            )
+            for i, s, al, f, c, b, ph in zip(*(a.array(name).tolist() for name in EVENT_FIELDS), strict=True)
+        ]
 
     def __len__(self) -> int:
         return self.arrays.count
@@ -554,8 +618,12 @@ class ModelledFrom(ContractModel):
     source: Literal["modelled"] = "modelled"
     hardware_key: Name = Field(description="the catalogue entry the times and bandwidths come from")
     method: Name = Field(description="how the numbers were derived, e.g. 'fake-tensor iteration + roofline'")
-    factors: dict[Name, Float] = Field(default_factory=dict, description="efficiency factors used (name -> value)")
-    calibrated: Bool = Field(default=False, description="true when the factors were fitted to measured traces")
+    factors: dict[Name, Float] = Field(
+        default_factory=dict, description="efficiency factors used (name -> value)"
+    )
+    calibrated: Bool = Field(
+        default=False, description="true when the factors were fitted to measured traces"
+    )
 
 
 class Trace(ContractModel):
@@ -563,8 +631,9 @@ class Trace(ContractModel):
     `modelled` is set (a what-if trace: computed from the architecture and a hardware catalogue entry)."""
 
     schema_version: Literal[1, 2] = Field(
-        default=TRACE_SCHEMA_VERSION, description="2; a schema 1 trace (events as `event_columns` lists) is read "
-        "as 2")
+        default=TRACE_SCHEMA_VERSION,
+        description="2; a schema 1 trace (events as `event_columns` lists) is read as 2",
+    )
     hardware: Hardware
     software: Software
     model: ModelInfo
@@ -573,8 +642,10 @@ class Trace(ContractModel):
     allocation_trace: AllocationTrace | None = None
     # Left out of the JSON when absent, so measured traces keep their content hashes.
     modelled: ModelledFrom | None = Field(
-        default=None, exclude_if=lambda v: v is None,
-        description="set on modelled (what-if) traces: the catalogue entry, method and factors used")
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="set on modelled (what-if) traces: the catalogue entry, method and factors used",
+    )
 
     @property
     def source(self) -> Literal["measured", "modelled"]:

@@ -14,13 +14,30 @@ router = APIRouter(prefix="/v1", tags=["catalog"], responses=ERROR_RESPONSES)
 
 @router.get("/models", response_model=list[ModelSummary])
 def list_models(session: SessionDep, principal: PrincipalDep) -> list[ModelSummary]:
-    return [ModelSummary(fingerprint=m.fingerprint, name=m.name, architecture=m.architecture,
-                         parameter_count=m.parameter_count, traces=t, plans=p)
-            for m, t, p in CatalogRepository(session).models(principal.project_id)]
+    return [
+        ModelSummary(
+            fingerprint=m.fingerprint,
+            name=m.name,
+            architecture=m.architecture,
+            parameter_count=m.parameter_count,
+            traces=t,
+            plans=p,
+        )
+        for m, t, p in CatalogRepository(session).models(principal.project_id)
+    ]
 
 
 @router.get("/hardware", response_model=list[HardwareSummary])
 def list_hardware(session: SessionDep, principal: PrincipalDep) -> list[HardwareSummary]:
-    return [HardwareSummary(key=h.key, device_type=h.device_type, device_name=h.device_name,
-                            device_memory_bytes=h.device_memory_bytes, device_count=h.device_count, traces=t, plans=p)
-            for h, t, p in CatalogRepository(session).hardware(principal.project_id)]
+    return [
+        HardwareSummary(
+            key=h.key,
+            device_type=h.device_type,
+            device_name=h.device_name,
+            device_memory_bytes=h.device_memory_bytes,
+            device_count=h.device_count,
+            traces=t,
+            plans=p,
+        )
+        for h, t, p in CatalogRepository(session).hardware(principal.project_id)
+    ]

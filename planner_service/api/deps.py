@@ -64,8 +64,11 @@ async def get_principal(request: Request) -> Principal:
             # does, so no cross-site form can act with a browser's credentials.
             token = request.cookies.get(UI_TOKEN_COOKIE, "").strip() or None
         if token is None:
-            raise ApiError(401, "missing bearer token (Authorization: Bearer mp_...)",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "missing bearer token (Authorization: Bearer mp_...)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         found = await _principal(request, db, token)
         if found is None:
             raise ApiError(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})

@@ -20,15 +20,24 @@ from client.contract.common import NO_NUL_MESSAGE, NO_NUL_PATTERN
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
-    for code, text in {400: "malformed request", 401: "missing or invalid token", 404: "not found (or not yours)",
-                       409: "conflict with the object's state", 413: "body too large",
-                       415: "unsupported content encoding", 422: "validation failed: `detail` lists field paths",
-                       429: "rate limited: see Retry-After", 503: "database unavailable: retry"}.items()
+    for code, text in {
+        400: "malformed request",
+        401: "missing or invalid token",
+        404: "not found (or not yours)",
+        409: "conflict with the object's state",
+        413: "body too large",
+        415: "unsupported content encoding",
+        422: "validation failed: `detail` lists field paths",
+        429: "rate limited: see Retry-After",
+        503: "database unavailable: retry",
+    }.items()
 }
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, detail: Any = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, error: str, detail: Any = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(error)
         self.status, self.error, self.detail, self.headers = status, error, detail, headers
 
@@ -51,7 +60,9 @@ def _message(error: Any) -> str:
 
 
 def validation_detail(errors: Sequence[Any], prefix: Sequence[str | int] = ()) -> list[dict[str, str]]:
-    return [{"field": field_path([*prefix, *e["loc"]]), "message": _message(e), "type": e["type"]} for e in errors]
+    return [
+        {"field": field_path([*prefix, *e["loc"]]), "message": _message(e), "type": e["type"]} for e in errors
+    ]
 
 
 def _allowed_methods(request: Request) -> set[str]:
@@ -68,31 +79,44 @@ def install(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: ApiError) -> Response:
         if exc.status == 401 and request.url.path.startswith("/ui/"):  # a person at a browser: log in first
             return RedirectResponse(f"/ui/login?{urlencode({'next': request.url.path})}", status_code=303)
-        return JSONResponse({"error": exc.error, "detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+        return JSONResponse(
+            {"error": exc.error, "detail": exc.detail}, status_code=exc.status, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"error": "validation failed", "detail": validation_detail(exc.errors())}, status_code=422)
+        return JSONResponse(
+            {"error": "validation failed", "detail": validation_detail(exc.errors())}, status_code=422
+        )
 
     @app.exception_handler(ValidationError)
     async def _model_validation(_: Request, exc: ValidationError) -> JSONResponse:
-        return JSONResponse({"error": "validation failed", "detail": validation_detail(exc.errors(), ("body",))},
-                            status_code=422)
+        return JSONResponse(
+            {"error": "validation failed", "detail": validation_detail(exc.errors(), ("body",))},
+            status_code=422,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 405:  # list the methods of every route on this path, not just the first one
             headers["Allow"] = ", ".join(sorted(_allowed_methods(request)))
-        return JSONResponse({"error": str(exc.detail), "detail": None}, status_code=exc.status_code,
-                            headers=headers or None)
+        return JSONResponse(
+            {"error": str(exc.detail), "detail": None}, status_code=exc.status_code, headers=headers or None
+        )
 
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
-        return JSONResponse({"error": "database unavailable, retry later", "detail": None}, status_code=503,
-                            headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"error": "database unavailable, retry later", "detail": None},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(PoolTimeout)
     async def _db_busy(_: Request, exc: PoolTimeout) -> JSONResponse:
-        return JSONResponse({"error": "no database connection free in time, retry later", "detail": None},
-                            status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"error": "no database connection free in time, retry later", "detail": None},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )

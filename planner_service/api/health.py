@@ -15,7 +15,9 @@ from planner_service.settings import Settings
 
 router = APIRouter(tags=["health"])
 READY: dict[int | str, dict[str, Any]] = {
-    200: {"description": "ready"}, 503: {"description": "database unreachable, frozen, or schema out of date"}}
+    200: {"description": "ready"},
+    503: {"description": "database unreachable, frozen, or schema out of date"},
+}
 
 
 @router.get("/healthz")
@@ -36,15 +38,24 @@ async def readyz(request: Request) -> JSONResponse:
     timeout_s = settings.readiness_timeout_s
     try:
         with anyio.fail_after(timeout_s + 1.0):  # the probe's own timeouts end it first; this is the backstop
-            current = await anyio.to_thread.run_sync(db.probe_revision, timeout_s, limiter=_PROBES,
-                                                     abandon_on_cancel=True)
+            current = await anyio.to_thread.run_sync(
+                db.probe_revision, timeout_s, limiter=_PROBES, abandon_on_cancel=True
+            )
     except TimeoutError:
-        return JSONResponse({"status": "unavailable", "error": f"database did not answer within {timeout_s:g} s"},
-                            status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"status": "unavailable", "error": f"database did not answer within {timeout_s:g} s"},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
     except Exception as exc:
-        return JSONResponse({"status": "unavailable", "error": type(exc).__name__}, status_code=503,
-                            headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"status": "unavailable", "error": type(exc).__name__},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
     head = head_revision()
     if current != head:
-        return JSONResponse({"status": "schema out of date", "current": current, "head": head}, status_code=503)
+        return JSONResponse(
+            {"status": "schema out of date", "current": current, "head": head}, status_code=503
+        )
     return JSONResponse({"status": "ready", "schema": current})

@@ -16,25 +16,44 @@ POST_FEEDBACK = "#/paths/~1v1~1plans~1{plan_id}~1feedback/post"
 
 def _to_trace(id_expr: str) -> dict[str, Any]:
     return {
-        "GetTrace": {"operationRef": GET_TRACE, "parameters": {"trace_id": id_expr},
-                     "description": "the trace just stored"},
-        "RequestPlan": {"operationRef": REQUEST_PLAN, "requestBody": {"trace_id": id_expr},
-                        "description": "a plan for this trace"},
+        "GetTrace": {
+            "operationRef": GET_TRACE,
+            "parameters": {"trace_id": id_expr},
+            "description": "the trace just stored",
+        },
+        "RequestPlan": {
+            "operationRef": REQUEST_PLAN,
+            "requestBody": {"trace_id": id_expr},
+            "description": "a plan for this trace",
+        },
     }
 
 
 def _to_plan(id_expr: str) -> dict[str, Any]:
     return {
-        "GetPlan": {"operationRef": GET_PLAN, "parameters": {"plan_id": id_expr}, "description": "poll the plan"},
-        "PostFeedback": {"operationRef": POST_FEEDBACK, "parameters": {"plan_id": id_expr},
-                         "description": "what applying the plan measured"},
+        "GetPlan": {
+            "operationRef": GET_PLAN,
+            "parameters": {"plan_id": id_expr},
+            "description": "poll the plan",
+        },
+        "PostFeedback": {
+            "operationRef": POST_FEEDBACK,
+            "parameters": {"plan_id": id_expr},
+            "description": "what applying the plan measured",
+        },
     }
 
 
 TRACE_CREATED = _to_trace("$response.body#/id")
-TRACE_PAGE = {**_to_trace("$response.body#/items/0/id"),
-              "NextPage": {"operationRef": LIST_TRACES, "parameters": {"cursor": "$response.body#/next_cursor"}}}
-PLAN_RECORD = {**_to_plan("$response.body#/id"),
-               "GetPlanTrace": {"operationRef": GET_TRACE, "parameters": {"trace_id": "$response.body#/trace_id"}}}
-PLAN_PAGE = {**_to_plan("$response.body#/items/0/id"),
-             "NextPage": {"operationRef": LIST_PLANS, "parameters": {"cursor": "$response.body#/next_cursor"}}}
+TRACE_PAGE = {
+    **_to_trace("$response.body#/items/0/id"),
+    "NextPage": {"operationRef": LIST_TRACES, "parameters": {"cursor": "$response.body#/next_cursor"}},
+}
+PLAN_RECORD = {
+    **_to_plan("$response.body#/id"),
+    "GetPlanTrace": {"operationRef": GET_TRACE, "parameters": {"trace_id": "$response.body#/trace_id"}},
+}
+PLAN_PAGE = {
+    **_to_plan("$response.body#/items/0/id"),
+    "NextPage": {"operationRef": LIST_PLANS, "parameters": {"cursor": "$response.body#/next_cursor"}},
+}

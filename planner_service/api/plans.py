@@ -36,12 +36,22 @@ from planner_service.settings import Settings
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES)
 
 
-@router.post("", status_code=202, response_model=PlanRecord,
-             responses={202: {"links": links.PLAN_RECORD},
-                        200: {"model": PlanRecord, "description": "an identical earlier request's plan, reused",
-                              "links": links.PLAN_RECORD}})
-def request_plan(body: PlanRequest, request: Request, response: Response, session: SessionDep,
-                 principal: PrincipalDep) -> PlanRecord:
+@router.post(
+    "",
+    status_code=202,
+    response_model=PlanRecord,
+    responses={
+        202: {"links": links.PLAN_RECORD},
+        200: {
+            "model": PlanRecord,
+            "description": "an identical earlier request's plan, reused",
+            "links": links.PLAN_RECORD,
+        },
+    },
+)
+def request_plan(
+    body: PlanRequest, request: Request, response: Response, session: SessionDep, principal: PrincipalDep
+) -> PlanRecord:
     try:
         found = plans.request_plan(session, principal.project_id, body, request.app.state.solve_queue.enqueue)
     except plans.TraceNotFound as exc:
@@ -92,15 +102,30 @@ async def _until_changed(feed: ChangeFeed | None, plan_id: str, seconds: float) 
         await asyncio.sleep(min(0.1, seconds))
 
 
-@router.get("/{plan_id}", response_model=PlanRecord,
-            responses={200: {"links": links.PLAN_RECORD},
-                       304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"}})
-async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
-                   wait: Annotated[float, Query(ge=0, description="long-poll up to this many seconds for a final "
-                                                                  "status (or, with If-None-Match, any change)")] = 0.0,
-                   if_none_match: Annotated[str | None, Header(description="entity tag of a copy the client "
-                                                                           "holds: 304 while it is current")] = None,
-                   ) -> Response:
+@router.get(
+    "/{plan_id}",
+    response_model=PlanRecord,
+    responses={
+        200: {"links": links.PLAN_RECORD},
+        304: {"description": "not modified: the plan still has the entity tag sent in If-None-Match"},
+    },
+)
+async def get_plan(
+    plan_id: PlanId,
+    request: Request,
+    principal: PrincipalDep,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            description="long-poll up to this many seconds for a final "
+            "status (or, with If-None-Match, any change)",
+        ),
+    ] = 0.0,
+    if_none_match: Annotated[
+        str | None, Header(description="entity tag of a copy the client holds: 304 while it is current")
+    ] = None,
+) -> Response:
     """The plan record. Polling is cheap: send the ETag back in If-None-Match and an unchanged plan costs a
     304 with no body, answered from memory on PostgreSQL (`db.change_feed`) or after one narrow query;
     long-polls wait for the plan's change notification (or re-check the narrow state)."""
@@ -135,32 +160,56 @@ async def get_plan(plan_id: PlanId, request: Request, principal: PrincipalDep,
 
 
 @router.get("", response_model=Page[PlanRecord], responses={200: {"links": links.PLAN_PAGE}})
-def list_plans(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
-               model: ModelFilter = None,
-               hardware: HardwareFilter = None,
-               status: PlanStatus | None = None,
-               id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="plans whose id "
-                                                      "starts with this (the CLI's short ids)")] = None,
-               sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
-               limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-               cursor: str | None = None,
-               with_plan: Annotated[bool, Query(description="include each whole plan (megabytes with an "
-                                                            "allocation); by default items carry the headline")] = False,
-               ) -> JSONResponse:
+def list_plans(
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+    model: ModelFilter = None,
+    hardware: HardwareFilter = None,
+    status: PlanStatus | None = None,
+    id_prefix: Annotated[
+        str | None,
+        Query(
+            pattern="^[0-9a-f]{1,32}$", description="plans whose id starts with this (the CLI's short ids)"
+        ),
+    ] = None,
+    sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    cursor: str | None = None,
+    with_plan: Annotated[
+        bool,
+        Query(
+            description="include each whole plan (megabytes with an "
+            "allocation); by default items carry the headline"
+        ),
+    ] = False,
+) -> JSONResponse:
     try:
-        page = PlanRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, status=status,
-                                            limit=min(limit, settings.list_limit_max), cursor=cursor,
-                                            descending=sort.startswith("-"), with_result=with_plan,
-                                            id_prefix=id_prefix)
+        page = PlanRepository(session).list(
+            project_id=principal.project_id,
+            model=model,
+            hardware=hardware,
+            status=status,
+            limit=min(limit, settings.list_limit_max),
+            cursor=cursor,
+            descending=sort.startswith("-"),
+            with_result=with_plan,
+            id_prefix=id_prefix,
+        )
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
-    return JSONResponse({"items": [plan_record_json(r, with_feedback=False, with_plan=with_plan) for r in page.items],
-                         "next_cursor": page.next_cursor})
+    return JSONResponse(
+        {
+            "items": [plan_record_json(r, with_feedback=False, with_plan=with_plan) for r in page.items],
+            "next_cursor": page.next_cursor,
+        }
+    )
 
 
 @router.post("/{plan_id}/feedback", status_code=201, response_model=FeedbackRecord)
-def post_feedback(plan_id: PlanId, body: Feedback, request: Request, session: SessionDep,
-                  principal: PrincipalDep) -> FeedbackRecord:
+def post_feedback(
+    plan_id: PlanId, body: Feedback, request: Request, session: SessionDep, principal: PrincipalDep
+) -> FeedbackRecord:
     try:
         row = plans.add_feedback(session, principal.project_id, plan_id, body, request.app.state.change_feed)
     except plans.PlanNotFound as exc:

@@ -32,7 +32,9 @@ def etag_matches(if_none_match: str | None, etag: str) -> bool:
     """RFC 9110 If-None-Match for GET: "*" or any listed tag (weak comparison) equals the current tag."""
     if not if_none_match:
         return False
-    return if_none_match.strip() == "*" or etag in (t.strip().removeprefix("W/") for t in if_none_match.split(","))
+    return if_none_match.strip() == "*" or etag in (
+        t.strip().removeprefix("W/") for t in if_none_match.split(",")
+    )
 
 
 class PollShortcut:
@@ -73,6 +75,8 @@ class PollShortcut:
             return False  # an empty bucket is not consumed: the route takes again and answers 429
         POLL_ANSWERS.labels("shortcut").inc()
         scope["route"] = self.route
-        await send({"type": "http.response.start", "status": 304, "headers": [(b"etag", tag.encode("latin-1"))]})
+        await send(
+            {"type": "http.response.start", "status": 304, "headers": [(b"etag", tag.encode("latin-1"))]}
+        )
         await send({"type": "http.response.body", "body": b""})
         return True

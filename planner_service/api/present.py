@@ -9,17 +9,32 @@ from planner_service.db.models import FeedbackRow, PlanRow, TraceRow
 
 
 def trace_summary(row: TraceRow) -> TraceSummary:
-    return TraceSummary(id=row.id, content_hash=row.content_hash, model_name=row.model.name,
-                        model_fingerprint=row.model_fingerprint, hardware_key=row.hardware_key,
-                        workload_key=row.workload_key, created_at=row.created_at)
+    return TraceSummary(
+        id=row.id,
+        content_hash=row.content_hash,
+        model_name=row.model.name,
+        model_fingerprint=row.model_fingerprint,
+        hardware_key=row.hardware_key,
+        workload_key=row.workload_key,
+        created_at=row.created_at,
+    )
 
 
 def feedback_record(row: FeedbackRow) -> FeedbackRecord:
     return FeedbackRecord(
-        id=row.id, plan_id=row.plan_id,
-        feedback=Feedback(iteration_s=row.iteration_s, peak_device_bytes=row.peak_device_bytes,
-                          peak_host_bytes=row.peak_host_bytes, steps_measured=row.steps_measured, notes=row.notes),
-        iteration_error=row.iteration_error, peak_device_error=row.peak_device_error, created_at=row.created_at)
+        id=row.id,
+        plan_id=row.plan_id,
+        feedback=Feedback(
+            iteration_s=row.iteration_s,
+            peak_device_bytes=row.peak_device_bytes,
+            peak_host_bytes=row.peak_host_bytes,
+            steps_measured=row.steps_measured,
+            notes=row.notes,
+        ),
+        iteration_error=row.iteration_error,
+        peak_device_error=row.peak_device_error,
+        created_at=row.created_at,
+    )
 
 
 def plan_record_json(row: PlanRow, *, with_feedback: bool = True, with_plan: bool = True) -> dict[str, Any]:
@@ -37,16 +52,27 @@ def plan_record_body(row: PlanRow, raw_plan: str | None) -> bytes:
     return head[:-1] + b',"plan":' + (raw_plan.encode() if raw_plan is not None else b"null") + b"}"
 
 
-def plan_record(row: PlanRow, *, reused: bool = False, with_feedback: bool = True,
-                with_plan: bool = True) -> PlanRecord:
+def plan_record(
+    row: PlanRow, *, reused: bool = False, with_feedback: bool = True, with_plan: bool = True
+) -> PlanRecord:
     return PlanRecord(
-        id=row.id, trace_id=row.trace_id, status=row.status, reused=reused, solver=row.solver,
-        constraints=row.constraints, objective=row.objective,
-        model_name=row.model.name if row.model else row.model_fingerprint, model_fingerprint=row.model_fingerprint,
-        hardware_key=row.hardware_key, workload_key=row.workload_key,
+        id=row.id,
+        trace_id=row.trace_id,
+        status=row.status,
+        reused=reused,
+        solver=row.solver,
+        constraints=row.constraints,
+        objective=row.objective,
+        model_name=row.model.name if row.model else row.model_fingerprint,
+        model_fingerprint=row.model_fingerprint,
+        hardware_key=row.hardware_key,
+        workload_key=row.workload_key,
         plan=Plan.model_validate(row.result) if with_plan and row.result else None,
         headline=PlanHeadline.model_validate(row.headline) if row.headline else None,
-        error=row.error, attempts=row.attempts,
-        created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
+        error=row.error,
+        attempts=row.attempts,
+        created_at=row.created_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
         feedback=[feedback_record(f) for f in row.feedback] if with_feedback else [],
     )

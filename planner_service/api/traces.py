@@ -22,14 +22,28 @@ from planner_service.ingest import BadGzip, GzipTooLarge, Ingestor, InvalidJson,
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
 
-@router.post("", status_code=201, response_model=TraceCreated,
-             responses={201: {"links": links.TRACE_CREATED},
-                        200: {"model": TraceCreated, "description": "identical content already stored",
-                              "links": links.TRACE_CREATED}},
-             openapi_extra={"requestBody": {"required": True, "content": {
-                 "application/json": {"schema": {"$ref": "#/components/schemas/Trace"}}}}})
-async def upload_trace(request: Request, response: Response, session: SessionDep, settings: SettingsDep,
-                       principal: PrincipalDep) -> TraceCreated:
+@router.post(
+    "",
+    status_code=201,
+    response_model=TraceCreated,
+    responses={
+        201: {"links": links.TRACE_CREATED},
+        200: {
+            "model": TraceCreated,
+            "description": "identical content already stored",
+            "links": links.TRACE_CREATED,
+        },
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Trace"}}},
+        }
+    },
+)
+async def upload_trace(
+    request: Request, response: Response, session: SessionDep, settings: SettingsDep, principal: PrincipalDep
+) -> TraceCreated:
     t0 = time.perf_counter()
     body = await read_body(request, settings)
     t1 = time.perf_counter()
@@ -55,12 +69,15 @@ async def upload_trace(request: Request, response: Response, session: SessionDep
     response.headers["server-timing"] = (
         f"read;dur={(t1 - t0) * 1e3:.1f}, ingest;dur={(t2 - t1) * 1e3:.1f}, "
         f"validate;dur={inspection.wall_s * 1e3:.1f}, validate-cpu;dur={inspection.cpu_s * 1e3:.1f}, "
-        f"store;dur={(t3 - t2) * 1e3:.1f}")
+        f"store;dur={(t3 - t2) * 1e3:.1f}"
+    )
     return TraceCreated(id=row.id, content_hash=row.content_hash, created=created)
 
 
 @router.get("/{trace_id}", response_model=TraceRecord)
-def get_trace(trace_id: TraceId, session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> TraceRecord:
+def get_trace(
+    trace_id: TraceId, session: SessionDep, settings: SettingsDep, principal: PrincipalDep
+) -> TraceRecord:
     row = TraceRepository(session).get(trace_id, principal.project_id)
     if row is None:
         raise ApiError(404, f"trace {trace_id} not found")
@@ -72,17 +89,32 @@ def get_trace(trace_id: TraceId, session: SessionDep, settings: SettingsDep, pri
 
 
 @router.get("", response_model=Page[TraceSummary], responses={200: {"links": links.TRACE_PAGE}})
-def list_traces(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
-                model: ModelFilter = None,
-                hardware: HardwareFilter = None,
-                id_prefix: Annotated[str | None, Query(pattern="^[0-9a-f]{1,32}$", description="traces whose id "
-                                                       "starts with this (the CLI's short ids)")] = None,
-                sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
-                limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-                cursor: str | None = None) -> Page[TraceSummary]:
+def list_traces(
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+    model: ModelFilter = None,
+    hardware: HardwareFilter = None,
+    id_prefix: Annotated[
+        str | None,
+        Query(
+            pattern="^[0-9a-f]{1,32}$", description="traces whose id starts with this (the CLI's short ids)"
+        ),
+    ] = None,
+    sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    cursor: str | None = None,
+) -> Page[TraceSummary]:
     try:
-        page = TraceRepository(session).list(project_id=principal.project_id, model=model, hardware=hardware, limit=min(limit, settings.list_limit_max),
-                                             cursor=cursor, descending=sort.startswith("-"), id_prefix=id_prefix)
+        page = TraceRepository(session).list(
+            project_id=principal.project_id,
+            model=model,
+            hardware=hardware,
+            limit=min(limit, settings.list_limit_max),
+            cursor=cursor,
+            descending=sort.startswith("-"),
+            id_prefix=id_prefix,
+        )
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
     return Page[TraceSummary](items=[trace_summary(r) for r in page.items], next_cursor=page.next_cursor)

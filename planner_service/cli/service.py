@@ -10,8 +10,14 @@ from client.cli.common import console, err_console
 
 db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic migrations).")
 tokens_app = typer.Typer(no_args_is_help=True, help="API tokens (each scoped to one project).")
-DbUrlOpt = Annotated[str | None, typer.Option("--database-url", envvar="MEMPLAN_DATABASE_URL",
-                                              help="SQLAlchemy URL (default: SQLite under the user's data dir)")]
+DbUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        envvar="MEMPLAN_DATABASE_URL",
+        help="SQLAlchemy URL (default: SQLite under the user's data dir)",
+    ),
+]
 
 
 def _settings(database_url: str | None, **kw: object):  # type: ignore[no-untyped-def]
@@ -23,13 +29,17 @@ def _settings(database_url: str | None, **kw: object):  # type: ignore[no-untype
     return Settings(**values)  # type: ignore[arg-type]
 
 
-def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="TCP port", envvar="MEMPLAN_PORT")] = 8000,
-          workers: Annotated[int | None, typer.Option(help="in-process solve workers (0: external only)")] = None,
-          database_url: DbUrlOpt = None,
-          processes: Annotated[int, typer.Option(help="API processes (each with its own workers); >1 needs a "
-                                                      "database other than SQLite")] = 1,
-          log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info") -> None:
+def serve(
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port", envvar="MEMPLAN_PORT")] = 8000,
+    workers: Annotated[int | None, typer.Option(help="in-process solve workers (0: external only)")] = None,
+    database_url: DbUrlOpt = None,
+    processes: Annotated[
+        int,
+        typer.Option(help="API processes (each with its own workers); >1 needs a database other than SQLite"),
+    ] = 1,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
     """Run the planner service (API + in-process workers)."""
     import uvicorn
 
@@ -44,8 +54,11 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     from planner_service.observability import configure_logging
 
     configure_logging(log_level.upper())
-    console.print(f"memplan serving on http://{host}:{port} (database: {_redact(settings.database_url)}; "
-                  "`memplan demo` without --server uses the same one in this environment)", highlight=False)
+    console.print(
+        f"memplan serving on http://{host}:{port} (database: {_redact(settings.database_url)}; "
+        "`memplan demo` without --server uses the same one in this environment)",
+        highlight=False,
+    )
     if processes > 1:
         if settings.is_sqlite:
             err_console.print("[red]--processes > 1 needs PostgreSQL[/] (SQLite allows one writer process)")
@@ -57,8 +70,15 @@ def serve(host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
         os.environ["MEMPLAN_WORKERS"] = str(settings.workers)
         # each API process dies with this one, even after a kill -9 (planner_service.lifeline)
         os.environ["MEMPLAN_LIFELINE_PARENT"] = str(os.getpid())
-        uvicorn.run("planner_service.app:app_from_env", factory=True, host=host, port=port, workers=processes,
-                    log_level=log_level, access_log=False)
+        uvicorn.run(
+            "planner_service.app:app_from_env",
+            factory=True,
+            host=host,
+            port=port,
+            workers=processes,
+            log_level=log_level,
+            access_log=False,
+        )
         return
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, access_log=False)
 
@@ -70,9 +90,11 @@ def _redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def worker(database_url: DbUrlOpt = None,
-           concurrency: Annotated[int, typer.Option(help="plans solved at once by this worker")] = 1,
-           once: Annotated[bool, typer.Option(help="solve what is queued now, then exit")] = False) -> None:
+def worker(
+    database_url: DbUrlOpt = None,
+    concurrency: Annotated[int, typer.Option(help="plans solved at once by this worker")] = 1,
+    once: Annotated[bool, typer.Option(help="solve what is queued now, then exit")] = False,
+) -> None:
     """Run a solve worker (procrastinate) against the service's PostgreSQL database: run many, on any machine."""
     from planner_service.app import prepare_database
     from planner_service.jobs.engine import EngineWorker
@@ -81,8 +103,10 @@ def worker(database_url: DbUrlOpt = None,
     configure_logging()
     settings = _settings(database_url)
     if settings.is_sqlite:
-        err_console.print("[red]`memplan worker` needs PostgreSQL[/]: on SQLite `memplan serve` solves plans in "
-                          "its own process (--workers N)")
+        err_console.print(
+            "[red]`memplan worker` needs PostgreSQL[/]: on SQLite `memplan serve` solves plans in "
+            "its own process (--workers N)"
+        )
         raise typer.Exit(2)
     db = prepare_database(settings)
     try:  # SIGINT/SIGTERM: procrastinate stops fetching and lets running solves finish
@@ -94,8 +118,9 @@ def worker(database_url: DbUrlOpt = None,
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head",
-               database_url: DbUrlOpt = None) -> None:
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="target revision")] = "head", database_url: DbUrlOpt = None
+) -> None:
     """Apply migrations up to REVISION (default head)."""
     from planner_service.db.migrate import upgrade
 
@@ -105,8 +130,10 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] 
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision, e.g. -1 or base")] = "-1",
-                 database_url: DbUrlOpt = None) -> None:
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="target revision, e.g. -1 or base")] = "-1",
+    database_url: DbUrlOpt = None,
+) -> None:
     """Revert migrations down to REVISION."""
     from planner_service.db.migrate import downgrade
 
@@ -128,9 +155,11 @@ def db_current(database_url: DbUrlOpt = None) -> None:
 
 
 @tokens_app.command("create")
-def tokens_create(project: Annotated[str, typer.Option(help="project the token may see and write")],
-                  name: Annotated[str, typer.Option(help="label for listings")] = "",
-                  database_url: DbUrlOpt = None) -> None:
+def tokens_create(
+    project: Annotated[str, typer.Option(help="project the token may see and write")],
+    name: Annotated[str, typer.Option(help="label for listings")] = "",
+    database_url: DbUrlOpt = None,
+) -> None:
     """Create a token for PROJECT (created if missing); the token is printed once and stored only hashed."""
     from planner_service.app import prepare_database
     from planner_service.auth import create_token

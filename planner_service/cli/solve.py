@@ -15,8 +15,12 @@ def solve(
     trace_json: Annotated[Path, typer.Argument(help="a Trace, JSON (from `memplan profile` or the agent)")],
     device_memory: Annotated[str, typer.Option("--device-memory", help="device memory limit, e.g. 24GiB")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="write the Plan JSON here")] = None,
-    host_memory: Annotated[str | None, typer.Option("--host-memory", help="host memory limit (default: trace's)")] = None,
-    pinned_memory: Annotated[str | None, typer.Option("--pinned-memory", help="pinned (page-locked) limit")] = None,
+    host_memory: Annotated[
+        str | None, typer.Option("--host-memory", help="host memory limit (default: trace's)")
+    ] = None,
+    pinned_memory: Annotated[
+        str | None, typer.Option("--pinned-memory", help="pinned (page-locked) limit")
+    ] = None,
     solver: Annotated[str, typer.Option("--solver", help="cpsat (default) or protrain")] = "cpsat",
     time_limit: Annotated[float, typer.Option("--time-limit", help="seconds for the whole solve")] = 10.0,
     seed: Annotated[int, typer.Option("--seed", help="solver random seed (fixed seed: same plan)")] = 0,

@@ -40,8 +40,9 @@ class ChangeFeed:
     """Recently read plan entity tags and resolved tokens, kept current by PostgreSQL notifications (one
     per API process; used from the event loop's thread, except `forget`)."""
 
-    def __init__(self, conninfo: str, *, capacity: int = 100_000, ping_s: float = 10.0,
-                 reconnect_s: float = 1.0) -> None:
+    def __init__(
+        self, conninfo: str, *, capacity: int = 100_000, ping_s: float = 10.0, reconnect_s: float = 1.0
+    ) -> None:
         self.conninfo = conninfo
         self.capacity = capacity
         self.ping_s = ping_s
@@ -165,15 +166,18 @@ class ChangeFeed:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure: the cache is off until we listen again
                 if self._listening or not warned:
-                    log.warning("change feed lost (%s): requests ask the database until it is back",
-                                type(exc).__name__)
+                    log.warning(
+                        "change feed lost (%s): requests ask the database until it is back",
+                        type(exc).__name__,
+                    )
                     warned = True
             self._lost()
             await asyncio.sleep(self.reconnect_s)
 
     async def _listen(self) -> None:
-        async with await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True, connect_timeout=5,
-                                                          application_name=APPLICATION_NAME) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            self.conninfo, autocommit=True, connect_timeout=5, application_name=APPLICATION_NAME
+        ) as conn:
             await conn.execute(f"LISTEN {PLAN_CHANNEL}")
             await conn.execute(f"LISTEN {TOKEN_CHANNEL}")
             self._generation += 1

@@ -46,7 +46,9 @@ class StatementDeadline:
         with self._lock:
             self._running[id(dbapi)] = (time.monotonic() + self.seconds, dbapi)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="memplan-statement-deadline", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._watch, name="memplan-statement-deadline", daemon=True
+                )
                 self._thread.start()
 
     def _ended(self, conn: Any, *_: Any) -> None:
@@ -70,7 +72,9 @@ class StatementDeadline:
                     del self._running[key]
             for _, dbapi in late:
                 self.expired += 1
-                log.warning("database statement ran past %.1f s with no answer: dropping its connection", self.seconds)
+                log.warning(
+                    "database statement ran past %.1f s with no answer: dropping its connection", self.seconds
+                )
                 _shut_down(dbapi)
 
     def close(self) -> None:
@@ -81,7 +85,9 @@ def _shut_down(dbapi: Any) -> None:
     """Wake a thread blocked on this connection's socket: reads return end-of-file, the driver raises."""
     try:
         fd = dbapi.pgconn.socket
-        sock = socket.socket(fileno=socket.dup(fd))  # a duplicate descriptor: shutdown acts on the socket itself
+        sock = socket.socket(
+            fileno=socket.dup(fd)
+        )  # a duplicate descriptor: shutdown acts on the socket itself
         try:
             sock.shutdown(socket.SHUT_RDWR)
         finally:

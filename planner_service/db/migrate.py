@@ -23,7 +23,9 @@ class SchemaOutOfDate(RuntimeError):
 def include_name(name: str | None, type_: str, parent_names: object) -> bool:
     """What Alembic compares with the ORM models: not procrastinate's own tables (revision 0006 applies
     procrastinate's schema as it ships; the ORM does not map it)."""
-    return not (type_ in ("table", "index") and (name or "").startswith(("procrastinate_", "idx_procrastinate_")))
+    return not (
+        type_ in ("table", "index") and (name or "").startswith(("procrastinate_", "idx_procrastinate_"))
+    )
 
 
 def migrations_dir() -> Path:
@@ -58,7 +60,9 @@ def _run(url: str, fn: Callable[[Config, str], None], revision: str) -> None:
                 cfg.attributes["connection"] = conn
                 fn(cfg, revision)
                 if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").all()):
-                    raise RuntimeError(f"migration to {revision} left rows with broken references: {broken[:5]}")
+                    raise RuntimeError(
+                        f"migration to {revision} left rows with broken references: {broken[:5]}"
+                    )
             if sqlite:
                 conn.exec_driver_sql("PRAGMA foreign_keys=ON")
                 conn.commit()
@@ -87,4 +91,6 @@ def require_current(engine: Engine) -> None:
     """Refuse to run on an out-of-date schema, naming the command that fixes it."""
     current, head = current_revision(engine), head_revision()
     if current != head:
-        raise SchemaOutOfDate(f"database schema is at {current or 'no revision'}, code needs {head}: {UPGRADE_HINT}")
+        raise SchemaOutOfDate(
+            f"database schema is at {current or 'no revision'}, code needs {head}: {UPGRADE_HINT}"
+        )

@@ -95,7 +95,9 @@ class TraceRow(Base):
     hardware_key: Mapped[str] = mapped_column(String(600))
     workload_key: Mapped[str] = mapped_column(String(200))
     schema_version: Mapped[int] = mapped_column(Integer)
-    payload_gzip: Mapped[bytes] = mapped_column(LargeBinary, doc="gzip of the trace JSON in the current schema (as uploaded, or canonical)")
+    payload_gzip: Mapped[bytes] = mapped_column(
+        LargeBinary, doc="gzip of the trace JSON in the current schema (as uploaded, or canonical)"
+    )
     payload_bytes: Mapped[int] = mapped_column(BigInteger, doc="uncompressed size")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
@@ -121,16 +123,21 @@ class PlanRow(Base):
     model_fingerprint: Mapped[str] = mapped_column(String(512))
     hardware_key: Mapped[str] = mapped_column(String(600))
     workload_key: Mapped[str] = mapped_column(String(200))
-    request_key: Mapped[str] = mapped_column(String(64), doc="hash of trace, constraints, objective, solver, version")
+    request_key: Mapped[str] = mapped_column(
+        String(64), doc="hash of trace, constraints, objective, solver, version"
+    )
     solver: Mapped[str] = mapped_column(String(64))
     solver_version: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16), default=PlanStatus.queued.value)  # a PlanStatus value
     constraints: Mapped[dict[str, Any]] = mapped_column(JSON)
     objective: Mapped[str] = mapped_column(String(64))
     # Deferred: a Plan with an allocation is megabytes; lists read `headline`, a GET splices the stored text.
-    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, deferred=True, doc="the Plan, JSON")
+    result: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON, nullable=True, deferred=True, doc="the Plan, JSON"
+    )
     headline: Mapped[dict[str, Any] | None] = mapped_column(
-        JSON, nullable=True, doc="the Plan's predictions (no timeline) and solver report: what lists show")
+        JSON, nullable=True, doc="the Plan's predictions (no timeline) and solver report: what lists show"
+    )
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -140,9 +147,12 @@ class PlanRow(Base):
     trace: Mapped[TraceRow] = relationship()
     model: Mapped[ModelRow] = relationship(
         primaryjoin="and_(foreign(PlanRow.project_id) == ModelRow.project_id, "
-                    "foreign(PlanRow.model_fingerprint) == ModelRow.fingerprint)", viewonly=True
+        "foreign(PlanRow.model_fingerprint) == ModelRow.fingerprint)",
+        viewonly=True,
     )
-    feedback: Mapped[list[FeedbackRow]] = relationship(back_populates="plan", order_by="FeedbackRow.created_at")
+    feedback: Mapped[list[FeedbackRow]] = relationship(
+        back_populates="plan", order_by="FeedbackRow.created_at"
+    )
 
     __table_args__ = (
         Index("ix_plan_status_created", "status", "created_at"),

@@ -29,10 +29,14 @@ from planner_service.db.models import (
 from planner_service.ingest import BadGzip, GzipTooLarge, TraceFacts, gunzip_limited
 
 R = TypeVar("R")
-REUSABLE_STATUSES = tuple(s.value for s in PlanStatus if s is not PlanStatus.failed)  # a failed request may be retried
+REUSABLE_STATUSES = tuple(
+    s.value for s in PlanStatus if s is not PlanStatus.failed
+)  # a failed request may be retried
 
 
-def plan_etag(plan_id: str, status: str, attempts: int, started_at: Any, finished_at: Any, n_feedback: int) -> str:
+def plan_etag(
+    plan_id: str, status: str, attempts: int, started_at: Any, finished_at: Any, n_feedback: int
+) -> str:
     """Entity tag of a plan record: it changes whenever the record can (status, a new attempt, its times, new
     feedback; the stored Plan is written once, with the final status). Strong: equal tags, equal bytes."""
     key = f"{plan_id}|{status}|{attempts}|{started_at}|{finished_at}|{n_feedback}"
@@ -46,13 +50,19 @@ def plan_headline(result: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     predictions = result.get("predictions")
     if predictions is not None:
-        predictions = {k: v for k, v in predictions.items() if k not in ("device_memory_timeline", "breakdown")}
+        predictions = {
+            k: v for k, v in predictions.items() if k not in ("device_memory_timeline", "breakdown")
+        }
     return {"predictions": predictions, "solver": result.get("solver")}
 
 
 # Built once: constructing a Core statement costs more than running it (~0.25 ms of the hot poll's CPU).
 _PLAN_VERSION = select(
-    PlanRow.id, PlanRow.status, PlanRow.attempts, PlanRow.started_at, PlanRow.finished_at,
+    PlanRow.id,
+    PlanRow.status,
+    PlanRow.attempts,
+    PlanRow.started_at,
+    PlanRow.finished_at,
     select(func.count()).select_from(FeedbackRow).where(FeedbackRow.plan_id == PlanRow.id).scalar_subquery(),
 ).where(PlanRow.id == bindparam("plan_id"), PlanRow.project_id == bindparam("project_id"))
 
@@ -69,7 +79,9 @@ class PageResult(Generic[R]):
     next_cursor: str | None
 
 
-def _page(session: Session, stmt: Any, model: Any, limit: int, cursor: str | None, descending: bool) -> PageResult[Any]:
+def _page(
+    session: Session, stmt: Any, model: Any, limit: int, cursor: str | None, descending: bool
+) -> PageResult[Any]:
     if cursor:
         stmt = stmt.where(after(model.created_at, model.id, cursor, descending))
     order = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
@@ -114,8 +126,9 @@ class TraceRepository:
         return row if row is not None and (project_id is None or row.project_id == project_id) else None
 
     def by_hash(self, project_id: str, content_hash: str) -> TraceRow | None:
-        return self.s.scalar(select(TraceRow).where(TraceRow.project_id == project_id,
-                                                    TraceRow.content_hash == content_hash))
+        return self.s.scalar(
+            select(TraceRow).where(TraceRow.project_id == project_id, TraceRow.content_hash == content_hash)
+        )
 
     def add(self, trace: Trace | TraceFacts, project_id: str = DEFAULT_PROJECT) -> tuple[TraceRow, bool]:
         """Store a trace in a project; identical content there returns the existing row (created=False)."""
@@ -125,10 +138,17 @@ class TraceRepository:
             return existing, False
         self._ensure_model(facts, project_id)
         self._ensure_hardware(facts, project_id)
-        row = TraceRow(project_id=project_id, content_hash=facts.content_hash,
-                       model_fingerprint=facts.model_fingerprint, hardware_key=facts.hardware_key,
-                       workload_key=facts.workload_key, schema_version=facts.schema_version,
-                       payload_gzip=facts.payload_gzip, payload_bytes=facts.payload_bytes, created_at=utcnow())
+        row = TraceRow(
+            project_id=project_id,
+            content_hash=facts.content_hash,
+            model_fingerprint=facts.model_fingerprint,
+            hardware_key=facts.hardware_key,
+            workload_key=facts.workload_key,
+            schema_version=facts.schema_version,
+            payload_gzip=facts.payload_gzip,
+            payload_bytes=facts.payload_bytes,
+            created_at=utcnow(),
+        )
         try:
             with self.s.begin_nested():
                 self.s.add(row)
@@ -144,9 +164,16 @@ class TraceRepository:
         if self.s.get(ModelRow, {"project_id": project_id, "fingerprint": f.model_fingerprint}) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(ModelRow(project_id=project_id, fingerprint=f.model_fingerprint, name=f.model_name,
-                                        architecture=f.architecture, parameter_count=f.parameter_count,
-                                        created_at=utcnow()))
+                    self.s.add(
+                        ModelRow(
+                            project_id=project_id,
+                            fingerprint=f.model_fingerprint,
+                            name=f.model_name,
+                            architecture=f.architecture,
+                            parameter_count=f.parameter_count,
+                            created_at=utcnow(),
+                        )
+                    )
             except IntegrityError:
                 pass
 
@@ -154,14 +181,31 @@ class TraceRepository:
         if self.s.get(HardwareRow, {"project_id": project_id, "key": f.hardware_key}) is None:
             try:
                 with self.s.begin_nested():
-                    self.s.add(HardwareRow(project_id=project_id, key=f.hardware_key, device_type=f.device_type, device_name=f.device_name,
-                                           device_memory_bytes=f.device_memory_bytes, device_count=f.device_count,
-                                           created_at=utcnow()))
+                    self.s.add(
+                        HardwareRow(
+                            project_id=project_id,
+                            key=f.hardware_key,
+                            device_type=f.device_type,
+                            device_name=f.device_name,
+                            device_memory_bytes=f.device_memory_bytes,
+                            device_count=f.device_count,
+                            created_at=utcnow(),
+                        )
+                    )
             except IntegrityError:
                 pass
 
-    def list(self, *, project_id: str, model: str | None, hardware: str | None, limit: int, cursor: str | None,
-             descending: bool = True, id_prefix: str | None = None) -> PageResult[TraceRow]:
+    def list(
+        self,
+        *,
+        project_id: str,
+        model: str | None,
+        hardware: str | None,
+        limit: int,
+        cursor: str | None,
+        descending: bool = True,
+        id_prefix: str | None = None,
+    ) -> PageResult[TraceRow]:
         stmt = select(TraceRow).join(ModelRow).where(TraceRow.project_id == project_id)
         if id_prefix:
             stmt = stmt.where(TraceRow.id.startswith(id_prefix, autoescape=True))
@@ -173,10 +217,13 @@ class TraceRepository:
 
 
 # -------------------------------------------------------------------------------------------- plans
-def request_key(trace_hash: str, constraints: Constraints, objective: Objective, solver: str,
-                solver_version: str) -> str:
-    blob = json.dumps([trace_hash, constraints.model_dump(mode="json"), objective.value, solver, solver_version],
-                      sort_keys=True).encode()
+def request_key(
+    trace_hash: str, constraints: Constraints, objective: Objective, solver: str, solver_version: str
+) -> str:
+    blob = json.dumps(
+        [trace_hash, constraints.model_dump(mode="json"), objective.value, solver, solver_version],
+        sort_keys=True,
+    ).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -186,8 +233,11 @@ class PlanRepository:
 
     def get(self, plan_id: str, project_id: str | None = None) -> PlanRow | None:
         """A plan by id (with its model and feedback, in one query); with `project_id`, only if it is theirs."""
-        stmt = (select(PlanRow).where(PlanRow.id == plan_id)
-                .options(joinedload(PlanRow.model), joinedload(PlanRow.feedback)))
+        stmt = (
+            select(PlanRow)
+            .where(PlanRow.id == plan_id)
+            .options(joinedload(PlanRow.model), joinedload(PlanRow.feedback))
+        )
         if project_id is not None:
             stmt = stmt.where(PlanRow.project_id == project_id)
         return self.s.execute(stmt).unique().scalar_one_or_none()
@@ -195,9 +245,11 @@ class PlanRepository:
     def get_raw(self, plan_id: str, project_id: str) -> tuple[PlanRow, str | None] | None:
         """A plan with its model and feedback, and its stored Plan as the JSON text the database holds (not
         parsed: a plan with 10^5 buffer offsets is passed through, not decoded and encoded again)."""
-        stmt = (select(PlanRow, cast(PlanRow.result, Text))
-                .where(PlanRow.id == plan_id, PlanRow.project_id == project_id)
-                .options(defer(PlanRow.result), joinedload(PlanRow.model), selectinload(PlanRow.feedback)))
+        stmt = (
+            select(PlanRow, cast(PlanRow.result, Text))
+            .where(PlanRow.id == plan_id, PlanRow.project_id == project_id)
+            .options(defer(PlanRow.result), joinedload(PlanRow.model), selectinload(PlanRow.feedback))
+        )
         found = self.s.execute(stmt).first()
         if found is None:
             return None
@@ -206,29 +258,69 @@ class PlanRepository:
 
     def reusable(self, project_id: str, key: str) -> PlanRow | None:
         """An earlier identical request of the project that is queued, running or finished (not failed)."""
-        return self.s.scalar(select(PlanRow).where(PlanRow.project_id == project_id, PlanRow.request_key == key,
-                                                   PlanRow.status.in_(REUSABLE_STATUSES))
-                             .order_by(PlanRow.created_at).limit(1))
+        return self.s.scalar(
+            select(PlanRow)
+            .where(
+                PlanRow.project_id == project_id,
+                PlanRow.request_key == key,
+                PlanRow.status.in_(REUSABLE_STATUSES),
+            )
+            .order_by(PlanRow.created_at)
+            .limit(1)
+        )
 
-    def create(self, trace: TraceRow, constraints: Constraints, objective: Objective, solver: str,
-               solver_version: str) -> PlanRow:
+    def create(
+        self,
+        trace: TraceRow,
+        constraints: Constraints,
+        objective: Objective,
+        solver: str,
+        solver_version: str,
+    ) -> PlanRow:
         key = request_key(trace.content_hash, constraints, objective, solver, solver_version)
-        row = PlanRow(trace_id=trace.id, project_id=trace.project_id, model_fingerprint=trace.model_fingerprint, hardware_key=trace.hardware_key,
-                      workload_key=trace.workload_key, request_key=key, solver=solver, solver_version=solver_version,
-                      status=PlanStatus.queued.value, constraints=constraints.model_dump(mode="json"), objective=objective.value,
-                      attempts=0, created_at=utcnow())
+        row = PlanRow(
+            trace_id=trace.id,
+            project_id=trace.project_id,
+            model_fingerprint=trace.model_fingerprint,
+            hardware_key=trace.hardware_key,
+            workload_key=trace.workload_key,
+            request_key=key,
+            solver=solver,
+            solver_version=solver_version,
+            status=PlanStatus.queued.value,
+            constraints=constraints.model_dump(mode="json"),
+            objective=objective.value,
+            attempts=0,
+            created_at=utcnow(),
+        )
         self.s.add(row)
         self.s.flush()
         return row
 
-    def list(self, *, project_id: str, model: str | None, hardware: str | None, status: str | None, limit: int,
-             cursor: str | None, descending: bool = True, with_result: bool = False,
-             id_prefix: str | None = None) -> PageResult[PlanRow]:
+    def list(
+        self,
+        *,
+        project_id: str,
+        model: str | None,
+        hardware: str | None,
+        status: str | None,
+        limit: int,
+        cursor: str | None,
+        descending: bool = True,
+        with_result: bool = False,
+        id_prefix: str | None = None,
+    ) -> PageResult[PlanRow]:
         """A page of plans with their models; the stored Plans (megabytes each) only `with_result`."""
-        stmt = (select(PlanRow).join(ModelRow, (ModelRow.project_id == PlanRow.project_id)
-                                     & (ModelRow.fingerprint == PlanRow.model_fingerprint))
-                .where(PlanRow.project_id == project_id)
-                .options(contains_eager(PlanRow.model), *((undefer(PlanRow.result),) if with_result else ())))
+        stmt = (
+            select(PlanRow)
+            .join(
+                ModelRow,
+                (ModelRow.project_id == PlanRow.project_id)
+                & (ModelRow.fingerprint == PlanRow.model_fingerprint),
+            )
+            .where(PlanRow.project_id == project_id)
+            .options(contains_eager(PlanRow.model), *((undefer(PlanRow.result),) if with_result else ()))
+        )
         if model:
             stmt = stmt.where(or_(PlanRow.model_fingerprint == model, ModelRow.name == model))
         if hardware:
@@ -248,25 +340,41 @@ class PlanRepository:
 
     def claim(self, plan_id: str, status: str, attempts: int) -> bool:
         """Mark the plan running attempt `attempts + 1`, if it is still at (`status`, `attempts`)."""
-        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == status,
-                                                   PlanRow.attempts == attempts)
-                             .values(status=PlanStatus.running.value, attempts=attempts + 1, started_at=utcnow(),
-                                     finished_at=None))
+        res = self.s.execute(
+            update(PlanRow)
+            .where(PlanRow.id == plan_id, PlanRow.status == status, PlanRow.attempts == attempts)
+            .values(
+                status=PlanStatus.running.value, attempts=attempts + 1, started_at=utcnow(), finished_at=None
+            )
+        )
         return res.rowcount == 1  # type: ignore[attr-defined]
 
     def fail_if(self, plan_id: str, statuses: Sequence[str], error: str) -> bool:
         """Fail the plan with `error`, if its status is one of `statuses`."""
-        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(tuple(statuses)))
-                             .values(status=PlanStatus.failed.value, finished_at=utcnow(), error=error))
+        res = self.s.execute(
+            update(PlanRow)
+            .where(PlanRow.id == plan_id, PlanRow.status.in_(tuple(statuses)))
+            .values(status=PlanStatus.failed.value, finished_at=utcnow(), error=error)
+        )
         return res.rowcount == 1  # type: ignore[attr-defined]
 
-    def finish_attempt(self, plan_id: str, attempt: int, status: PlanStatus, result: dict[str, Any] | None,
-                       error: str | None) -> bool:
+    def finish_attempt(
+        self, plan_id: str, attempt: int, status: PlanStatus, result: dict[str, Any] | None, error: str | None
+    ) -> bool:
         """Write attempt `attempt`'s outcome, if the plan is still running that attempt."""
-        res = self.s.execute(update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status == PlanStatus.running.value,
-                                                   PlanRow.attempts == attempt)
-                             .values(status=status.value, result=result, headline=plan_headline(result), error=error,
-                                     finished_at=utcnow() if status.final else None))
+        res = self.s.execute(
+            update(PlanRow)
+            .where(
+                PlanRow.id == plan_id, PlanRow.status == PlanStatus.running.value, PlanRow.attempts == attempt
+            )
+            .values(
+                status=status.value,
+                result=result,
+                headline=plan_headline(result),
+                error=error,
+                finished_at=utcnow() if status.final else None,
+            )
+        )
         return res.rowcount == 1  # type: ignore[attr-defined]
 
     def solve_inputs(self, plan_id: str) -> tuple[bytes | None, dict[str, Any]]:
@@ -275,11 +383,20 @@ class PlanRepository:
         if plan is None:
             raise LookupError(f"plan {plan_id} is gone")
         payload = self.s.scalar(select(TraceRow.payload_gzip).where(TraceRow.id == plan.trace_id))
-        return payload, {"trace_id": plan.trace_id, "constraints": plan.constraints, "objective": plan.objective,
-                         "solver": plan.solver}
+        return payload, {
+            "trace_id": plan.trace_id,
+            "constraints": plan.constraints,
+            "objective": plan.objective,
+            "solver": plan.solver,
+        }
 
     def queue_depth(self) -> int:
-        return int(self.s.scalar(select(func.count()).select_from(PlanRow).where(PlanRow.status == PlanStatus.queued.value)) or 0)
+        return int(
+            self.s.scalar(
+                select(func.count()).select_from(PlanRow).where(PlanRow.status == PlanStatus.queued.value)
+            )
+            or 0
+        )
 
 
 # ----------------------------------------------------------------------------------------- feedback
@@ -296,14 +413,21 @@ class FeedbackRepository:
     def add(self, plan: PlanRow, feedback: Feedback) -> FeedbackRow:
         head = PlanHeadline.model_validate(plan.headline) if plan.headline else None
         predicted = head.predictions if head else None
-        row = FeedbackRow(plan_id=plan.id, iteration_s=feedback.iteration_s,
-                          peak_device_bytes=feedback.peak_device_bytes, peak_host_bytes=feedback.peak_host_bytes,
-                          steps_measured=feedback.steps_measured, notes=feedback.notes,
-                          iteration_error=relative_error(feedback.iteration_s,
-                                                         predicted.iteration_s if predicted else None),
-                          peak_device_error=relative_error(feedback.peak_device_bytes,
-                                                           predicted.peak_device_bytes if predicted else None),
-                          created_at=utcnow())
+        row = FeedbackRow(
+            plan_id=plan.id,
+            iteration_s=feedback.iteration_s,
+            peak_device_bytes=feedback.peak_device_bytes,
+            peak_host_bytes=feedback.peak_host_bytes,
+            steps_measured=feedback.steps_measured,
+            notes=feedback.notes,
+            iteration_error=relative_error(
+                feedback.iteration_s, predicted.iteration_s if predicted else None
+            ),
+            peak_device_error=relative_error(
+                feedback.peak_device_bytes, predicted.peak_device_bytes if predicted else None
+            ),
+            created_at=utcnow(),
+        )
         self.s.add(row)
         self.s.flush()
         return row
@@ -312,8 +436,11 @@ class FeedbackRepository:
         """How many feedback reports each of these plans has (plans without any are absent)."""
         if not plan_ids:
             return {}
-        stmt = (select(FeedbackRow.plan_id, func.count()).where(FeedbackRow.plan_id.in_(plan_ids))
-                .group_by(FeedbackRow.plan_id))
+        stmt = (
+            select(FeedbackRow.plan_id, func.count())
+            .where(FeedbackRow.plan_id.in_(plan_ids))
+            .group_by(FeedbackRow.plan_id)
+        )
         return {pid: int(n) for pid, n in self.s.execute(stmt)}
 
 
@@ -336,8 +463,9 @@ class AccessRepository:
 
     def live_token(self, token_digest: str) -> ApiTokenRow | None:
         """The unrevoked token with this digest, if any."""
-        return self.s.scalar(select(ApiTokenRow).where(ApiTokenRow.digest == token_digest,
-                                                       ApiTokenRow.revoked_at.is_(None)))
+        return self.s.scalar(
+            select(ApiTokenRow).where(ApiTokenRow.digest == token_digest, ApiTokenRow.revoked_at.is_(None))
+        )
 
 
 # ----------------------------------------------------------------------------------------- catalog
@@ -347,28 +475,46 @@ class CatalogRepository:
 
     def models(self, project_id: str) -> list[tuple[ModelRow, int, int]]:
         """Models the project has traces of (other projects' models are invisible), with counts."""
-        traces = (select(TraceRow.model_fingerprint, func.count().label("n")).where(TraceRow.project_id == project_id)
-                  .group_by(TraceRow.model_fingerprint).subquery())
-        plans = (select(PlanRow.model_fingerprint, func.count().label("n")).where(PlanRow.project_id == project_id)
-                 .group_by(PlanRow.model_fingerprint).subquery())
-        stmt = (select(ModelRow, traces.c.n, func.coalesce(plans.c.n, 0))
-                .where(ModelRow.project_id == project_id)
-                .join(traces, traces.c.model_fingerprint == ModelRow.fingerprint)
-                .outerjoin(plans, plans.c.model_fingerprint == ModelRow.fingerprint)
-                .order_by(ModelRow.name, ModelRow.fingerprint))
+        traces = (
+            select(TraceRow.model_fingerprint, func.count().label("n"))
+            .where(TraceRow.project_id == project_id)
+            .group_by(TraceRow.model_fingerprint)
+            .subquery()
+        )
+        plans = (
+            select(PlanRow.model_fingerprint, func.count().label("n"))
+            .where(PlanRow.project_id == project_id)
+            .group_by(PlanRow.model_fingerprint)
+            .subquery()
+        )
+        stmt = (
+            select(ModelRow, traces.c.n, func.coalesce(plans.c.n, 0))
+            .where(ModelRow.project_id == project_id)
+            .join(traces, traces.c.model_fingerprint == ModelRow.fingerprint)
+            .outerjoin(plans, plans.c.model_fingerprint == ModelRow.fingerprint)
+            .order_by(ModelRow.name, ModelRow.fingerprint)
+        )
         return [(m, int(t), int(p)) for m, t, p in self.s.execute(stmt)]
 
     def hardware(self, project_id: str) -> list[tuple[HardwareRow, int, int]]:
         """Hardware the project has traces from, with counts."""
-        traces = (select(TraceRow.hardware_key, func.count().label("n")).where(TraceRow.project_id == project_id)
-                  .group_by(TraceRow.hardware_key).subquery())
-        plans = (select(PlanRow.hardware_key, func.count().label("n")).where(PlanRow.project_id == project_id)
-                 .group_by(PlanRow.hardware_key).subquery())
-        stmt = (select(HardwareRow, traces.c.n, func.coalesce(plans.c.n, 0))
-                .where(HardwareRow.project_id == project_id)
-                .join(traces, traces.c.hardware_key == HardwareRow.key)
-                .outerjoin(plans, plans.c.hardware_key == HardwareRow.key)
-                .order_by(HardwareRow.key))
+        traces = (
+            select(TraceRow.hardware_key, func.count().label("n"))
+            .where(TraceRow.project_id == project_id)
+            .group_by(TraceRow.hardware_key)
+            .subquery()
+        )
+        plans = (
+            select(PlanRow.hardware_key, func.count().label("n"))
+            .where(PlanRow.project_id == project_id)
+            .group_by(PlanRow.hardware_key)
+            .subquery()
+        )
+        stmt = (
+            select(HardwareRow, traces.c.n, func.coalesce(plans.c.n, 0))
+            .where(HardwareRow.project_id == project_id)
+            .join(traces, traces.c.hardware_key == HardwareRow.key)
+            .outerjoin(plans, plans.c.hardware_key == HardwareRow.key)
+            .order_by(HardwareRow.key)
+        )
         return [(h, int(t), int(p)) for h, t, p in self.s.execute(stmt)]
-
-

@@ -25,7 +25,10 @@ class Timeouts:
     grace_s: float = 2.0  # a statement with no answer this long after the server's own timeout: server frozen
 
     def connect_args(self) -> dict[str, Any]:
-        return {"connect_timeout": self.connect_s, "options": f"-c statement_timeout={int(self.statement_s * 1000)}"}
+        return {
+            "connect_timeout": self.connect_s,
+            "options": f"-c statement_timeout={int(self.statement_s * 1000)}",
+        }
 
 
 def make_engine(url: str, pool_size: int = 16, timeouts: Timeouts | None = None) -> Engine:
@@ -50,8 +53,14 @@ def make_engine(url: str, pool_size: int = 16, timeouts: Timeouts | None = None)
     # threads: an overflow connection is opened and closed per use, which costs PostgreSQL a process fork.
     if timeouts is None:
         return create_engine(url, pool_size=pool_size + 4, max_overflow=8, pool_recycle=1800)
-    return create_engine(url, pool_size=pool_size + 4, max_overflow=8, pool_recycle=1800,
-                         pool_timeout=timeouts.pool_s, connect_args=timeouts.connect_args())
+    return create_engine(
+        url,
+        pool_size=pool_size + 4,
+        max_overflow=8,
+        pool_recycle=1800,
+        pool_timeout=timeouts.pool_s,
+        connect_args=timeouts.connect_args(),
+    )
 
 
 class Database:
@@ -93,8 +102,11 @@ class Database:
         if self.engine.dialect.name != "postgresql":
             return current_revision(self.engine)
         seconds = max(1, int(timeout_s))
-        probe = create_engine(self.url, poolclass=NullPool, connect_args=Timeouts(
-            connect_s=seconds, statement_s=timeout_s).connect_args())
+        probe = create_engine(
+            self.url,
+            poolclass=NullPool,
+            connect_args=Timeouts(connect_s=seconds, statement_s=timeout_s).connect_args(),
+        )
         deadline = StatementDeadline(probe, timeout_s)
         try:
             return current_revision(probe)

@@ -43,7 +43,9 @@ def libpq_url(database_url: str) -> str:
     """The libpq connection string of a SQLAlchemy PostgreSQL URL (procrastinate speaks psycopg directly)."""
     url = make_url(database_url)
     if url.get_backend_name() != "postgresql":
-        raise ValueError(f"MEMPLAN_DATABASE_URL: procrastinate needs PostgreSQL, got {url.get_backend_name()!r}")
+        raise ValueError(
+            f"MEMPLAN_DATABASE_URL: procrastinate needs PostgreSQL, got {url.get_backend_name()!r}"
+        )
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
@@ -57,18 +59,28 @@ class PlanRetryStrategy(BaseRetryStrategy):
     def get_retry_decision(self, *, exception: BaseException, job: Job) -> RetryDecision | None:
         if isinstance(exception, PlanFailed) or job.attempts + 1 >= MAX_RUNS:
             return None
-        return RetryDecision(retry_in={"seconds": min(self.cap_s, self.base_s * 2 ** job.attempts)})
+        return RetryDecision(retry_in={"seconds": min(self.cap_s, self.base_s * 2**job.attempts)})
 
 
 # ------------------------------------------------------------------------------------------ enqueue
-_DEFER = text("SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(:queue, :task, 0, :lock, :queueing_lock, "
-              "CAST(:args AS jsonb), NULL)::procrastinate_job_to_defer_v1])")
+_DEFER = text(
+    "SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(:queue, :task, 0, :lock, :queueing_lock, "
+    "CAST(:args AS jsonb), NULL)::procrastinate_job_to_defer_v1])"
+)
 
 
 def defer_plan(session: Session, plan_id: str) -> None:
     """Queue the plan's solve job inside the caller's transaction: committed with the plan row, or not at all."""
-    session.execute(_DEFER, {"queue": QUEUE, "task": SOLVE_TASK, "lock": f"plan:{plan_id}",
-                             "queueing_lock": f"plan:{plan_id}", "args": json.dumps({"plan_id": plan_id})})
+    session.execute(
+        _DEFER,
+        {
+            "queue": QUEUE,
+            "task": SOLVE_TASK,
+            "lock": f"plan:{plan_id}",
+            "queueing_lock": f"plan:{plan_id}",
+            "args": json.dumps({"plan_id": plan_id}),
+        },
+    )
 
 
 # ------------------------------------------------------------------------------------------ the app
@@ -87,8 +99,10 @@ def _resources(context: JobContext) -> tuple[Database, Settings]:
         if _fallback is None:
             settings = Settings()
             if not settings.database_url.startswith("postgresql"):
-                raise RuntimeError("MEMPLAN_DATABASE_URL must name the service's PostgreSQL database "
-                                   f"(got {make_url(settings.database_url).render_as_string(hide_password=True)})")
+                raise RuntimeError(
+                    "MEMPLAN_DATABASE_URL must name the service's PostgreSQL database "
+                    f"(got {make_url(settings.database_url).render_as_string(hide_password=True)})"
+                )
             _fallback = (Database(settings.database_url, pool_size=4), settings)
         return _fallback
 
@@ -96,24 +110,34 @@ def _resources(context: JobContext) -> tuple[Database, Settings]:
 def worker_options(settings: Settings) -> dict[str, Any]:
     """Every worker's options, ours and `procrastinate worker`'s alike: operators' workers beat, recover and
     are recovered like the service's."""
-    return {"queues": [QUEUE], "delete_jobs": "successful",
-            "update_heartbeat_interval": settings.stalled_after_s / 4,
-            "stalled_worker_timeout": settings.stalled_after_s,
-            "fetch_job_polling_interval": max(settings.poll_interval_s, 0.05)}
+    return {
+        "queues": [QUEUE],
+        "delete_jobs": "successful",
+        "update_heartbeat_interval": settings.stalled_after_s / 4,
+        "stalled_worker_timeout": settings.stalled_after_s,
+        "fetch_job_polling_interval": max(settings.poll_interval_s, 0.05),
+    }
 
 
-def build_app(database_url: str, settings: Settings | None = None, *, concurrency: int = 1) -> procrastinate.App:
+def build_app(
+    database_url: str, settings: Settings | None = None, *, concurrency: int = 1
+) -> procrastinate.App:
     """A procrastinate app on `database_url` with the solve and recovery tasks. One app per runner: apps on
     different databases (tests, several services in one process) share nothing. Its pool holds a connection
     for LISTEN, one for heartbeats and fetches, and one per job finishing at once."""
     settings = settings or Settings()
     app = procrastinate.App(
-        connector=procrastinate.PsycopgConnector(conninfo=libpq_url(database_url) if database_url else "",
-                                                 min_size=1, max_size=max(4, concurrency + 2)),
+        connector=procrastinate.PsycopgConnector(
+            conninfo=libpq_url(database_url) if database_url else "",
+            min_size=1,
+            max_size=max(4, concurrency + 2),
+        ),
         worker_defaults=worker_options(settings),  # type: ignore[arg-type]  # `procrastinate worker` uses them
     )
 
-    @app.task(name=SOLVE_TASK, queue=QUEUE, pass_context=True, retry=PlanRetryStrategy(settings.retry_backoff_s))
+    @app.task(
+        name=SOLVE_TASK, queue=QUEUE, pass_context=True, retry=PlanRetryStrategy(settings.retry_backoff_s)
+    )
     def solve_plan(context: JobContext, plan_id: str) -> str:
         db, task_settings = _resources(context)
         try:
@@ -134,8 +158,11 @@ def build_app(database_url: str, settings: Settings | None = None, *, concurrenc
         queue; the next run of the solve task counts the attempt on the plan row."""
         _, task_settings = _resources(context)
         manager = context.app.job_manager
-        stalled = list(await manager.get_stalled_jobs(task_name=SOLVE_TASK,
-                                                      seconds_since_heartbeat=task_settings.stalled_after_s))
+        stalled = list(
+            await manager.get_stalled_jobs(
+                task_name=SOLVE_TASK, seconds_since_heartbeat=task_settings.stalled_after_s
+            )
+        )
         for job in stalled:
             try:
                 await manager.retry_job(job)
@@ -172,10 +199,15 @@ class EngineWorker:
     async def run_async(self, *, wait: bool = True, install_signal_handlers: bool = False) -> None:
         app = build_app(self.db.url, self.settings, concurrency=self.concurrency)
         async with app.open_async():
-            worker = Worker(app, concurrency=self.concurrency, name=self.name, wait=wait,
-                            install_signal_handlers=install_signal_handlers,
-                            additional_context={"db": self.db, "settings": self.settings, "stop": self._stop},
-                            **worker_options(self.settings))
+            worker = Worker(
+                app,
+                concurrency=self.concurrency,
+                name=self.name,
+                wait=wait,
+                install_signal_handlers=install_signal_handlers,
+                additional_context={"db": self.db, "settings": self.settings, "stop": self._stop},
+                **worker_options(self.settings),
+            )
             self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
             self._ready.set()
             if self._stop.is_set():
@@ -213,8 +245,10 @@ class EngineWorker:
             else:
                 if self._stop.is_set():
                     break
-                log.warning("solve worker stopped (its database connection failed); starting it again in %.0f s",
-                            delay)
+                log.warning(
+                    "solve worker stopped (its database connection failed); starting it again in %.0f s",
+                    delay,
+                )
             self._ready.set()
             if time.monotonic() - started > 60:
                 delay = 1.0

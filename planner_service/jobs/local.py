@@ -36,8 +36,13 @@ class LocalSolver:
         if self._pool is None:
             return
         with self.db.session() as s:
-            ids = list(s.scalars(select(PlanRow.id).where(PlanRow.status.in_(tuple(PENDING_PLAN_STATUSES)))
-                                 .order_by(PlanRow.created_at)))
+            ids = list(
+                s.scalars(
+                    select(PlanRow.id)
+                    .where(PlanRow.status.in_(tuple(PENDING_PLAN_STATUSES)))
+                    .order_by(PlanRow.created_at)
+                )
+            )
         for plan_id in ids:
             self.submit(plan_id)
 
@@ -66,9 +71,11 @@ class LocalSolver:
                 try:
                     give_up(self.db, plan_id, tries + 1, exc)
                 except Exception:
-                    log.exception("plan %s could not be marked failed; it runs again at the next start", plan_id)
+                    log.exception(
+                        "plan %s could not be marked failed; it runs again at the next start", plan_id
+                    )
                 return
-            delay = min(60.0, self.settings.retry_backoff_s * 2 ** tries)
+            delay = min(60.0, self.settings.retry_backoff_s * 2**tries)
             log.warning("plan %s will run again in %.1f s", plan_id, delay, exc_info=True)
             self._later(delay, plan_id, tries + 1)
 

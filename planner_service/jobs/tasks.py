@@ -56,7 +56,14 @@ def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.
     try:
         trace, request = _decode(*stored)
     except Exception as exc:  # a stored trace that cannot be read never becomes readable by retrying
-        _record(db, plan_id, attempt, PlanStatus.failed, None, f"the plan's trace cannot be read: {_describe(exc)}")
+        _record(
+            db,
+            plan_id,
+            attempt,
+            PlanStatus.failed,
+            None,
+            f"the plan's trace cannot be read: {_describe(exc)}",
+        )
         raise PlanFailed(f"plan {plan_id}: trace cannot be read") from exc
     started = time.perf_counter()
     try:
@@ -68,7 +75,11 @@ def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.
         # runner logs its traceback (chained below)
         refused = _is_refusal(exc)
         final = refused or attempt >= settings.max_attempts
-        reason = f"the solver refused the request: {_describe(exc)}" if refused else f"solve failed: {_describe(exc)}"
+        reason = (
+            f"the solver refused the request: {_describe(exc)}"
+            if refused
+            else f"solve failed: {_describe(exc)}"
+        )
         _record(db, plan_id, attempt, PlanStatus.failed if final else PlanStatus.queued, None, reason)
         if final:
             raise PlanFailed(f"plan {plan_id}: solve failed on attempt {attempt}") from exc
@@ -117,8 +128,14 @@ def _decode(payload: bytes | None, request: dict[str, Any]) -> tuple[Trace, Plan
     return Trace.model_validate_json(gzip.decompress(payload)), PlanRequest.model_validate(request)
 
 
-def _record(db: Database, plan_id: str, attempt: int, status: PlanStatus | str, result: dict[str, Any] | None,
-            error: str | None) -> None:
+def _record(
+    db: Database,
+    plan_id: str,
+    attempt: int,
+    status: PlanStatus | str,
+    result: dict[str, Any] | None,
+    error: str | None,
+) -> None:
     """Write the outcome of attempt `attempt`, only while the plan is still running that attempt (a worker
     presumed lost that comes back late cannot overwrite the attempt that replaced it)."""
     status = PlanStatus(status)

@@ -72,14 +72,17 @@ def request_plan(session: Session, project_id: str, request: PlanRequest, enqueu
     return Requested(row, reused=False)
 
 
-def add_feedback(session: Session, project_id: str, plan_id: str, feedback: Feedback,
-                 feed: ChangeFeed | None) -> FeedbackRow:
+def add_feedback(
+    session: Session, project_id: str, plan_id: str, feedback: Feedback, feed: ChangeFeed | None
+) -> FeedbackRow:
     """Store what the agent measured running plan `plan_id`; only a `done` plan takes feedback."""
     plan = PlanRepository(session).get(plan_id, project_id)
     if plan is None:
         raise PlanNotFound(f"plan {plan_id} not found")
     if plan.status != PlanStatus.done:
-        raise FeedbackNotAccepted(f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)")
+        raise FeedbackNotAccepted(
+            f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)"
+        )
     row = FeedbackRepository(session).add(plan, feedback)
     if feed is not None:
         feed.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
@@ -96,15 +99,24 @@ def start_attempt(session: Session, plan_id: str, max_attempts: int) -> int | No
         return None
     status, attempts = found
     if status == PlanStatus.running and attempts >= max_attempts:
-        if plans.fail_if(plan_id, (PlanStatus.running.value,),
-                         f"the worker solving it was lost {attempts} times (no heartbeat)"):
+        if plans.fail_if(
+            plan_id,
+            (PlanStatus.running.value,),
+            f"the worker solving it was lost {attempts} times (no heartbeat)",
+        ):
             PLAN_OUTCOMES.labels(PlanStatus.failed.value).inc()
         return None
     return attempts + 1 if plans.claim(plan_id, status, attempts) else None
 
 
-def finish_attempt(session: Session, plan_id: str, attempt: int, status: PlanStatus, result: dict[str, Any] | None,
-                   error: str | None) -> bool:
+def finish_attempt(
+    session: Session,
+    plan_id: str,
+    attempt: int,
+    status: PlanStatus,
+    result: dict[str, Any] | None,
+    error: str | None,
+) -> bool:
     """Record attempt `attempt`'s outcome (`queued`: handed back for another attempt); False when the plan has
     moved on past that attempt (a late worker presumed lost), and nothing was written."""
     if not PlanRepository(session).finish_attempt(plan_id, attempt, status, result, error):

@@ -73,7 +73,11 @@ from client.contract import ActivationMode, Constraints, Placement, Policy, Pred
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
 from planner_service.solver.layout import layout_from_chunks
 
-_MODE_OF = {ActivationMode.keep: Mode.keep, ActivationMode.checkpoint: Mode.checkpoint, ActivationMode.swap: Mode.swap}
+_MODE_OF = {
+    ActivationMode.keep: Mode.keep,
+    ActivationMode.checkpoint: Mode.checkpoint,
+    ActivationMode.swap: Mode.swap,
+}
 
 
 @dataclass(frozen=True)
@@ -153,10 +157,14 @@ def device_timeline(inst: PolicyInstance, d: Decision, static_bytes: int) -> lis
     """Predicted device bytes at every step: forward blocks in order, backward in reverse, then the optimizer."""
     fwd, bwd = activation_steps(inst, d.modes)
     name = lambda b: inst.block_names[b] if inst.block_names else str(b)  # noqa: E731
-    points = [TimelinePoint(label=f"fwd {name(b)}", phase="forward", device_bytes=static_bytes + x)
-              for b, x in enumerate(fwd)]
-    points += [TimelinePoint(label=f"bwd {name(b)}", phase="backward", device_bytes=static_bytes + bwd[b])
-               for b in range(len(bwd) - 1, -1, -1)]
+    points = [
+        TimelinePoint(label=f"fwd {name(b)}", phase="forward", device_bytes=static_bytes + x)
+        for b, x in enumerate(fwd)
+    ]
+    points += [
+        TimelinePoint(label=f"bwd {name(b)}", phase="backward", device_bytes=static_bytes + bwd[b])
+        for b in range(len(bwd) - 1, -1, -1)
+    ]
     points.append(TimelinePoint(label="optimizer", phase="optimizer", device_bytes=static_bytes))
     return points
 
@@ -234,7 +242,9 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     swapped = sum(inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
     pinned = sum(inst.state_bytes(c) for c in range(C) if o[c]) + swapped
     host = sum(inst.host_bytes(c) for c in range(C) if o[c]) + swapped
-    fits_host = host <= inst.host_limit_bytes and (inst.pinned_limit_bytes is None or pinned <= inst.pinned_limit_bytes)
+    fits_host = host <= inst.host_limit_bytes and (
+        inst.pinned_limit_bytes is None or pinned <= inst.pinned_limit_bytes
+    )
     return Cost(
         iteration_ns=iteration,
         forward_ns=fwd,
@@ -301,12 +311,16 @@ def instance_for_policy(
     trace: Trace, policy: Policy, constraints: Constraints, params: CostParams | None = None
 ) -> PolicyInstance:
     if len(policy.blocks) != len(trace.model.blocks):
-        raise ValueError(f"policy.blocks: {len(policy.blocks)} entries, the trace has {len(trace.model.blocks)} blocks")
+        raise ValueError(
+            f"policy.blocks: {len(policy.blocks)} entries, the trace has {len(trace.model.blocks)} blocks"
+        )
     layout = layout_from_chunks(trace, policy.chunk_size_bytes, [c.parameters for c in policy.chunks])
     return build_instance(trace, layout, constraints, params)
 
 
-def evaluate(trace: Trace, policy: Policy, constraints: Constraints, params: CostParams | None = None) -> Predictions:
+def evaluate(
+    trace: Trace, policy: Policy, constraints: Constraints, params: CostParams | None = None
+) -> Predictions:
     """Predicted iteration time and peaks of `policy` on `trace` (the runtime compares these with measurements).
 
     Raises ValueError (naming the field) when the policy's layout does not match the trace.
@@ -344,8 +358,10 @@ class BatchTimer:
         o[:C] = np.array(offloaded, dtype=np.int64)
         after = np.cumsum(o[::-1])[::-1] - o  # offloaded chunks after c
         need = o * (after >= nb)  # offloaded and not still in a buffer after forward
-        U, G = self.U[: W + 1] if C else np.zeros(W + 1, dtype=np.int64), self.G[: W + 1] if C else np.zeros(
-            W + 1, dtype=np.int64)
+        U, G = (
+            self.U[: W + 1] if C else np.zeros(W + 1, dtype=np.int64),
+            self.G[: W + 1] if C else np.zeros(W + 1, dtype=np.int64),
+        )
         ck = (modes == Mode.checkpoint).astype(np.int64)
         sw = (modes == Mode.swap).astype(np.int64)
         REC = (ck * self.rec) @ self.ind
@@ -395,10 +411,14 @@ class BatchTimer:
         host_total = int((self.H * o[:C]).sum()) if C else 0
         if not overlap:
             host_end = bwd + dev_opt + (int(self.G[0] * o[0]) if C else 0) + host_total
-        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end) + (host_total if self.inst.redo_host_steps else 0)
+        iteration: np.ndarray = (
+            fwd + np.maximum(bwd + dev_opt, host_end) + (host_total if self.inst.redo_host_steps else 0)
+        )
         return iteration
 
 
-def iteration_ns_batch(inst: PolicyInstance, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray) -> np.ndarray:
+def iteration_ns_batch(
+    inst: PolicyInstance, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray
+) -> np.ndarray:
     """`evaluate_decision(...).iteration_ns` for every row of `modes` (see `BatchTimer`)."""
     return BatchTimer(inst)(offloaded, n_buffers, modes)

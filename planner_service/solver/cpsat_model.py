@@ -64,7 +64,11 @@ class PolicyModel:
         m = self.model
         assert self.nbuf is not None and self.nbuf1 is not None
         for b, mode in enumerate(d.modes):
-            for expr, want in ((self.keep[b], Mode.keep), (self.ckpt[b], Mode.checkpoint), (self.swap[b], Mode.swap)):
+            for expr, want in (
+                (self.keep[b], Mode.keep),
+                (self.ckpt[b], Mode.checkpoint),
+                (self.swap[b], Mode.swap),
+            ):
                 if isinstance(expr, cp_model.IntVar):
                     m.add_hint(expr, int(mode == want))
         res = residency(d.offloaded, d.n_buffers)
@@ -138,8 +142,16 @@ def _total(terms: Terms) -> LinearExpr:
     return sum(a * x for a, x in terms)
 
 
-def _add_window(m: cp_model.CpModel, t: cp_model.IntVar, compute: int, extra: Terms, h2d: Terms, d2h: Terms,
-                full_duplex: bool, copy_overlap: bool = True) -> None:
+def _add_window(
+    m: cp_model.CpModel,
+    t: cp_model.IntVar,
+    compute: int,
+    extra: Terms,
+    h2d: Terms,
+    d2h: Terms,
+    full_duplex: bool,
+    copy_overlap: bool = True,
+) -> None:
     """t >= max(compute + recompute, H2D copies, D2H copies) (or H2D + D2H on a half-duplex link).
 
     Plus, for every single copy term a*x, the cut t >= compute + (a - compute) * x when a > compute: valid
@@ -185,8 +197,18 @@ def _add_time(pm: PolicyModel) -> None:
     overlap = inst.copy_overlap
     assert pm.nbuf1 is not None
     F, Bk, REC, SO, SI = _window_terms(pm)
-    upper = sum(inst.fwd_ns) + sum(inst.bwd_ns) + sum(inst.rec_ns) + sum(inst.swap_out_ns) + sum(inst.swap_in_ns) \
-        + sum(U) * 2 + sum(G) + sum(inst.device_optim_ns) + sum(inst.host_optim_ns) * 2
+    upper = (
+        sum(inst.fwd_ns)
+        + sum(inst.bwd_ns)
+        + sum(inst.rec_ns)
+        + sum(inst.swap_out_ns)
+        + sum(inst.swap_in_ns)
+        + sum(U) * 2
+        + sum(G)
+        + sum(inst.device_optim_ns)
+        + sum(inst.host_optim_ns) * 2
+    )
+
     def off(c: int) -> Terms:
         return [(U[c], pm.off[c])] if 0 <= c < C else []
 
@@ -256,8 +278,10 @@ def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     C = inst.n_chunks
     top = sum(inst.state_bytes(c) for c in range(C)) + C * inst.buffer_bytes
     static = pm.model.new_int_var(0, top, "static_device_bytes")
-    pm.model.add(static == sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off))
-                 + inst.buffer_bytes * pm.nbuf)
+    pm.model.add(
+        static
+        == sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off)) + inst.buffer_bytes * pm.nbuf
+    )
     return static
 
 
@@ -269,8 +293,9 @@ def _activation_walk(pm: PolicyModel) -> list[LinearExpr]:
     prefix: LinearExpr = 0
     steps: list[LinearExpr] = []
     for b in range(inst.n_blocks):
-        fwd_own = (act[b] + inst.fwd_peak_bytes[b]) * (pm.keep[b] + pm.swap[b]) \
-            + (inp[b] + inst.fwd_peak_bytes[b]) * pm.ckpt[b]
+        fwd_own = (act[b] + inst.fwd_peak_bytes[b]) * (pm.keep[b] + pm.swap[b]) + (
+            inp[b] + inst.fwd_peak_bytes[b]
+        ) * pm.ckpt[b]
         bwd_own = act[b] + inst.bwd_peak_bytes[b] + inp[b] * pm.ckpt[b]
         if b > 0:
             bwd_own = bwd_own + act[b - 1] * pm.swap[b - 1]
@@ -287,8 +312,13 @@ def _add_device_memory(pm: PolicyModel, limit_bytes: int | None) -> None:
     """peak >= static + every walk step; with a limit, peak <= limit (the usable bytes after alpha)."""
     m, inst = pm.model, pm.inst
     static = _static_device(pm)
-    top = sum(inst.state_bytes(c) for c in range(inst.n_chunks)) + inst.n_chunks * inst.buffer_bytes \
-        + 2 * sum(inst.act_bytes) + sum(inst.inp_bytes) + max(inst.fwd_peak_bytes + inst.bwd_peak_bytes, default=0)
+    top = (
+        sum(inst.state_bytes(c) for c in range(inst.n_chunks))
+        + inst.n_chunks * inst.buffer_bytes
+        + 2 * sum(inst.act_bytes)
+        + sum(inst.inp_bytes)
+        + max(inst.fwd_peak_bytes + inst.bwd_peak_bytes, default=0)
+    )
     pm.peak = m.new_int_var(0, top, "peak_device_bytes")
     for step in _activation_walk(pm):
         m.add(pm.peak >= static + step)

@@ -33,7 +33,9 @@ RELATIVE_GAP_LIMIT = 5e-3
 class LayoutSolve:
     """Outcome of one CP-SAT solve on one layout (times in ns, as the model)."""
 
-    status: str  # 'optimal' | 'feasible' | 'infeasible' | 'unknown' ('infeasible' under a cutoff: none faster)
+    status: (
+        str  # 'optimal' | 'feasible' | 'infeasible' | 'unknown' ('infeasible' under a cutoff: none faster)
+    )
     decision: Decision | None
     cost: Cost | None
     lower_bound_ns: float  # valid lower bound on every solution of this layout (inf when none exists)
@@ -76,7 +78,9 @@ def complete_hint(pm: cpsat_model.PolicyModel, decision: Decision, seed: int) ->
         return False
     pm.model.clear_hints()
     for i in range(len(pm.model.proto.variables)):
-        pm.model.add_hint(pm.model.get_int_var_from_proto_index(i), s.value(probe.get_int_var_from_proto_index(i)))
+        pm.model.add_hint(
+            pm.model.get_int_var_from_proto_index(i), s.value(probe.get_int_var_from_proto_index(i))
+        )
     return True
 
 

@@ -47,7 +47,11 @@ from planner_service.solver.layout import ChunkLayout, candidate_layouts
 SOLVER_VERSION = "policy-1.3"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
-_ACTIVATION = {Mode.keep: ActivationMode.keep, Mode.checkpoint: ActivationMode.checkpoint, Mode.swap: ActivationMode.swap}
+_ACTIVATION = {
+    Mode.keep: ActivationMode.keep,
+    Mode.checkpoint: ActivationMode.checkpoint,
+    Mode.swap: ActivationMode.swap,
+}
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,12 @@ def policy_of(trace: Trace, layout: ChunkLayout, decision: Decision) -> Policy:
         for c, (start, stop) in enumerate(layout.param_ranges)
     ]
     blocks = [
-        BlockPolicy(block=b.index, module=b.name, mode=_ACTIVATION[decision.modes[b.index]]) for b in trace.model.blocks
+        BlockPolicy(block=b.index, module=b.name, mode=_ACTIVATION[decision.modes[b.index]])
+        for b in trace.model.blocks
     ]
-    return Policy(chunk_size_bytes=layout.chunk_size_bytes, chunks=chunks, n_buffers=decision.n_buffers, blocks=blocks)
+    return Policy(
+        chunk_size_bytes=layout.chunk_size_bytes, chunks=chunks, n_buffers=decision.n_buffers, blocks=blocks
+    )
 
 
 def _tightest_decision(inst: PolicyInstance) -> Decision:
@@ -90,7 +97,12 @@ def _tightest_decision(inst: PolicyInstance) -> Decision:
 
 
 def _min_device_memory(
-    trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams, seed: int, budget_s: float
+    trace: Trace,
+    layouts: list[ChunkLayout],
+    constraints: Constraints,
+    params: CostParams,
+    seed: int,
+    budget_s: float,
 ) -> tuple[int | None, bool]:
     """Smallest device limit (bytes) under which some policy fits: min peak over layouts, times (1 + alpha);
     and whether it is proven the smallest (every layout's minimum proven, or the layout proven to fit nothing).
@@ -99,7 +111,9 @@ def _min_device_memory(
     proven = True
     for i, lay in enumerate(layouts):
         inst = build_instance(trace, lay, constraints, params)
-        peak, optimal = cpsat_solve.min_peak_bytes(inst, time_limit_s=max(0.05, budget_s / (len(layouts) - i)), seed=seed)
+        peak, optimal = cpsat_solve.min_peak_bytes(
+            inst, time_limit_s=max(0.05, budget_s / (len(layouts) - i)), seed=seed
+        )
         proven = proven and optimal
         if peak is not None and (best is None or peak < best):
             best = peak
@@ -116,8 +130,9 @@ def _unmanaged_decision(inst: PolicyInstance) -> Decision:
     return Decision(offloaded=(False,) * inst.n_chunks, n_buffers=0, modes=(Mode.keep,) * inst.n_blocks)
 
 
-def _everything_fits(trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams
-                     ) -> _Best | None:
+def _everything_fits(
+    trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams
+) -> _Best | None:
     """On a device whose copies are serial with compute (a CPU device), when the measured un-managed peak is
     within the limit and the cost model (with its margin) agrees on some layout: the un-managed decision on the
     fastest such layout; else None (the search's answer stands).
@@ -129,7 +144,9 @@ def _everything_fits(trace: Trace, layouts: list[ChunkLayout], constraints: Cons
     the plan is `optimal` only when the un-managed answer is the cost model's optimum too, and its message
     says when the cost model would have preferred a managed policy."""
     if params.copy_overlap or trace.measurements.peak_device_bytes > constraints.device_memory_bytes:
-        return None  # on a GPU, offloading can pay without memory pressure (host steps hidden behind backward)
+        return (
+            None  # on a GPU, offloading can pay without memory pressure (host steps hidden behind backward)
+        )
     best: _Best | None = None
     for lay in layouts:
         inst = build_instance(trace, lay, constraints, params)
@@ -146,10 +163,14 @@ def solve(trace: Trace, constraints: Constraints, *, solver: str = "cpsat", seed
     CP-SAT stops once the answer is proven within `cpsat_solve.RELATIVE_GAP_LIMIT` (0.5%) of the optimum;
     the plan reports the proven bound and gap either way.
     """
-    return solve_with_gap(trace, constraints, solver=solver, seed=seed, gap_limit=cpsat_solve.RELATIVE_GAP_LIMIT)
+    return solve_with_gap(
+        trace, constraints, solver=solver, seed=seed, gap_limit=cpsat_solve.RELATIVE_GAP_LIMIT
+    )
 
 
-def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed: int, gap_limit: float) -> Plan:
+def solve_with_gap(
+    trace: Trace, constraints: Constraints, *, solver: str, seed: int, gap_limit: float
+) -> Plan:
     """`solve` with an explicit relative gap limit (0.0: prove exact optimality, as the tests demand)."""
     if solver not in SOLVERS:
         raise PlanRequestRefused(f"solver: unknown {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -167,8 +188,11 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         inst = build_instance(trace, lay, constraints, params)
         base = protrain.search(inst)
         baselines.append((inst, base))
-        if base.decision is not None and base.cost is not None and (
-                best is None or base.cost.iteration_ns < best.cost.iteration_ns):
+        if (
+            base.decision is not None
+            and base.cost is not None
+            and (best is None or base.cost.iteration_ns < best.cost.iteration_ns)
+        ):
             best = _Best(inst, base.decision, base.cost)
     if solver == "cpsat":
         # most promising layout first (ProTrain's time), so later layouts only need to prove "no faster"
@@ -177,15 +201,22 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         budget = (deadline - time.perf_counter()) / (len(layouts) - i)
         # only an answer faster than the incumbent by more than the gap limit is worth finding
         # (the first layout holds the incumbent itself: it is solved without a cutoff, hinted with it)
-        cutoff = math.ceil(best.cost.iteration_ns * (1.0 - gap_limit)) if (best is not None and i > 0) else None
+        cutoff = (
+            math.ceil(best.cost.iteration_ns * (1.0 - gap_limit)) if (best is not None and i > 0) else None
+        )
         hint = base.decision if base.decision is not None else _tightest_decision(inst)
-        res = cpsat_solve.solve_layout(inst, hint=hint, time_limit_s=budget, seed=seed, cutoff_ns=cutoff,
-                                       gap_limit=gap_limit)
+        res = cpsat_solve.solve_layout(
+            inst, hint=hint, time_limit_s=budget, seed=seed, cutoff_ns=cutoff, gap_limit=gap_limit
+        )
         statuses.append(res.status)
         by_size.append((inst.layout.chunk_size_bytes, res.status))
         bounds.append(res.lower_bound_ns)
-        if res.decision is not None and res.cost is not None and res.cost.fits and (
-                best is None or res.cost.iteration_ns < best.cost.iteration_ns):
+        if (
+            res.decision is not None
+            and res.cost is not None
+            and res.cost.fits
+            and (best is None or res.cost.iteration_ns < best.cost.iteration_ns)
+        ):
             best = _Best(inst, res.decision, res.cost)
 
     sizes = ", ".join(f"{lay.chunk_size_bytes >> 20}MiB" for lay in layouts)
@@ -194,9 +225,14 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
         remaining = max(0.5, deadline - time.perf_counter())
         min_bytes, min_proven = _min_device_memory(trace, layouts, constraints, params, seed, remaining)
         status = SolverStatus.infeasible if (all_proven or solver == "protrain") else SolverStatus.unknown
-        smallest = (f"smallest device memory that fits: {min_bytes} bytes" if min_proven
-                else f"smallest device memory that fits: at most {min_bytes} bytes (not proven smallest in the "
-                     "time given)" if min_bytes is not None else "no fitting device memory found in the time given")
+        smallest = (
+            f"smallest device memory that fits: {min_bytes} bytes"
+            if min_proven
+            else f"smallest device memory that fits: at most {min_bytes} bytes (not proven smallest in the "
+            "time given)"
+            if min_bytes is not None
+            else "no fitting device memory found in the time given"
+        )
         message = (
             f"nothing fits {constraints.device_memory_bytes} device bytes (alpha {params.alpha:.3f}) within the host "
             f"limits; {smallest} (chunk sizes tried: {sizes})"
@@ -208,22 +244,31 @@ def solve_with_gap(trace: Trace, constraints: Constraints, *, solver: str, seed:
             constraints=constraints,
             policy=None,
             predictions=None,
-            solver=SolverReport(solver=solver, solver_version=SOLVER_VERSION, status=status, solve_s=time.perf_counter() - t0,
-                                min_device_memory_bytes=min_bytes,
-                                min_device_memory_proven=min_proven if min_bytes is not None else None,
-                                message=message),
+            solver=SolverReport(
+                solver=solver,
+                solver_version=SOLVER_VERSION,
+                status=status,
+                solve_s=time.perf_counter() - t0,
+                min_device_memory_bytes=min_bytes,
+                min_device_memory_proven=min_proven if min_bytes is not None else None,
+                message=message,
+            ),
         )
 
     note = ""
     if fits is not None:  # the search still ran: its bound says how far the un-managed answer is from optimal
         searched_ns = best.cost.iteration_ns
         best = fits
-        note = (f"everything fits: the un-managed peak {trace.measurements.peak_device_bytes} bytes is within the "
-                f"{constraints.device_memory_bytes}-byte limit, so every chunk stays persistent on the device and "
-                "every block keeps its activations (nothing offloaded, recomputed or swapped)")
+        note = (
+            f"everything fits: the un-managed peak {trace.measurements.peak_device_bytes} bytes is within the "
+            f"{constraints.device_memory_bytes}-byte limit, so every chunk stays persistent on the device and "
+            "every block keeps its activations (nothing offloaded, recomputed or swapped)"
+        )
         if searched_ns < best.cost.iteration_ns:
-            note += (f"; the cost model ranks a managed policy faster ({searched_ns / 1e9:.4g}s vs "
-                     f"{best.cost.iteration_ns / 1e9:.4g}s), not applied")
+            note += (
+                f"; the cost model ranks a managed policy faster ({searched_ns / 1e9:.4g}s vs "
+                f"{best.cost.iteration_ns / 1e9:.4g}s), not applied"
+            )
         note += ". "
     objective_ns = best.cost.iteration_ns
     if solver == "cpsat":

@@ -116,7 +116,9 @@ class PolicyInstance:
     swap_out_ns: tuple[int, ...]  # by bandwidth; serial devices: the trace's measured swap_out_s when present
     swap_in_ns: tuple[int, ...]
     # chunks
-    upload_ns: tuple[int, ...]  # serial devices: plus the measured per-upload rest (trace's upload_overhead_s)
+    upload_ns: tuple[
+        int, ...
+    ]  # serial devices: plus the measured per-upload rest (trace's upload_overhead_s)
     # gradient copy to the host, charged once per offloaded chunk per iteration; on a serial device plus the
     # chunk runtime's measured per-chunk cost (the trace's offload_overhead_s of the chunk's parameters)
     grad_offload_ns: tuple[int, ...]
@@ -213,7 +215,9 @@ def build_instance(
 
         def spread(field: str) -> list[int]:  # a block's figure over its parameters, summed per chunk
             per_param = [getattr(meas[b], field) / n if n else 0.0 for b, n in enumerate(per_block)]
-            return [ns(sum(per_param[params_list[i].block] for i in range(a, b))) for a, b in layout.param_ranges]
+            return [
+                ns(sum(per_param[params_list[i].block] for i in range(a, b))) for a, b in layout.param_ranges
+            ]
 
         grad_offload = [g + o for g, o in zip(grad_offload, spread("offload_overhead_s"), strict=True)]
         upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]

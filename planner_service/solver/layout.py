@@ -155,7 +155,9 @@ def layout_from_chunks(trace: Trace, chunk_size_bytes: int, chunk_parameters: li
     for c, chunk in enumerate(chunk_parameters):
         stop = pos + len(chunk)
         if pos not in start_of and chunk:
-            raise ValueError(f"policy.chunks[{c}]: starts inside block {params[pos].block}; a block is never split")
+            raise ValueError(
+                f"policy.chunks[{c}]: starts inside block {params[pos].block}; a block is never split"
+            )
         blocks = tuple(sorted({params[i].block for i in range(pos, stop)}))
         ranges.append((pos, stop))
         chunks.append(blocks)

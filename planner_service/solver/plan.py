@@ -21,7 +21,10 @@ def solve_plan(trace: Trace, request: PlanRequest | Constraints, *, seed: int = 
     else:
         constraints, solver = request, PlanRequest.model_fields["solver"].default
     plan = solve(trace, constraints, solver=solver, seed=seed)
-    if trace.allocation_trace is not None and plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible):
+    if trace.allocation_trace is not None and plan.solver.status in (
+        SolverStatus.optimal,
+        SolverStatus.feasible,
+    ):
         plan = plan.model_copy(update={"allocation": _allocate(trace, constraints)})
     return plan
 

@@ -112,21 +112,24 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
         if prune_bound and best is not None and n_off:
             # more buffers are never slower, so keeping every block with the most buffers that fit bounds
             # every (n_buffer, n_swap, n_checkpoint) of this n_persist from below
-            nb_max = min(n_off, max(1, (inst.usable_device_bytes - persist_bytes)
-                                    // max(inst.buffer_bytes, 1)))
+            nb_max = min(
+                n_off, max(1, (inst.usable_device_bytes - persist_bytes) // max(inst.buffer_bytes, 1))
+            )
             evaluated += 1
             if int(timer(offloaded, nb_max, keep_row)[0]) >= best[0]:
                 continue
-        for nb in (range(1, n_off + 1) if n_off else (0,)):
+        for nb in range(1, n_off + 1) if n_off else (0,):
             static = persist_bytes + nb * inst.buffer_bytes
             pinned_chunks = state_prefix[C] - persist_bytes
             host_chunks = host_prefix[C] - host_prefix[n_persist]
             if prune_memory and static > inst.usable_device_bytes:
                 break  # more buffers only add memory
             if prune_memory:
-                ok = ((static + peak[order] <= inst.usable_device_bytes)
-                      & (host_chunks + swapped[order] <= inst.host_limit_bytes)
-                      & (pinned_chunks + swapped[order] <= pinned_cap))
+                ok = (
+                    (static + peak[order] <= inst.usable_device_bytes)
+                    & (host_chunks + swapped[order] <= inst.host_limit_bytes)
+                    & (pinned_chunks + swapped[order] <= pinned_cap)
+                )
                 candidates = order[ok]
             else:
                 candidates = order

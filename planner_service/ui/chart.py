@@ -102,7 +102,13 @@ class MemoryChart:
 
 
 # ------------------------------------------------------------------------------------------- scales
-_BINARY_UNITS: tuple[tuple[str, int], ...] = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+_BINARY_UNITS: tuple[tuple[str, int], ...] = (
+    ("TiB", 2**40),
+    ("GiB", 2**30),
+    ("MiB", 2**20),
+    ("KiB", 2**10),
+    ("B", 1),
+)
 
 
 def byte_unit(max_bytes: int) -> tuple[str, int]:
@@ -156,7 +162,9 @@ def _num(v: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------- render
-def render_svg(chart: MemoryChart, *, width: int = 960, height: int = 340, element_id: str = "memory-chart") -> Markup:
+def render_svg(
+    chart: MemoryChart, *, width: int = 960, height: int = 340, element_id: str = "memory-chart"
+) -> Markup:
     """The chart as one `<svg>` element (viewBox sized, scales with its container)."""
     pw, ph = width - LEFT - RIGHT, height - TOP - BOTTOM
     data_max = chart.data_max_bytes
@@ -186,29 +194,44 @@ def render_svg(chart: MemoryChart, *, width: int = 960, height: int = 340, eleme
     # phase bands behind everything
     for band in chart.bands:
         x0, x1 = sx(band.start), sx(band.stop)
-        out.append(f'<g class="band {escape(band.css)}"><title>{escape(band.label)}</title>'
-                   f'<rect x="{x0:.1f}" y="{TOP:.1f}" width="{max(0.0, x1 - x0):.1f}" height="{ph:.1f}"/>'
-                   f'<text class="band-label" x="{(x0 + x1) / 2:.1f}" y="{TOP + ph - 6:.1f}" text-anchor="middle">'
-                   f'{escape(band.label)}</text></g>')
+        out.append(
+            f'<g class="band {escape(band.css)}"><title>{escape(band.label)}</title>'
+            f'<rect x="{x0:.1f}" y="{TOP:.1f}" width="{max(0.0, x1 - x0):.1f}" height="{ph:.1f}"/>'
+            f'<text class="band-label" x="{(x0 + x1) / 2:.1f}" y="{TOP + ph - 6:.1f}" text-anchor="middle">'
+            f"{escape(band.label)}</text></g>"
+        )
     # y grid and tick labels
     out.append('<g class="axis y-axis">')
     for t in ticks:
         y = sy(t)
-        out.append(f'<line class="grid" x1="{LEFT:.1f}" x2="{LEFT + pw:.1f}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                   f'<text x="{LEFT - 6:.1f}" y="{y + 4:.1f}" text-anchor="end">{escape(format_bytes(t))}</text>')
-    out.append(f'<text class="axis-title" transform="translate(14 {TOP + ph / 2:.1f}) rotate(-90)" '
-               f'text-anchor="middle">device memory ({escape(unit_name)})</text></g>')
+        out.append(
+            f'<line class="grid" x1="{LEFT:.1f}" x2="{LEFT + pw:.1f}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text x="{LEFT - 6:.1f}" y="{y + 4:.1f}" text-anchor="end">{escape(format_bytes(t))}</text>'
+        )
+    out.append(
+        f'<text class="axis-title" transform="translate(14 {TOP + ph / 2:.1f}) rotate(-90)" '
+        f'text-anchor="middle">device memory ({escape(unit_name)})</text></g>'
+    )
     # x ticks
     out.append('<g class="axis x-axis">')
-    out.append(f'<line class="axis-line" x1="{LEFT:.1f}" x2="{LEFT + pw:.1f}" y1="{TOP + ph:.1f}" y2="{TOP + ph:.1f}"/>')
-    tick_xs = sorted({b.x for b in chart.bars}) if chart.bars and len(chart.bars) <= 40 else \
-        x_ticks(x_lo, x_hi, chart.integer_x)
+    out.append(
+        f'<line class="axis-line" x1="{LEFT:.1f}" x2="{LEFT + pw:.1f}" y1="{TOP + ph:.1f}" y2="{TOP + ph:.1f}"/>'
+    )
+    tick_xs = (
+        sorted({b.x for b in chart.bars})
+        if chart.bars and len(chart.bars) <= 40
+        else x_ticks(x_lo, x_hi, chart.integer_x)
+    )
     for tx in tick_xs if chart.x_ticks else []:
         x = sx(tx)
-        out.append(f'<line class="tick" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + ph:.1f}" y2="{TOP + ph + 4:.1f}"/>'
-                   f'<text x="{x:.1f}" y="{TOP + ph + 16:.1f}" text-anchor="middle">{escape(_num(tx))}</text>')
-    out.append(f'<text class="axis-title" x="{LEFT + pw / 2:.1f}" y="{height - 10:.1f}" text-anchor="middle">'
-               f'{escape(chart.x_label)}</text></g>')
+        out.append(
+            f'<line class="tick" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + ph:.1f}" y2="{TOP + ph + 4:.1f}"/>'
+            f'<text x="{x:.1f}" y="{TOP + ph + 16:.1f}" text-anchor="middle">{escape(_num(tx))}</text>'
+        )
+    out.append(
+        f'<text class="axis-title" x="{LEFT + pw / 2:.1f}" y="{height - 10:.1f}" text-anchor="middle">'
+        f"{escape(chart.x_label)}</text></g>"
+    )
     # bars
     if chart.bars:
         slot = pw / max(1.0, x_hi - x_lo)
@@ -223,12 +246,16 @@ def render_svg(chart: MemoryChart, *, width: int = 960, height: int = 340, eleme
                 if seg.bytes <= 0:
                     continue
                 y0, y1 = sy(base + seg.bytes), sy(base)
-                out.append(f'<rect class="{escape(seg.css)}" x="{sx(bar.x) - bw / 2:.1f}" y="{y0:.1f}" '
-                           f'width="{bw:.1f}" height="{max(0.5, y1 - y0):.1f}"/>')
+                out.append(
+                    f'<rect class="{escape(seg.css)}" x="{sx(bar.x) - bw / 2:.1f}" y="{y0:.1f}" '
+                    f'width="{bw:.1f}" height="{max(0.5, y1 - y0):.1f}"/>'
+                )
                 base += seg.bytes
             if len(chart.bars) <= 4:  # few bars: print the total above each
-                out.append(f'<text class="bar-total" x="{sx(bar.x):.1f}" y="{sy(base) - 4:.1f}" '
-                           f'text-anchor="middle">{escape(format_bytes(base))}</text>')
+                out.append(
+                    f'<text class="bar-total" x="{sx(bar.x):.1f}" y="{sy(base) - 4:.1f}" '
+                    f'text-anchor="middle">{escape(format_bytes(base))}</text>'
+                )
             out.append("</g>")
         out.append("</g>")
     # the series
@@ -248,16 +275,20 @@ def render_svg(chart: MemoryChart, *, width: int = 960, height: int = 340, eleme
             out.append('<g class="points">')
             for p in chart.points:
                 tip = f"{p.label}: {format_bytes(p.y_bytes)}" if p.label else format_bytes(p.y_bytes)
-                out.append(f'<circle cx="{sx(p.x):.1f}" cy="{sy(p.y_bytes):.1f}" r="3"><title>{escape(tip)}</title></circle>')
+                out.append(
+                    f'<circle cx="{sx(p.x):.1f}" cy="{sy(p.y_bytes):.1f}" r="3"><title>{escape(tip)}</title></circle>'
+                )
             out.append("</g>")
     # reference lines on top, labels pushed apart so that close values stay readable
     label_ys = _spread([sy(m.value_bytes) - 4 for m in on_scale], gap=12.0, lowest=TOP + 10)
     for m, label_y in zip(on_scale, label_ys, strict=True):
         y = sy(m.value_bytes)
         text = f"{m.label} {format_bytes(m.value_bytes)}"
-        out.append(f'<g class="marker {escape(m.css)}"><title>{escape(text)}</title>'
-                   f'<line x1="{LEFT:.1f}" x2="{LEFT + pw:.1f}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                   f'<text x="{LEFT + pw - 4:.1f}" y="{label_y:.1f}" text-anchor="end">{escape(text)}</text></g>')
+        out.append(
+            f'<g class="marker {escape(m.css)}"><title>{escape(text)}</title>'
+            f'<line x1="{LEFT:.1f}" x2="{LEFT + pw:.1f}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text x="{LEFT + pw - 4:.1f}" y="{label_y:.1f}" text-anchor="end">{escape(text)}</text></g>'
+        )
     out.append(_legend(chart, off_scale, width))
     out.append("</svg>")
     return Markup("".join(out))
@@ -281,8 +312,10 @@ def _legend(chart: MemoryChart, off_scale: Sequence[Marker], width: int) -> str:
     out = ['<g class="legend">']
     x = LEFT
     for css, label in items:
-        out.append(f'<rect class="swatch {escape(css)}" x="{x:.1f}" y="12" width="12" height="12"/>'
-                   f'<text x="{x + 16:.1f}" y="22">{escape(label)}</text>')
+        out.append(
+            f'<rect class="swatch {escape(css)}" x="{x:.1f}" y="12" width="12" height="12"/>'
+            f'<text x="{x + 16:.1f}" y="22">{escape(label)}</text>'
+        )
         x += 16 + 6.5 * len(label) + 18
         if x > width - 80:
             break

@@ -27,7 +27,11 @@ from planner_service.ui.chart import Band, Bar, Marker, MemoryChart, Point, Segm
 
 MAX_CURVE_POINTS = 800  # a live-bytes curve longer than this is reduced to bucket maxima (peaks survive)
 
-_MODE_LABEL = {ActivationMode.keep: "keep", ActivationMode.checkpoint: "checkpoint", ActivationMode.swap: "swap"}
+_MODE_LABEL = {
+    ActivationMode.keep: "keep",
+    ActivationMode.checkpoint: "checkpoint",
+    ActivationMode.swap: "swap",
+}
 
 
 def reference_markers(plan: Plan, measured_peak_bytes: int | None) -> list[Marker]:
@@ -43,10 +47,16 @@ def needs_trace(plan: Plan) -> bool:
     """Whether `memory_charts` reads the trace for this plan (so a page can skip parsing a large one)."""
     if plan.allocation is not None:
         return True
-    return plan.predictions is not None and plan.policy is not None and not plan.predictions.device_memory_timeline
+    return (
+        plan.predictions is not None
+        and plan.policy is not None
+        and not plan.predictions.device_memory_timeline
+    )
 
 
-def memory_chart(plan: Plan, trace: Trace | None, measured_peak_bytes: int | None = None) -> MemoryChart | None:
+def memory_chart(
+    plan: Plan, trace: Trace | None, measured_peak_bytes: int | None = None
+) -> MemoryChart | None:
     """The main chart of a plan page, or None when the plan predicts nothing to draw."""
     markers = reference_markers(plan, measured_peak_bytes)
     if plan.predictions is not None and plan.predictions.device_memory_timeline:
@@ -60,13 +70,22 @@ def memory_chart(plan: Plan, trace: Trace | None, measured_peak_bytes: int | Non
     return None
 
 
-def memory_charts(plan: Plan, trace: Trace | None, measured_peak_bytes: int | None = None) -> list[MemoryChart]:
+def memory_charts(
+    plan: Plan, trace: Trace | None, measured_peak_bytes: int | None = None
+) -> list[MemoryChart]:
     """The main chart, then the allocation trace's live bytes when the plan placed them and it is not the main."""
     main = memory_chart(plan, trace, measured_peak_bytes)
     charts = [] if main is None else [main]
-    if (main is not None and main.source != "allocation" and plan.allocation is not None and trace is not None
-            and trace.allocation_trace is not None):
-        charts.append(allocation_chart(trace.allocation_trace, [reference_markers(plan, None)[0], _arena(plan)]))
+    if (
+        main is not None
+        and main.source != "allocation"
+        and plan.allocation is not None
+        and trace is not None
+        and trace.allocation_trace is not None
+    ):
+        charts.append(
+            allocation_chart(trace.allocation_trace, [reference_markers(plan, None)[0], _arena(plan)])
+        )
     return charts
 
 
@@ -80,11 +99,18 @@ def requirement_chart(plan: Plan) -> MemoryChart:
     """Infeasible: the smallest device memory that would fit, as one bar under/over the device limit."""
     need = plan.solver.min_device_memory_bytes
     assert need is not None
-    bar = Bar(0.0, (Segment(need, "seg-needed", "smallest device memory that fits"),),
-              "the smallest device memory under which some policy fits")
+    bar = Bar(
+        0.0,
+        (Segment(need, "seg-needed", "smallest device memory that fits"),),
+        "the smallest device memory under which some policy fits",
+    )
     return MemoryChart(
-        source="requirement", title="Infeasible: device memory needed against the limit",
-        x_label="no policy fits the device limit", bars=(bar,), x_ticks=False, markers=(reference_markers(plan, None)[0],),
+        source="requirement",
+        title="Infeasible: device memory needed against the limit",
+        x_label="no policy fits the device limit",
+        bars=(bar,),
+        x_ticks=False,
+        markers=(reference_markers(plan, None)[0],),
         legend=(("seg-needed", "smallest device memory that fits"),),
     )
 
@@ -102,9 +128,13 @@ def timeline_chart(plan: Plan, markers: list[Marker]) -> MemoryChart:
             bands.append(Band(start - 0.5, i - 0.5, phase, f"phase-{phase}"))
             start = i
     return MemoryChart(
-        source="timeline", title="Predicted device memory over one iteration (solver timeline)",
-        x_label="step of the iteration (forward, backward, optimizer)", points=points, bands=tuple(bands),
-        markers=tuple(markers), legend=(("series", "predicted device memory in use"),),
+        source="timeline",
+        title="Predicted device memory over one iteration (solver timeline)",
+        x_label="step of the iteration (forward, backward, optimizer)",
+        points=points,
+        bands=tuple(bands),
+        markers=tuple(markers),
+        legend=(("series", "predicted device memory in use"),),
     )
 
 
@@ -141,13 +171,23 @@ def allocation_chart(trace: AllocationTrace, markers: list[Marker]) -> MemoryCha
     first = {PHASES[p].value: int(alloc[phase == p].min()) for p in np.unique(phase).tolist()}
     ordered = sorted(first.items(), key=lambda kv: kv[1])
     bands = tuple(
-        Band(float(at), float(ordered[i + 1][1] if i + 1 < len(ordered) else trace.horizon), phase, f"phase-{phase}")
+        Band(
+            float(at),
+            float(ordered[i + 1][1] if i + 1 < len(ordered) else trace.horizon),
+            phase,
+            f"phase-{phase}",
+        )
         for i, (phase, at) in enumerate(ordered)
     )
     return MemoryChart(
-        source="allocation", title="Live bytes over one profiled iteration (allocation trace)",
-        x_label="logical time (allocation event index)", points=points, steps=True, bands=bands,
-        markers=tuple(markers), legend=(("series", "live bytes (measured allocation trace)"),),
+        source="allocation",
+        title="Live bytes over one profiled iteration (allocation trace)",
+        x_label="logical time (allocation event index)",
+        points=points,
+        steps=True,
+        bands=bands,
+        markers=tuple(markers),
+        legend=(("series", "live bytes (measured allocation trace)"),),
     )
 
 
@@ -187,15 +227,26 @@ def block_chart(plan: Plan, trace: Trace, markers: list[Marker]) -> MemoryChart:
         prefix += retained
     static = static_device_bytes(plan, max((p + o for p, o in rows), default=0))
     bars = tuple(
-        Bar(float(b), (Segment(static, "seg-static", "model states and buffers"),
-                       Segment(before, "seg-retained", "activations kept by earlier blocks"),
-                       Segment(own, "seg-own", "this block's activations and transients")),
-            f"block {b}: {trace.model.blocks[b].name} ({_MODE_LABEL[modes[b]]})")
+        Bar(
+            float(b),
+            (
+                Segment(static, "seg-static", "model states and buffers"),
+                Segment(before, "seg-retained", "activations kept by earlier blocks"),
+                Segment(own, "seg-own", "this block's activations and transients"),
+            ),
+            f"block {b}: {trace.model.blocks[b].name} ({_MODE_LABEL[modes[b]]})",
+        )
         for b, (before, own) in enumerate(rows)
     )
     return MemoryChart(
-        source="blocks", title="Predicted device memory while each block runs (per-block estimate)",
-        x_label="block (execution order)", bars=bars, markers=tuple(markers),
-        legend=(("seg-static", "model states + buffers"), ("seg-retained", "kept activations"),
-                ("seg-own", "block working set")),
+        source="blocks",
+        title="Predicted device memory while each block runs (per-block estimate)",
+        x_label="block (execution order)",
+        bars=bars,
+        markers=tuple(markers),
+        legend=(
+            ("seg-static", "model states + buffers"),
+            ("seg-retained", "kept activations"),
+            ("seg-own", "block working set"),
+        ),
     )

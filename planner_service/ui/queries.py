@@ -102,22 +102,39 @@ def _part(result: dict[str, Any] | None, key: str, model: type[Any]) -> Any:
 
 def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> PlanListPage:
     """A page of the project's plans (newest first unless asked), the filter choices, feedback counts."""
-    page = PlanRepository(session).list(project_id=project_id, model=filters.model, hardware=filters.hardware, status=filters.status,
-                                        limit=filters.limit, cursor=filters.cursor,
-                                        descending=filters.sort.startswith("-"))
+    page = PlanRepository(session).list(
+        project_id=project_id,
+        model=filters.model,
+        hardware=filters.hardware,
+        status=filters.status,
+        limit=filters.limit,
+        cursor=filters.cursor,
+        descending=filters.sort.startswith("-"),
+    )
     counts = FeedbackRepository(session).counts([r.id for r in page.items])
     items = [
         PlanListItem(
-            id=r.id, status=r.status, model_name=r.model.name if r.model else r.model_fingerprint,
-            model_fingerprint=r.model_fingerprint, hardware_key=r.hardware_key, workload_key=r.workload_key,
-            solver=r.solver, device_limit_bytes=int(r.constraints.get("device_memory_bytes", 0)),
-            created_at=r.created_at, predictions=_part(r.headline, "predictions", Predictions),
-            report=_part(r.headline, "solver", SolverReport), feedback_count=counts.get(r.id, 0),
+            id=r.id,
+            status=r.status,
+            model_name=r.model.name if r.model else r.model_fingerprint,
+            model_fingerprint=r.model_fingerprint,
+            hardware_key=r.hardware_key,
+            workload_key=r.workload_key,
+            solver=r.solver,
+            device_limit_bytes=int(r.constraints.get("device_memory_bytes", 0)),
+            created_at=r.created_at,
+            predictions=_part(r.headline, "predictions", Predictions),
+            report=_part(r.headline, "solver", SolverReport),
+            feedback_count=counts.get(r.id, 0),
         )
         for r in page.items
     ]
     catalog = CatalogRepository(session)
-    models = [(m.fingerprint, f"{m.name} ({m.fingerprint[:8]})") for m, _, plans in catalog.models(project_id) if plans]
+    models = [
+        (m.fingerprint, f"{m.name} ({m.fingerprint[:8]})")
+        for m, _, plans in catalog.models(project_id)
+        if plans
+    ]
     hardware = [h.key for h, _, plans in catalog.hardware(project_id) if plans]
     return PlanListPage(items=items, next_cursor=page.next_cursor, models=models, hardware=hardware)
 
@@ -127,7 +144,9 @@ def load_plan_detail(session: Session, project_id: str, plan_id: str) -> PlanDet
     row = PlanRepository(session).get(plan_id, project_id)
     if row is None:
         return None
-    return PlanDetail(record=plan_record(row), trace=StoredTrace(row.trace.content_hash, row.trace.payload_gzip))
+    return PlanDetail(
+        record=plan_record(row), trace=StoredTrace(row.trace.content_hash, row.trace.payload_gzip)
+    )
 
 
 def load_catalog(session: Session, project_id: str) -> Catalog:

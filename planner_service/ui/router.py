@@ -43,10 +43,12 @@ def _environment() -> jinja2.Environment:
         loader=jinja2.PackageLoader("planner_service.ui", "templates"),
         autoescape=True,  # every template, whatever its extension
         undefined=jinja2.StrictUndefined,  # a typo in a template is an error in tests, not a blank
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
     )
-    env.filters.update(bytes=lambda n: "—" if n is None else format_bytes(n), seconds=format_seconds,
-                       error=format_error)
+    env.filters.update(
+        bytes=lambda n: "—" if n is None else format_bytes(n), seconds=format_seconds, error=format_error
+    )
     return env
 
 
@@ -87,22 +89,34 @@ def _filters(request: Request) -> PlanFilters:
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise BadQuery(f"limit: {limit} is not between 1 and {MAX_PAGE_SIZE}")
     sort_order: SortOrder = "-created_at" if sort == "-created_at" else "created_at"
-    return PlanFilters(model=text("model"), hardware=text("hardware"), status=status, sort=sort_order,
-                       limit=limit, cursor=text("cursor"))
+    return PlanFilters(
+        model=text("model"),
+        hardware=text("hardware"),
+        status=status,
+        sort=sort_order,
+        limit=limit,
+        cursor=text("cursor"),
+    )
 
 
 def _query(filters: PlanFilters, **changes: Any) -> str:
     """The list page's query string for `filters` with `changes` applied (empty values left out)."""
-    values = {"model": filters.model, "hardware": filters.hardware, "status": filters.status,
-              "sort": None if filters.sort == "-created_at" else filters.sort,
-              "limit": None if filters.limit == 25 else filters.limit, "cursor": filters.cursor}
+    values = {
+        "model": filters.model,
+        "hardware": filters.hardware,
+        "status": filters.status,
+        "sort": None if filters.sort == "-created_at" else filters.sort,
+        "limit": None if filters.limit == 25 else filters.limit,
+        "cursor": filters.cursor,
+    }
     values.update(changes)
     return urlencode({k: v for k, v in values.items() if v not in (None, "")})
 
 
 def _error_page(request: Request, status_code: int, title: str, message: str) -> Response:
-    return templates.TemplateResponse(request, "error.html", {"title": title, "message": message},
-                                      status_code=status_code)
+    return templates.TemplateResponse(
+        request, "error.html", {"title": title, "message": message}, status_code=status_code
+    )
 
 
 @router.get("/", response_class=RedirectResponse)
@@ -131,7 +145,10 @@ def plans_page(request: Request, db: DatabaseDep, principal: PrincipalDep) -> Re
     except (BadQuery, BadCursor) as exc:
         return _error_page(request, 400, "Bad request", str(exc))
     context = {
-        "filters": filters, "page": page, "statuses": PLAN_STATUSES, "page_sizes": PAGE_SIZES,
+        "filters": filters,
+        "page": page,
+        "statuses": PLAN_STATUSES,
+        "page_sizes": PAGE_SIZES,
         "next_query": _query(filters, cursor=page.next_cursor) if page.next_cursor else None,
         "first_query": _query(filters, cursor=None) if filters.cursor else None,
     }
@@ -150,7 +167,9 @@ def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal:
         return _error_page(request, 404, "Plan not found", f"plan_id: no plan {plan_id!r}")
     page = plan_page(detail.record, detail.trace)
     refresh = not detail.record.status.final
-    return templates.TemplateResponse(request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh})
+    return templates.TemplateResponse(
+        request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh}
+    )
 
 
 @router.get("/ui/catalog", response_class=HTMLResponse)
@@ -179,11 +198,19 @@ async def login(request: Request, db: DatabaseDep, settings: SettingsDep) -> Res
     with db.session() as s:
         principal = resolve(s, token) if token else None
     if settings.auth and principal is None:
-        return templates.TemplateResponse(request, "login.html", {"next": nxt, "message": "That token is not valid."},
-                                          status_code=401)
+        return templates.TemplateResponse(
+            request, "login.html", {"next": nxt, "message": "That token is not valid."}, status_code=401
+        )
     response = RedirectResponse(nxt, status_code=303)
-    response.set_cookie(UI_TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/ui/",
-                        secure=request.url.scheme == "https", max_age=12 * 3600)
+    response.set_cookie(
+        UI_TOKEN_COOKIE,
+        token,
+        httponly=True,
+        samesite="strict",
+        path="/ui/",
+        secure=request.url.scheme == "https",
+        max_age=12 * 3600,
+    )
     return response
 
 

@@ -92,28 +92,47 @@ class ChunkCell:
 
     @property
     def tooltip(self) -> str:
-        span = "no blocks" if not self.blocks else (
-            f"block {self.blocks[0]}" if self.blocks[0] == self.blocks[-1] else f"blocks {self.blocks[0]}–{self.blocks[-1]}")
+        span = (
+            "no blocks"
+            if not self.blocks
+            else (
+                f"block {self.blocks[0]}"
+                if self.blocks[0] == self.blocks[-1]
+                else f"blocks {self.blocks[0]}–{self.blocks[-1]}"
+            )
+        )
         which = f"chunk {self.index}" if self.last == self.index else f"chunks {self.index}–{self.last}"
-        return (f"{which}: {self.placement}, {format_bytes(self.used_bytes)} of "
-                f"{format_bytes(self.capacity_bytes)} used, {self.n_parameters} parameters, {span}")
+        return (
+            f"{which}: {self.placement}, {format_bytes(self.used_bytes)} of "
+            f"{format_bytes(self.capacity_bytes)} used, {self.n_parameters} parameters, {span}"
+        )
 
 
 def chunk_cells(plan: Plan, max_cells: int = MAX_CHUNK_CELLS) -> list[ChunkCell]:
     if plan.policy is None:
         return []
     size = plan.policy.chunk_size_bytes
-    cells = [ChunkCell(c.index, c.index, c.placement.value, c.used_bytes, size, sorted(c.blocks), len(c.parameters))
-             for c in plan.policy.chunks]
+    cells = [
+        ChunkCell(
+            c.index, c.index, c.placement.value, c.used_bytes, size, sorted(c.blocks), len(c.parameters)
+        )
+        for c in plan.policy.chunks
+    ]
     if len(cells) <= max_cells:
         return cells
     runs: list[ChunkCell] = []
     for c in cells:
         prev = runs[-1] if runs else None
         if prev is not None and prev.placement == c.placement:
-            runs[-1] = ChunkCell(prev.index, c.index, c.placement, prev.used_bytes + c.used_bytes,
-                                 prev.capacity_bytes + c.capacity_bytes, sorted({*prev.blocks, *c.blocks}),
-                                 prev.n_parameters + c.n_parameters)
+            runs[-1] = ChunkCell(
+                prev.index,
+                c.index,
+                c.placement,
+                prev.used_bytes + c.used_bytes,
+                prev.capacity_bytes + c.capacity_bytes,
+                sorted({*prev.blocks, *c.blocks}),
+                prev.n_parameters + c.n_parameters,
+            )
         else:
             runs.append(c)
     return runs
@@ -135,18 +154,35 @@ def comparisons(plan: Plan, latest: FeedbackRecord | None) -> list[Comparison]:
     if p is None:
         return []
     if latest is None:
-        return [Comparison("iteration time", format_seconds(p.iteration_s), "—", "—", "err-none"),
-                Comparison("peak device memory", format_bytes(p.peak_device_bytes), "—", "—", "err-none"),
-                Comparison("peak host memory", format_bytes(p.peak_host_bytes), "—", "—", "err-none")]
+        return [
+            Comparison("iteration time", format_seconds(p.iteration_s), "—", "—", "err-none"),
+            Comparison("peak device memory", format_bytes(p.peak_device_bytes), "—", "—", "err-none"),
+            Comparison("peak host memory", format_bytes(p.peak_host_bytes), "—", "—", "err-none"),
+        ]
     f = latest.feedback
     host_err = f.peak_host_bytes / p.peak_host_bytes - 1.0 if p.peak_host_bytes > 0 else None
     return [
-        Comparison("iteration time", format_seconds(p.iteration_s), format_seconds(f.iteration_s),
-                   format_error(latest.iteration_error), error_class(latest.iteration_error)),
-        Comparison("peak device memory", format_bytes(p.peak_device_bytes), format_bytes(f.peak_device_bytes),
-                   format_error(latest.peak_device_error), error_class(latest.peak_device_error)),
-        Comparison("peak host memory", format_bytes(p.peak_host_bytes), format_bytes(f.peak_host_bytes),
-                   format_error(host_err), error_class(host_err)),
+        Comparison(
+            "iteration time",
+            format_seconds(p.iteration_s),
+            format_seconds(f.iteration_s),
+            format_error(latest.iteration_error),
+            error_class(latest.iteration_error),
+        ),
+        Comparison(
+            "peak device memory",
+            format_bytes(p.peak_device_bytes),
+            format_bytes(f.peak_device_bytes),
+            format_error(latest.peak_device_error),
+            error_class(latest.peak_device_error),
+        ),
+        Comparison(
+            "peak host memory",
+            format_bytes(p.peak_host_bytes),
+            format_bytes(f.peak_host_bytes),
+            format_error(host_err),
+            error_class(host_err),
+        ),
     ]
 
 
@@ -172,10 +208,16 @@ def allocation_rows(plan: Plan) -> list[tuple[str, str]]:
     a = plan.allocation
     if a is None:
         return []
-    return [("arena", format_bytes(a.arena_bytes)), ("lower bound (peak live bytes)", format_bytes(a.lower_bound_bytes)),
-            ("gap", f"{a.gap * 100:.2f}%"), ("buffers placed", str(len(a.offsets))),
-            ("alignment", format_bytes(a.alignment_bytes)), ("status", a.status.value),
-            ("solver", a.solver), ("solve time", format_seconds(a.solve_s))]
+    return [
+        ("arena", format_bytes(a.arena_bytes)),
+        ("lower bound (peak live bytes)", format_bytes(a.lower_bound_bytes)),
+        ("gap", f"{a.gap * 100:.2f}%"),
+        ("buffers placed", str(len(a.offsets))),
+        ("alignment", format_bytes(a.alignment_bytes)),
+        ("status", a.status.value),
+        ("solver", a.solver),
+        ("solve time", format_seconds(a.solve_s)),
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the page
@@ -237,14 +279,20 @@ class ChartCache:
 CHARTS = ChartCache()
 
 
-def _charts(plan: Plan, stored: StoredTrace | None, measured_peak: int | None) -> tuple[list[tuple[str, Markup]], str]:
+def _charts(
+    plan: Plan, stored: StoredTrace | None, measured_peak: int | None
+) -> tuple[list[tuple[str, Markup]], str]:
     """The rendered charts and, when there are none, why (a plan that does not match its trace, no trace)."""
     trace: Trace | None = None
     problem = ""
     if needs_trace(plan) and stored is not None:
         try:
             trace = stored.parse()
-        except (ValidationError, OSError, ValueError) as exc:  # e.g. stored by an older schema: page still renders
+        except (
+            ValidationError,
+            OSError,
+            ValueError,
+        ) as exc:  # e.g. stored by an older schema: page still renders
             problem = f"{type(exc).__name__}: {str(exc)[:300]}"
     try:
         found = memory_charts(plan, trace, measured_peak)
@@ -264,9 +312,10 @@ def plan_page(record: PlanRecord, stored: StoredTrace | None, cache: ChartCache 
     latest = record.feedback[-1] if record.feedback else None
     charts: list[tuple[str, Markup]] = []
     if plan is None:
-        note = {PlanStatus.queued: "Queued: a worker has not picked this plan up yet.",
-                PlanStatus.running: "Running: a worker is solving this plan."}.get(record.status,
-                                                                                  "This plan has no result.")
+        note = {
+            PlanStatus.queued: "Queued: a worker has not picked this plan up yet.",
+            PlanStatus.running: "Running: a worker is solving this plan.",
+        }.get(record.status, "This plan has no result.")
     else:
         key = (record.id, str(record.finished_at), latest.id if latest else "")
         cached = cache.get(key) if record.status.final else None
@@ -277,8 +326,14 @@ def plan_page(record: PlanRecord, stored: StoredTrace | None, cache: ChartCache 
             if charts and record.status.final:
                 cache.put(key, charts)
     return PlanPage(
-        record=record, plan=plan, charts=charts, chart_note=note,
-        modes=mode_cells(plan) if plan else [], chunks=chunk_cells(plan) if plan else [],
-        comparisons=comparisons(plan, latest) if plan else [], solver=solver_rows(plan) if plan else [],
-        allocation=allocation_rows(plan) if plan else [], latest_feedback=latest,
+        record=record,
+        plan=plan,
+        charts=charts,
+        chart_note=note,
+        modes=mode_cells(plan) if plan else [],
+        chunks=chunk_cells(plan) if plan else [],
+        comparisons=comparisons(plan, latest) if plan else [],
+        solver=solver_rows(plan) if plan else [],
+        allocation=allocation_rows(plan) if plan else [],
+        latest_feedback=latest,
     )

@@ -61,16 +61,30 @@ def _summary(plan: Plan) -> dict[str, object]:
         return {"message": plan.solver.message}
     p = plan.policy
     offloaded = [c.index for c in p.chunks if c.placement.value == "offloaded"]
-    return {"chunk_size_bytes": p.chunk_size_bytes, "chunks": len(p.chunks), "offloaded_chunks": len(offloaded),
-            "n_buffers": p.n_buffers, "block_modes": p.mode_strip(), "solver_gap": plan.solver.gap}
+    return {
+        "chunk_size_bytes": p.chunk_size_bytes,
+        "chunks": len(p.chunks),
+        "offloaded_chunks": len(offloaded),
+        "n_buffers": p.n_buffers,
+        "block_modes": p.mode_strip(),
+        "solver_gap": plan.solver.gap,
+    }
 
 
 def _fits(plan: Plan) -> bool:
-    return plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible) and plan.predictions is not None
+    return (
+        plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible) and plan.predictions is not None
+    )
 
 
-def answer(trace: Trace, entry: CatalogEntry, *, host_memory_bytes: int | None = None,
-           time_limit_s: float = 2.0, solve: Callable[..., Plan] | None = None) -> Answer:
+def answer(
+    trace: Trace,
+    entry: CatalogEntry,
+    *,
+    host_memory_bytes: int | None = None,
+    time_limit_s: float = 2.0,
+    solve: Callable[..., Plan] | None = None,
+) -> Answer:
     """Solve `trace` under `entry`'s device memory and the host limit; see the module docstring."""
     if solve is None:
         from planner_service.solver import solve as solve_default
@@ -80,23 +94,43 @@ def answer(trace: Trace, entry: CatalogEntry, *, host_memory_bytes: int | None =
     host = host_memory_bytes if host_memory_bytes is not None else trace.hardware.host_memory_bytes
 
     def plan_for(device_bytes: int, host_bytes: int) -> Plan:
-        return solve(trace, Constraints(device_memory_bytes=device_bytes, host_memory_bytes=host_bytes,
-                                        time_limit_s=time_limit_s))
+        return solve(
+            trace,
+            Constraints(
+                device_memory_bytes=device_bytes, host_memory_bytes=host_bytes, time_limit_s=time_limit_s
+            ),
+        )
 
     plan = plan_for(device, host)
     w = trace.workload
-    make = partial(Answer, hardware=entry.key, batch=w.batch_size, seq=w.sequence_length, dtype=w.precision.value,
-                   device_memory_bytes=device, host_memory_bytes=host,
-                   unmanaged_peak_device_bytes=trace.measurements.peak_device_bytes, source=trace.source,
-                   calibrated=bool(trace.modelled and trace.modelled.calibrated))
+    make = partial(
+        Answer,
+        hardware=entry.key,
+        batch=w.batch_size,
+        seq=w.sequence_length,
+        dtype=w.precision.value,
+        device_memory_bytes=device,
+        host_memory_bytes=host,
+        unmanaged_peak_device_bytes=trace.measurements.peak_device_bytes,
+        source=trace.source,
+        calibrated=bool(trace.modelled and trace.modelled.calibrated),
+    )
     if _fits(plan):
         pred = plan.predictions
         assert pred is not None
-        return make(fits=True, binding=None, min_device_memory_bytes=None, min_host_memory_bytes=None,
-                      peak_device_bytes=pred.peak_device_bytes, peak_host_bytes=pred.peak_host_bytes,
-                      iteration_s=pred.iteration_s,
-                      tokens_per_s=w.batch_size * w.sequence_length / pred.iteration_s if pred.iteration_s else None,
-                      solver_status=plan.solver.status.value, plan_summary=_summary(plan), plan=plan)
+        return make(
+            fits=True,
+            binding=None,
+            min_device_memory_bytes=None,
+            min_host_memory_bytes=None,
+            peak_device_bytes=pred.peak_device_bytes,
+            peak_host_bytes=pred.peak_host_bytes,
+            iteration_s=pred.iteration_s,
+            tokens_per_s=w.batch_size * w.sequence_length / pred.iteration_s if pred.iteration_s else None,
+            solver_status=plan.solver.status.value,
+            plan_summary=_summary(plan),
+            plan=plan,
+        )
 
     unlimited = plan_for(device, UNLIMITED_HOST_BYTES)
     binding: Binding | None
@@ -115,9 +149,19 @@ def answer(trace: Trace, entry: CatalogEntry, *, host_memory_bytes: int | None =
         if min_device is None:  # not even an arbitrarily large device fits this host: both bind
             binding = "device+host"
             min_device = unlimited.solver.min_device_memory_bytes
-    return make(fits=False, binding=binding, min_device_memory_bytes=min_device,
-                  min_host_memory_bytes=min_host, peak_device_bytes=None, peak_host_bytes=None, iteration_s=None,
-                  tokens_per_s=None, solver_status=plan.solver.status.value, plan_summary=_summary(plan), plan=plan)
+    return make(
+        fits=False,
+        binding=binding,
+        min_device_memory_bytes=min_device,
+        min_host_memory_bytes=min_host,
+        peak_device_bytes=None,
+        peak_host_bytes=None,
+        iteration_s=None,
+        tokens_per_s=None,
+        solver_status=plan.solver.status.value,
+        plan_summary=_summary(plan),
+        plan=plan,
+    )
 
 
 def _smallest_host(plan_for: Callable[[int, int], Plan], device: int, lo: int, hi: int) -> int:

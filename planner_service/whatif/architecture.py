@@ -64,27 +64,45 @@ def load_config(path: str | Path) -> PretrainedConfig:
         raise ArchitectureError(f"config {p}: must be a JSON object")
     model_type = data.pop("model_type", None)
     if not isinstance(model_type, str):
-        raise ArchitectureError(f"config {p}: model_type: missing (e.g. \"llama\")")
+        raise ArchitectureError(f'config {p}: model_type: missing (e.g. "llama")')
     try:
         return transformers.AutoConfig.for_model(model_type, **data)
     except (ValueError, TypeError, KeyError) as exc:
         raise ArchitectureError(f"config {p}: model_type {model_type!r}: {exc}") from None
 
 
-def config_from_flags(family: str, *, layers: int, hidden: int, heads: int | None = None,
-                      kv_heads: int | None = None, intermediate: int | None = None, vocab: int = 32000,
-                      max_positions: int = 4096) -> PretrainedConfig:
+def config_from_flags(
+    family: str,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+    vocab: int = 32000,
+    max_positions: int = 4096,
+) -> PretrainedConfig:
     """A config of `family` (a Hugging Face `model_type`) with these sizes; everything else the library's."""
     import transformers
 
-    for name, value in (("layers", layers), ("hidden", hidden), ("vocab", vocab), ("max_positions", max_positions)):
+    for name, value in (
+        ("layers", layers),
+        ("hidden", hidden),
+        ("vocab", vocab),
+        ("max_positions", max_positions),
+    ):
         if value < 1:
             raise ArchitectureError(f"{name}: must be at least 1, got {value}")
     n_heads = heads if heads is not None else max(1, hidden // 128)
     if hidden % n_heads:
         raise ArchitectureError(f"heads: {n_heads} does not divide hidden={hidden}")
-    kwargs: dict[str, Any] = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": n_heads,
-                              "vocab_size": vocab, "max_position_embeddings": max_positions}
+    kwargs: dict[str, Any] = {
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": n_heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": max_positions,
+    }
     if kv_heads is not None:
         kwargs["num_key_value_heads"] = kv_heads
     if intermediate is not None:
@@ -107,7 +125,9 @@ def fake_model(config: PretrainedConfig, dtype: str = "fp32") -> tuple[nn.Module
     except ArchitectureError:
         raise
     except Exception as exc:
-        raise ArchitectureError(f"config: {type(config).__name__} cannot be built as a causal LM: {exc}") from None
+        raise ArchitectureError(
+            f"config: {type(config).__name__} cannot be built as a causal LM: {exc}"
+        ) from None
     model.train()
     # training never uses the KV cache: memplan trains with it off (agent/kv_cache.py), so the modelled
     # iteration does too (with it on, some families keep cache tensors alive: gpt_neox +14% block activations)

@@ -81,15 +81,18 @@ def entry(catalog: dict[str, CatalogEntry], key: str) -> CatalogEntry:
     try:
         return catalog[key]
     except KeyError:
-        raise CatalogError(f"hardware: {key!r} is not in the catalogue; known keys: "
-                           f"{', '.join(sorted(catalog))}") from None
+        raise CatalogError(
+            f"hardware: {key!r} is not in the catalogue; known keys: {', '.join(sorted(catalog))}"
+        ) from None
 
 
 def _curve(rate: float) -> list[BandwidthSample]:
     return [BandwidthSample(size_bytes=s, bytes_per_s=s / (COPY_LATENCY_S + s / rate)) for s in _CURVE_SIZES]
 
 
-def to_hardware(e: CatalogEntry, *, host_memory_bytes: int | None = None, cpu_cores: int | None = None) -> Hardware:
+def to_hardware(
+    e: CatalogEntry, *, host_memory_bytes: int | None = None, cpu_cores: int | None = None
+) -> Hardware:
     """The contract Hardware of one device of entry `e` with its typical host (or the given overrides)."""
     return Hardware(
         device_type=DeviceType.cuda,
@@ -99,6 +102,7 @@ def to_hardware(e: CatalogEntry, *, host_memory_bytes: int | None = None, cpu_co
         host_memory_bytes=host_memory_bytes if host_memory_bytes is not None else e.host_memory_bytes,
         pinned_memory_limit_bytes=None,
         cpu_cores=cpu_cores if cpu_cores is not None else e.cpu_cores,
-        bandwidth=BandwidthCurves(h2d_pinned=_curve(e.host_link.h2d_bytes_per_s),
-                                  d2h_pinned=_curve(e.host_link.d2h_bytes_per_s)),
+        bandwidth=BandwidthCurves(
+            h2d_pinned=_curve(e.host_link.h2d_bytes_per_s), d2h_pinned=_curve(e.host_link.d2h_bytes_per_s)
+        ),
     )

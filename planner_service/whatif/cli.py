@@ -18,11 +18,15 @@ from client.units import format_bytes, parse_bytes
 
 console = Console()
 err_console = Console(stderr=True)
-hardware_app = typer.Typer(help="Hardware: the service's machines (`memplan hardware`, `hardware list`) and the catalogue "
-                            "used by what-if planning (`hardware catalog`).")
+hardware_app = typer.Typer(
+    help="Hardware: the service's machines (`memplan hardware`, `hardware list`) and the catalogue "
+    "used by what-if planning (`hardware catalog`)."
+)
 
-CatalogOpt = Annotated[list[Path] | None, typer.Option(
-    "--catalog", help="a catalogue file of extra entries (repeatable; also MEMPLAN_CATALOG)")]
+CatalogOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--catalog", help="a catalogue file of extra entries (repeatable; also MEMPLAN_CATALOG)"),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -58,42 +62,91 @@ def catalog_command(
         print(HardwareCatalog(entries=list(entries.values())).model_dump_json(indent=2))
         return
     t = Table(title="hardware catalogue (dense peak; sustained host copies)")
-    for col in ("key", "device", "memory", "bandwidth", "bf16", "fp32", "host link", "h2d", "host RAM", "cores"):
+    for col in (
+        "key",
+        "device",
+        "memory",
+        "bandwidth",
+        "bf16",
+        "fp32",
+        "host link",
+        "h2d",
+        "host RAM",
+        "cores",
+    ):
         t.add_column(col)
     for e in entries.values():
         link = e.host_link
-        link_s = f"PCIe {link.pcie_generation} x{link.lanes}" if link.kind.value == "pcie" else link.kind.value
-        t.add_row(e.key, e.name, format_bytes(e.device_memory_bytes), f"{e.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s",
-                  f"{e.dense_flops.bf16 / 1e12:,.0f} TF", f"{e.dense_flops.fp32 / 1e12:,.1f} TF", link_s,
-                  f"{link.h2d_bytes_per_s / 1e9:,.1f} GB/s", format_bytes(e.host_memory_bytes), str(e.cpu_cores))
+        link_s = (
+            f"PCIe {link.pcie_generation} x{link.lanes}" if link.kind.value == "pcie" else link.kind.value
+        )
+        t.add_row(
+            e.key,
+            e.name,
+            format_bytes(e.device_memory_bytes),
+            f"{e.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s",
+            f"{e.dense_flops.bf16 / 1e12:,.0f} TF",
+            f"{e.dense_flops.fp32 / 1e12:,.1f} TF",
+            link_s,
+            f"{link.h2d_bytes_per_s / 1e9:,.1f} GB/s",
+            format_bytes(e.host_memory_bytes),
+            str(e.cpu_cores),
+        )
     console.print(t)
 
 
 def whatif(
-    hardware: Annotated[list[str], typer.Option("--hardware", help="catalogue key(s): repeat the option or "
-                                                "separate with commas, e.g. a100-80gb-sxm,h100-sxm")],
+    hardware: Annotated[
+        list[str],
+        typer.Option(
+            "--hardware",
+            help="catalogue key(s): repeat the option or separate with commas, e.g. a100-80gb-sxm,h100-sxm",
+        ),
+    ],
     seq: Annotated[int | None, typer.Option("--seq", help="sequence length (default: the trace's)")] = None,
-    batch: Annotated[str | None, typer.Option("--batch", help="batch size, or 'max' for the largest that fits "
-                                              "(default: the trace's)")] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="a Hugging Face config.json (or its folder)")] = None,
-    family: Annotated[str | None, typer.Option("--family", help="instead of --config: a model_type, e.g. llama")] = None,
+    batch: Annotated[
+        str | None,
+        typer.Option("--batch", help="batch size, or 'max' for the largest that fits (default: the trace's)"),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="a Hugging Face config.json (or its folder)")
+    ] = None,
+    family: Annotated[
+        str | None, typer.Option("--family", help="instead of --config: a model_type, e.g. llama")
+    ] = None,
     layers: Annotated[int | None, typer.Option("--layers", help="with --family: repeated blocks")] = None,
     hidden: Annotated[int | None, typer.Option("--hidden", help="with --family: width")] = None,
     heads: Annotated[int | None, typer.Option("--heads", help="with --family: attention heads")] = None,
     kv_heads: Annotated[int | None, typer.Option("--kv-heads", help="with --family: key/value heads")] = None,
-    intermediate: Annotated[int | None, typer.Option("--intermediate", help="with --family: MLP width")] = None,
+    intermediate: Annotated[
+        int | None, typer.Option("--intermediate", help="with --family: MLP width")
+    ] = None,
     vocab: Annotated[int, typer.Option("--vocab", help="with --family: vocabulary size")] = 32000,
-    trace: Annotated[Path | None, typer.Option("--trace", help="instead of a config: retarget this measured "
-                                               "Trace JSON to each --hardware")] = None,
-    source: Annotated[str | None, typer.Option("--from", help="with --trace: the catalogue key it was measured "
-                                               "on (default: matched by device name)")] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace", help="instead of a config: retarget this measured Trace JSON to each --hardware"
+        ),
+    ] = None,
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="with --trace: the catalogue key it was measured on (default: matched by device name)",
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32 (configs only)")] = "bf16",
-    optimizer: Annotated[str, typer.Option("--optimizer", help="adamw, adam or sgd (configs only)")] = "adamw",
-    host_memory: Annotated[str | None, typer.Option("--host-memory", help="host memory, e.g. 384GiB "
-                                                    "(default: the entry's typical host)")] = None,
+    optimizer: Annotated[
+        str, typer.Option("--optimizer", help="adamw, adam or sgd (configs only)")
+    ] = "adamw",
+    host_memory: Annotated[
+        str | None,
+        typer.Option("--host-memory", help="host memory, e.g. 384GiB (default: the entry's typical host)"),
+    ] = None,
     time_limit: Annotated[float, typer.Option("--time-limit", help="solver seconds per question")] = 2.0,
-    exact: Annotated[bool, typer.Option("--exact", help="run every block on fake tensors (default: 3, "
-                                        "extrapolated)")] = False,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="run every block on fake tensors (default: 3, extrapolated)")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the answer(s) as JSON")] = False,
     catalog: CatalogOpt = None,
 ) -> None:
@@ -149,8 +202,15 @@ def whatif(
             src = entry(cat, source) if source is not None else source_entry(measured, cat)
         except CatalogError as exc:
             raise _fail(str(exc)) from None
-        answers = [answer(retarget(measured, src, e, host_memory_bytes=host), e, host_memory_bytes=host,
-                          time_limit_s=time_limit) for e in entries]
+        answers = [
+            answer(
+                retarget(measured, src, e, host_memory_bytes=host),
+                e,
+                host_memory_bytes=host,
+                time_limit_s=time_limit,
+            )
+            for e in entries
+        ]
         _print(answers, as_json)
         return
 
@@ -164,8 +224,16 @@ def whatif(
         else:
             if layers is None or hidden is None:
                 raise _fail("--family: needs --layers and --hidden")
-            cfg = config_from_flags(family or "", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                                    intermediate=intermediate, vocab=vocab, max_positions=max(seq, 2048))
+            cfg = config_from_flags(
+                family or "",
+                layers=layers,
+                hidden=hidden,
+                heads=heads,
+                kv_heads=kv_heads,
+                intermediate=intermediate,
+                vocab=vocab,
+                max_positions=max(seq, 2048),
+            )
         opt = OptimizerKind(optimizer)
     except ArchitectureError as exc:
         raise _fail(str(exc)) from None
@@ -182,8 +250,12 @@ def whatif(
                 iterations[b] = iterate(cfg, ModelledWorkload(b, seq, dtype, opt), exact=exact)
             except (ArchitectureError, ValueError) as exc:
                 raise _fail(str(exc)) from None
-        return answer(trace_on(iterations[b], e, host_memory_bytes=host), e,  # type: ignore[arg-type]
-                      host_memory_bytes=host, time_limit_s=time_limit)
+        return answer(
+            trace_on(iterations[b], e, host_memory_bytes=host),  # type: ignore[arg-type]
+            e,  # type: ignore[arg-type]
+            host_memory_bytes=host,
+            time_limit_s=time_limit,
+        )
 
     if not want_max:
         assert batch_n is not None
@@ -195,10 +267,17 @@ def whatif(
             return answer_at(b, e)
 
         search = largest_batch(at_batch)
-        results.append({"hardware": e.key, "largest_batch": search.largest.batch if search.largest else None,
-                        "largest": search.largest.to_json() if search.largest else None,
-                        "tried": [{"batch": a.batch, "fits": a.fits, "tokens_per_s": a.tokens_per_s,
-                                   "binding": a.binding} for a in search.tried]})
+        results.append(
+            {
+                "hardware": e.key,
+                "largest_batch": search.largest.batch if search.largest else None,
+                "largest": search.largest.to_json() if search.largest else None,
+                "tried": [
+                    {"batch": a.batch, "fits": a.fits, "tokens_per_s": a.tokens_per_s, "binding": a.binding}
+                    for a in search.tried
+                ],
+            }
+        )
     if as_json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
         return
@@ -208,8 +287,12 @@ def whatif(
             t.add_column(col)
         for row in r["tried"]:  # type: ignore[attr-defined]
             tps = row["tokens_per_s"]
-            t.add_row(str(row["batch"]), "yes" if row["fits"] else "no", f"{tps:,.0f}" if tps else "-",
-                      row["binding"] or "-")
+            t.add_row(
+                str(row["batch"]),
+                "yes" if row["fits"] else "no",
+                f"{tps:,.0f}" if tps else "-",
+                row["binding"] or "-",
+            )
         console.print(t)
 
 
@@ -221,10 +304,21 @@ def _print(answers: list, as_json: bool) -> None:
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
         return
     a0 = answers[0]
-    t = Table(title=f"what-if: batch {a0.batch} x seq {a0.seq}, {a0.dtype} ({a0.source}, "
-              f"{'calibrated' if a0.calibrated else 'uncalibrated'})")
-    for col in ("hardware", "fits", "binds", "peak device", "peak host", "iteration", "tokens/s",
-                "un-managed peak", "needs"):
+    t = Table(
+        title=f"what-if: batch {a0.batch} x seq {a0.seq}, {a0.dtype} ({a0.source}, "
+        f"{'calibrated' if a0.calibrated else 'uncalibrated'})"
+    )
+    for col in (
+        "hardware",
+        "fits",
+        "binds",
+        "peak device",
+        "peak host",
+        "iteration",
+        "tokens/s",
+        "un-managed peak",
+        "needs",
+    ):
         t.add_column(col)
     for a in answers:
         needs = "-"
@@ -232,17 +326,25 @@ def _print(answers: list, as_json: bool) -> None:
             needs = f"device >= {format_bytes(a.min_device_memory_bytes)}"
         if a.min_host_memory_bytes is not None:
             needs = f"host >= {format_bytes(a.min_host_memory_bytes)}"
-        t.add_row(a.hardware, "yes" if a.fits else "no", a.binding or "-",
-                  format_bytes(a.peak_device_bytes) if a.peak_device_bytes is not None else "-",
-                  format_bytes(a.peak_host_bytes) if a.peak_host_bytes is not None else "-",
-                  f"{a.iteration_s:.3f} s" if a.iteration_s is not None else "-", tokens_per_s_str(a),
-                  format_bytes(a.unmanaged_peak_device_bytes), needs)
+        t.add_row(
+            a.hardware,
+            "yes" if a.fits else "no",
+            a.binding or "-",
+            format_bytes(a.peak_device_bytes) if a.peak_device_bytes is not None else "-",
+            format_bytes(a.peak_host_bytes) if a.peak_host_bytes is not None else "-",
+            f"{a.iteration_s:.3f} s" if a.iteration_s is not None else "-",
+            tokens_per_s_str(a),
+            format_bytes(a.unmanaged_peak_device_bytes),
+            needs,
+        )
     console.print(t)
     if len(answers) == 1 and a0.plan_summary:
         s = a0.plan_summary
         if "block_modes" in s:
-            console.print(f"plan: {s['offloaded_chunks']} of {s['chunks']} chunks of "
-                          f"{format_bytes(int(s['chunk_size_bytes']))} offloaded through {s['n_buffers']} buffers; "
-                          f"blocks {s['block_modes']} (K keep, C checkpoint, S swap); solver {a0.solver_status}")
+            console.print(
+                f"plan: {s['offloaded_chunks']} of {s['chunks']} chunks of "
+                f"{format_bytes(int(s['chunk_size_bytes']))} offloaded through {s['n_buffers']} buffers; "
+                f"blocks {s['block_modes']} (K keep, C checkpoint, S swap); solver {a0.solver_status}"
+            )
         else:
             console.print(f"solver {a0.solver_status}: {s.get('message', '')}")

@@ -70,8 +70,11 @@ class OpCosts:
     matmul: list[bool] = field(default_factory=list)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (np.asarray(self.flops, dtype=np.float64), np.asarray(self.bytes, dtype=np.float64),
-                np.asarray(self.matmul, dtype=bool))
+        return (
+            np.asarray(self.flops, dtype=np.float64),
+            np.asarray(self.bytes, dtype=np.float64),
+            np.asarray(self.matmul, dtype=bool),
+        )
 
 
 @dataclass
@@ -134,8 +137,10 @@ class _Cursor:
 def _transients(marks: list[_Mark], n_blocks: int, phase: Phase) -> list[int]:
     """Per block: its peak in `phase` above the higher of the live levels where its run starts and ends
     (agent/profiler/block_marks.py `transient_peaks`, over the same segments)."""
-    segs = [(a.block, a.phase, a.live, b.live, max(b.peak_before, a.live, b.live))
-            for a, b in zip(marks, marks[1:], strict=False)]
+    segs = [
+        (a.block, a.phase, a.live, b.live, max(b.peak_before, a.live, b.live))
+        for a, b in zip(marks, marks[1:], strict=False)
+    ]
     out = [0] * n_blocks
     i = 0
     while i < len(segs):
@@ -167,8 +172,10 @@ class _Tracker(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         self._aliasing: dict[Any, tuple[bool, ...]] = {}
         self.open = True
-        self.costs = {Phase.forward: [OpCosts() for _ in range(n_blocks)],
-                      Phase.backward: [OpCosts() for _ in range(n_blocks)]}
+        self.costs = {
+            Phase.forward: [OpCosts() for _ in range(n_blocks)],
+            Phase.backward: [OpCosts() for _ in range(n_blocks)],
+        }
 
     def register_existing(self, t: torch.Tensor) -> None:
         self._known.add(t.untyped_storage()._cdata)
@@ -191,17 +198,21 @@ class _Tracker(TorchDispatchMode):
         for i, t in enumerate(outs):
             if i < len(aliasing) and aliasing[i]:
                 continue
-            for u in (t if isinstance(t, (tuple, list)) else (t,)):
+            for u in t if isinstance(t, (tuple, list)) else (t,):
                 if isinstance(u, torch.Tensor):
                     new_bytes += self._maybe_new(u)
         self._count(func, args, kwargs, out, new_bytes, aliasing)
         return out
 
-    def _count(self, func: Any, args: Any, kwargs: Any, out: Any, out_bytes: int, aliasing: tuple[bool, ...]) -> None:
+    def _count(
+        self, func: Any, args: Any, kwargs: Any, out: Any, out_bytes: int, aliasing: tuple[bool, ...]
+    ) -> None:
         c = self.cursor
         if c.block is None or c.phase not in self.costs:
             return
-        if aliasing and all(aliasing):  # views and in-place ops on views: metadata only (in-place still moves)
+        if aliasing and all(
+            aliasing
+        ):  # views and in-place ops on views: metadata only (in-place still moves)
             if not func._schema.is_mutable:
                 return
         packet = func.overloadpacket
@@ -287,23 +298,31 @@ class _GpuAttention(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         a = {**dict(zip(names, args, strict=False)), **kwargs}
         q, k, v = a["query"], a["key"], a["value"]
-        mask, dropout, causal, scale = a.get("attn_mask"), a.get("dropout_p", 0.0), a.get("is_causal", False), \
-            a.get("scale")
+        mask, dropout, causal, scale = (
+            a.get("attn_mask"),
+            a.get("dropout_p", 0.0),
+            a.get("is_causal", False),
+            a.get("scale"),
+        )
         if q.dim() != 4:
             return func(*args, **kwargs)
-        if k.shape[-3] != q.shape[-3]:  # grouped-query attention: the kernels take as many k/v heads as q heads
+        if (
+            k.shape[-3] != q.shape[-3]
+        ):  # grouped-query attention: the kernels take as many k/v heads as q heads
             rep = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
         if mask is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False,
-                                                                      scale=scale)[0]
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout, causal, False, scale=scale
+            )[0]
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(mask.logical_not(), float("-inf"))
         elif mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout, causal,
-                                                                      scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, dropout, causal, scale=scale
+        )[0]
 
 
 # --------------------------------------------------------------------------------------------- packing
@@ -380,7 +399,9 @@ class _UnpackedSequences:
 class _Hooks:
     """Block hooks driving the cursor, first-use order, saved-tensor and input accounting."""
 
-    def __init__(self, model: nn.Module, repeated: RepeatedBlocks, cursor: _Cursor, excluded: set[int]) -> None:
+    def __init__(
+        self, model: nn.Module, repeated: RepeatedBlocks, cursor: _Cursor, excluded: set[int]
+    ) -> None:
         self.model, self.repeated, self.cursor = model, repeated, cursor
         self.n_blocks = len(repeated) + 2
         self.excluded = excluded
@@ -433,6 +454,7 @@ class _Hooks:
                 for t in tensors:
                     if t.requires_grad:
                         self._handles.append(t.register_hook(self._input_grad(idx)))
+
         return hook
 
     def _post(self, idx: int) -> Callable[..., None]:
@@ -446,6 +468,7 @@ class _Hooks:
                 for t in _tensors(output):
                     if t.requires_grad:
                         self._handles.append(t.register_hook(self._output_grad(idx)))
+
         return hook
 
     def _use(self, path: str, module: nn.Module) -> Callable[..., None]:
@@ -453,7 +476,10 @@ class _Hooks:
             for p in module.parameters(recurse=False):
                 if id(p) not in self._seen_params:
                     self._seen_params.add(id(p))
-                    self.first_use.append((p, path, self.cursor.block if self.cursor.block is not None else 0))
+                    self.first_use.append(
+                        (p, path, self.cursor.block if self.cursor.block is not None else 0)
+                    )
+
         return hook
 
     def _output_grad(self, idx: int) -> Callable[[torch.Tensor], None]:
@@ -461,12 +487,14 @@ class _Hooks:
             if idx not in self._bwd_started:
                 self._bwd_started.add(idx)
                 self.cursor.move(idx, Phase.backward)
+
         return hook
 
     def _input_grad(self, idx: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self.cursor.block == idx and self.cursor.phase == Phase.backward:
                 self.cursor.move(idx - 1, Phase.backward)
+
         return hook
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -490,8 +518,14 @@ def _loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-def run_iteration(model: nn.Module, repeated: RepeatedBlocks, batch: dict[str, torch.Tensor],
-                  mode: FakeTensorMode, *, gpu_attention: bool = True) -> IterationRecord:
+def run_iteration(
+    model: nn.Module,
+    repeated: RepeatedBlocks,
+    batch: dict[str, torch.Tensor],
+    mode: FakeTensorMode,
+    *,
+    gpu_attention: bool = True,
+) -> IterationRecord:
     """Forward (with `batch` as keyword arguments), loss, backward of `model`, all on fake tensors of `mode`
     (the model's: tensors the forward creates, such as position ids, are fake too)."""
     n_blocks = len(repeated) + 2
@@ -512,7 +546,13 @@ def run_iteration(model: nn.Module, repeated: RepeatedBlocks, batch: dict[str, t
     cursor = tracker.cursor
     hooks = _Hooks(model, repeated, cursor, excluded)
     try:
-        with _UnpackedSequences(mode), mode, hooks, (_GpuAttention() if gpu_attention else nullcontext()), tracker:
+        with (
+            _UnpackedSequences(mode),
+            mode,
+            hooks,
+            _GpuAttention() if gpu_attention else nullcontext(),
+            tracker,
+        ):
             cursor.move(0, Phase.forward)
             output = model(**batch)
             loss = _loss_of(output)
@@ -527,22 +567,33 @@ def run_iteration(model: nn.Module, repeated: RepeatedBlocks, batch: dict[str, t
     params = _ordered_parameters(model, repeated, hooks.first_use)
     hooks.inputs[0] = hooks._unique_bytes(list(batch.values()), set())  # the prologue's input: the batch
     marks = cursor.marks
-    segments = [(a.block, a.phase, max(b.peak_before, a.live, b.live)) for a, b in zip(marks, marks[1:], strict=False)]
+    segments = [
+        (a.block, a.phase, max(b.peak_before, a.live, b.live)) for a, b in zip(marks, marks[1:], strict=False)
+    ]
     starts: dict[int, int] = {}
     for m in marks:
         if m.phase == Phase.forward and m.block is not None and m.block not in starts:
             starts[m.block] = m.live
-    return IterationRecord(segments=segments, forward_start_live=starts,
-        n_blocks=n_blocks, parameters=params, resident_bytes=resident,
-        activation_bytes=hooks.activation, input_bytes=hooks.inputs,
+    return IterationRecord(
+        segments=segments,
+        forward_start_live=starts,
+        n_blocks=n_blocks,
+        parameters=params,
+        resident_bytes=resident,
+        activation_bytes=hooks.activation,
+        input_bytes=hooks.inputs,
         forward_transient_bytes=_transients(cursor.marks, n_blocks, Phase.forward),
         backward_transient_bytes=_transients(cursor.marks, n_blocks, Phase.backward),
-        dynamic_peak_bytes=tracker.overall_peak, live_after_backward_bytes=live_after,
-        forward=tracker.costs[Phase.forward], backward=tracker.costs[Phase.backward])
+        dynamic_peak_bytes=tracker.overall_peak,
+        live_after_backward_bytes=live_after,
+        forward=tracker.costs[Phase.forward],
+        backward=tracker.costs[Phase.backward],
+    )
 
 
-def _ordered_parameters(model: nn.Module, repeated: RepeatedBlocks,
-                        first_use: list[tuple[nn.Parameter, str, int]]) -> list[ParameterUse]:
+def _ordered_parameters(
+    model: nn.Module, repeated: RepeatedBlocks, first_use: list[tuple[nn.Parameter, str, int]]
+) -> list[ParameterUse]:
     """Distinct parameters in first-use order (then unused ones by registration), as the profiler orders them."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -555,8 +606,18 @@ def _ordered_parameters(model: nn.Module, repeated: RepeatedBlocks,
     def add(p: nn.Parameter, path: str, block: int) -> None:
         seen.add(id(p))
         name = canonical[id(p)]
-        out.append(ParameterUse(name, path, block, tuple(p.shape), p.dtype, p.numel(), p.numel() * p.element_size(),
-                                tuple(n for n in names[id(p)] if n != name)))
+        out.append(
+            ParameterUse(
+                name,
+                path,
+                block,
+                tuple(p.shape),
+                p.dtype,
+                p.numel(),
+                p.numel() * p.element_size(),
+                tuple(n for n in names[id(p)] if n != name),
+            )
+        )
 
     for p, path, block in first_use:
         if id(p) not in seen and id(p) in canonical:

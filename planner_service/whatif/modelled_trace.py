@@ -90,8 +90,14 @@ class ModelIteration:
     gpu_attention: bool = True
 
 
-def iterate(config: object, workload: ModelledWorkload, *, name: str | None = None,
-            exact: bool = False, gpu_attention: bool = True) -> ModelIteration:
+def iterate(
+    config: object,
+    workload: ModelledWorkload,
+    *,
+    name: str | None = None,
+    exact: bool = False,
+    gpu_attention: bool = True,
+) -> ModelIteration:
     """Build `config`'s causal LM on fake tensors and run one training iteration of `workload` on it.
 
     A model of more than `SAMPLED_BLOCKS` (4) repeated blocks is run twice, truncated to 3 and to 4 blocks,
@@ -132,8 +138,9 @@ def _with_layers(config: object, k: int) -> object:
     return c
 
 
-def _iterate_built(config: object, workload: ModelledWorkload, name: str | None,
-                   gpu_attention: bool) -> ModelIteration:
+def _iterate_built(
+    config: object, workload: ModelledWorkload, name: str | None, gpu_attention: bool
+) -> ModelIteration:
     import torch
 
     model, mode = fake_model(config, workload.dtype)  # type: ignore[arg-type]
@@ -142,17 +149,26 @@ def _iterate_built(config: object, workload: ModelledWorkload, name: str | None,
     with mode:
         ids = torch.randint(0, vocab, (workload.batch_size, workload.sequence_length))
     try:
-        record = run_iteration(model, rb, {"input_ids": ids, "labels": ids}, mode, gpu_attention=gpu_attention)
+        record = run_iteration(
+            model, rb, {"input_ids": ids, "labels": ids}, mode, gpu_attention=gpu_attention
+        )
     except Exception as exc:  # the model's forward does something fake tensors cannot (e.g. reads a value)
         raise ArchitectureError(
             f"{type(model).__name__}: one training iteration could not run on fake tensors "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); profile it instead and "
-            "retarget the measured trace (memplan whatif --trace)") from exc
+            "retarget the measured trace (memplan whatif --trace)"
+        ) from exc
     return ModelIteration(
         name=name or describe(config),  # type: ignore[arg-type]
-        architecture=type(model).__name__, fingerprint=_fingerprint(type(model).__name__, record.parameters),
-        workload=workload, repeated=rb.names, block_classes=tuple(type(m).__name__ for m in rb.modules),
-        edge_paths=_edge_paths(record), record=record, gpu_attention=gpu_attention)
+        architecture=type(model).__name__,
+        fingerprint=_fingerprint(type(model).__name__, record.parameters),
+        workload=workload,
+        repeated=rb.names,
+        block_classes=tuple(type(m).__name__ for m in rb.modules),
+        edge_paths=_edge_paths(record),
+        record=record,
+        gpu_attention=gpu_attention,
+    )
 
 
 def _fingerprint(architecture: str, params: list[ParameterUse]) -> str:
@@ -218,38 +234,61 @@ def _extrapolate(small: ModelIteration, big: ModelIteration, layers: int, name: 
     last = big.repeated[-1]
 
     def renamed(text: str, j: int) -> str:
-        return prefix_of(j) + text[len(last):] if text == last or text.startswith(last + ".") else text
+        return prefix_of(j) + text[len(last) :] if text == last or text.startswith(last + ".") else text
 
     head = [p for p in r.parameters if p.block < k]
     sample = [p for p in r.parameters if p.block == k]
     tail = [p for p in r.parameters if p.block == k + 1]
     params = head + sample
     for j in range(k, layers):
-        params += [ParameterUse(renamed(p.name, j), renamed(p.module_path, j), j + 1, p.shape, p.dtype, p.numel,
-                                p.nbytes, tuple(renamed(a, j) for a in p.aliases)) for p in sample]
-    params += [ParameterUse(p.name, p.module_path, layers + 1, p.shape, p.dtype, p.numel, p.nbytes, p.aliases)
-               for p in tail]
+        params += [
+            ParameterUse(
+                renamed(p.name, j),
+                renamed(p.module_path, j),
+                j + 1,
+                p.shape,
+                p.dtype,
+                p.numel,
+                p.nbytes,
+                tuple(renamed(a, j) for a in p.aliases),
+            )
+            for p in sample
+        ]
+    params += [
+        ParameterUse(p.name, p.module_path, layers + 1, p.shape, p.dtype, p.numel, p.nbytes, p.aliases)
+        for p in tail
+    ]
 
     def grow(per_block: list[T]) -> list[T]:
         return per_block[: k + 1] + [per_block[k]] * extra + [per_block[k + 1]]
 
     record = IterationRecord(
-        n_blocks=layers + 2, parameters=params,
+        n_blocks=layers + 2,
+        parameters=params,
         resident_bytes=r.resident_bytes + extra * (r.resident_bytes - s.resident_bytes),
-        activation_bytes=grow(r.activation_bytes), input_bytes=grow(r.input_bytes),
+        activation_bytes=grow(r.activation_bytes),
+        input_bytes=grow(r.input_bytes),
         forward_transient_bytes=grow(r.forward_transient_bytes),
         backward_transient_bytes=grow(r.backward_transient_bytes),
         dynamic_peak_bytes=_grown_peak(r, s, extra),
         live_after_backward_bytes=r.live_after_backward_bytes
         + extra * max(0, r.live_after_backward_bytes - s.live_after_backward_bytes),
-        forward=grow(r.forward), backward=grow(r.backward))
+        forward=grow(r.forward),
+        backward=grow(r.backward),
+    )
     names = big.repeated + tuple(prefix_of(j) for j in range(k, layers))
-    return ModelIteration(name=name, architecture=big.architecture,
-                          fingerprint=_fingerprint(big.architecture, params),
-                          workload=big.workload, repeated=names,
-                          block_classes=big.block_classes + (big.block_classes[-1],) * extra,
-                          edge_paths=(big.edge_paths[0], big.edge_paths[1]), record=record, sampled_blocks=k,
-                          gpu_attention=big.gpu_attention)
+    return ModelIteration(
+        name=name,
+        architecture=big.architecture,
+        fingerprint=_fingerprint(big.architecture, params),
+        workload=big.workload,
+        repeated=names,
+        block_classes=big.block_classes + (big.block_classes[-1],) * extra,
+        edge_paths=(big.edge_paths[0], big.edge_paths[1]),
+        record=record,
+        sampled_blocks=k,
+        gpu_attention=big.gpu_attention,
+    )
 
 
 def _edge_name(kind: str, paths: tuple[str, ...]) -> str:
@@ -262,8 +301,10 @@ def method_of(it: ModelIteration) -> str:
     attention = "CUDA fused attention" if it.gpu_attention else "this CPU's attention kernels"
     if it.sampled_blocks is None:
         return f"{METHOD} ({attention})"
-    return (f"fake-tensor iteration ({it.sampled_blocks} of {len(it.repeated)} blocks run, rest extrapolated; "
-            f"{attention}) + roofline")
+    return (
+        f"fake-tensor iteration ({it.sampled_blocks} of {len(it.repeated)} blocks run, rest extrapolated; "
+        f"{attention}) + roofline"
+    )
 
 
 def unmanaged_peak_bytes(it: ModelIteration) -> int:
@@ -271,15 +312,25 @@ def unmanaged_peak_bytes(it: ModelIteration) -> int:
     rec = it.record
     state = optimizer_state_bytes_per_element(it.workload) * sum(p.numel for p in rec.parameters)
     step_transient = 2 * max((p.nbytes for p in rec.parameters), default=0) if state else 0
-    return rec.resident_bytes + state + max(rec.dynamic_peak_bytes, rec.live_after_backward_bytes + step_transient)
+    return (
+        rec.resident_bytes
+        + state
+        + max(rec.dynamic_peak_bytes, rec.live_after_backward_bytes + step_transient)
+    )
 
 
 def optimizer_state_bytes_per_element(w: ModelledWorkload) -> int:
     return 0 if w.optimizer == OptimizerKind.sgd else 2 * _ELT[w.dtype]
 
 
-def trace_on(it: ModelIteration, entry: CatalogEntry, *, host_memory_bytes: int | None = None,
-             cpu_cores: int | None = None, eff: roofline.Efficiency = roofline.DEFAULT_EFFICIENCY) -> Trace:
+def trace_on(
+    it: ModelIteration,
+    entry: CatalogEntry,
+    *,
+    host_memory_bytes: int | None = None,
+    cpu_cores: int | None = None,
+    eff: roofline.Efficiency = roofline.DEFAULT_EFFICIENCY,
+) -> Trace:
     """The modelled Trace of iteration `it` on one device of catalogue entry `entry`."""
     rec, w = it.record, it.workload
     hardware = to_hardware(entry, host_memory_bytes=host_memory_bytes, cpu_cores=cpu_cores)
@@ -288,24 +339,61 @@ def trace_on(it: ModelIteration, entry: CatalogEntry, *, host_memory_bytes: int 
     params: list[ParameterInfo] = []
     for p in rec.parameters:
         per_block[p.block] += p.nbytes
-        params.append(ParameterInfo(name=p.name, block=p.block, shape=list(p.shape),
-                                    dtype=str(p.dtype).removeprefix("torch."), numel=p.numel, bytes=p.nbytes,
-                                    aliases=list(p.aliases)))
-    blocks = [BlockInfo(index=0, name=_edge_name("prologue", it.edge_paths[0]), kind=BlockKind.prologue,
-                        module_class="prologue", parameter_bytes=per_block[0])]
+        params.append(
+            ParameterInfo(
+                name=p.name,
+                block=p.block,
+                shape=list(p.shape),
+                dtype=str(p.dtype).removeprefix("torch."),
+                numel=p.numel,
+                bytes=p.nbytes,
+                aliases=list(p.aliases),
+            )
+        )
+    blocks = [
+        BlockInfo(
+            index=0,
+            name=_edge_name("prologue", it.edge_paths[0]),
+            kind=BlockKind.prologue,
+            module_class="prologue",
+            parameter_bytes=per_block[0],
+        )
+    ]
     for i, (bname, cls) in enumerate(zip(it.repeated, it.block_classes, strict=True)):
-        blocks.append(BlockInfo(index=i + 1, name=bname, kind=BlockKind.block, module_class=cls,
-                                parameter_bytes=per_block[i + 1]))
-    blocks.append(BlockInfo(index=n - 1, name=_edge_name("epilogue", it.edge_paths[1]), kind=BlockKind.epilogue,
-                            module_class="epilogue", parameter_bytes=per_block[n - 1]))
+        blocks.append(
+            BlockInfo(
+                index=i + 1,
+                name=bname,
+                kind=BlockKind.block,
+                module_class=cls,
+                parameter_bytes=per_block[i + 1],
+            )
+        )
+    blocks.append(
+        BlockInfo(
+            index=n - 1,
+            name=_edge_name("epilogue", it.edge_paths[1]),
+            kind=BlockKind.epilogue,
+            module_class="epilogue",
+            parameter_bytes=per_block[n - 1],
+        )
+    )
     meas: list[BlockMeasurement] = []
     for b in range(n):
         fwd = roofline.block_seconds(rec.forward[b], entry, w.dtype, eff)
         bwd = roofline.block_seconds(rec.backward[b], entry, w.dtype, eff)
-        meas.append(BlockMeasurement(
-            block=b, forward_s=fwd, backward_s=bwd, recompute_s=fwd, activation_bytes=rec.activation_bytes[b],
-            input_bytes=rec.input_bytes[b], forward_transient_peak_bytes=rec.forward_transient_bytes[b],
-            backward_transient_peak_bytes=rec.backward_transient_bytes[b]))
+        meas.append(
+            BlockMeasurement(
+                block=b,
+                forward_s=fwd,
+                backward_s=bwd,
+                recompute_s=fwd,
+                activation_bytes=rec.activation_bytes[b],
+                input_bytes=rec.input_bytes[b],
+                forward_transient_peak_bytes=rec.forward_transient_bytes[b],
+                backward_transient_peak_bytes=rec.backward_transient_bytes[b],
+            )
+        )
     param_bytes = sum(p.nbytes for p in rec.parameters)
     dev_opt = roofline.device_optimizer_bytes_per_s(entry, w.optimizer, eff)
     host_opt = roofline.host_optimizer_bytes_per_s(hardware.cpu_cores, eff)
@@ -314,21 +402,43 @@ def trace_on(it: ModelIteration, entry: CatalogEntry, *, host_memory_bytes: int 
     elt = _ELT[w.dtype]
     return Trace(
         hardware=hardware,
-        software=Software(torch_version=_torch_version(), cuda_version=None, python_version=sys.version.split()[0],
-                          memplan_version=_memplan_version()),
-        model=ModelInfo(name=it.name, architecture=it.architecture, fingerprint=it.fingerprint,
-                        parameter_count=sum(p.numel for p in rec.parameters), dtype=_TORCH_DTYPE_NAME[w.dtype],
-                        blocks=blocks, parameters=params),
-        workload=Workload(batch_size=w.batch_size, sequence_length=w.sequence_length, precision=Precision(w.dtype),
-                          optimizer=w.optimizer, optimizer_state_bytes_per_param=state, master_bytes_per_param=0,
-                          gradient_bytes_per_param=elt),
-        measurements=Measurements(blocks=meas, extrapolated=it.sampled_blocks is not None,
-                                  profiled_blocks=list(range(it.sampled_blocks + 1)) + [n - 1]
-                                  if it.sampled_blocks is not None else [], optimizer=OptimizerMeasurement(device_bytes_per_s=dev_opt,
-                                                                              host_bytes_per_s=host_opt),
-                                  iteration_s=iteration_s, peak_device_bytes=unmanaged_peak_bytes(it)),
-        modelled=ModelledFrom(hardware_key=entry.key, method=method_of(it), factors=eff.as_factors(),
-                              calibrated=False),
+        software=Software(
+            torch_version=_torch_version(),
+            cuda_version=None,
+            python_version=sys.version.split()[0],
+            memplan_version=_memplan_version(),
+        ),
+        model=ModelInfo(
+            name=it.name,
+            architecture=it.architecture,
+            fingerprint=it.fingerprint,
+            parameter_count=sum(p.numel for p in rec.parameters),
+            dtype=_TORCH_DTYPE_NAME[w.dtype],
+            blocks=blocks,
+            parameters=params,
+        ),
+        workload=Workload(
+            batch_size=w.batch_size,
+            sequence_length=w.sequence_length,
+            precision=Precision(w.dtype),
+            optimizer=w.optimizer,
+            optimizer_state_bytes_per_param=state,
+            master_bytes_per_param=0,
+            gradient_bytes_per_param=elt,
+        ),
+        measurements=Measurements(
+            blocks=meas,
+            extrapolated=it.sampled_blocks is not None,
+            profiled_blocks=list(range(it.sampled_blocks + 1)) + [n - 1]
+            if it.sampled_blocks is not None
+            else [],
+            optimizer=OptimizerMeasurement(device_bytes_per_s=dev_opt, host_bytes_per_s=host_opt),
+            iteration_s=iteration_s,
+            peak_device_bytes=unmanaged_peak_bytes(it),
+        ),
+        modelled=ModelledFrom(
+            hardware_key=entry.key, method=method_of(it), factors=eff.as_factors(), calibrated=False
+        ),
     )
 
 

@@ -35,16 +35,23 @@ def source_entry(trace: Trace, catalog: dict[str, CatalogEntry]) -> CatalogEntry
     raise CatalogError(f"trace: {kind} matches no catalogue entry; name the source with --from KEY")
 
 
-def time_scale(source: CatalogEntry, target: CatalogEntry, precision: str,
-               compute_share: float = COMPUTE_SHARE) -> float:
+def time_scale(
+    source: CatalogEntry, target: CatalogEntry, precision: str, compute_share: float = COMPUTE_SHARE
+) -> float:
     """Factor applied to the trace's block times: < 1 when the target is faster."""
     flops = getattr(source.dense_flops, precision) / getattr(target.dense_flops, precision)
     bandwidth = source.memory_bandwidth_bytes_per_s / target.memory_bandwidth_bytes_per_s
     return compute_share * flops + (1.0 - compute_share) * bandwidth
 
 
-def retarget(trace: Trace, source: CatalogEntry, target: CatalogEntry, *, host_memory_bytes: int | None = None,
-             cpu_cores: int | None = None) -> Trace:
+def retarget(
+    trace: Trace,
+    source: CatalogEntry,
+    target: CatalogEntry,
+    *,
+    host_memory_bytes: int | None = None,
+    cpu_cores: int | None = None,
+) -> Trace:
     """`trace` as it would be on `target` (see the module docstring); marked modelled with its factors."""
     precision = trace.workload.precision.value
     scale = time_scale(source, target, precision)
@@ -52,18 +59,39 @@ def retarget(trace: Trace, source: CatalogEntry, target: CatalogEntry, *, host_m
     hardware = to_hardware(target, host_memory_bytes=host_memory_bytes, cpu_cores=cpu_cores)
     cores = hardware.cpu_cores / max(1, trace.hardware.cpu_cores)
     m = trace.measurements
-    blocks = [b.model_copy(update={"forward_s": b.forward_s * scale, "backward_s": b.backward_s * scale,
-                                   "recompute_s": b.recompute_s * scale}) for b in m.blocks]
+    blocks = [
+        b.model_copy(
+            update={
+                "forward_s": b.forward_s * scale,
+                "backward_s": b.backward_s * scale,
+                "recompute_s": b.recompute_s * scale,
+            }
+        )
+        for b in m.blocks
+    ]
     compute_s = sum(b.forward_s + b.backward_s for b in m.blocks)
     rest_s = max(0.0, m.iteration_s - compute_s)  # optimizer step and whatever else the iteration spent
-    optimizer = m.optimizer.model_copy(update={"device_bytes_per_s": m.optimizer.device_bytes_per_s * bw,
-                                               "host_bytes_per_s": m.optimizer.host_bytes_per_s * cores})
-    measurements = m.model_copy(update={"blocks": blocks, "optimizer": optimizer,
-                                        "iteration_s": compute_s * scale + rest_s / bw})
-    factors = {"time_scale": scale, "compute_share": COMPUTE_SHARE, "device_bandwidth_ratio": bw,
-               "host_cores_ratio": cores}
+    optimizer = m.optimizer.model_copy(
+        update={
+            "device_bytes_per_s": m.optimizer.device_bytes_per_s * bw,
+            "host_bytes_per_s": m.optimizer.host_bytes_per_s * cores,
+        }
+    )
+    measurements = m.model_copy(
+        update={"blocks": blocks, "optimizer": optimizer, "iteration_s": compute_s * scale + rest_s / bw}
+    )
+    factors = {
+        "time_scale": scale,
+        "compute_share": COMPUTE_SHARE,
+        "device_bandwidth_ratio": bw,
+        "host_cores_ratio": cores,
+    }
     method = f"retargeted measured trace {trace.content_hash()[:12]} from {source.key}"
-    return Trace.model_validate({
-        **trace.model_dump(exclude={"hardware", "measurements", "modelled"}),
-        "hardware": hardware.model_dump(), "measurements": measurements.model_dump(),
-        "modelled": ModelledFrom(hardware_key=target.key, method=method, factors=factors).model_dump()})
+    return Trace.model_validate(
+        {
+            **trace.model_dump(exclude={"hardware", "measurements", "modelled"}),
+            "hardware": hardware.model_dump(),
+            "measurements": measurements.model_dump(),
+            "modelled": ModelledFrom(hardware_key=target.key, method=method, factors=factors).model_dump(),
+        }
+    )

@@ -47,7 +47,9 @@ def peak_flops(entry: CatalogEntry, dtype: str) -> float:
     return float(getattr(entry.dense_flops, dtype))
 
 
-def block_seconds(costs: OpCosts, entry: CatalogEntry, dtype: str, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+def block_seconds(
+    costs: OpCosts, entry: CatalogEntry, dtype: str, eff: Efficiency = DEFAULT_EFFICIENCY
+) -> float:
     """Seconds of one block's ops in one phase on `entry` in `dtype` (see the module docstring)."""
     flops, nbytes, _ = costs.arrays()
     if flops.size == 0:
@@ -57,7 +59,9 @@ def block_seconds(costs: OpCosts, entry: CatalogEntry, dtype: str, eff: Efficien
     return float(max(np.maximum(compute, memory).sum(), flops.size * eff.dispatch_s))
 
 
-def device_optimizer_bytes_per_s(entry: CatalogEntry, kind: OptimizerKind, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+def device_optimizer_bytes_per_s(
+    entry: CatalogEntry, kind: OptimizerKind, eff: Efficiency = DEFAULT_EFFICIENCY
+) -> float:
     """Parameter bytes per second of the optimizer step on the device (bandwidth-bound)."""
     return entry.memory_bandwidth_bytes_per_s * eff.memory / _ACCESSES[kind]
 

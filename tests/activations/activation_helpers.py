@@ -47,29 +47,48 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def assert_same_training(got: tuple[list[float], list[dict[str, torch.Tensor]]],
-                         ref: tuple[list[float], list[dict[str, torch.Tensor]]]) -> None:
+def assert_same_training(
+    got: tuple[list[float], list[dict[str, torch.Tensor]]],
+    ref: tuple[list[float], list[dict[str, torch.Tensor]]],
+) -> None:
     for step, (a, b) in enumerate(zip(got[0], ref[0], strict=True)):
         assert abs(a - b) <= TOL * abs(b), f"step {step}: loss {a} vs {b}"
     for step, (ga, gb) in enumerate(zip(got[1], ref[1], strict=True)):
         assert ga.keys() == gb.keys()
         for name in gb:
-            assert rel(ga[name], gb[name]) <= TOL, f"step {step}: gradient of {name} differs by {rel(ga[name], gb[name])}"
+            assert rel(ga[name], gb[name]) <= TOL, (
+                f"step {step}: gradient of {name} differs by {rel(ga[name], gb[name])}"
+            )
 
 
-def block_aligned_policy(model: nn.Module, container: str, strip: str, offload: Callable[[int], bool],
-                         n_buffers: int) -> Policy:
+def block_aligned_policy(
+    model: nn.Module, container: str, strip: str, offload: Callable[[int], bool], n_buffers: int
+) -> Policy:
     """One chunk per block (prologue and epilogue parameters in their own chunks), as the solver lays out
     chunks (it never splits a block), with `strip`'s modes; `offload(chunk index)` picks placements."""
     groups: dict[str, list[tuple[str, int]]] = {}
     for name, p in model.named_parameters():
-        key = name[: name.index(".", len(container) + 1)] if name.startswith(container + ".") else (
-            "prologue" if not groups or list(groups)[-1] == "prologue" else "epilogue")
+        key = (
+            name[: name.index(".", len(container) + 1)]
+            if name.startswith(container + ".")
+            else ("prologue" if not groups or list(groups)[-1] == "prologue" else "epilogue")
+        )
         groups.setdefault(key, []).append((name, p.numel() * p.element_size()))
     size = max(sum(b for _, b in g) for g in groups.values())
-    chunks = [Chunk(index=i, placement=Placement.offloaded if offload(i) else Placement.persistent,
-                    parameters=[n for n, _ in g], blocks=[], used_bytes=sum(b for _, b in g))
-              for i, g in enumerate(groups.values())]
+    chunks = [
+        Chunk(
+            index=i,
+            placement=Placement.offloaded if offload(i) else Placement.persistent,
+            parameters=[n for n, _ in g],
+            blocks=[],
+            used_bytes=sum(b for _, b in g),
+        )
+        for i, g in enumerate(groups.values())
+    ]
     has_off = any(c.placement == Placement.offloaded for c in chunks)
-    return Policy(chunk_size_bytes=size, chunks=chunks, n_buffers=n_buffers if has_off else 0,
-                  blocks=policy_for(model, container, strip).blocks)
+    return Policy(
+        chunk_size_bytes=size,
+        chunks=chunks,
+        n_buffers=n_buffers if has_off else 0,
+        blocks=policy_for(model, container, strip).blocks,
+    )

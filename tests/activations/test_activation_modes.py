@@ -19,9 +19,17 @@ from agent.testing.model_zoo import build
 from client.contract import ActivationMode, BlockPolicy
 
 
-@pytest.mark.parametrize(("kind", "strip"), [
-    ("gpt2", "CCCC"), ("gpt2", "SSSS"), ("gpt2", "CSKS"), ("gpt2", "SKCC"), ("llama", "SCSC"), ("llama", "KSCK"),
-])
+@pytest.mark.parametrize(
+    ("kind", "strip"),
+    [
+        ("gpt2", "CCCC"),
+        ("gpt2", "SSSS"),
+        ("gpt2", "CSKS"),
+        ("gpt2", "SKCC"),
+        ("llama", "SCSC"),
+        ("llama", "KSCK"),
+    ],
+)
 def test_any_mode_mix_trains_like_unmanaged_pytorch_with_dropout(kind: str, strip: str) -> None:
     base, _ = build(kind, layers=len(strip), hidden=64, vocab=VOCAB, seq=32, seed=0)
     if kind == "llama":  # llama has no dropout by default: switch attention dropout on to test RNG handling
@@ -53,7 +61,10 @@ def test_remove_restores_the_block_modules_exactly() -> None:
     model.eval()
     x = data(1)[0]
     before_out = model(input_ids=x).logits.detach().clone()
-    before = {n: (dict(m.__dict__), dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    before = {
+        n: (dict(m.__dict__), dict(m._forward_hooks), dict(m._forward_pre_hooks))
+        for n, m in model.named_modules()
+    }
     state = {k: v.clone() for k, v in model.state_dict().items()}
     model.train()
     mgr = apply_activation_policy(model, policy_for(model, "transformer.h", "CSK"), torch.device("cpu"))
@@ -86,8 +97,15 @@ def test_remove_puts_back_a_forward_the_user_had_patched_on_the_instance() -> No
 def test_a_plan_naming_a_missing_module_is_refused_before_anything_changes() -> None:
     model, _ = build("gpt2", layers=2, hidden=64, vocab=VOCAB, seq=32, seed=0)
     pol = policy_for(model, "transformer.h", "CC")
-    bad = pol.model_copy(update={"blocks": [*pol.blocks[:2], BlockPolicy(block=2, module="transformer.h.9",
-                                                                          mode=ActivationMode.swap), pol.blocks[3]]})
+    bad = pol.model_copy(
+        update={
+            "blocks": [
+                *pol.blocks[:2],
+                BlockPolicy(block=2, module="transformer.h.9", mode=ActivationMode.swap),
+                pol.blocks[3],
+            ]
+        }
+    )
     with pytest.raises(ActivationPlanError, match=r"policy.blocks\[2\].module: 'transformer.h.9'"):
         apply_activation_policy(model, bad, torch.device("cpu"))
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -100,8 +118,9 @@ class Permuted(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 32))
-                                    for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 32)) for _ in range(3)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i in (2, 0, 1):

@@ -19,7 +19,9 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
-def losses_and_params(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[float]:
+def losses_and_params(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]
+) -> list[float]:
     torch.manual_seed(1234)
     out = []
     for x in batches:
@@ -31,14 +33,23 @@ def losses_and_params(model: torch.nn.Module, opt: torch.optim.Optimizer, batche
     return out
 
 
-@pytest.mark.parametrize(("offload", "n_buffers", "strip"), [
-    ("all", 1, "SCSC"), ("all", 1, "CCCC"), ("all", 2, "CSSK"), ("alternate", 1, "SSCC"), ("alternate", 2, "KCSC"),
-    # one buffer, the tied embedding/head and the first blocks offloaded, the last block on the device (a
-    # solver plan for gpt2-4L): the first recompute in backward must be able to evict the chunk the head's
-    # backward node unpacked before it (that node has finished)
-    ("head", 1, "CCCK"),
-])
-def test_modes_with_offloaded_chunks_train_like_unmanaged_pytorch(offload: str, n_buffers: int, strip: str) -> None:
+@pytest.mark.parametrize(
+    ("offload", "n_buffers", "strip"),
+    [
+        ("all", 1, "SCSC"),
+        ("all", 1, "CCCC"),
+        ("all", 2, "CSSK"),
+        ("alternate", 1, "SSCC"),
+        ("alternate", 2, "KCSC"),
+        # one buffer, the tied embedding/head and the first blocks offloaded, the last block on the device (a
+        # solver plan for gpt2-4L): the first recompute in backward must be able to evict the chunk the head's
+        # backward node unpacked before it (that node has finished)
+        ("head", 1, "CCCK"),
+    ],
+)
+def test_modes_with_offloaded_chunks_train_like_unmanaged_pytorch(
+    offload: str, n_buffers: int, strip: str
+) -> None:
     from agent.wrapping import unwrap, wrap
 
     base, _ = build("gpt2", layers=len(strip), hidden=64, vocab=128, seq=32, seed=0)
@@ -47,9 +58,13 @@ def test_modes_with_offloaded_chunks_train_like_unmanaged_pytorch(offload: str, 
     ref = losses_and_params(ref_model, adamw(ref_model), batches)
 
     model = copy.deepcopy(base)
-    policy = block_aligned_policy(model, "transformer.h", strip,
-                                  {"all": lambda i: True, "alternate": lambda i: i % 2 == 1,
-                                   "head": lambda i: i <= 3}[offload], n_buffers)
+    policy = block_aligned_policy(
+        model,
+        "transformer.h",
+        strip,
+        {"all": lambda i: True, "alternate": lambda i: i % 2 == 1, "head": lambda i: i <= 3}[offload],
+        n_buffers,
+    )
     plan = manual_plan(model, chunk_size_bytes=policy.chunk_size_bytes).model_copy(update={"policy": policy})
     w = wrap(model, adamw(model), plan=plan)
     mgr = apply_activation_policy(model, policy, torch.device("cpu"), w.runtime)
@@ -64,14 +79,19 @@ def test_modes_with_offloaded_chunks_train_like_unmanaged_pytorch(offload: str, 
         assert rel(p.detach(), ref_params[name].detach()) <= TOL, name
 
 
-def test_a_checkpointed_block_needing_more_offloaded_chunks_than_buffers_is_refused_before_any_change() -> None:
+def test_a_checkpointed_block_needing_more_offloaded_chunks_than_buffers_is_refused_before_any_change() -> (
+    None
+):
     from agent.runtime.activations import ActivationPlanError, block_targets
 
     model, _ = build("gpt2", layers=2, hidden=64, vocab=128, seq=32, seed=0)
     largest = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.transformer.h)
     split = manual_plan(model, chunk_size_bytes=largest // 2 + 4096, offload="all", n_buffers=1).policy
     assert split is not None
-    policy = split.model_copy(update={"blocks": block_aligned_policy(model, "transformer.h", "CK", lambda i: True,
-                                                                     1).blocks})
-    with pytest.raises(ActivationPlanError, match=r"policy.blocks\[1\]: checkpointed block 'transformer.h.0'"):
+    policy = split.model_copy(
+        update={"blocks": block_aligned_policy(model, "transformer.h", "CK", lambda i: True, 1).blocks}
+    )
+    with pytest.raises(
+        ActivationPlanError, match=r"policy.blocks\[1\]: checkpointed block 'transformer.h.0'"
+    ):
         block_targets(model, policy)

@@ -19,8 +19,14 @@ def minimalloc_file(name: str) -> Path:
 
 
 def event(eid: int, size: int, alloc: int, free: int | None, category: str = "activation") -> AllocationEvent:
-    return AllocationEvent(id=eid, size_bytes=size, alloc_index=alloc, free_index=free,
-                           category=AllocationCategory(category), phase=Phase.forward)
+    return AllocationEvent(
+        id=eid,
+        size_bytes=size,
+        alloc_index=alloc,
+        free_index=free,
+        category=AllocationCategory(category),
+        phase=Phase.forward,
+    )
 
 
 def trace(horizon: int, *events: AllocationEvent) -> AllocationTrace:

@@ -42,7 +42,9 @@ def test_solve_bad_row_names_the_line(tmp_path: Path) -> None:
 def test_solve_reports_infeasible_capacity(tmp_path: Path) -> None:
     src = tmp_path / "in.csv"
     src.write_text("id,lower,upper,size\na,0,3,8\nb,1,4,8\n")
-    result = runner.invoke(app, ["alloc", "solve", str(src), "--capacity", "10", "-o", str(tmp_path / "o.csv")])
+    result = runner.invoke(
+        app, ["alloc", "solve", str(src), "--capacity", "10", "-o", str(tmp_path / "o.csv")]
+    )
     assert result.exit_code == 1
     assert "infeasible" in result.output and "16 B needed" in flat(result.output)
 
@@ -61,7 +63,9 @@ def test_solve_fit_only_stops_at_the_first_fit_under_capacity(tmp_path: Path) ->
     src = tmp_path / "in.csv"
     src.write_text("id,lower,upper,size\na,0,3,8\nb,1,4,8\nc,3,6,8\n")
     out = tmp_path / "out.csv"
-    result = runner.invoke(app, ["alloc", "solve", str(src), "--capacity", "64", "--fit-only", "-o", str(out)])
+    result = runner.invoke(
+        app, ["alloc", "solve", str(src), "--capacity", "64", "--fit-only", "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
     rows = list(csv.DictReader(out.open()))
     assert all(int(r["offset"]) + int(r["size"]) <= 64 for r in rows)

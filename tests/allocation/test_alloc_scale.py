@@ -57,9 +57,15 @@ def profiled() -> AllocationTrace:
 
     sample = BandwidthSample(size_bytes=1 << 20, bytes_per_s=1e10)
     # Given, so the profiler skips its bandwidth probe; the allocation trace does not depend on it.
-    hardware = Hardware(device_type=DeviceType.cpu, device_name="test cpu", device_count=1,
-                        device_memory_bytes=8 << 30, host_memory_bytes=8 << 30, cpu_cores=2,
-                        bandwidth=BandwidthCurves(h2d_pinned=[sample], d2h_pinned=[sample]))
+    hardware = Hardware(
+        device_type=DeviceType.cpu,
+        device_name="test cpu",
+        device_count=1,
+        device_memory_bytes=8 << 30,
+        host_memory_bytes=8 << 30,
+        cpu_cores=2,
+        bandwidth=BandwidthCurves(h2d_pinned=[sample], d2h_pinned=[sample]),
+    )
     torch.manual_seed(0)
     model, config = model_zoo.build("llama", 2, 64, seq=32)
     trace = agent.profile(model, model_zoo.sample_batch(config, 2, 32), repeats=1, hardware=hardware)
@@ -129,7 +135,9 @@ def test_sweep_placements_forwards_and_backwards_are_valid() -> None:
     lo = rng.integers(0, 5000, 3000)
     up = lo + rng.integers(1, 500, 3000)
     sizes = rng.integers(1, 1000, 3000)
-    buffers = [Buffer(str(i), int(a), int(b), int(s)) for i, (a, b, s) in enumerate(zip(lo, up, sizes, strict=True))]
+    buffers = [
+        Buffer(str(i), int(a), int(b), int(s)) for i, (a, b, s) in enumerate(zip(lo, up, sizes, strict=True))
+    ]
     lb = peak_live(lo, up, sizes)
     for reverse in (False, True):
         offsets = sweep_best_fit(lo, up, sizes, reverse=reverse)
@@ -146,8 +154,14 @@ def test_compiled_validator_agrees_with_pairwise_check() -> None:
         up = lo + rng.integers(1, 10, n)
         sizes = rng.integers(1, 8, n)
         offsets = rng.integers(0, 60, n)
-        clash = any(lo[i] < up[j] and lo[j] < up[i] and offsets[i] < offsets[j] + sizes[j]
-                    and offsets[j] < offsets[i] + sizes[i] for i in range(n) for j in range(i + 1, n))
+        clash = any(
+            lo[i] < up[j]
+            and lo[j] < up[i]
+            and offsets[i] < offsets[j] + sizes[j]
+            and offsets[j] < offsets[i] + sizes[i]
+            for i in range(n)
+            for j in range(i + 1, n)
+        )
         buffers = [Buffer(f"b{i}", int(lo[i]), int(up[i]), int(sizes[i])) for i in range(n)]
         if clash:
             caught += 1
@@ -183,7 +197,9 @@ def test_replicated_profiled_trace_keeps_every_buffer(profiled: AllocationTrace)
 
 
 @pytest.mark.slow  # profiles a real model once for the module (~10-20 s on a shared 2-core machine)
-def test_deep_scaled_profiled_trace_is_planned_valid_for_repeated_iterations(profiled: AllocationTrace) -> None:
+def test_deep_scaled_profiled_trace_is_planned_valid_for_repeated_iterations(
+    profiled: AllocationTrace,
+) -> None:
     copies = SEARCH_MAX_BUFFERS // len(profiled) + 20  # above the search size: the large path
     deep = replicate_trace(profiled, copies, layout="deep")
     plan = plan_allocation(deep, time_limit_s=3.0)
@@ -206,10 +222,12 @@ def test_identical_sequential_copies_are_planned_alike(profiled: AllocationTrace
     ll = arr.long_lived
     # Every copy's iteration buffers sit at the same offsets relative to the long-lived stack's top.
     base = int((-(-arr.sizes[ll] // 512) * 512).sum())
-    first = [offsets[int(i)] - base for i, long in zip(arr.ids[:per_copy], ll[:per_copy], strict=True) if not long]
+    first = [
+        offsets[int(i)] - base for i, long in zip(arr.ids[:per_copy], ll[:per_copy], strict=True) if not long
+    ]
     for k in (1, copies - 1):
-        ids = arr.ids[k * per_copy:(k + 1) * per_copy]
-        longs = ll[k * per_copy:(k + 1) * per_copy]
+        ids = arr.ids[k * per_copy : (k + 1) * per_copy]
+        longs = ll[k * per_copy : (k + 1) * per_copy]
         assert [offsets[int(i)] - base for i, long in zip(ids, longs, strict=True) if not long] == first
 
 
@@ -227,8 +245,13 @@ def test_large_random_plan_is_valid_and_a_moved_buffer_is_caught() -> None:
     cols = trace.columns
     # Move a short-lived buffer onto another one live at the same time: the validator names both.
     i = next(k for k in range(len(cols.id)) if cols.free_index[k] is not None)
-    j = next(k for k in range(i + 1, len(cols.id)) if cols.free_index[k] is not None
-             and cols.alloc_index[k] < cols.free_index[i] and cols.alloc_index[i] < cols.free_index[k])
+    j = next(
+        k
+        for k in range(i + 1, len(cols.id))
+        if cols.free_index[k] is not None
+        and cols.alloc_index[k] < cols.free_index[i]
+        and cols.alloc_index[i] < cols.free_index[k]
+    )
     broken = plan.model_copy(deep=True)
     broken.offsets[j].offset_bytes = broken.offsets[i].offset_bytes
     with pytest.raises(AllocationValidationError, match="overlap at time"):

@@ -34,7 +34,9 @@ def brute_force_arena(buffers: list[Buffer]) -> int:
             return
         size = buffers[i].size
         for o in range(0, best - size):
-            if all(not clash[i][j] or o + size <= offs[j] or offs[j] + buffers[j].size <= o for j in range(i)):
+            if all(
+                not clash[i][j] or o + size <= offs[j] or offs[j] + buffers[j].size <= o for j in range(i)
+            ):
                 offs[i] = o
                 place(i + 1, max(arena, o + size))
 
@@ -52,8 +54,13 @@ def random_instance(seed: int, n: int = 5) -> list[Buffer]:
 
 
 def test_staircase_is_packed_to_its_lower_bound() -> None:
-    buffers = [Buffer("a", 0, 4, 2), Buffer("b", 0, 2, 1), Buffer("c", 2, 6, 2), Buffer("d", 4, 6, 1),
-               Buffer("e", 1, 5, 1)]
+    buffers = [
+        Buffer("a", 0, 4, 2),
+        Buffer("b", 0, 2, 1),
+        Buffer("c", 2, 6, 2),
+        Buffer("d", 4, 6, 1),
+        Buffer("e", 1, 5, 1),
+    ]
     plan = plan_buffers(buffers)
     validate_placement(buffers, plan.offsets)
     assert plan.arena_bytes == plan.lower_bound_bytes == brute_force_arena(buffers) == 5
@@ -69,8 +76,13 @@ def test_minimalloc_example_input_12_fits_capacity_12() -> None:
 
 def test_case_whose_optimum_is_above_the_lower_bound_is_proven() -> None:
     # Live bytes never exceed 3, but a, b, c pairwise overlap in a cycle that forces an arena of 4.
-    buffers = [Buffer("a", 0, 4, 2), Buffer("b", 2, 6, 1), Buffer("c", 4, 8, 2), Buffer("d", 0, 2, 1),
-               Buffer("e", 6, 8, 1)]
+    buffers = [
+        Buffer("a", 0, 4, 2),
+        Buffer("b", 2, 6, 1),
+        Buffer("c", 4, 8, 2),
+        Buffer("d", 0, 2, 1),
+        Buffer("e", 6, 8, 1),
+    ]
     expected = brute_force_arena(buffers)
     plan = plan_buffers(buffers)
     assert plan.arena_bytes == expected

@@ -52,18 +52,29 @@ def test_validator_rejects_plan_valid_for_one_iteration_but_not_the_next() -> No
     tr = trace(6, event(0, 1000, 0, 2, "temp"), event(1, 1000, 3, None, "grad"), event(2, 1000, 3, 6))
     # Within one iteration buffer 0 ([0, 2)) and the long-lived buffer 1 (from 3) never meet ...
     one_iteration_only = AllocationPlan(
-        arena_bytes=2000, lower_bound_bytes=2000, alignment_bytes=1,
-        offsets=[BufferOffset(id=0, offset_bytes=0), BufferOffset(id=1, offset_bytes=0),
-                 BufferOffset(id=2, offset_bytes=1000)],
-        status=SolverStatus.feasible, solve_s=0.0, solver="hand",
+        arena_bytes=2000,
+        lower_bound_bytes=2000,
+        alignment_bytes=1,
+        offsets=[
+            BufferOffset(id=0, offset_bytes=0),
+            BufferOffset(id=1, offset_bytes=0),
+            BufferOffset(id=2, offset_bytes=1000),
+        ],
+        status=SolverStatus.feasible,
+        solve_s=0.0,
+        solver="hand",
     )
     # ... but buffer 0 comes back at time 6 + 0 while buffer 1 still holds its address.
-    with pytest.raises(AllocationValidationError, match=r"buffers 1 and 0 \(next iteration\) overlap at time 6"):
+    with pytest.raises(
+        AllocationValidationError, match=r"buffers 1 and 0 \(next iteration\) overlap at time 6"
+    ):
         validate_allocation(tr, one_iteration_only)
 
 
 def test_offsets_are_aligned_to_512_by_default() -> None:
-    tr = trace(5, event(0, 100, 0, None, "param"), event(1, 700, 0, 3), event(2, 1, 1, 4), event(3, 513, 2, 5))
+    tr = trace(
+        5, event(0, 100, 0, None, "param"), event(1, 700, 0, 3), event(2, 1, 1, 4), event(3, 513, 2, 5)
+    )
     plan = plan_allocation(tr)
     validate_allocation(tr, plan)
     assert plan.alignment_bytes == 512
@@ -92,7 +103,10 @@ def test_capacity_at_the_bound_is_met() -> None:
         (lambda p: p.offsets.pop(), "buffer 7 of the trace has no offset"),
         (lambda p: p.offsets.append(BufferOffset(id=99, offset_bytes=0)), "buffer 99 is not in the trace"),
         (lambda p: p.offsets.append(p.offsets[0].model_copy()), "buffer 0 is placed twice"),
-        (lambda p: setattr(p.offsets[3], "offset_bytes", p.offsets[3].offset_bytes + 1), "not a multiple of alignment"),
+        (
+            lambda p: setattr(p.offsets[3], "offset_bytes", p.offsets[3].offset_bytes + 1),
+            "not a multiple of alignment",
+        ),
         (lambda p: setattr(p, "arena_bytes", p.arena_bytes - 512), "beyond the plan's arena_bytes"),
         (lambda p: setattr(p, "lower_bound_bytes", 1), "lower_bound_bytes: is 1"),
     ],

@@ -44,7 +44,9 @@ def test_capacity_is_enforced() -> None:
 
 
 def test_alignment_is_enforced() -> None:
-    with pytest.raises(AllocationValidationError, match="buffer b: offset 100 is not a multiple of alignment 64"):
+    with pytest.raises(
+        AllocationValidationError, match="buffer b: offset 100 is not a multiple of alignment 64"
+    ):
         validate_placement([A, B], [0, 100], alignment=64)
 
 

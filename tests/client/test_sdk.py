@@ -37,8 +37,14 @@ class FlakyServer:
             return JSONResponse({"status": "ok"})
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/healthz", healthz)]),
-                                                    host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                Starlette(routes=[Route("/healthz", healthz)]),
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -126,13 +132,16 @@ def test_sync_client_full_cycle_against_the_real_service(service: str) -> None:
         record = c.request_plan(created.id, Constraints(device_memory_bytes=2**34))
         done = c.wait_for_plan(record.id, timeout_s=30)
         assert done.status in ("done", "infeasible") and done.plan is not None
-        fb = c.post_feedback(done.id, Feedback(iteration_s=1.0, peak_device_bytes=1, peak_host_bytes=1,
-                                               steps_measured=3))
+        fb = c.post_feedback(
+            done.id, Feedback(iteration_s=1.0, peak_device_bytes=1, peak_host_bytes=1, steps_measured=3)
+        )
         assert fb.plan_id == done.id
         with pytest.raises(NotFoundError):
             c.get_plan("missing")
         with pytest.raises(UnprocessableEntityError, match="constraints.device_memory_bytes"):
-            c._request("POST", "/v1/plans", json={"trace_id": created.id, "constraints": {"device_memory_bytes": 0}})
+            c._request(
+                "POST", "/v1/plans", json={"trace_id": created.id, "constraints": {"device_memory_bytes": 0}}
+            )
         assert [m.name for m in c.models()] == ["synthetic-2L-64H"]
 
 
@@ -141,11 +150,15 @@ def test_polling_a_plan_revalidates_instead_of_downloading_it_again(service: str
     with Client(service) as c:
         c._http.event_hooks["response"].append(lambda r: statuses.append(r.status_code))
         created = c.upload_trace(synthetic_trace(n_blocks=2, hidden=64, vocab=100))
-        done = c.wait_for_plan(c.request_plan(created.id, Constraints(device_memory_bytes=2**34)).id, timeout_s=30)
+        done = c.wait_for_plan(
+            c.request_plan(created.id, Constraints(device_memory_bytes=2**34)).id, timeout_s=30
+        )
         statuses.clear()
         again = c.get_plan(done.id)
         assert statuses == [304] and again == done
-        c.post_feedback(done.id, Feedback(iteration_s=1.0, peak_device_bytes=1, peak_host_bytes=1, steps_measured=3))
+        c.post_feedback(
+            done.id, Feedback(iteration_s=1.0, peak_device_bytes=1, peak_host_bytes=1, steps_measured=3)
+        )
         statuses.clear()
         assert len(c.get_plan(done.id).feedback) == 1 and statuses == [200]
 

@@ -22,6 +22,9 @@ def schema_1(trace: Trace) -> dict[str, Any]:
     raw = json.loads(trace.canonical_json())
     assert trace.allocation_trace is not None
     raw["schema_version"] = 1
-    raw["allocation_trace"] = {"source": trace.allocation_trace.source, "horizon": trace.allocation_trace.horizon,
-                               "event_columns": trace.allocation_trace.columns.model_dump()}
+    raw["allocation_trace"] = {
+        "source": trace.allocation_trace.source,
+        "horizon": trace.allocation_trace.horizon,
+        "event_columns": trace.allocation_trace.columns.model_dump(),
+    }
     return raw

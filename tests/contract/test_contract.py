@@ -60,17 +60,35 @@ def test_block_bytes_must_match_its_parameters() -> None:
 
 def test_free_before_alloc_is_rejected() -> None:
     raw = _raw()
-    raw["allocation_trace"] = {"source": "dispatch_tracker", "horizon": 10, "events": [
-        {"id": 0, "size_bytes": 512, "alloc_index": 5, "free_index": 3, "category": "temp", "phase": "forward"}]}
+    raw["allocation_trace"] = {
+        "source": "dispatch_tracker",
+        "horizon": 10,
+        "events": [
+            {
+                "id": 0,
+                "size_bytes": 512,
+                "alloc_index": 5,
+                "free_index": 3,
+                "category": "temp",
+                "phase": "forward",
+            }
+        ],
+    }
     assert any("free_index" in f for f in _error_fields(raw))
 
 
 def _columns_trace(**columns: list) -> dict:
     raw = _raw()
     n = 4
-    cols = {"id": list(range(n)), "size_bytes": [512] * n, "alloc_index": [0, 1, 2, 3],
-            "free_index": [2, None, 4, 5], "category": ["temp"] * n, "block": [0, None, 1, 2],
-            "phase": ["forward"] * n}
+    cols = {
+        "id": list(range(n)),
+        "size_bytes": [512] * n,
+        "alloc_index": [0, 1, 2, 3],
+        "free_index": [2, None, 4, 5],
+        "category": ["temp"] * n,
+        "block": [0, None, 1, 2],
+        "phase": ["forward"] * n,
+    }
     cols.update(columns)
     raw["allocation_trace"] = {"source": "dispatch_tracker", "horizon": 5, "event_columns": cols}
     return raw
@@ -78,16 +96,20 @@ def _columns_trace(**columns: list) -> dict:
 
 def test_event_columns_are_checked_row_by_row_with_the_first_bad_row_named() -> None:
     Trace.model_validate(_columns_trace())  # valid as given
-    cases = {"events[1].alloc_index: 5 is not below horizon 5": {"alloc_index": [0, 5, 2, 3]},
-             "events[2].free_index: 2 is not after alloc_index 2": {"free_index": [2, None, 2, 5]},
-             "events[3].free_index: 6 is beyond horizon 5": {"free_index": [2, None, 4, 6]},
-             "events[2].id: 1 appears twice": {"id": [0, 1, 1, 3]},
-             "allocation_trace.events[3].block: 9 names no block": {"block": [0, None, 1, 9]},
-             "event_columns.phase: has 3 entries": {"phase": ["forward"] * 3}}
+    cases = {
+        "events[1].alloc_index: 5 is not below horizon 5": {"alloc_index": [0, 5, 2, 3]},
+        "events[2].free_index: 2 is not after alloc_index 2": {"free_index": [2, None, 2, 5]},
+        "events[3].free_index: 6 is beyond horizon 5": {"free_index": [2, None, 4, 6]},
+        "events[2].id: 1 appears twice": {"id": [0, 1, 1, 3]},
+        "allocation_trace.events[3].block: 9 names no block": {"block": [0, None, 1, 9]},
+        "event_columns.phase: has 3 entries": {"phase": ["forward"] * 3},
+    }
     for message, columns in cases.items():
         assert any(message in f for f in _error_fields(_columns_trace(**columns))), message
-    assert any(f.startswith("allocation_trace.event_columns.category.1") for f in
-               _error_fields(_columns_trace(category=["temp", "scratch", "temp", "temp"])))
+    assert any(
+        f.startswith("allocation_trace.event_columns.category.1")
+        for f in _error_fields(_columns_trace(category=["temp", "scratch", "temp", "temp"]))
+    )
 
 
 def test_event_column_names_are_the_enums_values_and_events_give_members() -> None:
@@ -101,7 +123,10 @@ def test_event_column_names_are_the_enums_values_and_events_give_members() -> No
     assert trace.allocation_trace is not None
     event = trace.allocation_trace.events[0]
     assert event.category is AllocationCategory.temp and event.phase is Phase.forward
-    assert trace.allocation_trace.columns.phase[0] == "forward" and trace.allocation_trace.columns.block[1] is None
+    assert (
+        trace.allocation_trace.columns.phase[0] == "forward"
+        and trace.allocation_trace.columns.block[1] is None
+    )
 
 
 def test_schema_1_lists_and_schema_2_packed_arrays_are_the_same_trace() -> None:
@@ -111,7 +136,11 @@ def test_schema_1_lists_and_schema_2_packed_arrays_are_the_same_trace() -> None:
     assert old == packed and old.content_hash() == packed.content_hash()
     assert (old.schema_version, context["received_schema_version"]) == (2, 1)
     wire = json.loads(old.canonical_json())
-    assert wire["schema_version"] == 2 and set(wire["allocation_trace"]) == {"source", "horizon", "event_arrays"}
+    assert wire["schema_version"] == 2 and set(wire["allocation_trace"]) == {
+        "source",
+        "horizon",
+        "event_arrays",
+    }
     # Python input (json.loads of a trace) reads the base64 text as base64, as JSON input does
     assert Trace.model_validate(wire) == packed == Trace.model_validate_json(old.canonical_json())
     assert old.allocation_trace is not None and packed.allocation_trace is not None
@@ -126,30 +155,47 @@ def _packed_trace(horizon: int = 5, **columns: list) -> dict:
 
     from client.contract.trace import EVENT_DTYPES
 
-    cols = {"id": [0, 1, 2, 3], "size_bytes": [512] * 4, "alloc_index": [0, 1, 2, 3], "free_index": [2, -1, 4, 5],
-            "category": [4] * 4, "block": [0, -1, 1, 2], "phase": [0] * 4}
+    cols = {
+        "id": [0, 1, 2, 3],
+        "size_bytes": [512] * 4,
+        "alloc_index": [0, 1, 2, 3],
+        "free_index": [2, -1, 4, 5],
+        "category": [4] * 4,
+        "block": [0, -1, 1, 2],
+        "phase": [0] * 4,
+    }
     cols.update(columns)
     raw = _raw()
-    raw["allocation_trace"] = {"source": "dispatch_tracker", "horizon": horizon, "event_arrays": {
-        "count": 4, **{f: base64.urlsafe_b64encode(np.array(v, dtype=EVENT_DTYPES[f]).tobytes()).decode()
-                       for f, v in cols.items()}}}
+    raw["allocation_trace"] = {
+        "source": "dispatch_tracker",
+        "horizon": horizon,
+        "event_arrays": {
+            "count": 4,
+            **{
+                f: base64.urlsafe_b64encode(np.array(v, dtype=EVENT_DTYPES[f]).tobytes()).decode()
+                for f, v in cols.items()
+            },
+        },
+    }
     return raw
 
 
 def test_packed_events_are_checked_by_arrays_with_the_first_bad_row_named() -> None:
     Trace.model_validate(_packed_trace())  # valid as given
-    cases = {"events[1].alloc_index: 5 is not below horizon 5": {"alloc_index": [0, 5, 2, 3]},
-             "events[2].free_index: 2 is not after alloc_index 2": {"free_index": [2, -1, 2, 5]},
-             "events[3].free_index: 6 is beyond horizon 5": {"free_index": [2, -1, 4, 6]},
-             "events[1].free_index: 0 must be -1 (long-lived) or at least 1": {"free_index": [2, 0, 4, 5]},
-             "events[2].id: 1 appears twice": {"id": [0, 1, 1, 3]},
-             "events[0].id: -4 is negative": {"id": [-4, 1, 2, 3]},
-             "events[3].size_bytes: 0 is not in 1..2**53": {"size_bytes": [512, 512, 512, 0]},
-             "events[1].category: 5 names no category": {"category": [4, 5, 4, 4]},
-             "events[2].phase: 3 names no phase": {"phase": [0, 0, 3, 0]},
-             "events[1].block: -2 must be -1 (none)": {"block": [0, -2, 1, 2]},
-             "allocation_trace.events[3].block: 9 names no block": {"block": [0, -1, 1, 9]},
-             "event_arrays.phase: 3 bytes; 4 events of u1 are 4 bytes": {"phase": [0, 0, 0]}}
+    cases = {
+        "events[1].alloc_index: 5 is not below horizon 5": {"alloc_index": [0, 5, 2, 3]},
+        "events[2].free_index: 2 is not after alloc_index 2": {"free_index": [2, -1, 2, 5]},
+        "events[3].free_index: 6 is beyond horizon 5": {"free_index": [2, -1, 4, 6]},
+        "events[1].free_index: 0 must be -1 (long-lived) or at least 1": {"free_index": [2, 0, 4, 5]},
+        "events[2].id: 1 appears twice": {"id": [0, 1, 1, 3]},
+        "events[0].id: -4 is negative": {"id": [-4, 1, 2, 3]},
+        "events[3].size_bytes: 0 is not in 1..2**53": {"size_bytes": [512, 512, 512, 0]},
+        "events[1].category: 5 names no category": {"category": [4, 5, 4, 4]},
+        "events[2].phase: 3 names no phase": {"phase": [0, 0, 3, 0]},
+        "events[1].block: -2 must be -1 (none)": {"block": [0, -2, 1, 2]},
+        "allocation_trace.events[3].block: 9 names no block": {"block": [0, -1, 1, 9]},
+        "event_arrays.phase: 3 bytes; 4 events of u1 are 4 bytes": {"phase": [0, 0, 0]},
+    }
     for message, columns in cases.items():
         assert any(message in f for f in _error_fields(_packed_trace(**columns))), message
     raw = _packed_trace()
@@ -205,8 +251,13 @@ def test_content_hash_ignores_key_order_but_not_content() -> None:
 
 def test_feasible_plan_without_policy_is_rejected() -> None:
     with pytest.raises(ValidationError, match="policy"):
-        Plan.model_validate({"trace_hash": "x", "constraints": {"device_memory_bytes": 1},
-                             "solver": {"solver": "s", "solver_version": "1", "status": "optimal", "solve_s": 0}})
+        Plan.model_validate(
+            {
+                "trace_hash": "x",
+                "constraints": {"device_memory_bytes": 1},
+                "solver": {"solver": "s", "solver_version": "1", "status": "optimal", "solve_s": 0},
+            }
+        )
 
 
 def test_feedback_and_constraints_validate_ranges() -> None:
@@ -216,8 +267,10 @@ def test_feedback_and_constraints_validate_ranges() -> None:
         Constraints(device_memory_bytes=0)
 
 
-@pytest.mark.parametrize(("text", "value"), [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
-                                             ("4096", 4096), ("2 kib", 2048)])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096), ("2 kib", 2048)],
+)
 def test_byte_sizes_parse(text: str, value: int) -> None:
     assert parse_bytes(text) == value
 
@@ -229,9 +282,11 @@ def test_bad_byte_size_names_the_input() -> None:
 
 
 def test_client_imports_without_torch_fastapi_or_ortools() -> None:
-    code = ("import sys, client, client.sdk, client.cli.remote, memplan.cli; "
-            "bad=[m for m in ('torch','fastapi','ortools','sqlalchemy') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, client, client.sdk, client.cli.remote, memplan.cli; "
+        "bad=[m for m in ('torch','fastapi','ortools','sqlalchemy') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -239,8 +294,14 @@ def test_hardware_key_names_the_cpu_by_its_ram_and_never_says_0gib() -> None:
     from client.contract import DeviceType
 
     hw = synthetic_trace(n_blocks=2).hardware
-    cpu = hw.model_copy(update={"device_type": DeviceType.cpu, "device_name": "AMD EPYC",
-                                "device_memory_bytes": 200 * 2**20, "host_memory_bytes": 64 * 2**30})
+    cpu = hw.model_copy(
+        update={
+            "device_type": DeviceType.cpu,
+            "device_name": "AMD EPYC",
+            "device_memory_bytes": 200 * 2**20,
+            "host_memory_bytes": 64 * 2**30,
+        }
+    )
     assert cpu.key == "cpu:AMD EPYC:64GiB:x1"  # a limit of 200 MiB a job planned under names no machine
     assert cpu.machine_device_memory_bytes == 64 * 2**30
     small = hw.model_copy(update={"device_memory_bytes": 512 * 2**20})
@@ -254,11 +315,21 @@ def test_workload_clipping_fields_are_strict() -> None:
 
     from client.contract import Workload
 
-    base = {"batch_size": 1, "sequence_length": 1, "precision": "fp32", "optimizer": "adamw",
-            "optimizer_state_bytes_per_param": 8, "gradient_bytes_per_param": 4}
+    base = {
+        "batch_size": 1,
+        "sequence_length": 1,
+        "precision": "fp32",
+        "optimizer": "adamw",
+        "optimizer_state_bytes_per_param": 8,
+        "gradient_bytes_per_param": 4,
+    }
     assert Workload.model_validate({**base, "clips_gradients": True}).clips_gradients is True
     assert Workload.model_validate(base).undo_backup_bytes_per_param == 0
-    for bad in ({"clips_gradients": 0}, {"undo_backup_bytes_per_param": 81}, {"undo_backup_bytes_per_param": 1.0}):
+    for bad in (
+        {"clips_gradients": 0},
+        {"undo_backup_bytes_per_param": 81},
+        {"undo_backup_bytes_per_param": 1.0},
+    ):
         with pytest.raises(pydantic.ValidationError):
             Workload.model_validate({**base, **bad})
 
@@ -267,8 +338,14 @@ def test_a_job_that_clips_has_its_own_workload_key() -> None:
     """A plan reused from history must come from a job that clips alike (its prediction counts the redo)."""
     from client.contract import Workload
 
-    base = {"batch_size": 2, "sequence_length": 16, "precision": "fp32", "optimizer": "adamw",
-            "optimizer_state_bytes_per_param": 8, "gradient_bytes_per_param": 4}
+    base = {
+        "batch_size": 2,
+        "sequence_length": 16,
+        "precision": "fp32",
+        "optimizer": "adamw",
+        "optimizer_state_bytes_per_param": 8,
+        "gradient_bytes_per_param": 4,
+    }
     plain = Workload.model_validate(base)
     clipped = Workload.model_validate({**base, "clips_gradients": True})
     assert plain.key == "b2:s16:fp32:adamw"  # keys of jobs that do not clip are as before

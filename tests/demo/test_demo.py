@@ -11,7 +11,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_trains_under_a_tight_limit_with_a_service_plan_and_matches_the_baseline(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from memplan.cli import app
 
     monkeypatch.setenv("MEMPLAN_DATABASE_URL", f"sqlite:///{tmp_path / 'demo.db'}")
@@ -19,13 +20,23 @@ def test_demo_trains_under_a_tight_limit_with_a_service_plan_and_matches_the_bas
 
     if hasattr(get_settings, "cache_clear"):
         get_settings.cache_clear()
-    result = CliRunner().invoke(app, ["demo", "--layers", "3", "--hidden", "128", "--seq", "64", "--batch", "2",
-                                      "--steps", "8"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        app,
+        ["demo", "--layers", "3", "--hidden", "128", "--seq", "64", "--batch", "2", "--steps", "8"],
+        catch_exceptions=False,
+    )
     out = " ".join(result.output.split())  # the console wraps at its width: compare words
     assert result.exit_code == 0, result.output
-    for expected in ("plan under", "block modes", "predicted vs measured", "iteration time", "peak device memory",
-                     "feedback: posted to http://127.0.0.1", "agrees within 1e-5",
-                     f"database sqlite:///{tmp_path / 'demo.db'}"):
+    for expected in (
+        "plan under",
+        "block modes",
+        "predicted vs measured",
+        "iteration time",
+        "peak device memory",
+        "feedback: posted to http://127.0.0.1",
+        "agrees within 1e-5",
+        f"database sqlite:///{tmp_path / 'demo.db'}",
+    ):
         assert expected in out, f"{expected!r} missing from:\n{out}"
     for wrong in ("1 buffers", "trace's host memory", "layout statuses"):
         assert wrong not in out, f"{wrong!r} in:\n{out}"

@@ -24,17 +24,28 @@ def _memplan(*args: str, env: dict[str, str], check: bool = True) -> subprocess.
     cmd = [sys.executable, "-m", "memplan", *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     if check and res.returncode != 0:
-        raise AssertionError(f"memplan {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+        raise AssertionError(
+            f"memplan {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+        )
     return res
 
 
 @contextmanager
 def _serve(db_url: str) -> Iterator[dict[str, str]]:
     port = free_port()
-    env = {**os.environ, "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_SERVER": f"http://127.0.0.1:{port}",
-           "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--workers", "1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "MEMPLAN_DATABASE_URL": db_url,
+        "MEMPLAN_SERVER": f"http://127.0.0.1:{port}",
+        "COLUMNS": "200",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memplan", "serve", "--port", str(port), "--workers", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until_ready(f"http://127.0.0.1:{port}", proc)
         yield env
@@ -97,16 +108,22 @@ def test_upload_request_wait_list_through_the_cli(served: dict[str, str], tmp_pa
 
 
 def test_short_ids_are_accepted_and_an_ambiguous_prefix_lists_the_candidates(
-        served: dict[str, str], tmp_path: Path) -> None:
+    served: dict[str, str], tmp_path: Path
+) -> None:
     with Client(served["MEMPLAN_SERVER"]) as c:
         # 17 random ids: by pigeonhole two share their first hex digit, so some 1-character prefix is ambiguous
-        ids = [c.upload_trace(synthetic_trace(n_blocks=2, hidden=64, vocab=100, name=f"m{i}")).id for i in range(17)]
+        ids = [
+            c.upload_trace(synthetic_trace(n_blocks=2, hidden=64, vocab=100, name=f"m{i}")).id
+            for i in range(17)
+        ]
         first = ids[0]
         plan_id = c.wait_for_plan(c.request_plan(first, Constraints(device_memory_bytes=8 * 2**30)).id).id
     shown = _memplan("plans", "list", env=served).stdout
     short = plan_id[:12]
     assert short in shown and plan_id not in shown  # lists print the short form ...
-    assert f"plan {plan_id}: done" in _memplan("plans", "get", short, env=served).stdout  # ... and take it back
+    assert (
+        f"plan {plan_id}: done" in _memplan("plans", "get", short, env=served).stdout
+    )  # ... and take it back
     assert f"{first} m0 on" in _memplan("traces", "get", first[:7], env=served).stdout
 
     digit = next(d for d in "0123456789abcdef" if sum(i.startswith(d) for i in ids) > 1)
@@ -121,10 +138,13 @@ def test_short_ids_are_accepted_and_an_ambiguous_prefix_lists_the_candidates(
 
 
 def test_model_and_hardware_filters_match_by_prefix_or_substring_and_lists_print_json(
-        served_sqlite: dict[str, str], tmp_path: Path) -> None:
+    served_sqlite: dict[str, str], tmp_path: Path
+) -> None:
     served = served_sqlite
-    ids = {name: _solved(served, _trace_file(tmp_path, name, blocks))[1]
-           for name, blocks in (("llama-6L-128H", 3), ("llama-12L-128H", 4), ("qwen2-4L-128H", 2))}
+    ids = {
+        name: _solved(served, _trace_file(tmp_path, name, blocks))[1]
+        for name, blocks in (("llama-6L-128H", 3), ("llama-12L-128H", 4), ("qwen2-4L-128H", 2))
+    }
 
     models = _memplan("models", env=served).stdout
     assert all(name in models for name in ids)
@@ -135,8 +155,9 @@ def test_model_and_hardware_filters_match_by_prefix_or_substring_and_lists_print
     assert {p["id"] for p in by_prefix} == {ids["llama-6L-128H"], ids["llama-12L-128H"]}
     by_substring = json.loads(_memplan("plans", "list", "--model", "12L", "--json", env=served).stdout)
     assert [p["id"] for p in by_substring] == [ids["llama-12L-128H"]]
-    both = json.loads(_memplan("plans", "list", "--model", "QWEN", "--hardware", "synthetic", "--json",
-                               env=served).stdout)
+    both = json.loads(
+        _memplan("plans", "list", "--model", "QWEN", "--hardware", "synthetic", "--json", env=served).stdout
+    )
     assert [p["id"] for p in both] == [ids["qwen2-4L-128H"]]
     traces = json.loads(_memplan("traces", "list", "--model", "llama", "--json", env=served).stdout)
     assert sorted(t["model_name"] for t in traces) == ["llama-12L-128H", "llama-6L-128H"]
@@ -147,16 +168,24 @@ def test_model_and_hardware_filters_match_by_prefix_or_substring_and_lists_print
 
 
 def test_plans_get_shows_the_feedback_measured_against_the_prediction(
-        served_sqlite: dict[str, str], tmp_path: Path) -> None:
+    served_sqlite: dict[str, str], tmp_path: Path
+) -> None:
     served = served_sqlite
     _, plan_id = _solved(served, _trace_file(tmp_path, "fed"))
     assert "feedback: none yet" in _memplan("plans", "get", plan_id[:12], env=served).stdout
     with Client(served["MEMPLAN_SERVER"]) as c:
         predicted = c.get_plan(plan_id).plan.predictions  # type: ignore[union-attr]
         assert predicted is not None
-        c.post_feedback(plan_id, Feedback(iteration_s=predicted.iteration_s * 1.25,
-                                          peak_device_bytes=predicted.peak_device_bytes // 2,
-                                          peak_host_bytes=3 * 2**20, steps_measured=7, notes="run 1"))
+        c.post_feedback(
+            plan_id,
+            Feedback(
+                iteration_s=predicted.iteration_s * 1.25,
+                peak_device_bytes=predicted.peak_device_bytes // 2,
+                peak_host_bytes=3 * 2**20,
+                steps_measured=7,
+                notes="run 1",
+            ),
+        )
     out = _memplan("plans", "get", plan_id[:12], env=served).stdout
     assert "feedback (1 run measured)" in out
     assert "+25.0%" in out and "-50.0%" in out and "3.00 MiB" in out and "run 1" in out
@@ -185,7 +214,10 @@ def test_cli_reports_bad_input_without_a_traceback(served_sqlite: dict[str, str]
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 1}')
     res = _memplan("traces", "upload", str(bad), env=served, check=False)
-    assert res.returncode == 1 and "not a Trace; a Trace has hardware, measurements, model, workload" in res.stderr
+    assert (
+        res.returncode == 1
+        and "not a Trace; a Trace has hardware, measurements, model, workload" in res.stderr
+    )
     res = _memplan("plans", "request", "x", "--device-memory", "8 parsecs", env=served, check=False)
     assert res.returncode == 2 and "8 parsecs" in res.stdout + res.stderr
     res = _memplan("plans", "get", "missing", env=served, check=False)

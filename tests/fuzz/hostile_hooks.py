@@ -12,8 +12,21 @@ import schemathesis
 from hypothesis import strategies as st
 
 HOSTILE = (
-    "\x00", "a\x00b", "%00", "\\u0000", "' OR 1=1 --", "../../etc/passwd", "\u202e\u0301", "\ufeff",
-    "\U0001f600" * 3, "\r\nX-Injected: 1", "A" * 5000, " ", "null", "-1", "9" * 40,
+    "\x00",
+    "a\x00b",
+    "%00",
+    "\\u0000",
+    "' OR 1=1 --",
+    "../../etc/passwd",
+    "\u202e\u0301",
+    "\ufeff",
+    "\U0001f600" * 3,
+    "\r\nX-Injected: 1",
+    "A" * 5000,
+    " ",
+    "null",
+    "-1",
+    "9" * 40,
 )
 
 

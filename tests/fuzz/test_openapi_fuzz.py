@@ -36,15 +36,25 @@ MIN_REQUESTS = 1000
 def _seed(base: str) -> None:
     """Two traces and a solved plan: real ids for the links that start from list responses."""
     with httpx.Client(base_url=base, timeout=60) as c:
-        ids = [c.post("/v1/traces", content=synthetic_trace(n_blocks=n, hidden=64, vocab=100).canonical_json())
-               .json()["id"] for n in (2, 3)]
-        plan = c.post("/v1/plans", json={"trace_id": ids[0], "constraints": {"device_memory_bytes": 2**34}}).json()
-        assert c.get(f"/v1/plans/{plan['id']}", params={"wait": 60}).json()["status"] in ("done", "infeasible")
+        ids = [
+            c.post(
+                "/v1/traces", content=synthetic_trace(n_blocks=n, hidden=64, vocab=100).canonical_json()
+            ).json()["id"]
+            for n in (2, 3)
+        ]
+        plan = c.post(
+            "/v1/plans", json={"trace_id": ids[0], "constraints": {"device_memory_bytes": 2**34}}
+        ).json()
+        assert c.get(f"/v1/plans/{plan['id']}", params={"wait": 60}).json()["status"] in (
+            "done",
+            "infeasible",
+        )
 
 
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def test_fuzzed_api_has_no_server_errors_or_schema_violations(backend: str, tmp_path: Path,
-                                                              request: pytest.FixtureRequest) -> None:
+def test_fuzzed_api_has_no_server_errors_or_schema_violations(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     st = shutil.which("st", path=str(Path(sys.executable).parent))
     assert st, "schemathesis CLI `st` is not installed (it is a dev dependency)"
     if backend == "sqlite":
@@ -52,31 +62,72 @@ def test_fuzzed_api_has_no_server_errors_or_schema_violations(backend: str, tmp_
         upgrade(url)
     else:
         url = request.getfixturevalue("postgres_url")
-    cfg = Settings(database_url=url, workers=1, rate_limit_per_s=1e6, rate_limit_burst=1_000_000, auto_upgrade=False,
-                   ingest_prestart=False)
+    cfg = Settings(
+        database_url=url,
+        workers=1,
+        rate_limit_per_s=1e6,
+        rate_limit_burst=1_000_000,
+        auto_upgrade=False,
+        ingest_prestart=False,
+    )
     har = tmp_path / "fuzz.har"
     with EmbeddedServer(cfg) as base:
         _seed(base)
         # one worker: with two, schemathesis' threads call hypothesis' lambda descriptions (ast.parse) at once,
         # which CPython 3.11 can fail with "SystemError: AST constructor recursion depth mismatch" (seen here)
         res = subprocess.run(
-            [st, "run", f"{base}/openapi.json", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-             "--phases", "examples,coverage,fuzzing,stateful", "--mode", "all", "--generation-allow-x00", "true",
-             "--max-examples", "60", "--seed", "20261125", "--workers", "1", "--no-color",
-             "--report", "har", "--report-har-path", str(har)],
-            capture_output=True, text=True, timeout=1200,
-            env={**os.environ, "SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("hostile_hooks.py"))})
+            [
+                st,
+                "run",
+                f"{base}/openapi.json",
+                "--checks",
+                "all",
+                "--exclude-checks",
+                "positive_data_acceptance",
+                "--phases",
+                "examples,coverage,fuzzing,stateful",
+                "--mode",
+                "all",
+                "--generation-allow-x00",
+                "true",
+                "--max-examples",
+                "60",
+                "--seed",
+                "20261125",
+                "--workers",
+                "1",
+                "--no-color",
+                "--report",
+                "har",
+                "--report-har-path",
+                str(har),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            env={**os.environ, "SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("hostile_hooks.py"))},
+        )
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
     entries = json.loads(har.read_text())["log"]["entries"]
     assert len(entries) >= MIN_REQUESTS, f"only {len(entries)} generated requests"
     statuses = [e["response"]["status"] for e in entries]
     assert not [s for s in statuses if s >= 500]
     # hostile strings reached the server: NUL in paths, queries and bodies (each a 4xx, never a 5xx)
-    with_nul = [e for e in entries if "\x00" in unquote(e["request"]["url"])
-                or "\\u0000" in (e["request"].get("postData") or {}).get("text", "")]
+    with_nul = [
+        e
+        for e in entries
+        if "\x00" in unquote(e["request"]["url"])
+        or "\\u0000" in (e["request"].get("postData") or {}).get("text", "")
+    ]
     assert with_nul, "no generated request carried a NUL character"
     # stateful sequences used real ids: a plan fetched by an id a response gave (200, not 404)
-    assert any(e["request"]["method"] == "GET" and "/v1/plans/" in e["request"]["url"]
-               and e["response"]["status"] == 200 for e in entries)
-    print(f"{backend}: {len(entries)} requests, {len(with_nul)} with NUL, statuses "
-          f"{ {s: statuses.count(s) for s in sorted(set(statuses))} }")
+    assert any(
+        e["request"]["method"] == "GET"
+        and "/v1/plans/" in e["request"]["url"]
+        and e["response"]["status"] == 200
+        for e in entries
+    )
+    print(
+        f"{backend}: {len(entries)} requests, {len(with_nul)} with NUL, statuses "
+        f"{ {s: statuses.count(s) for s in sorted(set(statuses))} }"
+    )

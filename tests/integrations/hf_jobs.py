@@ -21,8 +21,15 @@ def build_model(kind: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     if kind == "llama":
-        cfg: Any = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+        cfg: Any = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
         return transformers.LlamaForCausalLM(cfg)
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=4, n_head=4, n_positions=SEQ)
     return transformers.GPT2LMHeadModel(cfg)  # dropout 0.1 and tied embeddings, as the library makes it
@@ -34,23 +41,43 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x, "labels": x.clone()} for x in ids]
 
 
-def trainer(kind: str, out: Path, *, steps: int, save_steps: int | None = None, max_grad_norm: float = 0.5,
-            accumulation: int = 1) -> Any:
+def trainer(
+    kind: str,
+    out: Path,
+    *,
+    steps: int,
+    save_steps: int | None = None,
+    max_grad_norm: float = 0.5,
+    accumulation: int = 1,
+) -> Any:
     import transformers
 
     args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=4, max_steps=steps, learning_rate=2e-3,
-        logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        max_grad_norm=max_grad_norm, gradient_accumulation_steps=accumulation, report_to=[], use_cpu=True,
-        disable_tqdm=True, seed=7, dataloader_num_workers=0,
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=2e-3,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        max_grad_norm=max_grad_norm,
+        gradient_accumulation_steps=accumulation,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=7,
+        dataloader_num_workers=0,
     )
     return transformers.Trainer(model=build_model(kind), args=args, train_dataset=dataset())
 
 
 def history(t: Any) -> list[dict[str, float]]:
     """Per-step loss and grad_norm the Trainer logged."""
-    return [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in t.state.log_history
-            if "loss" in h and "grad_norm" in h]
+    return [
+        {"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]}
+        for h in t.state.log_history
+        if "loss" in h and "grad_norm" in h
+    ]
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -58,8 +85,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from agent.integrations.hf import wrap_trainer
     from client.contract import Plan
 
-    t = trainer(spec["kind"], Path(spec["out"]), steps=spec["steps"], save_steps=spec.get("save_steps"),
-                max_grad_norm=spec.get("max_grad_norm", 0.5), accumulation=spec.get("accumulation", 1))
+    t = trainer(
+        spec["kind"],
+        Path(spec["out"]),
+        steps=spec["steps"],
+        save_steps=spec.get("save_steps"),
+        max_grad_norm=spec.get("max_grad_norm", 0.5),
+        accumulation=spec.get("accumulation", 1),
+    )
     plan_json = None
     offloaded = 0
     if spec.get("wrap"):
@@ -69,7 +102,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             kw["device_memory"] = spec["device_memory"]
         w = wrap_trainer(t, **kw)
-        t._move_model_to_device(t.model, t.args.device)  # what the Trainer does with its model: model.to(device)
+        t._move_model_to_device(
+            t.model, t.args.device
+        )  # what the Trainer does with its model: model.to(device)
         plan_json = w.plan.model_dump_json()
         assert w.plan.policy is not None
         offloaded = sum(c.placement.value == "offloaded" for c in w.plan.policy.chunks)
@@ -77,7 +112,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"history": history(t), "plan": plan_json, "offloaded": offloaded}
     if spec.get("wrap"):
         c = w.runtime.counters
-        out["counters"] = {"speculative": c.speculative_steps, "redos": c.host_step_redos, "undos": c.host_step_undos}
+        out["counters"] = {
+            "speculative": c.speculative_steps,
+            "redos": c.host_step_redos,
+            "undos": c.host_step_undos,
+        }
         assert w.plan.predictions is not None
         out["predicted_redo_s"] = w.plan.predictions.breakdown.get("host_optimizer_redo_s", 0.0)
     return out

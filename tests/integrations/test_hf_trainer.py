@@ -33,8 +33,13 @@ def limits() -> dict[str, int]:
         model = hf_jobs.build_model(kind)
         ids = torch.stack([d["input_ids"] for d in hf_jobs.dataset()[:4]])
         probe = copy.deepcopy(model)
-        trace = agent.profile(probe, {"input_ids": ids, "labels": ids}, optimizer=torch.optim.AdamW(probe.parameters()),
-                              repeats=1, allocation_trace=False)
+        trace = agent.profile(
+            probe,
+            {"input_ids": ids, "labels": ids},
+            optimizer=torch.optim.AdamW(probe.parameters()),
+            repeats=1,
+            allocation_trace=False,
+        )
         out[kind] = int(trace.measurements.peak_device_bytes * 0.7)
     return out
 
@@ -46,12 +51,15 @@ def assert_same(got: list[dict[str, float]], ref: list[dict[str, float]], *, exa
             if exact:
                 assert g[key] == r[key], f"step {g['step']}: {key} {g[key]} vs {r[key]}"
             else:
-                assert abs(g[key] - r[key]) <= TOL * abs(r[key]), f"step {g['step']}: {key} {g[key]} vs {r[key]}"
+                assert abs(g[key] - r[key]) <= TOL * abs(r[key]), (
+                    f"step {g['step']}: {key} {g[key]} vs {r[key]}"
+                )
 
 
 @pytest.mark.parametrize(("kind", "accumulation"), [("llama", 1), ("gpt2", 1), ("llama", 2)])
 def test_wrapped_trainer_trains_like_the_plain_trainer_with_clipping(
-        kind: str, accumulation: int, limits: dict[str, int], tmp_path: Path) -> None:
+    kind: str, accumulation: int, limits: dict[str, int], tmp_path: Path
+) -> None:
     spec = {"kind": kind, "steps": 5, "accumulation": accumulation}
     plain = hf_jobs.run({**spec, "out": str(tmp_path / "plain")})
     got = hf_jobs.run({**spec, "out": str(tmp_path / "wrapped"), "wrap": True, "device_memory": limits[kind]})
@@ -64,7 +72,8 @@ def test_wrapped_trainer_trains_like_the_plain_trainer_with_clipping(
 
 
 def test_trainer_resumed_from_a_checkpoint_in_a_new_process_continues_identically(
-        limits: dict[str, int], tmp_path: Path) -> None:
+    limits: dict[str, int], tmp_path: Path
+) -> None:
     """Save at step 3 (the Trainer's own checkpoint: model, optimizer, scheduler, RNG), resume in a new
     process with the same plan, and get the uninterrupted run's steps 4-6 exactly."""
     spec = {"kind": "llama", "steps": 6, "out": str(tmp_path / "run"), "wrap": True}
@@ -76,8 +85,13 @@ def test_trainer_resumed_from_a_checkpoint_in_a_new_process_continues_identicall
     plan.write_text(full["plan"])
     resume = {**spec, "out": str(tmp_path / "resumed"), "resume": str(checkpoint), "plan": str(plan)}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HERE / "hf_jobs.py"), json.dumps(resume)], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "hf_jobs.py"), json.dumps(resume)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
     assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4, 5, 6]  # 1-3 read back from the checkpoint
@@ -106,7 +120,9 @@ def _accelerate_loop(model: torch.nn.Module, wrap: bool, limit: int) -> list[tup
     if wrap:
         first = next(iter(loader))
         w = agent.wrap(model, opt, sample_batch=first, device_memory=limit, feedback_steps=None)
-        assert w.plan.policy is not None and any(c.placement.value == "offloaded" for c in w.plan.policy.chunks)
+        assert w.plan.policy is not None and any(
+            c.placement.value == "offloaded" for c in w.plan.policy.chunks
+        )
         model, opt = w.model, w.optimizer
     acc = Accelerator(cpu=True)
     model, opt, loader = acc.prepare(model, opt, loader)

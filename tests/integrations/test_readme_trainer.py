@@ -26,5 +26,7 @@ def test_the_readme_trainer_block_wraps_and_trains(tmp_path: Path) -> None:
     exec(compile(trainer_block(), str(README), "exec"), namespace)  # noqa: S102 - the README's code as written
     wrapped = namespace["wrapped"]
     assert trainer.state.global_step == 3
-    assert trainer.optimizer is not None and getattr(trainer.optimizer, "optimizer", None) is wrapped.optimizer
+    assert (
+        trainer.optimizer is not None and getattr(trainer.optimizer, "optimizer", None) is wrapped.optimizer
+    )
     assert len(hf_jobs.history(trainer)) == 3

@@ -18,8 +18,10 @@ from client.contract import Hardware
 def test_probe_times_the_runtime_path_in_one_chunk_per_block_and_restores_everything() -> None:
     model, _ = build("llama", layers=2, hidden=32, vocab=64, seq=16, seed=0)
     named = list(model.named_parameters())
-    ordered = [OrderedParameter(param=p, name=n, module_path=n.rsplit(".", 1)[0], block=i // 4, aliases=(n,))
-               for i, (n, p) in enumerate(named)]
+    ordered = [
+        OrderedParameter(param=p, name=n, module_path=n.rsplit(".", 1)[0], block=i // 4, aliases=(n,))
+        for i, (n, p) in enumerate(named)
+    ]
     values = [p.detach().clone() for _, p in named]
     storages = [p.data_ptr() for _, p in named]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -35,7 +37,8 @@ def test_probe_times_the_runtime_path_in_one_chunk_per_block_and_restores_everyt
 
 
 def test_cpu_trace_charges_the_persistent_path_as_the_device_optimizer_throughput(
-        cpu_hardware: Hardware, caplog: pytest.LogCaptureFixture) -> None:
+    cpu_hardware: Hardware, caplog: pytest.LogCaptureFixture
+) -> None:
     model, cfg = build("gpt2", layers=2, hidden=32, vocab=64, seq=16, seed=0)
     batch = sample_batch(cfg, 2, 16)
     with caplog.at_level(logging.DEBUG, logger="agent.profiler.profiling"):
@@ -43,4 +46,6 @@ def test_cpu_trace_charges_the_persistent_path_as_the_device_optimizer_throughpu
     logged = [r for r in caplog.records if r.getMessage().startswith("persistent chunks:")]
     assert len(logged) == 1
     probe = logged[0].args[0]  # type: ignore[index]
-    assert trace.measurements.optimizer.device_bytes_per_s == pytest.approx(probe.stepped_bytes / probe.total_s)
+    assert trace.measurements.optimizer.device_bytes_per_s == pytest.approx(
+        probe.stepped_bytes / probe.total_s
+    )

@@ -24,7 +24,9 @@ def _job() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("name", ["probe_block", "probe_persistent"])
 @pytest.mark.parametrize("error", [TypeError, ValueError])
-def test_a_bug_inside_a_probe_is_raised(monkeypatch: pytest.MonkeyPatch, name: str, error: type[Exception]) -> None:
+def test_a_bug_inside_a_probe_is_raised(
+    monkeypatch: pytest.MonkeyPatch, name: str, error: type[Exception]
+) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise error(f"bug inside {name}")
 
@@ -34,8 +36,9 @@ def test_a_bug_inside_a_probe_is_raised(monkeypatch: pytest.MonkeyPatch, name: s
         profile_module.profile(model, batch, repeats=1, allocation_trace=False)
 
 
-def test_a_probe_that_cannot_run_is_a_warning_and_a_trace(monkeypatch: pytest.MonkeyPatch,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_a_probe_that_cannot_run_is_a_warning_and_a_trace(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def cannot(*args: object, **kwargs: object) -> None:
         raise RuntimeError("cannot re-run this block")
 
@@ -43,5 +46,8 @@ def test_a_probe_that_cannot_run_is_a_warning_and_a_trace(monkeypatch: pytest.Mo
     model, batch = _job()
     with caplog.at_level(logging.WARNING, logger="agent"):
         trace = profile_module.profile(model, batch, repeats=1, allocation_trace=False)
-    assert any("runtime probe skipped (RuntimeError: cannot re-run this block)" in r.getMessage() for r in caplog.records)
+    assert any(
+        "runtime probe skipped (RuntimeError: cannot re-run this block)" in r.getMessage()
+        for r in caplog.records
+    )
     assert all(b.swap_out_s == 0.0 for b in trace.measurements.blocks)

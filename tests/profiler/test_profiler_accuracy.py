@@ -49,7 +49,10 @@ def test_activations_plus_model_state_is_within_10_percent_of_the_independent_pe
     estimate = activations + _model_state_bytes(trace)
     assert abs(estimate / peak - 1) <= 0.10, (estimate, peak)
     # The profiler's own peak (its storage tracker) is the same quantity measured a second way.
-    assert abs(trace.measurements.peak_device_bytes / peak - 1) <= 0.01, (trace.measurements.peak_device_bytes, peak)
+    assert abs(trace.measurements.peak_device_bytes / peak - 1) <= 0.01, (
+        trace.measurements.peak_device_bytes,
+        peak,
+    )
 
 
 def test_repeated_identical_blocks_save_identical_activation_bytes(cpu_hardware: Hardware) -> None:

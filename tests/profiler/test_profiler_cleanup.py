@@ -14,9 +14,16 @@ from client.contract import Hardware
 def _hook_counts(model: nn.Module) -> int:
     total = 0
     for m in model.modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-                     "_load_state_dict_pre_hooks"):
+        for attr in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+            "_state_dict_hooks",
+            "_load_state_dict_pre_hooks",
+        ):
             total += len(getattr(m, attr, {}))
     return total
 
@@ -42,7 +49,10 @@ def test_no_hooks_remain_after_a_forward_error_which_keeps_its_type_and_gains_co
 ) -> None:
     model, config = build("llama", layers=2, hidden=32, vocab=64, seq=16)
     before = _hook_counts(model)
-    bad = {"input_ids": torch.full((2, 8), 10_000), "labels": torch.zeros(2, 8, dtype=torch.long)}  # ids >= vocab
+    bad = {
+        "input_ids": torch.full((2, 8), 10_000),
+        "labels": torch.zeros(2, 8, dtype=torch.long),
+    }  # ids >= vocab
     with pytest.raises(IndexError) as info:
         profile(model, bad, hardware=cpu_hardware)
     assert any("memplan profiler" in note for note in getattr(info.value, "__notes__", []))

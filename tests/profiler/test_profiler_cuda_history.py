@@ -15,23 +15,41 @@ from client.contract import Phase
 def test_history_entries_become_records_with_blocks_frees_and_saved_flags() -> None:
     history = CudaAllocatorHistory(torch.device("cuda", 0))
     history.entries = [
-        {"action": "alloc", "addr": 0x1000, "size": 512, "stream": 0},  # before the first mark's count: prologue
+        {
+            "action": "alloc",
+            "addr": 0x1000,
+            "size": 512,
+            "stream": 0,
+        },  # before the first mark's count: prologue
         {"action": "alloc", "addr": 0x2000, "size": 1024, "stream": 0},  # block 1, forward
         {"action": "free_requested", "addr": 0x1000, "size": 512, "stream": 0},
         {"action": "free_completed", "addr": 0x1000, "size": 512, "stream": 0},
         {"action": "alloc", "addr": 0x1000, "size": 2048, "stream": 0},  # address reused, block 1 backward
-        {"action": "free_completed", "addr": 0x9999, "size": 4096, "stream": 0},  # allocated before the window
+        {
+            "action": "free_completed",
+            "addr": 0x9999,
+            "size": 4096,
+            "stream": 0,
+        },  # allocated before the window
     ]
     # (address, allocations so far) at pack time: 0x1000 saved after 2 allocations is the first one there
     history.saved = [(0x2000, 2), (0x1000, 2)]
     mark_counts = [0, 1, 2]  # allocations seen at each cursor mark
-    mark_cursor: list[tuple[int | None, Phase]] = [(0, Phase.forward), (1, Phase.forward), (1, Phase.backward)]
+    mark_cursor: list[tuple[int | None, Phase]] = [
+        (0, Phase.forward),
+        (1, Phase.forward),
+        (1, Phase.backward),
+    ]
 
     records, next_event, by_addr = history.records(10, 5, mark_counts, mark_cursor)
 
     assert [r.sid for r in records] == [5, 6, 7]
     assert [r.nbytes for r in records] == [512, 1024, 2048]
-    assert [(r.block, r.phase) for r in records] == [(0, Phase.forward), (1, Phase.forward), (1, Phase.backward)]
+    assert [(r.block, r.phase) for r in records] == [
+        (0, Phase.forward),
+        (1, Phase.forward),
+        (1, Phase.backward),
+    ]
     assert [r.alloc_event for r in records] == [10, 11, 13]
     assert records[0].free_event == 12 and records[1].free_event is None and records[2].free_event is None
     assert next_event == 14  # the free of a pre-window allocation is not an event of the window

@@ -14,11 +14,17 @@ from client.contract import BlockKind, Hardware
 
 # For each architecture: the repeated blocks' module prefix and the parameter names of prologue/epilogue.
 EXPECTED = {
-    "gpt2": ("transformer.h", {"transformer.wte.weight", "transformer.wpe.weight"},
-             {"transformer.ln_f.weight", "transformer.ln_f.bias"}),
+    "gpt2": (
+        "transformer.h",
+        {"transformer.wte.weight", "transformer.wpe.weight"},
+        {"transformer.ln_f.weight", "transformer.ln_f.bias"},
+    ),
     "llama": ("model.layers", {"model.embed_tokens.weight"}, {"model.norm.weight", "lm_head.weight"}),
-    "gpt_neox": ("gpt_neox.layers", {"gpt_neox.embed_in.weight"},
-                 {"gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias", "lm_head.weight"}),
+    "gpt_neox": (
+        "gpt_neox.layers",
+        {"gpt_neox.embed_in.weight"},
+        {"gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias", "lm_head.weight"},
+    ),
 }
 
 
@@ -26,11 +32,15 @@ EXPECTED = {
 def test_blocks_and_parameter_mapping_are_exact(kind: str, cpu_hardware: Hardware) -> None:
     layers = 3
     model, config = build(kind, layers=layers, hidden=64, vocab=128, seq=16)
-    trace = profile(model, sample_batch(config, 2, 16), hardware=cpu_hardware, repeats=1, allocation_trace=False)
+    trace = profile(
+        model, sample_batch(config, 2, 16), hardware=cpu_hardware, repeats=1, allocation_trace=False
+    )
     prefix, prologue, epilogue = EXPECTED[kind]
 
     blocks = trace.model.blocks
-    assert [b.kind for b in blocks] == [BlockKind.prologue] + [BlockKind.block] * layers + [BlockKind.epilogue]
+    assert [b.kind for b in blocks] == [BlockKind.prologue] + [BlockKind.block] * layers + [
+        BlockKind.epilogue
+    ]
     assert [b.name for b in blocks[1:-1]] == [f"{prefix}.{i}" for i in range(layers)]
     for b in blocks[1:-1]:
         assert model.get_submodule(b.name) is model.get_submodule(prefix)[b.index - 1]
@@ -55,7 +65,9 @@ def test_blocks_and_parameter_mapping_are_exact(kind: str, cpu_hardware: Hardwar
 
 def test_tied_head_is_listed_once_at_its_first_use_with_its_alias(cpu_hardware: Hardware) -> None:
     model, config = build("gpt2", layers=2, hidden=64, vocab=128, seq=16)
-    trace = profile(model, sample_batch(config, 2, 16), hardware=cpu_hardware, repeats=1, allocation_trace=False)
+    trace = profile(
+        model, sample_batch(config, 2, 16), hardware=cpu_hardware, repeats=1, allocation_trace=False
+    )
     first = trace.model.parameters[0]
     assert first.name == "transformer.wte.weight"
     assert first.block == 0
@@ -121,8 +133,14 @@ def test_model_without_blocks_gets_an_error_that_says_how_to_pass_them(cpu_hardw
 
 def test_explicit_blocks_override_detection(cpu_hardware: Hardware) -> None:
     model = Unstructured()
-    trace = profile(model, (torch.randn(2, 8),), loss_fn=lambda o, b: o.sum(), blocks=[model.a, model.b],
-                    hardware=cpu_hardware, repeats=1)
+    trace = profile(
+        model,
+        (torch.randn(2, 8),),
+        loss_fn=lambda o, b: o.sum(),
+        blocks=[model.a, model.b],
+        hardware=cpu_hardware,
+        repeats=1,
+    )
     assert [b.name for b in trace.model.blocks] == ["prologue[-]", "a", "b", "epilogue[-]"]
     assert [p.block for p in trace.model.parameters] == [1, 1, 2, 2]
 
@@ -130,8 +148,13 @@ def test_explicit_blocks_override_detection(cpu_hardware: Hardware) -> None:
 def test_blocks_that_are_not_submodules_are_rejected_naming_the_entry(cpu_hardware: Hardware) -> None:
     model = Unstructured()
     with pytest.raises(BlockDetectionError, match=r"blocks\[1\]"):
-        profile(model, (torch.randn(2, 8),), loss_fn=lambda o, b: o.sum(), blocks=[model.a, nn.Linear(2, 2)],
-                hardware=cpu_hardware)
+        profile(
+            model,
+            (torch.randn(2, 8),),
+            loss_fn=lambda o, b: o.sum(),
+            blocks=[model.a, nn.Linear(2, 2)],
+            hardware=cpu_hardware,
+        )
 
 
 def test_fingerprint_is_stable_for_a_config_and_differs_between_configs() -> None:

@@ -62,7 +62,8 @@ def test_allocation_trace_categories_follow_the_convention(gpt2_trace: Trace) ->
     param_bytes = sum(e.size_bytes for e in by_cat[AllocationCategory.param])
     assert param_bytes >= sum(p.bytes for p in gpt2_trace.model.parameters)
     assert sum(e.size_bytes for e in by_cat[AllocationCategory.grad]) == sum(
-        p.bytes for p in gpt2_trace.model.parameters)
+        p.bytes for p in gpt2_trace.model.parameters
+    )
     # every repeated block allocated something in forward and in backward
     blocks = [b.index for b in gpt2_trace.model.blocks if b.kind == BlockKind.block]
     for phase in (Phase.forward, Phase.backward):
@@ -94,16 +95,22 @@ def test_max_blocks_profiles_one_block_and_extrapolates_to_the_rest(cpu_hardware
     assert trace.allocation_trace is None
     assert len(trace.model.blocks) == 6
     assert {p.name for p in trace.model.parameters} == {n for n, _ in model.named_parameters()}
-    assert [b.parameter_bytes for b in trace.model.blocks[1:-1]] == [trace.model.blocks[1].parameter_bytes] * 4
+    assert [b.parameter_bytes for b in trace.model.blocks[1:-1]] == [
+        trace.model.blocks[1].parameter_bytes
+    ] * 4
     for b in m.blocks[2:5]:
         assert b.model_dump(exclude={"block"}) == m.blocks[1].model_dump(exclude={"block"})
 
 
-def test_a_model_too_large_for_the_device_is_profiled_in_part_and_extrapolated(cpu_hardware: Hardware) -> None:
+def test_a_model_too_large_for_the_device_is_profiled_in_part_and_extrapolated(
+    cpu_hardware: Hardware,
+) -> None:
     model, config = build("gpt2", layers=6, hidden=64, vocab=128, seq=16)
     elements = sum(p.numel() for p in model.parameters())
     limit = elements * 16  # model states (param, grad, two Adam moments) take the whole device
-    trace = profile(model, sample_batch(config, 2, 16), hardware=cpu_hardware, device_memory_limit=limit, repeats=1)
+    trace = profile(
+        model, sample_batch(config, 2, 16), hardware=cpu_hardware, device_memory_limit=limit, repeats=1
+    )
     m = trace.measurements
     assert m.extrapolated
     assert 1 <= len(m.profiled_blocks) - 2 < 6
@@ -111,8 +118,9 @@ def test_a_model_too_large_for_the_device_is_profiled_in_part_and_extrapolated(c
 
 
 def test_trace_round_trips_through_the_service(api, gpt2_trace: Trace) -> None:  # type: ignore[no-untyped-def]
-    created = api.post("/v1/traces", content=gpt2_trace.canonical_json(),
-                       headers={"content-type": "application/json"})
+    created = api.post(
+        "/v1/traces", content=gpt2_trace.canonical_json(), headers={"content-type": "application/json"}
+    )
     assert created.status_code in (200, 201), created.text
     trace_id = created.json()["id"]
     fetched = api.get(f"/v1/traces/{trace_id}")

@@ -68,13 +68,19 @@ def names() -> dict[str, Any]:
     model, config = build_with_library_defaults("llama", layers=2, hidden=64, vocab=256, seq=64)
     batch = sample_batch(config, 2, 32)
     loader = [sample_batch(config, 2, 32, seed=s) for s in range(3)]
-    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3), "batch": batch,
-            "loader": loader}
+    return {
+        "model": model,
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "batch": batch,
+        "loader": loader,
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [i for i, b in enumerate(blocks("python")) if not run_elsewhere(b)])
-def test_python_block_runs_as_written(index: int, names: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_python_block_runs_as_written(
+    index: int, names: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     code = blocks("python")[index]
     namespace = dict(names)
     exec(compile(code, f"README.md python block {index}", "exec"), namespace)  # noqa: S102 - the README's code
@@ -105,11 +111,23 @@ def test_bash_block_runs_as_written(index: int, tmp_path: Path, postgres_admin: 
         port = free_port()
         home = tmp_path / "home"
         home.mkdir()
-        env = {**os.environ, "HOME": str(home), "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_PORT": str(port),
-               "PATH": f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env = {
+            **os.environ,
+            "HOME": str(home),
+            "MEMPLAN_DATABASE_URL": db_url,
+            "MEMPLAN_PORT": str(port),
+            "PATH": f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
         env.pop("MEMPLAN_SERVER", None)
-        proc = subprocess.Popen(["bash", "-e", "-c", code], cwd=_venv_dir(tmp_path), env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", "-e", "-c", code],
+            cwd=_venv_dir(tmp_path),
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=120)
             assert rc == 0, proc.stdout.read() if proc.stdout else ""
@@ -128,8 +146,12 @@ def test_bash_block_runs_as_written(index: int, tmp_path: Path, postgres_admin: 
                 from client.contract import Constraints
 
                 with Client(url) as client:
-                    created = client.upload_trace(synthetic_trace(n_blocks=4, hidden=256, vocab=1000, batch=2, seq=128))
-                    record = client.request_plan(created.id, Constraints(device_memory_bytes=8 << 30, time_limit_s=5))
+                    created = client.upload_trace(
+                        synthetic_trace(n_blocks=4, hidden=256, vocab=1000, batch=2, seq=128)
+                    )
+                    record = client.request_plan(
+                        created.id, Constraints(device_memory_bytes=8 << 30, time_limit_s=5)
+                    )
                     record = client.wait_for_plan(record.id, timeout_s=90, poll_s=1)
                 assert record.status == "done", record
         finally:

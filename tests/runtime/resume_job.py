@@ -31,7 +31,11 @@ def run(spec: dict[str, Any]) -> list[float]:
     w = wrap(model, opt, plan=plan, feedback_steps=None)
     # a scheduler is built on the optimizer it drives, before that optimizer's state is loaded (its first step
     # sets the learning rate): so only when the state is loaded into the wrapped optimizer
-    sched = None if spec.get("load_before_wrap") else torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0 / (1 + s))
+    sched = (
+        None
+        if spec.get("load_before_wrap")
+        else torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0 / (1 + s))
+    )
     start = 0
     if resume:
         state = torch.load(ckpt, weights_only=True)
@@ -54,8 +58,15 @@ def run(spec: dict[str, Any]) -> list[float]:
         w.optimizer.zero_grad()
         losses.append(loss.item())
         if not resume and step + 1 == spec["save_at"]:
-            torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
-                        "scheduler": sched.state_dict() if sched is not None else None, "step": step + 1}, ckpt)
+            torch.save(
+                {
+                    "model": w.model.state_dict(),
+                    "optimizer": w.optimizer.state_dict(),
+                    "scheduler": sched.state_dict() if sched is not None else None,
+                    "step": step + 1,
+                },
+                ckpt,
+            )
     return losses
 
 

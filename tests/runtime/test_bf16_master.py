@@ -40,13 +40,17 @@ def clip_with_torch(model: torch.nn.Module):  # noqa: ANN201
     return lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m)
 
 
-def runs(fp32_master: bool, steps: int = 6) -> tuple[list[float], list[float], torch.nn.Module, torch.nn.Module]:
+def runs(
+    fp32_master: bool, steps: int = 6
+) -> tuple[list[float], list[float], torch.nn.Module, torch.nn.Module]:
     base = bf16_model()
     data = batches(steps)
     ref_model = clone(base)
     ref = train(Trainer(ref_model, adamw(ref_model), clip=clip_with_torch(ref_model)), data, clip=0.5)
     model = clone(base)
-    w = wrap(model, adamw(model), plan=plan_for(model, alternate), options=RuntimeOptions(fp32_master=fp32_master))
+    w = wrap(
+        model, adamw(model), plan=plan_for(model, alternate), options=RuntimeOptions(fp32_master=fp32_master)
+    )
     got = train(Trainer(w.model, w.optimizer, clip=clip_with_torch(w.model)), data, clip=0.5)
     w.synchronize()
     return got, ref, w.model, ref_model
@@ -78,12 +82,20 @@ def test_the_plan_counts_the_host_memory_the_runtime_holds_for_a_bf16_model(fp32
     probe = copy.deepcopy(model)
     trace = agent.profile(probe, batch, optimizer=adamw(probe), repeats=1, allocation_trace=False)
     limit = int(trace.measurements.peak_device_bytes * 0.6)
-    w = wrap(model, adamw(model), sample_batch=batch, device_memory=limit, feedback_steps=None,
-             options=RuntimeOptions(fp32_master=fp32_master))
+    w = wrap(
+        model,
+        adamw(model),
+        sample_batch=batch,
+        device_memory=limit,
+        feedback_steps=None,
+        options=RuntimeOptions(fp32_master=fp32_master),
+    )
     policy, pred = w.plan.policy, w.plan.predictions
     assert policy is not None and pred is not None
     assert any(c.placement.value == "offloaded" for c in policy.chunks)
-    assert all(b.mode.value != "swap" for b in policy.blocks), "swapped activations are held outside the runtime"
+    assert all(b.mode.value != "swap" for b in policy.blocks), (
+        "swapped activations are held outside the runtime"
+    )
     for _ in range(2):
         w.model(**batch).loss.backward()
         w.optimizer.step()

@@ -34,7 +34,9 @@ def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in m.parameters() if p.dim() >= 2]
     no_decay = [p for p in m.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=2e-3, fused=True
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=2e-3,
+        fused=True,
     )
 
 
@@ -53,15 +55,25 @@ ROUTES: dict[str, Callable[[Wrapped], Callable[[float], torch.Tensor]]] = {
 
 
 def run_pair(
-    clip: float | None, *, route: str = "torch", offload: object = "all", kind: str = "llama", steps: int = 6,
-    micro: int = 1, options: RuntimeOptions | None = None,
+    clip: float | None,
+    *,
+    route: str = "torch",
+    offload: object = "all",
+    kind: str = "llama",
+    steps: int = 6,
+    micro: int = 1,
+    options: RuntimeOptions | None = None,
 ) -> tuple[list[float], list[float], torch.nn.Module, Wrapped, list[torch.Tensor], list[torch.Tensor]]:
     """Plain PyTorch and the wrapped model (default options unless given) trained alike; norms recorded."""
     base = tiny_model(kind)
     data = batches(steps)
     ref_model = clone(base)
     ref_norms: list[torch.Tensor] = []
-    ref_clip = lambda m: ref_norms.append(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), m)) or ref_norms[-1]  # noqa: E731
+
+    def ref_clip(m: float) -> torch.Tensor:
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), m))
+        return ref_norms[-1]
+
     ref = train(Trainer(ref_model, adamw(ref_model), clip=ref_clip), data, clip=clip, micro=micro)
     model = clone(base)
     w = wrap(model, adamw(model), plan=plan_for(model, offload), options=options)
@@ -87,7 +99,9 @@ def test_clipping_with_default_options_matches_plain_pytorch_through_every_route
 @pytest.mark.parametrize("offload", ["all", "alternate"])
 def test_clipping_that_does_not_scale_keeps_every_overlapped_host_step(offload: str) -> None:
     """torch multiplies by the clamped coefficient 1.0 (values unchanged): nothing is redone."""
-    got, ref, ref_model, w, norms, ref_norms = run_pair(1e9, offload=alternate if offload == "alternate" else "all")
+    got, ref, ref_model, w, norms, ref_norms = run_pair(
+        1e9, offload=alternate if offload == "alternate" else "all"
+    )
     assert max_rel_diff(got, ref) <= TOL
     assert param_rel_diff(w.model, ref_model)[0] <= TOL
     c = w.runtime.counters
@@ -128,12 +142,22 @@ def test_infinity_norm_clipping_matches_plain_pytorch() -> None:
     base = tiny_model("llama")
     data = batches(4)
     ref_model = clone(base)
-    ref = train(Trainer(ref_model, adamw(ref_model),
-                        clip=lambda m: torch.nn.utils.clip_grad_norm_(ref_model.parameters(), m, norm_type=math.inf)),
-                data, clip=0.01)
+    ref = train(
+        Trainer(
+            ref_model,
+            adamw(ref_model),
+            clip=lambda m: torch.nn.utils.clip_grad_norm_(ref_model.parameters(), m, norm_type=math.inf),
+        ),
+        data,
+        clip=0.01,
+    )
     model = clone(base)
     w = wrap(model, adamw(model), plan=plan_for(model, alternate))
-    got = train(Trainer(w.model, w.optimizer, clip=lambda m: w.clip_grad_norm_(m, norm_type=math.inf)), data, clip=0.01)
+    got = train(
+        Trainer(w.model, w.optimizer, clip=lambda m: w.clip_grad_norm_(m, norm_type=math.inf)),
+        data,
+        clip=0.01,
+    )
     assert max_rel_diff(got, ref) <= TOL
     w.synchronize()
     assert param_rel_diff(w.model, ref_model)[0] <= TOL
@@ -174,7 +198,9 @@ def test_a_replaced_gradient_is_the_one_stepped(offload: str) -> None:
     torch.manual_seed(0)
     w.model(input_ids=x, labels=x).loss.backward()
     for m in (ref_model, w.model):
-        for i, p in enumerate(m.parameters()):  # alternate: parameters of persistent and offloaded chunks alike
+        for i, p in enumerate(
+            m.parameters()
+        ):  # alternate: parameters of persistent and offloaded chunks alike
             if i % 3 == 0:
                 p.grad = p.grad * 3.0  # type: ignore[operator]  # a new tensor, not an in-place edit
             elif i % 3 == 1:

@@ -26,7 +26,9 @@ def _graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name.startswith("agent"))
         modules[name] = deps
-    return {m: {d for d in deps if d in modules and d != m and d not in PACKAGES} for m, deps in modules.items()}
+    return {
+        m: {d for d in deps if d in modules and d != m and d not in PACKAGES} for m, deps in modules.items()
+    }
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

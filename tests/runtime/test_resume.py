@@ -17,14 +17,23 @@ HERE = Path(__file__).parent
 
 
 @pytest.mark.parametrize("load_before_wrap", [False, True], ids=["load-into-wrapped", "load-then-wrap"])
-def test_a_run_resumed_in_a_new_process_continues_with_identical_losses(load_before_wrap: bool, tmp_path: Path) -> None:
+def test_a_run_resumed_in_a_new_process_continues_with_identical_losses(
+    load_before_wrap: bool, tmp_path: Path
+) -> None:
     ckpt = tmp_path / "ckpt.pt"
-    full = resume_job.run({"checkpoint": str(ckpt), "steps": 6, "save_at": 3, "load_before_wrap": load_before_wrap})
+    full = resume_job.run(
+        {"checkpoint": str(ckpt), "steps": 6, "save_at": 3, "load_before_wrap": load_before_wrap}
+    )
     assert ckpt.exists()
     spec = {"checkpoint": str(ckpt), "steps": 6, "resume": True, "load_before_wrap": load_before_wrap}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HERE / "resume_job.py"), json.dumps(spec)], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "resume_job.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
     assert resumed == full[3:]

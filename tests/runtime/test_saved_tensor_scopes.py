@@ -40,7 +40,9 @@ def test_only_modules_owning_offloaded_parameters_pass_their_saved_tensors_throu
     loss.backward()
 
     model = clone(base)
-    w = wrap(model, adamw(model), plan=plan_for(model, [0], n_buffers=1), feedback_steps=None)  # embedding only
+    w = wrap(
+        model, adamw(model), plan=plan_for(model, [0], n_buffers=1), feedback_steps=None
+    )  # embedding only
     manager = w.runtime
     assert manager is not None
     packed = Counting()
@@ -77,7 +79,9 @@ class OutsideUse(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.first(self.emb(x))
-        h = torch.tanh(h @ self.first.weight.t())  # saves a view of first.weight (in the buffer), outside `first`
+        h = torch.tanh(
+            h @ self.first.weight.t()
+        )  # saves a view of first.weight (in the buffer), outside `first`
         logits = self.head(self.second(h))
         return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x.reshape(-1))
 

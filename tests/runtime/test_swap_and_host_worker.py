@@ -41,8 +41,9 @@ def test_host_buffers_are_kept_for_the_next_iteration_on_cpu():
     kept = {n: [t.data_ptr() for t in ts] for n, ts in store._host_free.items()}
     assert kept and store.counters.swapped_out_bytes > 0
     _iteration(store, w, x)  # the same sizes again: the copies land in the kept buffers
-    assert {n: sorted(t.data_ptr() for t in ts) for n, ts in store._host_free.items()} == \
-        {n: sorted(p) for n, p in kept.items()}
+    assert {n: sorted(t.data_ptr() for t in ts) for n, ts in store._host_free.items()} == {
+        n: sorted(p) for n, p in kept.items()
+    }
     store.end_iteration()
     assert not store._host_free
 

@@ -19,8 +19,12 @@ def _iteration(w, x: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
 
 def test_a_listener_sees_every_entry_point_and_move_with_its_depth_until_removed() -> None:
     model = tiny_model("llama")
-    w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan_for(model, alternate),
-             feedback_steps=None)
+    w = wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        plan=plan_for(model, alternate),
+        feedback_steps=None,
+    )
     assert w.runtime is not None
     seen: list[tuple[str, float, int]] = []
     handle = w.runtime.timing.add_listener(lambda name, s, depth: seen.append((name, s, depth)))
@@ -28,9 +32,21 @@ def test_a_listener_sees_every_entry_point_and_move_with_its_depth_until_removed
     _iteration(w, x)
 
     names = {n for n, _, _ in seen}
-    expected = {timing.ROOT_FORWARD, timing.AFTER_ROOT_FORWARD, timing.MODULE_FORWARD, timing.AFTER_MODULE_FORWARD,
-                timing.PACK, timing.UNPACK, timing.GRAD_HOOK, timing.END_BACKWARD, timing.STEP, timing.ZERO_GRAD,
-                timing.UPLOAD, timing.EVICT, timing.FLUSH}
+    expected = {
+        timing.ROOT_FORWARD,
+        timing.AFTER_ROOT_FORWARD,
+        timing.MODULE_FORWARD,
+        timing.AFTER_MODULE_FORWARD,
+        timing.PACK,
+        timing.UNPACK,
+        timing.GRAD_HOOK,
+        timing.END_BACKWARD,
+        timing.STEP,
+        timing.ZERO_GRAD,
+        timing.UPLOAD,
+        timing.EVICT,
+        timing.FLUSH,
+    }
     assert expected <= names, expected - names
     assert all(s >= 0 for _, s, _ in seen)
     # moves run inside the entry points torch calls; entry points are not inside one another
@@ -45,13 +61,23 @@ def test_a_listener_sees_every_entry_point_and_move_with_its_depth_until_removed
 
 def test_torch_profiler_sees_the_runtime_sections_by_name() -> None:
     model = tiny_model("llama")
-    w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan_for(model, alternate),
-             feedback_steps=None)
+    w = wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        plan=plan_for(model, alternate),
+        feedback_steps=None,
+    )
     x = batches(1)[0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _iteration(w, x)
     labels = {e.key for e in prof.key_averages()}
-    assert {"memplan::upload", "memplan::evict", "memplan::step", "memplan::grad_hook", "memplan::unpack_saved"} <= labels
+    assert {
+        "memplan::upload",
+        "memplan::evict",
+        "memplan::step",
+        "memplan::grad_hook",
+        "memplan::unpack_saved",
+    } <= labels
 
 
 def test_the_block_probe_times_swaps_and_uploads_through_the_hooks() -> None:

@@ -36,9 +36,23 @@ class PrivateCluster:
 
     def _ctl(self, action: str, *extra: str) -> None:
         opts = f"-p {self.port} -k {self.sockdir} -c listen_addresses=127.0.0.1"
-        subprocess.run([*self.run_as, f"{self.bindir}/pg_ctl", "-D", str(self.data), "-l",
-                        str(self.sockdir / "pg.log"), "-o", opts, "-w", *extra, action], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [
+                *self.run_as,
+                f"{self.bindir}/pg_ctl",
+                "-D",
+                str(self.data),
+                "-l",
+                str(self.sockdir / "pg.log"),
+                "-o",
+                opts,
+                "-w",
+                *extra,
+                action,
+            ],
+            check=True,
+            capture_output=True,
+        )
 
     def start(self) -> None:
         self._ctl("start")
@@ -52,7 +66,9 @@ class PrivateCluster:
         children = []
         for status in glob.glob("/proc/[0-9]*/status"):
             try:
-                fields = dict(line.split(":\t", 1) for line in Path(status).read_text().splitlines() if ":\t" in line)
+                fields = dict(
+                    line.split(":\t", 1) for line in Path(status).read_text().splitlines() if ":\t" in line
+                )
             except OSError:
                 continue
             if int(fields.get("PPid", "0").strip()) == postmaster:
@@ -74,7 +90,9 @@ def private_postgres_cluster() -> Iterator[PrivateCluster]:
     bindir = _pg_bin()
     if bindir is None:
         if os.environ.get("CI"):
-            pytest.fail("PostgreSQL server binaries are required in CI (scripts/ensure_postgres.sh installs them)")
+            pytest.fail(
+                "PostgreSQL server binaries are required in CI (scripts/ensure_postgres.sh installs them)"
+            )
         pytest.skip("PostgreSQL server binaries not installed")
     tmp_path = Path(tempfile.mkdtemp(prefix="memplan-pg-"))  # not under pytest's 0700 root-owned tree
     run_as: list[str] = []
@@ -82,11 +100,15 @@ def private_postgres_cluster() -> Iterator[PrivateCluster]:
         run_as = ["runuser", "-u", "postgres", "--"]
         tmp_path.chmod(0o777)
     data = tmp_path / "pgdata"
-    subprocess.run([*run_as, f"{bindir}/initdb", "-D", str(data), "-U", "postgres", "-A", "trust"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*run_as, f"{bindir}/initdb", "-D", str(data), "-U", "postgres", "-A", "trust"],
+        check=True,
+        capture_output=True,
+    )
     port = free_port()
-    cluster = PrivateCluster(f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", bindir, data, port,
-                             run_as, tmp_path)
+    cluster = PrivateCluster(
+        f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", bindir, data, port, run_as, tmp_path
+    )
     cluster.start()
     try:
         yield cluster
@@ -95,5 +117,7 @@ def private_postgres_cluster() -> Iterator[PrivateCluster]:
             cluster.thaw()
         except (OSError, ValueError):
             pass
-        subprocess.run([*run_as, f"{bindir}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        subprocess.run(
+            [*run_as, f"{bindir}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"], capture_output=True
+        )
         shutil.rmtree(tmp_path, ignore_errors=True)

@@ -43,7 +43,9 @@ def _count(db_url: str, model: type) -> int:
 
 def test_upload_returns_201_then_200_with_the_same_id(api, trace) -> None:  # type: ignore[no-untyped-def]
     first = api.post("/v1/traces", content=trace.canonical_json())
-    again = api.post("/v1/traces", content=gzip.compress(trace.canonical_json()), headers={"content-encoding": "gzip"})
+    again = api.post(
+        "/v1/traces", content=gzip.compress(trace.canonical_json()), headers={"content-encoding": "gzip"}
+    )
     assert first.status_code == 201 and first.json()["created"] is True
     assert again.status_code == 200 and again.json()["created"] is False
     assert again.json()["id"] == first.json()["id"]
@@ -120,9 +122,13 @@ def test_plans_are_browsable_by_model_and_hardware_with_stable_cursors(api) -> N
     ids_by_model: dict[str, set[str]] = {"small": set(), "wide": set()}
     for i in range(7):
         kind = "small" if i % 2 else "wide"
-        t = synthetic_trace(n_blocks=2 + i, hidden=64 if kind == "small" else 128, vocab=100, name=f"model-{kind}")
+        t = synthetic_trace(
+            n_blocks=2 + i, hidden=64 if kind == "small" else 128, vocab=100, name=f"model-{kind}"
+        )
         tid = _upload(api, t)
-        ids_by_model[kind].add(api.post("/v1/plans", json={"trace_id": tid, "constraints": LIMITS}).json()["id"])
+        ids_by_model[kind].add(
+            api.post("/v1/plans", json={"trace_id": tid, "constraints": LIMITS}).json()["id"]
+        )
     seen: list[str] = []
     cursor = None
     while True:
@@ -157,7 +163,12 @@ def test_feedback_records_prediction_errors(api, trace) -> None:  # type: ignore
     plan = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()
     done = api.get(f"/v1/plans/{plan['id']}", params={"wait": 30}).json()
     predicted = done["plan"]["predictions"]["iteration_s"]
-    fb = {"iteration_s": predicted * 1.1, "peak_device_bytes": 1000, "peak_host_bytes": 0, "steps_measured": 20}
+    fb = {
+        "iteration_s": predicted * 1.1,
+        "peak_device_bytes": 1000,
+        "peak_host_bytes": 0,
+        "steps_measured": 20,
+    }
     r = api.post(f"/v1/plans/{plan['id']}/feedback", json=fb)
     assert r.status_code == 201
     assert abs(r.json()["iteration_error"] - 0.1) < 1e-9
@@ -186,7 +197,10 @@ def test_plan_polling_revalidates_with_the_entity_tag(api, trace) -> None:  # ty
     tag = done.headers["etag"]
     record = PlanRecord.model_validate(done.json())  # the spliced body is a valid record, its plan intact
     assert record.plan is not None and record.plan.trace_hash == trace.content_hash()
-    assert api.get(f"/v1/plans/{plan_id}").headers["etag"] == tag and api.get(f"/v1/plans/{plan_id}").json() == done.json()
+    assert (
+        api.get(f"/v1/plans/{plan_id}").headers["etag"] == tag
+        and api.get(f"/v1/plans/{plan_id}").json() == done.json()
+    )
     same = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})
     assert same.status_code == 304 and same.content == b"" and same.headers["etag"] == tag
     assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": f'"other", W/{tag}'}).status_code == 304
@@ -204,7 +218,9 @@ def test_long_poll_with_a_current_tag_waits_then_answers_304(api_no_worker, trac
     queued = api_no_worker.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS})
     tag = api_no_worker.get(f"/v1/plans/{queued.json()['id']}").headers["etag"]
     t0 = time.monotonic()
-    r = api_no_worker.get(f"/v1/plans/{queued.json()['id']}", params={"wait": 0.5}, headers={"if-none-match": tag})
+    r = api_no_worker.get(
+        f"/v1/plans/{queued.json()['id']}", params={"wait": 0.5}, headers={"if-none-match": tag}
+    )
     assert r.status_code == 304 and time.monotonic() - t0 >= 0.45
     plain = api_no_worker.get(f"/v1/plans/{queued.json()['id']}", params={"wait": 0.3})
     assert plain.status_code == 200 and plain.json()["status"] == "queued" and plain.headers["etag"] == tag
@@ -216,7 +232,9 @@ def test_lists_carry_headlines_and_whole_plans_only_when_asked(api, trace, db_ur
     (migration 0004 fills it from the stored plan, as `finish` writes it)."""
     from planner_service.db.migrate import downgrade, upgrade
 
-    plan_id = api.post("/v1/plans", json={"trace_id": _upload(api, trace), "constraints": LIMITS}).json()["id"]
+    plan_id = api.post("/v1/plans", json={"trace_id": _upload(api, trace), "constraints": LIMITS}).json()[
+        "id"
+    ]
     done = api.get(f"/v1/plans/{plan_id}", params={"wait": 30}).json()
     assert done["status"] == "done" and done["plan"] is not None
     (item,) = api.get("/v1/plans").json()["items"]
@@ -224,7 +242,10 @@ def test_lists_carry_headlines_and_whole_plans_only_when_asked(api, trace, db_ur
     head = item["headline"]
     assert head["solver"] == done["plan"]["solver"]
     assert head["predictions"]["iteration_s"] == done["plan"]["predictions"]["iteration_s"]
-    assert "device_memory_timeline" not in head["predictions"] or not head["predictions"]["device_memory_timeline"]
+    assert (
+        "device_memory_timeline" not in head["predictions"]
+        or not head["predictions"]["device_memory_timeline"]
+    )
     (full,) = api.get("/v1/plans", params={"with_plan": "true"}).json()["items"]
     assert full["plan"] == done["plan"] and full["headline"] == head
     assert done["headline"] == head  # the single GET carries it too
@@ -237,8 +258,12 @@ def test_lists_carry_headlines_and_whole_plans_only_when_asked(api, trace, db_ur
 def test_lists_filter_by_id_prefix_and_refuse_anything_but_hex(api, trace) -> None:  # type: ignore[no-untyped-def]
     trace_id = _upload(api, trace)
     plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
-    assert [t["id"] for t in api.get("/v1/traces", params={"id_prefix": trace_id[:5]}).json()["items"]] == [trace_id]
-    assert [p["id"] for p in api.get("/v1/plans", params={"id_prefix": plan_id[:12]}).json()["items"]] == [plan_id]
+    assert [t["id"] for t in api.get("/v1/traces", params={"id_prefix": trace_id[:5]}).json()["items"]] == [
+        trace_id
+    ]
+    assert [p["id"] for p in api.get("/v1/plans", params={"id_prefix": plan_id[:12]}).json()["items"]] == [
+        plan_id
+    ]
     other = "0" if plan_id[0] != "0" else "1"
     assert api.get("/v1/plans", params={"id_prefix": other + plan_id[1:]}).json()["items"] == []
     for bad in ("%", "_", "ABC", "x" * 3, "0" * 33):  # LIKE wildcards never reach the query
@@ -261,8 +286,14 @@ def test_lists_filter_by_status_and_refuse_a_status_that_is_not_one(api_no_worke
 def test_a_cpu_machine_is_listed_with_its_ram_not_the_limit_a_job_set(api, trace) -> None:  # type: ignore[no-untyped-def]
     from client.contract import DeviceType
 
-    hw = trace.hardware.model_copy(update={"device_type": DeviceType.cpu, "device_name": "AMD EPYC",
-                                           "device_memory_bytes": 200 * 2**20, "host_memory_bytes": 64 * 2**30})
+    hw = trace.hardware.model_copy(
+        update={
+            "device_type": DeviceType.cpu,
+            "device_name": "AMD EPYC",
+            "device_memory_bytes": 200 * 2**20,
+            "host_memory_bytes": 64 * 2**30,
+        }
+    )
     _upload(api, trace.model_copy(update={"hardware": hw}))
     [row] = [h for h in api.get("/v1/hardware").json() if h["device_type"] == "cpu"]
     assert row["key"] == "cpu:AMD EPYC:64GiB:x1" and row["device_memory_bytes"] == 64 * 2**30

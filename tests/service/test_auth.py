@@ -63,15 +63,22 @@ def test_a_fingerprint_shared_by_two_projects_keeps_each_projects_own_name(secur
     B sent, in /v1/models, /v1/hardware, trace records, lists and /ui/catalog, and A's pages never show B's."""
     api, a, b, _ = secured
     mine = synthetic_trace(n_blocks=2, hidden=64, vocab=100, name="a-secret-name")
-    theirs = mine.model_copy(update={
-        "model": mine.model.model_copy(update={"name": "b-own-name"}),
-        "hardware": mine.hardware.model_copy(update={"device_memory_bytes": mine.hardware.device_memory_bytes + 1})})
+    theirs = mine.model_copy(
+        update={
+            "model": mine.model.model_copy(update={"name": "b-own-name"}),
+            "hardware": mine.hardware.model_copy(
+                update={"device_memory_bytes": mine.hardware.device_memory_bytes + 1}
+            ),
+        }
+    )
     assert theirs.model.fingerprint == mine.model.fingerprint and theirs.hardware.key == mine.hardware.key
     tid_a = api.post("/v1/traces", content=mine.canonical_json(), headers=a).json()["id"]
     tid_b = api.post("/v1/traces", content=theirs.canonical_json(), headers=b).json()["id"]
     pid_a = api.post("/v1/plans", json={"trace_id": tid_a, "constraints": LIMITS}, headers=a).json()["id"]
-    for headers, own, other, tid, traces, plans in ((a, "a-secret-name", "b-own-name", tid_a, 1, 1),
-                                                     (b, "b-own-name", "a-secret-name", tid_b, 1, 0)):
+    for headers, own, other, tid, traces, plans in (
+        (a, "a-secret-name", "b-own-name", tid_a, 1, 1),
+        (b, "b-own-name", "a-secret-name", tid_b, 1, 0),
+    ):
         models = api.get("/v1/models", headers=headers).json()
         assert [(m["name"], m["traces"], m["plans"]) for m in models] == [(own, traces, plans)]
         hardware = api.get("/v1/hardware", headers=headers).json()
@@ -80,7 +87,9 @@ def test_a_fingerprint_shared_by_two_projects_keeps_each_projects_own_name(secur
         assert hardware[0]["device_memory_bytes"] == expected_bytes
         assert api.get(f"/v1/traces/{tid}", headers=headers).json()["model_name"] == own
         assert [t["model_name"] for t in api.get("/v1/traces", headers=headers).json()["items"]] == [own]
-        assert [t["id"] for t in api.get("/v1/traces", params={"model": own}, headers=headers).json()["items"]] == [tid]
+        assert [
+            t["id"] for t in api.get("/v1/traces", params={"model": own}, headers=headers).json()["items"]
+        ] == [tid]
         assert api.get("/v1/traces", params={"model": other}, headers=headers).json()["items"] == []
         page = api.get("/ui/catalog", headers=headers).text
         assert own in page and other not in page
@@ -97,7 +106,9 @@ def test_tokens_are_stored_hashed_and_never_logged(secured, settings, caplog) ->
     assert token_a not in caplog.text
     engine = create_engine(settings.database_url)
     with engine.connect() as conn:
-        stored = [tuple(r) for r in conn.execute(select(ApiTokenRow.digest, ApiTokenRow.prefix, ApiTokenRow.name))]
+        stored = [
+            tuple(r) for r in conn.execute(select(ApiTokenRow.digest, ApiTokenRow.prefix, ApiTokenRow.name))
+        ]
     engine.dispose()
     assert stored and all(token_a not in "".join(r) for r in stored)
 
@@ -116,8 +127,12 @@ def test_service_refuses_a_public_address_without_auth() -> None:
         check_bind("0.0.0.0", Settings(database_url="sqlite://"))
     check_bind("127.0.0.1", Settings(database_url="sqlite://"))
     check_bind("0.0.0.0", Settings(database_url="sqlite://", auth=True))
-    res = subprocess.run([sys.executable, "-m", "memplan", "serve", "--host", "0.0.0.0", "--port", "1"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "memplan", "serve", "--host", "0.0.0.0", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "without authentication" in res.stdout + res.stderr
 
 
@@ -125,8 +140,14 @@ def test_tokens_cli_prints_a_token_that_works(settings: Settings) -> None:
     import os
 
     env = {**os.environ, "MEMPLAN_DATABASE_URL": settings.database_url}
-    res = subprocess.run([sys.executable, "-m", "memplan", "tokens", "create", "--project", "team-x"],
-                         capture_output=True, text=True, timeout=60, env=env, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "memplan", "tokens", "create", "--project", "team-x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    )
     token = res.stdout.strip().splitlines()[-1]
     assert token.startswith("mp_")
     with TestClient(create_app(settings.model_copy(update={"auth": True}))) as api:

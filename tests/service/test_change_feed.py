@@ -27,8 +27,10 @@ from planner_service.settings import Settings
 pytestmark = pytest.mark.postgres
 
 # Feedback written past the service, as another API process would (psycopg placeholder for the plan id).
-ADD_FEEDBACK = ("INSERT INTO feedback (id, plan_id, iteration_s, peak_device_bytes, peak_host_bytes, steps_measured, "
-                "notes, created_at) VALUES (md5(random()::text), %(p)s, 1.0, 1, 1, 5, '', now())")
+ADD_FEEDBACK = (
+    "INSERT INTO feedback (id, plan_id, iteration_s, peak_device_bytes, peak_host_bytes, steps_measured, "
+    "notes, created_at) VALUES (md5(random()::text), %(p)s, 1.0, 1, 1, 5, '', now())"
+)
 LIMITS = {"device_memory_bytes": 8 * 2**30, "time_limit_s": 2}
 
 
@@ -47,8 +49,14 @@ def _eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
 
 @pytest.fixture
 def api(postgres_url: str) -> Iterator[TestClient]:
-    settings = Settings(database_url=postgres_url, workers=1, poll_interval_s=0.05, stalled_after_s=5.0, auto_upgrade=False,
-                        ingest_prestart=False)
+    settings = Settings(
+        database_url=postgres_url,
+        workers=1,
+        poll_interval_s=0.05,
+        stalled_after_s=5.0,
+        auto_upgrade=False,
+        ingest_prestart=False,
+    )
     with TestClient(create_app(settings)) as client:
         assert _eventually(lambda: client.app.state.change_feed.listening)  # type: ignore[attr-defined]
         yield client
@@ -88,8 +96,9 @@ def test_polls_of_an_unchanged_plan_are_answered_from_memory(api: TestClient, tr
     assert feed.tag(plan_id, "some-other-project") is None
 
 
-def test_a_change_through_another_connection_reaches_the_next_polls(api: TestClient, trace: Any,
-                                                                    postgres_url: str) -> None:
+def test_a_change_through_another_connection_reaches_the_next_polls(
+    api: TestClient, trace: Any, postgres_url: str
+) -> None:
     """As a second API process or a worker would change it: a committed write notifies, the tag is dropped,
     the next poll with the old tag gets the new record."""
     plan_id, tag = _done_plan(api, trace)
@@ -98,8 +107,11 @@ def test_a_change_through_another_connection_reaches_the_next_polls(api: TestCli
     with engine.begin() as conn:
         conn.execute(text(ADD_FEEDBACK.replace("%(p)s", ":p")), {"p": plan_id})
     engine.dispose()
-    changed = _eventually(lambda: (r := api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}))
-                          .status_code == 200 and r)
+    changed = _eventually(
+        lambda: (
+            (r := api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})).status_code == 200 and r
+        )
+    )
     assert changed and changed.headers["etag"] != tag and len(changed.json()["feedback"]) == 1
 
 
@@ -108,8 +120,10 @@ def test_feedback_posted_here_is_seen_by_the_very_next_poll(api: TestClient, tra
     if api.get(f"/v1/plans/{plan_id}").json()["status"] != "done":
         pytest.skip("feedback is for done plans; this instance solved infeasible")
     assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304
-    posted = api.post(f"/v1/plans/{plan_id}/feedback", json={
-        "iteration_s": 1.0, "peak_device_bytes": 1, "peak_host_bytes": 1, "steps_measured": 5})
+    posted = api.post(
+        f"/v1/plans/{plan_id}/feedback",
+        json={"iteration_s": 1.0, "peak_device_bytes": 1, "peak_host_bytes": 1, "steps_measured": 5},
+    )
     assert posted.status_code == 201
     r = api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag})  # no wait for the notification
     assert r.status_code == 200 and len(r.json()["feedback"]) == 1
@@ -134,14 +148,17 @@ def test_long_poll_wakes_on_the_change_notification(api: TestClient, trace: Any,
     assert r.status_code == 200 and r.headers["etag"] != tag and r.json()["attempts"] == 2
 
 
-def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_other_columns(postgres_url: str,
-                                                                               trace: Any) -> None:
+def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_other_columns(
+    postgres_url: str, trace: Any
+) -> None:
     settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False)
     with TestClient(create_app(settings)) as api:  # a plan row; then no service runs (no worker re-queues it)
         trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
         plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
-    with psycopg.connect(_libpq(postgres_url), autocommit=True) as listener, \
-            psycopg.connect(_libpq(postgres_url), autocommit=True) as writer:
+    with (
+        psycopg.connect(_libpq(postgres_url), autocommit=True) as listener,
+        psycopg.connect(_libpq(postgres_url), autocommit=True) as writer,
+    ):
         listener.execute(f"LISTEN {PLAN_CHANNEL}")
         statements = [
             "UPDATE plan SET error = 'a note' WHERE id = %(p)s",  # not part of the tag: nobody is told
@@ -162,7 +179,9 @@ def test_triggers_notify_for_what_the_tag_depends_on_and_not_for_other_columns(p
         assert list(listener.notifies(timeout=0.3)) == []
 
 
-def test_a_lost_listener_empties_the_cache_and_comes_back(api: TestClient, trace: Any, postgres_url: str) -> None:
+def test_a_lost_listener_empties_the_cache_and_comes_back(
+    api: TestClient, trace: Any, postgres_url: str
+) -> None:
     plan_id, tag = _done_plan(api, trace)
     feed: ChangeFeed = api.app.state.change_feed  # type: ignore[attr-defined]
     feed.reconnect_s = 0.1
@@ -170,8 +189,11 @@ def test_a_lost_listener_empties_the_cache_and_comes_back(api: TestClient, trace
     assert feed.tag(plan_id, "default") == tag
     generation = feed.generation
     with psycopg.connect(_libpq(postgres_url), autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                      "WHERE datname = current_database() AND application_name = %s", (APPLICATION_NAME,))
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s",
+            (APPLICATION_NAME,),
+        )
     assert _eventually(lambda: feed.generation >= generation + 2 and feed.listening)  # lost, then back
     assert feed.tag(plan_id, "default") is None  # what it knew may have missed changes: forgotten
     assert api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code == 304  # asked the db
@@ -188,7 +210,9 @@ def test_a_tag_read_while_a_notification_came_in_is_not_kept(postgres_url: str) 
                 await asyncio.sleep(0.01)
             before = feed.generation  # a read starts here ...
             async with await psycopg.AsyncConnection.connect(_libpq(postgres_url), autocommit=True) as conn:
-                await conn.execute(f"SELECT pg_notify('{PLAN_CHANNEL}', 'p1')")  # ... a change commits meanwhile
+                await conn.execute(
+                    f"SELECT pg_notify('{PLAN_CHANNEL}', 'p1')"
+                )  # ... a change commits meanwhile
             for _ in range(500):  # the notification arrives
                 if feed.notifications:
                     break
@@ -205,7 +229,9 @@ def test_a_tag_read_while_a_notification_came_in_is_not_kept(postgres_url: str) 
 
 
 def test_a_known_token_is_resolved_from_memory_until_it_is_revoked(postgres_url: str, trace: Any) -> None:
-    settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False, auth=True)
+    settings = Settings(
+        database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False, auth=True
+    )
     db = Database(postgres_url)
     with db.session() as s:
         token, row = create_token(s, "project-a")
@@ -218,14 +244,19 @@ def test_a_known_token_is_resolved_from_memory_until_it_is_revoked(postgres_url:
         assert api.get("/v1/plans", headers=headers).status_code == 200
         trace_id = api.post("/v1/traces", content=trace.canonical_json(), headers=headers).json()["id"]
         plan = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}, headers=headers)
-        poll = {**headers, "if-none-match": api.get(f"/v1/plans/{plan.json()['id']}", headers=headers).headers["etag"]}
+        poll = {
+            **headers,
+            "if-none-match": api.get(f"/v1/plans/{plan.json()['id']}", headers=headers).headers["etag"],
+        }
         before = _reads("shortcut")
         assert api.get(f"/v1/plans/{plan.json()['id']}", headers=poll).status_code == 304
         assert _reads("shortcut") == before + 1  # token and tag from memory, before routing
         other_token = None
         with db.session() as s:
             other_token, _ = create_token(s, "project-b")
-        other = api.get(f"/v1/plans/{plan.json()['id']}", headers={**poll, "authorization": f"Bearer {other_token}"})
+        other = api.get(
+            f"/v1/plans/{plan.json()['id']}", headers={**poll, "authorization": f"Bearer {other_token}"}
+        )
         assert other.status_code == 404  # another project's token: never from memory
         with db.session() as s:  # revoked past this process (the CLI, another API process)
             assert revoke_token(s, row.id)
@@ -251,12 +282,20 @@ def test_token_changes_notify(postgres_url: str) -> None:
 
 
 def test_the_rate_limit_holds_for_polls_answered_from_memory(postgres_url: str, trace: Any) -> None:
-    settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False,
-                        rate_limit_per_s=0.01, rate_limit_burst=6)
+    settings = Settings(
+        database_url=postgres_url,
+        workers=0,
+        auto_upgrade=False,
+        ingest_prestart=False,
+        rate_limit_per_s=0.01,
+        rate_limit_burst=6,
+    )
     with TestClient(create_app(settings)) as api:
         assert _eventually(lambda: api.app.state.change_feed.listening)  # type: ignore[attr-defined]
         trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
         plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
         tag = api.get(f"/v1/plans/{plan_id}").headers["etag"]
-        statuses = [api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code for _ in range(5)]
+        statuses = [
+            api.get(f"/v1/plans/{plan_id}", headers={"if-none-match": tag}).status_code for _ in range(5)
+        ]
     assert statuses[:3] == [304, 304, 304] and statuses[3:] == [429, 429]  # 6 = upload, request, GET, 3 polls

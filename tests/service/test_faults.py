@@ -28,8 +28,13 @@ LIMITS = {"device_memory_bytes": 2**34}
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "memplan", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "memplan", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_status(url: str, plan_id: str, wanted: set[str], timeout_s: float) -> dict:  # type: ignore[type-arg]
@@ -63,7 +68,9 @@ def test_plan_of_a_worker_killed_mid_solve_is_finished_by_another(postgres_url: 
     env = {**os.environ, "MEMPLAN_DATABASE_URL": postgres_url, "MEMPLAN_STALLED_AFTER_S": "2"}
     settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False)
     with EmbeddedServer(settings) as url:  # API only: solving happens in the worker processes
-        tid = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=3).canonical_json()).json()["id"]
+        tid = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=3).canonical_json()).json()[
+            "id"
+        ]
         pid = httpx.post(f"{url}/v1/plans", json={"trace_id": tid, "constraints": LIMITS}).json()["id"]
         doomed = _cli("worker", env={**env, "MEMPLAN_FAULT_SOLVE_DELAY_S": "600"})
         try:
@@ -88,7 +95,9 @@ def test_plan_of_a_service_killed_mid_solve_is_finished_after_its_restart(tmp_pa
     doomed = _cli("serve", "--port", str(port), env={**env, "MEMPLAN_FAULT_SOLVE_DELAY_S": "600"})
     try:
         wait_until_ready(url, doomed)
-        tid = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=3).canonical_json()).json()["id"]
+        tid = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=3).canonical_json()).json()[
+            "id"
+        ]
         pid = httpx.post(f"{url}/v1/plans", json={"trace_id": tid, "constraints": LIMITS}).json()["id"]
         _wait_status(url, pid, {"running"}, 60)
     finally:
@@ -102,8 +111,9 @@ def test_plan_of_a_service_killed_mid_solve_is_finished_after_its_restart(tmp_pa
     assert done["status"] in ("done", "infeasible") and done["attempts"] == 2 and done["plan"] is not None
 
 
-def test_a_plan_whose_trace_cannot_be_read_fails_alone_and_the_queue_goes_on(db_url: str,
-                                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_a_plan_whose_trace_cannot_be_read_fails_alone_and_the_queue_goes_on(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Issue 17 defect 1: a plan on a stored trace that cannot be read (a valid gzip member, then garbage)
     failed inside the worker's claim, which rolled back: the same plan was claimed again ~5 times a second
     and every later plan of every project stayed queued. Now it fails, with its reason, once; the others
@@ -120,26 +130,48 @@ def test_a_plan_whose_trace_cannot_be_read_fails_alone_and_the_queue_goes_on(db_
     auth = {p: {"authorization": f"Bearer {t}"} for p, t in tokens.items()}
     api_only = Settings(database_url=db_url, workers=0, auto_upgrade=False, auth=True, ingest_prestart=False)
     with EmbeddedServer(api_only) as url:  # plans queue up: alpha's poisoned one first, then the others
-        bad_trace = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=2).canonical_json(),
-                               headers=auth["alpha"]).json()["id"]
+        bad_trace = httpx.post(
+            f"{url}/v1/traces", content=synthetic_trace(n_blocks=2).canonical_json(), headers=auth["alpha"]
+        ).json()["id"]
         with db.session() as s:  # what the multi-member upload stored before the ingest side refused it
             good = s.get(TraceRow, bad_trace).payload_gzip  # type: ignore[union-attr]
-            s.execute(update(TraceRow).where(TraceRow.id == bad_trace)
-                      .values(payload_gzip=good + b"this member is not gzip"))
-        bad = httpx.post(f"{url}/v1/plans", json={"trace_id": bad_trace, "constraints": LIMITS},
-                         headers=auth["alpha"]).json()["id"]
+            s.execute(
+                update(TraceRow)
+                .where(TraceRow.id == bad_trace)
+                .values(payload_gzip=good + b"this member is not gzip")
+            )
+        bad = httpx.post(
+            f"{url}/v1/plans", json={"trace_id": bad_trace, "constraints": LIMITS}, headers=auth["alpha"]
+        ).json()["id"]
         others = []
         for i, project in enumerate(("beta", "gamma", "beta", "gamma")):
-            tid = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=1 + i).canonical_json(),
-                             headers=auth[project]).json()["id"]
-            others.append((project, httpx.post(f"{url}/v1/plans", json={"trace_id": tid, "constraints": LIMITS},
-                                               headers=auth[project]).json()["id"]))
+            tid = httpx.post(
+                f"{url}/v1/traces",
+                content=synthetic_trace(n_blocks=1 + i).canonical_json(),
+                headers=auth[project],
+            ).json()["id"]
+            others.append(
+                (
+                    project,
+                    httpx.post(
+                        f"{url}/v1/plans",
+                        json={"trace_id": tid, "constraints": LIMITS},
+                        headers=auth[project],
+                    ).json()["id"],
+                )
+            )
     with EmbeddedServer(api_only.model_copy(update={"workers": 1, "poll_interval_s": 0.05})) as url:
         for project, pid in others:
-            body = httpx.get(f"{url}/v1/plans/{pid}", params={"wait": 60}, headers=auth[project], timeout=70).json()
+            body = httpx.get(
+                f"{url}/v1/plans/{pid}", params={"wait": 60}, headers=auth[project], timeout=70
+            ).json()
             assert body["status"] in ("done", "infeasible") and body["plan"] is not None, body
-        failed = httpx.get(f"{url}/v1/plans/{bad}", params={"wait": 30}, headers=auth["alpha"], timeout=40).json()
-        history = httpx.get(f"{url}/v1/plans", params={"status": "failed"}, headers=auth["alpha"]).json()["items"]
+        failed = httpx.get(
+            f"{url}/v1/plans/{bad}", params={"wait": 30}, headers=auth["alpha"], timeout=40
+        ).json()
+        history = httpx.get(f"{url}/v1/plans", params={"status": "failed"}, headers=auth["alpha"]).json()[
+            "items"
+        ]
     assert failed["status"] == "failed" and failed["attempts"] == 1
     assert "trace cannot be read" in failed["error"] and "BadGzipFile" in failed["error"]
     assert [(p["id"], p["status"], p["error"]) for p in history] == [(bad, "failed", failed["error"])]
@@ -151,9 +183,15 @@ def test_a_plan_whose_trace_cannot_be_read_fails_alone_and_the_queue_goes_on(db_
 def test_queued_plans_resume_after_a_service_restart(db_url: str) -> None:
     api_only = Settings(database_url=db_url, workers=0, auto_upgrade=False)
     with EmbeddedServer(api_only) as url:
-        tid = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=2).canonical_json()).json()["id"]
-        ids = [httpx.post(f"{url}/v1/plans", json={"trace_id": tid, "solver": solver, "constraints": LIMITS}).json()["id"]
-               for solver in ("cpsat", "protrain")]
+        tid = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=2).canonical_json()).json()[
+            "id"
+        ]
+        ids = [
+            httpx.post(
+                f"{url}/v1/plans", json={"trace_id": tid, "solver": solver, "constraints": LIMITS}
+            ).json()["id"]
+            for solver in ("cpsat", "protrain")
+        ]
     # the service went down with both plans queued; it comes back with its worker pool
     with EmbeddedServer(api_only.model_copy(update={"workers": 1, "poll_interval_s": 0.05})) as url:
         for pid in ids:
@@ -172,7 +210,9 @@ def private_postgres() -> Iterator[tuple[str, dict[str, str]]]:
     bindir = _pg_bin()
     if bindir is None:
         if os.environ.get("CI"):
-            pytest.fail("PostgreSQL server binaries are required in CI (scripts/ensure_postgres.sh installs them)")
+            pytest.fail(
+                "PostgreSQL server binaries are required in CI (scripts/ensure_postgres.sh installs them)"
+            )
         pytest.skip("PostgreSQL server binaries not installed")
     tmp_path = Path(tempfile.mkdtemp(prefix="memplan-pg-"))  # not under pytest's 0700 root-owned tree
     data = tmp_path / "pgdata"
@@ -180,22 +220,30 @@ def private_postgres() -> Iterator[tuple[str, dict[str, str]]]:
     if os.geteuid() == 0:  # postgres refuses to run as root
         run_as = ["runuser", "-u", "postgres", "--"]
         tmp_path.chmod(0o777)
-    subprocess.run([*run_as, f"{bindir}/initdb", "-D", str(data), "-U", "postgres", "-A", "trust"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*run_as, f"{bindir}/initdb", "-D", str(data), "-U", "postgres", "-A", "trust"],
+        check=True,
+        capture_output=True,
+    )
     port = free_port()
     ctl = {"bindir": bindir, "data": str(data), "port": str(port), "log": str(tmp_path / "pg.log")}
 
     def pg(action: str) -> None:
         opts = f"-p {port} -k {tmp_path} -c listen_addresses=127.0.0.1"
-        subprocess.run([*run_as, f"{bindir}/pg_ctl", "-D", str(data), "-l", ctl["log"], "-o", opts, "-w", action],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [*run_as, f"{bindir}/pg_ctl", "-D", str(data), "-l", ctl["log"], "-o", opts, "-w", action],
+            check=True,
+            capture_output=True,
+        )
 
     ctl_fns = {"start": lambda: pg("start"), "stop": lambda: pg("stop")}
     pg("start")
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", ctl_fns  # type: ignore[misc]
     finally:
-        subprocess.run([*run_as, f"{bindir}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        subprocess.run(
+            [*run_as, f"{bindir}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"], capture_output=True
+        )
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
@@ -203,12 +251,19 @@ def test_database_restart_under_load_gives_503_loses_nothing_and_recovers(privat
     url_db, pg = private_postgres
     upgrade(url_db)
     # rate limits off: this test is about the database (4 agents on one address exceed the default budget)
-    settings = Settings(database_url=url_db, workers=1, poll_interval_s=0.05, auto_upgrade=False,
-                        rate_limit_per_s=1e6, rate_limit_burst=1_000_000)
+    settings = Settings(
+        database_url=url_db,
+        workers=1,
+        poll_interval_s=0.05,
+        auto_upgrade=False,
+        rate_limit_per_s=1e6,
+        rate_limit_burst=1_000_000,
+    )
     acknowledged: list[str] = []
     statuses: list[int] = []
     stop = threading.Event()
     with EmbeddedServer(settings) as url:
+
         def agent(seed: int) -> None:
             i = 0
             with httpx.Client(base_url=url, timeout=10) as c:
@@ -243,6 +298,10 @@ def test_database_restart_under_load_gives_503_loses_nothing_and_recovers(privat
             assert httpx.get(f"{url}/v1/traces/{trace_id}", timeout=10).status_code == 200
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
         # the in-process solve worker lived through the outage (or was started again): plans still get solved
-        pid = httpx.post(f"{url}/v1/plans", json={"trace_id": acknowledged[-1], "constraints": LIMITS},
-                         timeout=10).json()["id"]
-        assert _wait_status(url, pid, {"done", "infeasible", "failed"}, 60)["status"] in ("done", "infeasible")
+        pid = httpx.post(
+            f"{url}/v1/plans", json={"trace_id": acknowledged[-1], "constraints": LIMITS}, timeout=10
+        ).json()["id"]
+        assert _wait_status(url, pid, {"done", "infeasible", "failed"}, 60)["status"] in (
+            "done",
+            "infeasible",
+        )

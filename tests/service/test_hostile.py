@@ -39,7 +39,10 @@ TABLES = (TraceRow, ModelRow, HardwareRow, PlanRow, FeedbackRow)
 def _counts(db_url: str) -> dict[str, int]:
     engine = create_engine(db_url)
     with engine.connect() as conn:
-        counts = {t.__tablename__: int(conn.execute(select(func.count()).select_from(t)).scalar_one()) for t in TABLES}
+        counts = {
+            t.__tablename__: int(conn.execute(select(func.count()).select_from(t)).scalar_one())
+            for t in TABLES
+        }
     engine.dispose()
     return counts
 
@@ -61,7 +64,9 @@ def test_every_gzip_member_is_inflated_and_the_stored_trace_is_the_one_validated
     assert stored.status_code == 200 and Trace.model_validate(stored.json()["trace"]) == trace
 
 
-def test_garbage_after_a_valid_gzip_member_is_a_400_and_stores_nothing(api, trace: Trace, db_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_garbage_after_a_valid_gzip_member_is_a_400_and_stores_nothing(
+    api, trace: Trace, db_url: str
+) -> None:  # type: ignore[no-untyped-def]
     for tail in (b"garbage after the member", _gz(b"{}")[:12], b"\x1f\x8b\x08\x00" + os.urandom(64)):
         r = api.post("/v1/traces", content=_gz(trace.canonical_json()) + tail, headers=GZIP)
         assert r.status_code == 400, (tail[:8], r.status_code, r.text)
@@ -83,7 +88,9 @@ def test_a_bomb_after_a_valid_member_counts_against_the_limit(settings, trace: T
     assert set(_counts(db_url).values()) == {0}
 
 
-def test_a_bomb_stored_before_uploads_were_checked_whole_is_read_within_the_limit(settings, trace: Trace) -> None:  # type: ignore[no-untyped-def]
+def test_a_bomb_stored_before_uploads_were_checked_whole_is_read_within_the_limit(
+    settings, trace: Trace
+) -> None:  # type: ignore[no-untyped-def]
     """Rows stored before this check may hold a valid member followed by a bomb: reading one inflates at most
     max_decompressed_bytes and answers 409 (upload it again), never inflating the bomb or a 500."""
     from dataclasses import replace
@@ -97,7 +104,9 @@ def test_a_bomb_stored_before_uploads_were_checked_whole_is_read_within_the_limi
 
     db = Database(settings.database_url)
     with db.session() as s:  # as the service stored it before: the client's bytes, first member checked
-        facts = replace(TraceFacts.of(trace), payload_gzip=_gz(trace.canonical_json()) + _zeros_gzip(64 * 2**20))
+        facts = replace(
+            TraceFacts.of(trace), payload_gzip=_gz(trace.canonical_json()) + _zeros_gzip(64 * 2**20)
+        )
         trace_id = TraceRepository(s).add(facts)[0].id
     db.dispose()
     small = settings.model_copy(update={"max_decompressed_bytes": 8 * 2**20})
@@ -122,8 +131,14 @@ def _fields(r: httpx.Response) -> set[str]:
 
 def test_nul_in_any_trace_string_is_a_422_naming_the_field(api, trace: Trace, db_url: str) -> None:  # type: ignore[no-untyped-def]
     raw = json.loads(trace.canonical_json())
-    for path in (("hardware", "device_name"), ("model", "name"), ("model", "fingerprint"),
-                 ("model", "blocks", 1, "name"), ("software", "torch_version"), ("software", "cuda_version")):
+    for path in (
+        ("hardware", "device_name"),
+        ("model", "name"),
+        ("model", "fingerprint"),
+        ("model", "blocks", 1, "name"),
+        ("software", "torch_version"),
+        ("software", "cuda_version"),
+    ):
         r = api.post("/v1/traces", json=_with(raw, path, "a\x00b"))
         assert r.status_code == 422, (path, r.status_code, r.text)
         field = "body." + ".".join(str(p) for p in path).replace(".1.", "[1].")
@@ -134,7 +149,9 @@ def test_nul_in_any_trace_string_is_a_422_naming_the_field(api, trace: Trace, db
     assert set(_counts(db_url).values()) == {0}
 
 
-def test_nul_in_ids_filters_and_feedback_is_a_422_naming_the_parameter(api, trace: Trace, db_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_nul_in_ids_filters_and_feedback_is_a_422_naming_the_parameter(
+    api, trace: Trace, db_url: str
+) -> None:  # type: ignore[no-untyped-def]
     trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
     plan_id = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
     assert api.get(f"/v1/plans/{plan_id}", params={"wait": 30}).json()["status"] in ("done", "infeasible")
@@ -146,12 +163,32 @@ def test_nul_in_ids_filters_and_feedback_is_a_422_naming_the_parameter(api, trac
         ("GET", "/v1/traces?hardware=%00", {}, "query.hardware"),
         ("GET", "/v1/plans?model=a%00b", {}, "query.model"),
         ("GET", "/v1/plans?hardware=a%00b", {}, "query.hardware"),
-        ("POST", "/v1/plans", {"json": {"trace_id": trace_id + "\x00", "constraints": LIMITS}}, "body.trace_id"),
-        ("POST", "/v1/plans/a%00b/feedback", {"json": {"iteration_s": 1.0, "peak_device_bytes": 1,
-                                                        "peak_host_bytes": 0, "steps_measured": 1}}, "path.plan_id"),
-        ("POST", f"/v1/plans/{plan_id}/feedback", {"json": {"iteration_s": 1.0, "peak_device_bytes": 1,
-                                                             "peak_host_bytes": 0, "steps_measured": 1,
-                                                             "notes": "ok\x00no"}}, "body.notes"),
+        (
+            "POST",
+            "/v1/plans",
+            {"json": {"trace_id": trace_id + "\x00", "constraints": LIMITS}},
+            "body.trace_id",
+        ),
+        (
+            "POST",
+            "/v1/plans/a%00b/feedback",
+            {"json": {"iteration_s": 1.0, "peak_device_bytes": 1, "peak_host_bytes": 0, "steps_measured": 1}},
+            "path.plan_id",
+        ),
+        (
+            "POST",
+            f"/v1/plans/{plan_id}/feedback",
+            {
+                "json": {
+                    "iteration_s": 1.0,
+                    "peak_device_bytes": 1,
+                    "peak_host_bytes": 0,
+                    "steps_measured": 1,
+                    "notes": "ok\x00no",
+                }
+            },
+            "body.notes",
+        ),
     ]
     for method, url, kw, field in cases:
         r = api.request(method, url, **kw)
@@ -167,16 +204,22 @@ def _cursor(value: Any) -> str:
     return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
 
 
-@pytest.mark.parametrize("cursor", [
-    _cursor(["2026-11-21T10:00:00", "0" * 32]),  # naive time (a 500 on both databases before)
-    _cursor(["2026-11-21T10:00:00+00:00", "a\x00b"]),  # NUL in the id
-    _cursor(["2026-11-21T10:00:00+00:00", 7]),
-    _cursor([1, "0" * 32]),
-    _cursor(["not a time", "0" * 32]),
-    _cursor({"a": 1}),
-    _cursor(["2026-11-21T10:00:00+00:00", "0" * 32, "extra"]),
-    "!!bad", "%00", "A" * 5000, "",
-])
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        _cursor(["2026-11-21T10:00:00", "0" * 32]),  # naive time (a 500 on both databases before)
+        _cursor(["2026-11-21T10:00:00+00:00", "a\x00b"]),  # NUL in the id
+        _cursor(["2026-11-21T10:00:00+00:00", 7]),
+        _cursor([1, "0" * 32]),
+        _cursor(["not a time", "0" * 32]),
+        _cursor({"a": 1}),
+        _cursor(["2026-11-21T10:00:00+00:00", "0" * 32, "extra"]),
+        "!!bad",
+        "%00",
+        "A" * 5000,
+        "",
+    ],
+)
 def test_any_malformed_cursor_is_a_400(api, cursor: str) -> None:  # type: ignore[no-untyped-def]
     for url in ("/v1/traces", "/v1/plans"):
         r = api.get(url, params={"cursor": cursor})
@@ -207,11 +250,21 @@ def _packed_events_trace(n: int, bad_at: int) -> bytes:
     i = np.arange(n, dtype=np.int64)
     free = (2 * i + 1).astype("<i4")
     free[bad_at] = 0
-    columns = {"id": i.astype("<i8"), "size_bytes": np.full(n, 512, "<i8"), "alloc_index": (2 * i).astype("<i4"),
-               "free_index": free, "category": np.zeros(n, "u1"), "block": np.full(n, -1, "<i2"),
-               "phase": np.zeros(n, "u1")}
+    columns = {
+        "id": i.astype("<i8"),
+        "size_bytes": np.full(n, 512, "<i8"),
+        "alloc_index": (2 * i).astype("<i4"),
+        "free_index": free,
+        "category": np.zeros(n, "u1"),
+        "block": np.full(n, -1, "<i2"),
+        "phase": np.zeros(n, "u1"),
+    }
     arrays = {k: base64.urlsafe_b64encode(v.tobytes()).decode() for k, v in columns.items()}
-    raw["allocation_trace"] = {"source": "dispatch_tracker", "horizon": 2 * n, "event_arrays": {"count": n, **arrays}}
+    raw["allocation_trace"] = {
+        "source": "dispatch_tracker",
+        "horizon": 2 * n,
+        "event_arrays": {"count": n, **arrays},
+    }
     return json.dumps(raw).encode()
 
 
@@ -225,7 +278,9 @@ def _family(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(
+                int(stat.parent.name)
+            )
         except (OSError, IndexError, ValueError):
             continue
     found, todo = [], [root]
@@ -243,8 +298,13 @@ def served(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str], str]]:
     upgrade(db_url)
     port = free_port()
     env = {**os.environ, "MEMPLAN_DATABASE_URL": db_url, "MEMPLAN_WORKERS": "0"}
-    process = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--log-level",
-                                "warning"], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "memplan", "serve", "--port", str(port), "--log-level", "warning"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(url, process)
@@ -262,7 +322,9 @@ MIB = 2**10  # KiB per MiB (the /proc figures are KiB)
 
 
 @pytest.mark.slow
-def test_hostile_bodies_get_4xx_store_nothing_and_keep_the_servers_memory_bounded(served, trace: Trace) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_bodies_get_4xx_store_nothing_and_keep_the_servers_memory_bounded(
+    served, trace: Trace
+) -> None:  # type: ignore[no-untyped-def]
     """Each hostile body against the real server: the right status, no row stored, and memory bounded: the API
     process grows by less than one body limit (64 MiB); an ingest process holds at most max_decompressed_bytes
     (256 MiB) plus its own ~70 MiB, whatever the body claims (1 GiB here)."""
@@ -271,15 +333,42 @@ def test_hostile_bodies_get_4xx_store_nothing_and_keep_the_servers_memory_bounde
     nul = json.loads(trace.canonical_json())
     nul["model"]["name"] = nul["hardware"]["device_name"] = nul["software"]["torch_version"] = "\x00"
     cases: list[tuple[str, str, str, bytes | None, dict[str, str], int]] = [
-        ("valid member + garbage member", "POST", "/v1/traces", valid + b"\x1f\x8b\x08\x00garbage", GZIP, 400),
+        (
+            "valid member + garbage member",
+            "POST",
+            "/v1/traces",
+            valid + b"\x1f\x8b\x08\x00garbage",
+            GZIP,
+            400,
+        ),
         ("valid member + 1 GiB bomb member", "POST", "/v1/traces", valid + _zeros_gzip(2**30), GZIP, 413),
         ("1 GiB bomb alone", "POST", "/v1/traces", _zeros_gzip(2**30), GZIP, 413),
         ("NUL in every name", "POST", "/v1/traces", json.dumps(nul).encode(), {}, 422),
-        ("naive cursor", "GET", "/v1/plans?cursor=" + _cursor(["2026-11-21T10:00:00", "0" * 32]), None, {}, 400),
-        ("10^6 events, one bad", "POST", "/v1/traces", _gz(_packed_events_trace(10**6, bad_at=10**6 - 1)), GZIP, 422),
+        (
+            "naive cursor",
+            "GET",
+            "/v1/plans?cursor=" + _cursor(["2026-11-21T10:00:00", "0" * 32]),
+            None,
+            {},
+            400,
+        ),
+        (
+            "10^6 events, one bad",
+            "POST",
+            "/v1/traces",
+            _gz(_packed_events_trace(10**6, bad_at=10**6 - 1)),
+            GZIP,
+            422,
+        ),
         ("nested 10^6 deep", "POST", "/v1/traces", _gz(b"[" * 10**6 + b"]" * 10**6), GZIP, 400),
-        ("nested in a field", "POST", "/v1/traces",
-         b'{"schema_version":2,"hardware":' + b'{"a":' * 10**5 + b"1" + b"}" * (10**5 + 1), {}, 400),
+        (
+            "nested in a field",
+            "POST",
+            "/v1/traces",
+            b'{"schema_version":2,"hardware":' + b'{"a":' * 10**5 + b"1" + b"}" * (10**5 + 1),
+            {},
+            400,
+        ),
     ]
     api_pid = process.pid
     before_rss, _ = _memory_kib(api_pid)

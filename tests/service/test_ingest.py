@@ -17,10 +17,14 @@ from planner_service.settings import Settings
 from tests.contract.forms import schema_1, trace_with_events
 
 
-def test_pool_path_stores_validates_and_rejects_like_the_inline_path(settings: Settings, trace: Trace) -> None:
+def test_pool_path_stores_validates_and_rejects_like_the_inline_path(
+    settings: Settings, trace: Trace
+) -> None:
     pooled = settings.model_copy(update={"ingest_processes": 1, "ingest_inline_max_bytes": 0})
     with TestClient(create_app(pooled)) as api:
-        r = api.post("/v1/traces", content=gzip.compress(trace.canonical_json()), headers={"content-encoding": "gzip"})
+        r = api.post(
+            "/v1/traces", content=gzip.compress(trace.canonical_json()), headers={"content-encoding": "gzip"}
+        )
         assert r.status_code == 201 and r.json()["content_hash"] == trace.content_hash()
         assert Trace.model_validate(api.get(f"/v1/traces/{r.json()['id']}").json()["trace"]) == trace
         bad = json.loads(trace.canonical_json())
@@ -39,8 +43,11 @@ def test_a_schema_1_upload_is_stored_in_the_current_form_under_the_same_hash(set
         stored = api.get(f"/v1/traces/{r.json()['id']}").json()["trace"]
         assert stored["schema_version"] == 2 and "event_arrays" in stored["allocation_trace"]
         assert Trace.model_validate(stored) == current
-        again = api.post("/v1/traces", content=gzip.compress(current.canonical_json()),
-                         headers={"content-encoding": "gzip"})
+        again = api.post(
+            "/v1/traces",
+            content=gzip.compress(current.canonical_json()),
+            headers={"content-encoding": "gzip"},
+        )
         assert again.json()["id"] == r.json()["id"]  # the same trace in either form is stored once
     facts = inspect(json.dumps(schema_1(current)).encode(), False, 2**30)
     assert gzip.decompress(facts.payload_gzip) == current.canonical_json()
@@ -49,7 +56,10 @@ def test_a_schema_1_upload_is_stored_in_the_current_form_under_the_same_hash(set
 def test_facts_hash_is_the_trace_content_hash(trace: Trace) -> None:
     facts = inspect(trace.canonical_json(), False, 2**30)
     assert facts == TraceFacts.of(trace)
-    assert facts.content_hash == trace.content_hash() and gzip.decompress(facts.payload_gzip) == trace.canonical_json()
+    assert (
+        facts.content_hash == trace.content_hash()
+        and gzip.decompress(facts.payload_gzip) == trace.canonical_json()
+    )
     raw = json.loads(trace.canonical_json())
     raw["model"]["blocks"][0]["index"] = True
     try:
@@ -72,7 +82,9 @@ def test_ingest_processes_run_below_request_handling_and_exit_with_the_ingestor(
 def test_ingest_processes_import_only_the_contract() -> None:
     """An ingest process imports `planner_service.ingest` at start; the web framework, the ORM and the solver
     stay out (importing FastAPI there once cost the first upload per process ~0.8 s)."""
-    code = ("import sys, planner_service.ingest; "
-            "bad=[m for m in ('fastapi','starlette','sqlalchemy','ortools','torch') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, planner_service.ingest; "
+        "bad=[m for m in ('fastapi','starlette','sqlalchemy','ortools','torch') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -24,8 +24,10 @@ def test_upgrade_to_head_matches_the_orm_models(empty_db_url: str) -> None:
     upgrade(empty_db_url)
     engine = create_engine(empty_db_url)
     with engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True,
-                                                                            "include_name": include_name}), Base.metadata)
+        diff = compare_metadata(
+            MigrationContext.configure(conn, opts={"compare_type": True, "include_name": include_name}),
+            Base.metadata,
+        )
     engine.dispose()
     assert diff == [], f"models and migrations disagree: {diff}"
 
@@ -74,26 +76,51 @@ def test_0005_splits_the_shared_catalogue_and_each_project_gets_its_own_names_ba
     engine = create_engine(empty_db_url)
     now = datetime.now(UTC)
     with engine.begin() as conn:
-        conn.execute(text("INSERT INTO project (id, name, created_at) VALUES ('b', 'project-b', :t)"), {"t": now})
+        conn.execute(
+            text("INSERT INTO project (id, name, created_at) VALUES ('b', 'project-b', :t)"), {"t": now}
+        )
         conn.execute(text("INSERT INTO model VALUES ('fp', 'name-of-a', 'Arch', 10, :t)"), {"t": now})
-        conn.execute(text("INSERT INTO hardware VALUES ('cpu:x:1GiB:x1', 'cpu', 'x', 1073741824, 1, :t)"), {"t": now})
-        for trace_id, project, name, memory in (("t1", "default", "name-of-a", 2**30), ("t2", "b", "name-of-b", 2**30 + 7)):
-            payload = gzip.compress(json.dumps({"model": {"name": name, "architecture": "Arch", "parameter_count": 10},
-                                                "hardware": {"device_type": "cpu", "device_name": "x",
-                                                             "device_memory_bytes": memory, "device_count": 1}}).encode())
-            conn.execute(text("INSERT INTO trace (id, project_id, content_hash, model_fingerprint, hardware_key, "
-                              "workload_key, schema_version, payload_gzip, payload_bytes, created_at) VALUES "
-                              "(:id, :p, :id, 'fp', 'cpu:x:1GiB:x1', 'w', 2, :g, 1, :t)"),
-                         {"id": trace_id, "p": project, "g": payload, "t": now})
+        conn.execute(
+            text("INSERT INTO hardware VALUES ('cpu:x:1GiB:x1', 'cpu', 'x', 1073741824, 1, :t)"), {"t": now}
+        )
+        for trace_id, project, name, memory in (
+            ("t1", "default", "name-of-a", 2**30),
+            ("t2", "b", "name-of-b", 2**30 + 7),
+        ):
+            payload = gzip.compress(
+                json.dumps(
+                    {
+                        "model": {"name": name, "architecture": "Arch", "parameter_count": 10},
+                        "hardware": {
+                            "device_type": "cpu",
+                            "device_name": "x",
+                            "device_memory_bytes": memory,
+                            "device_count": 1,
+                        },
+                    }
+                ).encode()
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO trace (id, project_id, content_hash, model_fingerprint, hardware_key, "
+                    "workload_key, schema_version, payload_gzip, payload_bytes, created_at) VALUES "
+                    "(:id, :p, :id, 'fp', 'cpu:x:1GiB:x1', 'w', 2, :g, 1, :t)"
+                ),
+                {"id": trace_id, "p": project, "g": payload, "t": now},
+            )
     upgrade(empty_db_url, "0005")
     with engine.connect() as conn:
         models = conn.execute(text("SELECT project_id, name FROM model ORDER BY project_id")).all()
-        hardware = conn.execute(text("SELECT project_id, device_memory_bytes FROM hardware ORDER BY project_id")).all()
+        hardware = conn.execute(
+            text("SELECT project_id, device_memory_bytes FROM hardware ORDER BY project_id")
+        ).all()
     assert [tuple(r) for r in models] == [("b", "name-of-b"), ("default", "name-of-a")]
     assert [tuple(r) for r in hardware] == [("b", 2**30 + 7), ("default", 2**30)]
     downgrade(empty_db_url, "0004")
     with engine.connect() as conn:
-        assert [tuple(r) for r in conn.execute(text("SELECT fingerprint, name FROM model"))] == [("fp", "name-of-a")]
+        assert [tuple(r) for r in conn.execute(text("SELECT fingerprint, name FROM model"))] == [
+            ("fp", "name-of-a")
+        ]
         assert conn.execute(text("SELECT count(*) FROM trace")).scalar_one() == 2
     engine.dispose()
 
@@ -104,7 +131,9 @@ def test_a_downgrade_and_upgrade_keep_every_plan_and_feedback_row(api, trace, db
     from sqlalchemy import text
 
     tid = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
-    pid = api.post("/v1/plans", json={"trace_id": tid, "constraints": {"device_memory_bytes": 2**34}}).json()["id"]
+    pid = api.post("/v1/plans", json={"trace_id": tid, "constraints": {"device_memory_bytes": 2**34}}).json()[
+        "id"
+    ]
     assert api.get(f"/v1/plans/{pid}", params={"wait": 30}).json()["status"] == "done"
     fb = {"iteration_s": 1.0, "peak_device_bytes": 1, "peak_host_bytes": 0, "steps_measured": 1}
     assert api.post(f"/v1/plans/{pid}/feedback", json=fb).status_code == 201
@@ -112,8 +141,10 @@ def test_a_downgrade_and_upgrade_keep_every_plan_and_feedback_row(api, trace, db
 
     def counts() -> tuple[int, ...]:
         with engine.connect() as conn:
-            return tuple(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
-                         for t in ("trace", "plan", "feedback", "model", "hardware"))
+            return tuple(
+                conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
+                for t in ("trace", "plan", "feedback", "model", "hardware")
+            )
 
     assert counts() == (1, 1, 1, 1, 1)
     downgrade(db_url, "0003")

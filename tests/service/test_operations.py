@@ -10,10 +10,15 @@ from planner_service.observability import JsonFormatter, request_id_var
 
 def test_metrics_expose_latency_queue_depth_solves_and_outcomes(api, trace) -> None:  # type: ignore[no-untyped-def]
     tid = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
-    pid = api.post("/v1/plans", json={"trace_id": tid, "constraints": {"device_memory_bytes": 2**34}}).json()["id"]
+    pid = api.post("/v1/plans", json={"trace_id": tid, "constraints": {"device_memory_bytes": 2**34}}).json()[
+        "id"
+    ]
     api.get(f"/v1/plans/{pid}", params={"wait": 30})
     text = api.get("/metrics").text
-    assert 'memplan_http_request_seconds_bucket{le="0.001",method="POST",route="/v1/traces",status="201"}' in text
+    assert (
+        'memplan_http_request_seconds_bucket{le="0.001",method="POST",route="/v1/traces",status="201"}'
+        in text
+    )
     assert "memplan_plan_queue_depth 0.0" in text
     assert 'memplan_solve_seconds_count{solver="cpsat"}' in text
     assert "memplan_plan_outcomes_total{" in text
@@ -44,7 +49,9 @@ def test_readyz_reports_an_unreachable_database(settings) -> None:  # type: igno
         from planner_service.db.session import Database
 
         api.app.state.db.dispose()
-        api.app.state.db = Database("postgresql+psycopg://nobody@127.0.0.1:1/none")  # nothing listens on port 1
+        api.app.state.db = Database(
+            "postgresql+psycopg://nobody@127.0.0.1:1/none"
+        )  # nothing listens on port 1
         r = api.get("/readyz")
         assert r.status_code == 503 and r.json()["status"] == "unavailable"
         assert api.get("/healthz").status_code == 200

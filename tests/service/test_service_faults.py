@@ -31,9 +31,13 @@ def serve(database_url: str, *args: str, **env: str) -> Iterator[tuple[str, subp
     """`memplan serve ARGS` on a free loopback port, as a user starts it; stopped (and reaped) at the end."""
     port = free_port()
     environment = {**os.environ, "MEMPLAN_DATABASE_URL": database_url, **env}
-    process = subprocess.Popen([sys.executable, "-m", "memplan", "serve", "--port", str(port), "--log-level",
-                                "warning", *args], env=environment, text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "memplan", "serve", "--port", str(port), "--log-level", "warning", *args],
+        env=environment,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(url, process)
@@ -49,19 +53,32 @@ def serve(database_url: str, *args: str, **env: str) -> Iterator[tuple[str, subp
 
 
 def test_a_frozen_database_gives_503_within_a_bound_and_the_service_recovers(
-        private_postgres_cluster: PrivateCluster) -> None:
+    private_postgres_cluster: PrivateCluster,
+) -> None:
     """PostgreSQL stopped with SIGSTOP (connections open, nothing answers): /readyz and requests answer 503
     with Retry-After within a few seconds instead of hanging, and everything works again once it resumes."""
     pg = private_postgres_cluster
     upgrade(pg.url)
-    bounds = {"MEMPLAN_DB_CONNECT_TIMEOUT_S": "2", "MEMPLAN_DB_STATEMENT_TIMEOUT_S": "2",
-              "MEMPLAN_DB_POOL_TIMEOUT_S": "2", "MEMPLAN_READINESS_TIMEOUT_S": "2", "MEMPLAN_WORKERS": "1",
-              "MEMPLAN_RATE_LIMIT_PER_S": "1000000", "MEMPLAN_RATE_LIMIT_BURST": "1000000"}
+    bounds = {
+        "MEMPLAN_DB_CONNECT_TIMEOUT_S": "2",
+        "MEMPLAN_DB_STATEMENT_TIMEOUT_S": "2",
+        "MEMPLAN_DB_POOL_TIMEOUT_S": "2",
+        "MEMPLAN_READINESS_TIMEOUT_S": "2",
+        "MEMPLAN_WORKERS": "1",
+        "MEMPLAN_RATE_LIMIT_PER_S": "1000000",
+        "MEMPLAN_RATE_LIMIT_BURST": "1000000",
+    }
     with serve(pg.url, **bounds) as (url, _):
-        trace_id = httpx.post(f"{url}/v1/traces", content=synthetic_trace(n_blocks=2).canonical_json()).json()["id"]
-        requests = [("GET", "/v1/traces", None), ("GET", f"/v1/traces/{trace_id}", None), ("GET", "/v1/plans", None),
-                    ("POST", "/v1/plans", {"trace_id": trace_id, "constraints": {"device_memory_bytes": 2**34}}),
-                    ("GET", "/v1/models", None)] * 4  # more requests than the pool keeps warm connections for
+        trace_id = httpx.post(
+            f"{url}/v1/traces", content=synthetic_trace(n_blocks=2).canonical_json()
+        ).json()["id"]
+        requests = [
+            ("GET", "/v1/traces", None),
+            ("GET", f"/v1/traces/{trace_id}", None),
+            ("GET", "/v1/plans", None),
+            ("POST", "/v1/plans", {"trace_id": trace_id, "constraints": {"device_memory_bytes": 2**34}}),
+            ("GET", "/v1/models", None),
+        ] * 4  # more requests than the pool keeps warm connections for
         with httpx.Client(base_url=url, timeout=60) as c:
             for method, path, body in requests[:5]:
                 assert c.request(method, path, json=body).status_code < 300  # warm: pooled connections exist
@@ -82,13 +99,17 @@ def test_a_frozen_database_gives_503_within_a_bound_and_the_service_recovers(
                 assert max(t for _, t, _ in answers) < 15.0, answers
                 status, took_again, _ = timed("GET", "/readyz", None)
                 assert status == 503 and took_again < 5.0, (status, took_again)
-                print(f"frozen: /readyz 503 in {took:.1f} s; {len(answers)} requests 503 in "
-                      f"{min(t for _, t, _ in answers):.1f}-{max(t for _, t, _ in answers):.1f} s")
+                print(
+                    f"frozen: /readyz 503 in {took:.1f} s; {len(answers)} requests 503 in "
+                    f"{min(t for _, t, _ in answers):.1f}-{max(t for _, t, _ in answers):.1f} s"
+                )
             finally:
                 pg.thaw()
             deadline = time.monotonic() + 30
             while c.get("/readyz").status_code != 200:
-                assert time.monotonic() < deadline, "the service did not become ready after the database resumed"
+                assert time.monotonic() < deadline, (
+                    "the service did not become ready after the database resumed"
+                )
                 time.sleep(0.2)
             for method, path, body in requests[:5]:
                 assert c.request(method, path, json=body).status_code < 300
@@ -134,7 +155,9 @@ def _kill_and_expect_no_survivors(process: subprocess.Popen[str], expected_at_le
     while _alive(family) and time.monotonic() < deadline:
         time.sleep(0.1)
     survivors = _alive(family)
-    print(f"killed API: {len(family)} descendants, {len(survivors)} alive after {time.monotonic() - deadline + 5:.1f} s")
+    print(
+        f"killed API: {len(family)} descendants, {len(survivors)} alive after {time.monotonic() - deadline + 5:.1f} s"
+    )
     for pid in family:  # leave nothing behind whatever the outcome
         try:
             os.kill(pid, signal.SIGKILL)
@@ -151,12 +174,19 @@ def _upload(url: str) -> None:
 
 
 @pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.postgres)])
-def test_no_process_outlives_a_killed_api(processes: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_no_process_outlives_a_killed_api(
+    processes: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """kill -9 of `memplan serve` (one API process, or uvicorn's supervisor of two): its forkserver, resource
     tracker, ingest processes (and API worker processes) are gone within seconds, not left under PID 1."""
     url_db = f"sqlite:///{tmp_path / 'm.db'}" if processes == 1 else request.getfixturevalue("postgres_url")
-    with serve(url_db, "--processes", str(processes), MEMPLAN_INGEST_PROCESSES="2",
-               MEMPLAN_INGEST_INLINE_MAX_BYTES="0") as (url, process):
+    with serve(
+        url_db,
+        "--processes",
+        str(processes),
+        MEMPLAN_INGEST_PROCESSES="2",
+        MEMPLAN_INGEST_INLINE_MAX_BYTES="0",
+    ) as (url, process):
         for _ in range(2 * processes):  # each API process validates one at least (connections spread them)
             _upload(url)
         # per API process: a forkserver and 2 ingest processes (and the API process itself, under uvicorn's
@@ -167,11 +197,13 @@ def test_no_process_outlives_a_killed_api(processes: int, tmp_path: Path, reques
 def test_no_process_outlives_a_killed_embedded_server(tmp_path: Path) -> None:
     """`memplan demo` runs the service in a thread of its own process (planner_service.embedded): killed, that
     process leaves no ingest processes behind either."""
-    code = ("import sys, time; from planner_service.embedded import EmbeddedServer; "
-            "from planner_service.settings import Settings; "
-            f"s = EmbeddedServer(Settings(database_url='sqlite:///{tmp_path / 'e.db'}', workers=1, "
-            "ingest_inline_max_bytes=0)); "
-            "url = s.__enter__(); print(url, flush=True); time.sleep(600)")
+    code = (
+        "import sys, time; from planner_service.embedded import EmbeddedServer; "
+        "from planner_service.settings import Settings; "
+        f"s = EmbeddedServer(Settings(database_url='sqlite:///{tmp_path / 'e.db'}', workers=1, "
+        "ingest_inline_max_bytes=0)); "
+        "url = s.__enter__(); print(url, flush=True); time.sleep(600)"
+    )
     process = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE)
     try:
         assert process.stdout is not None

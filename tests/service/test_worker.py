@@ -22,8 +22,11 @@ from planner_service.solver.errors import PlanRequestRefused
 def _queue_plan(db: Database, trace) -> str:  # type: ignore[no-untyped-def]
     with db.session() as s:
         row, _ = TraceRepository(s).add(trace)
-        return PlanRepository(s).create(row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time,
-                                        "cpsat", "v").id
+        return (
+            PlanRepository(s)
+            .create(row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time, "cpsat", "v")
+            .id
+        )
 
 
 def _row(db: Database, plan_id: str) -> PlanRow:
@@ -40,7 +43,11 @@ def poison_trace(db: Database, plan_id: str) -> None:
     with db.session() as s:
         trace_id = s.get(PlanRow, plan_id).trace_id  # type: ignore[union-attr]
         good = s.get(TraceRow, trace_id).payload_gzip  # type: ignore[union-attr]
-        s.execute(update(TraceRow).where(TraceRow.id == trace_id).values(payload_gzip=good + b"this member is not gzip"))
+        s.execute(
+            update(TraceRow)
+            .where(TraceRow.id == trace_id)
+            .values(payload_gzip=good + b"this member is not gzip")
+        )
 
 
 def test_a_plan_is_solved_once_and_a_second_run_changes_nothing(settings: Settings, trace) -> None:  # type: ignore[no-untyped-def]
@@ -54,8 +61,9 @@ def test_a_plan_is_solved_once_and_a_second_run_changes_nothing(settings: Settin
     db.dispose()
 
 
-def test_an_unreadable_trace_fails_its_plan_with_the_reason_and_counts_the_attempt(settings: Settings,
-                                                                                 trace) -> None:  # type: ignore[no-untyped-def]
+def test_an_unreadable_trace_fails_its_plan_with_the_reason_and_counts_the_attempt(
+    settings: Settings, trace
+) -> None:  # type: ignore[no-untyped-def]
     """Issue 17 defect 1: reading the trace failed inside the claim transaction, which rolled back (attempts
     stayed 0, the plan stayed queued and was claimed again forever)."""
     db = Database(settings.database_url)
@@ -71,8 +79,9 @@ def test_an_unreadable_trace_fails_its_plan_with_the_reason_and_counts_the_attem
     db.dispose()
 
 
-def test_a_solver_bug_is_retried_then_fails_the_plan_after_its_last_attempt(settings: Settings, trace,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_solver_bug_is_retried_then_fails_the_plan_after_its_last_attempt(
+    settings: Settings, trace, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     db = Database(settings.database_url)
     plan_id = _queue_plan(db, trace)
 
@@ -89,12 +98,15 @@ def test_a_solver_bug_is_retried_then_fails_the_plan_after_its_last_attempt(sett
     with pytest.raises(PlanFailed):
         run_plan(db, settings, plan_id)
     row = _row(db, plan_id)
-    assert (row.status, row.attempts) == ("failed", settings.max_attempts) and "a solver bug" in (row.error or "")
+    assert (row.status, row.attempts) == ("failed", settings.max_attempts) and "a solver bug" in (
+        row.error or ""
+    )
     db.dispose()
 
 
-def test_a_request_the_solver_refuses_fails_at_once(settings: Settings, trace,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_the_solver_refuses_fails_at_once(
+    settings: Settings, trace, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     db = Database(settings.database_url)
     plan_id = _queue_plan(db, trace)
 
@@ -111,7 +123,8 @@ def test_a_request_the_solver_refuses_fails_at_once(settings: Settings, trace,
 
 
 def test_a_value_error_from_the_solvers_own_code_is_a_bug_not_a_bad_request(
-        settings: Settings, trace, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    settings: Settings, trace, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """Issue 18: the worker labelled every ValueError a bad request and failed the plan at once. A ValueError
     raised inside the solver (here a real one: numpy asked for the max of nothing) is a bug: it gets its
     remaining attempts, its reason does not blame the request, and the exception chain keeps its traceback for
@@ -134,9 +147,9 @@ def test_a_value_error_from_the_solvers_own_code_is_a_bug_not_a_bad_request(
     db.dispose()
 
 
-def test_the_runner_logs_the_traceback_of_a_value_error_from_the_solver(settings: Settings, trace,
-                                                                       monkeypatch: pytest.MonkeyPatch,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+def test_the_runner_logs_the_traceback_of_a_value_error_from_the_solver(
+    settings: Settings, trace, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
     """The in-process pool's log line for a solver bug carries the traceback down to the line that raised."""
     import logging
 
@@ -170,8 +183,9 @@ def test_the_solver_refuses_an_unknown_solver_with_its_own_error(trace) -> None:
         solve(trace, Constraints(device_memory_bytes=2**34), solver="simplex")
 
 
-def test_the_plan_of_a_lost_worker_is_taken_over_and_the_late_worker_cannot_overwrite_it(settings: Settings,
-                                                                                        trace) -> None:  # type: ignore[no-untyped-def]
+def test_the_plan_of_a_lost_worker_is_taken_over_and_the_late_worker_cannot_overwrite_it(
+    settings: Settings, trace
+) -> None:  # type: ignore[no-untyped-def]
     db = Database(settings.database_url)
     plan_id = _queue_plan(db, trace)
     assert tasks._start(db, plan_id, settings.max_attempts) == 1  # a worker starts it, then is lost
@@ -202,11 +216,14 @@ def test_the_job_is_deferred_in_the_plans_transaction_once_per_plan(postgres_url
     from planner_service.jobs.engine import QUEUE, SOLVE_TASK, defer_plan
 
     db = Database(postgres_url)
-    jobs = text("SELECT task_name, queue_name, queueing_lock, lock, args->>'plan_id', status FROM procrastinate_jobs")
+    jobs = text(
+        "SELECT task_name, queue_name, queueing_lock, lock, args->>'plan_id', status FROM procrastinate_jobs"
+    )
     with pytest.raises(RuntimeError), db.session() as s:  # the request fails after deferring: neither stays
         row, _ = TraceRepository(s).add(trace)
-        plan = PlanRepository(s).create(row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time,
-                                        "cpsat", "v")
+        plan = PlanRepository(s).create(
+            row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time, "cpsat", "v"
+        )
         defer_plan(s, plan.id)
         raise RuntimeError("the request failed later")
     with db.session() as s:
@@ -215,7 +232,9 @@ def test_the_job_is_deferred_in_the_plans_transaction_once_per_plan(postgres_url
     with db.session() as s:
         defer_plan(s, plan_id)
     with db.session() as s:
-        assert s.execute(jobs).all() == [(SOLVE_TASK, QUEUE, f"plan:{plan_id}", f"plan:{plan_id}", plan_id, "todo")]
+        assert s.execute(jobs).all() == [
+            (SOLVE_TASK, QUEUE, f"plan:{plan_id}", f"plan:{plan_id}", plan_id, "todo")
+        ]
     with pytest.raises(IntegrityError), db.session() as s:  # the queueing lock: one waiting job per plan
         defer_plan(s, plan_id)
     db.dispose()
@@ -246,15 +265,19 @@ def test_retry_strategy_never_retries_a_failed_plan_and_backs_off_otherwise() ->
 def test_procrastinates_schema_is_applied_and_removed_by_alembic(postgres_url: str) -> None:
     from planner_service.db.migrate import downgrade, upgrade
 
-    objects = text("SELECT (SELECT count(*) FROM pg_class WHERE relname LIKE 'procrastinate%'), "
-                   "(SELECT count(*) FROM pg_proc WHERE proname LIKE 'procrastinate%'), "
-                   "(SELECT count(*) FROM pg_type WHERE typname LIKE 'procrastinate%')")
+    objects = text(
+        "SELECT (SELECT count(*) FROM pg_class WHERE relname LIKE 'procrastinate%'), "
+        "(SELECT count(*) FROM pg_proc WHERE proname LIKE 'procrastinate%'), "
+        "(SELECT count(*) FROM pg_type WHERE typname LIKE 'procrastinate%')"
+    )
     db = Database(postgres_url)
     with db.session() as s:
         tables, functions, types = s.execute(objects).one()
         assert tables >= 4 and functions >= 10 and types >= 3
         level = s.scalar(text("SELECT obj_description('procrastinate_jobs'::regclass, 'pg_class')"))
-        assert level == "memplan: procrastinate schema level 03.04.00_50_post_add_retry_failed_job_procedure.sql"
+        assert (
+            level == "memplan: procrastinate schema level 03.04.00_50_post_add_retry_failed_job_procedure.sql"
+        )
     downgrade(postgres_url, "0004")
     with db.session() as s:
         assert tuple(s.execute(objects).one()) == (0, 0, 0)
@@ -278,11 +301,23 @@ def test_procrastinates_own_cli_runs_the_solve_jobs(postgres_url: str, trace) ->
     settings = Settings(database_url=postgres_url, workers=0, auto_upgrade=False, ingest_prestart=False)
     with TestClient(create_app(settings)) as api:  # API only: the plan and its job are queued
         trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
-        plan_id = api.post("/v1/plans", json={"trace_id": trace_id,
-                                              "constraints": {"device_memory_bytes": 2**34}}).json()["id"]
-    done = subprocess.run([sys.executable, "-m", "procrastinate", "--app=planner_service.jobs.engine.app",
-                           "worker", "--one-shot"], env={**os.environ, "MEMPLAN_DATABASE_URL": postgres_url},
-                          capture_output=True, text=True, timeout=120)
+        plan_id = api.post(
+            "/v1/plans", json={"trace_id": trace_id, "constraints": {"device_memory_bytes": 2**34}}
+        ).json()["id"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "procrastinate",
+            "--app=planner_service.jobs.engine.app",
+            "worker",
+            "--one-shot",
+        ],
+        env={**os.environ, "MEMPLAN_DATABASE_URL": postgres_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     db = Database(postgres_url)
     row = _row(db, plan_id)
@@ -290,8 +325,9 @@ def test_procrastinates_own_cli_runs_the_solve_jobs(postgres_url: str, trace) ->
     db.dispose()
 
 
-def test_a_failed_attempt_is_run_again_by_the_real_worker_after_a_backoff(settings: Settings, trace,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_failed_attempt_is_run_again_by_the_real_worker_after_a_backoff(
+    settings: Settings, trace, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """Through the service's own runner (procrastinate's retry on PostgreSQL, the pool's timer on SQLite)."""
     from fastapi.testclient import TestClient
 
@@ -309,8 +345,9 @@ def test_a_failed_attempt_is_run_again_by_the_real_worker_after_a_backoff(settin
     monkeypatch.setattr(tasks, "solve_request", flaky)
     with TestClient(create_app(settings.model_copy(update={"retry_backoff_s": 0.2}))) as api:
         trace_id = api.post("/v1/traces", content=trace.canonical_json()).json()["id"]
-        plan_id = api.post("/v1/plans", json={"trace_id": trace_id,
-                                              "constraints": {"device_memory_bytes": 2**34}}).json()["id"]
+        plan_id = api.post(
+            "/v1/plans", json={"trace_id": trace_id, "constraints": {"device_memory_bytes": 2**34}}
+        ).json()["id"]
         body = api.get(f"/v1/plans/{plan_id}", params={"wait": 30}).json()
     assert body["status"] in ("done", "infeasible") and body["attempts"] == 2 and len(calls) == 2
 
@@ -320,13 +357,19 @@ def test_memplan_worker_on_sqlite_says_solving_runs_in_serve(tmp_path) -> None: 
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "memplan", "worker"], capture_output=True, text=True,
-                          env={**os.environ, "MEMPLAN_DATABASE_URL": f"sqlite:///{tmp_path / 'm.db'}"}, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "memplan", "worker"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MEMPLAN_DATABASE_URL": f"sqlite:///{tmp_path / 'm.db'}"},
+        timeout=60,
+    )
     assert done.returncode == 2 and "needs PostgreSQL" in done.stderr and "memplan serve" in done.stderr
 
 
 def test_a_database_error_while_reading_the_inputs_is_retried_not_recorded_as_the_plans_fault(
-        settings: Settings, trace, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    settings: Settings, trace, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy.exc import OperationalError
 
     db = Database(settings.database_url)

@@ -34,22 +34,52 @@ def five_block_trace(fwd: float, bwd: float, rec: float, host_rate: float = 1e12
     edge = dict(forward_s=fwd, backward_s=bwd, recompute_s=rec)
     return hand_trace(
         [BlockSpec(4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge)]
-        + [BlockSpec(8 * MiB, activation_bytes=16 * MiB, input_bytes=1 * MiB, forward_peak_bytes=2 * MiB,
-                     backward_peak_bytes=4 * MiB, **edge)] * 3
-        + [BlockSpec(4 * MiB, activation_bytes=2 * MiB, input_bytes=1 * MiB, kind=BlockKind.epilogue, **edge)],
-        h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, device_optimizer_bytes_per_s=100e9,
+        + [
+            BlockSpec(
+                8 * MiB,
+                activation_bytes=16 * MiB,
+                input_bytes=1 * MiB,
+                forward_peak_bytes=2 * MiB,
+                backward_peak_bytes=4 * MiB,
+                **edge,
+            )
+        ]
+        * 3
+        + [
+            BlockSpec(4 * MiB, activation_bytes=2 * MiB, input_bytes=1 * MiB, kind=BlockKind.epilogue, **edge)
+        ],
+        h2d_bytes_per_s=10e9,
+        d2h_bytes_per_s=10e9,
+        device_optimizer_bytes_per_s=100e9,
         host_optimizer_bytes_per_s=host_rate,
     )
 
 
-def policy(trace, chunk_size: int, groups: list[list[int]], placement: Placement, n_buffers: int,
-           modes: list[ActivationMode]) -> Policy:
+def policy(
+    trace,
+    chunk_size: int,
+    groups: list[list[int]],
+    placement: Placement,
+    n_buffers: int,
+    modes: list[ActivationMode],
+) -> Policy:
     return Policy(
         chunk_size_bytes=chunk_size,
-        chunks=[Chunk(index=i, placement=placement, parameters=[f"blocks.{b}.weight" for b in g], blocks=g,
-                      used_bytes=sum(trace.model.blocks[b].parameter_bytes for b in g)) for i, g in enumerate(groups)],
+        chunks=[
+            Chunk(
+                index=i,
+                placement=placement,
+                parameters=[f"blocks.{b}.weight" for b in g],
+                blocks=g,
+                used_bytes=sum(trace.model.blocks[b].parameter_bytes for b in g),
+            )
+            for i, g in enumerate(groups)
+        ],
         n_buffers=n_buffers,
-        blocks=[BlockPolicy(block=b.index, module=b.name, mode=m) for b, m in zip(trace.model.blocks, modes, strict=True)],
+        blocks=[
+            BlockPolicy(block=b.index, module=b.name, mode=m)
+            for b, m in zip(trace.model.blocks, modes, strict=True)
+        ],
     )
 
 
@@ -183,15 +213,35 @@ def test_fragmentation_margin_comes_from_a_measured_allocation_trace_when_there_
     assert alpha_for(trace) == DEFAULT_ALPHA  # nothing measured: the documented default
     # live bytes peak at 300 MiB (events 0 and 2 overlap); the measured peak of 360 MiB means 20% over
     events = [
-        AllocationEvent(id=0, size_bytes=100 * MiB, alloc_index=0, free_index=3, category=AllocationCategory.activation,
-                        phase=Phase.forward),
-        AllocationEvent(id=1, size_bytes=50 * MiB, alloc_index=0, free_index=1, category=AllocationCategory.temp,
-                        phase=Phase.forward),
-        AllocationEvent(id=2, size_bytes=200 * MiB, alloc_index=1, free_index=4, category=AllocationCategory.activation,
-                        phase=Phase.backward),
+        AllocationEvent(
+            id=0,
+            size_bytes=100 * MiB,
+            alloc_index=0,
+            free_index=3,
+            category=AllocationCategory.activation,
+            phase=Phase.forward,
+        ),
+        AllocationEvent(
+            id=1,
+            size_bytes=50 * MiB,
+            alloc_index=0,
+            free_index=1,
+            category=AllocationCategory.temp,
+            phase=Phase.forward,
+        ),
+        AllocationEvent(
+            id=2,
+            size_bytes=200 * MiB,
+            alloc_index=1,
+            free_index=4,
+            category=AllocationCategory.activation,
+            phase=Phase.backward,
+        ),
     ]
     data = trace.model_dump()
-    data["allocation_trace"] = AllocationTrace(source="dispatch_tracker", horizon=4, events=events).model_dump()
+    data["allocation_trace"] = AllocationTrace(
+        source="dispatch_tracker", horizon=4, events=events
+    ).model_dump()
     data["measurements"]["peak_device_bytes"] = 360 * MiB
     measured = Trace.model_validate(data)
     assert alpha_for(measured) == pytest.approx(0.2)
@@ -203,7 +253,9 @@ def test_fragmentation_margin_comes_from_a_measured_allocation_trace_when_there_
 def cpu_five_block_trace(fwd: float, bwd: float, rec: float, host_rate: float = 1e12):
     """`five_block_trace` measured on a CPU "device" (the same numbers; only the device type differs)."""
     gpu = five_block_trace(fwd, bwd, rec, host_rate)
-    return gpu.model_copy(update={"hardware": gpu.hardware.model_copy(update={"device_type": DeviceType.cpu})})
+    return gpu.model_copy(
+        update={"hardware": gpu.hardware.model_copy(update={"device_type": DeviceType.cpu})}
+    )
 
 
 def test_copy_overlap_defaults_to_the_trace_device_type():
@@ -241,7 +293,9 @@ def test_cpu_swap_copies_add_to_compute_instead_of_hiding_behind_it():
     assert round(p_cpu.forward_s * 1e9) == 500_000 + 3 * swap16
     # backward: the swap-ins of the only window are exposed before it on both (nothing earlier to hide them)
     assert round(p_cpu.backward_s * 1e9) == 3 * swap16 + 1_000_000
-    assert round(p_cpu.iteration_s * 1e9) == 500_000 + 3 * swap16 + 3 * swap16 + 1_000_000 + round(32 * MiB / 100e9 * 1e9)
+    assert round(p_cpu.iteration_s * 1e9) == 500_000 + 3 * swap16 + 3 * swap16 + 1_000_000 + round(
+        32 * MiB / 100e9 * 1e9
+    )
 
 
 def test_cpu_offload_pays_every_upload_gradient_copy_and_host_step_serially():
@@ -270,10 +324,18 @@ def test_cpu_single_buffer_costs_the_same_serial_sum():
     # with one buffer the GPU model serialises upload and compute; the CPU model already does, so one and
     # two buffers differ only by the re-uploads of chunks that two buffers keep resident
     trace = cpu_five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
-    one = evaluate(trace, policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 1, [K] * 5),
-                   ROOMY, NO_MARGIN)
-    two = evaluate(trace, policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5),
-                   ROOMY, NO_MARGIN)
+    one = evaluate(
+        trace,
+        policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 1, [K] * 5),
+        ROOMY,
+        NO_MARGIN,
+    )
+    two = evaluate(
+        trace,
+        policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5),
+        ROOMY,
+        NO_MARGIN,
+    )
     assert one.forward_s == two.forward_s
     # one buffer keeps only chunk 4 resident: chunk 3 (8 MiB) is uploaded again in window 4
     assert round((one.backward_s - two.backward_s) * 1e9) == 838_861
@@ -283,7 +345,9 @@ def test_cpu_batch_timing_equals_the_reference_model_on_random_decisions():
     rng = np.random.default_rng(11)
     trace = synthetic_trace(n_blocks=6, hidden=512, vocab=5000, batch=2, seq=256)
     for size, duplex in ((8 * MiB, True), (8 * MiB, False), (32 * MiB, True)):
-        inst = build_instance(trace, pack(trace, size), ROOMY, CostParams(full_duplex=duplex, copy_overlap=False))
+        inst = build_instance(
+            trace, pack(trace, size), ROOMY, CostParams(full_duplex=duplex, copy_overlap=False)
+        )
         assert_batch_matches_reference(rng, inst, draws=20)
 
 
@@ -296,12 +360,39 @@ def measured_trace(device_type: DeviceType, measured: bool = True):
     costs = dict(offload_overhead_s=0.0005, upload_overhead_s=0.0001) if measured else {}
     swaps = dict(swap_out_s=0.003, swap_in_s=0.002) if measured else {}
     return hand_trace(
-        [BlockSpec(4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge, **costs)]
-        + [BlockSpec(8 * MiB, activation_bytes=16 * MiB, input_bytes=1 * MiB, forward_peak_bytes=2 * MiB,
-                     backward_peak_bytes=4 * MiB, **edge, **costs, **swaps)] * 3
-        + [BlockSpec(4 * MiB, activation_bytes=2 * MiB, input_bytes=1 * MiB, kind=BlockKind.epilogue, **edge, **costs)],
-        h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, device_optimizer_bytes_per_s=100e9,
-        host_optimizer_bytes_per_s=1e12, device_type=device_type,
+        [
+            BlockSpec(
+                4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge, **costs
+            )
+        ]
+        + [
+            BlockSpec(
+                8 * MiB,
+                activation_bytes=16 * MiB,
+                input_bytes=1 * MiB,
+                forward_peak_bytes=2 * MiB,
+                backward_peak_bytes=4 * MiB,
+                **edge,
+                **costs,
+                **swaps,
+            )
+        ]
+        * 3
+        + [
+            BlockSpec(
+                4 * MiB,
+                activation_bytes=2 * MiB,
+                input_bytes=1 * MiB,
+                kind=BlockKind.epilogue,
+                **edge,
+                **costs,
+            )
+        ],
+        h2d_bytes_per_s=10e9,
+        d2h_bytes_per_s=10e9,
+        device_optimizer_bytes_per_s=100e9,
+        host_optimizer_bytes_per_s=1e12,
+        device_type=device_type,
     )
 
 
@@ -314,8 +405,10 @@ def test_cpu_swap_costs_are_the_measured_ones_instead_of_bytes_over_bandwidth():
     assert round(p.backward_s * 1e9) == 3 * 2_000_000 + 1_000_000
     # on a GPU the copies overlap compute: the bandwidth model stands, the measured fields change nothing
     gpu, plain_gpu = measured_trace(DeviceType.cuda), measured_trace(DeviceType.cuda, measured=False)
-    assert evaluate(gpu, policy(gpu, *args), ROOMY, NO_MARGIN).iteration_s == \
-        evaluate(plain_gpu, policy(plain_gpu, *args), ROOMY, NO_MARGIN).iteration_s
+    assert (
+        evaluate(gpu, policy(gpu, *args), ROOMY, NO_MARGIN).iteration_s
+        == evaluate(plain_gpu, policy(plain_gpu, *args), ROOMY, NO_MARGIN).iteration_s
+    )
 
 
 def test_cpu_offload_costs_once_per_chunk_and_upload_costs_per_upload():
@@ -329,8 +422,10 @@ def test_cpu_offload_costs_once_per_chunk_and_upload_costs_per_upload():
     assert round((p.forward_s - q.forward_s) * 1e9) == 5 * 100_000
     # persistent chunks pay none of it
     persistent = (8 * MiB, [[0], [1], [2], [3], [4]], Placement.persistent, 0, [K] * 5)
-    assert evaluate(with_costs, policy(with_costs, *persistent), ROOMY, NO_MARGIN).iteration_s == \
-        evaluate(without, policy(without, *persistent), ROOMY, NO_MARGIN).iteration_s
+    assert (
+        evaluate(with_costs, policy(with_costs, *persistent), ROOMY, NO_MARGIN).iteration_s
+        == evaluate(without, policy(without, *persistent), ROOMY, NO_MARGIN).iteration_s
+    )
 
 
 def test_batch_timing_equals_the_reference_model_with_measured_runtime_costs():

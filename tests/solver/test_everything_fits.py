@@ -42,4 +42,6 @@ def test_a_limit_below_the_unmanaged_peak_is_still_searched(cpu_trace: Trace) ->
     plan = solve(cpu_trace, Constraints(device_memory_bytes=int(peak * 0.6), time_limit_s=10))
     assert plan.policy is not None
     assert not plan.solver.message.startswith("everything fits")
-    assert any(c.placement.value == "offloaded" for c in plan.policy.chunks) or set(plan.policy.mode_strip()) != {"K"}
+    assert any(c.placement.value == "offloaded" for c in plan.policy.chunks) or set(
+        plan.policy.mode_strip()
+    ) != {"K"}

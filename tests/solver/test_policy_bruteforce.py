@@ -23,15 +23,26 @@ def random_trace(rng: np.random.Generator, n_blocks: int):
     for i in range(n_blocks):
         kind = BlockKind.prologue if i == 0 else BlockKind.epilogue if i == n_blocks - 1 else BlockKind.block
         fwd = float(rng.uniform(0.5e-3, 4e-3))
-        specs.append(BlockSpec(
-            parameter_bytes=int(rng.integers(2, 48)) * MiB,
-            forward_s=fwd, backward_s=2 * fwd * float(rng.uniform(0.8, 1.2)), recompute_s=fwd,
-            activation_bytes=int(rng.integers(8, 256)) * MiB, input_bytes=int(rng.integers(1, 8)) * MiB,
-            forward_peak_bytes=int(rng.integers(0, 32)) * MiB, backward_peak_bytes=int(rng.integers(0, 64)) * MiB,
-            kind=kind,
-        ))
-    return hand_trace(specs, h2d_bytes_per_s=float(rng.uniform(4e9, 25e9)), d2h_bytes_per_s=float(rng.uniform(4e9, 25e9)),
-                      host_optimizer_bytes_per_s=float(rng.uniform(2e9, 40e9)), device_optimizer_bytes_per_s=200e9)
+        specs.append(
+            BlockSpec(
+                parameter_bytes=int(rng.integers(2, 48)) * MiB,
+                forward_s=fwd,
+                backward_s=2 * fwd * float(rng.uniform(0.8, 1.2)),
+                recompute_s=fwd,
+                activation_bytes=int(rng.integers(8, 256)) * MiB,
+                input_bytes=int(rng.integers(1, 8)) * MiB,
+                forward_peak_bytes=int(rng.integers(0, 32)) * MiB,
+                backward_peak_bytes=int(rng.integers(0, 64)) * MiB,
+                kind=kind,
+            )
+        )
+    return hand_trace(
+        specs,
+        h2d_bytes_per_s=float(rng.uniform(4e9, 25e9)),
+        d2h_bytes_per_s=float(rng.uniform(4e9, 25e9)),
+        host_optimizer_bytes_per_s=float(rng.uniform(2e9, 40e9)),
+        device_optimizer_bytes_per_s=200e9,
+    )
 
 
 def brute_force(inst: PolicyInstance) -> int | None:
@@ -57,8 +68,11 @@ def brute_force(inst: PolicyInstance) -> int | None:
             # the pinned limit
             pinned = sum(inst.state_bytes(c) for c in range(inst.n_chunks) if off[c])
             host = sum(inst.host_bytes(c) for c in range(inst.n_chunks) if off[c])
-            ok = ((static + act_peak <= inst.usable_device_bytes) & (host + swapped <= inst.host_limit_bytes)
-                  & (pinned + swapped <= pinned_cap))
+            ok = (
+                (static + act_peak <= inst.usable_device_bytes)
+                & (host + swapped <= inst.host_limit_bytes)
+                & (pinned + swapped <= pinned_cap)
+            )
             if not ok.any():
                 continue
             t = int(iteration_ns_batch(inst, off, nb, M[ok]).min())
@@ -76,12 +90,13 @@ def limits_between_extremes(rng: np.random.Generator, trace) -> Constraints:
     return Constraints(device_memory_bytes=max(device, 64 * MiB), host_memory_bytes=host, time_limit_s=60)
 
 
-def assert_cpsat_matches_brute_force(trace, cons: Constraints, params: CostParams, *,
-                                     serial: bool = False) -> int:
+def assert_cpsat_matches_brute_force(
+    trace, cons: Constraints, params: CostParams, *, serial: bool = False
+) -> int:
     """CP-SAT's optimum equals the brute force's on every small enough layout; returns how many were feasible."""
     solved = 0
     for lay in candidate_layouts(trace):
-        if 2 ** lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 300_000:
+        if 2**lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 300_000:
             continue  # keep the enumeration small: the largest layouts of 8-block models are skipped
         inst = build_instance(trace, lay, cons, params)
         if serial:
@@ -122,14 +137,25 @@ def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
 
 def with_runtime_costs(rng: np.random.Generator, trace):
     """The trace with runtime costs as the profiler's runtime probe measures them (random, per block)."""
-    blocks = [b.model_copy(update={
-        "swap_out_s": float(rng.uniform(0, 5e-3)) if 0 < i < len(trace.measurements.blocks) - 1 else 0.0,
-        "swap_in_s": float(rng.uniform(0, 5e-3)) if 0 < i < len(trace.measurements.blocks) - 1 else 0.0,
-        "offload_overhead_s": float(rng.uniform(0, 2e-3)), "upload_overhead_s": float(rng.uniform(0, 1e-3)),
-    }) for i, b in enumerate(trace.measurements.blocks)]
+    blocks = [
+        b.model_copy(
+            update={
+                "swap_out_s": float(rng.uniform(0, 5e-3))
+                if 0 < i < len(trace.measurements.blocks) - 1
+                else 0.0,
+                "swap_in_s": float(rng.uniform(0, 5e-3))
+                if 0 < i < len(trace.measurements.blocks) - 1
+                else 0.0,
+                "offload_overhead_s": float(rng.uniform(0, 2e-3)),
+                "upload_overhead_s": float(rng.uniform(0, 1e-3)),
+            }
+        )
+        for i, b in enumerate(trace.measurements.blocks)
+    ]
     hw = trace.hardware.model_copy(update={"device_type": DeviceType.cpu})
-    return trace.model_copy(update={"hardware": hw,
-                                    "measurements": trace.measurements.model_copy(update={"blocks": blocks})})
+    return trace.model_copy(
+        update={"hardware": hw, "measurements": trace.measurements.model_copy(update={"blocks": blocks})}
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -149,8 +175,10 @@ def _brute_force_over_layouts(seed: int):
     cons = limits_between_extremes(rng, trace)
     plan = solve_with_gap(trace, cons, solver="cpsat", seed=0, gap_limit=0.0)
     alpha = plan.predictions.breakdown["alpha"] if plan.predictions else None
-    expected = [brute_force(build_instance(trace, lay, cons, CostParams(alpha=alpha) if alpha is not None else None))
-                for lay in candidate_layouts(trace)]
+    expected = [
+        brute_force(build_instance(trace, lay, cons, CostParams(alpha=alpha) if alpha is not None else None))
+        for lay in candidate_layouts(trace)
+    ]
     return plan, [e for e in expected if e is not None]
 
 

@@ -20,8 +20,22 @@ def _trace_file(tmp_path: Path) -> Path:
 
 def test_plan_solve_writes_the_plan_and_prints_modes_and_prediction(tmp_path: Path):
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["plan", "solve", str(_trace_file(tmp_path)), "--device-memory", "3GiB",
-                                      "--host-memory", "64GiB", "--time-limit", "10", "-o", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "solve",
+            str(_trace_file(tmp_path)),
+            "--device-memory",
+            "3GiB",
+            "--host-memory",
+            "64GiB",
+            "--time-limit",
+            "10",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.model_validate_json(out.read_text())
     assert plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible)
@@ -33,8 +47,20 @@ def test_plan_solve_writes_the_plan_and_prints_modes_and_prediction(tmp_path: Pa
 
 def test_plan_solve_with_protrain_and_too_little_memory_exits_1_with_the_minimum(tmp_path: Path):
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["plans", "solve", str(_trace_file(tmp_path)), "--device-memory", "64MiB",
-                                      "--solver", "protrain", "-o", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plans",
+            "solve",
+            str(_trace_file(tmp_path)),
+            "--device-memory",
+            "64MiB",
+            "--solver",
+            "protrain",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 1, result.output
     plan = Plan.model_validate_json(out.read_text())
     assert plan.solver.status == SolverStatus.infeasible and plan.solver.min_device_memory_bytes
@@ -46,8 +72,9 @@ def test_plan_solve_rejects_bad_input_with_a_clear_message(tmp_path: Path):
     bad.write_text('{"schema_version": 1}')
     result = CliRunner().invoke(app, ["plan", "solve", str(bad), "--device-memory", "8GiB"])
     assert result.exit_code == 2 and "hardware" in result.output
-    result = CliRunner().invoke(app, ["plan", "solve", str(_trace_file(tmp_path)), "--device-memory", "8GiB",
-                                      "--solver", "gurobi"])
+    result = CliRunner().invoke(
+        app, ["plan", "solve", str(_trace_file(tmp_path)), "--device-memory", "8GiB", "--solver", "gurobi"]
+    )
     assert result.exit_code == 2 and "unknown 'gurobi'" in result.output
     result = CliRunner().invoke(app, ["plan", "solve", str(_trace_file(tmp_path)), "--device-memory", "lots"])
     assert result.exit_code == 2 and "not a byte size" in result.output

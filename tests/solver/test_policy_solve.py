@@ -76,8 +76,10 @@ def test_more_device_memory_never_makes_the_optimum_slower(small_trace):
 def test_more_host_memory_never_makes_the_optimum_slower(small_trace):
     previous = None
     for host_gib in (1, 2, 4, 8, 64):
-        plan = exact(small_trace, Constraints(device_memory_bytes=4 * GiB, host_memory_bytes=host_gib * GiB,
-                                              time_limit_s=30))
+        plan = exact(
+            small_trace,
+            Constraints(device_memory_bytes=4 * GiB, host_memory_bytes=host_gib * GiB, time_limit_s=30),
+        )
         if plan.solver.status == SolverStatus.infeasible:
             assert previous is None
             continue
@@ -94,7 +96,11 @@ def test_default_solve_lies_within_its_reported_gap_of_the_exact_optimum(small_t
     assert best.solver.status == SolverStatus.optimal and best.solver.gap == 0.0
     assert fast.solver.gap is not None and fast.solver.gap <= RELATIVE_GAP_LIMIT
     assert fast.solver.best_bound <= best.solver.objective + 1e-12
-    assert best.solver.objective <= fast.solver.objective <= best.solver.objective * (1 + fast.solver.gap) + 1e-12
+    assert (
+        best.solver.objective
+        <= fast.solver.objective
+        <= best.solver.objective * (1 + fast.solver.gap) + 1e-12
+    )
 
 
 def test_everything_fits_means_no_offload_and_no_checkpointing(small_trace):
@@ -110,11 +116,24 @@ def test_a_cpu_device_without_memory_pressure_offloads_nothing_where_a_gpu_would
     # Host and device optimizer equally fast (both are the CPU on a CPU device). With copy/compute overlap
     # (GPU) offloading hides the optimizer behind backward and the uploads behind compute, so it pays; on a
     # CPU device every copy and host step is serial, so keeping everything on the device is fastest.
-    specs = [BlockSpec(8 * MiB, forward_s=0.004, backward_s=0.008, recompute_s=0.004, activation_bytes=4 * MiB,
-                       input_bytes=1 * MiB, kind=BlockKind.prologue if i == 0 else BlockKind.epilogue if i == 5
-                       else BlockKind.block) for i in range(6)]
-    rates = dict(h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, device_optimizer_bytes_per_s=2e9,
-                 host_optimizer_bytes_per_s=2e9)
+    specs = [
+        BlockSpec(
+            8 * MiB,
+            forward_s=0.004,
+            backward_s=0.008,
+            recompute_s=0.004,
+            activation_bytes=4 * MiB,
+            input_bytes=1 * MiB,
+            kind=BlockKind.prologue if i == 0 else BlockKind.epilogue if i == 5 else BlockKind.block,
+        )
+        for i in range(6)
+    ]
+    rates = dict(
+        h2d_bytes_per_s=10e9,
+        d2h_bytes_per_s=10e9,
+        device_optimizer_bytes_per_s=2e9,
+        host_optimizer_bytes_per_s=2e9,
+    )
     cons = Constraints(device_memory_bytes=80 * GiB)
     gpu = exact(hand_trace(specs, **rates), cons)
     cpu = exact(hand_trace(specs, **rates, device_type=DeviceType.cpu), cons)
@@ -173,7 +192,10 @@ def test_plan_follows_the_trace_and_its_predictions_are_the_cost_model(small_tra
     plan = solve(small_trace, cons, solver=solver)
     _check_plan_shape(small_trace, plan)
     assert plan.predictions == evaluate(small_trace, plan.policy, cons)
-    assert plan.predictions.peak_device_bytes * (1 + plan.predictions.breakdown["alpha"]) <= cons.device_memory_bytes
+    assert (
+        plan.predictions.peak_device_bytes * (1 + plan.predictions.breakdown["alpha"])
+        <= cons.device_memory_bytes
+    )
     assert plan.predictions.iteration_s == pytest.approx(plan.solver.objective, abs=1e-9)
     p = plan.predictions
     assert p.iteration_s >= p.forward_s + p.backward_s
@@ -183,8 +205,11 @@ def test_same_trace_and_seed_give_the_same_plan(small_trace):
     cons = Constraints(device_memory_bytes=5 * GiB)
     a, b = solve(small_trace, cons, seed=3), solve(small_trace, cons, seed=3)
     assert a.policy == b.policy and a.predictions == b.predictions
-    assert (a.solver.status, a.solver.objective, a.solver.best_bound) == (b.solver.status, b.solver.objective,
-                                                                         b.solver.best_bound)
+    assert (a.solver.status, a.solver.objective, a.solver.best_bound) == (
+        b.solver.status,
+        b.solver.objective,
+        b.solver.best_bound,
+    )
 
 
 def test_a_short_time_limit_still_returns_a_plan_with_its_gap(llama7b_trace):
@@ -198,10 +223,18 @@ def test_a_short_time_limit_still_returns_a_plan_with_its_gap(llama7b_trace):
 def test_blocks_without_parameters_belong_to_no_chunk_and_still_get_a_mode():
     from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
 
-    spec = dict(forward_s=0.001, backward_s=0.002, recompute_s=0.001, activation_bytes=64 * MiB, input_bytes=MiB)
-    trace = hand_trace([BlockSpec(8 * MiB, kind=BlockKind.prologue, **spec), BlockSpec(16 * MiB, **spec),
-                        BlockSpec(0, **spec), BlockSpec(16 * MiB, **spec), BlockSpec(8 * MiB, kind=BlockKind.epilogue,
-                                                                                   **spec)])
+    spec = dict(
+        forward_s=0.001, backward_s=0.002, recompute_s=0.001, activation_bytes=64 * MiB, input_bytes=MiB
+    )
+    trace = hand_trace(
+        [
+            BlockSpec(8 * MiB, kind=BlockKind.prologue, **spec),
+            BlockSpec(16 * MiB, **spec),
+            BlockSpec(0, **spec),
+            BlockSpec(16 * MiB, **spec),
+            BlockSpec(8 * MiB, kind=BlockKind.epilogue, **spec),
+        ]
+    )
     cons = Constraints(device_memory_bytes=400 * MiB)
     plan = exact(trace, cons)
     assert plan.policy is not None

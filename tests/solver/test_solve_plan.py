@@ -18,7 +18,9 @@ def test_the_worker_and_the_embedded_path_give_the_same_plan_allocation_included
     batch = {"input_ids": torch.randint(0, 512, (2, 32)), "labels": torch.randint(0, 512, (2, 32))}
     trace = agent.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()), repeats=1)
     assert trace.allocation_trace is not None
-    constraints = Constraints(device_memory_bytes=int(trace.measurements.peak_device_bytes * 2), time_limit_s=5.0)
+    constraints = Constraints(
+        device_memory_bytes=int(trace.measurements.peak_device_bytes * 2), time_limit_s=5.0
+    )
 
     embedded = solve_embedded(trace, constraints)
     served = solve_request(trace, PlanRequest(trace_id="t", constraints=constraints))

@@ -33,11 +33,21 @@ def iteration_allocations(trace: Trace) -> AllocationTrace:
     events: list[AllocationEvent] = []
     t = 0
 
-    def add(size: int, start: int, stop: int | None, category: AllocationCategory, block: int | None,
-            phase: Phase) -> None:
+    def add(
+        size: int, start: int, stop: int | None, category: AllocationCategory, block: int | None, phase: Phase
+    ) -> None:
         if size > 0:
-            events.append(AllocationEvent(id=len(events), size_bytes=size, alloc_index=start, free_index=stop,
-                                          category=category, block=block, phase=phase))
+            events.append(
+                AllocationEvent(
+                    id=len(events),
+                    size_bytes=size,
+                    alloc_index=start,
+                    free_index=stop,
+                    category=category,
+                    block=block,
+                    phase=phase,
+                )
+            )
 
     for b in trace.model.blocks:
         add(b.parameter_bytes, 0, None, AllocationCategory.param, b.index, Phase.forward)
@@ -55,8 +65,22 @@ def iteration_allocations(trace: Trace) -> AllocationTrace:
         t += 1
     grads_done = t
     for b in range(n):
-        add(meas[b].activation_bytes, fwd_start[b], bwd_at[b] + 1, AllocationCategory.activation, b, Phase.forward)
-        add(trace.model.blocks[b].parameter_bytes, bwd_at[b], grads_done + 1, AllocationCategory.grad, b, Phase.backward)
+        add(
+            meas[b].activation_bytes,
+            fwd_start[b],
+            bwd_at[b] + 1,
+            AllocationCategory.activation,
+            b,
+            Phase.forward,
+        )
+        add(
+            trace.model.blocks[b].parameter_bytes,
+            bwd_at[b],
+            grads_done + 1,
+            AllocationCategory.grad,
+            b,
+            Phase.backward,
+        )
     add(4096, grads_done, grads_done + 1, AllocationCategory.optimizer, None, Phase.optimizer)
     horizon = grads_done + 2
     events.sort(key=lambda e: (e.alloc_index, e.id))
@@ -79,12 +103,26 @@ def ui(settings) -> Iterator[Any]:  # type: ignore[no-untyped-def]
 def solved() -> Callable[..., dict[str, Any]]:
     """`solved(client, trace, limit=..., feedback=None)` uploads, waits for the worker, posts feedback: the plan."""
 
-    def run(client: Any, trace: Trace, *, limit: int = DEVICE_LIMIT, solver: str = "cpsat",
-            feedback: dict[str, Any] | None = None) -> dict[str, Any]:
-        up = client.post("/v1/traces", content=trace.canonical_json(), headers={"content-type": "application/json"})
+    def run(
+        client: Any,
+        trace: Trace,
+        *,
+        limit: int = DEVICE_LIMIT,
+        solver: str = "cpsat",
+        feedback: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        up = client.post(
+            "/v1/traces", content=trace.canonical_json(), headers={"content-type": "application/json"}
+        )
         assert up.status_code in (200, 201), up.text
-        req = client.post("/v1/plans", json={"trace_id": up.json()["id"], "solver": solver,
-                                             "constraints": {"device_memory_bytes": limit}})
+        req = client.post(
+            "/v1/plans",
+            json={
+                "trace_id": up.json()["id"],
+                "solver": solver,
+                "constraints": {"device_memory_bytes": limit},
+            },
+        )
         assert req.status_code in (200, 202), req.text
         done = client.get(f"/v1/plans/{req.json()['id']}", params={"wait": 60}).json()
         assert done["status"] in ("done", "infeasible", "failed"), done
@@ -139,7 +177,9 @@ class Dom(HTMLParser):
             el.text += data
 
     def all(self, tag: str | None = None, cls: str | None = None) -> list[Element]:
-        return [e for e in self.elements if (tag is None or e.tag == tag) and (cls is None or cls in e.classes)]
+        return [
+            e for e in self.elements if (tag is None or e.tag == tag) and (cls is None or cls in e.classes)
+        ]
 
     def one(self, tag: str | None = None, cls: str | None = None) -> Element:
         found = self.all(tag, cls)

@@ -20,9 +20,18 @@ from planner_service.solver.testing.synthetic import synthetic_trace
 from .conftest import Dom, iteration_allocations
 
 MiB = 2**20
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--window-size=1280,1600")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--window-size=1280,1600",
+)
 SERIES_COLOUR = (0x17, 0x3E, 0x8C)  # --series in planner_service/ui/static/ui.css: used by the series alone
 
 
@@ -32,13 +41,19 @@ def _chromium() -> str:
         if path:
             return path
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("chromium is required in CI and is not installed (scripts/ensure_chromium.sh installs it)")
+        pytest.fail(
+            "chromium is required in CI and is not installed (scripts/ensure_chromium.sh installs it)"
+        )
     pytest.skip("chromium is not installed: run scripts/ensure_chromium.sh to run the browser test")
 
 
 def _browse(chromium: str, profile: Path, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, url],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 
@@ -64,12 +79,20 @@ def test_headless_chromium_draws_the_memory_chart_and_the_mode_strip(server: str
     trace = trace.model_copy(update={"allocation_trace": iteration_allocations(trace)})
     with httpx.Client(base_url=server, timeout=60) as client:
         trace_id = client.post("/v1/traces", content=trace.canonical_json()).json()["id"]
-        plan_id = client.post("/v1/plans", json={"trace_id": trace_id,
-                                                 "constraints": {"device_memory_bytes": 64 * MiB}}).json()["id"]
+        plan_id = client.post(
+            "/v1/plans", json={"trace_id": trace_id, "constraints": {"device_memory_bytes": 64 * MiB}}
+        ).json()["id"]
         done = client.get(f"/v1/plans/{plan_id}", params={"wait": 60}).json()
         assert done["status"] == "done", done
-        fb = client.post(f"/v1/plans/{plan_id}/feedback", json={
-            "iteration_s": 0.002, "peak_device_bytes": 50 * MiB, "peak_host_bytes": 90 * MiB, "steps_measured": 10})
+        fb = client.post(
+            f"/v1/plans/{plan_id}/feedback",
+            json={
+                "iteration_s": 0.002,
+                "peak_device_bytes": 50 * MiB,
+                "peak_host_bytes": 90 * MiB,
+                "steps_measured": 10,
+            },
+        )
         assert fb.status_code == 201, fb.text
     url = f"{server}/ui/plans/{plan_id}"
 
@@ -94,6 +117,10 @@ def test_headless_chromium_draws_the_memory_chart_and_the_mode_strip(server: str
     with Image.open(shot) as image:
         rgb = image.convert("RGB")
         width, height = rgb.size
-        drawn = sum(1 for x in range(0, width, 2) for y in range(150, min(height, 1000), 2)
-                   if all(abs(c - s) <= 12 for c, s in zip(rgb.getpixel((x, y)), SERIES_COLOUR, strict=True)))
+        drawn = sum(
+            1
+            for x in range(0, width, 2)
+            for y in range(150, min(height, 1000), 2)
+            if all(abs(c - s) <= 12 for c, s in zip(rgb.getpixel((x, y)), SERIES_COLOUR, strict=True))
+        )
     assert drawn > 150, f"only {drawn} series-coloured pixels on the screenshot"

@@ -29,8 +29,13 @@ def _parse(markup: str) -> ET.Element:
 
 def _line_chart(**changes) -> MemoryChart:  # type: ignore[no-untyped-def]
     points = tuple(Point(float(i), (40 + i) * MiB, f"fwd layers.{i}") for i in range(10))
-    base = dict(source="timeline", title="t", x_label="step", points=points,
-                markers=(Marker("device limit", 60 * MiB, "limit"), Marker("predicted peak", 49 * MiB, "predicted")))
+    base = dict(
+        source="timeline",
+        title="t",
+        x_label="step",
+        points=points,
+        markers=(Marker("device limit", 60 * MiB, "limit"), Marker("predicted peak", 49 * MiB, "predicted")),
+    )
     base.update(changes)
     return MemoryChart(**base)  # type: ignore[arg-type]
 
@@ -68,7 +73,9 @@ def test_step_series_draws_horizontal_then_vertical_segments() -> None:
     pts = (Point(0, 10 * MiB), Point(5, 30 * MiB), Point(9, 20 * MiB))
     root = _parse(render_svg(_line_chart(points=pts, steps=True, markers=())))
     coords = [tuple(map(float, p.split(","))) for p in root.find(f".//{SVG}polyline").get("points").split()]  # type: ignore[union-attr]
-    assert len(coords) == 2 * len(pts)  # every new level: one vertex at the old level, one at the new, plus the tail
+    assert len(coords) == 2 * len(
+        pts
+    )  # every new level: one vertex at the old level, one at the new, plus the tail
     for (x0, y0), (x1, y1) in zip(coords, coords[1:], strict=False):
         assert x0 == x1 or y0 == y1  # only horizontal or vertical moves
 
@@ -84,18 +91,27 @@ def test_marker_far_above_the_data_is_listed_off_scale_instead_of_squashing_the_
 
 def test_close_marker_labels_are_pushed_apart() -> None:
     assert _spread([100.0, 101.0, 99.0], gap=12.0, lowest=0.0) == [111.0, 123.0, 99.0]
-    root = _parse(render_svg(_line_chart(markers=(Marker("a", 50 * MiB, "limit"), Marker("b", 50 * MiB, "predicted")))))
-    ys = sorted(float(t.get("y", 0)) for g in root.iter(f"{SVG}g") if "marker" in (g.get("class") or "")
-                for t in g.iter(f"{SVG}text"))
+    root = _parse(
+        render_svg(_line_chart(markers=(Marker("a", 50 * MiB, "limit"), Marker("b", 50 * MiB, "predicted"))))
+    )
+    ys = sorted(
+        float(t.get("y", 0))
+        for g in root.iter(f"{SVG}g")
+        if "marker" in (g.get("class") or "")
+        for t in g.iter(f"{SVG}text")
+    )
     assert ys[1] - ys[0] >= 12
 
 
 def test_every_user_text_is_escaped_and_the_svg_stays_wellformed() -> None:
     evil = '<script>alert("x")</script> & "q"'
     chart = MemoryChart(
-        source="blocks", title=evil, x_label=evil,
+        source="blocks",
+        title=evil,
+        x_label=evil,
         bars=(Bar(0, (Segment(5 * MiB, "seg-static", evil),), evil),),
-        bands=(Band(0, 1, evil, "phase-forward"),), markers=(Marker(evil, 3 * MiB, "limit"),),
+        bands=(Band(0, 1, evil, "phase-forward"),),
+        markers=(Marker(evil, 3 * MiB, "limit"),),
         legend=(("seg-static", evil),),
     )
     svg = str(render_svg(chart, element_id='x"><script>'))
@@ -105,8 +121,18 @@ def test_every_user_text_is_escaped_and_the_svg_stays_wellformed() -> None:
 
 
 def test_stacked_bars_draw_one_rect_per_nonempty_segment_with_a_tooltip_total() -> None:
-    bars = tuple(Bar(float(b), (Segment(10 * MiB, "seg-static", "static"), Segment(0, "seg-retained", "kept"),
-                                Segment(b * MiB, "seg-own", "own")), f"block {b}") for b in range(3))
+    bars = tuple(
+        Bar(
+            float(b),
+            (
+                Segment(10 * MiB, "seg-static", "static"),
+                Segment(0, "seg-retained", "kept"),
+                Segment(b * MiB, "seg-own", "own"),
+            ),
+            f"block {b}",
+        )
+        for b in range(3)
+    )
     root = _parse(render_svg(MemoryChart(source="blocks", title="t", x_label="block", bars=bars)))
     groups = [g for g in root.iter(f"{SVG}g") if g.get("class") == "bar"]
     assert [len(g.findall(f"{SVG}rect")) for g in groups] == [1, 2, 2]

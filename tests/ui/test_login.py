@@ -20,11 +20,17 @@ def test_ui_login_with_a_token_cookie_scoped_to_the_pages(settings: Settings) ->
         r = c.get("/ui/plans")
         assert r.status_code == 303 and r.headers["location"].startswith("/ui/login")
         assert c.get("/ui/login").status_code == 200
-        bad = c.post("/ui/login", content="token=mp_nope&next=/ui/plans",
-                     headers={"content-type": "application/x-www-form-urlencoded"})
+        bad = c.post(
+            "/ui/login",
+            content="token=mp_nope&next=/ui/plans",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
         assert bad.status_code == 401 and "not valid" in bad.text
-        ok = c.post("/ui/login", content=f"token={token}&next=https://evil.example/",
-                    headers={"content-type": "application/x-www-form-urlencoded"})
+        ok = c.post(
+            "/ui/login",
+            content=f"token={token}&next=https://evil.example/",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
         assert ok.status_code == 303 and ok.headers["location"] == "/ui/plans"  # no open redirect
         cookie = ok.headers["set-cookie"]
         assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ui/" in cookie

@@ -35,7 +35,9 @@ def _solved(trace: Trace, limit: int) -> Plan:
 
 def _without_timeline(plan: Plan) -> Plan:
     assert plan.predictions is not None
-    return plan.model_copy(update={"predictions": plan.predictions.model_copy(update={"device_memory_timeline": []})})
+    return plan.model_copy(
+        update={"predictions": plan.predictions.model_copy(update={"device_memory_timeline": []})}
+    )
 
 
 def test_solver_timeline_is_drawn_first_with_one_point_per_step_and_phase_bands(trace: Trace) -> None:
@@ -45,11 +47,16 @@ def test_solver_timeline_is_drawn_first_with_one_point_per_step_and_phase_bands(
         pytest.skip("this solver version fills no device_memory_timeline")
     chart = memory_chart(plan, trace, measured_peak_bytes=40 * MiB)
     assert chart is not None and chart.source == "timeline"
-    assert [p.y_bytes for p in chart.points] == [t.device_bytes for t in plan.predictions.device_memory_timeline]
+    assert [p.y_bytes for p in chart.points] == [
+        t.device_bytes for t in plan.predictions.device_memory_timeline
+    ]
     phases = [b.label for b in chart.bands]
     assert phases[0] == "forward" and "backward" in phases
     assert {m.css: m.value_bytes for m in chart.markers} == {
-        "limit": 64 * MiB, "predicted": plan.predictions.peak_device_bytes, "measured": 40 * MiB}
+        "limit": 64 * MiB,
+        "predicted": plan.predictions.peak_device_bytes,
+        "measured": 40 * MiB,
+    }
 
 
 @pytest.mark.parametrize("limit_mib", [40, 48, 64, 4096])
@@ -76,10 +83,27 @@ def test_live_bytes_peak_equals_the_allocation_lower_bound(trace: Trace) -> None
 def test_long_curves_are_reduced_to_bucket_maxima_that_keep_the_peak() -> None:
     from client.contract import AllocationEvent
 
-    events = [AllocationEvent(id=i, size_bytes=1000 + (i % 97) * 10, alloc_index=i, free_index=i + 3,
-                              category="temp", phase="forward") for i in range(20_000)]
-    events.append(AllocationEvent(id=20_000, size_bytes=5 * MiB, alloc_index=12_345, free_index=12_346,
-                                  category="activation", phase="backward"))
+    events = [
+        AllocationEvent(
+            id=i,
+            size_bytes=1000 + (i % 97) * 10,
+            alloc_index=i,
+            free_index=i + 3,
+            category="temp",
+            phase="forward",
+        )
+        for i in range(20_000)
+    ]
+    events.append(
+        AllocationEvent(
+            id=20_000,
+            size_bytes=5 * MiB,
+            alloc_index=12_345,
+            free_index=12_346,
+            category="activation",
+            phase="backward",
+        )
+    )
     at = AllocationTrace(source="dispatch_tracker", horizon=20_010, events=events)
     starts, maxima = reduce_to_maxima(live_bytes(at))
     assert len(starts) <= MAX_CURVE_POINTS
@@ -126,11 +150,20 @@ def test_block_bars_follow_the_cost_model_for_every_activation_mode(trace: Trace
     plan = _solved(bare, 4096 * MiB)
     assert plan.policy is not None
     cycle = [ActivationMode.swap, ActivationMode.keep, ActivationMode.checkpoint, ActivationMode.swap]
-    policy = plan.policy.model_copy(update={"blocks": [
-        b.model_copy(update={"mode": cycle[i % len(cycle)]}) for i, b in enumerate(plan.policy.blocks)]})
+    policy = plan.policy.model_copy(
+        update={
+            "blocks": [
+                b.model_copy(update={"mode": cycle[i % len(cycle)]}) for i, b in enumerate(plan.policy.blocks)
+            ]
+        }
+    )
     predictions = evaluate(bare, policy, plan.constraints)
-    mixed = plan.model_copy(update={"policy": policy,
-                                    "predictions": predictions.model_copy(update={"device_memory_timeline": []})})
+    mixed = plan.model_copy(
+        update={
+            "policy": policy,
+            "predictions": predictions.model_copy(update={"device_memory_timeline": []}),
+        }
+    )
     chart = memory_chart(mixed, bare)
     assert chart is not None and chart.source == "blocks"
     assert max(b.total_bytes for b in chart.bars) == predictions.peak_device_bytes

@@ -11,13 +11,25 @@ from planner_service.solver.testing.synthetic import synthetic_trace
 from .conftest import Dom, iteration_allocations
 
 MiB = 2**20
-FEEDBACK = {"iteration_s": 0.0021, "peak_device_bytes": 50 * MiB, "peak_host_bytes": 90 * MiB, "steps_measured": 20,
-            "notes": "measured on the test rig"}
+FEEDBACK = {
+    "iteration_s": 0.0021,
+    "peak_device_bytes": 50 * MiB,
+    "peak_host_bytes": 90 * MiB,
+    "steps_measured": 20,
+    "notes": "measured on the test rig",
+}
 
 
 def _trace(n_blocks: int = 6, name: str | None = None, device_gib: int = 80):  # type: ignore[no-untyped-def]
-    return synthetic_trace(n_blocks=n_blocks, hidden=256, vocab=1000, batch=2, seq=128, name=name,
-                           device_memory_bytes=device_gib * 2**30)
+    return synthetic_trace(
+        n_blocks=n_blocks,
+        hidden=256,
+        vocab=1000,
+        batch=2,
+        seq=128,
+        name=name,
+        device_memory_bytes=device_gib * 2**30,
+    )
 
 
 def _ids_on(html: str) -> list[str]:
@@ -42,12 +54,16 @@ def test_list_filters_by_model_hardware_and_status(ui, solved) -> None:  # type:
     assert set(_ids_on(everything.text)) == {a["id"], b["id"], c["id"]}
     dom = Dom(everything.text)
     assert {o.attrs["value"] for o in dom.all("option") if o.attrs.get("value", "").startswith("cuda:")} == {
-        small.hardware.key, big.hardware.key}
+        small.hardware.key,
+        big.hardware.key,
+    }
 
     assert _ids_on(ui.get("/ui/plans", params={"model": small.model.fingerprint}).text) == [a["id"]]
     assert set(_ids_on(ui.get("/ui/plans", params={"model": "big-model"}).text)) == {b["id"], c["id"]}
     assert set(_ids_on(ui.get("/ui/plans", params={"hardware": big.hardware.key}).text)) == {b["id"], c["id"]}
-    assert _ids_on(ui.get("/ui/plans", params={"model": "big-model", "status": "infeasible"}).text) == [c["id"]]
+    assert _ids_on(ui.get("/ui/plans", params={"model": "big-model", "status": "infeasible"}).text) == [
+        c["id"]
+    ]
     none = ui.get("/ui/plans", params={"model": "no-such-model"})
     assert none.status_code == 200 and "No plans match these filters" in none.text
 
@@ -61,8 +77,11 @@ def test_pagination_visits_every_plan_once_in_order(ui, solved) -> None:  # type
         pages = 0
         while url:
             dom = Dom(ui.get(url).text)
-            seen += [a.attrs["href"].rsplit("/", 1)[1] for a in dom.all("a")
-                     if re.fullmatch(r"/ui/plans/[0-9a-f]+", a.attrs.get("href", ""))]
+            seen += [
+                a.attrs["href"].rsplit("/", 1)[1]
+                for a in dom.all("a")
+                if re.fullmatch(r"/ui/plans/[0-9a-f]+", a.attrs.get("href", ""))
+            ]
             nxt = [a for a in dom.all("a", "next")]
             url = nxt[0].attrs["href"] if nxt else ""
             if url:
@@ -105,7 +124,8 @@ def test_plan_page_shows_chart_modes_chunks_comparison_and_solver_report(ui, sol
 
     chunks = dom.all("span", "chunk-cell")
     assert [("chunk-offloaded" in c.classes) for c in chunks] == [
-        ch.placement.value == "offloaded" for ch in plan.policy.chunks]
+        ch.placement.value == "offloaded" for ch in plan.policy.chunks
+    ]
     assert all(c.attrs["title"].startswith(f"chunk {i}: ") for i, c in enumerate(chunks))
 
     compare = dom.one("table", "compare").text
@@ -115,8 +135,16 @@ def test_plan_page_shows_chart_modes_chunks_comparison_and_solver_report(ui, sol
     assert "50.00 MiB" in compare and "2.10 ms" in compare
 
     report = dom.one("table", "solver-report").text
-    for needle in ("status", plan.solver.status.value, "best bound", "gap", "solve time", plan.solver.solver_version,
-                   "message", plan.solver.message[:30]):
+    for needle in (
+        "status",
+        plan.solver.status.value,
+        "best bound",
+        "gap",
+        "solve time",
+        plan.solver.solver_version,
+        "message",
+        plan.solver.message[:30],
+    ):
         assert needle in report, needle
 
 
@@ -129,8 +157,9 @@ def test_queued_plan_page_says_so_and_refreshes_itself(settings) -> None:  # typ
 
     with TestClient(with_ui(create_app(settings, workers=0))) as client:  # no worker: the plan stays queued
         trace_id = client.post("/v1/traces", content=_trace(4).canonical_json()).json()["id"]
-        plan_id = client.post("/v1/plans", json={"trace_id": trace_id,
-                                                 "constraints": {"device_memory_bytes": 64 * MiB}}).json()["id"]
+        plan_id = client.post(
+            "/v1/plans", json={"trace_id": trace_id, "constraints": {"device_memory_bytes": 64 * MiB}}
+        ).json()["id"]
         dom = Dom(client.get(f"/ui/plans/{plan_id}").text)
     assert any(m.attrs.get("http-equiv") == "refresh" for m in dom.all("meta"))
     assert "Queued" in dom.one("p", "note").text and not dom.all("svg", "memory-chart")
@@ -157,9 +186,14 @@ def test_user_text_is_escaped_on_every_page(ui, solved) -> None:  # type: ignore
 def test_unknown_plans_are_404_and_bad_queries_400_naming_the_parameter(ui) -> None:  # type: ignore[no-untyped-def]
     r = ui.get("/ui/plans/0123456789abcdef")
     assert r.status_code == 404 and "plan_id" in r.text and r.headers["content-type"].startswith("text/html")
-    for params, field in (({"status": "exploded"}, "status:"), ({"limit": "0"}, "limit:"), ({"limit": "x"}, "limit:"),
-                          ({"sort": "name"}, "sort:"), ({"cursor": "garbage!"}, "cursor:"),
-                          ({"model": "m" * 700}, "model:")):
+    for params, field in (
+        ({"status": "exploded"}, "status:"),
+        ({"limit": "0"}, "limit:"),
+        ({"limit": "x"}, "limit:"),
+        ({"sort": "name"}, "sort:"),
+        ({"cursor": "garbage!"}, "cursor:"),
+        ({"model": "m" * 700}, "model:"),
+    ):
         r = ui.get("/ui/plans", params=params)
         assert r.status_code == 400, params
         assert field in Dom(r.text).one("p", "error-message").text, params
@@ -190,7 +224,11 @@ def test_pages_show_only_the_callers_project(settings, solved) -> None:  # type:
         mine = solved(client, _trace(4, "team-a-model"), limit=64 * MiB)
         client.headers["authorization"] = f"Bearer {token_b}"
         listing = client.get("/ui/plans")
-        assert listing.status_code == 200 and mine["id"] not in listing.text and "team-a-model" not in listing.text
+        assert (
+            listing.status_code == 200
+            and mine["id"] not in listing.text
+            and "team-a-model" not in listing.text
+        )
         assert client.get(f"/ui/plans/{mine['id']}").status_code == 404
         assert "team-a-model" not in client.get("/ui/catalog").text
         client.headers["authorization"] = f"Bearer {token_a}"
@@ -206,7 +244,9 @@ def test_catalog_lists_models_and_hardware_with_counts_linking_to_their_plans(ui
     solved(ui, big, limit=72 * MiB)
     dom = Dom(ui.get("/ui/catalog").text)
     cells = [td.text.strip() for td in dom.all("td")]
-    counts = {name: cells[cells.index(name) + 4: cells.index(name) + 6] for name in ("big-model", "small-model")}
+    counts = {
+        name: cells[cells.index(name) + 4 : cells.index(name) + 6] for name in ("big-model", "small-model")
+    }
     assert counts == {"big-model": ["1", "2"], "small-model": ["1", "1"]}  # traces, plans
     assert len(dom.all("tr", "hardware-row")) == 2
     links = {a.attrs["href"] for a in dom.all("a")}

@@ -32,10 +32,22 @@ def plan(trace: Trace) -> Plan:
 
 
 def _record(plan: Plan, trace: Trace, feedback: list[FeedbackRecord] | None = None) -> PlanRecord:
-    return PlanRecord(id="p1", trace_id="t1", status="done", solver="cpsat", constraints=plan.constraints,
-                      objective=plan.objective, model_name=trace.model.name, model_fingerprint=trace.model.fingerprint,
-                      hardware_key=trace.hardware.key, workload_key=trace.workload.key, plan=plan, created_at=NOW,
-                      finished_at=NOW, feedback=feedback or [])
+    return PlanRecord(
+        id="p1",
+        trace_id="t1",
+        status="done",
+        solver="cpsat",
+        constraints=plan.constraints,
+        objective=plan.objective,
+        model_name=trace.model.name,
+        model_fingerprint=trace.model.fingerprint,
+        hardware_key=trace.hardware.key,
+        workload_key=trace.workload.key,
+        plan=plan,
+        created_at=NOW,
+        finished_at=NOW,
+        feedback=feedback or [],
+    )
 
 
 def _stored(trace: Trace) -> StoredTrace:
@@ -44,15 +56,29 @@ def _stored(trace: Trace) -> StoredTrace:
 
 def _feedback(fid: str, plan: Plan, peak: int) -> FeedbackRecord:
     assert plan.predictions is not None
-    return FeedbackRecord(id=fid, plan_id="p1", created_at=NOW,
-                          feedback=Feedback(iteration_s=2 * plan.predictions.iteration_s, peak_device_bytes=peak,
-                                            peak_host_bytes=plan.predictions.peak_host_bytes, steps_measured=5),
-                          iteration_error=1.0, peak_device_error=peak / plan.predictions.peak_device_bytes - 1)
+    return FeedbackRecord(
+        id=fid,
+        plan_id="p1",
+        created_at=NOW,
+        feedback=Feedback(
+            iteration_s=2 * plan.predictions.iteration_s,
+            peak_device_bytes=peak,
+            peak_host_bytes=plan.predictions.peak_host_bytes,
+            steps_measured=5,
+        ),
+        iteration_error=1.0,
+        peak_device_error=peak / plan.predictions.peak_device_bytes - 1,
+    )
 
 
 def test_seconds_and_errors_are_formatted_for_people() -> None:
-    assert [format_seconds(s) for s in (None, 0.0, 2.5, 0.0123, 4.2e-5)] == ["—", "0.000 s", "2.500 s", "12.30 ms",
-                                                                              "42.0 µs"]
+    assert [format_seconds(s) for s in (None, 0.0, 2.5, 0.0123, 4.2e-5)] == [
+        "—",
+        "0.000 s",
+        "2.500 s",
+        "12.30 ms",
+        "42.0 µs",
+    ]
     assert [format_error(e) for e in (None, 0.052, -0.4)] == ["—", "+5.2%", "-40.0%"]
 
 
@@ -76,7 +102,9 @@ def test_plan_with_a_timeline_and_no_allocation_never_parses_its_trace(plan: Pla
 
 def test_unreadable_trace_leaves_a_note_instead_of_the_fallback_chart(plan: Plan, trace: Trace) -> None:
     assert plan.predictions is not None
-    bare = plan.model_copy(update={"predictions": plan.predictions.model_copy(update={"device_memory_timeline": []})})
+    bare = plan.model_copy(
+        update={"predictions": plan.predictions.model_copy(update={"device_memory_timeline": []})}
+    )
     page = plan_page(_record(bare, trace), GARBAGE, cache=ChartCache())
     assert page.charts == [] and "trace is unavailable" in page.chart_note
     assert page.modes and page.chunks and page.solver  # the rest of the page is still there
@@ -92,7 +120,9 @@ def test_finished_plan_charts_are_cached_until_new_feedback_arrives(plan: Plan, 
     assert [svg for _, svg in first.charts][-1].count('data-source="allocation"') == 1
     again = plan_page(_record(placed, trace), GARBAGE, cache=cache)  # the trace is not read again
     assert again.charts == first.charts
-    with_feedback = plan_page(_record(placed, trace, [_feedback("f9", placed, 50 * MiB)]), _stored(trace), cache=cache)
+    with_feedback = plan_page(
+        _record(placed, trace, [_feedback("f9", placed, 50 * MiB)]), _stored(trace), cache=cache
+    )
     assert "measured peak 50.00 MiB" in str(with_feedback.charts[0][1])
 
 
@@ -103,12 +133,17 @@ def test_many_chunks_are_drawn_as_runs_of_equal_placement(plan: Plan) -> None:
     assert plan.policy is not None
     one = plan.policy.chunks[0]
     pattern = [Placement.persistent] * 3 + [Placement.offloaded] * 4 + [Placement.persistent] * 2
-    chunks = [one.model_copy(update={"index": i, "placement": p, "blocks": [i]}) for i, p in enumerate(pattern)]
+    chunks = [
+        one.model_copy(update={"index": i, "placement": p, "blocks": [i]}) for i, p in enumerate(pattern)
+    ]
     policy = plan.policy.model_copy(update={"chunks": chunks, "n_buffers": 1})
     many = plan.model_copy(update={"policy": policy})
     assert len(chunk_cells(many)) == len(pattern)  # few: one cell each
     runs = chunk_cells(many, max_cells=4)
     assert [(r.index, r.last, r.placement) for r in runs] == [
-        (0, 2, "persistent"), (3, 6, "offloaded"), (7, 8, "persistent")]
+        (0, 2, "persistent"),
+        (3, 6, "offloaded"),
+        (7, 8, "persistent"),
+    ]
     assert runs[1].tooltip.startswith("chunks 3–6: offloaded") and "blocks 3–6" in runs[1].tooltip
     assert runs[1].used_bytes == 4 * one.used_bytes

@@ -21,13 +21,33 @@ from planner_service.whatif.catalog import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-REQUIRED = ["a100-40gb-pcie", "a100-80gb-pcie", "a100-40gb-sxm", "a100-80gb-sxm", "h100-pcie", "h100-sxm", "h200",
-            "gh200", "l4", "l40s", "a10g", "rtx-3090", "rtx-4090", "rtx-5090", "mi300x"]
+REQUIRED = [
+    "a100-40gb-pcie",
+    "a100-80gb-pcie",
+    "a100-40gb-sxm",
+    "a100-80gb-sxm",
+    "h100-pcie",
+    "h100-sxm",
+    "h200",
+    "gh200",
+    "l4",
+    "l40s",
+    "a10g",
+    "rtx-3090",
+    "rtx-4090",
+    "rtx-5090",
+    "mi300x",
+]
 
 
 def _memplan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "memplan", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "memplan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
 
 
 def test_shipped_catalogue_has_the_accelerators_people_train_on() -> None:
@@ -63,11 +83,14 @@ def test_user_file_adds_and_replaces_entries(tmp_path: Path) -> None:
     assert len(cat) == len(shipped().entries) + 1
 
 
-@pytest.mark.parametrize("body,where", [
-    ("{not json", "not JSON"),
-    ('{"entries": []}', "entries"),
-    ('{"entries": [{"key": "x"}]}', "entries.0.name"),
-])
+@pytest.mark.parametrize(
+    "body,where",
+    [
+        ("{not json", "not JSON"),
+        ('{"entries": []}', "entries"),
+        ('{"entries": [{"key": "x"}]}', "entries.0.name"),
+    ],
+)
 def test_bad_catalogue_files_are_refused_naming_the_field(tmp_path: Path, body: str, where: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(body)

@@ -20,12 +20,29 @@ from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, unm
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(num_hidden_layers=5, hidden_size=64, num_attention_heads=4, vocab_size=256, intermediate_size=128,
-             max_position_embeddings=64)
+SIZES = dict(
+    num_hidden_layers=5,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=256,
+    intermediate_size=128,
+    max_position_embeddings=64,
+)
 GQA = dict(num_key_value_heads=2, head_dim=16)  # grouped-query attention where the family has it
 FAMILIES = {
-    "gpt2": {}, "llama": GQA, "mistral": GQA, "qwen2": GQA, "qwen3": GQA, "gemma": GQA, "gpt_neox": {}, "opt": {},
-    "phi": {}, "olmo": {}, "starcoder2": GQA, "stablelm": GQA, "gptj": {"rotary_dim": 16},
+    "gpt2": {},
+    "llama": GQA,
+    "mistral": GQA,
+    "qwen2": GQA,
+    "qwen3": GQA,
+    "gemma": GQA,
+    "gpt_neox": {},
+    "opt": {},
+    "phi": {},
+    "olmo": {},
+    "starcoder2": GQA,
+    "stablelm": GQA,
+    "gptj": {"rotary_dim": 16},
 }
 BATCH, SEQ = 2, 32
 TOLERANCE = 0.10
@@ -36,8 +53,9 @@ def _config(family: str) -> object:
 
 
 @pytest.mark.parametrize("family,dtype", [(f, "fp32") for f in FAMILIES] + [("llama", "bf16")])
-def test_modelled_peak_and_activations_within_10pct_of_profiler(family: str, dtype: str,
-                                                               cpu_hardware: Hardware) -> None:
+def test_modelled_peak_and_activations_within_10pct_of_profiler(
+    family: str, dtype: str, cpu_hardware: Hardware
+) -> None:
     cfg = _config(family)
     # this CPU's attention kernels: what the profiler measures here (pricing for a GPU uses CUDA's)
     modelled = iterate(cfg, ModelledWorkload(BATCH, SEQ, dtype), gpu_attention=False)
@@ -47,11 +65,15 @@ def test_modelled_peak_and_activations_within_10pct_of_profiler(family: str, dty
     real = transformers.AutoModelForCausalLM.from_config(cfg, dtype=modelled.record.parameters[0].dtype)
     real.train()
     ids = torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ))
-    measured = agent.profile(real, {"input_ids": ids, "labels": ids}, allocation_trace=False, repeats=1,
-                             hardware=cpu_hardware)
+    measured = agent.profile(
+        real, {"input_ids": ids, "labels": ids}, allocation_trace=False, repeats=1, hardware=cpu_hardware
+    )
 
     peak = measured.measurements.peak_device_bytes
-    assert abs(unmanaged_peak_bytes(modelled) - peak) <= TOLERANCE * peak, (unmanaged_peak_bytes(modelled), peak)
+    assert abs(unmanaged_peak_bytes(modelled) - peak) <= TOLERANCE * peak, (
+        unmanaged_peak_bytes(modelled),
+        peak,
+    )
     got = modelled.record.activation_bytes
     want = [b.activation_bytes for b in measured.measurements.blocks]
     assert len(got) == len(want)
@@ -78,8 +100,9 @@ def test_an_unpacked_batch_saves_what_the_real_run_saves(family: str, cpu_hardwa
     real = transformers.AutoModelForCausalLM.from_config(cfg)
     real.train()
     ids = torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ))
-    measured = agent.profile(real, {"input_ids": ids, "labels": ids}, allocation_trace=False, repeats=1,
-                             hardware=cpu_hardware)
+    measured = agent.profile(
+        real, {"input_ids": ids, "labels": ids}, allocation_trace=False, repeats=1, hardware=cpu_hardware
+    )
     assert modelled.record.activation_bytes == [b.activation_bytes for b in measured.measurements.blocks]
     # a packed batch (two sequences in one row) still gets the library's answer outside the fake run
     assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 2, 0, 1, 2]])) is not None
@@ -102,10 +125,15 @@ def test_extrapolated_iteration_equals_running_every_block(gpu_attention: bool) 
     a, b = sampled.record, full.record
     # the peak's place in this toy's iteration moves between 4 and 5 blocks: growing the peak alone by the
     # difference of the two sampled runs was 1.5% low here; growing the timeline segment by segment is exact
-    assert (a.resident_bytes, a.dynamic_peak_bytes, a.live_after_backward_bytes) == \
-        (b.resident_bytes, b.dynamic_peak_bytes, b.live_after_backward_bytes)
+    assert (a.resident_bytes, a.dynamic_peak_bytes, a.live_after_backward_bytes) == (
+        b.resident_bytes,
+        b.dynamic_peak_bytes,
+        b.live_after_backward_bytes,
+    )
     assert a.activation_bytes == b.activation_bytes and a.input_bytes == b.input_bytes
-    assert [(p.name, p.block, p.aliases) for p in a.parameters] == [(p.name, p.block, p.aliases) for p in b.parameters]
+    assert [(p.name, p.block, p.aliases) for p in a.parameters] == [
+        (p.name, p.block, p.aliases) for p in b.parameters
+    ]
     assert sampled.fingerprint == full.fingerprint
 
 

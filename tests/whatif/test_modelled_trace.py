@@ -20,27 +20,41 @@ def test_measured_traces_keep_their_json_and_hash() -> None:
     t = synthetic_trace()
     assert "modelled" not in json.loads(t.model_dump_json())
     assert t.source == "measured"
-    marked = t.model_copy(update={"modelled": ModelledFrom(hardware_key="l4", method="m", factors={"matmul": 0.6})})
+    marked = t.model_copy(
+        update={"modelled": ModelledFrom(hardware_key="l4", method="m", factors={"matmul": 0.6})}
+    )
     assert marked.content_hash() != t.content_hash()
     again = Trace.model_validate_json(marked.model_dump_json())
     assert again.source == "modelled" and again.modelled == marked.modelled
 
 
 def test_a_modelled_trace_is_a_valid_wire_trace_that_says_how_it_was_made() -> None:
-    cfg = transformers.AutoConfig.for_model("qwen2", num_hidden_layers=6, hidden_size=128, num_attention_heads=4,
-                                            num_key_value_heads=2, intermediate_size=256, vocab_size=1000)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen2",
+        num_hidden_layers=6,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=1000,
+    )
     cat = load_catalog(use_env=False)
     it = iterate(cfg, ModelledWorkload(4, 256, "bf16", OptimizerKind.adamw))
     a100, h100 = trace_on(it, cat["a100-80gb-sxm"]), trace_on(it, cat["h100-sxm"], host_memory_bytes=2**36)
     for t in (a100, h100):
         t2 = Trace.model_validate_json(t.model_dump_json())
         assert t2.source == "modelled" and not t2.modelled.calibrated
-        assert "4 of 6 blocks" in t2.modelled.method and t2.modelled.factors == roofline.Efficiency().as_factors()
+        assert (
+            "4 of 6 blocks" in t2.modelled.method
+            and t2.modelled.factors == roofline.Efficiency().as_factors()
+        )
         assert t2.measurements.extrapolated and len(t2.model.blocks) == 8
         assert t2.workload.optimizer_state_bytes_per_param == 4 and t2.workload.gradient_bytes_per_param == 2
     assert h100.hardware.host_memory_bytes == 2**36
     # memory does not depend on the GPU; time does (an H100 is faster in FLOPs and in bandwidth)
-    assert [b.activation_bytes for b in a100.measurements.blocks] == [b.activation_bytes for b in h100.measurements.blocks]
+    assert [b.activation_bytes for b in a100.measurements.blocks] == [
+        b.activation_bytes for b in h100.measurements.blocks
+    ]
     assert a100.measurements.peak_device_bytes == h100.measurements.peak_device_bytes
     assert h100.measurements.iteration_s < a100.measurements.iteration_s
     for b in a100.measurements.blocks:
@@ -52,7 +66,11 @@ def test_roofline_prices_an_op_by_its_binding_resource() -> None:
     eff = roofline.Efficiency(dispatch_s=0.0)
     gemm = OpCosts(flops=[2 * 8192**3], bytes=[3 * 8192**2 * 2], matmul=[True])  # compute-bound
     copy = OpCosts(flops=[0.0], bytes=[2 * 2**30], matmul=[False])  # bandwidth-bound
-    assert roofline.block_seconds(gemm, e, "bf16", eff) == pytest.approx(2 * 8192**3 / (e.dense_flops.bf16 * 0.6))
-    assert roofline.block_seconds(copy, e, "bf16", eff) == pytest.approx(2 * 2**30 / (e.memory_bandwidth_bytes_per_s * 0.7))
+    assert roofline.block_seconds(gemm, e, "bf16", eff) == pytest.approx(
+        2 * 8192**3 / (e.dense_flops.bf16 * 0.6)
+    )
+    assert roofline.block_seconds(copy, e, "bf16", eff) == pytest.approx(
+        2 * 2**30 / (e.memory_bandwidth_bytes_per_s * 0.7)
+    )
     tiny = OpCosts(flops=[0.0] * 100, bytes=[64.0] * 100, matmul=[False] * 100)
     assert roofline.block_seconds(tiny, e, "bf16") == pytest.approx(100 * roofline.Efficiency().dispatch_s)

@@ -47,14 +47,16 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.T
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_with_library_defaults_trains_offloaded_like_plain_pytorch(
-        family: str, caplog: pytest.LogCaptureFixture) -> None:
+    family: str, caplog: pytest.LogCaptureFixture
+) -> None:
     model, config = build_with_library_defaults(family, layers=2, hidden=128, vocab=2048, seq=64)
     check(family, model, config, caplog)
 
 
 @pytest.mark.parametrize("family", ["llama", "falcon", "qwen2"])
 def test_eager_attention_with_the_cache_on_trains_like_plain_pytorch(
-        family: str, caplog: pytest.LogCaptureFixture) -> None:
+    family: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Eager attention made `agent.profile` crash before (re-running a block appended to the KV cache)."""
     from transformers import AutoModelForCausalLM
 
@@ -80,24 +82,28 @@ def check(family: str, model: nn.Module, config: Any, caplog: pytest.LogCaptureF
     reference = copy.deepcopy(model)
     expected = train(reference, adamw(reference), batch)
     probe = copy.deepcopy(model)
-    peak = agent.profile(probe, batch, optimizer=adamw(probe), repeats=1,
-                         allocation_trace=False).measurements.peak_device_bytes
+    peak = agent.profile(
+        probe, batch, optimizer=adamw(probe), repeats=1, allocation_trace=False
+    ).measurements.peak_device_bytes
     assert probe.config.use_cache is True  # agent.profile gives the setting back
 
     caplog.set_level(logging.WARNING, logger="agent")
-    wrapped = agent.wrap(model, adamw(model), sample_batch=batch, device_memory=int(peak * LIMIT_FRACTION),
-                         feedback_steps=None)
+    wrapped = agent.wrap(
+        model, adamw(model), sample_batch=batch, device_memory=int(peak * LIMIT_FRACTION), feedback_steps=None
+    )
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert not skipped, f"{family}: a measurement was skipped: {skipped}"
     trace = wrapped.source.trace
     assert trace is not None
     repeated = [b for b in trace.measurements.blocks if 0 < b.block < len(trace.measurements.blocks) - 1]
-    assert all(b.swap_out_s > 0 or b.offload_overhead_s > 0 for b in repeated), \
+    assert all(b.swap_out_s > 0 or b.offload_overhead_s > 0 for b in repeated), (
         f"{family}: runtime costs were not measured: {repeated}"
+    )
     policy = wrapped.plan.policy
     assert policy is not None
-    assert any(c.placement.value == "offloaded" for c in policy.chunks), \
+    assert any(c.placement.value == "offloaded" for c in policy.chunks), (
         f"{family}: the limit did not make the planner offload: {policy.mode_strip()} {policy.chunks}"
+    )
     assert model.config.use_cache is False  # off while training
 
     got = train(wrapped.model, wrapped.optimizer, batch)

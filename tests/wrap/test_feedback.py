@@ -45,14 +45,26 @@ def silent_server() -> Iterator[str]:
 
 
 def test_feedback_to_a_hung_service_is_posted_in_the_background_then_recorded_locally(
-        silent_server: str, tmp_path: Path) -> None:
+    silent_server: str, tmp_path: Path
+) -> None:
     model, cfg = build("gpt2", layers=2, hidden=64, vocab=128, seq=32, seed=0)
     batch = sample_batch(cfg, 2, 32)
-    w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-             plan=manual_plan(model, chunk_size_bytes=2**20), feedback_steps=None)
+    w = wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        plan=manual_plan(model, chunk_size_bytes=2**20),
+        feedback_steps=None,
+    )
     local = tmp_path / "fb.jsonl"
-    mon = StepMonitor(model, w.optimizer, torch.device("cpu"), manager=w.runtime, activations=w.activations,
-                      sink=ServiceSink(silent_server, "plan-1", fallback=LocalSink(local), timeout_s=1.0), steps=4)
+    mon = StepMonitor(
+        model,
+        w.optimizer,
+        torch.device("cpu"),
+        manager=w.runtime,
+        activations=w.activations,
+        sink=ServiceSink(silent_server, "plan-1", fallback=LocalSink(local), timeout_s=1.0),
+        steps=4,
+    )
     for _ in range(4):
         w.model(**batch).loss.backward()
         w.optimizer.step()
@@ -73,8 +85,13 @@ def test_feedback_kept_locally_says_where_once(tmp_path: Path, caplog: pytest.Lo
     batch = sample_batch(cfg, 2, 32)
     local = tmp_path / "fb.jsonl"
     for _ in range(2):  # two jobs in one process: told once
-        w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                 plan=manual_plan(model, chunk_size_bytes=2**20), feedback_steps=4, feedback_path=local)
+        w = wrap(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+            plan=manual_plan(model, chunk_size_bytes=2**20),
+            feedback_steps=4,
+            feedback_path=local,
+        )
         with caplog.at_level("WARNING", logger="agent.feedback"):
             for _ in range(4):
                 w.model(**batch).loss.backward()

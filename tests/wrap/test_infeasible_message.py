@@ -26,15 +26,21 @@ def test_a_proven_minimum_is_stated_as_the_smallest(infeasible: tuple[Plan, Cons
     plan, cons = infeasible
     need = plan.solver.min_device_memory_bytes
     assert plan.solver.min_device_memory_proven is True
-    with pytest.raises(PlanInfeasibleError, match=f"the smallest device memory that fits is {need} bytes") as info:
+    with pytest.raises(
+        PlanInfeasibleError, match=f"the smallest device memory that fits is {need} bytes"
+    ) as info:
         check_feasible(plan, cons)
     assert "at most" not in str(info.value)
 
 
 @pytest.mark.parametrize("proven", [False, None])  # None: a plan stored before the field existed
-def test_an_unproven_minimum_is_stated_as_at_most(infeasible: tuple[Plan, Constraints], proven: bool | None) -> None:
+def test_an_unproven_minimum_is_stated_as_at_most(
+    infeasible: tuple[Plan, Constraints], proven: bool | None
+) -> None:
     plan, cons = infeasible
     solver = plan.solver.model_copy(update={"min_device_memory_proven": proven})
     need = solver.min_device_memory_bytes
-    with pytest.raises(PlanInfeasibleError, match=f"the smallest device memory that fits is at most {need} bytes"):
+    with pytest.raises(
+        PlanInfeasibleError, match=f"the smallest device memory that fits is at most {need} bytes"
+    ):
         check_feasible(plan.model_copy(update={"solver": solver}), cons)

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 STEPS = 6
 
+
 def adamw(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
 
@@ -41,7 +42,9 @@ def job() -> dict[str, Any]:
     return {"model": model, "batch": batch, "limit": int(trace.measurements.peak_device_bytes * 0.6)}
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], steps: int = STEPS) -> list[float]:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], steps: int = STEPS
+) -> list[float]:
     torch.manual_seed(0)
     out = []
     for _ in range(steps):
@@ -77,26 +80,33 @@ def service(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-def test_embedded_wrap_profiles_solves_applies_and_trains_like_plain_pytorch(job: dict[str, Any], tmp_path: Path) -> None:
+def test_embedded_wrap_profiles_solves_applies_and_trains_like_plain_pytorch(
+    job: dict[str, Any], tmp_path: Path
+) -> None:
     path = tmp_path / "feedback.jsonl"
     run, losses = run_wrapped(job, feedback_steps=STEPS, feedback_path=path)
     assert run.source.origin == "embedded"
     policy = run.plan.policy
     assert policy is not None
     offloaded = sum(c.placement.value == "offloaded" for c in policy.chunks)
-    assert offloaded > 0 or set(policy.mode_strip()) != {"K"}, "the limit did not make the planner do anything"
+    assert offloaded > 0 or set(policy.mode_strip()) != {"K"}, (
+        "the limit did not make the planner do anything"
+    )
     assert_close(losses, plain_losses(job))
     rep = run.report()
     assert rep.measured is not None and rep.measured.steps_measured == STEPS - 3  # warm-up 2, metered 1
     assert rep.measured.peak_device_bytes > 0 and rep.measured.iteration_s > 0
     line = path.read_text().strip().splitlines()
-    assert len(line) == 1 and Feedback.model_validate_json(line[0].split('"feedback": ', 1)[1].rsplit(", \"plan_id\"", 1)[0])
+    assert len(line) == 1 and Feedback.model_validate_json(
+        line[0].split('"feedback": ', 1)[1].rsplit(', "plan_id"', 1)[0]
+    )
     assert "predicted" in str(rep)
     unwrap(run)
 
 
 def test_service_plan_is_applied_then_reused_from_history_and_receives_feedback(
-        job: dict[str, Any], service: str) -> None:
+    job: dict[str, Any], service: str
+) -> None:
     from client.sdk import Client
 
     run, losses = run_wrapped(job, server=service, feedback_steps=4)
@@ -110,8 +120,14 @@ def test_service_plan_is_applied_then_reused_from_history_and_receives_feedback(
 
     t0 = time.perf_counter()
     fresh = copy.deepcopy(job["model"])
-    again = wrap(fresh, adamw(fresh), sample_batch=job["batch"],
-                 device_memory=job["limit"], server=service, feedback_steps=None)
+    again = wrap(
+        fresh,
+        adamw(fresh),
+        sample_batch=job["batch"],
+        device_memory=job["limit"],
+        server=service,
+        feedback_steps=None,
+    )
     took = time.perf_counter() - t0
     assert again.source.origin == "history" and again.source.plan_id == run.source.plan_id
     assert again.source.trace is None, "the job was profiled again instead of reusing the plan"
@@ -119,8 +135,8 @@ def test_service_plan_is_applied_then_reused_from_history_and_receives_feedback(
 
 
 def test_a_down_service_falls_back_to_the_embedded_solver_and_says_so_once(
-        job: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        tmp_path: Path) -> None:
+    job: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     monkeypatch.setenv("MEMPLAN_SERVER", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     with caplog.at_level(logging.WARNING, logger="agent"):
         run, losses = run_wrapped(job, feedback_steps=4, feedback_path=tmp_path / "fb.jsonl")
@@ -133,14 +149,24 @@ def test_a_down_service_falls_back_to_the_embedded_solver_and_says_so_once(
 
 
 def test_a_slow_service_does_not_stall_training_it_falls_back_after_the_wait(
-        job: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    job: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from planner_service.settings import Settings
 
-    with EmbeddedServer(Settings(database_url=f"sqlite:///{tmp_path / 'slow.db'}", workers=0)) as url, \
-            caplog.at_level(logging.INFO, logger="agent"):  # workers=0: the plan stays queued
+    with (
+        EmbeddedServer(Settings(database_url=f"sqlite:///{tmp_path / 'slow.db'}", workers=0)) as url,
+        caplog.at_level(logging.INFO, logger="agent"),
+    ):  # workers=0: the plan stays queued
         model = copy.deepcopy(job["model"])
-        run = wrap(model, adamw(model), sample_batch=job["batch"], device_memory=job["limit"], server=url,
-                   wait_s=1.0, feedback_steps=None)
+        run = wrap(
+            model,
+            adamw(model),
+            sample_batch=job["batch"],
+            device_memory=job["limit"],
+            server=url,
+            wait_s=1.0,
+            feedback_steps=None,
+        )
     assert run.source.origin == "fallback" and "is queued after 1s" in run.source.message
     # The wait itself (first poll of the queued plan -> giving up) honours wait_s=1, not the 120 s default:
     # at least the 1 s asked for, at most that plus one long-poll's slack.
@@ -171,13 +197,19 @@ def test_wrap_on_a_model_it_cannot_handle_gives_a_clear_error_and_leaves_it_unto
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = list(model.parameters())
-    with pytest.raises(BlockDetectionError, match=r"no nn.ModuleList or nn.Sequential of same-class blocks.*agent.wrap\(model, optimizer, ..., blocks="):
+    with pytest.raises(
+        BlockDetectionError,
+        match=r"no nn.ModuleList or nn.Sequential of same-class blocks.*agent.wrap\(model, optimizer, ..., blocks=",
+    ):
         wrap(model, opt, sample_batch=torch.randn(4, 16), loss_fn=lambda out, batch: out)
     assert list(model.parameters()) == params
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) and p.grad is None
     assert not opt.state
-    assert all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())
+    assert all(
+        not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__
+        for m in model.modules()
+    )
     assert not getattr(model, "_memplan_wrapped", False)
 
 
@@ -191,12 +223,19 @@ def test_unwrap_gives_back_the_trained_model_with_every_change_undone(job: dict[
         assert not m._forward_hooks and not m._forward_pre_hooks
     ref_params = dict(ref.named_parameters())
     for n, p in model.named_parameters():
-        assert not isinstance(p.data, torch.Tensor) or p.data.untyped_storage().nbytes() == p.numel() * p.element_size()
-        d = ((p.detach() - ref_params[n].detach()).norm() / ref_params[n].detach().norm().clamp_min(1e-12)).item()
+        assert (
+            not isinstance(p.data, torch.Tensor)
+            or p.data.untyped_storage().nbytes() == p.numel() * p.element_size()
+        )
+        d = (
+            (p.detach() - ref_params[n].detach()).norm() / ref_params[n].detach().norm().clamp_min(1e-12)
+        ).item()
         assert d <= TOL, n
 
 
-def test_planned_allocation_puts_the_runtime_buffers_in_one_arena_and_trains_the_same(job: dict[str, Any]) -> None:
+def test_planned_allocation_puts_the_runtime_buffers_in_one_arena_and_trains_the_same(
+    job: dict[str, Any],
+) -> None:
     from agent.runtime.arena import ArenaDeviceContext
 
     reference, _ = run_wrapped(job)

@@ -26,7 +26,9 @@ from planner_service.embedded import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.slow
 
-Rule = Callable[[str, str], "str | tuple[int, str] | None"]  # (method, path) -> "hang" | "trickle" | (status, body) | None
+Rule = Callable[
+    [str, str], "str | tuple[int, str] | None"
+]  # (method, path) -> "hang" | "trickle" | (status, body) | None
 
 
 class MisbehavingProxy:
@@ -72,11 +74,20 @@ class MisbehavingProxy:
                     self.wfile.write(payload)
                     return
                 assert proxy.upstream is not None
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
-                r = httpx.request(self.command, proxy.upstream + self.path, content=body, headers=headers, timeout=60)
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")
+                }
+                r = httpx.request(
+                    self.command, proxy.upstream + self.path, content=body, headers=headers, timeout=60
+                )
                 self.send_response(r.status_code)
                 for k, v in r.headers.items():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                    if k.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "content-encoding",
+                    ):
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(r.content)))
                 self.end_headers()
@@ -115,7 +126,9 @@ def job() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return model, sample_batch(config, 2, 16)
 
 
-def wrap_in_thread(job: tuple[nn.Module, dict[str, torch.Tensor]], url: str, limit_s: float, **kw: Any) -> Any:
+def wrap_in_thread(
+    job: tuple[nn.Module, dict[str, torch.Tensor]], url: str, limit_s: float, **kw: Any
+) -> Any:
     """`agent.wrap` against `url` on a thread; fails the test if it has not returned after `limit_s` (a stall)."""
     import agent
 
@@ -124,8 +137,15 @@ def wrap_in_thread(job: tuple[nn.Module, dict[str, torch.Tensor]], url: str, lim
 
     def run() -> None:
         try:
-            box["wrapped"] = agent.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sample_batch=job[1],
-                                        device_memory="1GiB", server=url, feedback_steps=None, **kw)
+            box["wrapped"] = agent.wrap(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-3),
+                sample_batch=job[1],
+                device_memory="1GiB",
+                server=url,
+                feedback_steps=None,
+                **kw,
+            )
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             box["error"] = exc
 
@@ -145,8 +165,11 @@ PLAN_GET = re.compile(r"^/v1/plans/[^/?]+")
 
 @pytest.mark.parametrize("misbehaviour", ["trickle", "hang"])
 def test_a_service_that_trickles_or_hangs_on_get_plan_costs_at_most_the_budget(
-        service: str, job: tuple[nn.Module, dict[str, torch.Tensor]], misbehaviour: str,
-        caplog: pytest.LogCaptureFixture) -> None:
+    service: str,
+    job: tuple[nn.Module, dict[str, torch.Tensor]],
+    misbehaviour: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Issue 17 defect 7: a server trickling a byte every few seconds stalled wrap without end; one hanging on
     GET plan blocked it for 30 s + the wait, ignoring the agent's settings."""
     caplog.set_level(logging.WARNING, logger="agent")
@@ -159,20 +182,24 @@ def test_a_service_that_trickles_or_hangs_on_get_plan_costs_at_most_the_budget(
     wrapped = box["wrapped"]
     assert wrapped.source.origin == "fallback"
     assert "service budget of 4s" in wrapped.source.message
-    assert any(s.startswith("POST /v1/plans") for s in proxy.seen) and any(PLAN_GET.match(s.split()[1])
-                                                                           for s in proxy.seen if s.startswith("GET"))
+    assert any(s.startswith("POST /v1/plans") for s in proxy.seen) and any(
+        PLAN_GET.match(s.split()[1]) for s in proxy.seen if s.startswith("GET")
+    )
     said = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
 
 
 def test_a_trickling_history_look_up_is_cut_by_the_budget_too(
-        job: tuple[nn.Module, dict[str, torch.Tensor]], caplog: pytest.LogCaptureFixture) -> None:
+    job: tuple[nn.Module, dict[str, torch.Tensor]], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="agent")
     with MisbehavingProxy(None, lambda m, p: "trickle") as proxy:
         box = wrap_in_thread(job, proxy.url, limit_s=90, service_budget_s=3.0)
     assert box["wrapped"].source.origin == "fallback"
     assert "history look-up: no answer within the service budget of 3s" in box["wrapped"].source.message
-    assert [s.split("?")[0] for s in proxy.seen] == ["GET /v1/plans"]  # nothing else was tried after the budget
+    assert [s.split("?")[0] for s in proxy.seen] == [
+        "GET /v1/plans"
+    ]  # nothing else was tried after the budget
 
 
 def test_the_default_budget_is_the_wait_plus_a_margin() -> None:
@@ -184,11 +211,17 @@ def test_the_default_budget_is_the_wait_plus_a_margin() -> None:
     assert 0 < SERVICE_BUDGET_MARGIN_S <= 30
 
 
-@pytest.mark.parametrize(("status", "level"), [(503, logging.WARNING), (429, logging.WARNING),
-                                               (422, logging.ERROR), (400, logging.ERROR)])
+@pytest.mark.parametrize(
+    ("status", "level"),
+    [(503, logging.WARNING), (429, logging.WARNING), (422, logging.ERROR), (400, logging.ERROR)],
+)
 def test_only_5xx_429_and_connection_errors_are_service_down_other_answers_are_errors(
-        service: str, job: tuple[nn.Module, dict[str, torch.Tensor]], status: int, level: int,
-        caplog: pytest.LogCaptureFixture) -> None:
+    service: str,
+    job: tuple[nn.Module, dict[str, torch.Tensor]],
+    status: int,
+    level: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Issue 18: a 4xx (the service rejecting the agent's own trace) silently became an in-process fallback."""
     caplog.set_level(logging.WARNING, logger="agent")
     body = '{"error": "hostile answer", "detail": [{"field": "model.fingerprint", "message": "bad"}]}'
@@ -200,14 +233,17 @@ def test_only_5xx_429_and_connection_errors_are_service_down_other_answers_are_e
         box = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)
     assert box["wrapped"].source.origin == "fallback"  # the job still trains
     said = [r for r in caplog.records if "solving in-process" in r.getMessage()]
-    assert len(said) == 1 and said[0].levelno == level, [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(said) == 1 and said[0].levelno == level, [
+        (r.levelname, r.getMessage()) for r in caplog.records
+    ]
     assert str(status) in said[0].getMessage()
     if level == logging.ERROR:
         assert "rejected" in said[0].getMessage() and "model.fingerprint" in said[0].getMessage()
 
 
-def test_a_connection_refused_is_service_down(job: tuple[nn.Module, dict[str, torch.Tensor]],
-                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_a_connection_refused_is_service_down(
+    job: tuple[nn.Module, dict[str, torch.Tensor]], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="agent")
     box = wrap_in_thread(job, f"http://127.0.0.1:{free_port()}", limit_s=90)
     assert box["wrapped"].source.origin == "fallback"
@@ -216,7 +252,8 @@ def test_a_connection_refused_is_service_down(job: tuple[nn.Module, dict[str, to
 
 
 def test_a_bug_in_the_agent_is_raised_not_reported_as_the_service_being_down(
-        service: str, job: tuple[nn.Module, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
+    service: str, job: tuple[nn.Module, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 18: fingerprint/workload_key ran inside `except Exception`, so their bugs read 'service unreachable'.
     The fault is injected into the agent's own function (a stand-in for a real bug); the service is real."""
     import agent.profiler.parameters as parameters

@@ -33,17 +33,21 @@ def llama() -> tuple[nn.Module, dict[str, torch.Tensor], int]:
     model, config = build_with_library_defaults("llama", layers=2, hidden=128, vocab=2048, seq=64)
     batch = sample_batch(config, 2, 32)
     probe = copy.deepcopy(model)
-    peak = agent.profile(probe, batch, optimizer=adamw(probe), repeats=1, allocation_trace=False
-                         ).measurements.peak_device_bytes
+    peak = agent.profile(
+        probe, batch, optimizer=adamw(probe), repeats=1, allocation_trace=False
+    ).measurements.peak_device_bytes
     return model, batch, peak
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize("before", ["", "import agent.wrapping", "from agent.wrapping import Wrapped",
-                                    "import agent.profiler"])
+@pytest.mark.parametrize(
+    "before", ["", "import agent.wrapping", "from agent.wrapping import Wrapped", "import agent.profiler"]
+)
 def test_the_readme_import_gives_the_functions_whatever_was_imported_before(before: str) -> None:
     """Defect: `import agent; agent.wrap(...)` raised RecursionError, and once the submodule `agent.wrap`
     was imported, `agent.wrap` was that module ('module' object is not callable)."""
@@ -90,19 +94,31 @@ def test_the_readme_call_runs_in_a_fresh_process_on_a_library_default_model() ->
 
 
 # ------------------------------------------------------------------------------------------- sizes
-@pytest.mark.parametrize(("given", "expected"), [("1GiB", 2**30), ("2GB", 2 * 10**9), (3 * 10**9, 3 * 10**9),
-                                                 (80e9, 80 * 10**9), ("512MiB", 2**29)])
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("1GiB", 2**30), ("2GB", 2 * 10**9), (3 * 10**9, 3 * 10**9), (80e9, 80 * 10**9), ("512MiB", 2**29)],
+)
 def test_size_arguments_take_the_cli_strings_ints_and_whole_floats(given: object, expected: int) -> None:
     from agent.model_guards import byte_size
 
     assert byte_size("device_memory", given) == expected
 
 
-@pytest.mark.parametrize(("given", "message"), [
-    ("80 gigs", "device_memory: .*not a byte size"), (1.5, "device_memory: 1.5 is not a whole number"),
-    (float("nan"), "device_memory: nan is not a whole"), (-5, "device_memory: must be positive"),
-    ([80], "device_memory: expected bytes"), (True, "device_memory: expected bytes"), ("0GiB", "must be positive")])
-def test_bad_sizes_are_refused_by_wrap_naming_the_argument_before_anything_runs(given: object, message: str) -> None:
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("80 gigs", "device_memory: .*not a byte size"),
+        (1.5, "device_memory: 1.5 is not a whole number"),
+        (float("nan"), "device_memory: nan is not a whole"),
+        (-5, "device_memory: must be positive"),
+        ([80], "device_memory: expected bytes"),
+        (True, "device_memory: expected bytes"),
+        ("0GiB", "must be positive"),
+    ],
+)
+def test_bad_sizes_are_refused_by_wrap_naming_the_argument_before_anything_runs(
+    given: object, message: str
+) -> None:
     import agent
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -116,15 +132,21 @@ def test_wrap_takes_a_size_string(llama: tuple[nn.Module, dict[str, torch.Tensor
     import agent
 
     model, batch, peak = copy.deepcopy(llama[0]), llama[1], llama[2]
-    wrapped = agent.wrap(model, adamw(model), sample_batch=batch, device_memory=f"{peak * 0.7 / 2**20:.0f}MiB",
-                         feedback_steps=None)
+    wrapped = agent.wrap(
+        model,
+        adamw(model),
+        sample_batch=batch,
+        device_memory=f"{peak * 0.7 / 2**20:.0f}MiB",
+        feedback_steps=None,
+    )
     assert wrapped.plan.constraints.device_memory_bytes == round(float(f"{peak * 0.7 / 2**20:.0f}") * 2**20)
     agent.unwrap(wrapped)
 
 
 # ------------------------------------------------------------------------------------------- .to()
 def test_to_where_the_model_already_is_is_a_no_op_and_a_real_move_is_refused(
-        llama: tuple[nn.Module, dict[str, torch.Tensor], int]) -> None:
+    llama: tuple[nn.Module, dict[str, torch.Tensor], int],
+) -> None:
     """Defect: `.to(dtype)` after wrap was accepted and silently undone. Trainer calls model.to(args.device)
     after the model is wrapped: that must keep working."""
     import agent
@@ -132,7 +154,9 @@ def test_to_where_the_model_already_is_is_a_no_op_and_a_real_move_is_refused(
 
     model, batch, peak = copy.deepcopy(llama[0]), llama[1], llama[2]
     reference = copy.deepcopy(model)
-    wrapped = agent.wrap(model, adamw(model), sample_batch=batch, device_memory=int(peak * 0.7), feedback_steps=None)
+    wrapped = agent.wrap(
+        model, adamw(model), sample_batch=batch, device_memory=int(peak * 0.7), feedback_steps=None
+    )
     assert wrapped.model.to("cpu") is wrapped.model
     assert wrapped.model.to(torch.device("cpu"), torch.float32) is wrapped.model
     assert wrapped.model.to(dtype=torch.float32) is wrapped.model
@@ -163,7 +187,8 @@ def test_to_where_the_model_already_is_is_a_no_op_and_a_real_move_is_refused(
 
 # ------------------------------------------------------------------------------------------- checkpoint state
 def test_wrap_never_mutates_optimizer_state_the_caller_still_holds(
-        llama: tuple[nn.Module, dict[str, torch.Tensor], int]) -> None:
+    llama: tuple[nn.Module, dict[str, torch.Tensor], int],
+) -> None:
     """Defect: wrap changed, in place, optimizer-state tensors shared with a loaded checkpoint dict."""
     import agent
 
@@ -179,7 +204,9 @@ def test_wrap_never_mutates_optimizer_state_the_caller_still_holds(
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt = adamw(resumed)
     resumed_opt.load_state_dict(checkpoint["optimizer"])  # shares tensors with checkpoint["optimizer"]
-    wrapped = agent.wrap(resumed, resumed_opt, sample_batch=batch, device_memory=int(peak * 0.7), feedback_steps=None)
+    wrapped = agent.wrap(
+        resumed, resumed_opt, sample_batch=batch, device_memory=int(peak * 0.7), feedback_steps=None
+    )
     for _ in range(2):
         wrapped.model(**batch).loss.backward()
         wrapped.optimizer.step()
@@ -189,7 +216,9 @@ def test_wrap_never_mutates_optimizer_state_the_caller_still_holds(
             now = checkpoint["optimizer"]["state"][pid][key]
             assert torch.equal(now, value), f"checkpoint optimizer state[{pid}][{key!r}] was changed by wrap"
     for name, value in kept["model"].items():
-        assert torch.equal(checkpoint["model"][name], value), f"checkpoint model[{name!r}] was changed by wrap"
+        assert torch.equal(checkpoint["model"][name], value), (
+            f"checkpoint model[{name!r}] was changed by wrap"
+        )
     agent.unwrap(wrapped)
 
 
@@ -255,7 +284,9 @@ def test_sequential_blocks_are_detected_and_blocks_argument_is_taken(make: type[
     reference = copy.deepcopy(model)
     expected = _train(reference, adamw(reference), x)
     blocks = [model.first, model.second, model.third] if isinstance(model, NamedBlocks) else None
-    wrapped = agent.wrap(model, adamw(model), sample_batch=x, loss_fn=loss_of, blocks=blocks, feedback_steps=None)
+    wrapped = agent.wrap(
+        model, adamw(model), sample_batch=x, loss_fn=loss_of, blocks=blocks, feedback_steps=None
+    )
     names = [b.module for b in wrapped.plan.policy.blocks][1:-1] if wrapped.plan.policy else []
     assert names == (["first", "second", "third"] if blocks else [f"trunk.{i}" for i in range(4)])
     got = _train(wrapped.model, wrapped.optimizer, x)
@@ -272,7 +303,9 @@ def test_a_compiled_model_or_block_is_refused_with_one_clear_error() -> None:
 
     model = SequentialNet()
     x = torch.randn(8, 16)
-    with pytest.raises(CompiledModelError, match="model: is a torch.compile result.*wrap the uncompiled model"):
+    with pytest.raises(
+        CompiledModelError, match="model: is a torch.compile result.*wrap the uncompiled model"
+    ):
         agent.wrap(torch.compile(model), adamw(model), sample_batch=x, loss_fn=loss_of)
     model.trunk[1].compile()
     with pytest.raises(CompiledModelError, match=r"model.trunk.1: was compiled in place"):
@@ -281,7 +314,8 @@ def test_a_compiled_model_or_block_is_refused_with_one_clear_error() -> None:
 
 # ------------------------------------------------------------------------------------------- batch shapes
 def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
-        llama: tuple[nn.Module, dict[str, torch.Tensor], int], caplog: pytest.LogCaptureFixture) -> None:
+    llama: tuple[nn.Module, dict[str, torch.Tensor], int], caplog: pytest.LogCaptureFixture
+) -> None:
     """Defect: dynamic padding / a longer eval batch silently exceeded the plan's limit (+78% measured)."""
     import logging
 
@@ -302,8 +336,9 @@ def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
     agent.unwrap(wrapped)
 
     caplog.clear()
-    planned = agent.wrap(model, adamw(model), sample_batch=batch, max_batch=longer, device_memory="1GiB",
-                         feedback_steps=None)
+    planned = agent.wrap(
+        model, adamw(model), sample_batch=batch, max_batch=longer, device_memory="1GiB", feedback_steps=None
+    )
     assert planned.source.trace is not None and planned.source.trace.workload.sequence_length == 64
     planned.model(**longer).loss.backward()
     assert not [r for r in caplog.records if "larger than" in r.getMessage()]

@@ -38,7 +38,9 @@ def check_buffer(buffer: Buffer, where: str) -> None:
     if buffer.lower < 0:
         raise AllocationInputError(f"{where}: lower must not be negative, got {buffer.lower}")
     if buffer.upper <= buffer.lower:
-        raise AllocationInputError(f"{where}: upper ({buffer.upper}) must be greater than lower ({buffer.lower})")
+        raise AllocationInputError(
+            f"{where}: upper ({buffer.upper}) must be greater than lower ({buffer.lower})"
+        )
 
 
 def check_buffers(buffers: Sequence[Buffer]) -> None:

@@ -50,9 +50,25 @@ ROUND_LARGE = 2 << 20  # kRoundLarge
 _LARGE_POOL = 1 << 52  # added to a large-pool block's size in the treap key: the pools never mix
 
 # Indices into the counter array `ctr`.
-(_BLOCKS, _SEGMENTS, _HANDLES, _RESERVED, _ALLOCATED, _REQUESTED, _PEAK_RESERVED, _PEAK_ALLOCATED,
- _PEAK_REQUESTED, _SMALL_SEGS, _LARGE_SEGS, _RELEASED, _LIVE_SEGS, _PEAK_SEGS, _NEXT_ADDRESS, _CAPACITY,
- _FAILED_SEGMENT) = range(17)
+(
+    _BLOCKS,
+    _SEGMENTS,
+    _HANDLES,
+    _RESERVED,
+    _ALLOCATED,
+    _REQUESTED,
+    _PEAK_RESERVED,
+    _PEAK_ALLOCATED,
+    _PEAK_REQUESTED,
+    _SMALL_SEGS,
+    _LARGE_SEGS,
+    _RELEASED,
+    _LIVE_SEGS,
+    _PEAK_SEGS,
+    _NEXT_ADDRESS,
+    _CAPACITY,
+    _FAILED_SEGMENT,
+) = range(17)
 
 
 class SimulatedOutOfMemory(RuntimeError):
@@ -96,14 +112,40 @@ class _State:
         self.ctr[_CAPACITY] = -1 if capacity_bytes is None else capacity_bytes
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return (self.b_seg, self.b_addr, self.b_size, self.b_small, self.b_alloc, self.b_prev, self.b_next,
-                self.s_size, self.s_first, self.s_alive, self.h_block, self.h_nbytes, *self.treap, self.ctr)
+        return (
+            self.b_seg,
+            self.b_addr,
+            self.b_size,
+            self.b_small,
+            self.b_alloc,
+            self.b_prev,
+            self.b_next,
+            self.s_size,
+            self.s_first,
+            self.s_alive,
+            self.h_block,
+            self.h_nbytes,
+            *self.treap,
+            self.ctr,
+        )
 
     def grow(self) -> None:
         """Double every array (scripted use, where the number of calls is not known up front)."""
         n = self.b_seg.shape[0]
-        for name in ("b_seg", "b_addr", "b_size", "b_small", "b_alloc", "b_prev", "b_next", "s_size", "s_first",
-                     "s_alive", "h_block", "h_nbytes"):
+        for name in (
+            "b_seg",
+            "b_addr",
+            "b_size",
+            "b_small",
+            "b_alloc",
+            "b_prev",
+            "b_next",
+            "s_size",
+            "s_first",
+            "s_alive",
+            "h_block",
+            "h_nbytes",
+        ):
             old = getattr(self, name)
             new = np.full(2 * n, NIL if name in ("b_prev", "b_next", "s_first", "h_block") else 0, old.dtype)
             new[:n] = old
@@ -116,8 +158,21 @@ class _State:
 
 
 @njit(cache=True, nogil=True)
-def _new_segment(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,  # type: ignore[no-untyped-def]
-                 ctr, size, small):
+def _new_segment(  # type: ignore[no-untyped-def]
+    b_seg,
+    b_addr,
+    b_size,
+    b_small,
+    b_alloc,
+    b_prev,
+    b_next,
+    s_size,
+    s_first,
+    s_alive,
+    ctr,
+    size,
+    small,
+):
     if ctr[_CAPACITY] >= 0 and ctr[_RESERVED] + size > ctr[_CAPACITY]:
         return NIL
     seg = ctr[_SEGMENTS]
@@ -147,8 +202,29 @@ def _new_segment(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size
 
 
 @njit(cache=True, nogil=True)
-def _malloc(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,  # type: ignore[no-untyped-def]
-            h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, nbytes):
+def _malloc(  # type: ignore[no-untyped-def]
+    b_seg,
+    b_addr,
+    b_size,
+    b_small,
+    b_alloc,
+    b_prev,
+    b_next,
+    s_size,
+    s_first,
+    s_alive,
+    h_block,
+    h_nbytes,
+    k1,
+    k2,
+    pri,
+    left,
+    right,
+    parent,
+    root,
+    ctr,
+    nbytes,
+):
     """Serve one request; the handle, or -1 when out of memory (segment size in ctr[_FAILED_SEGMENT])."""
     size = round_size(nbytes)
     small = size <= SMALL_SIZE
@@ -161,8 +237,21 @@ def _malloc(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_f
         treap_remove(k1, k2, pri, left, right, parent, root, b)
     else:
         seg_size = allocation_size(size)
-        b = _new_segment(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive, ctr,
-                         seg_size, small)
+        b = _new_segment(
+            b_seg,
+            b_addr,
+            b_size,
+            b_small,
+            b_alloc,
+            b_prev,
+            b_next,
+            s_size,
+            s_first,
+            s_alive,
+            ctr,
+            seg_size,
+            small,
+        )
         if b == NIL:
             # release_cached_blocks: every segment that is one free, unsplit block, then retry once.
             for seg in range(ctr[_SEGMENTS]):
@@ -173,8 +262,21 @@ def _malloc(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_f
                     ctr[_RESERVED] -= s_size[seg]
                     ctr[_RELEASED] += 1
                     ctr[_LIVE_SEGS] -= 1
-            b = _new_segment(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,
-                             ctr, seg_size, small)
+            b = _new_segment(
+                b_seg,
+                b_addr,
+                b_size,
+                b_small,
+                b_alloc,
+                b_prev,
+                b_next,
+                s_size,
+                s_first,
+                s_alive,
+                ctr,
+                seg_size,
+                small,
+            )
         if b == NIL:
             ctr[_FAILED_SEGMENT] = seg_size
             return -1
@@ -208,8 +310,29 @@ def _malloc(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_f
 
 
 @njit(cache=True, nogil=True)
-def _free(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,  # type: ignore[no-untyped-def]
-          h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, handle):
+def _free(  # type: ignore[no-untyped-def]
+    b_seg,
+    b_addr,
+    b_size,
+    b_small,
+    b_alloc,
+    b_prev,
+    b_next,
+    s_size,
+    s_first,
+    s_alive,
+    h_block,
+    h_nbytes,
+    k1,
+    k2,
+    pri,
+    left,
+    right,
+    parent,
+    root,
+    ctr,
+    handle,
+):
     """free_block + try_merge_blocks: merge with free neighbours of the same segment, back to the pool."""
     b = h_block[handle]
     h_block[handle] = NIL
@@ -238,19 +361,84 @@ def _free(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_fir
 
 
 @njit(cache=True, nogil=True)
-def _replay(codes, nbytes, handle_of, b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size,  # type: ignore[no-untyped-def]
-            s_first, s_alive, h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr):
+def _replay(  # type: ignore[no-untyped-def]
+    codes,
+    nbytes,
+    handle_of,
+    b_seg,
+    b_addr,
+    b_size,
+    b_small,
+    b_alloc,
+    b_prev,
+    b_next,
+    s_size,
+    s_first,
+    s_alive,
+    h_block,
+    h_nbytes,
+    k1,
+    k2,
+    pri,
+    left,
+    right,
+    parent,
+    root,
+    ctr,
+):
     """Replay codes (i >= 0: allocate event i; -1 - i: free it); False when out of memory."""
     for c in codes:
         if c >= 0:
-            h = _malloc(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,
-                        h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, nbytes[c])
+            h = _malloc(
+                b_seg,
+                b_addr,
+                b_size,
+                b_small,
+                b_alloc,
+                b_prev,
+                b_next,
+                s_size,
+                s_first,
+                s_alive,
+                h_block,
+                h_nbytes,
+                k1,
+                k2,
+                pri,
+                left,
+                right,
+                parent,
+                root,
+                ctr,
+                nbytes[c],
+            )
             if h < 0:
                 return False
             handle_of[c] = h
         else:
-            _free(b_seg, b_addr, b_size, b_small, b_alloc, b_prev, b_next, s_size, s_first, s_alive,
-                  h_block, h_nbytes, k1, k2, pri, left, right, parent, root, ctr, handle_of[-1 - c])
+            _free(
+                b_seg,
+                b_addr,
+                b_size,
+                b_small,
+                b_alloc,
+                b_prev,
+                b_next,
+                s_size,
+                s_first,
+                s_alive,
+                h_block,
+                h_nbytes,
+                k1,
+                k2,
+                pri,
+                left,
+                right,
+                parent,
+                root,
+                ctr,
+                handle_of[-1 - c],
+            )
     return True
 
 
@@ -306,8 +494,10 @@ class CachingAllocatorSimulator:
 
     def _oom_message(self) -> str:
         c = self._state.ctr
-        return (f"no room for a {int(c[_FAILED_SEGMENT])}-byte segment: {int(c[_RESERVED])} of {self.capacity} "
-                "bytes reserved")
+        return (
+            f"no room for a {int(c[_FAILED_SEGMENT])}-byte segment: {int(c[_RESERVED])} of {self.capacity} "
+            "bytes reserved"
+        )
 
     @property
     def segment_count(self) -> int:
@@ -332,11 +522,17 @@ class CachingAllocatorSimulator:
         c = [int(v) for v in self._state.ctr]
         frag = 0.0 if c[_PEAK_RESERVED] == 0 else 1.0 - c[_PEAK_ALLOCATED] / c[_PEAK_RESERVED]
         return CachingAllocatorReport(
-            peak_reserved_bytes=c[_PEAK_RESERVED], peak_allocated_bytes=c[_PEAK_ALLOCATED],
-            peak_requested_bytes=c[_PEAK_REQUESTED], fragmentation_ratio=frag,
-            segments_allocated=c[_SEGMENTS], small_segments_allocated=c[_SMALL_SEGS],
-            large_segments_allocated=c[_LARGE_SEGS], segments_released=c[_RELEASED],
-            peak_segments=c[_PEAK_SEGS], iterations=iterations, out_of_memory=out_of_memory,
+            peak_reserved_bytes=c[_PEAK_RESERVED],
+            peak_allocated_bytes=c[_PEAK_ALLOCATED],
+            peak_requested_bytes=c[_PEAK_REQUESTED],
+            fragmentation_ratio=frag,
+            segments_allocated=c[_SEGMENTS],
+            small_segments_allocated=c[_SMALL_SEGS],
+            large_segments_allocated=c[_LARGE_SEGS],
+            segments_released=c[_RELEASED],
+            peak_segments=c[_PEAK_SEGS],
+            iterations=iterations,
+            out_of_memory=out_of_memory,
         )
 
 
@@ -348,11 +544,17 @@ def replay_codes(trace: AllocationTrace, iterations: int) -> np.ndarray:
     n = arr.ids.shape[0]
     idx = np.arange(n, dtype=np.int64)
     rest = idx[~arr.long_lived]
-    times = [arr.alloc, *[k * h + arr.alloc[rest] for k in range(1, iterations)],
-             *[k * h + arr.free[rest] for k in range(iterations)]]
+    times = [
+        arr.alloc,
+        *[k * h + arr.alloc[rest] for k in range(1, iterations)],
+        *[k * h + arr.free[rest] for k in range(iterations)],
+    ]
     codes = [idx, *[rest] * (iterations - 1), *[-1 - rest] * iterations]
-    kinds = [np.ones(n, np.int64), *[np.ones(rest.size, np.int64)] * (iterations - 1),
-             *[np.zeros(rest.size, np.int64)] * iterations]
+    kinds = [
+        np.ones(n, np.int64),
+        *[np.ones(rest.size, np.int64)] * (iterations - 1),
+        *[np.zeros(rest.size, np.int64)] * iterations,
+    ]
     all_codes = np.concatenate(codes)
     event = np.where(all_codes >= 0, all_codes, -1 - all_codes)
     order = np.lexsort((arr.ids[event], np.concatenate(kinds), np.concatenate(times)))
@@ -360,7 +562,10 @@ def replay_codes(trace: AllocationTrace, iterations: int) -> np.ndarray:
 
 
 def simulate_caching_allocator(
-    trace: AllocationTrace, *, iterations: int = 2, capacity_bytes: int | None = None,
+    trace: AllocationTrace,
+    *,
+    iterations: int = 2,
+    capacity_bytes: int | None = None,
 ) -> CachingAllocatorReport:
     """Replay `iterations` back-to-back iterations of `trace` (long-lived buffers allocated once).
 

@@ -23,8 +23,15 @@ from planner_service.solver.allocation.search import SearchResult, SearchStatus
 
 
 def cpsat_placement(
-    lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    time_limit_s: float = 30.0, workers: int = 2, symmetry_breaking: bool = True, minimize: bool = False,
+    lowers: Sequence[int],
+    uppers: Sequence[int],
+    sizes: Sequence[int],
+    capacity: int,
+    *,
+    time_limit_s: float = 30.0,
+    workers: int = 2,
+    symmetry_breaking: bool = True,
+    minimize: bool = False,
     seed: int = 0,
 ) -> SearchResult:
     from ortools.sat.python import cp_model
@@ -37,13 +44,13 @@ def cpsat_placement(
     addr_intervals = []
     for i in range(n):
         if sizes[i] > capacity:
-            return SearchResult(SearchStatus.infeasible, None, 0, 0, time.perf_counter() - t0, preorder="cpsat")
+            return SearchResult(
+                SearchStatus.infeasible, None, 0, 0, time.perf_counter() - t0, preorder="cpsat"
+            )
         x = model.new_int_var(0, capacity - sizes[i], f"x{i}")
         xs.append(x)
         addr_intervals.append(model.new_fixed_size_interval_var(x, sizes[i], f"addr{i}"))
-        time_intervals.append(
-            model.new_fixed_size_interval_var(lowers[i], uppers[i] - lowers[i], f"time{i}")
-        )
+        time_intervals.append(model.new_fixed_size_interval_var(lowers[i], uppers[i] - lowers[i], f"time{i}"))
     model.add_no_overlap_2d(time_intervals, addr_intervals)
     if symmetry_breaking:
         groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
@@ -64,7 +71,9 @@ def cpsat_placement(
     status = solver.solve(model)
     elapsed = time.perf_counter() - t0
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return SearchResult(SearchStatus.found, [int(solver.value(x)) for x in xs], 0, 0, elapsed, preorder="cpsat")
+        return SearchResult(
+            SearchStatus.found, [int(solver.value(x)) for x in xs], 0, 0, elapsed, preorder="cpsat"
+        )
     if status == cp_model.INFEASIBLE:
         return SearchResult(SearchStatus.infeasible, None, 0, 0, elapsed, preorder="cpsat")
     return SearchResult(SearchStatus.timeout, None, 0, 0, elapsed, preorder="cpsat")

@@ -30,7 +30,9 @@ def parse_minimalloc_csv(text: str) -> list[Buffer]:
     header = [h.strip() for h in (reader.fieldnames or [])]
     missing = [c for c in REQUIRED_COLUMNS if c not in header]
     if missing:
-        raise AllocationInputError(f"line 1 (header): missing column(s) {', '.join(missing)}; need id,lower,upper,size")
+        raise AllocationInputError(
+            f"line 1 (header): missing column(s) {', '.join(missing)}; need id,lower,upper,size"
+        )
     reader.fieldnames = header
     buffers: list[Buffer] = []
     seen: dict[str, int] = {}

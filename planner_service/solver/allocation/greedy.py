@@ -24,7 +24,12 @@ ORDERS: dict[str, Callable[[int, int, int], tuple[int, ...]]] = {
 
 
 def best_fit(
-    lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], order: str, *, deadline: float | None = None,
+    lowers: Sequence[int],
+    uppers: Sequence[int],
+    sizes: Sequence[int],
+    order: str,
+    *,
+    deadline: float | None = None,
 ) -> list[int] | None:
     """Offsets of a best-fit placement with buffers taken in `order` (a key of `ORDERS`).
 

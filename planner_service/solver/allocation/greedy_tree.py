@@ -177,13 +177,26 @@ class TreeBestFit:
         if self.sz.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
         sequence = greedy_order(self.lo, self.up, self.sz, order)
-        off, done = _place(sequence, self.first, self.last, self.sz, self.tree_size, self.stab_ptr, self.start_ptr,
-                           float("inf") if deadline is None else deadline)
+        off, done = _place(
+            sequence,
+            self.first,
+            self.last,
+            self.sz,
+            self.tree_size,
+            self.stab_ptr,
+            self.start_ptr,
+            float("inf") if deadline is None else deadline,
+        )
         return off if done else None
 
 
 def tree_best_fit(
-    lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray, order: str, *, deadline: float | None = None,
+    lowers: np.ndarray,
+    uppers: np.ndarray,
+    sizes: np.ndarray,
+    order: str,
+    *,
+    deadline: float | None = None,
 ) -> np.ndarray | None:
     """Offsets of best fit in `order` (as `greedy.best_fit`), or None when `deadline` passed first."""
     return TreeBestFit(lowers, uppers, sizes).place(order, deadline=deadline)

@@ -56,7 +56,7 @@ class Partitions:
         return int(self.starts.shape[0] - 1)
 
     def of(self, p: int) -> np.ndarray:
-        return self.members[self.starts[p]:self.starts[p + 1]]
+        return self.members[self.starts[p] : self.starts[p + 1]]
 
 
 def partitions(lowers: np.ndarray, uppers: np.ndarray) -> Partitions:
@@ -95,9 +95,13 @@ class TraceArrays:
 
 def trace_arrays(trace: AllocationTrace) -> TraceArrays:
     a = trace.arrays
-    return TraceArrays(a.array("id").astype(np.int64), a.array("size_bytes").astype(np.int64),
-                       a.array("alloc_index").astype(np.int64), a.array("free_index").astype(np.int64),
-                       trace.horizon)
+    return TraceArrays(
+        a.array("id").astype(np.int64),
+        a.array("size_bytes").astype(np.int64),
+        a.array("alloc_index").astype(np.int64),
+        a.array("free_index").astype(np.int64),
+        trace.horizon,
+    )
 
 
 def trace_lower_bound_arrays(arrays: TraceArrays) -> int:

@@ -125,8 +125,18 @@ def _sweep(lo: np.ndarray, up: np.ndarray, units: np.ndarray, deadline: float) -
 
 
 def _refine(
-    lo: np.ndarray, up: np.ndarray, units: np.ndarray, start: np.ndarray, start_method: str, lb_units: int,
-    cap_units: int | None, deadline: float, rules: SearchRules, minimize: bool, log: list[str], a: int,
+    lo: np.ndarray,
+    up: np.ndarray,
+    units: np.ndarray,
+    start: np.ndarray,
+    start_method: str,
+    lb_units: int,
+    cap_units: int | None,
+    deadline: float,
+    rules: SearchRules,
+    minimize: bool,
+    log: list[str],
+    a: int,
     search: bool = True,
 ) -> _Refined:
     """Step 3: best fit over the static orders, then (with `search`) the exact search, until the deadline."""
@@ -154,7 +164,9 @@ def _refine(
         nonlocal best, best_arena, method, proven, nodes
         res = search_placement(lows, ups, sizes, target, time_limit_s=budget, rules=rules)
         nodes += res.nodes
-        log.append(f"search at {target * a} bytes: {res.status.value} ({res.nodes} nodes, {res.elapsed_s:.2f} s)")
+        log.append(
+            f"search at {target * a} bytes: {res.status.value} ({res.nodes} nodes, {res.elapsed_s:.2f} s)"
+        )
         if res.status == SearchStatus.found and res.offsets is not None:
             arr = np.asarray(res.offsets, dtype=np.int64)
             arena = int((arr + units).max())
@@ -202,8 +214,18 @@ def _signature(lo: np.ndarray, up: np.ndarray, units: np.ndarray) -> bytes:
 
 
 def _refine_partitions(
-    lo: np.ndarray, up: np.ndarray, units: np.ndarray, offsets: np.ndarray, method: str, lb_units: int,
-    cap_units: int | None, deadline: float, rules: SearchRules, minimize: bool, log: list[str], a: int,
+    lo: np.ndarray,
+    up: np.ndarray,
+    units: np.ndarray,
+    offsets: np.ndarray,
+    method: str,
+    lb_units: int,
+    cap_units: int | None,
+    deadline: float,
+    rules: SearchRules,
+    minimize: bool,
+    log: list[str],
+    a: int,
 ) -> _Refined:
     """Step 4: refine the partitions that set the arena, worst first, while time is left."""
     parts = partitions(lo, up)
@@ -235,8 +257,21 @@ def _refine_partitions(
             rel = cache[sig]
         else:
             p_lb = peak_live(plo, pup, pun)
-            sub = _refine(plo, pup, pun, offsets[idx], method, p_lb, cap_units, deadline, rules, minimize,
-                          log, a, search=idx.shape[0] <= SEARCH_MAX_BUFFERS)
+            sub = _refine(
+                plo,
+                pup,
+                pun,
+                offsets[idx],
+                method,
+                p_lb,
+                cap_units,
+                deadline,
+                rules,
+                minimize,
+                log,
+                a,
+                search=idx.shape[0] <= SEARCH_MAX_BUFFERS,
+            )
             nodes += sub.nodes
             proven = max(proven, sub.proven)
             if sub.infeasible:
@@ -255,8 +290,17 @@ def _refine_partitions(
 
 
 def _plan_units(
-    lo: np.ndarray, up: np.ndarray, raw: np.ndarray, *, capacity_bytes: int | None, alignment_bytes: int,
-    time_limit_s: float, rules: SearchRules | None, base_offset_bytes: int, minimize: bool, t0: float,
+    lo: np.ndarray,
+    up: np.ndarray,
+    raw: np.ndarray,
+    *,
+    capacity_bytes: int | None,
+    alignment_bytes: int,
+    time_limit_s: float,
+    rules: SearchRules | None,
+    base_offset_bytes: int,
+    minimize: bool,
+    t0: float,
 ) -> tuple[np.ndarray, BufferPlan]:
     """The planner on arrays (checked by the caller). Offsets returned as an int64 array, bytes."""
     lb = peak_live(lo, up, raw)
@@ -264,9 +308,13 @@ def _plan_units(
     empty = np.zeros(0, dtype=np.int64)
     if capacity_bytes is not None and base_offset_bytes + lb > capacity_bytes:
         log.append(f"capacity {capacity_bytes} < lower bound {base_offset_bytes + lb}: infeasible")
-        return empty, BufferPlan([], 0, lb, lb, SolverStatus.infeasible, time.perf_counter() - t0, "bound", log=log)
+        return empty, BufferPlan(
+            [], 0, lb, lb, SolverStatus.infeasible, time.perf_counter() - t0, "bound", log=log
+        )
     if raw.shape[0] == 0:
-        return empty, BufferPlan([], base_offset_bytes, 0, 0, SolverStatus.optimal, time.perf_counter() - t0, "empty")
+        return empty, BufferPlan(
+            [], base_offset_bytes, 0, 0, SolverStatus.optimal, time.perf_counter() - t0, "empty"
+        )
     a = alignment_bytes
     units = -(-raw // a)
     lb_units = peak_live(lo, up, units)
@@ -276,14 +324,19 @@ def _plan_units(
     start, start_method = _sweep(lo, up, units, deadline)
     log.append(f"sweep best fit: {int((start + units).max()) * a} bytes ({start_method})")
     if raw.shape[0] <= SEARCH_MAX_BUFFERS:
-        res = _refine(lo, up, units, start, start_method, lb_units, cap_units, deadline, rules, minimize, log, a)
+        res = _refine(
+            lo, up, units, start, start_method, lb_units, cap_units, deadline, rules, minimize, log, a
+        )
     else:
-        res = _refine_partitions(lo, up, units, start, start_method, lb_units, cap_units, deadline, rules,
-                                 minimize, log, a)
+        res = _refine_partitions(
+            lo, up, units, start, start_method, lb_units, cap_units, deadline, rules, minimize, log, a
+        )
     solve_s = time.perf_counter() - t0
     proven_bytes = max(lb, res.proven * a - (a - 1)) if res.proven > lb_units else lb
     if res.infeasible:
-        return empty, BufferPlan([], 0, lb, proven_bytes, SolverStatus.infeasible, solve_s, "search", res.nodes, log)
+        return empty, BufferPlan(
+            [], 0, lb, proven_bytes, SolverStatus.infeasible, solve_s, "search", res.nodes, log
+        )
     offsets = base_offset_bytes + res.offsets * a
     arena = int((offsets + raw).max())
     if cap_units is not None and res.arena > cap_units:
@@ -296,8 +349,13 @@ def _plan_units(
 
 
 def plan_buffers(
-    buffers: Sequence[Buffer], *, capacity_bytes: int | None = None, alignment_bytes: int = 1,
-    time_limit_s: float = 10.0, rules: SearchRules | None = None, base_offset_bytes: int = 0,
+    buffers: Sequence[Buffer],
+    *,
+    capacity_bytes: int | None = None,
+    alignment_bytes: int = 1,
+    time_limit_s: float = 10.0,
+    rules: SearchRules | None = None,
+    base_offset_bytes: int = 0,
     minimize: bool = True,
 ) -> BufferPlan:
     """Place `buffers` (validated first) minimising the arena, under `capacity_bytes` when given.
@@ -314,9 +372,18 @@ def plan_buffers(
     lo = np.fromiter((b.lower for b in buffers), dtype=np.int64, count=len(buffers))
     up = np.fromiter((b.upper for b in buffers), dtype=np.int64, count=len(buffers))
     raw = np.fromiter((b.size for b in buffers), dtype=np.int64, count=len(buffers))
-    offsets, plan = _plan_units(lo, up, raw, capacity_bytes=capacity_bytes, alignment_bytes=alignment_bytes,
-                                time_limit_s=time_limit_s, rules=rules, base_offset_bytes=base_offset_bytes,
-                                minimize=minimize, t0=t0)
+    offsets, plan = _plan_units(
+        lo,
+        up,
+        raw,
+        capacity_bytes=capacity_bytes,
+        alignment_bytes=alignment_bytes,
+        time_limit_s=time_limit_s,
+        rules=rules,
+        base_offset_bytes=base_offset_bytes,
+        minimize=minimize,
+        t0=t0,
+    )
     plan.offsets = offsets.tolist()
     return plan
 
@@ -368,8 +435,12 @@ def _buffer_offsets(ids: list[int], offsets: list[int]) -> list[BufferOffset]:
 
 
 def plan_allocation(
-    trace: AllocationTrace, *, capacity_bytes: int | None = None, alignment_bytes: int = 512,
-    time_limit_s: float = 10.0, seed: int = 0,
+    trace: AllocationTrace,
+    *,
+    capacity_bytes: int | None = None,
+    alignment_bytes: int = 512,
+    time_limit_s: float = 10.0,
+    seed: int = 0,
 ) -> AllocationPlan:
     """Offsets for every buffer of a steady-state iteration, valid when iterations repeat.
 
@@ -393,14 +464,29 @@ def plan_allocation(
     it_idx = np.flatnonzero(~ll)
     # Keep time to build the plan's offsets after the refinement stops.
     reserve = min(FINISH_S_PER_EVENT * n, time_limit_s / 4)
-    sub_offsets, sub = _plan_units(arr.alloc[it_idx], arr.free[it_idx], arr.sizes[it_idx],
-                                   capacity_bytes=capacity_bytes, alignment_bytes=a,
-                                   time_limit_s=time_limit_s - reserve - (time.perf_counter() - t0),
-                                   rules=None, base_offset_bytes=base, minimize=True, t0=time.perf_counter())
+    sub_offsets, sub = _plan_units(
+        arr.alloc[it_idx],
+        arr.free[it_idx],
+        arr.sizes[it_idx],
+        capacity_bytes=capacity_bytes,
+        alignment_bytes=a,
+        time_limit_s=time_limit_s - reserve - (time.perf_counter() - t0),
+        rules=None,
+        base_offset_bytes=base,
+        minimize=True,
+        t0=time.perf_counter(),
+    )
     lower_bound = long_raw + sub.lower_bound_bytes
     if sub.status == SolverStatus.infeasible:
-        return AllocationPlan(arena_bytes=0, lower_bound_bytes=lower_bound, alignment_bytes=a, offsets=[],
-                              status=SolverStatus.infeasible, solve_s=time.perf_counter() - t0, solver=SOLVER_NAME)
+        return AllocationPlan(
+            arena_bytes=0,
+            lower_bound_bytes=lower_bound,
+            alignment_bytes=a,
+            offsets=[],
+            status=SolverStatus.infeasible,
+            solve_s=time.perf_counter() - t0,
+            solver=SOLVER_NAME,
+        )
     offsets[it_idx] = sub_offsets
     arena = int((offsets + arr.sizes).max()) if n else 0
     status = sub.status

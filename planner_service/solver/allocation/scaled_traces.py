@@ -49,7 +49,10 @@ def _deep_time(t: np.ndarray, k: int, copies: int, f: int, b: int, h: int) -> np
 
 
 def replicate_trace(
-    trace: AllocationTrace, copies: int, *, layout: Literal["sequential", "deep"] = "sequential",
+    trace: AllocationTrace,
+    copies: int,
+    *,
+    layout: Literal["sequential", "deep"] = "sequential",
 ) -> AllocationTrace:
     """`copies` copies of `trace`'s iteration laid out in time as described in the module docstring."""
     if copies < 1:
@@ -72,14 +75,23 @@ def replicate_trace(
             allocs.append(_deep_time(arr.alloc, k, copies, f, b, h))
             frees.append(np.where(long_lived, -1, _deep_time(arr.free, k, copies, f, b, h)))
     arrays = EventArrays.from_arrays(
-        id=np.concatenate(ids), size_bytes=np.tile(arr.sizes, copies), alloc_index=np.concatenate(allocs),
-        free_index=np.concatenate(frees), category=np.tile(packed.array("category"), copies),
-        block=np.tile(packed.array("block"), copies), phase=np.tile(packed.array("phase"), copies))
+        id=np.concatenate(ids),
+        size_bytes=np.tile(arr.sizes, copies),
+        alloc_index=np.concatenate(allocs),
+        free_index=np.concatenate(frees),
+        category=np.tile(packed.array("category"), copies),
+        block=np.tile(packed.array("block"), copies),
+        phase=np.tile(packed.array("phase"), copies),
+    )
     return AllocationTrace(source=trace.source, horizon=copies * h, event_arrays=arrays)
 
 
 def random_trace(
-    n: int, *, seed: int = 0, mean_live: int = 1000, long_lived_fraction: float = 0.01,
+    n: int,
+    *,
+    seed: int = 0,
+    mean_live: int = 1000,
+    long_lived_fraction: float = 0.01,
 ) -> AllocationTrace:
     """A random trace of `n` events over a horizon of `4 n` steps (see the module docstring)."""
     if n < 1:
@@ -94,8 +106,14 @@ def random_trace(
     long_lived = rng.random(n) < long_lived_fraction
     sizes = np.exp(rng.uniform(np.log(512), np.log(64 << 20), size=n)).astype(np.int64)
     arrays = EventArrays.from_arrays(
-        id=np.arange(n), size_bytes=sizes, alloc_index=alloc, free_index=np.where(long_lived, -1, free),
-        category=np.where(long_lived, CATEGORIES.index(AllocationCategory.param),
-                          CATEGORIES.index(AllocationCategory.temp)),
-        block=np.full(n, -1), phase=np.full(n, PHASES.index(Phase.forward)))
+        id=np.arange(n),
+        size_bytes=sizes,
+        alloc_index=alloc,
+        free_index=np.where(long_lived, -1, free),
+        category=np.where(
+            long_lived, CATEGORIES.index(AllocationCategory.param), CATEGORIES.index(AllocationCategory.temp)
+        ),
+        block=np.full(n, -1),
+        phase=np.full(n, PHASES.index(Phase.forward)),
+    )
     return AllocationTrace(source="dispatch_tracker", horizon=horizon, event_arrays=arrays)

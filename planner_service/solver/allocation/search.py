@@ -59,16 +59,28 @@ _ABORTED = -1  # node budget of the round spent, or the deadline passed (ctr[_C_
 # Indices into the `ctr` counter array shared by the compiled functions.
 _C_NODES_LEFT, _C_NODES, _C_BACKTRACKS, _C_DEADLINE = 0, 1, 2, 3
 # Indices into the `params` array.
-(_P_CAPACITY, _P_CANONICAL, _P_DOMINANCE, _P_INFERENCE, _P_MONOTONIC, _P_UNALLOC, _P_HATLESS, _P_DECOMP,
- _P_CHECK_MASK) = range(9)
+(
+    _P_CAPACITY,
+    _P_CANONICAL,
+    _P_DOMINANCE,
+    _P_INFERENCE,
+    _P_MONOTONIC,
+    _P_UNALLOC,
+    _P_HATLESS,
+    _P_DECOMP,
+    _P_CHECK_MASK,
+) = range(9)
 # The deadline is checked every 256 nodes on small problems (a node costs microseconds there) and at
 # every node above this many buffers, where one node costs up to milliseconds (linear in the partition).
 _CHECK_EVERY_NODE_ABOVE = 2000
 
 # The deadline check (`numba_clock.now`, every 256 nodes, or every node on large problems) briefly takes the GIL back through numba's object mode;
 # everything else runs without it (nogil=True), so solves in several threads proceed in parallel.
-warnings.filterwarnings("ignore", message="Code running in object mode won't allow parallel execution",
-                        category=numba.NumbaWarning)
+warnings.filterwarnings(
+    "ignore",
+    message="Code running in object mode won't allow parallel execution",
+    category=numba.NumbaWarning,
+)
 
 _HEURISTIC_CODES = {"W": 0, "A": 1, "T": 2, "Z": 3, "S": 4, "E": 5}
 
@@ -151,9 +163,33 @@ def _check(sec_a, sec_b, offset, floor, total, params):  # type: ignore[no-untyp
 
 
 @njit(cache=True, nogil=True)
-def _dfs(pbufs, sec_a, sec_b, orig, min_offset, min_pidx,  # type: ignore[no-untyped-def]
-         lowers, uppers, sizes, blo, bhi, ov_ptr, ov_idx, sc_ptr, sc_idx,
-         offsets, solution, mo, floor, total, cuts, ctr, params, heuristic, deadline):
+def _dfs(  # type: ignore[no-untyped-def]
+    pbufs,
+    sec_a,
+    sec_b,
+    orig,
+    min_offset,
+    min_pidx,
+    lowers,
+    uppers,
+    sizes,
+    blo,
+    bhi,
+    ov_ptr,
+    ov_idx,
+    sc_ptr,
+    sc_idx,
+    offsets,
+    solution,
+    mo,
+    floor,
+    total,
+    cuts,
+    ctr,
+    params,
+    heuristic,
+    deadline,
+):
     """One node: place an unplaced buffer of partition `pbufs` (sections [sec_a, sec_b)) at its min offset."""
     if ctr[_C_NODES_LEFT] <= 0:
         return _ABORTED
@@ -246,9 +282,33 @@ def _dfs(pbufs, sec_a, sec_b, orig, min_offset, min_pidx,  # type: ignore[no-unt
                         cutpoints[n_cut] = s + 1
                         n_cut += 1
             if n_cut == 1:
-                result = _dfs(pbufs, sec_a, sec_b, ordering, offset, pidx,
-                              lowers, uppers, sizes, blo, bhi, ov_ptr, ov_idx, sc_ptr, sc_idx,
-                              offsets, solution, mo, floor, total, cuts, ctr, params, heuristic, deadline)
+                result = _dfs(
+                    pbufs,
+                    sec_a,
+                    sec_b,
+                    ordering,
+                    offset,
+                    pidx,
+                    lowers,
+                    uppers,
+                    sizes,
+                    blo,
+                    bhi,
+                    ov_ptr,
+                    ov_idx,
+                    sc_ptr,
+                    sc_idx,
+                    offsets,
+                    solution,
+                    mo,
+                    floor,
+                    total,
+                    cuts,
+                    ctr,
+                    params,
+                    heuristic,
+                    deadline,
+                )
             else:
                 cutpoints[n_cut] = sec_b
                 n_cut += 1
@@ -265,9 +325,33 @@ def _dfs(pbufs, sec_a, sec_b, orig, min_offset, min_pidx,  # type: ignore[no-unt
                     if n_mem == 0:
                         continue
                     sub = _preorder(members[:n_mem], heuristic, lowers, uppers, sizes, blo, bhi, total)
-                    result = _dfs(sub, lo, hi, np.arange(n_mem), np.int64(0), np.int64(0),
-                                  lowers, uppers, sizes, blo, bhi, ov_ptr, ov_idx, sc_ptr, sc_idx,
-                                  offsets, solution, mo, floor, total, cuts, ctr, params, heuristic, deadline)
+                    result = _dfs(
+                        sub,
+                        lo,
+                        hi,
+                        np.arange(n_mem),
+                        np.int64(0),
+                        np.int64(0),
+                        lowers,
+                        uppers,
+                        sizes,
+                        blo,
+                        bhi,
+                        ov_ptr,
+                        ov_idx,
+                        sc_ptr,
+                        sc_idx,
+                        offsets,
+                        solution,
+                        mo,
+                        floor,
+                        total,
+                        cuts,
+                        ctr,
+                        params,
+                        heuristic,
+                        deadline,
+                    )
                     if result != _FOUND:
                         break
             if params[_P_DECOMP]:
@@ -303,8 +387,13 @@ _STACK_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, sta
 
 
 def search_placement(
-    lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    time_limit_s: float = 10.0, rules: SearchRules | None = None,
+    lowers: Sequence[int],
+    uppers: Sequence[int],
+    sizes: Sequence[int],
+    capacity: int,
+    *,
+    time_limit_s: float = 10.0,
+    rules: SearchRules | None = None,
 ) -> SearchResult:
     """Find offsets with every buffer below `capacity` and no two time-overlapping buffers sharing addresses.
 
@@ -319,7 +408,9 @@ def search_placement(
 
     def run() -> None:
         try:
-            out.append(_search_placement(lowers, uppers, sizes, capacity, time_limit_s=time_limit_s, rules=rules))
+            out.append(
+                _search_placement(lowers, uppers, sizes, capacity, time_limit_s=time_limit_s, rules=rules)
+            )
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(exc)
 
@@ -336,10 +427,14 @@ def search_placement(
     return out[0]
 
 
-
 def _search_placement(
-    lowers: Sequence[int], uppers: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    time_limit_s: float = 10.0, rules: SearchRules | None = None,
+    lowers: Sequence[int],
+    uppers: Sequence[int],
+    sizes: Sequence[int],
+    capacity: int,
+    *,
+    time_limit_s: float = 10.0,
+    rules: SearchRules | None = None,
 ) -> SearchResult:
     """Find offsets with every buffer below `capacity` and no two time-overlapping buffers sharing addresses.
 
@@ -360,9 +455,20 @@ def _search_placement(
     ov_ptr, ov_idx = _csr(sw.overlaps)
     sc_ptr, sc_idx = _csr(sw.sections)
     n_sections = len(sw.sections)
-    params = np.array([capacity, rules.canonical_only, rules.check_dominance, rules.section_inference,
-                       rules.monotonic_floor, rules.unallocated_floor, rules.hatless_pruning,
-                       rules.dynamic_decomposition, 0 if n > _CHECK_EVERY_NODE_ABOVE else 255], dtype=np.int64)
+    params = np.array(
+        [
+            capacity,
+            rules.canonical_only,
+            rules.check_dominance,
+            rules.section_inference,
+            rules.monotonic_floor,
+            rules.unallocated_floor,
+            rules.hatless_pruning,
+            rules.dynamic_decomposition,
+            0 if n > _CHECK_EVERY_NODE_ABOVE else 255,
+        ],
+        dtype=np.int64,
+    )
     total0 = np.zeros(n_sections, dtype=np.int64)
     for s, members in enumerate(sw.sections):
         total0[s] = int(sz[members].sum())
@@ -385,11 +491,36 @@ def _search_placement(
             ctr[_C_NODES_LEFT] = node_limit
             result = _FOUND
             for part in sw.partitions:
-                members = _preorder(np.asarray(part.buffers, dtype=np.int64), heuristic, lo, up, sz, blo, bhi,
-                                    total)
-                result = _dfs(members, part.section_lo, part.section_hi, np.arange(len(members)), 0, 0,
-                              lo, up, sz, blo, bhi, ov_ptr, ov_idx, sc_ptr, sc_idx,
-                              offsets, solution, mo, floor, total, cuts, ctr, params, heuristic, deadline)
+                members = _preorder(
+                    np.asarray(part.buffers, dtype=np.int64), heuristic, lo, up, sz, blo, bhi, total
+                )
+                result = _dfs(
+                    members,
+                    part.section_lo,
+                    part.section_hi,
+                    np.arange(len(members)),
+                    0,
+                    0,
+                    lo,
+                    up,
+                    sz,
+                    blo,
+                    bhi,
+                    ov_ptr,
+                    ov_idx,
+                    sc_ptr,
+                    sc_idx,
+                    offsets,
+                    solution,
+                    mo,
+                    floor,
+                    total,
+                    cuts,
+                    ctr,
+                    params,
+                    heuristic,
+                    deadline,
+                )
                 if result != _FOUND:
                     break
             used = h
@@ -405,5 +536,11 @@ def _search_placement(
         if status != SearchStatus.timeout or not exhausted_budget:
             break
     offsets_out = [int(v) for v in solution] if status == SearchStatus.found else None
-    return SearchResult(status, offsets_out, int(ctr[_C_NODES]), int(ctr[_C_BACKTRACKS]),
-                        time.perf_counter() - t0, preorder=used)
+    return SearchResult(
+        status,
+        offsets_out,
+        int(ctr[_C_NODES]),
+        int(ctr[_C_BACKTRACKS]),
+        time.perf_counter() - t0,
+        preorder=used,
+    )

@@ -90,7 +90,9 @@ def _replay_best_fit(codes, sizes, k1, k2, pri, left, right, parent, root):  # t
     return off
 
 
-def sweep_best_fit(lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray, *, reverse: bool = False) -> np.ndarray:
+def sweep_best_fit(
+    lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray, *, reverse: bool = False
+) -> np.ndarray:
     """Offsets (int64 array) of best fit in time order; `reverse=True` replays time backwards."""
     lo = np.asarray(lowers, dtype=np.int64)
     up = np.asarray(uppers, dtype=np.int64)

@@ -25,7 +25,9 @@ def trace_lower_bound(trace: AllocationTrace) -> int:
     return trace_lower_bound_arrays(trace_arrays(trace))
 
 
-def validate_allocation(trace: AllocationTrace, plan: AllocationPlan, *, capacity_bytes: int | None = None) -> None:
+def validate_allocation(
+    trace: AllocationTrace, plan: AllocationPlan, *, capacity_bytes: int | None = None
+) -> None:
     """Raise `AllocationValidationError` naming the first broken rule; return None for a usable plan."""
     if plan.status == SolverStatus.infeasible:
         if plan.offsets:
@@ -46,7 +48,9 @@ def validate_allocation(trace: AllocationTrace, plan: AllocationPlan, *, capacit
         raise AllocationValidationError(f"offsets: buffer {int(unknown[0])} is not in the trace")
     placed = np.isin(arr.ids, pid)
     if not placed.all():
-        raise AllocationValidationError(f"offsets: buffer {int(arr.ids[np.argmin(placed)])} of the trace has no offset")
+        raise AllocationValidationError(
+            f"offsets: buffer {int(arr.ids[np.argmin(placed)])} of the trace has no offset"
+        )
     off = poff[by_id][np.searchsorted(sorted_ids, arr.ids)]  # offset of each event, in trace order
     ends = off + arr.sizes
     beyond = ends > plan.arena_bytes
@@ -76,5 +80,12 @@ def validate_allocation(trace: AllocationTrace, plan: AllocationPlan, *, capacit
         eid = int(arr.ids[event_of[i]])
         return f"{eid} (next iteration)" if second[i] else str(eid)
 
-    check_placement_arrays(lowers, uppers, arr.sizes[event_of], off[event_of], name,
-                           capacity=capacity_bytes, alignment=plan.alignment_bytes)
+    check_placement_arrays(
+        lowers,
+        uppers,
+        arr.sizes[event_of],
+        off[event_of],
+        name,
+        capacity=capacity_bytes,
+        alignment=plan.alignment_bytes,
+    )

@@ -23,10 +23,15 @@ NIL = -1
 def new_treap(capacity: int, seed: int = 0) -> tuple[np.ndarray, ...]:
     """(k1, k2, pri, left, right, parent, root) arrays for an empty treap of at most `capacity` nodes."""
     rng = np.random.default_rng(seed)
-    return (np.zeros(capacity, dtype=np.int64), np.zeros(capacity, dtype=np.int64),
-            rng.integers(0, 1 << 62, size=capacity, dtype=np.int64), np.full(capacity, NIL, dtype=np.int64),
-            np.full(capacity, NIL, dtype=np.int64), np.full(capacity, NIL, dtype=np.int64),
-            np.full(1, NIL, dtype=np.int64))
+    return (
+        np.zeros(capacity, dtype=np.int64),
+        np.zeros(capacity, dtype=np.int64),
+        rng.integers(0, 1 << 62, size=capacity, dtype=np.int64),
+        np.full(capacity, NIL, dtype=np.int64),
+        np.full(capacity, NIL, dtype=np.int64),
+        np.full(capacity, NIL, dtype=np.int64),
+        np.full(1, NIL, dtype=np.int64),
+    )
 
 
 @njit(cache=True, nogil=True)

@@ -50,8 +50,14 @@ def _first_overlap(order, lowers, uppers, sizes, offsets, k1, k2, pri, left, rig
 
 
 def check_placement_arrays(
-    lowers: np.ndarray, uppers: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, name: Callable[[int], str], *,
-    capacity: int | None = None, alignment: int = 1,
+    lowers: np.ndarray,
+    uppers: np.ndarray,
+    sizes: np.ndarray,
+    offsets: np.ndarray,
+    name: Callable[[int], str],
+    *,
+    capacity: int | None = None,
+    alignment: int = 1,
 ) -> None:
     """`validate_placement` on int64 arrays; `name(i)` names buffer i in messages."""
     bad = offsets < 0
@@ -65,7 +71,9 @@ def check_placement_arrays(
         if off < 0:
             raise AllocationValidationError(f"buffer {name(i)}: offset {off} is negative")
         if alignment > 1 and off % alignment:
-            raise AllocationValidationError(f"buffer {name(i)}: offset {off} is not a multiple of alignment {alignment}")
+            raise AllocationValidationError(
+                f"buffer {name(i)}: offset {off} is not a multiple of alignment {alignment}"
+            )
         raise AllocationValidationError(
             f"buffer {name(i)}: ends at {off + int(sizes[i])} bytes, beyond capacity {capacity}"
         )
@@ -85,7 +93,11 @@ def check_placement_arrays(
 
 
 def validate_placement(
-    buffers: Sequence[Buffer], offsets: Sequence[int], *, capacity: int | None = None, alignment: int = 1,
+    buffers: Sequence[Buffer],
+    offsets: Sequence[int],
+    *,
+    capacity: int | None = None,
+    alignment: int = 1,
 ) -> None:
     """Raise `AllocationValidationError` at the first violated rule, else return None."""
     if len(offsets) != len(buffers):
@@ -96,5 +108,7 @@ def validate_placement(
         np.fromiter((b.upper for b in buffers), dtype=np.int64, count=n),
         np.fromiter((b.size for b in buffers), dtype=np.int64, count=n),
         np.asarray(offsets, dtype=np.int64).reshape(n),
-        lambda i: buffers[i].id, capacity=capacity, alignment=alignment,
+        lambda i: buffers[i].id,
+        capacity=capacity,
+        alignment=alignment,
     )

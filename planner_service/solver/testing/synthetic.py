@@ -60,7 +60,8 @@ def synthetic_hardware(device_memory_bytes: int = 80 * GiB, host_memory_bytes: i
         pinned_memory_limit_bytes=None,
         cpu_cores=32,
         bandwidth=BandwidthCurves(
-            h2d_pinned=_curve(MODELLED_PINNED_COPY_BYTES_PER_S), d2h_pinned=_curve(MODELLED_PINNED_COPY_BYTES_PER_S),
+            h2d_pinned=_curve(MODELLED_PINNED_COPY_BYTES_PER_S),
+            d2h_pinned=_curve(MODELLED_PINNED_COPY_BYTES_PER_S),
             h2d_pageable=_curve(MODELLED_PAGEABLE_COPY_BYTES_PER_S),
             d2h_pageable=_curve(MODELLED_PAGEABLE_COPY_BYTES_PER_S),
         ),
@@ -88,52 +89,105 @@ def synthetic_trace(
     params: list[ParameterInfo] = []
     meas: list[BlockMeasurement] = []
 
-    def add_block(kind: BlockKind, bname: str, cls: str, shapes: dict[str, list[int]], flops: float,
-                  act: int, inp: int) -> None:
+    def add_block(
+        kind: BlockKind, bname: str, cls: str, shapes: dict[str, list[int]], flops: float, act: int, inp: int
+    ) -> None:
         idx = len(blocks)
         pbytes = 0
         for pname, shape in shapes.items():
             numel = 1
             for d in shape:
                 numel *= d
-            params.append(ParameterInfo(name=f"{bname}.{pname}", block=idx, shape=shape,
-                                        dtype="bfloat16" if elt == 2 else "float32", numel=numel, bytes=numel * elt))
+            params.append(
+                ParameterInfo(
+                    name=f"{bname}.{pname}",
+                    block=idx,
+                    shape=shape,
+                    dtype="bfloat16" if elt == 2 else "float32",
+                    numel=numel,
+                    bytes=numel * elt,
+                )
+            )
             pbytes += numel * elt
         blocks.append(BlockInfo(index=idx, name=bname, kind=kind, module_class=cls, parameter_bytes=pbytes))
         fwd = flops / device_flops
-        meas.append(BlockMeasurement(
-            block=idx, forward_s=fwd, backward_s=2 * fwd, recompute_s=fwd, activation_bytes=act, input_bytes=inp,
-            forward_transient_peak_bytes=4 * tokens * hidden * elt, backward_transient_peak_bytes=8 * tokens * hidden * elt,
-        ))
+        meas.append(
+            BlockMeasurement(
+                block=idx,
+                forward_s=fwd,
+                backward_s=2 * fwd,
+                recompute_s=fwd,
+                activation_bytes=act,
+                input_bytes=inp,
+                forward_transient_peak_bytes=4 * tokens * hidden * elt,
+                backward_transient_peak_bytes=8 * tokens * hidden * elt,
+            )
+        )
 
     h = hidden
-    add_block(BlockKind.prologue, "embed", "Embedding", {"weight": [vocab, h]}, 2 * tokens * h,
-              tokens * h * elt, tokens * 8)
+    add_block(
+        BlockKind.prologue,
+        "embed",
+        "Embedding",
+        {"weight": [vocab, h]},
+        2 * tokens * h,
+        tokens * h * elt,
+        tokens * 8,
+    )
     for i in range(n_blocks):
-        shapes = {"attn.qkv.weight": [3 * h, h], "attn.out.weight": [h, h], "mlp.up.weight": [4 * h, h],
-                  "mlp.down.weight": [h, 4 * h], "norm1.weight": [h], "norm2.weight": [h]}
+        shapes = {
+            "attn.qkv.weight": [3 * h, h],
+            "attn.out.weight": [h, h],
+            "mlp.up.weight": [4 * h, h],
+            "mlp.down.weight": [h, 4 * h],
+            "norm1.weight": [h],
+            "norm2.weight": [h],
+        }
         flops = 2 * tokens * 12 * h * h + 4 * batch * seq * seq * h
         act = (34 * tokens * h + 5 * heads * batch * seq * seq) * elt // 2
         add_block(BlockKind.block, f"layers.{i}", "DecoderLayer", shapes, flops, act, tokens * h * elt)
-    add_block(BlockKind.epilogue, "head", "LMHead", {"norm.weight": [h], "lm_head.weight": [vocab, h]},
-              6 * tokens * h * vocab / 3, tokens * vocab * 4, tokens * h * elt)
+    add_block(
+        BlockKind.epilogue,
+        "head",
+        "LMHead",
+        {"norm.weight": [h], "lm_head.weight": [vocab, h]},
+        6 * tokens * h * vocab / 3,
+        tokens * vocab * 4,
+        tokens * h * elt,
+    )
 
     n_params = sum(p.numel for p in params)
     fp = hashlib.sha256(f"synthetic:{n_blocks}:{hidden}:{vocab}:{heads}".encode()).hexdigest()[:16]
     fwd_total = sum(m.forward_s for m in meas)
     return Trace(
         hardware=synthetic_hardware(device_memory_bytes, host_memory_bytes),
-        software=Software(torch_version="synthetic", cuda_version=None, python_version="3.11", memplan_version="0.1.0"),
-        model=ModelInfo(name=name or f"synthetic-{n_blocks}L-{hidden}H", architecture="SyntheticDecoder",
-                        fingerprint=fp, parameter_count=n_params, dtype="bfloat16" if elt == 2 else "float32",
-                        blocks=blocks, parameters=params),
-        workload=Workload(batch_size=batch, sequence_length=seq, precision=precision, optimizer=OptimizerKind.adamw,
-                          optimizer_state_bytes_per_param=8, master_bytes_per_param=4 if elt == 2 else 0,
-                          gradient_bytes_per_param=elt),
+        software=Software(
+            torch_version="synthetic", cuda_version=None, python_version="3.11", memplan_version="0.1.0"
+        ),
+        model=ModelInfo(
+            name=name or f"synthetic-{n_blocks}L-{hidden}H",
+            architecture="SyntheticDecoder",
+            fingerprint=fp,
+            parameter_count=n_params,
+            dtype="bfloat16" if elt == 2 else "float32",
+            blocks=blocks,
+            parameters=params,
+        ),
+        workload=Workload(
+            batch_size=batch,
+            sequence_length=seq,
+            precision=precision,
+            optimizer=OptimizerKind.adamw,
+            optimizer_state_bytes_per_param=8,
+            master_bytes_per_param=4 if elt == 2 else 0,
+            gradient_bytes_per_param=elt,
+        ),
         measurements=Measurements(
             blocks=meas,
-            optimizer=OptimizerMeasurement(device_bytes_per_s=MODELLED_DEVICE_OPTIMIZER_BYTES_PER_S,
-                                           host_bytes_per_s=MODELLED_HOST_OPTIMIZER_BYTES_PER_S),
+            optimizer=OptimizerMeasurement(
+                device_bytes_per_s=MODELLED_DEVICE_OPTIMIZER_BYTES_PER_S,
+                host_bytes_per_s=MODELLED_HOST_OPTIMIZER_BYTES_PER_S,
+            ),
             iteration_s=3 * fwd_total,
             peak_device_bytes=0,
             extrapolated=False,
@@ -200,36 +254,80 @@ def hand_trace(
         if s.parameter_bytes % 4:
             raise ValueError(f"specs[{i}].parameter_bytes: {s.parameter_bytes} is not a multiple of 4 (fp32)")
         if s.parameter_bytes:
-            params.append(ParameterInfo(name=f"blocks.{i}.weight", block=i, shape=[s.parameter_bytes // 4],
-                                        dtype="float32", numel=s.parameter_bytes // 4, bytes=s.parameter_bytes))
-        blocks.append(BlockInfo(index=i, name=f"blocks.{i}", kind=s.kind, module_class="HandBlock",
-                                parameter_bytes=s.parameter_bytes))
-        meas.append(BlockMeasurement(
-            block=i, forward_s=s.forward_s, backward_s=s.backward_s, recompute_s=s.recompute_s,
-            activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
-            forward_transient_peak_bytes=s.forward_peak_bytes, backward_transient_peak_bytes=s.backward_peak_bytes,
-            swap_out_s=s.swap_out_s, swap_in_s=s.swap_in_s, offload_overhead_s=s.offload_overhead_s,
-            upload_overhead_s=s.upload_overhead_s,
-        ))
+            params.append(
+                ParameterInfo(
+                    name=f"blocks.{i}.weight",
+                    block=i,
+                    shape=[s.parameter_bytes // 4],
+                    dtype="float32",
+                    numel=s.parameter_bytes // 4,
+                    bytes=s.parameter_bytes,
+                )
+            )
+        blocks.append(
+            BlockInfo(
+                index=i,
+                name=f"blocks.{i}",
+                kind=s.kind,
+                module_class="HandBlock",
+                parameter_bytes=s.parameter_bytes,
+            )
+        )
+        meas.append(
+            BlockMeasurement(
+                block=i,
+                forward_s=s.forward_s,
+                backward_s=s.backward_s,
+                recompute_s=s.recompute_s,
+                activation_bytes=s.activation_bytes,
+                input_bytes=s.input_bytes,
+                forward_transient_peak_bytes=s.forward_peak_bytes,
+                backward_transient_peak_bytes=s.backward_peak_bytes,
+                swap_out_s=s.swap_out_s,
+                swap_in_s=s.swap_in_s,
+                offload_overhead_s=s.offload_overhead_s,
+                upload_overhead_s=s.upload_overhead_s,
+            )
+        )
     flat = lambda bw: [BandwidthSample(size_bytes=1, bytes_per_s=bw)]  # noqa: E731
     hw = Hardware(
-        device_type=device_type, device_name="Hand-built GPU" if device_type == DeviceType.cuda else "Hand-built CPU",
+        device_type=device_type,
+        device_name="Hand-built GPU" if device_type == DeviceType.cuda else "Hand-built CPU",
         device_count=1,
-        device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory_bytes,
-        pinned_memory_limit_bytes=pinned_memory_limit_bytes, cpu_cores=8,
+        device_memory_bytes=device_memory_bytes,
+        host_memory_bytes=host_memory_bytes,
+        pinned_memory_limit_bytes=pinned_memory_limit_bytes,
+        cpu_cores=8,
         bandwidth=BandwidthCurves(h2d_pinned=flat(h2d_bytes_per_s), d2h_pinned=flat(d2h_bytes_per_s)),
     )
     return Trace(
         hardware=hw,
-        software=Software(torch_version="synthetic", cuda_version=None, python_version="3.11", memplan_version="0.1.0"),
-        model=ModelInfo(name=name, architecture="HandModel", fingerprint=hashlib.sha256(repr(specs).encode()).hexdigest()[:16],
-                        parameter_count=sum(p.numel for p in params), dtype="float32", blocks=blocks, parameters=params),
-        workload=Workload(batch_size=1, sequence_length=1, precision=Precision.fp32, optimizer=OptimizerKind.adam,
-                          optimizer_state_bytes_per_param=8, master_bytes_per_param=0, gradient_bytes_per_param=4),
+        software=Software(
+            torch_version="synthetic", cuda_version=None, python_version="3.11", memplan_version="0.1.0"
+        ),
+        model=ModelInfo(
+            name=name,
+            architecture="HandModel",
+            fingerprint=hashlib.sha256(repr(specs).encode()).hexdigest()[:16],
+            parameter_count=sum(p.numel for p in params),
+            dtype="float32",
+            blocks=blocks,
+            parameters=params,
+        ),
+        workload=Workload(
+            batch_size=1,
+            sequence_length=1,
+            precision=Precision.fp32,
+            optimizer=OptimizerKind.adam,
+            optimizer_state_bytes_per_param=8,
+            master_bytes_per_param=0,
+            gradient_bytes_per_param=4,
+        ),
         measurements=Measurements(
             blocks=meas,
-            optimizer=OptimizerMeasurement(device_bytes_per_s=device_optimizer_bytes_per_s,
-                                           host_bytes_per_s=host_optimizer_bytes_per_s),
+            optimizer=OptimizerMeasurement(
+                device_bytes_per_s=device_optimizer_bytes_per_s, host_bytes_per_s=host_optimizer_bytes_per_s
+            ),
             iteration_s=sum(s.forward_s + s.backward_s for s in specs),
             peak_device_bytes=0,
         ),
