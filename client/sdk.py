@@ -25,16 +25,22 @@ from client.contract import (
     Page,
     PlanRecord,
     PlanRequest,
+    SweepRecord,
+    SweepRequest,
     Trace,
     TraceCreated,
     TraceRecord,
     TraceSummary,
+    WhatIfRequest,
+    WhatIfResponse,
 )
 from client.errors import APIConnectionError, APITimeoutError, MemplanError, error_for_status
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 30.0
+# A what-if answer runs a fake iteration and the solver per entry while the client waits.
+WHATIF_TIMEOUT_S = 300.0
 DEFAULT_MAX_RETRIES = 2
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -335,6 +341,32 @@ class BaseClient:
     def _health(self) -> APIRequest[dict[str, Any]]:
         return APIRequest("GET", "/healthz", dict)
 
+    def _whatif(self, request: WhatIfRequest) -> APIRequest[WhatIfResponse]:
+        return APIRequest(
+            "POST",
+            "/v1/whatif",
+            WhatIfResponse.model_validate,
+            json=request.model_dump(mode="json", exclude_none=True),
+            timeout=WHATIF_TIMEOUT_S,
+        )
+
+    def _create_sweep(self, request: SweepRequest) -> APIRequest[SweepRecord]:
+        return APIRequest(
+            "POST",
+            "/v1/sweeps",
+            SweepRecord.model_validate,
+            json=request.model_dump(mode="json", exclude_none=True),
+            timeout=WHATIF_TIMEOUT_S,
+        )
+
+    def _get_sweep(self, sweep_id: str, limit: int, cursor: str | None) -> APIRequest[SweepRecord]:
+        return APIRequest(
+            "GET",
+            f"/v1/sweeps/{sweep_id}",
+            SweepRecord.model_validate,
+            params=_params(limit=limit, cursor=cursor),
+        )
+
 
 class Client(BaseClient):
     """Synchronous client. `Client(base_url, token=..., timeout=..., max_retries=...)`; env: MEMPLAN_SERVER/TOKEN."""
@@ -461,6 +493,19 @@ class Client(BaseClient):
     def health(self) -> dict[str, Any]:
         return self._call(self._health())
 
+    # what-if -----------------------------------------------------------------------------------
+    def whatif(self, request: WhatIfRequest) -> WhatIfResponse:
+        """Each requested catalogue entry's answer: fits, which limit binds, speed, calibration."""
+        return self._call(self._whatif(request))
+
+    def create_sweep(self, request: SweepRequest) -> SweepRecord:
+        """Start a sweep: one plan per point, solved on the service's workers."""
+        return self._call(self._create_sweep(request))
+
+    def get_sweep(self, sweep_id: str, *, limit: int = 100, cursor: str | None = None) -> SweepRecord:
+        """A sweep's progress and one page of its points (`next_cursor` for the next page)."""
+        return self._call(self._get_sweep(sweep_id, limit, cursor))
+
 
 class AsyncClient(BaseClient):
     """Asynchronous twin of `Client` (same methods, awaitable; list methods are async iterators)."""
@@ -580,3 +625,12 @@ class AsyncClient(BaseClient):
 
     async def health(self) -> dict[str, Any]:
         return await self._call(self._health())
+
+    async def whatif(self, request: WhatIfRequest) -> WhatIfResponse:
+        return await self._call(self._whatif(request))
+
+    async def create_sweep(self, request: SweepRequest) -> SweepRecord:
+        return await self._call(self._create_sweep(request))
+
+    async def get_sweep(self, sweep_id: str, *, limit: int = 100, cursor: str | None = None) -> SweepRecord:
+        return await self._call(self._get_sweep(sweep_id, limit, cursor))

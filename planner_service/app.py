@@ -15,7 +15,7 @@ from sqlalchemy import make_url
 
 from client.contract import Trace
 from planner_service import observability, ui
-from planner_service.api import catalog, errors, health, plans, traces
+from planner_service.api import catalog, errors, health, plans, traces, whatif
 from planner_service.api.poll_shortcut import PollShortcut
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
@@ -25,6 +25,7 @@ from planner_service.ingest import Ingestor
 from planner_service.jobs.queue import solve_queue
 from planner_service.lifeline import PARENT_ENV, die_with_parent
 from planner_service.settings import Settings, get_settings
+from planner_service.ui import sweep_pages
 
 log = logging.getLogger("memplan.service")
 
@@ -104,7 +105,15 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
         description="Stores training traces, solves memory plans in workers, keeps the history.",
     )
     errors.install(app)
-    for router in (traces.router, plans.router, catalog.router, health.router, ui.router):
+    for router in (
+        traces.router,
+        plans.router,
+        catalog.router,
+        whatif.router,
+        health.router,
+        ui.router,
+        sweep_pages.router,
+    ):
         app.include_router(router)
     # Inside the observability middleware (added after it, so it is outer): see api/poll_shortcut.py.
     plan_route = next(r for r in plans.router.routes if getattr(r, "endpoint", None) is plans.get_plan)

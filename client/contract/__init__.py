@@ -61,5 +61,14 @@ from client.contract.trace import (
     Trace,
     Workload,
 )
+from client.contract.whatif import (
+    SweepPoint,
+    SweepProgress,
+    SweepRecord,
+    SweepRequest,
+    WhatIfAnswer,
+    WhatIfRequest,
+    WhatIfResponse,
+)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -178,3 +178,21 @@ class FeedbackRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     plan: Mapped[PlanRow] = relationship(back_populates="feedback")
+
+
+class SweepRow(Base):
+    """A what-if sweep (planner_service/whatif/sweep.py): one request fanned out into one plan per point.
+
+    `points` lists every point in order: its batch, sequence length, catalogue key, device and host limits, and
+    the stored modelled trace and plan that answer it; progress and results are read from the plans."""
+
+    __tablename__ = "sweep"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    project_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("project.id", ondelete="CASCADE"), index=True
+    )
+    request: Mapped[dict[str, Any]] = mapped_column(JSON, doc="the SweepRequest, JSON")
+    points: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    n_points: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

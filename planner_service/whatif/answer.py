@@ -49,6 +49,8 @@ class Answer:
     plan_summary: dict[str, object] = field(default_factory=dict)
     source: str = "modelled"
     calibrated: bool = False
+    calibration_traces: int = 0  # measured traces the factors were fitted to (0: uncalibrated)
+    calibration_residual: float | None = None  # relative RMS error of their block times (None: uncalibrated)
     plan: Plan | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, object]:
@@ -69,6 +71,14 @@ def _summary(plan: Plan) -> dict[str, object]:
         "block_modes": p.mode_strip(),
         "solver_gap": plan.solver.gap,
     }
+
+
+def _calibration_of(trace: Trace) -> tuple[bool, int, float | None]:
+    """(calibrated, from how many measured traces, their residual) of a modelled trace's factors."""
+    m = trace.modelled
+    if m is None or not m.calibrated:
+        return False, 0, None
+    return True, int(m.factors.get("calibration_traces", 0)), m.factors.get("calibration_residual")
 
 
 def _fits(plan: Plan) -> bool:
@@ -103,6 +113,7 @@ def answer(
 
     plan = plan_for(device, host)
     w = trace.workload
+    calibrated, n_traces, residual = _calibration_of(trace)
     make = partial(
         Answer,
         hardware=entry.key,
@@ -113,7 +124,9 @@ def answer(
         host_memory_bytes=host,
         unmanaged_peak_device_bytes=trace.measurements.peak_device_bytes,
         source=trace.source,
-        calibrated=bool(trace.modelled and trace.modelled.calibrated),
+        calibrated=calibrated,
+        calibration_traces=n_traces,
+        calibration_residual=residual,
     )
     if _fits(plan):
         pred = plan.predictions

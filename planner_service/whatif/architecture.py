@@ -49,7 +49,6 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_config(path: str | Path) -> PretrainedConfig:
     """The config in `path` (a config.json, or a directory holding one); `model_type` picks the class."""
-    import transformers
 
     p = Path(path)
     if p.is_dir():
@@ -60,15 +59,23 @@ def load_config(path: str | Path) -> PretrainedConfig:
         raise ArchitectureError(f"config {p}: cannot read ({exc.strerror or exc})") from None
     except json.JSONDecodeError as exc:
         raise ArchitectureError(f"config {p}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    return config_from_dict(data, f"config {p}")
+
+
+def config_from_dict(data: object, where: str = "config") -> PretrainedConfig:
+    """The config of a config.json object (`model_type` picks the class); errors start with `where`."""
+    import transformers
+
     if not isinstance(data, dict):
-        raise ArchitectureError(f"config {p}: must be a JSON object")
+        raise ArchitectureError(f"{where}: must be a JSON object")
+    data = dict(data)
     model_type = data.pop("model_type", None)
     if not isinstance(model_type, str):
-        raise ArchitectureError(f'config {p}: model_type: missing (e.g. "llama")')
+        raise ArchitectureError(f'{where}: model_type: missing (e.g. "llama")')
     try:
         return transformers.AutoConfig.for_model(model_type, **data)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ArchitectureError(f"config {p}: model_type {model_type!r}: {exc}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ArchitectureError(f"{where}: model_type {model_type!r}: {exc}") from None
 
 
 def config_from_flags(

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from client.cli.common import ServerOpt, TokenOpt
 from client.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from client.contract import CatalogEntry
+    from planner_service.whatif.answer import Answer
+    from planner_service.whatif.calibrate import Calibration
 
 console = Console()
 err_console = Console(stderr=True)
@@ -103,10 +109,19 @@ def whatif(
             help="catalogue key(s): repeat the option or separate with commas, e.g. a100-80gb-sxm,h100-sxm",
         ),
     ],
-    seq: Annotated[int | None, typer.Option("--seq", help="sequence length (default: the trace's)")] = None,
+    seq: Annotated[
+        str | None,
+        typer.Option(
+            "--seq", help="sequence length (default: the trace's); with --sweep a comma-separated list"
+        ),
+    ] = None,
     batch: Annotated[
         str | None,
-        typer.Option("--batch", help="batch size, or 'max' for the largest that fits (default: the trace's)"),
+        typer.Option(
+            "--batch",
+            help="batch size, or 'max' for the largest that fits "
+            "(default: the trace's); with --sweep a comma-separated list",
+        ),
     ] = None,
     config: Annotated[
         Path | None, typer.Option("--config", help="a Hugging Face config.json (or its folder)")
@@ -149,18 +164,39 @@ def whatif(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the answer(s) as JSON")] = False,
     catalog: CatalogOpt = None,
+    sweep: Annotated[
+        bool,
+        typer.Option(
+            "--sweep",
+            help="run on the planner service: every --batch x --seq x "
+            "--hardware x --host-memory (comma lists) solved on its workers, with "
+            "a progress bar",
+        ),
+    ] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    calibrate_with: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--calibrate-with",
+            help="with --config/--family: a measured Trace JSON of this model (repeatable); "
+            "the efficiency factors of each --hardware entry whose device took it are fitted to it",
+        ),
+    ] = None,
 ) -> None:
     """Will it fit, which limit binds, how fast: a model (config or measured trace) on catalogued GPUs."""
     from client.contract import OptimizerKind, Trace
-    from planner_service.whatif.answer import Answer, answer, largest_batch
+    from planner_service.whatif.answer import answer, largest_batch
     from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
     from planner_service.whatif.catalog import CatalogError, entry
     from planner_service.whatif.retarget import retarget, source_entry
 
     if dtype not in ("bf16", "fp16", "fp32"):
         raise _fail(f"--dtype: {dtype!r} is not one of bf16, fp16, fp32")
-    if seq is not None and seq < 1:
-        raise _fail(f"--seq: must be at least 1, got {seq}")
+    seqs = _int_list(seq, "--seq") if seq is not None else None
+    if seqs is not None and len(seqs) > 1 and not sweep:
+        raise _fail("--seq: one value (a list of them needs --sweep)")
+    seq_n = seqs[0] if seqs else None
     cat = _catalog(catalog)
     keys = [k.strip() for h in hardware for k in h.split(",") if k.strip()]
     if not keys:
@@ -170,12 +206,37 @@ def whatif(
     except CatalogError as exc:
         raise _fail(str(exc)) from None
     try:
-        host = parse_bytes(host_memory) if host_memory is not None else None
+        hosts = [parse_bytes(h.strip()) for h in host_memory.split(",")] if host_memory is not None else None
     except ValueError as exc:
         raise _fail(f"--host-memory: {exc}") from None
+    if hosts is not None and len(hosts) > 1 and not sweep:
+        raise _fail("--host-memory: one value (a list of them needs --sweep)")
+    host = hosts[0] if hosts else None
     given = [n for n, v in (("--config", config), ("--family", family), ("--trace", trace)) if v is not None]
     if len(given) != 1:
         raise _fail("give exactly one of --config, --family or --trace")
+    if sweep:
+        if config is None and family is None:
+            raise _fail("--sweep: needs a model config (--config or --family)")
+        if batch is None or seqs is None:
+            raise _fail("--sweep: needs --batch and --seq (comma-separated lists)")
+        cfg_json = _config_json(
+            config, family, layers, hidden, heads, kv_heads, intermediate, vocab, max(seqs)
+        )
+        _run_sweep(
+            cfg_json,
+            keys,
+            _int_list(batch, "--batch"),
+            seqs,
+            hosts,
+            dtype,
+            optimizer,
+            time_limit,
+            server,
+            token,
+            as_json,
+        )
+        return
     want_max = batch is not None and batch.strip().lower() == "max"
     batch_n: int | None = None
     if batch is not None and not want_max:
@@ -190,7 +251,11 @@ def whatif(
     if trace is not None:
         if want_max:
             raise _fail("--batch max: needs a model config (a measured trace is for one batch)")
-        if seq is not None or batch_n is not None:
+        if calibrate_with:
+            raise _fail(
+                "--calibrate-with: for a model config (--config/--family); a retargeted trace is scaled"
+            )
+        if seq_n is not None or batch_n is not None:
             raise _fail("--seq/--batch: a measured trace keeps its own workload; re-profile to change it")
         try:
             measured = Trace.model_validate_json(trace.read_text())
@@ -214,8 +279,9 @@ def whatif(
         _print(answers, as_json)
         return
 
-    if seq is None:
+    if seq_n is None:
         raise _fail("--seq: required with a model config")
+    seq_len: int = seq_n
     if batch is None:
         raise _fail("--batch: required with a model config (a number or 'max')")
     try:
@@ -232,7 +298,7 @@ def whatif(
                 kv_heads=kv_heads,
                 intermediate=intermediate,
                 vocab=vocab,
-                max_positions=max(seq, 2048),
+                max_positions=max(seq_len, 2048),
             )
         opt = OptimizerKind(optimizer)
     except ArchitectureError as exc:
@@ -242,17 +308,23 @@ def whatif(
 
     from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on  # imports torch
 
+    calibrations = _calibrations(cfg, calibrate_with or [], entries, dtype, exact)
     iterations: dict[int, object] = {}
 
-    def answer_at(b: int, e: object) -> Answer:
+    def answer_at(b: int, e: CatalogEntry) -> Answer:
         if b not in iterations:
             try:
-                iterations[b] = iterate(cfg, ModelledWorkload(b, seq, dtype, opt), exact=exact)
+                iterations[b] = iterate(cfg, ModelledWorkload(b, seq_len, dtype, opt), exact=exact)
             except (ArchitectureError, ValueError) as exc:
                 raise _fail(str(exc)) from None
         return answer(
-            trace_on(iterations[b], e, host_memory_bytes=host),  # type: ignore[arg-type]
-            e,  # type: ignore[arg-type]
+            trace_on(
+                iterations[b],  # type: ignore[arg-type]
+                e,
+                host_memory_bytes=host,
+                calibration=calibrations.get(e.key),
+            ),
+            e,
             host_memory_bytes=host,
             time_limit_s=time_limit,
         )
@@ -263,7 +335,7 @@ def whatif(
         return
     for e in entries:
 
-        def at_batch(b: int, e: object = e) -> Answer:
+        def at_batch(b: int, e: CatalogEntry = e) -> Answer:
             return answer_at(b, e)
 
         search = largest_batch(at_batch)
@@ -296,6 +368,189 @@ def whatif(
         console.print(t)
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    """Positive integers of a comma-separated option value; a clear error naming the option otherwise."""
+    out = []
+    for part in text.split(","):
+        try:
+            v = int(part.strip())
+        except ValueError:
+            raise _fail(f"{option}: {part.strip()!r} is not a number") from None
+        if v < 1:
+            raise _fail(f"{option}: must be at least 1, got {v}")
+        out.append(v)
+    return out
+
+
+def _config_json(
+    config: Path | None,
+    family: str | None,
+    layers: int | None,
+    hidden: int | None,
+    heads: int | None,
+    kv_heads: int | None,
+    intermediate: int | None,
+    vocab: int,
+    seq: int,
+) -> dict[str, object]:
+    """The config.json object the service is sent (the file's, or one built from the --family flags)."""
+    from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
+
+    try:
+        if config is not None:
+            cfg = load_config(config)
+        else:
+            if layers is None or hidden is None:
+                raise _fail("--family: needs --layers and --hidden")
+            cfg = config_from_flags(
+                family or "",
+                layers=layers,
+                hidden=hidden,
+                heads=heads,
+                kv_heads=kv_heads,
+                intermediate=intermediate,
+                vocab=vocab,
+                max_positions=max(seq, 2048),
+            )
+    except ArchitectureError as exc:
+        raise _fail(str(exc)) from None
+    out: dict[str, object] = cfg.to_dict()
+    return out
+
+
+def _run_sweep(
+    cfg_json: dict[str, object],
+    keys: list[str],
+    batches: list[int],
+    seqs: list[int],
+    hosts: list[int] | None,
+    dtype: str,
+    optimizer: str,
+    time_limit: float,
+    server: str | None,
+    token: str | None,
+    as_json: bool,
+) -> None:
+    """POST the sweep, show a progress bar while its points are solved, then every point (paged)."""
+    import time
+
+    from pydantic import ValidationError
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from client import Client
+    from client.cli.common import server_url
+    from client.contract import SweepPoint, SweepRequest
+    from client.errors import MemplanError
+
+    try:
+        req = SweepRequest(
+            config=cfg_json,
+            hardware=keys,
+            batch_sizes=batches,
+            sequence_lengths=seqs,
+            host_memory_bytes=hosts,
+            dtype=dtype,
+            optimizer=optimizer,
+            time_limit_s=time_limit,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise _fail(f"--sweep: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    try:
+        with Client(server_url(server), token=token) as c:
+            sweep = c.create_sweep(req)
+            with Progress(
+                TextColumn("sweep {task.fields[id]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[states]}"),
+                TimeElapsedColumn(),
+                console=err_console,
+                disable=as_json,
+            ) as bar:
+                task = bar.add_task("sweep", total=sweep.progress.total, id=sweep.id[:8], states="")
+                progress = sweep.progress
+                while True:
+                    states = ", ".join(f"{k} {v}" for k, v in sorted(progress.by_status.items()))
+                    bar.update(task, completed=progress.finished, states=states)
+                    if progress.finished >= progress.total:
+                        break
+                    time.sleep(0.5)
+                    progress = c.get_sweep(sweep.id, limit=1).progress
+            points: list[SweepPoint] = []
+            cursor: str | None = None
+            while True:
+                page = c.get_sweep(sweep.id, limit=500, cursor=cursor)
+                points += page.points
+                cursor = page.next_cursor
+                if cursor is None:
+                    break
+    except MemplanError as exc:
+        raise _fail(f"--sweep: {exc}") from None
+    if as_json:
+        print(json.dumps({"id": sweep.id, "points": [p.model_dump(mode="json") for p in points]}, indent=2))
+        return
+    t = Table(title=f"sweep {sweep.id}: {len(points)} points ({dtype}, plans kept on the service)")
+    for col in ("hardware", "batch", "seq", "host", "fits", "tokens/s", "peak device", "peak host", "plan"):
+        t.add_column(col)
+    for p in points:
+        t.add_row(
+            p.hardware,
+            str(p.batch_size),
+            str(p.sequence_length),
+            format_bytes(p.host_memory_bytes),
+            "yes" if p.fits else "no" if p.fits is False else p.status,
+            f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
+            format_bytes(p.peak_device_bytes) if p.peak_device_bytes is not None else "-",
+            format_bytes(p.peak_host_bytes) if p.peak_host_bytes is not None else "-",
+            p.plan_id[:8],
+        )
+    console.print(t)
+
+
+def _calibrations(
+    cfg: object, files: list[Path], entries: list[CatalogEntry], dtype: str, exact: bool
+) -> dict[str, Calibration]:
+    """Each entry's calibration from the measured traces in `files` taken on its device (entries without one
+    are left out: their answers say uncalibrated)."""
+    if not files:
+        return {}
+    from client.contract import Trace
+    from planner_service.whatif.calibrate import CalibrationError, calibrate, samples_from_config
+
+    traces = []
+    for f in files:
+        try:
+            traces.append(Trace.model_validate_json(f.read_text()))
+        except OSError as exc:
+            raise _fail(f"--calibrate-with {f}: cannot read ({exc.strerror or exc})") from None
+        except ValueError as exc:
+            raise _fail(f"--calibrate-with {f}: not a valid Trace: {str(exc).splitlines()[0]}") from None
+    out: dict[str, Calibration] = {}
+    for e in entries:
+        try:
+            samples = samples_from_config(cfg, traces, e, exact=exact)
+            if samples:
+                out[e.key] = calibrate(samples, e, dtype)
+        except CalibrationError as exc:
+            raise _fail(f"--calibrate-with: {exc}") from None
+    if not out:
+        err_console.print(
+            "--calibrate-with: no trace was taken on a device of the --hardware entries "
+            "(matched by device name); the answers are uncalibrated"
+        )
+    return out
+
+
+def _calibration_str(a: Answer) -> str:
+    if not a.calibrated:
+        return "uncalibrated"
+    return (
+        f"calibrated on {a.calibration_traces} measured traces (block times "
+        f"{100 * (a.calibration_residual or 0.0):.0f}% RMS error)"
+    )
+
+
 def _print(answers: list, as_json: bool) -> None:
     from planner_service.whatif.answer import tokens_per_s_str
 
@@ -304,10 +559,7 @@ def _print(answers: list, as_json: bool) -> None:
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
         return
     a0 = answers[0]
-    t = Table(
-        title=f"what-if: batch {a0.batch} x seq {a0.seq}, {a0.dtype} ({a0.source}, "
-        f"{'calibrated' if a0.calibrated else 'uncalibrated'})"
-    )
+    t = Table(title=f"what-if: batch {a0.batch} x seq {a0.seq}, {a0.dtype} ({a0.source})")
     for col in (
         "hardware",
         "fits",
@@ -338,6 +590,9 @@ def _print(answers: list, as_json: bool) -> None:
             needs,
         )
     console.print(t)
+    console.print(
+        "times: " + "; ".join(f"{a.hardware} {_calibration_str(a)}" for a in answers), soft_wrap=True
+    )
     if len(answers) == 1 and a0.plan_summary:
         s = a0.plan_summary
         if "block_modes" in s:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from client.contract import (
     BlockInfo,
@@ -51,6 +51,9 @@ from planner_service.whatif.architecture import (
 )
 from planner_service.whatif.catalog import to_hardware
 from planner_service.whatif.fake_iteration import IterationRecord, ParameterUse, run_iteration
+
+if TYPE_CHECKING:
+    from planner_service.whatif.calibrate import Calibration
 
 T = TypeVar("T")
 METHOD = "fake-tensor iteration + roofline"
@@ -330,8 +333,19 @@ def trace_on(
     host_memory_bytes: int | None = None,
     cpu_cores: int | None = None,
     eff: roofline.Efficiency = roofline.DEFAULT_EFFICIENCY,
+    calibration: Calibration | None = None,
 ) -> Trace:
-    """The modelled Trace of iteration `it` on one device of catalogue entry `entry`."""
+    """The modelled Trace of iteration `it` on one device of catalogue entry `entry`.
+
+    With a `calibration` (calibrate.py) of this entry and precision, its factors replace `eff` and the trace
+    says it is calibrated, from how many measured traces and with which residual (in `modelled.factors`)."""
+    if calibration is not None:
+        if (calibration.hardware_key, calibration.precision) != (entry.key, it.workload.dtype):
+            raise ValueError(
+                f"calibration: fitted for {calibration.hardware_key} in {calibration.precision}, "
+                f"not {entry.key} in {it.workload.dtype}"
+            )
+        eff = calibration.efficiency
     rec, w = it.record, it.workload
     hardware = to_hardware(entry, host_memory_bytes=host_memory_bytes, cpu_cores=cpu_cores)
     n = rec.n_blocks
@@ -437,7 +451,10 @@ def trace_on(
             peak_device_bytes=unmanaged_peak_bytes(it),
         ),
         modelled=ModelledFrom(
-            hardware_key=entry.key, method=method_of(it), factors=eff.as_factors(), calibrated=False
+            hardware_key=entry.key,
+            method=method_of(it),
+            factors=calibration.factors() if calibration is not None else eff.as_factors(),
+            calibrated=calibration is not None and calibration.calibrated,
         ),
     )
 

@@ -5,8 +5,8 @@ bytes / (device bandwidth * `memory`)); ops without a FLOP formula (element-wise
 bandwidth-bound. A block's time is the larger of the sum of its ops' times and its op count times
 `dispatch_s` (eager PyTorch issues ops from one CPU thread: small blocks are bound by that).
 
-The factors are estimates, not measurements (fitting them to measured traces is the calibration step the
-service does not do yet: every modelled trace says `calibrated: false`):
+The defaults are estimates, not measurements (`calibrate.py` fits them to measured traces of an entry's
+device; a trace priced with the defaults says `calibrated: false`):
 - `matmul` 0.6: large bf16 GEMMs reach 60-80% of dense peak on current GPUs; 0.6 allows for the smaller
   and skinnier GEMMs of attention projections and the fused attention kernels;
 - `memory` 0.7: element-wise kernels reach 70-90% of peak DRAM bandwidth;

@@ -1,0 +1,298 @@
+"""Calibration: fit the roofline's efficiency factors to measured traces of one catalogue entry, per precision.
+
+A modelled block time is (roofline.py) the larger of the sum over its ops of max(FLOPs / (peak * matmul),
+bytes / (bandwidth * memory)) and its op count * dispatch_s. A measured trace of the same model under the same
+workload, taken on the entry's device, gives the true forward and backward seconds of every profiled block.
+`calibrate` fits the factors to those seconds by non-negative least squares over blocks, per precision, on
+the linear form
+
+    t(block, phase) ~ C / matmul + M / memory + n * dispatch_s
+
+where C is the FLOPs over dense peak of the ops that are compute-bound (at the current factors), M the bytes
+over bandwidth of the others and n the op count. Rows are weighted by 1 / t, so the fit minimises the relative
+error (a block of 10 us counts as much as one of 10 ms). The op split depends on the factors, so the fit is
+repeated with the split of the last fit (three rounds at most). The host optimizer rate per core is the median
+of the traces' measured fused-optimizer rates over their cores.
+
+The residual is the relative RMS error of the block times the roofline predicts with the fitted factors (the
+real `max` form, not the linear one) against the measured ones. The fitted factors are kept only where they
+lower that residual below the estimates' (the linear form can miss on a machine where one op dominates); a
+calibration always says from how many traces and blocks it comes and both residuals.
+
+Feedback (a plan's measured iteration seconds against its prediction) does not enter the fit: the plan's
+iteration includes the runtime's copies and waits, not the efficiency of the kernels. `calibrate` reports the
+median relative error of the feedback it is given next to the fit, for the same hardware.
+
+A sample pairs a measured trace with the fake iteration of the same model under the same workload
+(`modelled_trace.iterate(config, ModelledWorkload(batch, seq, dtype), gpu_attention=False)` for a CPU trace,
+whose attention kernels are this CPU's); `same_model` says whether a measured trace and an iteration describe
+one model (the profiler's and the what-if fingerprints are computed differently: this compares the
+architecture and the parameter names and shapes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy.optimize import nnls  # type: ignore[import-untyped]
+
+from client.contract import CatalogEntry, Feedback, Phase, Trace
+from planner_service.whatif import roofline
+from planner_service.whatif.fake_iteration import OpCosts
+from planner_service.whatif.modelled_trace import ModelIteration
+
+_ROUNDS = 3
+
+
+class CalibrationError(ValueError):
+    """A sample does not describe the entry, the precision or the model it is paired with."""
+
+
+@dataclass(frozen=True)
+class CalibrationSample:
+    """A measured trace and the fake iteration of the same model under the same workload."""
+
+    measured: Trace
+    modelled: ModelIteration
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The efficiency factors for one catalogue entry and precision, and where they come from."""
+
+    hardware_key: str
+    precision: str
+    efficiency: roofline.Efficiency
+    traces: int  # measured traces fitted (0: uncalibrated, the estimates)
+    blocks: int  # (block, phase) rows fitted
+    residual: float | None  # relative RMS error of block times with `efficiency` (None: uncalibrated)
+    estimate_residual: float | None  # the same with the estimates (roofline.DEFAULT_EFFICIENCY)
+    fitted: bool = False  # the fitted factors were kept (they lowered the residual)
+    feedback_count: int = 0
+    feedback_iteration_error: float | None = None  # median |measured - predicted| / measured of the feedback
+
+    @property
+    def calibrated(self) -> bool:
+        return self.traces > 0
+
+    def describe(self) -> str:
+        if not self.calibrated:
+            return "uncalibrated"
+        what = "fitted" if self.fitted else "estimates kept (the fit did not lower the error)"
+        return (
+            f"calibrated on {self.traces} measured trace{'s' if self.traces != 1 else ''} "
+            f"({what}; block-time error {100 * (self.residual or 0.0):.0f}% RMS)"
+        )
+
+    def factors(self) -> dict[str, float]:
+        """The factors and the calibration's figures, for `Trace.modelled.factors`."""
+        out = self.efficiency.as_factors()
+        if self.calibrated:
+            out["calibration_traces"] = float(self.traces)
+            out["calibration_blocks"] = float(self.blocks)
+            out["calibration_residual"] = float(self.residual or 0.0)
+        return out
+
+
+def uncalibrated(entry: CatalogEntry, precision: str) -> Calibration:
+    return Calibration(
+        hardware_key=entry.key,
+        precision=precision,
+        efficiency=roofline.DEFAULT_EFFICIENCY,
+        traces=0,
+        blocks=0,
+        residual=None,
+        estimate_residual=None,
+    )
+
+
+def same_model(measured: Trace, it: ModelIteration) -> bool:
+    """Whether a measured trace and a fake iteration are one model (architecture, parameter names and shapes)."""
+    if measured.model.architecture != it.architecture:
+        return False
+    want = sorted((p.name, tuple(p.shape)) for p in measured.model.parameters)
+    got = sorted((p.name, tuple(p.shape)) for p in it.record.parameters)
+    return want == got
+
+
+def _check(i: int, s: CalibrationSample, entry: CatalogEntry) -> None:
+    m, w = s.measured, s.modelled.workload
+    where = f"samples[{i}]"
+    if m.modelled is not None:
+        raise CalibrationError(f"{where}.measured: a modelled trace; calibration needs measured ones")
+    if m.hardware.device_name != entry.name:
+        raise CalibrationError(
+            f"{where}.measured.hardware.device_name: {m.hardware.device_name!r} is not "
+            f"{entry.key}'s device {entry.name!r}"
+        )
+    if m.workload.precision.value != w.dtype:
+        raise CalibrationError(
+            f"{where}.modelled.workload.dtype: {w.dtype} but the trace was measured in "
+            f"{m.workload.precision.value}"
+        )
+    if (m.workload.batch_size, m.workload.sequence_length) != (w.batch_size, w.sequence_length):
+        raise CalibrationError(
+            f"{where}.modelled.workload: batch {w.batch_size} x seq {w.sequence_length} but the "
+            f"trace was measured at {m.workload.batch_size} x {m.workload.sequence_length}"
+        )
+    if not same_model(m, s.modelled):
+        raise CalibrationError(
+            f"{where}.modelled: {s.modelled.name} is not the measured model {m.model.name} "
+            "(architecture or parameters differ)"
+        )
+    if len(m.model.blocks) != s.modelled.record.n_blocks:
+        raise CalibrationError(
+            f"{where}.modelled: {s.modelled.record.n_blocks} blocks, the trace has {len(m.model.blocks)}"
+        )
+
+
+@dataclass(frozen=True)
+class _Row:
+    costs: OpCosts
+    measured_s: float
+
+
+def _rows(samples: Sequence[CalibrationSample]) -> list[_Row]:
+    rows: list[_Row] = []
+    for s in samples:
+        m = s.measured.measurements
+        profiled = set(m.profiled_blocks) if m.extrapolated and m.profiled_blocks else None
+        rec = s.modelled.record
+        for b, bm in enumerate(m.blocks):
+            if profiled is not None and b not in profiled:
+                continue  # an extrapolated block's figures are a copy, not a measurement
+            for phase, t in ((Phase.forward, bm.forward_s), (Phase.backward, bm.backward_s)):
+                costs = (rec.forward if phase == Phase.forward else rec.backward)[b]
+                if t > 0 and costs.flops:
+                    rows.append(_Row(costs, float(t)))
+    return rows
+
+
+def _terms(
+    costs: OpCosts, entry: CatalogEntry, dtype: str, eff: roofline.Efficiency
+) -> tuple[float, float, float]:
+    """(C, M, n): compute seconds at full peak of the ops compute-bound under `eff`, memory seconds at full
+    bandwidth of the others, and the op count."""
+    flops, nbytes, _ = costs.arrays()
+    compute = flops / roofline.peak_flops(entry, dtype)
+    memory = nbytes / entry.memory_bandwidth_bytes_per_s
+    bound = compute / eff.matmul >= memory / eff.memory
+    return float(compute[bound].sum()), float(memory[~bound].sum()), float(flops.size)
+
+
+def _residual(rows: list[_Row], entry: CatalogEntry, dtype: str, eff: roofline.Efficiency) -> float:
+    rel = [(roofline.block_seconds(r.costs, entry, dtype, eff) - r.measured_s) / r.measured_s for r in rows]
+    return float(math.sqrt(sum(x * x for x in rel) / len(rel)))
+
+
+def _fit(
+    rows: list[_Row], entry: CatalogEntry, dtype: str, start: roofline.Efficiency
+) -> roofline.Efficiency:
+    eff = start
+    for _ in range(_ROUNDS):
+        a = np.array([_terms(r.costs, entry, dtype, eff) for r in rows], dtype=np.float64)
+        t = np.array([r.measured_s for r in rows], dtype=np.float64)
+        a_w = a / t[:, None]
+        used = np.flatnonzero(np.abs(a_w).sum(axis=0) > 0)
+        scale = np.abs(a_w[:, used]).max(axis=0)  # columns of very different magnitudes: scale for nnls
+        x_used, _ = nnls(a_w[:, used] / scale, np.ones_like(t))
+        x = np.zeros(3)
+        x[used] = x_used / scale
+        new = replace(
+            eff,
+            matmul=float(1.0 / x[0]) if x[0] > 0 else eff.matmul,  # unidentified: keep what we had
+            memory=float(1.0 / x[1]) if x[1] > 0 else eff.memory,
+            dispatch_s=float(x[2]),
+        )
+        if new == eff:
+            break
+        eff = new
+    return eff
+
+
+def _host_rate_per_core(samples: Sequence[CalibrationSample]) -> float | None:
+    rates = [
+        s.measured.measurements.optimizer.host_bytes_per_s / s.measured.hardware.cpu_cores
+        for s in samples
+        if s.measured.measurements.optimizer.host_bytes_per_s > 0
+    ]
+    return float(np.median(rates)) if rates else None
+
+
+def _feedback_error(feedback: Sequence[tuple[float, Feedback]]) -> float | None:
+    errs = [abs(f.iteration_s - predicted) / f.iteration_s for predicted, f in feedback if f.iteration_s > 0]
+    return float(np.median(errs)) if errs else None
+
+
+def calibrate(
+    samples: Sequence[CalibrationSample],
+    entry: CatalogEntry,
+    precision: str,
+    feedback: Sequence[tuple[float, Feedback]] = (),
+) -> Calibration:
+    """The efficiency factors for `entry` in `precision` fitted to the samples of that precision.
+
+    Samples of other precisions are left out (the fit is per precision); a sample of another device or whose
+    iteration is not the measured model and workload is an error naming it. `feedback` is (predicted iteration
+    seconds, feedback) of plans on this hardware: reported, not fitted (see the module docstring). With no
+    sample of `precision` (or none with a measured block) the result is `uncalibrated`.
+    """
+    for i, s in enumerate(samples):
+        _check(i, s, entry)
+    mine = [s for s in samples if s.measured.workload.precision.value == precision]
+    rows = _rows(mine)
+    fb = {"feedback_count": len(feedback), "feedback_iteration_error": _feedback_error(feedback)}
+    if not rows:
+        return replace(uncalibrated(entry, precision), **fb)  # type: ignore[arg-type]
+    host_rate = _host_rate_per_core(mine)
+    start = roofline.DEFAULT_EFFICIENCY
+    if host_rate is not None:
+        start = replace(start, host_adam_bytes_per_s_per_core=host_rate)
+    estimate = _residual(rows, entry, precision, start)
+    fitted = _fit(rows, entry, precision, start)
+    fitted_residual = _residual(rows, entry, precision, fitted)
+    keep = fitted_residual < estimate
+    return Calibration(
+        hardware_key=entry.key,
+        precision=precision,
+        efficiency=fitted if keep else start,
+        traces=len(mine),
+        blocks=len(rows),
+        residual=fitted_residual if keep else estimate,
+        estimate_residual=estimate,
+        fitted=keep,
+        **fb,  # type: ignore[arg-type]
+    )
+
+
+def samples_from_config(
+    config: object, measured: Sequence[Trace], entry: CatalogEntry, *, exact: bool = False
+) -> list[CalibrationSample]:
+    """The samples for `entry` from measured traces of the model of `config`: each trace taken on the entry's
+    device is paired with the fake iteration of `config` under the trace's workload (this CPU's attention
+    kernels for a CPU trace, CUDA's fused ones otherwise). Traces of other devices are left out; a trace of
+    another model is an error naming it (`measured[i]`)."""
+    from client.contract import DeviceType
+    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate
+
+    out: list[CalibrationSample] = []
+    for i, m in enumerate(measured):
+        if m.hardware.device_name != entry.name:
+            continue
+        w = m.workload
+        it = iterate(
+            config,
+            ModelledWorkload(w.batch_size, w.sequence_length, w.precision.value, w.optimizer),
+            exact=exact,
+            gpu_attention=m.hardware.device_type != DeviceType.cpu,
+        )
+        if not same_model(m, it):
+            raise CalibrationError(
+                f"measured[{i}]: {m.model.name} ({m.model.architecture}) is not the model of "
+                f"the config ({it.name}, {it.architecture})"
+            )
+        out.append(CalibrationSample(m, it))
+    return out
