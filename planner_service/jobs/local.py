@@ -10,7 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import event, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, SessionTransaction
 
 from client.contract import PENDING_PLAN_STATUSES
 from planner_service.db.models import PlanRow
@@ -47,9 +47,30 @@ class LocalSolver:
             self.submit(plan_id)
 
     def enqueue(self, session: Session, plan_id: str) -> None:
-        """Run the plan once `session` commits (never for a rolled-back plan row)."""
-        if self._pool is not None:
-            event.listen(session, "after_commit", lambda _s: self.submit(plan_id), once=True)
+        """Run the plan once `session`'s outermost transaction commits (never for a rolled-back plan row).
+
+        SQLAlchemy fires `after_commit` for a released savepoint too (`begin_nested`, e.g. the trace
+        repository's insert-or-reuse), while the plan row is still uncommitted and invisible to the worker's
+        connection: submitted then, the plan was skipped and stayed queued. So only the outermost commit submits, and the end of the outermost transaction (commit or
+        rollback) retires the listener. (During a savepoint release `in_nested_transaction()` is still true;
+        at the outermost commit it is false.)"""
+        if self._pool is None:
+            return
+        settled = False
+
+        def committed(s: Session) -> None:
+            nonlocal settled
+            if not settled and not s.in_nested_transaction():
+                settled = True
+                self.submit(plan_id)
+
+        def ended(s: Session, transaction: SessionTransaction) -> None:
+            nonlocal settled
+            if transaction.parent is None:
+                settled = True  # committed (submitted above, the event comes first) or rolled back
+
+        event.listen(session, "after_commit", committed)
+        event.listen(session, "after_transaction_end", ended)
 
     def submit(self, plan_id: str, tries: int = 0) -> None:
         if self._pool is not None and not self._stop.is_set():
