@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from agent.runtime.eager import eager
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +43,7 @@ class BatchShapeGuard:
     def __init__(self, model: nn.Module, planned: tuple[int, int], device: torch.device) -> None:
         self.planned, self.device, self.warned = planned, device, False
         self._handle: RemovableHandle = model.register_forward_pre_hook(
-            self._check, with_kwargs=True, prepend=True
+            eager(self._check), with_kwargs=True, prepend=True
         )  # before the runtime
 
     def remove(self) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from agent.measure import DevicePeakMeter, device_state_tensors
+from agent.runtime.eager import eager
 from client.contract import Feedback
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ class StepMonitor:
         self._last: float | None = None
         self._sender: threading.Thread | None = None
         self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_pre_hook(eager(self._before_forward), with_kwargs=True),
             optimizer.register_step_post_hook(self._after_step),
         ]
 

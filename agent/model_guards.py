@@ -4,8 +4,8 @@
   CLI's size strings ("80GiB", "24GB"; `client.units.parse_bytes`); anything else is an error naming the
   argument.
 * `check_not_compiled`: a model (or block) already compiled with `torch.compile` is refused with one
-  message saying what works (wrap first; compiling after wrap is refused too, see `MoveGuard`'s note and
-  docs/architecture/wrap.md).
+  message saying what works: wrap the uncompiled model, then compile it or its blocks (the runtime's
+  hooks then run eagerly between compiled regions, `agent/runtime/eager.py`; docs/architecture/wrap.md).
 * `MoveGuard`: after `wrap`, the parameters are views into the runtime's chunk buffers. `model.to(...)`
   to the device and dtype the model already has (what Hugging Face Trainer does after the model is
   wrapped) returns the model unchanged; a real move or cast, and `.cuda()` / `.half()` / ... (any
@@ -58,9 +58,10 @@ class CompiledModelError(TypeError):
 
 
 _COMPILE_ADVICE = (
-    "memplan's runtime moves parameters between device buffers and the host with hooks that "
-    "torch.compile cannot trace: wrap the uncompiled model and train it uncompiled "
-    "(see 'Limits' in README.md)"
+    "memplan's runtime must hook the uncompiled modules to move their parameters between "
+    "device buffers and the host: wrap the uncompiled model, then compile the wrapped model or "
+    "its blocks (e.g. `for b in wrapped.model.model.layers: b.compile()`, or "
+    "`torch.compile(wrapped.model)`; see 'Limits' in README.md)"
 )
 
 

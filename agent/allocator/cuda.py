@@ -67,7 +67,9 @@ class CudaPlannedAllocator:
             if module.training and torch.is_grad_enabled():
                 self._core.begin_iteration()
 
-        return model.register_forward_pre_hook(_pre_hook)
+        from agent.runtime.eager import eager
+
+        return model.register_forward_pre_hook(eager(_pre_hook))
 
     def stats(self) -> AllocatorStats:
         """Reserved, allocated, peaks, planned hits and fallbacks (torch.cuda.memory_stats is unavailable)."""

@@ -27,7 +27,7 @@ tensors are being brought back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from agent.runtime.eager import eager, eager_frame
 from agent.runtime.swap import SwapStore
 from client.contract import ActivationMode, Policy
 
@@ -188,8 +189,8 @@ class ActivationManager:
         try:
             if swaps:
                 self._root_handles = [
-                    model.register_forward_pre_hook(self._root_forward_started),
-                    model.register_forward_hook(self._root_forward_ended, always_call=True),
+                    model.register_forward_pre_hook(eager(self._root_forward_started)),
+                    model.register_forward_hook(eager(self._root_forward_ended), always_call=True),
                 ]
             for t in self.targets:
                 self._install(t)
@@ -208,7 +209,7 @@ class ActivationManager:
         elif t.mode == ActivationMode.swap:
             t.module.forward = self._swapped(original, t.index)
         if self.store is not None:  # backward-start triggers drive the prefetch
-            rec.handles.append(t.module.register_forward_hook(self._trigger_hook(t.index)))
+            rec.handles.append(t.module.register_forward_hook(eager(self._trigger_hook(t.index))))
 
     def remove(self) -> None:
         """Undo every change: instance `forward` attributes and hooks; the modules are as they were."""
@@ -231,6 +232,7 @@ class ActivationManager:
     def _checkpointed(self, original: Callable[..., Any]) -> Callable[..., Any]:
         from torch.utils.checkpoint import checkpoint
 
+        @eager  # under torch.compile a checkpointed block runs eagerly (docs/architecture/wrap.md)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
@@ -244,14 +246,39 @@ class ActivationManager:
         store = self.store
         assert store is not None
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        @eager
+        def enter() -> ExitStack | None:
             if not torch.is_grad_enabled():
-                return original(*args, **kwargs)
+                return None
             self.counters.swapped_forwards += 1
             if not self._in_root_forward:
                 self._state_now = self._state_storages()
-            with self._saved_scope(), store.swapping(index):
+            scopes = ExitStack()
+            scopes.enter_context(self._saved_scope())
+            scopes.enter_context(store.swapping(index))
+            return scopes
+
+        @eager
+        def leave(scopes: ExitStack, exc: BaseException | None) -> None:
+            if exc is None:
+                scopes.close()
+            else:
+                scopes.__exit__(type(exc), exc, exc.__traceback__)
+
+        # Only this frame is skipped by torch.compile: `enter`/`leave` (the saved-tensor hooks) run eagerly,
+        # the block's own forward (`original`) is still compiled when the user compiled the block or model.
+        @eager_frame
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            scopes = enter()
+            if scopes is None:
                 return original(*args, **kwargs)
+            try:
+                out = original(*args, **kwargs)
+            except BaseException as exc:
+                leave(scopes, exc)
+                raise
+            leave(scopes, None)
+            return out
 
         return forward
 
@@ -272,7 +299,7 @@ class ActivationManager:
                 return
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._backward_started(index))
+                    t.register_hook(eager(self._backward_started(index)))
                     break
 
         return hook

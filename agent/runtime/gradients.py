@@ -201,7 +201,10 @@ class GradientFlow:
         for j in sorted(st.touched):
             g = st.spec.entries[j].param.grad
             if g is None:
+                # set to None outside `zero_grad` (`nn.Module.zero_grad` of a torch.compile wrapper, which
+                # Trainer calls, or user code): as in torch, the next backward starts a fresh gradient
                 st.touched.discard(j)
+                gv[j].zero_()
                 changed = True
             elif g is not gv[j]:
                 gv[j].copy_(g)

@@ -32,6 +32,7 @@ from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport, meas
 from agent.runtime.buffers import BufferPool
 from agent.runtime.chunks import ChunkState, ViewCache, allocate, views
 from agent.runtime.device import DeviceContext, Event, element_size
+from agent.runtime.eager import eager
 from agent.runtime.gradients import GradientFlow
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
@@ -136,8 +137,8 @@ class ModelStateManager:
         self._hooked: set[int] = set()
         self._sync_grad_hooks()
         m = self.model
-        self._handles.append(m.register_forward_pre_hook(self._on_root_forward, prepend=True))
-        self._handles.append(m.register_forward_hook(self._after_root_forward, always_call=True))
+        self._handles.append(m.register_forward_pre_hook(eager(self._on_root_forward), prepend=True))
+        self._handles.append(m.register_forward_hook(eager(self._after_root_forward), always_call=True))
         self._handles.append(m.register_state_dict_pre_hook(self._before_state_dict))
         self._handles.append(m.register_load_state_dict_pre_hook(self._before_load_state_dict))
         self._handles.append(m.register_load_state_dict_post_hook(self._after_load_state_dict))
@@ -164,17 +165,19 @@ class ModelStateManager:
                 assert len(chunks) <= self.layout.n_buffers  # checked by ChunkLayout.from_policy
                 ordered = sorted(chunks)
                 self._handles.append(
-                    module.register_forward_pre_hook(partial(self._before_module, ordered, expected))
+                    module.register_forward_pre_hook(eager(partial(self._before_module, ordered, expected)))
                 )
                 self._handles.append(
-                    module.register_forward_hook(partial(self._after_module, ordered), always_call=True)
+                    module.register_forward_hook(
+                        eager(partial(self._after_module, ordered)), always_call=True
+                    )
                 )
 
     def _sync_grad_hooks(self) -> None:
         """Gradient hooks on every parameter that requires grad now (also ones unfrozen after wrap)."""
         for e in self.layout.by_param.values():
             if e.param.requires_grad and id(e.param) not in self._hooked:
-                self._handles.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(e.param.register_post_accumulate_grad_hook(eager(self._on_grad)))
                 self._hooked.add(id(e.param))
 
     def remove_hooks(self) -> None:
@@ -239,7 +242,7 @@ class ModelStateManager:
                 # queued there, not in a nested task that ends early.
                 for t in _tensors(output):
                     if t.requires_grad:
-                        t.register_hook(self._on_output_grad)
+                        t.register_hook(eager(self._on_output_grad))
 
     @section(timing.OUTPUT_GRAD)
     def _on_output_grad(self, grad: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from agent.runtime.device import DeviceContext
+from agent.runtime.eager import eager
 from agent.runtime.phase import Phase
 from agent.runtime.residency import ChunkResidency
 from agent.runtime.timing import PACK, UNPACK, RuntimeTiming, section
@@ -59,6 +60,12 @@ class SavedTensorRebinder:
         # whether a buffer tensor is saved outside every scope: None until a training forward checked it
         self.saved_outside: bool | None = None
         self._found_outside = False
+        # the saved-tensor hooks as pushed, eager under torch.compile: autograd calls them from ops that run
+        # eagerly inside a frame dynamo is compiling (agent/runtime/eager.py); they look `pack`/`unpack` up at
+        # each call (the runtime probe and tests may replace them)
+        self._pack_hook = eager(lambda t: self.pack(t))
+        self._unpack_hook = eager(lambda packed: self.unpack(packed))
+        self._check_hook = eager(lambda t: self._pack_check(t))
 
     # ================================================================ the wrapped model's forward
     def enter_root_forward(self, *, training: bool) -> None:
@@ -67,12 +74,12 @@ class SavedTensorRebinder:
         pushed = ""
         if training:
             if self.saved_outside:
-                torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+                torch._C._autograd._push_saved_tensors_default_hooks(self._pack_hook, self._unpack_hook)
                 self._scope_depth += 1
                 pushed = "model"
             elif self.saved_outside is None and self._scope_depth == 0:
                 self._found_outside = False
-                torch._C._autograd._push_saved_tensors_default_hooks(self._pack_check, self.unpack)
+                torch._C._autograd._push_saved_tensors_default_hooks(self._check_hook, self._unpack_hook)
                 pushed = "check"
         self._root_pushed.append(pushed)
 
@@ -114,9 +121,9 @@ class SavedTensorRebinder:
         if self._scope_depth or self.phase.backward or not torch.is_grad_enabled():
             return False
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] != self._pack_check:
+        if top is not None and top[0] is not self._check_hook:
             return False
-        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack_hook, self._unpack_hook)
         self._scope_depth += 1
         return True
 

@@ -40,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from agent.runtime.device import Event
+from agent.runtime.eager import eager
 from agent.runtime.timing import SWAP_IN, SWAP_OUT, SWAP_PREFETCH, RuntimeTiming, section
 
 ModelStateTest = Callable[[torch.Tensor], bool]
@@ -152,7 +153,7 @@ class SwapStore:
         self._forget(block)  # tensors of an earlier forward whose backward never ran
         self._blocks[block] = _BlockRecord()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(eager(self._pack), eager(self._unpack)):
                 yield
         finally:
             self._current, self._outer = prev_block, prev_outer

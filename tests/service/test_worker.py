@@ -410,10 +410,9 @@ def test_a_plan_enqueued_before_a_savepoint_is_solved_after_its_transaction_comm
     then, before its row was committed, skip it, and leave it queued for ever (a sweep stuck at 1 of 64)."""
     import time
 
+    from planner_service.db.migrate import upgrade
     from planner_service.jobs.local import LocalSolver
     from planner_service.solver.testing.synthetic import synthetic_trace
-
-    from planner_service.db.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'memplan.db'}"  # the in-process pool serves the embedded SQLite database
     upgrade(url)
