@@ -185,6 +185,12 @@ class StepMonitor:
         return self.warmup
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.measured.sent is not None:
+            # measuring is over: the hooks go (from here, not from the optimizer's post-step hook, whose
+            # registry torch iterates live), so no step pays for them again (issue 19, defect 9: the CUDA
+            # synchronize in `_after_step` ran after every step for the whole run)
+            self._remove_hooks()
+            return
         if self._metering or self.measured.steps != self.meter_step or not torch.is_grad_enabled():
             return
         self._metering = True
@@ -194,6 +200,8 @@ class StepMonitor:
         self._meter.start(device_state_tensors(self.model, self.manager), (args, kwargs))
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.measured.sent is not None:
+            return  # measured and sent: no synchronize, nothing to count (the hooks go at the next forward)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -255,6 +263,9 @@ class StepMonitor:
         if self._metering:
             self._metering = False
             self._meter.stop()
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()

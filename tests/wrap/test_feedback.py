@@ -102,3 +102,28 @@ def test_feedback_kept_locally_says_where_once(tmp_path: Path, caplog: pytest.Lo
     told = [r.getMessage() for r in caplog.records if str(local) in r.getMessage()]
     assert len(told) == 1 and "MEMPLAN_SERVER" in told[0] and "MEMPLAN_FEEDBACK_PATH" in told[0]
     assert len(local.read_text().splitlines()) == 2
+
+
+def test_once_feedback_is_sent_the_monitor_stops_hooking_the_training_loop(tmp_path: Path) -> None:
+    """Issue 19 defect 9: the monitor's post-step hook synchronised the device after every step of the whole
+    run (its hooks were never removed), cancelling the overlap `async_step` exists for. Once the feedback is
+    sent, its hooks go at the next forward and no later step is counted or synchronised."""
+    model, cfg = build("gpt2", layers=2, hidden=64, vocab=128, seq=32, seed=0)
+    batch = sample_batch(cfg, 2, 32)
+    w = wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        plan=manual_plan(model, chunk_size_bytes=2**20),
+        feedback_steps=4,
+        feedback_path=tmp_path / "fb.jsonl",
+    )
+    assert w.monitor is not None
+    hooks_before = len(model._forward_pre_hooks), len(w.optimizer._optimizer_step_post_hooks)
+    for _ in range(7):
+        w.model(**batch).loss.backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+    assert w.monitor.measured.sent is not None and w.monitor.measured.steps == 4  # nothing counted after
+    assert len(model._forward_pre_hooks) == hooks_before[0] - 1  # the monitor's forward hook is gone
+    assert len(w.optimizer._optimizer_step_post_hooks) == hooks_before[1] - 1  # and its post-step hook
+    unwrap(w)
