@@ -16,6 +16,7 @@ from client.contract.common import MAX_NAME_CHARS, NO_NUL_PATTERN
 
 TraceId = Annotated[str, Path(description="a trace id", pattern=NO_NUL_PATTERN)]
 PlanId = Annotated[str, Path(description="a plan id", pattern=NO_NUL_PATTERN)]
+SweepId = Annotated[str, Path(description="a sweep id", pattern=NO_NUL_PATTERN)]
 ModelFilter = Annotated[
     str | None,
     Query(description="model fingerprint or name", max_length=MAX_NAME_CHARS, pattern=NO_NUL_PATTERN),

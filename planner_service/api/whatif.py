@@ -17,6 +17,7 @@ from client.contract import (
 )
 from planner_service.api.deps import PrincipalDep, SessionDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
+from planner_service.api.params import SweepId
 
 router = APIRouter(prefix="/v1", tags=["whatif"], responses=ERROR_RESPONSES)
 
@@ -81,7 +82,7 @@ async def create_sweep(
 
 @router.get("/sweeps/{sweep_id}", response_model=SweepRecord)
 async def get_sweep(
-    sweep_id: str,
+    sweep_id: SweepId,
     session: SessionDep,
     principal: PrincipalDep,
     limit: Annotated[int, Query(ge=1, le=500, description="points per page")] = 100,
