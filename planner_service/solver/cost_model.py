@@ -70,8 +70,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from client.contract import ActivationMode, Constraints, Placement, Policy, Predictions, TimelinePoint, Trace
+from planner_service.solver.chunk_grid import layout_from_chunks
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
-from planner_service.solver.layout import layout_from_chunks
 
 _MODE_OF = {
     ActivationMode.keep: Mode.keep,

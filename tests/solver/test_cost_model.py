@@ -19,9 +19,9 @@ from client.contract import (
     Placement,
     Policy,
 )
+from planner_service.solver.chunk_grid import pack
 from planner_service.solver.cost_model import evaluate, evaluate_decision, iteration_ns_batch
 from planner_service.solver.instance import CostParams, Decision, Mode, build_instance
-from planner_service.solver.layout import pack
 from planner_service.solver.testing.synthetic import BlockSpec, hand_trace, synthetic_trace
 
 MiB = 2**20

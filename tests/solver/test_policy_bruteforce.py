@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from client.contract import BlockKind, Constraints, DeviceType
+from planner_service.solver.chunk_grid import candidate_layouts
 from planner_service.solver.cost_model import activation_peak, evaluate_decision, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.entry import solve_with_gap
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
-from planner_service.solver.layout import candidate_layouts
 from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
 
 MiB = 2**20

@@ -6,8 +6,8 @@ import pytest
 
 from client.contract import Constraints
 from planner_service.solver import protrain
+from planner_service.solver.chunk_grid import candidate_layouts
 from planner_service.solver.instance import CostParams, Mode, build_instance
-from planner_service.solver.layout import candidate_layouts
 from planner_service.solver.testing.synthetic import synthetic_trace
 
 GiB = 2**30

@@ -1,4 +1,7 @@
-"""Chunk layout: pack a trace's parameters, in execution order, into equal-size chunks without splitting a block.
+"""Chunk grid: pack a trace's parameters, in execution order, into equal-size chunks without splitting a block.
+
+`ChunkGrid` is the solver's view (which parameters share a chunk); the runtime's placement of
+parameters in chunk buffers is a different thing, `agent.runtime.layout.ChunkLayout`.
 
 A layout is the part of the policy that fixes *which* parameters share a chunk; whether each chunk is
 persistent or offloaded is decided later by a solver. Rules:
@@ -24,7 +27,7 @@ CHUNK_SIZE_GRID: tuple[int, ...] = (32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB, 51
 
 
 @dataclass(frozen=True)
-class ChunkLayout:
+class ChunkGrid:
     """Chunks as runs of blocks; `param_ranges[c]` is the slice of `trace.model.parameters` in chunk c."""
 
     chunk_size_bytes: int
@@ -72,7 +75,7 @@ def _align(n: int) -> int:
     return max(CHUNK_ALIGN_BYTES, -(-n // CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES)
 
 
-def pack(trace: Trace, chunk_size_bytes: int) -> ChunkLayout:
+def pack(trace: Trace, chunk_size_bytes: int) -> ChunkGrid:
     """Greedy packing in execution order: a new chunk starts when the next block would overflow the current one."""
     runs = block_runs(trace)
     params = trace.model.parameters
@@ -101,7 +104,7 @@ def pack(trace: Trace, chunk_size_bytes: int) -> ChunkLayout:
     for b in range(len(trace.model.blocks)):
         current = owner.get(b, current)
         chunk_of_block.append(current)
-    return ChunkLayout(
+    return ChunkGrid(
         chunk_size_bytes=chunk_size_bytes,
         chunk_blocks=tuple(tuple(c) for c in chunks),
         param_ranges=tuple((r[0], r[1]) for r in ranges),
@@ -110,7 +113,7 @@ def pack(trace: Trace, chunk_size_bytes: int) -> ChunkLayout:
     )
 
 
-def candidate_layouts(trace: Trace, max_candidates: int | None = None) -> list[ChunkLayout]:
+def candidate_layouts(trace: Trace, max_candidates: int | None = None) -> list[ChunkGrid]:
     """Distinct layouts from the grid plus "one block per chunk", fewest padding bytes first.
 
     Sizes that produce the same block partition as a smaller size are dropped (same decisions, more
@@ -125,7 +128,7 @@ def candidate_layouts(trace: Trace, max_candidates: int | None = None) -> list[C
     one_block = _align(max(per_block.values()))
     sizes = sorted({one_block, *(s for s in CHUNK_SIZE_GRID if s >= one_block)})
     seen: set[tuple[tuple[int, ...], ...]] = set()
-    layouts: list[ChunkLayout] = []
+    layouts: list[ChunkGrid] = []
     for s in sizes:
         lay = pack(trace, s)
         if lay.partition in seen:
@@ -136,7 +139,7 @@ def candidate_layouts(trace: Trace, max_candidates: int | None = None) -> list[C
     return layouts[:max_candidates] if max_candidates else layouts
 
 
-def layout_from_chunks(trace: Trace, chunk_size_bytes: int, chunk_parameters: list[list[str]]) -> ChunkLayout:
+def layout_from_chunks(trace: Trace, chunk_size_bytes: int, chunk_parameters: list[list[str]]) -> ChunkGrid:
     """Rebuild the layout of an existing policy, checking it against the trace (errors name the chunk)."""
     params = trace.model.parameters
     names = [n for chunk in chunk_parameters for n in chunk]
@@ -171,4 +174,4 @@ def layout_from_chunks(trace: Trace, chunk_size_bytes: int, chunk_parameters: li
     for b in range(len(trace.model.blocks)):
         current = owner.get(b, current)
         chunk_of_block.append(current)
-    return ChunkLayout(chunk_size_bytes, tuple(chunks), tuple(ranges), tuple(used), tuple(chunk_of_block))
+    return ChunkGrid(chunk_size_bytes, tuple(chunks), tuple(ranges), tuple(used), tuple(chunk_of_block))
