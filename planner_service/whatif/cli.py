@@ -20,7 +20,7 @@ from client.units import format_bytes, parse_bytes
 if TYPE_CHECKING:
     from client.contract import CatalogEntry
     from planner_service.whatif.answer import Answer
-    from planner_service.whatif.calibrate import Calibration
+    from planner_service.whatif.calibration import Calibration
 
 console = Console()
 err_console = Console(stderr=True)

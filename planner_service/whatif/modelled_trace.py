@@ -53,7 +53,7 @@ from planner_service.whatif.catalog import to_hardware
 from planner_service.whatif.fake_iteration import IterationRecord, ParameterUse, run_iteration
 
 if TYPE_CHECKING:
-    from planner_service.whatif.calibrate import Calibration
+    from planner_service.whatif.calibration import Calibration
 
 T = TypeVar("T")
 METHOD = "fake-tensor iteration + roofline"
