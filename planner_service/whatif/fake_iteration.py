@@ -31,6 +31,9 @@ fake run's own tensors, the true answer for a modelled batch.
 
 The optimizer step is not run (its scalar `step` reads a value, which fake tensors do not have): its state
 and its transient are added from the optimizer's definition (`optimizer_state`).
+
+Why one module over 400 lines: the dispatch-mode tracker, the attention stand-in and the block hooks observe
+one fake iteration together and share its marks.
 """
 
 from __future__ import annotations
