@@ -47,7 +47,7 @@ def make_engine(url: str, pool_size: int = 16, timeouts: Timeouts | None = None)
 
         return engine
     # No pre-ping (it doubled the round trips of every request): a connection broken by a database restart
-    # fails one request with 503 and SQLAlchemy then invalidates the whole pool (tests/service/test_faults.py).
+    # fails one request with 503 and SQLAlchemy then invalidates the whole pool (tests/planner_service/test_faults.py).
     # The pool holds what the API's thread limiter admits (settings.db_pool_size) plus a few for the worker
     # threads: an overflow connection is opened and closed per use, which costs PostgreSQL a process fork.
     if timeouts is None:
