@@ -33,7 +33,9 @@ from typing import Any
 from _results import save
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "allocation" / "data" / "minimalloc"  # vendored, Apache-2.0
+DATA = (
+    REPO / "tests" / "planner_service" / "solver" / "allocation" / "data" / "minimalloc"
+)  # vendored, Apache-2.0
 RESULTS = REPO / "benchmarks" / "results" / "allocation.json"
 CAPACITY = 1048576
 
