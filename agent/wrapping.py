@@ -16,6 +16,9 @@ slow; see `agent/planning.py`). Then, in order: every check that can fail (plan,
 optimizer, layout) before the model is touched; the model-state runtime (chunks, offload, host
 optimizer: `apply_plan`); the activation modes (`runtime/activations.py`); a step monitor that sends
 feedback after `feedback_steps` steps (`feedback.py`).
+
+Why one module over 400 lines: it is the one call a user makes, read in order (plan, apply, measure, report)
+with its undo `unwrap`; the steps' work is in `planning.py`, `runtime/` and `feedback.py`.
 """
 
 from __future__ import annotations

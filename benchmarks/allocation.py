@@ -1,6 +1,6 @@
 """Benchmark of the allocation planner: MiniMalloc's challenging instances and profiled LLM iterations.
 
-Part 1: every challenging instance A-F (tests/allocation/data/minimalloc, vendored) placed under
+Part 1: every challenging instance A-F (tests/planner_service/solver/allocation/data/minimalloc, vendored) placed under
 capacity 1048576 with a 60 s limit (the time to the first fitting placement; MiniMalloc's question),
 next to the best-fit heuristic alone.
 Part 2: allocation traces of real training iterations (gpt2 and llama, 24 layers, random weights,
@@ -33,7 +33,9 @@ from typing import Any
 from _results import save
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "allocation" / "data" / "minimalloc"  # vendored, Apache-2.0
+DATA = (
+    REPO / "tests" / "planner_service" / "solver" / "allocation" / "data" / "minimalloc"
+)  # vendored, Apache-2.0
 RESULTS = REPO / "benchmarks" / "results" / "allocation.json"
 CAPACITY = 1048576
 

@@ -3,7 +3,7 @@
 CPU part (default):
 * inputs: allocation traces of real training iterations profiled on this machine by `agent.profile`
   (gpt2 and llama configs with random weights, with and without activation checkpointing) and the
-  MiniMalloc CSVs under tests/allocation/data/minimalloc (plain replay input: lifetimes become allocations
+  MiniMalloc CSVs under tests/planner_service/solver/allocation/data/minimalloc (plain replay input: lifetimes become allocations
   and frees in logical-time order);
 * each trace is planned by the allocation planner (`plan_allocation`, 512-byte alignment), then
   - fragmentation: PyTorch's caching allocator replayed on the trace (`simulate_caching_allocator`,
@@ -42,7 +42,9 @@ from typing import Any
 from _results import save
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "allocation" / "data" / "minimalloc"  # vendored, Apache-2.0
+DATA = (
+    REPO / "tests" / "planner_service" / "solver" / "allocation" / "data" / "minimalloc"
+)  # vendored, Apache-2.0
 RESULTS = REPO / "benchmarks" / "results" / "allocator.json"
 MiB = 1 << 20
 

@@ -1,4 +1,8 @@
-"""HTTP SDK: paired `Client` / `AsyncClient` on httpx, with retries, typed responses and cursor-following lists."""
+"""HTTP SDK: paired `Client` / `AsyncClient` on httpx, with retries, typed responses and cursor-following lists.
+
+Why one module over 400 lines: `Client` and `AsyncClient` share their request building, retries and error
+mapping here, openai-python's shape; each method exists once per client.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure a headless-capable Chromium is on PATH (tests/ui/test_browser.py renders the history UI with it).
+# Make sure a headless-capable Chromium is on PATH (tests/planner_service/ui/test_browser.py renders the history UI with it).
 # Uses the installed one when present; otherwise installs Debian's `chromium` package.
 set -euo pipefail
 

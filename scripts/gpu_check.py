@@ -3,7 +3,7 @@
 Steps (each a subprocess; a failing step is recorded and the next one still runs):
 1. environment: nvidia-smi, torch and CUDA versions, the GPU torch sees;
 2. `scripts/check_cuda_build.sh`: the planned allocator's CUDA backend compiles with -Werror;
-3. the CUDA-relevant tests: tests/allocator, tests/cuda_semantics, tests/runtime, tests/activations (on a
+3. the CUDA-relevant tests: tests/agent/allocator, tests/agent/runtime (with its cuda_semantics and activations) (on a
    GPU machine the CUDA-only tests run instead of skipping);
 4. `benchmarks/predict_vs_measure.py --device cuda:N` (plan predictions against measurements);
 5. `benchmarks/train_throughput.py --device cuda:N` (memplan against FSDP2 CPU offload and ProTrain,
@@ -85,10 +85,8 @@ def steps(device: str, quick: bool, python: str) -> list[Step]:
                 "-q",
                 "-p",
                 "no:cacheprovider",
-                "tests/allocator",
-                "tests/cuda_semantics",
-                "tests/runtime",
-                "tests/activations",
+                "tests/agent/allocator",
+                "tests/agent/runtime",
                 "-rs",
             ],
             timeout_s=3600,

@@ -25,8 +25,8 @@ def in_ci() -> bool:
 # Skips that are allowed in CI: node id prefix -> why the test cannot run on some CI machines. Anything else
 # that skips with CI set fails, so a test can never pass CI by not running.
 CI_ALLOWED_SKIPS: dict[str, str] = {
-    "tests/allocator/test_build.py::test_the_cuda_backend_compiles": "CUDA-only: needs the CUDA runtime headers and libcudart",
-    "tests/allocator/test_switching.py::test_installing_without_cuda_fails_with_a_clear_error": "CPU-only: on a GPU machine it would really swap this process's CUDA allocator",
+    "tests/agent/allocator/test_build.py::test_the_cuda_backend_compiles": "CUDA-only: needs the CUDA runtime headers and libcudart",
+    "tests/agent/allocator/test_switching.py::test_installing_without_cuda_fails_with_a_clear_error": "CPU-only: on a GPU machine it would really swap this process's CUDA allocator",
 }
 
 

@@ -11,7 +11,7 @@
   iteration, in the first block that saves it (or takes it as input): tensors every block uses, such as
   rotary cos/sin or the attention mask, land in the first block, so sums over blocks are exact.
 On exit (normal or exception) every handle is removed and the saved-tensor hooks are popped, so the model
-is left exactly as it was; `tests/profiler` checks that no hook survives.
+is left exactly as it was; `tests/agent/profiler` checks that no hook survives.
 """
 
 from __future__ import annotations

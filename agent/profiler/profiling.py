@@ -21,37 +21,33 @@ allocator history is removed or turned off on return and on error.
 Models larger than the device: `max_blocks=k` profiles the prologue, the first k repeated blocks and the
 epilogue only (the block list is truncated while profiling) and copies the last profiled block's figures
 to the other, identical blocks; the trace says so (`measurements.extrapolated`, `profiled_blocks`).
+
+Why one module over 400 lines: `profile` and `_measure` are the session's steps in the order above, read top
+to bottom; the steps' work is in `runtime_costs.py`, `memory_tracking.py`, `extrapolation.py` and the probes.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from agent.kv_cache import KVCacheOff
-from agent.profiler.allocation_trace import AllocationTraceTooLarge, build_allocation_trace
-from agent.profiler.block_detection import BlockDetectionError, RepeatedBlocks, detect_blocks, edge_name
-from agent.profiler.block_marks import BlockTracker, Gauge, seconds_by_block, segments, transient_peaks
-from agent.profiler.cuda_history import CudaAllocatorHistory, CudaGauge
+from agent.profiler.block_detection import RepeatedBlocks, detect_blocks, edge_name
+from agent.profiler.block_marks import BlockTracker, seconds_by_block, segments
 from agent.profiler.device_clock import DeviceClock
+from agent.profiler.extrapolation import blocks_that_fit, extrapolate, truncated
 from agent.profiler.hardware import probe_hardware
 from agent.profiler.hooks import BlockHooks
-from agent.profiler.optimizer_probe import (
-    host_step_throughput,
-    optimizer_kind,
-    state_bytes_per_param,
-    state_tensors,
-)
+from agent.profiler.memory_tracking import track_memory
+from agent.profiler.optimizer_probe import host_step_throughput, optimizer_kind, state_bytes_per_param
 from agent.profiler.parameters import (
     OrderedParameter,
     dtype_name,
@@ -60,6 +56,7 @@ from agent.profiler.parameters import (
     parameter_infos,
 )
 from agent.profiler.persistent_probe import probe_persistent
+from agent.profiler.runtime_costs import runtime_costs
 from agent.profiler.runtime_probe import RuntimeProbe, probe_block
 from agent.profiler.session import (
     LossFn,
@@ -68,12 +65,9 @@ from agent.profiler.session import (
     move_batch,
     preserved_training_state,
 )
-from agent.profiler.storage_tracker import StorageRecord, StorageTracker
-from agent.profiler.tensors import iter_tensors, storage_key, unique_storage_bytes
+from agent.profiler.tensors import iter_tensors
 from client.contract import (
-    AllocationCategory,
     AllocationTrace,
-    BandwidthSample,
     BlockInfo,
     BlockKind,
     BlockMeasurement,
@@ -114,7 +108,7 @@ def profile(
     defaults to where the parameters are; `blocks` overrides block detection with the repeated blocks in
     execution order. `max_blocks` profiles only that many repeated blocks and extrapolates to the rest.
     `hardware` reuses an earlier probe; `device_memory_limit` caps the reported device capacity. When the
-    model's states would not fit the device (see `_blocks_that_fit`), fewer blocks are profiled
+    model's states would not fit the device (see `extrapolation.blocks_that_fit`), fewer blocks are profiled
     automatically and the rest extrapolated.
     """
     if repeats < 1:
@@ -129,7 +123,7 @@ def profile(
     if max_blocks is not None and not 1 <= max_blocks:
         raise ValueError(f"max_blocks: must be at least 1, got {max_blocks}")
     if max_blocks is None:
-        max_blocks = _blocks_that_fit(model, repeated_all, dev, device_memory_limit)
+        max_blocks = blocks_that_fit(model, repeated_all, dev, device_memory_limit)
     n_profiled = len(repeated_all) if max_blocks is None else min(max_blocks, len(repeated_all))
     full_fingerprint = fingerprint(model)
     all_params_named = dict(model.named_parameters())
@@ -137,7 +131,7 @@ def profile(
     t_hw = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
     t_hw = time.perf_counter() - t_hw
-    with _truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
+    with truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
         opt = (
             optimizer
             if optimizer is not None
@@ -154,7 +148,7 @@ def profile(
     iteration_s, peak = result.iteration_s, result.peak_bytes
     alloc = result.allocation
     if extrapolated:
-        ordered, block_meas, iteration_s, peak = _extrapolate(
+        ordered, block_meas, iteration_s, peak = extrapolate(
             repeated_all,
             n_profiled,
             ordered,
@@ -438,7 +432,7 @@ def _measure(
     stage("persistent_probe")
 
     # 5. tracked iteration: memory (after recompute, so no captured input is alive during it)
-    act, inp, fwd_tr, bwd_tr, peak, alloc = _track_memory(
+    act, inp, fwd_tr, bwd_tr, peak, alloc = track_memory(
         model, step, opt, batch, dev, repeated, res.ordered, want_trace
     )
     res.peak_bytes = peak_plain if peak_plain is not None else peak
@@ -453,7 +447,7 @@ def _measure(
         [0.0] * n_blocks,
     )
     if probe is not None:
-        swap_out, swap_in, recompute, offload, upload = _runtime_costs(
+        swap_out, swap_in, recompute, offload, upload = runtime_costs(
             probe, probed, act, recompute, res.ordered, hw
         )
     res.blocks = [
@@ -476,233 +470,7 @@ def _measure(
     return res
 
 
-def _runtime_costs(
-    probe: RuntimeProbe,
-    probed: int,
-    act: list[int],
-    recompute: list[float],
-    ordered: list[OrderedParameter],
-    hw: Hardware,
-) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
-    """Per-block runtime costs from the probe of block `probed` (see runtime_probe.py).
-
-    Repeated blocks (one module class): swap costs scale with the block's activation bytes, checkpointing's
-    cost with its measured forward re-run (the probe measures the whole of it, recompute machinery included,
-    where the re-run alone misses the machinery). Every block, edges included: the chunk runtime's costs per
-    parameter tensor (the probe's, less the copies and the host step that the cost model charges by bandwidth
-    and throughput) times the block's parameter tensors: once per offloaded chunk (`offload_overhead_s`) and
-    per upload (`upload_overhead_s`).
-    """
-    n = len(act)
-    swap_out, swap_in = [0.0] * n, [0.0] * n
-    rec = list(recompute)
-    for b in range(1, n - 1):
-        if act[probed] > 0:
-            swap_out[b] = probe.swap_out_s * act[b] / act[probed]
-            swap_in[b] = probe.swap_in_s * act[b] / act[probed]
-        if recompute[probed] > 0:  # never less than the block's own forward re-run
-            rec[b] = recompute[b] * max(1.0, probe.checkpoint_extra_s / recompute[probed])
-    # the probe's chunk is uploaded and released once in its timed run (offload_s, of which upload_s is the
-    # upload and the release): the cost model charges each upload's copy by bandwidth plus the measured
-    # rest of an upload and release, and once per chunk its gradient copy by bandwidth and its host step by
-    # throughput plus the measured rest of offload_s
-    h2d = _copy_s(hw.bandwidth.h2d_pinned, probe.offload_bytes)
-    d2h = _copy_s(hw.bandwidth.d2h_pinned, probe.offload_bytes)
-    step = probe.offload_bytes / host_step_throughput() if probe.offload_stepped else 0.0
-    upload_rest = max(0.0, probe.upload_s - h2d)
-    once = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)
-    n_params = max(1, probe.offload_params)
-    counts = [0] * n
-    for (
-        o
-    ) in ordered:  # every parameter tensor, as the cost model spreads a block's figure over its parameters
-        counts[o.block] += 1
-    upload = [upload_rest / n_params * counts[b] for b in range(n)]
-    offload = [once / n_params * counts[b] for b in range(n)]
-    return swap_out, swap_in, rec, offload, upload
-
-
-def _copy_s(curve: list[BandwidthSample], nbytes: int) -> float:
-    """Seconds to copy `nbytes` at the curve's bandwidth (log-size interpolation, as the cost model reads it)."""
-    if nbytes <= 0:
-        return 0.0
-    sizes = [s.size_bytes for s in curve]
-    if nbytes <= sizes[0]:
-        return nbytes / curve[0].bytes_per_s
-    if nbytes >= sizes[-1]:
-        return nbytes / curve[-1].bytes_per_s
-    i = bisect.bisect_right(sizes, nbytes)
-    lo, hi = curve[i - 1], curve[i]
-    w = (math.log(nbytes) - math.log(lo.size_bytes)) / (math.log(hi.size_bytes) - math.log(lo.size_bytes))
-    return nbytes / (lo.bytes_per_s + w * (hi.bytes_per_s - lo.bytes_per_s))
-
-
-def _track_memory(
-    model: nn.Module,
-    step: TrainingStep,
-    opt: torch.optim.Optimizer,
-    batch: Any,
-    dev: torch.device,
-    repeated: RepeatedBlocks,
-    ordered: list[OrderedParameter],
-    want_trace: bool,
-) -> tuple[list[int], list[int], list[int], list[int], int, AllocationTrace | None]:
-    """One iteration under a storage tracker: activations, inputs, transients, peak, allocation trace."""
-    n_blocks = len(repeated) + 2
-    clock = DeviceClock(dev)
-    block_of_param = {id(o.param): o.block for o in ordered}
-    opt.zero_grad(set_to_none=True)
-    excluded: set[tuple[str, int]] = set()
-    long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]] = []
-    for p in model.parameters():
-        long_lived.append((p, AllocationCategory.param, block_of_param.get(id(p))))
-    for mod_path, module in model.named_modules():
-        for b in module.buffers(recurse=False):
-            inside = repeated.index_of_path(mod_path)
-            long_lived.append((b, AllocationCategory.param, inside + 1 if inside is not None else None))
-    in_model = {id(p) for p in model.parameters()}  # with max_blocks: only the profiled blocks' state
-    for owner, v in state_tensors(opt):
-        if id(owner) in in_model:
-            long_lived.append((v, AllocationCategory.optimizer, block_of_param.get(id(owner))))
-    batch_tensors = list(iter_tensors(batch))
-    for t, _, _ in long_lived:
-        excluded.add(storage_key(t))
-    for t in batch_tensors:
-        excluded.add(storage_key(t))
-
-    cuda = dev.type == "cuda"
-    tracker: StorageTracker | None = None
-    history: CudaAllocatorHistory | None = None
-    gauge: Gauge
-    if cuda:
-        gauge = CudaGauge(dev)
-        history = CudaAllocatorHistory(dev)
-        on_saved: Callable[[torch.Tensor], None] = history.mark_saved
-    else:
-        tracker = StorageTracker()
-        for t, cat, blk in long_lived:
-            tracker.register_existing(t, cat, blk)
-        for t in batch_tensors:
-            tracker.register_external(t)
-        gauge = tracker
-        on_saved = tracker.mark_saved
-    block_tracker = BlockTracker(clock, gauge=gauge)
-    if tracker is not None:
-        tracker.block_tracker = block_tracker
-    grad_keys: dict[tuple[str, int], int] = {}
-    with BlockHooks(
-        model, repeated, block_tracker, saved_tensors=True, excluded_storages=excluded, on_saved=on_saved
-    ) as hooks:
-        with tracker if tracker is not None else (history if history is not None else nullcontext()):
-            step.run(block_tracker)
-            if tracker is not None:
-                grad_sids = {
-                    rec.sid
-                    for p in model.parameters()
-                    if p.grad is not None
-                    for rec in [tracker.record_of(p.grad)]
-                    if rec is not None
-                }
-                grad_blocks = {
-                    rec.sid: block_of_param.get(id(p), rec.block)
-                    for p in model.parameters()
-                    if p.grad is not None
-                    for rec in [tracker.record_of(p.grad)]
-                    if rec is not None
-                }
-            else:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        grad_keys[(str(p.grad.device), p.grad.untyped_storage().data_ptr())] = (
-                            block_of_param.get(id(p), 0)
-                        )
-        act, inp = list(hooks.activation_bytes), list(hooks.input_bytes)
-    inp[0] = unique_storage_bytes(batch_tensors, set())
-    segs = segments(block_tracker.marks)
-    fwd_tr = transient_peaks(segs, n_blocks, Phase.forward)
-    bwd_tr = transient_peaks(segs, n_blocks, Phase.backward)
-    peak = max([s.peak for s in segs] + [0])
-
-    alloc: AllocationTrace | None = None
-    if want_trace:
-        if tracker is not None:
-            records, n_events = tracker.records, tracker.n_events
-            source = "dispatch_tracker"
-        else:
-            assert history is not None and isinstance(gauge, CudaGauge)
-            records, n_events, grad_sids, grad_blocks = _cuda_records(
-                long_lived, history, gauge, block_tracker, grad_keys
-            )
-            source = "cuda_caching_allocator"
-        try:
-            alloc = build_allocation_trace(
-                records, n_events, grad_sids=grad_sids, grad_blocks=grad_blocks, source=source
-            )
-        except AllocationTraceTooLarge as e:
-            log.warning("%s; the trace is sent without one", e)
-    return act, inp, fwd_tr, bwd_tr, peak, alloc
-
-
-def _cuda_records(
-    long_lived: list[tuple[torch.Tensor, AllocationCategory, int | None]],
-    history: CudaAllocatorHistory,
-    gauge: CudaGauge,
-    block_tracker: BlockTracker,
-    grad_keys: dict[tuple[str, int], int],
-) -> tuple[list[StorageRecord], int, set[int], dict[int, int | None]]:
-    """Pre-existing model state first, then the allocator's events of the window (see cuda_history)."""
-    records: list[StorageRecord] = []
-    seen: set[tuple[str, int]] = set()
-    for t, cat, blk in long_lived:
-        key = storage_key(t)
-        nbytes = int(t.untyped_storage().nbytes())
-        if key in seen or nbytes == 0:
-            continue
-        seen.add(key)
-        records.append(StorageRecord(len(records), nbytes, len(records), blk, Phase.forward, cat))
-    window, n_events, by_addr = history.records(
-        len(records), len(records), gauge.mark_counts, [(m.block, m.phase) for m in block_tracker.marks]
-    )
-    grad_sids: set[int] = set()
-    grad_blocks: dict[int, int | None] = {}
-    for (_, addr), blk in grad_keys.items():
-        pairs = by_addr.get(addr)
-        if pairs:
-            sid = pairs[-1][1]
-            grad_sids.add(sid)
-            grad_blocks[sid] = blk
-    return records + window, n_events, grad_sids, grad_blocks
-
-
 # ------------------------------------------------------------------------------------------- helpers
-@contextmanager
-def _truncated(model: nn.Module, repeated: RepeatedBlocks, k: int) -> Iterator[RepeatedBlocks]:
-    """While open, the model's block list holds only its first `k` blocks (for extrapolation)."""
-    if k >= len(repeated):
-        yield repeated
-        return
-    if repeated.container_name is None:
-        raise BlockDetectionError(
-            "max_blocks: extrapolation needs the repeated blocks in one nn.ModuleList; the given blocks are not"
-        )
-    container = model.get_submodule(repeated.container_name)
-    parent_path, _, attr = repeated.container_name.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or not attr:
-        raise BlockDetectionError(
-            f"max_blocks: {repeated.container_name or 'the model'!r} is not an nn.ModuleList or nn.Sequential "
-            "inside the model"
-        )
-    kept = list(container)[:k]
-    setattr(
-        parent, attr, nn.Sequential(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept)
-    )
-    try:
-        yield RepeatedBlocks(repeated.names[:k], repeated.modules[:k], repeated.container_name)
-    finally:
-        setattr(parent, attr, container)
-
-
 @contextmanager
 def _on_device(
     model: nn.Module, dev: torch.device, optimizer: torch.optim.Optimizer | None
@@ -723,95 +491,6 @@ def _on_device(
         yield
     finally:
         model.to(home)
-
-
-def _extrapolate(
-    repeated: RepeatedBlocks,
-    k: int,
-    ordered: list[OrderedParameter],
-    blocks: list[BlockMeasurement],
-    iteration_s: float,
-    peak: int,
-    named: dict[str, nn.Parameter],
-    model_state_bytes_per_byte: float,
-) -> tuple[list[OrderedParameter], list[BlockMeasurement], float, int]:
-    """Copy the last profiled block's figures (and its parameter order) to the unprofiled identical blocks."""
-    n = len(repeated)
-    rep = k  # contract index of the last profiled repeated block
-    rep_prefix = repeated.names[k - 1] + "."
-    rep_params = [o for o in ordered if o.block == rep]
-    epilogue_old = k + 1
-    head = [o for o in ordered if o.block <= k]
-    tail = [
-        OrderedParameter(o.param, o.name, o.module_path, n + 1, o.aliases)
-        for o in ordered
-        if o.block == epilogue_old
-    ]
-    middle: list[OrderedParameter] = []
-    for j in range(k, n):
-        prefix = repeated.names[j] + "."
-        for o in rep_params:
-            if not o.name.startswith(rep_prefix):
-                raise BlockDetectionError(
-                    f"max_blocks: parameter {o.name!r} of block {rep} is outside its module"
-                )
-            pname = prefix + o.name[len(rep_prefix) :]
-            if pname not in named:
-                raise BlockDetectionError(
-                    f"max_blocks: block {repeated.names[j]!r} has no {pname!r}; blocks differ"
-                )
-            middle.append(
-                OrderedParameter(named[pname], pname, prefix + o.module_path[len(rep_prefix) :], j + 1, ())
-            )
-    rb = blocks[rep]
-    new_blocks = blocks[: k + 1]
-    for j in range(k + 1, n + 1):
-        new_blocks.append(rb.model_copy(update={"block": j}))
-    new_blocks.append(blocks[epilogue_old].model_copy(update={"block": n + 1}))
-    extra = n - k
-    rep_bytes = sum(o.param.numel() * o.param.element_size() for o in rep_params)
-    iteration_s += extra * (rb.forward_s + rb.backward_s)
-    peak += extra * (rb.activation_bytes + int(rep_bytes * model_state_bytes_per_byte))
-    return head + middle + tail, new_blocks, iteration_s, peak
-
-
-def _blocks_that_fit(
-    model: nn.Module, repeated: RepeatedBlocks, dev: torch.device, limit: int | None
-) -> int | None:
-    """How many repeated blocks to profile when the whole model would not fit the device, else None.
-
-    Capacity: `device_memory_limit` if given, and on CUDA the free device memory when the model is not on
-    the device yet. Model states are estimated at parameter + gradient + two fp32 Adam moments per element
-    and must stay within half the capacity (the other half is left for activations); as many blocks as
-    fit that budget are profiled (at least one) and the rest extrapolated.
-    """
-    capacity = limit
-    params = list(model.parameters())
-    if dev.type == "cuda" and any(p.device != dev for p in params):
-        free, _ = torch.cuda.mem_get_info(dev)
-        capacity = free if capacity is None else min(capacity, free)
-    if capacity is None:
-        return None
-
-    def state_bytes(ps: Iterator[nn.Parameter] | list[nn.Parameter]) -> int:
-        return sum(p.numel() * (2 * p.element_size() + 8) for p in ps)
-
-    total = state_bytes(params)
-    budget = capacity // 2
-    if total <= budget:
-        return None
-    per_block = max(1, state_bytes(list(repeated.modules[0].parameters())))
-    others = max(0, total - per_block * len(repeated))
-    fit = max(1, min(len(repeated) - 1, (budget - others) // per_block))
-    log.warning(
-        "model states (~%d MiB) exceed half of the device's %d MiB: profiling %d of %d blocks and "
-        "extrapolating the rest",
-        total >> 20,
-        capacity >> 20,
-        fit,
-        len(repeated),
-    )
-    return int(fit)
 
 
 def _majority_dtype(params: list[nn.Parameter]) -> torch.dtype:

@@ -1,4 +1,8 @@
-"""Trace: what the agent measured about one training job (hardware, model, workload, per-block costs)."""
+"""Trace: what the agent measured about one training job (hardware, model, workload, per-block costs).
+
+Why one module over 400 lines: the Trace is one versioned wire schema (v1), one pydantic model tree with its
+cross-field validators.
+"""
 
 from __future__ import annotations
 

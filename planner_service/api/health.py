@@ -9,7 +9,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from planner_service.db.migrate import head_revision
+from planner_service.db.migrate import head_revision, probe_revision
 from planner_service.db.session import Database
 from planner_service.settings import Settings
 
@@ -39,7 +39,7 @@ async def readyz(request: Request) -> JSONResponse:
     try:
         with anyio.fail_after(timeout_s + 1.0):  # the probe's own timeouts end it first; this is the backstop
             current = await anyio.to_thread.run_sync(
-                db.probe_revision, timeout_s, limiter=_PROBES, abandon_on_cancel=True
+                probe_revision, db, timeout_s, limiter=_PROBES, abandon_on_cancel=True
             )
     except TimeoutError:
         return JSONResponse(

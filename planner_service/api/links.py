@@ -1,6 +1,6 @@
 """OpenAPI links: which response field feeds which request (an upload's id -> GET the trace, request a plan;
 a plan's id -> poll it, send feedback; a list's first item and next cursor). They document how the API is
-walked, and schemathesis's stateful phase follows them with real ids (tests/fuzz)."""
+walked, and schemathesis's stateful phase follows them with real ids (tests/planner_service/fuzz)."""
 
 from __future__ import annotations
 

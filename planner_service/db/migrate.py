@@ -1,4 +1,8 @@
-"""Run Alembic programmatically (`memplan db upgrade|downgrade`) and check the schema is current."""
+"""Run Alembic programmatically (`memplan db upgrade|downgrade`) and check the schema is current.
+
+This module imports `session` (engines), never the other way round: the readiness probe, which needs both,
+lives here (`probe_revision`), so the database layer has no import cycle (tests/test_import_graph.py).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.pool import NullPool
 
-from planner_service.db.session import make_engine
+from planner_service.db.deadline import StatementDeadline
+from planner_service.db.session import Database, Timeouts, make_engine
 
 UPGRADE_HINT = "run `memplan db upgrade` (with the same MEMPLAN_DATABASE_URL) to bring the schema to head"
 
@@ -85,6 +91,25 @@ def head_revision() -> str | None:
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
+
+
+def probe_revision(db: Database, timeout_s: float) -> str | None:
+    """The schema revision of `db`, read on a new connection (not a pooled one, which may be stuck behind a
+    frozen server) that gives up within about `timeout_s`: the readiness check."""
+    if db.engine.dialect.name != "postgresql":
+        return current_revision(db.engine)
+    seconds = max(1, int(timeout_s))
+    probe = create_engine(
+        db.url,
+        poolclass=NullPool,
+        connect_args=Timeouts(connect_s=seconds, statement_s=timeout_s).connect_args(),
+    )
+    deadline = StatementDeadline(probe, timeout_s)
+    try:
+        return current_revision(probe)
+    finally:
+        deadline.close()
+        probe.dispose()
 
 
 def require_current(engine: Engine) -> None:

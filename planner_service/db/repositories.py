@@ -1,4 +1,8 @@
-"""Typed repositories: every query the service makes, in one place per table."""
+"""Typed repositories: every query the service makes, in one place per table.
+
+Why one module over 400 lines: by design every query the service makes is in this one place
+(docs/ARCHITECTURE.md), one class per table.
+"""
 
 from __future__ import annotations
 

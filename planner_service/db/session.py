@@ -10,7 +10,6 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import NullPool
 
 from planner_service.db.deadline import StatementDeadline
 
@@ -48,7 +47,7 @@ def make_engine(url: str, pool_size: int = 16, timeouts: Timeouts | None = None)
 
         return engine
     # No pre-ping (it doubled the round trips of every request): a connection broken by a database restart
-    # fails one request with 503 and SQLAlchemy then invalidates the whole pool (tests/service/test_faults.py).
+    # fails one request with 503 and SQLAlchemy then invalidates the whole pool (tests/planner_service/test_faults.py).
     # The pool holds what the API's thread limiter admits (settings.db_pool_size) plus a few for the worker
     # threads: an overflow connection is opened and closed per use, which costs PostgreSQL a process fork.
     if timeouts is None:
@@ -93,26 +92,6 @@ class Database:
         trip (a hot poll is a single indexed SELECT)."""
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             yield conn
-
-    def probe_revision(self, timeout_s: float) -> str | None:
-        """The schema revision, read on a new connection (not a pooled one, which may be stuck behind a
-        frozen server) that gives up within about `timeout_s`: the readiness check."""
-        from planner_service.db.migrate import current_revision
-
-        if self.engine.dialect.name != "postgresql":
-            return current_revision(self.engine)
-        seconds = max(1, int(timeout_s))
-        probe = create_engine(
-            self.url,
-            poolclass=NullPool,
-            connect_args=Timeouts(connect_s=seconds, statement_s=timeout_s).connect_args(),
-        )
-        deadline = StatementDeadline(probe, timeout_s)
-        try:
-            return current_revision(probe)
-        finally:
-            deadline.close()
-            probe.dispose()
 
     def dispose(self) -> None:
         if self._deadline is not None:

@@ -61,6 +61,9 @@ master is stepped, the `.grad` exposed after backward, mixed-precision staging, 
 speculative steps: master + optimizer state) + swapped activations; must fit the host limit. The pinned
 part (model states and swapped activations, as before the extras, which are ordinary host memory) must fit
 the pinned limit when one is known.
+
+Why one module over 400 lines: the time and memory terms of a policy are one formula, term by term the one
+`cpsat_model.py` encodes; split, the terms that must change together would sit apart.
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from client.contract import ActivationMode, Constraints, Placement, Policy, Predictions, TimelinePoint, Trace
+from planner_service.solver.chunk_grid import layout_from_chunks
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
-from planner_service.solver.layout import layout_from_chunks
 
 _MODE_OF = {
     ActivationMode.keep: Mode.keep,

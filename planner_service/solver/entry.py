@@ -1,6 +1,6 @@
 """Solver entry point: Trace + Constraints -> Plan with the fastest memory policy that fits, and its evidence.
 
-`solve` tries every candidate chunk layout (the chunk-size grid, see `layout.py`), runs ProTrain's
+`solve` tries every candidate chunk layout (the chunk-size grid, see `chunk_grid.py`), runs ProTrain's
 4-knob search on each, and for `cpsat` (the default) solves the full decision with CP-SAT, hinted with
 ProTrain's answer and cut off at the best time found so far. The plan reports the best answer, the
 proven lower bound over all layouts, and the gap. When nothing fits it returns status infeasible with
@@ -27,6 +27,7 @@ from client.contract import (
     Trace,
 )
 from planner_service.solver import cpsat_solve, protrain
+from planner_service.solver.chunk_grid import ChunkGrid, candidate_layouts
 from planner_service.solver.cost_model import Cost, evaluate_decision, predictions_of
 from planner_service.solver.errors import PlanRequestRefused
 from planner_service.solver.instance import (
@@ -38,7 +39,6 @@ from planner_service.solver.instance import (
     build_instance,
     resolve_params,
 )
-from planner_service.solver.layout import ChunkLayout, candidate_layouts
 
 # Bump whenever a change can alter a plan (cost model, model, search, defaults): the service dedups by it.
 # 1.1: no copy/compute overlap on a CPU device (CostParams.copy_overlap)
@@ -61,7 +61,7 @@ class _Best:
     cost: Cost
 
 
-def policy_of(trace: Trace, layout: ChunkLayout, decision: Decision) -> Policy:
+def policy_of(trace: Trace, layout: ChunkGrid, decision: Decision) -> Policy:
     """The wire policy for a decision on a layout (chunk parameters in the trace's execution order)."""
     params = trace.model.parameters
     chunks = [
@@ -98,7 +98,7 @@ def _tightest_decision(inst: PolicyInstance) -> Decision:
 
 def _min_device_memory(
     trace: Trace,
-    layouts: list[ChunkLayout],
+    layouts: list[ChunkGrid],
     constraints: Constraints,
     params: CostParams,
     seed: int,
@@ -131,7 +131,7 @@ def _unmanaged_decision(inst: PolicyInstance) -> Decision:
 
 
 def _everything_fits(
-    trace: Trace, layouts: list[ChunkLayout], constraints: Constraints, params: CostParams
+    trace: Trace, layouts: list[ChunkGrid], constraints: Constraints, params: CostParams
 ) -> _Best | None:
     """On a device whose copies are serial with compute (a CPU device), when the measured un-managed peak is
     within the limit and the cost model (with its margin) agrees on some layout: the un-managed decision on the

@@ -23,7 +23,7 @@ from enum import IntEnum
 
 from client.contract import BlockKind, Constraints, DeviceType, Precision, Trace, Workload
 from planner_service.solver.bandwidth import transfer_ns
-from planner_service.solver.layout import ChunkLayout
+from planner_service.solver.chunk_grid import ChunkGrid
 
 DEFAULT_ALPHA = 0.10
 
@@ -102,7 +102,7 @@ def element_bytes(precision: Precision) -> int:
 class PolicyInstance:
     """Integer constants of one (trace, layout, limits) triple. Block lists are indexed by block."""
 
-    layout: ChunkLayout
+    layout: ChunkGrid
     params: CostParams
     # blocks
     optimisable: tuple[bool, ...]  # repeated blocks may checkpoint/swap; prologue/epilogue always keep
@@ -180,7 +180,7 @@ def host_extra_bytes_per_element(w: Workload) -> int:
 
 
 def build_instance(
-    trace: Trace, layout: ChunkLayout, constraints: Constraints, params: CostParams | None = None
+    trace: Trace, layout: ChunkGrid, constraints: Constraints, params: CostParams | None = None
 ) -> PolicyInstance:
     """Scale the trace's measurements to integers for one layout and one set of limits."""
     params = resolve_params(trace, params)

@@ -15,7 +15,7 @@ as a GPU's fused kernels).
 
 `repeated_blocks` is the profiler's block detection (agent/profiler/block_detection.py), reimplemented because the
 planner service must not import the agent: the children of the longest `nn.ModuleList` whose children all
-have one class. tests/whatif check that both find the same blocks on the same models.
+have one class. tests/planner_service/whatif check that both find the same blocks on the same models.
 """
 
 from __future__ import annotations

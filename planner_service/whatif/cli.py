@@ -2,6 +2,9 @@
 
 Registered on the main CLI by `register(app)` (one line in client/cli/main.py). Light at import: torch,
 transformers and the solver are imported when a command runs.
+
+Why one module over 400 lines: `memplan whatif` is one command with many options (model, workload, hardware,
+sweep, calibration, output), each parsed and checked here.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from client.units import format_bytes, parse_bytes
 if TYPE_CHECKING:
     from client.contract import CatalogEntry
     from planner_service.whatif.answer import Answer
-    from planner_service.whatif.calibrate import Calibration
+    from planner_service.whatif.calibration import Calibration
 
 console = Console()
 err_console = Console(stderr=True)

@@ -8,7 +8,7 @@ take the math path and save the b*h*s^2 attention weights).
 
 What one iteration records, with the profiler's own accounting (agent/profiler: hooks.py, storage_tracker.py,
 cursor.py; reimplemented here because the planner must not import the agent, and checked against it in
-tests/whatif/test_memory_vs_profiler.py):
+tests/planner_service/whatif/test_memory_vs_profiler.py):
 - a cursor moved by forward hooks on the repeated blocks and gradient hooks on their outputs and inputs
   (prologue = 0, blocks 1..L, epilogue = L+1), and the order in which parameters are first used;
 - a dispatch mode that sees every op: storages allocated (outputs that the op's schema does not declare as
@@ -31,6 +31,9 @@ fake run's own tensors, the true answer for a modelled batch.
 
 The optimizer step is not run (its scalar `step` reads a value, which fake tensors do not have): its state
 and its transient are added from the optimizer's definition (`optimizer_state`).
+
+Why one module over 400 lines: the dispatch-mode tracker, the attention stand-in and the block hooks observe
+one fake iteration together and share its marks.
 """
 
 from __future__ import annotations
@@ -334,14 +337,14 @@ class _UnpackedSequences:
     on a real batch of one sequence per row it returns None, the causal mask is skipped and SDPA runs with
     `is_causal=True` and `enable_gqa=True` (k/v keep their grouped heads). Fake tensors have no values, so
     the library assumes packing and materialises a (batch, 1, s, s) mask, which also makes it repeat k/v to
-    every query head: +24576 B of saved tensors per block on tests/whatif's GQA starcoder2 (13%), +8192 B
+    every query head: +24576 B of saved tensors per block on tests/planner_service/whatif's GQA starcoder2 (13%), +8192 B
     on gpt_neox, for a run nobody does. The modelled workload is `batch` sequences of `seq` tokens each,
     never packed, so "not packed" is this batch's true answer.
 
     Only fake tensors of an entered mode get that answer (anything else, e.g. a `torch.compile` trace in
     another thread, gets the library's check); the function is replaced while at least one mode is entered
     and restored after the last leaves. A transformers without the function is left as it is (the profiler
-    comparison in tests/whatif would show the difference).
+    comparison in tests/planner_service/whatif would show the difference).
     """
 
     _lock = threading.Lock()

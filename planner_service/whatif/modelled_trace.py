@@ -14,6 +14,9 @@ The trace has the profiler's shape, with these differences, all stated in `Trace
   is live after backward plus the optimizer step's transient (PyTorch's single-tensor Adam builds two
   temporaries the size of each parameter in turn: 2 x the largest parameter; SGD none);
 - optimizer state: torch's Adam/AdamW keep two moments in the parameters' dtype; SGD (no momentum) none.
+
+Why one module over 400 lines: iterate, extrapolate from sampled blocks and price on an entry are one pipeline
+from a config to a Trace over one `ModelIteration`.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from planner_service.whatif.catalog import to_hardware
 from planner_service.whatif.fake_iteration import IterationRecord, ParameterUse, run_iteration
 
 if TYPE_CHECKING:
-    from planner_service.whatif.calibrate import Calibration
+    from planner_service.whatif.calibration import Calibration
 
 T = TypeVar("T")
 METHOD = "fake-tensor iteration + roofline"

@@ -7,8 +7,8 @@ against a fresh real PostgreSQL database and a free loopback port; background se
 checked (the API answers, a worker solves a plan) and stopped.
 
 Not run, by name (`NOT_RUN`), with the reason: the two set-up commands (`scripts/test.sh` is what runs this
-test; `scripts/demo.sh` sets up a virtual environment and is run by tests/demo). Run elsewhere, by name
-(`RUN_ELSEWHERE`): the Trainer block, which needs a `transformers.Trainer` (tests/integrations/
+test; `scripts/demo.sh` sets up a virtual environment and is run by tests/memplan/demo). Run elsewhere, by name
+(`RUN_ELSEWHERE`): the Trainer block, which needs a `transformers.Trainer` (tests/agent/integrations/
 test_readme_trainer.py runs it as written on a real one).
 """
 
@@ -30,11 +30,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 NOT_RUN = {
-    "./scripts/demo.sh": "sets up .venv and trains a demo model; tests/demo runs the demo itself",
+    "./scripts/demo.sh": "sets up .venv and trains a demo model; tests/memplan/demo runs the demo itself",
     "./scripts/test.sh": "runs the whole test suite, this test included",
 }
 RUN_ELSEWHERE = {
-    "wrap_trainer(": "tests/integrations/test_readme_trainer.py runs it as written with a real transformers.Trainer",
+    "wrap_trainer(": "tests/agent/integrations/test_readme_trainer.py runs it as written with a real transformers.Trainer",
 }
 BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.S | re.M)
 

@@ -40,6 +40,9 @@ never breaks a placement, so this loses nothing), and the iteration's other buff
 by the horizon, are planned above them. Iteration k+1 then finds exactly the addresses iteration k
 used, free again: the plan stays valid however many iterations follow (`validate_allocation` checks two
 iterations unrolled).
+
+Why one module over 400 lines: the constructive placement, its refinement and the two entry points share one
+buffer model and one lower bound; the exact search is `search.py`.
 """
 
 from __future__ import annotations

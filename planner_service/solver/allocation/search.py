@@ -33,6 +33,9 @@ the A-F challenging instances in 60 s; compiled it runs the same rules orders of
 The compiled functions are cached on disk (`cache=True`), so only the first run on a machine compiles.
 
 All integers are in the caller's units (bytes, or alignment units; see `planner.py`).
+
+Why one module over 400 lines: the search is one numba-compiled recursion (`_dfs`) with its pruning rules and
+their helpers, compiled together.
 """
 
 from __future__ import annotations
