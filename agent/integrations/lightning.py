@@ -1,0 +1,167 @@
+"""PyTorch Lightning: one callback.
+
+    trainer = L.Trainer(max_steps=1000, gradient_clip_val=1.0,
+                        callbacks=[MemplanCallback(device_memory=8 << 30)])
+    trainer.fit(module, train_loader)                       # or fit(..., ckpt_path=...)
+
+What it does, at `on_fit_start` (after Lightning has moved the module and built its optimizer and schedulers,
+before it restores a checkpoint's optimizer state): takes the first batch of the training dataloader as the
+sample to profile (the random-number state is restored afterwards, so data order and dropout are those of a
+plain run), calls `agent.wrap(pl_module, optimizer, ...)`, and hands the wrapped optimizer to the strategy
+(`trainer.strategy.optimizers`) and to every learning-rate scheduler built on the original one. Lightning then
+drives it as any optimizer: `optimizer.step(closure)` with the forward and backward in the closure,
+`gradient_clip_val` clipping (`torch.nn.utils.clip_grad_norm_` over the optimizer's parameters: every gradient
+is exposed after backward, so the norm is torch's), gradient accumulation, checkpoint save (plain-PyTorch
+state dicts) and resume (`ckpt_path`: the optimizer state is loaded into the wrapped optimizer).
+At `on_train_end` (and on an exception) the module is unwrapped: ordinary parameters again, the original
+optimizer holds the trained state and is handed back to the strategy, so Lightning's teardown, test and
+predict see a plain module. `callback.wrapped` is what `agent.wrap` returned (its `report()`), and
+`callback.report` the report taken just before unwrapping.
+
+The module is profiled by calling it on the batch as `agent.wrap` does (`module(**batch)` for a dict,
+`module(*batch)` for a tuple, else `module(batch)`) and taking `.loss` of the output, or `loss_fn(output,
+batch)`: a LightningModule whose `forward` takes the batch works as is; otherwise pass `loss_fn` (and
+`sample_batch` if the first training batch is not what `forward` takes).
+
+Supported: one optimizer, one process, `precision="32-true"` or `"bf16-true"` (the runtime keeps the
+module's own dtype). Refused with a ValueError naming the setting: several optimizers, several processes
+(the runtime shards across ranks only through `agent.wrap` under an initialised process group, not yet
+through Lightning's strategies), mixed precision (`16-mixed`, `bf16-mixed`: autocast and GradScaler around
+the runtime have not been validated).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from agent.wrapping import unwrap, wrap
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from agent.report import WrapReport
+    from agent.wrapping import Wrapped
+
+SUPPORTED_PRECISION = ("32-true", "bf16-true")
+
+
+def first_training_batch(trainer: pl.Trainer) -> Any:
+    """The first batch of the training dataloader, on the module's device, drawn without moving the global
+    random-number state (a shuffling DataLoader draws its seed from it when iterated)."""
+    source = trainer.fit_loop._data_source  # the dataloaders or datamodule given to fit (no public accessor)
+    if not source.is_defined():
+        raise ValueError("sample_batch: the trainer has no training dataloader to take one from; pass one")
+    loaders = source.dataloader()
+    loader = loaders[0] if isinstance(loaders, list | tuple) else loaders
+    rng = torch.get_rng_state()
+    try:
+        batch = next(iter(loader))
+    finally:
+        torch.set_rng_state(rng)
+    return trainer.strategy.batch_to_device(batch)
+
+
+def check_supported(trainer: pl.Trainer) -> None:
+    """Raise ValueError naming the Trainer setting memplan does not handle yet."""
+    if trainer.world_size > 1:
+        raise ValueError(
+            f"trainer.world_size: {trainer.world_size}; the Lightning callback runs on one process "
+            "(use agent.wrap under torch.distributed for sharded multi-process training)"
+        )
+    if str(trainer.precision) not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"trainer.precision: {trainer.precision!r} is not supported; use one of {', '.join(SUPPORTED_PRECISION)}"
+        )
+    if len(trainer.strategy.optimizers) != 1:
+        raise ValueError(
+            f"configure_optimizers: returned {len(trainer.strategy.optimizers)} optimizers; memplan manages one"
+        )
+
+
+def rebind_schedulers(trainer: pl.Trainer, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> int:
+    """Point every learning-rate scheduler built on `old` at `new`; returns how many were rebound.
+
+    A scheduler reads and writes `optimizer.param_groups` (the wrapped optimizer's groups were copied from the
+    original's, `initial_lr` included, so the schedule continues where it is). torch also wraps the optimizer's
+    `step` when a scheduler is built, to warn when the scheduler steps first; the same marker is put on the new
+    optimizer's `step` so that check keeps working."""
+    n = 0
+    for config in trainer.strategy.lr_scheduler_configs:
+        scheduler = config.scheduler
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+            n += 1
+    if n:
+        _track_step_called(new)
+    return n
+
+
+def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """What `torch.optim.lr_scheduler.LRScheduler.__init__` does to its optimizer (a local function there):
+    mark `optimizer._opt_called` on every step, and tag the step so the scheduler knows it is watched."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    def watched_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    watched_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = watched_step  # type: ignore[method-assign]
+
+
+class MemplanCallback(Callback):
+    """Wrap the LightningModule and its optimizer with memplan for the duration of `trainer.fit`.
+
+    `wrap_kwargs` go to `agent.wrap` (`device_memory`, `host_memory`, `server`, `plan`, `options`, `loss_fn`,
+    `max_batch`, ...); `sample_batch` defaults to the first training batch; `clips_gradients` defaults to whether
+    the Trainer clips (`gradient_clip_val`)."""
+
+    def __init__(self, **wrap_kwargs: Any) -> None:
+        self.wrap_kwargs = wrap_kwargs
+        self.wrapped: Wrapped | None = None
+        self.report: WrapReport | None = None
+        self._original: torch.optim.Optimizer | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_supported(trainer)
+        optimizer = trainer.strategy.optimizers[0]
+        kwargs = copy.copy(self.wrap_kwargs)
+        clip = trainer.gradient_clip_val
+        kwargs.setdefault("clips_gradients", bool(clip is not None and float(clip) > 0))
+        if "sample_batch" not in kwargs and "plan" not in kwargs:
+            kwargs["sample_batch"] = first_training_batch(trainer)
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            wrapped = wrap(pl_module, optimizer, **kwargs)
+        finally:
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        self.wrapped, self._original = wrapped, optimizer
+        trainer.strategy.optimizers = [wrapped.optimizer]
+        rebind_schedulers(trainer, optimizer, wrapped.optimizer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unwrap(trainer)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._unwrap(trainer)
+
+    def _unwrap(self, trainer: pl.Trainer) -> None:
+        """Give Lightning a plain module and the original optimizer (with the trained state) back."""
+        wrapped, original = self.wrapped, self._original
+        if wrapped is None or wrapped.unwrapped or original is None:
+            return
+        self.report = wrapped.report()
+        unwrap(wrapped)
+        trainer.strategy.optimizers = [original]
+        rebind_schedulers(trainer, wrapped.optimizer, original)
