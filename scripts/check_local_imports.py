@@ -3,7 +3,7 @@
 An import in a function hides a dependency from whoever reads the module's head. One is kept only for a
 reason: keeping `import agent` and `memplan --help` light (torch, ortools, sqlalchemy, fastapi loaded only
 by the commands that run them), an optional dependency (numba, transformers, playwright), a CUDA-only module.
-Such an import carries a comment in this fixed form, on its own line or on the line just above it:
+Such an import carries a comment in this fixed form, on its own line or in the comment lines just above it:
 
     import torch  # local import: `memplan --help` does not load torch
 
@@ -86,8 +86,13 @@ def local_imports(path: Path, relative: str) -> list[LocalImport]:
     heads = _run_heads(tree)
 
     def explained_above(node: ast.stmt) -> bool:
+        """A reason in the block of comment lines just above `node` (a reason may run over several lines)."""
         above = node.lineno - 1
-        return _standalone(lines, above) and bool(REASON.search(comments.get(above, "")))
+        while _standalone(lines, above):
+            if REASON.search(comments.get(above, "")):
+                return True
+            above -= 1
+        return False
 
     seen: set[int] = set()  # an import in a nested function is walked from each enclosing function
     found: list[LocalImport] = []
