@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from agent.profiler.tensors import iter_tensors
 from agent.runtime.eager import eager
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,6 @@ class BatchShapeError(RuntimeError):
 
 def batch_shape(batch: Any) -> tuple[int, int] | None:
     """(rows, sequence length) of a batch as the model takes it: `input_ids` if present, else its first tensor."""
-    from agent.profiler.tensors import iter_tensors
-
     t = batch.get("input_ids") if isinstance(batch, dict) else None
     if not isinstance(t, torch.Tensor):
         t = next(iter_tensors(batch), None)

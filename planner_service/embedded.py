@@ -9,7 +9,10 @@ import time
 from types import TracebackType
 
 import httpx
+import uvicorn
+from sqlalchemy.engine import make_url
 
+from planner_service.app import create_app
 from planner_service.settings import Settings
 
 
@@ -41,11 +44,6 @@ class EmbeddedServer:
     """`with EmbeddedServer(settings) as url:` serves the real app with uvicorn on a background thread."""
 
     def __init__(self, settings: Settings, *, port: int | None = None, workers: int | None = None) -> None:
-        import uvicorn
-        from sqlalchemy.engine import make_url
-
-        from planner_service.app import create_app
-
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # the database it serves, password hidden: what a person is told it writes to

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import hashlib
 import os
 import time
 import zlib
@@ -51,8 +52,6 @@ class TraceFacts:
         if payload_gzip is None or payload_bytes is None:  # store the client's gzip as is when it sent one
             payload_gzip, payload_bytes = gzip.compress(canonical, compresslevel=1, mtime=0), len(canonical)
         m, h = trace.model, trace.hardware
-        import hashlib
-
         return cls(
             content_hash=hashlib.sha256(canonical).hexdigest(),
             schema_version=trace.schema_version,

@@ -19,6 +19,8 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from planner_service.db.repositories import PlanRepository
+
 request_id_var: ContextVar[str | None] = ContextVar("memplan_request_id", default=None)
 
 # One registry per process; metric objects are module-level as prometheus_client expects.
@@ -137,8 +139,6 @@ def install(app: FastAPI) -> None:
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
         try:
-            from planner_service.db.repositories import PlanRepository
-
             with app.state.db.session() as s:
                 QUEUE_DEPTH.set(PlanRepository(s).queue_depth())
         except Exception:  # metrics must answer even when the database does not

@@ -46,6 +46,7 @@ def profile(
     seed: Annotated[int, typer.Option("--seed", help="weight initialisation seed")] = 0,
 ) -> None:
     """Build MODEL from a transformers config (nothing downloaded), profile one training step, write the Trace."""
+    # local import: torch, the profiler and transformers load when the command runs, not for `memplan --help`
     import torch
 
     from agent.profiler import BlockDetectionError, ProfilerInputError

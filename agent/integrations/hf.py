@@ -26,12 +26,11 @@ Single process only (one device); multi-process data parallelism is not supporte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from agent.wrapping import Wrapped
+from agent.wrapping import Wrapped, wrap
 
 
 def sample_batch(trainer: Any) -> Any:
@@ -53,8 +52,6 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     Trainer keeps using its own `trainer.model` (the same module, now managed) and the wrapped optimizer.
     Raises ValueError if the Trainer already holds a learning-rate scheduler (it would drive the unwrapped
     optimizer) or runs on several processes."""
-    from agent.wrapping import wrap
-
     if getattr(trainer.model, "_memplan_wrapped", False):
         raise RuntimeError("trainer.model: is already wrapped")
     if trainer.lr_scheduler is not None:

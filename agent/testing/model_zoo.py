@@ -5,17 +5,18 @@ transformers model class (`GPT2LMHeadModel`, `LlamaForCausalLM`, ...) initialise
 profiler and runtime see the same module tree, parameter names and kernels as a pretrained checkpoint of
 that family would give, without any network access.
 
-`transformers` is an optional dependency (`pip install memplan[models]`); it is imported inside the
-functions so that importing `agent` stays light.
+`transformers` is an optional dependency (`pip install memplan[models]`) that every function here needs, so
+it is imported at the top: `import agent` and the agent's product path never import this module, and
+`memplan profile`/`memplan demo` import it only when they run.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-if TYPE_CHECKING:
-    import torch
-    from transformers import PretrainedConfig, PreTrainedModel
+import torch
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel
 
 KINDS: Final[tuple[str, ...]] = ("gpt2", "llama", "mistral", "qwen2", "gpt_neox")
 """Architectures `build` knows, by their Hugging Face `model_type`."""
@@ -41,8 +42,6 @@ def make_config(
     seq: int = DEFAULT_SEQ,
 ) -> PretrainedConfig:
     """The transformers config of a `kind` model with `layers` blocks of width `hidden` (no weights)."""
-    import transformers
-
     if kind not in KINDS:
         raise ValueError(f"kind: {kind!r} is not one of {', '.join(KINDS)}")
     if layers < 1:
@@ -111,9 +110,6 @@ def build(
     sequence the model accepts. Weights come from `torch.manual_seed(seed)`, so equal arguments give an
     equal model.
     """
-    import torch
-    import transformers
-
     config = make_config(kind, layers, hidden, heads, vocab, seq)
     # Eager attention: the same kernels on every machine, and a module tree without SDPA dispatch surprises.
     config._attn_implementation = "eager"
@@ -131,8 +127,6 @@ def sample_batch(
     Labels equal the inputs (Hugging Face causal LMs shift them internally), so `model(**batch).loss` is
     the usual next-token loss.
     """
-    import torch
-
     if batch < 1:
         raise ValueError(f"batch: must be at least 1, got {batch}")
     if seq < 1:
@@ -185,8 +179,6 @@ def library_default_config(
     implementation and `tie_word_embeddings` keep the library's defaults (unlike `make_config`/`build`,
     which turn the cache off and pick eager attention). This is what a user's `from_pretrained` model looks
     like, at toy size."""
-    import transformers
-
     if family not in DEFAULTS_FAMILIES:
         raise ValueError(f"family: {family!r} is not one of {', '.join(DEFAULTS_FAMILIES)}")
     heads = 2
@@ -277,9 +269,6 @@ def build_with_library_defaults(
     """`AutoModelForCausalLM.from_config(library_default_config(...))` with `torch.manual_seed(seed)`, in
     training mode on CPU: random weights, the library's defaults (KV cache on, SDPA or the family's own
     attention, tied embeddings where the family ties them)."""
-    import torch
-    import transformers
-
     config = library_default_config(family, layers, hidden, vocab, seq)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

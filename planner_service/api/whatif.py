@@ -18,6 +18,10 @@ from client.contract import (
 from planner_service.api.deps import PrincipalDep, SessionDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
 from planner_service.api.params import SweepId
+from planner_service.whatif.catalog import CatalogError, load_catalog
+from planner_service.whatif.service import WhatIfError, answer_request
+from planner_service.whatif.sweep import create_sweep as create
+from planner_service.whatif.sweep import read_sweep
 
 router = APIRouter(prefix="/v1", tags=["whatif"], responses=ERROR_RESPONSES)
 
@@ -30,8 +34,6 @@ WHATIF_TIME_LIMIT_S = 1.0
 async def ask_whatif(body: WhatIfRequest, session: SessionDep, principal: PrincipalDep) -> WhatIfResponse:
     """Each `hardware` entry's answer for a config (modelled on fake tensors, calibrated by the project's
     measured traces of the model on that device) or a stored measured trace (retargeted)."""
-    from planner_service.whatif.service import WhatIfError, answer_request
-
     catalog = _catalog()
     try:
         answers = await run_in_threadpool(
@@ -48,8 +50,6 @@ async def ask_whatif(body: WhatIfRequest, session: SessionDep, principal: Princi
 
 
 def _catalog() -> dict[str, CatalogEntry]:
-    from planner_service.whatif.catalog import CatalogError, load_catalog
-
     try:
         return load_catalog()
     except CatalogError as exc:
@@ -61,10 +61,6 @@ async def create_sweep(
     body: SweepRequest, request: Request, session: SessionDep, principal: PrincipalDep
 ) -> SweepRecord:
     """Fan a sweep out into one plan (one solve job) per point; poll `GET /v1/sweeps/{id}` for progress."""
-    from planner_service.whatif.service import WhatIfError
-    from planner_service.whatif.sweep import create_sweep as create
-    from planner_service.whatif.sweep import read_sweep
-
     catalog = _catalog()
     queue = request.app.state.solve_queue
 
@@ -91,9 +87,6 @@ async def get_sweep(
     ] = None,
 ) -> SweepRecord:
     """A sweep's progress (its plans by status) and one page of its points with their results."""
-    from planner_service.whatif.service import WhatIfError
-    from planner_service.whatif.sweep import read_sweep
-
     try:
         record = await run_in_threadpool(
             read_sweep, session, principal.project_id, sweep_id, limit=limit, cursor=cursor

@@ -1,6 +1,6 @@
 """`memplan alloc`: allocation planner on MiniMalloc CSV files, and the caching-allocator comparison.
 
-Heavy modules (numba, the solver) are imported inside the commands, so `import client` stays light.
+Heavy modules (numba, the solver) are imported inside the commands, so `memplan --help` stays fast.
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from client.cli.common import bytes_option, console, err_console
 from client.cli.files import ALLOCATION_TRACE, TRACE, WrongFile, describe, identify, parse_as, read_json
 from client.cli.render import plural
+from client.contract import AllocationTrace, Trace
 from client.units import format_bytes
 
 app = typer.Typer(
@@ -40,6 +42,7 @@ def solve(
     ] = False,
 ) -> None:
     """Place every buffer of IN.csv; print status, arena, lower bound and gap; write OUT.csv."""
+    # local import: the allocation planner (numba, ortools) loads when the command runs, not for --help
     from planner_service.solver.allocation import (
         AllocationInputError,
         plan_buffers,
@@ -99,9 +102,7 @@ def simulate(
     iterations: Annotated[int, typer.Option(help="iterations replayed back to back")] = 2,
 ) -> None:
     """Print PyTorch's caching allocator figures on TRACE.json beside the planned arena's."""
-    from rich.table import Table
-
-    from client.contract import AllocationTrace, Trace
+    # local import: the allocation planner (numba, ortools) loads when the command runs, not for --help
     from planner_service.solver.allocation import (
         plan_allocation,
         simulate_caching_allocator,

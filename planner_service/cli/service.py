@@ -1,7 +1,12 @@
-"""`memplan serve`, `memplan worker`, `memplan db ...`: run and administer the planner service."""
+"""`memplan serve`, `memplan worker`, `memplan db ...`: run and administer the planner service.
+
+The service's modules (FastAPI, SQLAlchemy, pydantic-settings, the solver) are imported inside the commands,
+so `memplan --help` stays fast.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -21,6 +26,7 @@ DbUrlOpt = Annotated[
 
 
 def _settings(database_url: str | None, **kw: object):  # type: ignore[no-untyped-def]
+    # local import: pydantic-settings loads when the command runs, not for `memplan --help`
     from planner_service.settings import Settings
 
     values = {k: v for k, v in kw.items() if v is not None}
@@ -41,9 +47,11 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Run the planner service (API + in-process workers)."""
+    # local import: uvicorn and the service load when the command runs, not for `memplan --help`
     import uvicorn
 
     from planner_service.app import InsecureBind, check_bind, create_app
+    from planner_service.observability import configure_logging
 
     settings = _settings(database_url, workers=workers)
     try:
@@ -51,8 +59,6 @@ def serve(
     except InsecureBind as exc:
         err_console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from exc
-    from planner_service.observability import configure_logging
-
     configure_logging(log_level.upper())
     console.print(
         f"memplan serving on http://{host}:{port} (database: {_redact(settings.database_url)}; "
@@ -63,8 +69,6 @@ def serve(
         if settings.is_sqlite:
             err_console.print("[red]--processes > 1 needs PostgreSQL[/] (SQLite allows one writer process)")
             raise typer.Exit(2)
-        import os
-
         # the factory reads its settings from the environment: pass on what the options changed
         os.environ["MEMPLAN_DATABASE_URL"] = settings.database_url
         os.environ["MEMPLAN_WORKERS"] = str(settings.workers)
@@ -85,6 +89,7 @@ def serve(
 
 def _redact(url: str) -> str:
     """Hide a password in a database URL before printing it."""
+    # local import: SQLAlchemy loads when the command runs, not for `memplan --help`
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
@@ -96,6 +101,7 @@ def worker(
     once: Annotated[bool, typer.Option(help="solve what is queued now, then exit")] = False,
 ) -> None:
     """Run a solve worker (procrastinate) against the service's PostgreSQL database: run many, on any machine."""
+    # local import: the service and its job queue load when the command runs, not for `memplan --help`
     from planner_service.app import prepare_database
     from planner_service.jobs.engine import EngineWorker
     from planner_service.observability import configure_logging
@@ -122,6 +128,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="target revision")] = "head", database_url: DbUrlOpt = None
 ) -> None:
     """Apply migrations up to REVISION (default head)."""
+    # local import: Alembic and SQLAlchemy load when the command runs, not for `memplan --help`
     from planner_service.db.migrate import upgrade
 
     settings = _settings(database_url)
@@ -135,6 +142,7 @@ def db_downgrade(
     database_url: DbUrlOpt = None,
 ) -> None:
     """Revert migrations down to REVISION."""
+    # local import: Alembic and SQLAlchemy load when the command runs, not for `memplan --help`
     from planner_service.db.migrate import downgrade
 
     settings = _settings(database_url)
@@ -145,6 +153,7 @@ def db_downgrade(
 @db_app.command("current")
 def db_current(database_url: DbUrlOpt = None) -> None:
     """Show the schema revision of the database and the code's head."""
+    # local import: Alembic and SQLAlchemy load when the command runs, not for `memplan --help`
     from planner_service.db.migrate import current_revision, head_revision
     from planner_service.db.session import Database
 
@@ -161,6 +170,7 @@ def tokens_create(
     database_url: DbUrlOpt = None,
 ) -> None:
     """Create a token for PROJECT (created if missing); the token is printed once and stored only hashed."""
+    # local import: the service's database layer loads when the command runs, not for `memplan --help`
     from planner_service.app import prepare_database
     from planner_service.auth import create_token
 
@@ -176,6 +186,7 @@ def tokens_create(
 @tokens_app.command("revoke")
 def tokens_revoke(token_id: str, database_url: DbUrlOpt = None) -> None:
     """Revoke a token by id."""
+    # local import: the service's database layer loads when the command runs, not for `memplan --help`
     from planner_service.app import prepare_database
     from planner_service.auth import revoke_token
 

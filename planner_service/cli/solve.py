@@ -6,9 +6,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from client.cli.common import bytes_option, console, err_console, write_json
 from client.cli.files import TRACE, WrongFile, read_as
+from client.cli.render import plan_table
+from client.contract import Constraints, SolverStatus, Trace
 
 
 def solve(
@@ -26,10 +29,7 @@ def solve(
     seed: Annotated[int, typer.Option("--seed", help="solver random seed (fixed seed: same plan)")] = 0,
 ) -> None:
     """Solve TRACE.json for the fastest memory policy that fits; print its summary and write PLAN.json."""
-    from pydantic import ValidationError
-
-    from client.cli.render import plan_table
-    from client.contract import Constraints, SolverStatus, Trace
+    # local import: the solver (ortools) loads when the command runs, not for `memplan --help`
     from planner_service.solver import solve as solve_plan
 
     try:

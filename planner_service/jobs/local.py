@@ -30,6 +30,7 @@ class LocalSolver:
         self._stop = threading.Event()
         self._timers: set[threading.Timer] = set()
         self._lock = threading.Lock()
+        self._pending_key = f"memplan.local_solver.{id(self)}.pending"  # session.info: plans to submit
 
     def start(self) -> None:
         """Hand the pool every unfinished plan, oldest first (queued, or running when the process died)."""
@@ -49,28 +50,31 @@ class LocalSolver:
     def enqueue(self, session: Session, plan_id: str) -> None:
         """Run the plan once `session`'s outermost transaction commits (never for a rolled-back plan row).
 
-        SQLAlchemy fires `after_commit` for a released savepoint too (`begin_nested`, e.g. the trace
-        repository's insert-or-reuse), while the plan row is still uncommitted and invisible to the worker's
-        connection: submitted then, the plan was skipped and stayed queued. So only the outermost commit submits, and the end of the outermost transaction (commit or
-        rollback) retires the listener. (During a savepoint release `in_nested_transaction()` is still true;
-        at the outermost commit it is false.)"""
+        The plan ids wait in `session.info` (SQLAlchemy's per-session dictionary for such state); two session
+        events, registered once per session, hand them to the pool at the outermost commit or drop them
+        when the outermost transaction ends without one (a rollback)."""
         if self._pool is None:
             return
-        settled = False
+        session.info.setdefault(self._pending_key, []).append(plan_id)
+        if not event.contains(session, "after_commit", self._committed):
+            event.listen(session, "after_commit", self._committed)
+            event.listen(session, "after_transaction_end", self._ended)
 
-        def committed(s: Session) -> None:
-            nonlocal settled
-            if not settled and not s.in_nested_transaction():
-                settled = True
+    def _committed(self, session: Session) -> None:
+        """SQLAlchemy fires `after_commit` for a released savepoint too (`begin_nested`, e.g. the trace
+        repository's insert-or-reuse), while the plan row is still uncommitted and invisible to the worker's
+        connection: submitted then, the plan was skipped and stayed queued. So only the outermost commit
+        submits (during a savepoint release `in_nested_transaction()` is still true; at the outermost commit
+        it is false)."""
+        if not session.in_nested_transaction():
+            for plan_id in session.info.pop(self._pending_key, []):
                 self.submit(plan_id)
 
-        def ended(s: Session, transaction: SessionTransaction) -> None:
-            nonlocal settled
-            if transaction.parent is None:
-                settled = True  # committed (submitted above, the event comes first) or rolled back
-
-        event.listen(session, "after_commit", committed)
-        event.listen(session, "after_transaction_end", ended)
+    def _ended(self, session: Session, transaction: SessionTransaction) -> None:
+        """The outermost transaction ended: committed (its plans were submitted just before, `after_commit`
+        comes first) or rolled back (its plan rows are gone): nothing is left to submit."""
+        if transaction.parent is None:
+            session.info.pop(self._pending_key, None)
 
     def submit(self, plan_id: str, tries: int = 0) -> None:
         if self._pool is not None and not self._stop.is_set():

@@ -7,6 +7,8 @@ from typing import Protocol
 from sqlalchemy.orm import Session
 
 from planner_service.db.session import Database
+from planner_service.jobs.engine import EngineWorker, defer_plan
+from planner_service.jobs.local import LocalSolver
 from planner_service.settings import Settings
 
 
@@ -25,13 +27,9 @@ class EngineQueue:
     """PostgreSQL: jobs in procrastinate's tables; `workers` > 0 also runs a procrastinate worker here."""
 
     def __init__(self, db: Database, settings: Settings, workers: int) -> None:
-        from planner_service.jobs.engine import EngineWorker
-
         self._worker = EngineWorker(db, settings, workers) if workers else None
 
     def enqueue(self, session: Session, plan_id: str) -> None:
-        from planner_service.jobs.engine import defer_plan
-
         defer_plan(session, plan_id)
 
     def start(self) -> None:
@@ -45,7 +43,5 @@ class EngineQueue:
 
 def solve_queue(db: Database, settings: Settings, workers: int) -> SolveQueue:
     if settings.is_sqlite:
-        from planner_service.jobs.local import LocalSolver
-
         return LocalSolver(db, settings, workers)
     return EngineQueue(db, settings, workers)

@@ -24,6 +24,7 @@ from planner_service.db.session import Database
 from planner_service.observability import SOLVE_SECONDS
 from planner_service.plans import service as plans
 from planner_service.settings import Settings
+from planner_service.solver.errors import PlanRequestRefused
 from planner_service.solver.plan import solve_plan
 
 log = logging.getLogger("memplan.worker")
@@ -93,9 +94,6 @@ def run_plan(db: Database, settings: Settings, plan_id: str, *, stop: threading.
 
 def _is_refusal(exc: BaseException) -> bool:
     """The solver's own word that the request is wrong; every other exception, ValueError included, is a bug."""
-    # imported here: the solver package pulls in OR-Tools, which the worker loads with its first solve only
-    from planner_service.solver.errors import PlanRequestRefused
-
     return isinstance(exc, PlanRequestRefused)
 
 

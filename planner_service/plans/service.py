@@ -25,6 +25,7 @@ from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.models import FeedbackRow, PlanRow
 from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
 from planner_service.observability import PLAN_OUTCOMES
+from planner_service.solver import SOLVER_VERSION
 
 Enqueue = Callable[[Session, str], None]
 
@@ -49,9 +50,6 @@ class Requested:
 
 def solver_version() -> str:
     """The version of the solver that new plans are solved with (part of the request key)."""
-    # imported here: the solver package pulls in OR-Tools, which the API process needs only to solve embedded
-    from planner_service.solver import SOLVER_VERSION
-
     return SOLVER_VERSION
 
 

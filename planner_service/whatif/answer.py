@@ -97,6 +97,8 @@ def answer(
 ) -> Answer:
     """Solve `trace` under `entry`'s device memory and the host limit; see the module docstring."""
     if solve is None:
+        # local import: the solver (ortools) loads at the first answer, so `memplan whatif`'s module (which
+        # imports this one) keeps `memplan --help` fast
         from planner_service.solver import solve as solve_default
 
         solve = solve_default

@@ -39,6 +39,7 @@ class ArchitectureError(ValueError):
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    # local import: torch loads when a model is built, not with `memplan whatif`'s module (`memplan --help`)
     import torch
 
     table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,6 +65,7 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 def config_from_dict(data: object, where: str = "config") -> PretrainedConfig:
     """The config of a config.json object (`model_type` picks the class); errors start with `where`."""
+    # local import: transformers is optional (the `models` extra)
     import transformers
 
     if not isinstance(data, dict):
@@ -90,6 +92,7 @@ def config_from_flags(
     max_positions: int = 4096,
 ) -> PretrainedConfig:
     """A config of `family` (a Hugging Face `model_type`) with these sizes; everything else the library's."""
+    # local import: transformers is optional (the `models` extra)
     import transformers
 
     for name, value in (
@@ -122,6 +125,7 @@ def config_from_flags(
 
 def fake_model(config: PretrainedConfig, dtype: str = "fp32") -> tuple[nn.Module, FakeTensorMode]:
     """`AutoModelForCausalLM.from_config(config)` on fake tensors, in `dtype`, in training mode."""
+    # local import: transformers is optional (the `models` extra); torch loads when a model is built
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -168,6 +172,7 @@ class RepeatedBlocks:
 
 def repeated_blocks(model: nn.Module) -> RepeatedBlocks:
     """The children of the longest `nn.ModuleList` whose children share one class (the profiler's rule)."""
+    # local import: torch loads when a model is built, not with `memplan whatif`'s module (`memplan --help`)
     from torch import nn
 
     best: tuple[str, nn.ModuleList] | None = None

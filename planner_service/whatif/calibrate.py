@@ -39,11 +39,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import nnls  # type: ignore[import-untyped]
 
-from client.contract import CatalogEntry, Feedback, Phase, Trace
+from client.contract import CatalogEntry, DeviceType, Feedback, Phase, Trace
 from planner_service.whatif import roofline
 from planner_service.whatif.calibration import Calibration, uncalibrated
 from planner_service.whatif.fake_iteration import OpCosts
-from planner_service.whatif.modelled_trace import ModelIteration
+from planner_service.whatif.modelled_trace import ModelIteration, ModelledWorkload, iterate
 
 __all__ = ["Calibration", "CalibrationError", "CalibrationSample", "calibrate", "same_model", "uncalibrated"]
 
@@ -228,9 +228,6 @@ def samples_from_config(
     device is paired with the fake iteration of `config` under the trace's workload (this CPU's attention
     kernels for a CPU trace, CUDA's fused ones otherwise). Traces of other devices are left out; a trace of
     another model is an error naming it (`measured[i]`)."""
-    from client.contract import DeviceType
-    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate
-
     out: list[CalibrationSample] = []
     for i, m in enumerate(measured):
         if m.hardware.device_name != entry.name:

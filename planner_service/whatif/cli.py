@@ -1,7 +1,8 @@
 """`memplan whatif` and `memplan hardware catalog`: what-if questions from the command line.
 
-Registered on the main CLI by `register(app)` (one line in client/cli/main.py). Light at import: torch,
-transformers and the solver are imported when a command runs.
+Registered on the main CLI by `register(app)` (memplan/cli.py). Light at import: torch, transformers and the
+solver are imported when a command runs (the modelled trace and the calibration here, transformers in
+`architecture.py`, the solver in `answer.py`), so `memplan --help` stays fast.
 
 Why one module over 400 lines: `memplan whatif` is one command with many options (model, workload, hardware,
 sweep, calibration, output), each parsed and checked here.
@@ -10,19 +11,29 @@ sweep, calibration, output), each parsed and checked here.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from client.cli.common import ServerOpt, TokenOpt
+from client import Client
+from client.cli.common import ServerOpt, TokenOpt, server_url
+from client.contract import CatalogEntry, HardwareCatalog, OptimizerKind, SweepPoint, SweepRequest, Trace
+from client.errors import MemplanError
 from client.units import format_bytes, parse_bytes
+from planner_service.whatif.answer import Answer, answer, largest_batch, tokens_per_s_str
+from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
+from planner_service.whatif.catalog import CatalogError, entry, load_catalog
+from planner_service.whatif.retarget import retarget, source_entry
 
-if TYPE_CHECKING:
-    from client.contract import CatalogEntry
-    from planner_service.whatif.answer import Answer
+if TYPE_CHECKING:  # calibration.py imports torch (through roofline.py)
+    from transformers import PretrainedConfig
+
     from planner_service.whatif.calibration import Calibration
 
 console = Console()
@@ -50,8 +61,6 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _catalog(files: list[Path] | None) -> dict:
-    from planner_service.whatif.catalog import CatalogError, load_catalog
-
     try:
         return load_catalog(files or [])
     except CatalogError as exc:
@@ -66,8 +75,6 @@ def catalog_command(
     """List the catalogued accelerators (shipped entries plus yours)."""
     entries = _catalog(catalog)
     if as_json:
-        from client.contract import HardwareCatalog
-
         print(HardwareCatalog(entries=list(entries.values())).model_dump_json(indent=2))
         return
     t = Table(title="hardware catalogue (dense peak; sustained host copies)")
@@ -188,12 +195,6 @@ def whatif(
     ] = None,
 ) -> None:
     """Will it fit, which limit binds, how fast: a model (config or measured trace) on catalogued GPUs."""
-    from client.contract import OptimizerKind, Trace
-    from planner_service.whatif.answer import answer, largest_batch
-    from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
-    from planner_service.whatif.catalog import CatalogError, entry
-    from planner_service.whatif.retarget import retarget, source_entry
-
     if dtype not in ("bf16", "fp16", "fp32"):
         raise _fail(f"--dtype: {dtype!r} is not one of bf16, fp16, fp32")
     seqs = _int_list(seq, "--seq") if seq is not None else None
@@ -223,9 +224,9 @@ def whatif(
             raise _fail("--sweep: needs a model config (--config or --family)")
         if batch is None or seqs is None:
             raise _fail("--sweep: needs --batch and --seq (comma-separated lists)")
-        cfg_json = _config_json(
+        cfg_json: dict[str, object] = _model_config(
             config, family, layers, hidden, heads, kv_heads, intermediate, vocab, max(seqs)
-        )
+        ).to_dict()
         _run_sweep(
             cfg_json,
             keys,
@@ -287,29 +288,14 @@ def whatif(
     seq_len: int = seq_n
     if batch is None:
         raise _fail("--batch: required with a model config (a number or 'max')")
+    cfg = _model_config(config, family, layers, hidden, heads, kv_heads, intermediate, vocab, seq_len)
     try:
-        if config is not None:
-            cfg = load_config(config)
-        else:
-            if layers is None or hidden is None:
-                raise _fail("--family: needs --layers and --hidden")
-            cfg = config_from_flags(
-                family or "",
-                layers=layers,
-                hidden=hidden,
-                heads=heads,
-                kv_heads=kv_heads,
-                intermediate=intermediate,
-                vocab=vocab,
-                max_positions=max(seq_len, 2048),
-            )
         opt = OptimizerKind(optimizer)
-    except ArchitectureError as exc:
-        raise _fail(str(exc)) from None
     except ValueError:
         raise _fail(f"--optimizer: {optimizer!r} is not one of adamw, adam, sgd") from None
 
-    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on  # imports torch
+    # local import: torch loads when a model is run, not for `memplan --help`
+    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
 
     calibrations = _calibrations(cfg, calibrate_with or [], entries, dtype, exact)
     iterations: dict[int, object] = {}
@@ -385,7 +371,7 @@ def _int_list(text: str, option: str) -> list[int]:
     return out
 
 
-def _config_json(
+def _model_config(
     config: Path | None,
     family: str | None,
     layers: int | None,
@@ -395,10 +381,9 @@ def _config_json(
     intermediate: int | None,
     vocab: int,
     seq: int,
-) -> dict[str, object]:
-    """The config.json object the service is sent (the file's, or one built from the --family flags)."""
-    from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
-
+) -> PretrainedConfig:
+    """The model's config: `--config`'s file, or one built from `--family` and its size flags (positions for at
+    least `seq` tokens, and 2048); an unreadable or unbuildable one fails naming the option."""
     try:
         if config is not None:
             cfg = load_config(config)
@@ -417,8 +402,7 @@ def _config_json(
             )
     except ArchitectureError as exc:
         raise _fail(str(exc)) from None
-    out: dict[str, object] = cfg.to_dict()
-    return out
+    return cfg
 
 
 def _run_sweep(
@@ -435,16 +419,6 @@ def _run_sweep(
     as_json: bool,
 ) -> None:
     """POST the sweep, show a progress bar while its points are solved, then every point (paged)."""
-    import time
-
-    from pydantic import ValidationError
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from client import Client
-    from client.cli.common import server_url
-    from client.contract import SweepPoint, SweepRequest
-    from client.errors import MemplanError
-
     try:
         req = SweepRequest(
             config=cfg_json,
@@ -518,7 +492,7 @@ def _calibrations(
     are left out: their answers say uncalibrated)."""
     if not files:
         return {}
-    from client.contract import Trace
+    # local import: torch and scipy load when a calibration runs, not for `memplan --help`
     from planner_service.whatif.calibrate import CalibrationError, calibrate, samples_from_config
 
     traces = []
@@ -555,8 +529,6 @@ def _calibration_str(a: Answer) -> str:
 
 
 def _print(answers: list, as_json: bool) -> None:
-    from planner_service.whatif.answer import tokens_per_s_str
-
     if as_json:
         out = [a.to_json() for a in answers]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))

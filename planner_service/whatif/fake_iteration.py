@@ -356,7 +356,7 @@ class _UnpackedSequences:
 
     def __enter__(self) -> _UnpackedSequences:
         try:
-            from transformers import masking_utils
+            from transformers import masking_utils  # local import: transformers is optional
         except ImportError:
             return self
         cls = type(self)
@@ -381,7 +381,7 @@ class _UnpackedSequences:
             else:
                 cls._modes[id(self.mode)] = count - 1
             if not cls._modes and cls._original is not None:
-                from transformers import masking_utils
+                from transformers import masking_utils  # local import: transformers is optional
 
                 setattr(masking_utils, "find_packed_sequence_indices", cls._original)  # noqa: B010
                 cls._original = None
@@ -392,7 +392,7 @@ class _UnpackedSequences:
             return None
         original = cls._original
         if original is None:  # restored between the library's lookup and this call: answer as the library
-            from transformers import masking_utils
+            from transformers import masking_utils  # local import: transformers is optional
 
             original = masking_utils.find_packed_sequence_indices
         return original(position_ids)

@@ -21,10 +21,14 @@ from a config to a Trace over one `ModelIteration`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import sys
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, TypeVar
+
+import torch
 
 from client.contract import (
     BlockInfo,
@@ -133,8 +137,6 @@ def _num_layers(config: object) -> int | None:
 
 
 def _with_layers(config: object, k: int) -> object:
-    import copy
-
     c = copy.deepcopy(config)
     c.num_hidden_layers = k  # type: ignore[attr-defined]
     for attr in ("layer_types",):  # per-layer lists must match the layer count
@@ -147,8 +149,6 @@ def _with_layers(config: object, k: int) -> object:
 def _iterate_built(
     config: object, workload: ModelledWorkload, name: str | None, gpu_attention: bool
 ) -> ModelIteration:
-    import torch
-
     model, mode = fake_model(config, workload.dtype)  # type: ignore[arg-type]
     rb: RepeatedBlocks = repeated_blocks(model)
     vocab = int(getattr(config, "vocab_size", 0) or 2)
@@ -463,14 +463,10 @@ def trace_on(
 
 
 def _torch_version() -> str:
-    import torch
-
     return str(torch.__version__)
 
 
 def _memplan_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("memplan")
     except PackageNotFoundError:

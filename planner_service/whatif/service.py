@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from client.contract import CatalogEntry, DeviceType, Trace, WhatIfRequest
+from client.contract import CatalogEntry, DeviceType, OptimizerKind, Trace, WhatIfRequest
 from client.contract.trace import MAX_BLOCKS
 from planner_service.db.models import HardwareRow, ModelRow, TraceRow
 from planner_service.db.repositories import TraceRepository, UnreadableStoredTrace, decompress_trace
 from planner_service.whatif.answer import Answer, answer
+from planner_service.whatif.architecture import ArchitectureError, config_from_dict
 from planner_service.whatif.calibrate import Calibration, CalibrationSample, calibrate, same_model
+from planner_service.whatif.catalog import CatalogError, entry
+from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
+from planner_service.whatif.retarget import retarget, source_entry
 
 MAX_CALIBRATION_TRACES = 8
 
@@ -66,9 +70,6 @@ def _retargeted(
     entries: list[CatalogEntry],
     time_limit_s: float,
 ) -> list[Answer]:
-    from planner_service.whatif.catalog import CatalogError, entry
-    from planner_service.whatif.retarget import retarget, source_entry
-
     assert req.trace_id is not None
     row = TraceRepository(session).get(req.trace_id, project_id)
     if row is None:
@@ -100,10 +101,6 @@ def _retargeted(
 def _modelled(
     req: WhatIfRequest, session: Session, project_id: str, entries: list[CatalogEntry], time_limit_s: float
 ) -> list[Answer]:
-    from client.contract import OptimizerKind
-    from planner_service.whatif.architecture import ArchitectureError, config_from_dict
-    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
-
     assert req.batch_size is not None and req.sequence_length is not None
     dtype = req.dtype or "bf16"
     try:
@@ -172,8 +169,6 @@ def stored_measured_traces(
 def _calibration(
     cfg: object, architecture: str, entry: CatalogEntry, dtype: str, session: Session, project_id: str
 ) -> Calibration | None:
-    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate
-
     samples = []
     for m in stored_measured_traces(session, project_id, entry.name, architecture):
         w = m.workload

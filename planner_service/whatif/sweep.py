@@ -34,6 +34,9 @@ from client.contract import (
 from client.contract.trace import MAX_BLOCKS
 from planner_service.db.models import PlanRow, SweepRow
 from planner_service.db.repositories import PlanRepository, TraceRepository
+from planner_service.solver import SOLVER_VERSION
+from planner_service.whatif.architecture import ArchitectureError, config_from_dict
+from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
 from planner_service.whatif.service import WhatIfError
 
 SOLVER = "cpsat"
@@ -48,10 +51,6 @@ def create_sweep(
     enqueue: Callable[[Session, str], None],
 ) -> SweepRow:
     """Store the sweep, its modelled traces and one queued plan per point (see the module docstring)."""
-    from planner_service.solver import SOLVER_VERSION
-    from planner_service.whatif.architecture import ArchitectureError, config_from_dict
-    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
-
     entries = []
     for i, key in enumerate(req.hardware):
         if key not in catalog:

@@ -437,3 +437,51 @@ def test_a_plan_enqueued_before_a_savepoint_is_solved_after_its_transaction_comm
     finally:
         pool.stop()
         db.dispose()
+
+
+def test_the_embedded_pool_gets_each_committed_plan_once_and_never_a_rolled_back_one(
+    tmp_path,
+    trace,  # type: ignore[no-untyped-def]
+) -> None:
+    """One session, several transactions (`LocalSolver.enqueue` keeps the plans in `session.info` until the
+    outermost transaction ends): a committed plan is handed to the pool once, after its commit and not at a
+    savepoint's release; a rolled-back one never."""
+    from planner_service.db.migrate import upgrade
+    from planner_service.jobs.local import LocalSolver
+
+    url = f"sqlite:///{tmp_path / 'memplan.db'}"
+    upgrade(url)
+    settings = Settings(database_url=url, workers=1, auto_upgrade=False, ingest_prestart=False)
+    db = Database(url)
+    pool = LocalSolver(db, settings, workers=1)
+    handed: list[str] = []
+    pool.submit = lambda plan_id, tries=0: handed.append(plan_id)  # type: ignore[method-assign]
+
+    def new_plan(s) -> str:  # type: ignore[no-untyped-def]
+        row, _ = TraceRepository(s).add(trace)
+        plan = PlanRepository(s).create(
+            row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time, "cpsat", "v"
+        )
+        pool.enqueue(s, plan.id)
+        return plan.id
+
+    s = db._factory()
+    try:
+        first = new_plan(s)
+        with s.begin_nested():  # a savepoint released before the outermost commit
+            s.execute(text("SELECT 1"))
+        assert handed == []
+        s.commit()
+        assert handed == [first]
+        new_plan(s)
+        s.rollback()
+        assert handed == [first]
+        second, third = new_plan(s), new_plan(s)
+        s.commit()
+        assert handed == [first, second, third]
+        s.commit()  # nothing new: nothing handed again
+        assert handed == [first, second, third]
+    finally:
+        s.close()
+        pool.stop()
+        db.dispose()
