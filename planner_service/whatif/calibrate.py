@@ -39,13 +39,23 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import nnls  # type: ignore[import-untyped]
 
-from client.contract import CatalogEntry, Feedback, Phase, Trace
+from client.contract import CatalogEntry, DeviceType, Feedback, Phase, Trace
 from planner_service.whatif import roofline
+from planner_service.whatif.architecture import ArchitectureError, config_from_dict
 from planner_service.whatif.calibration import Calibration, uncalibrated
 from planner_service.whatif.fake_iteration import OpCosts
-from planner_service.whatif.modelled_trace import ModelIteration
+from planner_service.whatif.modelled_trace import ModelIteration, ModelledWorkload, iterate
 
-__all__ = ["Calibration", "CalibrationError", "CalibrationSample", "calibrate", "same_model", "uncalibrated"]
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "CalibrationSample",
+    "calibrate",
+    "same_model",
+    "sample_of",
+    "samples_from_config",
+    "uncalibrated",
+]
 
 _ROUNDS = 3
 
@@ -217,35 +227,62 @@ def calibrate(
         residual=fitted_residual if keep else estimate,
         estimate_residual=estimate,
         fitted=keep,
+        models=tuple(sorted({s.measured.model.name for s in mine})),
         **fb,  # type: ignore[arg-type]
     )
+
+
+def _iteration_for(measured: Trace, config: object, *, exact: bool) -> ModelIteration:
+    w = measured.workload
+    return iterate(
+        config,
+        ModelledWorkload(w.batch_size, w.sequence_length, w.precision.value, w.optimizer),
+        exact=exact,
+        gpu_attention=measured.hardware.device_type != DeviceType.cpu,
+    )
+
+
+def sample_of(
+    measured: Trace, config: object | None = None, *, exact: bool = False
+) -> CalibrationSample | None:
+    """The sample of a measured trace: the trace with the fake iteration of its own model under its own workload
+    (this CPU's attention kernels for a CPU trace, CUDA's fused ones otherwise).
+
+    The model is the one the trace records (`ModelInfo.config`, written by the profiler for Hugging Face models),
+    so a trace of any model calibrates the entry it was taken on: the factors are the hardware's. A trace that
+    records no config (one taken before the field existed, or of a model without a Hugging Face config) is
+    priced with `config` when that is its model (`same_model`); None when neither describes it."""
+    if measured.model.config is not None:
+        try:
+            own = config_from_dict(measured.model.config, "model.config")
+            it = _iteration_for(measured, own, exact=exact)
+        except (ArchitectureError, ValueError):
+            it = None  # a recorded config this library cannot build: try the caller's
+        if it is not None and same_model(measured, it):
+            return CalibrationSample(measured, it)
+    if config is not None:
+        it = _iteration_for(measured, config, exact=exact)
+        if same_model(measured, it):
+            return CalibrationSample(measured, it)
+    return None
 
 
 def samples_from_config(
     config: object, measured: Sequence[Trace], entry: CatalogEntry, *, exact: bool = False
 ) -> list[CalibrationSample]:
-    """The samples for `entry` from measured traces of the model of `config`: each trace taken on the entry's
-    device is paired with the fake iteration of `config` under the trace's workload (this CPU's attention
-    kernels for a CPU trace, CUDA's fused ones otherwise). Traces of other devices are left out; a trace of
-    another model is an error naming it (`measured[i]`)."""
-    from client.contract import DeviceType
-    from planner_service.whatif.modelled_trace import ModelledWorkload, iterate
-
+    """The samples for `entry` from measured traces (`sample_of`): each trace taken on the entry's device is
+    paired with the fake iteration of its recorded model (any model), or of `config` when it records none.
+    Traces of other devices are left out; a trace that records no config and is not the model of `config` is an
+    error naming it (`measured[i]`)."""
     out: list[CalibrationSample] = []
     for i, m in enumerate(measured):
         if m.hardware.device_name != entry.name:
             continue
-        w = m.workload
-        it = iterate(
-            config,
-            ModelledWorkload(w.batch_size, w.sequence_length, w.precision.value, w.optimizer),
-            exact=exact,
-            gpu_attention=m.hardware.device_type != DeviceType.cpu,
-        )
-        if not same_model(m, it):
+        sample = sample_of(m, config, exact=exact)
+        if sample is None:
             raise CalibrationError(
-                f"measured[{i}]: {m.model.name} ({m.model.architecture}) is not the model of "
-                f"the config ({it.name}, {it.architecture})"
+                f"measured[{i}]: {m.model.name} ({m.model.architecture}) records no config and is not the "
+                "model of the config"
             )
-        out.append(CalibrationSample(m, it))
+        out.append(sample)
     return out
