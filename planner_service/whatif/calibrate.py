@@ -15,9 +15,15 @@ repeated with the split of the last fit (three rounds at most). The host optimiz
 of the traces' measured fused-optimizer rates over their cores.
 
 The residual is the relative RMS error of the block times the roofline predicts with the fitted factors (the
-real `max` form, not the linear one) against the measured ones. The fitted factors are kept only where they
-lower that residual below the estimates' (the linear form can miss on a machine where one op dominates); a
-calibration always says from how many traces and blocks it comes and both residuals.
+real `max` form, not the linear one) against the measured ones. Beside the least-squares factors, a uniform
+scale of the estimates (and of the fit) is tried: s minimising the same residual when every block time is
+multiplied by s (`_scaled`), which a noisy or loaded machine still identifies when the three factors are not.
+The candidate with the lowest residual is kept only where it lowers the residual below the estimates' (the
+linear form can miss on a machine where one op dominates); a calibration always says from how many traces
+and blocks it comes, of which models, and both residuals.
+
+The traces may be of any model (`sample_of`): the factors are the device's, per precision, and each trace is
+priced from the FLOPs and bytes of its own model's operations (its recorded Hugging Face config).
 
 Feedback (a plan's measured iteration seconds against its prediction) does not enter the fit: the plan's
 iteration includes the runtime's copies and waits, not the efficiency of the kernels. `calibrate` reports the
@@ -176,6 +182,28 @@ def _fit(
     return eff
 
 
+def _scaled(
+    rows: list[_Row], entry: CatalogEntry, dtype: str, eff: roofline.Efficiency
+) -> roofline.Efficiency:
+    """`eff` with every block time scaled by the one factor s that minimises the relative RMS error of the
+    rows: s = sum(p/m) / sum((p/m)^2) for predicted p and measured m (the compute and memory efficiencies
+    divided by s, the dispatch time multiplied by it: a block's time, a max of sums of those terms, scales by
+    s exactly). Where the noise of a loaded machine leaves the three factors unidentified, one throughput
+    scale still is: "this device runs at s times the figures"."""
+    ratios = np.array(
+        [roofline.block_seconds(r.costs, entry, dtype, eff) / r.measured_s for r in rows], dtype=np.float64
+    )
+    denominator = float((ratios * ratios).sum())
+    if denominator <= 0:
+        return eff
+    scale = float(ratios.sum()) / denominator
+    if not math.isfinite(scale) or scale <= 0:
+        return eff
+    return replace(
+        eff, matmul=eff.matmul / scale, memory=eff.memory / scale, dispatch_s=eff.dispatch_s * scale
+    )
+
+
 def _host_rate_per_core(samples: Sequence[CalibrationSample]) -> float | None:
     rates = [
         s.measured.measurements.optimizer.host_bytes_per_s / s.measured.hardware.cpu_cores
@@ -215,8 +243,11 @@ def calibrate(
     if host_rate is not None:
         start = replace(start, host_adam_bytes_per_s_per_core=host_rate)
     estimate = _residual(rows, entry, precision, start)
-    fitted = _fit(rows, entry, precision, start)
-    fitted_residual = _residual(rows, entry, precision, fitted)
+    nnls_fit = _fit(rows, entry, precision, start)
+    candidates = [nnls_fit, _scaled(rows, entry, precision, start), _scaled(rows, entry, precision, nnls_fit)]
+    fitted, fitted_residual = min(
+        ((c, _residual(rows, entry, precision, c)) for c in candidates), key=lambda x: x[1]
+    )
     keep = fitted_residual < estimate
     return Calibration(
         hardware_key=entry.key,
