@@ -182,3 +182,11 @@ def test_hostile_sort_search_and_cursors_are_4xx_naming_the_parameter(served) ->
         r = httpx.get(url + page)
         assert r.status_code == 400 and ("sort" in r.text or "search" in r.text), (page, r.status_code)
     assert len(httpx.get(f"{url}/v1/plans").json()["items"]) == len(made)
+
+
+def test_the_clis_sort_keys_are_the_services() -> None:
+    """`memplan plans list --sort` lists the keys in its help; the service checks them (one implementation)."""
+    from client.cli.remote import PLAN_SORT_KEYS as CLI_KEYS
+    from planner_service.db.repositories import PLAN_SORT_KEYS
+
+    assert CLI_KEYS == PLAN_SORT_KEYS
