@@ -29,25 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import Run, save  # noqa: E402
+from planner_service.whatif.known_configs import LLAMA_2_7B  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "whatif.json"
-LLAMA_2_7B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-05,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float16",
-}
 
 
 def cli_run(config: Path, hardware: str) -> tuple[float, float, int, dict[str, object]]:

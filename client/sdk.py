@@ -308,6 +308,7 @@ class BaseClient:
         sort: str,
         with_plan: bool,
         id_prefix: str | None,
+        search: str | None = None,
     ) -> APIRequest[Page[PlanRecord]]:
         return APIRequest(
             "GET",
@@ -322,6 +323,7 @@ class BaseClient:
                 sort=sort,
                 with_plan=with_plan or None,
                 id_prefix=id_prefix,
+                search=search,
             ),
         )
 
@@ -474,9 +476,12 @@ class Client(BaseClient):
         sort: str = "-created_at",
         with_plan: bool = False,
         id_prefix: str | None = None,
+        search: str | None = None,
     ) -> Page[PlanRecord]:
+        """A page of plans; `sort` is a column ("-" first for descending: created_at, model, hardware,
+        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text."""
         return self._call(
-            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix)
+            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix, search)
         )
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
@@ -610,9 +615,12 @@ class AsyncClient(BaseClient):
         sort: str = "-created_at",
         with_plan: bool = False,
         id_prefix: str | None = None,
+        search: str | None = None,
     ) -> Page[PlanRecord]:
+        """A page of plans; `sort` is a column ("-" first for descending: created_at, model, hardware,
+        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text."""
         return await self._call(
-            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix)
+            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix, search)
         )
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:

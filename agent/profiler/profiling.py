@@ -47,6 +47,7 @@ from agent.profiler.extrapolation import blocks_that_fit, extrapolate, truncated
 from agent.profiler.hardware import probe_hardware
 from agent.profiler.hooks import BlockHooks
 from agent.profiler.memory_tracking import track_memory
+from agent.profiler.model_config import hf_config
 from agent.profiler.optimizer_probe import host_step_throughput, optimizer_kind, state_bytes_per_param
 from agent.profiler.parameters import (
     OrderedParameter,
@@ -212,6 +213,7 @@ def profile(
         dtype=dtype_name(p_dtype),
         blocks=block_infos,
         parameters=infos,
+        config=hf_config(model),
     )
     batch_size, seq = _batch_shape(sample_batch)
     if p_dtype not in _PRECISION:

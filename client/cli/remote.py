@@ -120,7 +120,12 @@ def _page(limit: int) -> int:
 
 def _newest_first(streams: list[Iterator[Any]], limit: int) -> list[Any]:
     """The `limit` newest rows of several newest-first streams (each follows its own cursors, lazily)."""
-    merged = heapq.merge(*streams, key=lambda r: (r.created_at, r.id), reverse=True)
+    return _merged(streams, limit, newest_first=True)
+
+
+def _merged(streams: list[Iterator[Any]], limit: int, *, newest_first: bool) -> list[Any]:
+    """The first `limit` rows of several streams sorted by (created_at, id) the same way."""
+    merged = heapq.merge(*streams, key=lambda r: (r.created_at, r.id), reverse=newest_first)
     return list(itertools.islice(merged, limit))
 
 
@@ -210,30 +215,71 @@ def plans_get(
         console.print(f"wrote {output}")
 
 
+PLAN_SORT_KEYS = (
+    "created_at",
+    "model",
+    "hardware",
+    "workload",
+    "status",
+    "solver",
+    "iteration",
+    "peak",
+    "device_limit",
+    "error",
+    "peak_error",
+)  # the API's `sort` keys (planner_service.db.repositories.PLAN_SORT_KEYS; checked by the service)
+
+
 def plans_list(
     model: Annotated[
         str | None, typer.Option(help="model name (exact, prefix or substring) or fingerprint")
     ] = None,
     hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
     status: Annotated[str | None, typer.Option(help="queued|running|done|failed|infeasible")] = None,
+    search: Annotated[
+        str | None,
+        typer.Option(
+            help="free text: every word found in the model name, hardware key, workload or a feedback "
+            "note, or starting the plan id"
+        ),
+    ] = None,
+    sort: Annotated[
+        str,
+        typer.Option(
+            help="column to sort by: " + ", ".join(PLAN_SORT_KEYS) + "; '-' first for descending "
+            "(--sort=-error: the largest measured error first); error is |measured / predicted - 1|",
+        ),
+    ] = "-created_at",
     limit: LimitOpt = 50,
     as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """List plans, newest first (ids shown short: any unique prefix is accepted back)."""
+    """List plans, newest first unless --sort says otherwise (ids shown short: any unique prefix is accepted
+    back). Filtering, searching and sorting are the service's (the same as GET /v1/plans and the UI)."""
     try:
         with _client(server, token) as c:
             filters, said = _filters(c, model, hardware)
-            rows: list[PlanRecord] = _newest_first(
-                [c.list_plans(status=status, limit=_page(limit), **f) for f in filters], limit
-            )
+            streams = [
+                c.list_plans(status=status, limit=_page(limit), sort=sort, search=search, **f)
+                for f in filters
+            ]
+            if len(streams) == 1:
+                rows: list[PlanRecord] = list(itertools.islice(streams[0], limit))
+            elif sort in ("-created_at", "created_at"):
+                rows = _merged(streams, limit, newest_first=sort.startswith("-"))
+            else:
+                raise LookupFailed(
+                    f"--sort {sort}: {said} matched several; give an exact name or key to sort by another "
+                    "column than created_at"
+                )
     except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if as_json:
         _print_json(rows)
     else:
-        console.print(plans_table(rows, title="plans" + (f" ({said})" if said else "")))
+        caption = "; ".join(x for x in (said, f"search {search!r}" if search else "", f"sort {sort}") if x)
+        console.print(plans_table(rows, title=f"plans ({caption})"))
 
 
 def models(as_json: JsonOpt = False, server: ServerOpt = None, token: TokenOpt = None) -> None:

@@ -97,10 +97,25 @@ def feedback_table(record: PlanRecord) -> Table:
     return t
 
 
+def _signed_percent(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
 def plans_table(records: list[PlanRecord], title: str = "plans") -> Table:
     t = Table(title=title)
-    for col in ("id", "status", "model", "hardware", "device limit", "predicted", "created"):
-        t.add_column(col)
+    cols = (
+        "id",
+        "status",
+        "model",
+        "hardware",
+        "device limit",
+        "predicted",
+        "error",
+        "peak error",
+        "created",
+    )
+    for col in cols:
+        t.add_column(col, justify="right" if col in ("error", "peak error") else "left")
     for r in records:
         pred = r.headline.predictions if r.headline else None
         t.add_row(
@@ -110,6 +125,8 @@ def plans_table(records: list[PlanRecord], title: str = "plans") -> Table:
             r.hardware_key,
             format_bytes(r.constraints.device_memory_bytes),
             f"{pred.iteration_s * 1e3:.1f} ms" if pred else "-",
+            _signed_percent(r.iteration_error),
+            _signed_percent(r.peak_device_error),
             r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
         )
     return t

@@ -91,6 +91,11 @@ class PlanRecord(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     feedback: list[FeedbackRecord] = Field(default_factory=list)
+    iteration_error: float | None = Field(
+        default=None,
+        description="the latest feedback's measured / predicted - 1 of the iteration time (None: no feedback)",
+    )
+    peak_device_error: float | None = Field(default=None, description="the same of the peak device memory")
 
 
 class ModelSummary(BaseModel):

@@ -18,6 +18,8 @@ MAX_PARAMETERS: Final = 200_000
 MAX_BANDWIDTH_SAMPLES: Final = 64
 MAX_ALLOCATION_EVENTS: Final = 2_000_000
 MAX_NAME_CHARS: Final = 512
+MAX_MODEL_CONFIG_KEYS: Final = 512  # a Hugging Face config's keys (a trace's `ModelInfo.config`, a what-if's)
+MAX_CALIBRATION_MODELS: Final = 64
 
 # Integers are strict: JSON `true` or `1.5` is not a size or an index.
 Int = Annotated[int, Strict()]

@@ -26,6 +26,8 @@ from client.contract.common import (
     MAX_ALLOCATION_EVENTS,
     MAX_BANDWIDTH_SAMPLES,
     MAX_BLOCKS,
+    MAX_CALIBRATION_MODELS,
+    MAX_MODEL_CONFIG_KEYS,
     MAX_PARAMETERS,
     TRACE_SCHEMA_VERSION,
     Bool,
@@ -176,6 +178,15 @@ class ModelInfo(ContractModel):
     dtype: Name
     blocks: list[BlockInfo] = Field(min_length=1, max_length=MAX_BLOCKS)
     parameters: list[ParameterInfo] = Field(max_length=MAX_PARAMETERS)
+    # Left out of the JSON when absent, so traces without it keep their content hashes.
+    config: dict[str, Any] | None = Field(
+        default=None,
+        max_length=MAX_MODEL_CONFIG_KEYS,
+        exclude_if=lambda v: v is None,
+        description="the model's Hugging Face config (`config.to_dict()`, `model_type` included) when it has "
+        "one: what the what-if calibration needs to price this trace's blocks (FLOPs and bytes per operation) "
+        "and fit the hardware's efficiency from it, whatever model is asked about",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelInfo:
@@ -627,6 +638,13 @@ class ModelledFrom(ContractModel):
     )
     calibrated: Bool = Field(
         default=False, description="true when the factors were fitted to measured traces"
+    )
+    calibration_models: list[Name] = Field(
+        default_factory=list,
+        max_length=MAX_CALIBRATION_MODELS,
+        exclude_if=lambda v: not v,
+        description="the models of the measured traces the factors were fitted to (any model: the factors are "
+        "the hardware's, per precision)",
     )
 
 

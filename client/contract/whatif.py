@@ -8,11 +8,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, Strict, model_validator
 
-from client.contract.common import Bool, ContractModel, Int, Name, PositiveBytes
+from client.contract.common import MAX_MODEL_CONFIG_KEYS, Bool, ContractModel, Int, Name, PositiveBytes
 from client.contract.trace import OptimizerKind
 
 MAX_WHATIF_HARDWARE = 16
-MAX_CONFIG_KEYS = 512
+MAX_CONFIG_KEYS = MAX_MODEL_CONFIG_KEYS
 
 
 class WhatIfRequest(ContractModel):
@@ -40,8 +40,8 @@ class WhatIfRequest(ContractModel):
     )
     calibrate: Bool = Field(
         default=True,
-        description="fit each entry's factors to the project's measured traces "
-        "of this model taken on the entry's device (configs only)",
+        description="fit each entry's factors to the project's measured traces taken on the entry's device, "
+        "of this model or of any other whose trace records its config (configs only)",
     )
 
     @model_validator(mode="after")
@@ -88,6 +88,9 @@ class WhatIfAnswer(BaseModel):
     calibrated: bool
     calibration_traces: int = 0
     calibration_residual: float | None = None
+    calibration_models: list[str] = Field(
+        default_factory=list, description="the models of the measured traces the factors were fitted to"
+    )
 
 
 class WhatIfResponse(BaseModel):
@@ -127,6 +130,11 @@ class SweepRequest(ContractModel):
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer: OptimizerKind = OptimizerKind.adamw
     time_limit_s: float = Field(default=2.0, gt=0, le=60, description="solver seconds per point")
+    calibrate: Bool = Field(
+        default=True,
+        description="price each point with the entry's factors fitted to the project's measured traces, as "
+        "POST /v1/whatif does (each point says whether it is calibrated and from what)",
+    )
 
     def n_points(self) -> int:
         return (
@@ -158,6 +166,13 @@ class SweepPoint(BaseModel):
     tokens_per_s: float | None = None
     peak_device_bytes: int | None = None
     peak_host_bytes: int | None = None
+    calibrated: bool = Field(
+        default=False,
+        description="the point's times use factors fitted to measured traces (as POST /v1/whatif)",
+    )
+    calibration_traces: int = Field(default=0, description="how many measured traces (0: uncalibrated)")
+    calibration_residual: float | None = None
+    calibration_models: list[str] = Field(default_factory=list, description="the models of those traces")
 
 
 class SweepProgress(BaseModel):

@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import Path, Query
 
 from client.contract.common import MAX_NAME_CHARS, NO_NUL_PATTERN
+from planner_service.db.repositories import MAX_SEARCH_CHARS, PLAN_SORT_KEYS
 
 TraceId = Annotated[str, Path(description="a trace id", pattern=NO_NUL_PATTERN)]
 PlanId = Annotated[str, Path(description="a plan id", pattern=NO_NUL_PATTERN)]
@@ -23,4 +24,23 @@ ModelFilter = Annotated[
 ]
 HardwareFilter = Annotated[
     str | None, Query(description="hardware key", max_length=4 * MAX_NAME_CHARS, pattern=NO_NUL_PATTERN)
+]
+SearchFilter = Annotated[
+    str | None,
+    Query(
+        description="free text: plans whose model name, hardware key, workload or a feedback note contains every "
+        "word, or whose id or model fingerprint starts with it (case-insensitive)",
+        max_length=MAX_SEARCH_CHARS,
+        pattern=NO_NUL_PATTERN,
+    ),
+]
+PLAN_SORT_PATTERN = "^-?(" + "|".join(PLAN_SORT_KEYS) + ")$"
+PlanSort = Annotated[
+    str,
+    Query(
+        pattern=PLAN_SORT_PATTERN,
+        description="the column to sort by, '-' first for descending: "
+        + ", ".join(PLAN_SORT_KEYS)
+        + " (error, peak_error: the latest feedback's |measured / predicted - 1|); plans without a value last",
+    ),
 ]

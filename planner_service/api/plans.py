@@ -22,9 +22,15 @@ from client.contract import (
 from planner_service.api import links
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
-from planner_service.api.params import HardwareFilter, ModelFilter, PlanId
+from planner_service.api.params import HardwareFilter, ModelFilter, PlanId, PlanSort, SearchFilter
 from planner_service.api.poll_shortcut import etag_matches
-from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
+from planner_service.api.present import (
+    MeasuredErrors,
+    feedback_record,
+    plan_record,
+    plan_record_body,
+    plan_record_json,
+)
 from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.keyset_cursor import BadCursor
 from planner_service.db.repositories import PlanRepository, plan_etag, plan_version
@@ -173,7 +179,8 @@ def list_plans(
             pattern="^[0-9a-f]{1,32}$", description="plans whose id starts with this (the CLI's short ids)"
         ),
     ] = None,
-    sort: Annotated[str, Query(pattern="^-?created_at$")] = "-created_at",
+    search: SearchFilter = None,
+    sort: PlanSort = "-created_at",
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: str | None = None,
     with_plan: Annotated[
@@ -195,12 +202,24 @@ def list_plans(
             descending=sort.startswith("-"),
             with_result=with_plan,
             id_prefix=id_prefix,
+            sort_key=sort.lstrip("-"),
+            search=search,
         )
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
+    except ValueError as exc:  # the search's words (repositories.search_terms), named
+        raise ApiError(422, str(exc)) from exc
     return JSONResponse(
         {
-            "items": [plan_record_json(r, with_feedback=False, with_plan=with_plan) for r in page.items],
+            "items": [
+                plan_record_json(
+                    r.plan,
+                    with_feedback=False,
+                    with_plan=with_plan,
+                    measured=MeasuredErrors(r.iteration_error, r.peak_device_error),
+                )
+                for r in page.items
+            ],
             "next_cursor": page.next_cursor,
         }
     )

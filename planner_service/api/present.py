@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from client.contract import Feedback, FeedbackRecord, Plan, PlanHeadline, PlanRecord, TraceSummary
 from planner_service.db.models import FeedbackRow, PlanRow, TraceRow
+
+
+@dataclass(frozen=True)
+class MeasuredErrors:
+    """A plan's latest feedback's relative errors (measured / predicted - 1; None: not measured)."""
+
+    iteration_error: float | None
+    peak_device_error: float | None
 
 
 def trace_summary(row: TraceRow) -> TraceSummary:
@@ -37,10 +46,19 @@ def feedback_record(row: FeedbackRow) -> FeedbackRecord:
     )
 
 
-def plan_record_json(row: PlanRow, *, with_feedback: bool = True, with_plan: bool = True) -> dict[str, Any]:
+def plan_record_json(
+    row: PlanRow,
+    *,
+    with_feedback: bool = True,
+    with_plan: bool = True,
+    measured: MeasuredErrors | None = None,
+) -> dict[str, Any]:
     """The PlanRecord as JSON-ready data, with the stored plan (`with_plan`) passed through unparsed (it was
-    validated before it was stored): a plan with 10^5 buffer offsets costs a copy, not a re-validation."""
-    out = plan_record(row, with_feedback=with_feedback, with_plan=False).model_dump(mode="json")
+    validated before it was stored): a plan with 10^5 buffer offsets costs a copy, not a re-validation.
+    `measured`: the latest feedback's errors, as a list query read them (else from the feedback loaded)."""
+    out = plan_record(row, with_feedback=with_feedback, with_plan=False, measured=measured).model_dump(
+        mode="json"
+    )
     out["plan"] = row.result if with_plan else None
     return out
 
@@ -53,8 +71,16 @@ def plan_record_body(row: PlanRow, raw_plan: str | None) -> bytes:
 
 
 def plan_record(
-    row: PlanRow, *, reused: bool = False, with_feedback: bool = True, with_plan: bool = True
+    row: PlanRow,
+    *,
+    reused: bool = False,
+    with_feedback: bool = True,
+    with_plan: bool = True,
+    measured: MeasuredErrors | None = None,
 ) -> PlanRecord:
+    if measured is None and with_feedback and row.feedback:
+        latest = row.feedback[-1]
+        measured = MeasuredErrors(latest.iteration_error, latest.peak_device_error)
     return PlanRecord(
         id=row.id,
         trace_id=row.trace_id,
@@ -75,4 +101,6 @@ def plan_record(
         started_at=row.started_at,
         finished_at=row.finished_at,
         feedback=[feedback_record(f) for f in row.feedback] if with_feedback else [],
+        iteration_error=measured.iteration_error if measured else None,
+        peak_device_error=measured.peak_device_error if measured else None,
     )

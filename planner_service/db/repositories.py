@@ -16,10 +16,18 @@ from pydantic import ValidationError
 from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
+from sqlalchemy.sql.elements import ColumnElement
 
 from client.contract import Constraints, Feedback, Objective, PlanHeadline, PlanStatus, Trace
 from planner_service.db.base import utcnow
-from planner_service.db.keyset_cursor import after, encode_cursor
+from planner_service.db.keyset_cursor import (
+    after,
+    after_sorted,
+    decode_sort_cursor,
+    encode_cursor,
+    encode_sort_cursor,
+    sort_order,
+)
 from planner_service.db.models import (
     DEFAULT_PROJECT,
     ApiTokenRow,
@@ -231,6 +239,93 @@ def request_key(
     return hashlib.sha256(blob).hexdigest()
 
 
+# What a plans list can be sorted by: the API's `sort` (with "-" for descending), the UI's columns, the CLI's
+# `--sort`. "error" and "peak_error" are the latest feedback's |measured / predicted - 1| of the iteration
+# time and the peak device memory; "iteration" and "peak" the predictions.
+TEXT_PLAN_SORT_KEYS = ("model", "hardware", "workload", "status", "solver")
+NUMERIC_PLAN_SORT_KEYS = ("iteration", "peak", "device_limit", "error", "peak_error")
+PLAN_SORT_KEYS = ("created_at", *TEXT_PLAN_SORT_KEYS, *NUMERIC_PLAN_SORT_KEYS)
+MAX_SEARCH_CHARS = 200
+MAX_SEARCH_TERMS = 8
+
+
+@dataclass(frozen=True)
+class PlanListRow:
+    """A plan of a list, with its latest feedback's relative errors (measured / predicted - 1; None: none)."""
+
+    plan: PlanRow
+    iteration_error: float | None
+    peak_device_error: float | None
+
+
+def search_terms(search: str | None) -> list[str]:
+    """The words of a free-text search, lower-cased: a plan matches when every word is found in its model name,
+    hardware key, workload, a feedback note, or starts its id or its model's fingerprint. Raises ValueError
+    naming `search` for a NUL, more than MAX_SEARCH_CHARS characters or MAX_SEARCH_TERMS words."""
+    if not search:
+        return []
+    if "\x00" in search:
+        raise ValueError("search: must not contain a NUL character")
+    if len(search) > MAX_SEARCH_CHARS:
+        raise ValueError(f"search: longer than {MAX_SEARCH_CHARS} characters")
+    terms = search.lower().split()
+    if len(terms) > MAX_SEARCH_TERMS:
+        raise ValueError(f"search: more than {MAX_SEARCH_TERMS} words")
+    return terms
+
+
+def _matches(term: str) -> ColumnElement[bool]:
+    """One search word, found anywhere (LIKE wildcards in it escaped: a '%' matches a '%')."""
+    notes = (
+        select(FeedbackRow.id)
+        .where(
+            FeedbackRow.plan_id == PlanRow.id, func.lower(FeedbackRow.notes).contains(term, autoescape=True)
+        )
+        .correlate(PlanRow)
+        .exists()
+    )
+    return or_(
+        func.lower(ModelRow.name).contains(term, autoescape=True),
+        func.lower(PlanRow.hardware_key).contains(term, autoescape=True),
+        func.lower(PlanRow.workload_key).contains(term, autoescape=True),
+        PlanRow.id.startswith(term, autoescape=True),
+        func.lower(PlanRow.model_fingerprint).startswith(term, autoescape=True),
+        notes,
+    )
+
+
+def _latest_feedback(column: Any) -> Any:
+    """`column` of the plan's latest feedback (None without feedback), as a correlated scalar subquery."""
+    return (
+        select(column)
+        .where(FeedbackRow.plan_id == PlanRow.id)
+        .order_by(FeedbackRow.created_at.desc(), FeedbackRow.id.desc())
+        .limit(1)
+        .correlate(PlanRow)
+        .scalar_subquery()
+    )
+
+
+def _sort_expression(sort_key: str, iteration_error: Any, peak_error: Any) -> Any:
+    if sort_key == "model":
+        return ModelRow.name
+    if sort_key in ("hardware", "workload"):
+        return getattr(PlanRow, f"{sort_key}_key")
+    if sort_key in ("status", "solver"):
+        return getattr(PlanRow, sort_key)
+    if sort_key == "iteration":
+        return PlanRow.headline[("predictions", "iteration_s")].as_float()
+    if sort_key == "peak":
+        return PlanRow.headline[("predictions", "peak_device_bytes")].as_float()
+    if sort_key == "device_limit":
+        return PlanRow.constraints[("device_memory_bytes",)].as_float()
+    if sort_key == "error":
+        return func.abs(iteration_error)
+    if sort_key == "peak_error":
+        return func.abs(peak_error)
+    raise ValueError(f"sort: {sort_key!r} is not one of {', '.join(PLAN_SORT_KEYS)}")
+
+
 class PlanRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
@@ -313,10 +408,18 @@ class PlanRepository:
         descending: bool = True,
         with_result: bool = False,
         id_prefix: str | None = None,
-    ) -> PageResult[PlanRow]:
-        """A page of plans with their models; the stored Plans (megabytes each) only `with_result`."""
+        sort_key: str = "created_at",
+        search: str | None = None,
+    ) -> PageResult[PlanListRow]:
+        """A page of plans with their models and their latest measured errors, filtered, searched
+        (`search_terms`) and sorted by `sort_key` (one of `PLAN_SORT_KEYS`; nulls last, then the id); the
+        stored Plans (megabytes each) only `with_result`."""
+        if sort_key not in PLAN_SORT_KEYS:
+            raise ValueError(f"sort: {sort_key!r} is not one of {', '.join(PLAN_SORT_KEYS)}")
+        iteration_error = _latest_feedback(FeedbackRow.iteration_error)
+        peak_error = _latest_feedback(FeedbackRow.peak_device_error)
         stmt = (
-            select(PlanRow)
+            select(PlanRow, iteration_error, peak_error)
             .join(
                 ModelRow,
                 (ModelRow.project_id == PlanRow.project_id)
@@ -333,7 +436,41 @@ class PlanRepository:
             stmt = stmt.where(PlanRow.status == status)
         if id_prefix:
             stmt = stmt.where(PlanRow.id.startswith(id_prefix, autoescape=True))
-        return _page(self.s, stmt, PlanRow, limit, cursor, descending)
+        for term in search_terms(search):
+            stmt = stmt.where(_matches(term))
+        if sort_key == "created_at":
+            if cursor:
+                stmt = stmt.where(after(PlanRow.created_at, PlanRow.id, cursor, descending))
+            order: tuple[Any, ...] = (
+                (PlanRow.created_at.desc(), PlanRow.id.desc())
+                if descending
+                else (PlanRow.created_at, PlanRow.id)
+            )
+            expr = None
+        else:
+            expr = _sort_expression(sort_key, iteration_error, peak_error)
+            stmt = stmt.add_columns(expr)
+            if cursor:
+                value, row_id = decode_sort_cursor(cursor, sort_key, sort_key in NUMERIC_PLAN_SORT_KEYS)
+                stmt = stmt.where(after_sorted(expr, PlanRow.id, value, row_id, descending))
+            order = sort_order(expr, PlanRow.id, descending)
+        found = list(self.s.execute(stmt.order_by(*order).limit(limit + 1)))
+        more = len(found) > limit
+        found = found[:limit]
+        items = [PlanListRow(r[0], r[1], r[2]) for r in found]
+        nxt = None
+        if more and found:
+            last = found[-1]
+            if expr is None:
+                nxt = encode_cursor(last[0].created_at, last[0].id)
+            else:
+                value = last[3]
+                nxt = encode_sort_cursor(
+                    sort_key,
+                    None if value is None else (value if isinstance(value, str) else float(value)),
+                    last[0].id,
+                )
+        return PageResult(items, nxt)
 
     # the solve job's writes: each changes the row only from the state the caller read (compare-and-set), so a
     # worker presumed lost that comes back late cannot overwrite the attempt that replaced it

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from client.contract import PlanRecord, PlanStatus, Predictions, SolverReport, Trace
-from planner_service.api.present import plan_record
+from planner_service.api.present import MeasuredErrors, plan_record
 from planner_service.db.models import HardwareRow, ModelRow
 from planner_service.db.repositories import (
     CatalogRepository,
@@ -24,7 +24,7 @@ from planner_service.db.repositories import (
 )
 
 PLAN_STATUSES: tuple[PlanStatus, ...] = tuple(PlanStatus)
-SortOrder = Literal["-created_at", "created_at"]
+MAX_COMPARED = 8
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,18 @@ class PlanFilters:
     model: str | None = None
     hardware: str | None = None
     status: str | None = None
-    sort: SortOrder = "-created_at"
+    search: str | None = None
+    sort: str = "-created_at"  # a repositories.PLAN_SORT_KEYS key, "-" first for descending
     limit: int = 25
     cursor: str | None = None
+
+    @property
+    def sort_key(self) -> str:
+        return self.sort.lstrip("-")
+
+    @property
+    def descending(self) -> bool:
+        return self.sort.startswith("-")
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class PlanListItem:
     predictions: Predictions | None
     report: SolverReport | None
     feedback_count: int
+    iteration_error: float | None  # the latest feedback's measured / predicted - 1
+    peak_device_error: float | None
 
 
 @dataclass(frozen=True)
@@ -109,9 +120,11 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
         status=filters.status,
         limit=filters.limit,
         cursor=filters.cursor,
-        descending=filters.sort.startswith("-"),
+        descending=filters.descending,
+        sort_key=filters.sort_key,
+        search=filters.search,
     )
-    counts = FeedbackRepository(session).counts([r.id for r in page.items])
+    counts = FeedbackRepository(session).counts([r.plan.id for r in page.items])
     items = [
         PlanListItem(
             id=r.id,
@@ -126,8 +139,11 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
             predictions=_part(r.headline, "predictions", Predictions),
             report=_part(r.headline, "solver", SolverReport),
             feedback_count=counts.get(r.id, 0),
+            iteration_error=found.iteration_error,
+            peak_device_error=found.peak_device_error,
         )
-        for r in page.items
+        for found in page.items
+        for r in (found.plan,)
     ]
     catalog = CatalogRepository(session)
     models = [
@@ -147,6 +163,25 @@ def load_plan_detail(session: Session, project_id: str, plan_id: str) -> PlanDet
     return PlanDetail(
         record=plan_record(row), trace=StoredTrace(row.trace.content_hash, row.trace.payload_gzip)
     )
+
+
+def load_compared(
+    session: Session, project_id: str, plan_ids: list[str]
+) -> tuple[list[PlanRecord], list[str]]:
+    """The records (with their plans and feedback) of the project's plans `plan_ids`, in that order, and the ids
+    that name none of its plans."""
+    repo = PlanRepository(session)
+    found: list[PlanRecord] = []
+    missing: list[str] = []
+    for plan_id in plan_ids:
+        row = repo.get(plan_id, project_id)
+        if row is None:
+            missing.append(plan_id)
+        else:
+            latest = row.feedback[-1] if row.feedback else None
+            measured = MeasuredErrors(latest.iteration_error, latest.peak_device_error) if latest else None
+            found.append(plan_record(row, measured=measured))
+    return found, missing
 
 
 def load_catalog(session: Session, project_id: str) -> Catalog:

@@ -21,15 +21,18 @@ from client.units import format_bytes
 from planner_service.api.deps import UI_TOKEN_COOKIE, DatabaseDep, PrincipalDep, SettingsDep
 from planner_service.auth import resolve
 from planner_service.db.keyset_cursor import BadCursor
+from planner_service.db.repositories import PLAN_SORT_KEYS, search_terms
+from planner_service.ui.compare import compare_page
 from planner_service.ui.queries import (
+    MAX_COMPARED,
     PLAN_STATUSES,
     PlanFilters,
-    SortOrder,
     load_catalog,
+    load_compared,
     load_plan_detail,
     load_plan_list,
 )
-from planner_service.ui.views import format_error, format_seconds, plan_page
+from planner_service.ui.views import error_class, format_error, format_seconds, plan_page
 
 PAGE_SIZES: tuple[int, ...] = (10, 25, 50, 100)
 MAX_PAGE_SIZE = 100
@@ -47,7 +50,10 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters.update(
-        bytes=lambda n: "—" if n is None else format_bytes(n), seconds=format_seconds, error=format_error
+        bytes=lambda n: "—" if n is None else format_bytes(n),
+        seconds=format_seconds,
+        error=format_error,
+        error_css=error_class,
     )
     return env
 
@@ -79,8 +85,13 @@ def _filters(request: Request) -> PlanFilters:
     if status is not None and status not in PLAN_STATUSES:
         raise BadQuery(f"status: {status!r} is not one of {', '.join(PLAN_STATUSES)}")
     sort = text("sort") or "-created_at"
-    if sort not in ("-created_at", "created_at"):
-        raise BadQuery(f"sort: {sort!r} is not -created_at or created_at")
+    if sort.lstrip("-") not in PLAN_SORT_KEYS or sort.count("-") > 1:
+        raise BadQuery(f"sort: {sort!r} is not one of {', '.join(PLAN_SORT_KEYS)} (with '-' for descending)")
+    search = text("search")
+    try:
+        search_terms(search)
+    except ValueError as exc:
+        raise BadQuery(str(exc)) from None
     raw_limit = text("limit") or "25"
     try:
         limit = int(raw_limit)
@@ -88,12 +99,12 @@ def _filters(request: Request) -> PlanFilters:
         raise BadQuery(f"limit: {raw_limit!r} is not a whole number") from None
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise BadQuery(f"limit: {limit} is not between 1 and {MAX_PAGE_SIZE}")
-    sort_order: SortOrder = "-created_at" if sort == "-created_at" else "created_at"
     return PlanFilters(
         model=text("model"),
         hardware=text("hardware"),
         status=status,
-        sort=sort_order,
+        search=search,
+        sort=sort,
         limit=limit,
         cursor=text("cursor"),
     )
@@ -105,12 +116,44 @@ def _query(filters: PlanFilters, **changes: Any) -> str:
         "model": filters.model,
         "hardware": filters.hardware,
         "status": filters.status,
+        "search": filters.search,
         "sort": None if filters.sort == "-created_at" else filters.sort,
         "limit": None if filters.limit == 25 else filters.limit,
         "cursor": filters.cursor,
     }
     values.update(changes)
     return urlencode({k: v for k, v in values.items() if v not in (None, "")})
+
+
+SORTABLE_COLUMNS: dict[str, str] = {  # the plans table's sortable columns: header -> sort key
+    "created (UTC)": "created_at",
+    "model": "model",
+    "hardware": "hardware",
+    "workload": "workload",
+    "solver": "solver",
+    "status": "status",
+    "device limit": "device_limit",
+    "pred. iteration": "iteration",
+    "pred. peak": "peak",
+    "iteration error": "error",
+    "peak error": "peak_error",
+}
+_DESCENDING_FIRST = {"created_at", "error", "peak_error"}  # newest, worst first on the first click
+
+
+def _sort_links(filters: PlanFilters) -> dict[str, tuple[str, str]]:
+    """Each sortable header's link (the same filters, this column, the first page) and its arrow: a click on
+    the current column reverses it."""
+    out = {}
+    for header, key in SORTABLE_COLUMNS.items():
+        if filters.sort_key == key:
+            target = key if filters.descending else f"-{key}"
+            arrow = " ▼" if filters.descending else " ▲"
+        else:
+            target = f"-{key}" if key in _DESCENDING_FIRST else key
+            arrow = ""
+        out[header] = (_query(filters, sort=None if target == "-created_at" else target, cursor=None), arrow)
+    return out
 
 
 def _error_page(request: Request, status_code: int, title: str, message: str) -> Response:
@@ -151,6 +194,8 @@ def plans_page(request: Request, db: DatabaseDep, principal: PrincipalDep) -> Re
         "page_sizes": PAGE_SIZES,
         "next_query": _query(filters, cursor=page.next_cursor) if page.next_cursor else None,
         "first_query": _query(filters, cursor=None) if filters.cursor else None,
+        "sort_links": _sort_links(filters),
+        "max_compared": MAX_COMPARED,
     }
     return templates.TemplateResponse(request, "plans.html", context)
 
@@ -170,6 +215,42 @@ def plan_detail_page(request: Request, plan_id: str, db: DatabaseDep, principal:
     return templates.TemplateResponse(
         request, "plan.html", {"p": page, "r": detail.record, "refresh": refresh}
     )
+
+
+@router.get("/ui/compare", response_class=HTMLResponse)
+def compare(request: Request, db: DatabaseDep, principal: PrincipalDep) -> Response:
+    """Two or more plans side by side (`?id=A&id=B...`, up to MAX_COMPARED); `diff=1`: differences only."""
+    ids: list[str] = []
+    for raw in request.query_params.getlist("id"):
+        plan_id = raw.strip()
+        if has_nul(plan_id):
+            return _error_page(request, 400, "Bad request", f"id: {NO_NUL_MESSAGE}")
+        if len(plan_id) > 64:
+            return _error_page(request, 400, "Bad request", f"id: {plan_id[:64]!r}… is longer than a plan id")
+        if plan_id and plan_id not in ids:
+            ids.append(plan_id)
+    if not 2 <= len(ids) <= MAX_COMPARED:
+        return _error_page(
+            request,
+            400,
+            "Bad request",
+            f"id: pick 2 to {MAX_COMPARED} different plans to compare ({len(ids)} given)",
+        )
+    diff = request.query_params.get("diff", "")
+    if diff not in ("", "0", "1"):
+        return _error_page(request, 400, "Bad request", f"diff: {diff[:40]!r} is not 0 or 1")
+    with db.session() as s:
+        records, missing = load_compared(s, principal.project_id, ids)
+    if missing:
+        return _error_page(request, 404, "Plan not found", f"id: no plan {', '.join(map(repr, missing))}")
+    page = compare_page(records, differences_only=diff == "1")
+    base = [("id", r.id) for r in records]
+    context = {
+        "c": page,
+        "all_query": urlencode(base),
+        "diff_query": urlencode([*base, ("diff", "1")]),
+    }
+    return templates.TemplateResponse(request, "compare.html", context)
 
 
 @router.get("/ui/catalog", response_class=HTMLResponse)

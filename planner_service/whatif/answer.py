@@ -51,6 +51,7 @@ class Answer:
     calibrated: bool = False
     calibration_traces: int = 0  # measured traces the factors were fitted to (0: uncalibrated)
     calibration_residual: float | None = None  # relative RMS error of their block times (None: uncalibrated)
+    calibration_models: list[str] = field(default_factory=list)  # the models of those traces
     plan: Plan | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, object]:
@@ -73,12 +74,17 @@ def _summary(plan: Plan) -> dict[str, object]:
     }
 
 
-def _calibration_of(trace: Trace) -> tuple[bool, int, float | None]:
-    """(calibrated, from how many measured traces, their residual) of a modelled trace's factors."""
+def _calibration_of(trace: Trace) -> tuple[bool, int, float | None, list[str]]:
+    """(calibrated, from how many measured traces, their residual, their models) of a modelled trace's factors."""
     m = trace.modelled
     if m is None or not m.calibrated:
-        return False, 0, None
-    return True, int(m.factors.get("calibration_traces", 0)), m.factors.get("calibration_residual")
+        return False, 0, None, []
+    return (
+        True,
+        int(m.factors.get("calibration_traces", 0)),
+        m.factors.get("calibration_residual"),
+        list(m.calibration_models),
+    )
 
 
 def _fits(plan: Plan) -> bool:
@@ -115,7 +121,7 @@ def answer(
 
     plan = plan_for(device, host)
     w = trace.workload
-    calibrated, n_traces, residual = _calibration_of(trace)
+    calibrated, n_traces, residual, models = _calibration_of(trace)
     make = partial(
         Answer,
         hardware=entry.key,
@@ -129,6 +135,7 @@ def answer(
         calibrated=calibrated,
         calibration_traces=n_traces,
         calibration_residual=residual,
+        calibration_models=models,
     )
     if _fits(plan):
         pred = plan.predictions

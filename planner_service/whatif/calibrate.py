@@ -15,9 +15,15 @@ repeated with the split of the last fit (three rounds at most). The host optimiz
 of the traces' measured fused-optimizer rates over their cores.
 
 The residual is the relative RMS error of the block times the roofline predicts with the fitted factors (the
-real `max` form, not the linear one) against the measured ones. The fitted factors are kept only where they
-lower that residual below the estimates' (the linear form can miss on a machine where one op dominates); a
-calibration always says from how many traces and blocks it comes and both residuals.
+real `max` form, not the linear one) against the measured ones. Beside the least-squares factors, a uniform
+scale of the estimates (and of the fit) is tried: s minimising the same residual when every block time is
+multiplied by s (`_scaled`), which a noisy or loaded machine still identifies when the three factors are not.
+The candidate with the lowest residual is kept only where it lowers the residual below the estimates' (the
+linear form can miss on a machine where one op dominates); a calibration always says from how many traces
+and blocks it comes, of which models, and both residuals.
+
+The traces may be of any model (`sample_of`): the factors are the device's, per precision, and each trace is
+priced from the FLOPs and bytes of its own model's operations (its recorded Hugging Face config).
 
 Feedback (a plan's measured iteration seconds against its prediction) does not enter the fit: the plan's
 iteration includes the runtime's copies and waits, not the efficiency of the kernels. `calibrate` reports the
@@ -41,11 +47,21 @@ from scipy.optimize import nnls  # type: ignore[import-untyped]
 
 from client.contract import CatalogEntry, DeviceType, Feedback, Phase, Trace
 from planner_service.whatif import roofline
+from planner_service.whatif.architecture import ArchitectureError, config_from_dict
 from planner_service.whatif.calibration import Calibration, uncalibrated
 from planner_service.whatif.fake_iteration import OpCosts
 from planner_service.whatif.modelled_trace import ModelIteration, ModelledWorkload, iterate
 
-__all__ = ["Calibration", "CalibrationError", "CalibrationSample", "calibrate", "same_model", "uncalibrated"]
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "CalibrationSample",
+    "calibrate",
+    "same_model",
+    "sample_of",
+    "samples_from_config",
+    "uncalibrated",
+]
 
 _ROUNDS = 3
 
@@ -166,6 +182,28 @@ def _fit(
     return eff
 
 
+def _scaled(
+    rows: list[_Row], entry: CatalogEntry, dtype: str, eff: roofline.Efficiency
+) -> roofline.Efficiency:
+    """`eff` with every block time scaled by the one factor s that minimises the relative RMS error of the
+    rows: s = sum(p/m) / sum((p/m)^2) for predicted p and measured m (the compute and memory efficiencies
+    divided by s, the dispatch time multiplied by it: a block's time, a max of sums of those terms, scales by
+    s exactly). Where the noise of a loaded machine leaves the three factors unidentified, one throughput
+    scale still is: "this device runs at s times the figures"."""
+    ratios = np.array(
+        [roofline.block_seconds(r.costs, entry, dtype, eff) / r.measured_s for r in rows], dtype=np.float64
+    )
+    denominator = float((ratios * ratios).sum())
+    if denominator <= 0:
+        return eff
+    scale = float(ratios.sum()) / denominator
+    if not math.isfinite(scale) or scale <= 0:
+        return eff
+    return replace(
+        eff, matmul=eff.matmul / scale, memory=eff.memory / scale, dispatch_s=eff.dispatch_s * scale
+    )
+
+
 def _host_rate_per_core(samples: Sequence[CalibrationSample]) -> float | None:
     rates = [
         s.measured.measurements.optimizer.host_bytes_per_s / s.measured.hardware.cpu_cores
@@ -205,8 +243,11 @@ def calibrate(
     if host_rate is not None:
         start = replace(start, host_adam_bytes_per_s_per_core=host_rate)
     estimate = _residual(rows, entry, precision, start)
-    fitted = _fit(rows, entry, precision, start)
-    fitted_residual = _residual(rows, entry, precision, fitted)
+    nnls_fit = _fit(rows, entry, precision, start)
+    candidates = [nnls_fit, _scaled(rows, entry, precision, start), _scaled(rows, entry, precision, nnls_fit)]
+    fitted, fitted_residual = min(
+        ((c, _residual(rows, entry, precision, c)) for c in candidates), key=lambda x: x[1]
+    )
     keep = fitted_residual < estimate
     return Calibration(
         hardware_key=entry.key,
@@ -217,32 +258,62 @@ def calibrate(
         residual=fitted_residual if keep else estimate,
         estimate_residual=estimate,
         fitted=keep,
+        models=tuple(sorted({s.measured.model.name for s in mine})),
         **fb,  # type: ignore[arg-type]
     )
+
+
+def _iteration_for(measured: Trace, config: object, *, exact: bool) -> ModelIteration:
+    w = measured.workload
+    return iterate(
+        config,
+        ModelledWorkload(w.batch_size, w.sequence_length, w.precision.value, w.optimizer),
+        exact=exact,
+        gpu_attention=measured.hardware.device_type != DeviceType.cpu,
+    )
+
+
+def sample_of(
+    measured: Trace, config: object | None = None, *, exact: bool = False
+) -> CalibrationSample | None:
+    """The sample of a measured trace: the trace with the fake iteration of its own model under its own workload
+    (this CPU's attention kernels for a CPU trace, CUDA's fused ones otherwise).
+
+    The model is the one the trace records (`ModelInfo.config`, written by the profiler for Hugging Face models),
+    so a trace of any model calibrates the entry it was taken on: the factors are the hardware's. A trace that
+    records no config (one taken before the field existed, or of a model without a Hugging Face config) is
+    priced with `config` when that is its model (`same_model`); None when neither describes it."""
+    if measured.model.config is not None:
+        try:
+            own = config_from_dict(measured.model.config, "model.config")
+            it = _iteration_for(measured, own, exact=exact)
+        except (ArchitectureError, ValueError):
+            it = None  # a recorded config this library cannot build: try the caller's
+        if it is not None and same_model(measured, it):
+            return CalibrationSample(measured, it)
+    if config is not None:
+        it = _iteration_for(measured, config, exact=exact)
+        if same_model(measured, it):
+            return CalibrationSample(measured, it)
+    return None
 
 
 def samples_from_config(
     config: object, measured: Sequence[Trace], entry: CatalogEntry, *, exact: bool = False
 ) -> list[CalibrationSample]:
-    """The samples for `entry` from measured traces of the model of `config`: each trace taken on the entry's
-    device is paired with the fake iteration of `config` under the trace's workload (this CPU's attention
-    kernels for a CPU trace, CUDA's fused ones otherwise). Traces of other devices are left out; a trace of
-    another model is an error naming it (`measured[i]`)."""
+    """The samples for `entry` from measured traces (`sample_of`): each trace taken on the entry's device is
+    paired with the fake iteration of its recorded model (any model), or of `config` when it records none.
+    Traces of other devices are left out; a trace that records no config and is not the model of `config` is an
+    error naming it (`measured[i]`)."""
     out: list[CalibrationSample] = []
     for i, m in enumerate(measured):
         if m.hardware.device_name != entry.name:
             continue
-        w = m.workload
-        it = iterate(
-            config,
-            ModelledWorkload(w.batch_size, w.sequence_length, w.precision.value, w.optimizer),
-            exact=exact,
-            gpu_attention=m.hardware.device_type != DeviceType.cpu,
-        )
-        if not same_model(m, it):
+        sample = sample_of(m, config, exact=exact)
+        if sample is None:
             raise CalibrationError(
-                f"measured[{i}]: {m.model.name} ({m.model.architecture}) is not the model of "
-                f"the config ({it.name}, {it.architecture})"
+                f"measured[{i}]: {m.model.name} ({m.model.architecture}) records no config and is not the "
+                "model of the config"
             )
-        out.append(CalibrationSample(m, it))
+        out.append(sample)
     return out

@@ -24,6 +24,8 @@ class Calibration:
     fitted: bool = False  # the fitted factors were kept (they lowered the residual)
     feedback_count: int = 0
     feedback_iteration_error: float | None = None  # median |measured - predicted| / measured of the feedback
+    models: tuple[str, ...] = ()  # the models of the measured traces fitted (any model: the factors are the
+    # hardware's, per precision; calibrate.sample_of prices another model's trace from its recorded config)
 
     @property
     def calibrated(self) -> bool:
@@ -33,8 +35,9 @@ class Calibration:
         if not self.calibrated:
             return "uncalibrated"
         what = "fitted" if self.fitted else "estimates kept (the fit did not lower the error)"
+        of = f" of {', '.join(self.models)}" if self.models else ""
         return (
-            f"calibrated on {self.traces} measured trace{'s' if self.traces != 1 else ''} "
+            f"calibrated on {self.traces} measured trace{'s' if self.traces != 1 else ''}{of} "
             f"({what}; block-time error {100 * (self.residual or 0.0):.0f}% RMS)"
         )
 

@@ -522,8 +522,9 @@ def _calibrations(
 def _calibration_str(a: Answer) -> str:
     if not a.calibrated:
         return "uncalibrated"
+    of = f" of {', '.join(a.calibration_models)}" if a.calibration_models else ""
     return (
-        f"calibrated on {a.calibration_traces} measured traces (block times "
+        f"calibrated on {a.calibration_traces} measured traces{of} (block times "
         f"{100 * (a.calibration_residual or 0.0):.0f}% RMS error)"
     )
 

@@ -341,7 +341,8 @@ def trace_on(
     """The modelled Trace of iteration `it` on one device of catalogue entry `entry`.
 
     With a `calibration` (calibrate.py) of this entry and precision, its factors replace `eff` and the trace
-    says it is calibrated, from how many measured traces and with which residual (in `modelled.factors`)."""
+    says it is calibrated, from how many measured traces and with which residual (in `modelled.factors`), and of
+    which models (`modelled.calibration_models`)."""
     if calibration is not None:
         if (calibration.hardware_key, calibration.precision) != (entry.key, it.workload.dtype):
             raise ValueError(
@@ -458,6 +459,7 @@ def trace_on(
             method=method_of(it),
             factors=calibration.factors() if calibration is not None else eff.as_factors(),
             calibrated=calibration is not None and calibration.calibrated,
+            calibration_models=list(calibration.models) if calibration is not None else [],
         ),
     )
 

@@ -2,10 +2,12 @@
 
 A config is run once per batch on fake tensors (`modelled_trace.iterate`) and priced on each entry; a stored
 measured trace is retargeted (`retarget.py`). With `calibrate` (the default), each entry's factors are fitted
-(`calibrate.py`) to the project's measured traces of the same model taken on the entry's device (matched by
-device name, same precision; at most `MAX_CALIBRATION_TRACES`, the newest): each is paired with the config's
-fake iteration under its own workload. Traces of other models cannot be used (the service holds no config
-for them): an entry without such a trace answers uncalibrated.
+(`calibrate.py`) to the project's measured traces taken on the entry's device (matched by device name, same
+precision; at most `MAX_CALIBRATION_TRACES`, the newest usable): each is paired with the fake iteration of its
+own model under its own workload (`calibrate.sample_of`). The efficiency factors are the hardware's, so any
+model's trace serves: one that records its Hugging Face config (`ModelInfo.config`, written by the profiler)
+is priced from that config; one that records none only when it is the asked model. An entry without a usable
+trace answers uncalibrated; a calibrated answer says from how many traces and of which models.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from client.contract import CatalogEntry, DeviceType, OptimizerKind, Trace, WhatIfRequest
+from client.contract import CatalogEntry, OptimizerKind, Trace, WhatIfRequest
 from client.contract.trace import MAX_BLOCKS
 from planner_service.db.models import HardwareRow, ModelRow, TraceRow
 from planner_service.db.repositories import TraceRepository, UnreadableStoredTrace, decompress_trace
 from planner_service.whatif.answer import Answer, answer
 from planner_service.whatif.architecture import ArchitectureError, config_from_dict
-from planner_service.whatif.calibrate import Calibration, CalibrationSample, calibrate, same_model
+from planner_service.whatif.calibrate import Calibration, CalibrationSample, calibrate, sample_of
 from planner_service.whatif.catalog import CatalogError, entry
 from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
 from planner_service.whatif.retarget import retarget, source_entry
@@ -116,7 +118,7 @@ def _modelled(
         raise WhatIfError(422, str(exc)) from None
     out = []
     for e in entries:
-        cal = _calibration(cfg, it.architecture, e, dtype, session, project_id) if req.calibrate else None
+        cal = calibration_for(cfg, e, dtype, session, project_id) if req.calibrate else None
         out.append(
             answer(
                 trace_on(it, e, host_memory_bytes=req.host_memory_bytes, calibration=cal),
@@ -128,14 +130,18 @@ def _modelled(
     return out
 
 
+MAX_CALIBRATION_ROWS = 4 * MAX_CALIBRATION_TRACES  # stored traces read to find the usable ones
+
+
 def stored_measured_traces(
     session: Session,
     project_id: str,
     device_name: str,
-    architecture: str,
+    architecture: str | None = None,
     limit: int = MAX_CALIBRATION_TRACES,
 ) -> list[Trace]:
-    """The project's newest measured traces of `architecture` taken on a device named `device_name`."""
+    """The project's newest measured traces taken on a device named `device_name` (of `architecture` only, if
+    given)."""
     stmt = (
         select(TraceRow)
         .join(
@@ -147,14 +153,12 @@ def stored_measured_traces(
             (ModelRow.project_id == TraceRow.project_id)
             & (ModelRow.fingerprint == TraceRow.model_fingerprint),
         )
-        .where(
-            TraceRow.project_id == project_id,
-            HardwareRow.device_name == device_name,
-            ModelRow.architecture == architecture,
-        )
+        .where(TraceRow.project_id == project_id, HardwareRow.device_name == device_name)
         .order_by(TraceRow.created_at.desc(), TraceRow.id.desc())
         .limit(limit)
     )
+    if architecture is not None:
+        stmt = stmt.where(ModelRow.architecture == architecture)
     out = []
     for row in session.scalars(stmt):
         try:
@@ -166,19 +170,18 @@ def stored_measured_traces(
     return out
 
 
-def _calibration(
-    cfg: object, architecture: str, entry: CatalogEntry, dtype: str, session: Session, project_id: str
+def calibration_for(
+    cfg: object, entry: CatalogEntry, dtype: str, session: Session, project_id: str
 ) -> Calibration | None:
-    samples = []
-    for m in stored_measured_traces(session, project_id, entry.name, architecture):
-        w = m.workload
-        if w.precision.value != dtype:
+    """The entry's factors in `dtype` fitted to the project's measured traces on its device (see the module
+    docstring); None where no trace is usable (the answer says uncalibrated)."""
+    samples: list[CalibrationSample] = []
+    for m in stored_measured_traces(session, project_id, entry.name, limit=MAX_CALIBRATION_ROWS):
+        if m.workload.precision.value != dtype:
             continue
-        it = iterate(
-            cfg,
-            ModelledWorkload(w.batch_size, w.sequence_length, dtype, w.optimizer),
-            gpu_attention=m.hardware.device_type != DeviceType.cpu,
-        )
-        if same_model(m, it):
-            samples.append(CalibrationSample(m, it))
+        sample = sample_of(m, cfg)
+        if sample is not None:
+            samples.append(sample)
+            if len(samples) == MAX_CALIBRATION_TRACES:
+                break
     return calibrate(samples, entry, dtype) if samples else None

@@ -7,8 +7,10 @@ PostgreSQL, the in-process pool on SQLite), all in the caller's transaction with
 all its jobs, or none. `read_sweep` reports progress (plans by status) and one page of points with each plan's
 status and headline. A point's plan is an ordinary plan: `GET /v1/plans/{id}` shows it whole.
 
-Sweep points are not calibrated (the calibration step needs the project's measured traces and runs per
-question in `service.py`; a sweep prices with the estimates and its traces say uncalibrated).
+Points are calibrated as `POST /v1/whatif` answers are (`service.calibration_for`, once per catalogue entry:
+the project's measured traces on the entry's device, of any model that records its config), unless the request
+says `calibrate: false`; each point says whether it is calibrated, from how many traces, of which models, and
+the residual (read back from its stored modelled trace's `modelled` section).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from planner_service.db.models import PlanRow, SweepRow
 from planner_service.db.repositories import PlanRepository, TraceRepository
 from planner_service.solver import SOLVER_VERSION
 from planner_service.whatif.architecture import ArchitectureError, config_from_dict
+from planner_service.whatif.calibration import Calibration
 from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
-from planner_service.whatif.service import WhatIfError
+from planner_service.whatif.service import WhatIfError, calibration_for
 
 SOLVER = "cpsat"
 MAX_PAGE = 500
@@ -67,6 +70,10 @@ def create_sweep(
     if isinstance(layers, int) and not 1 <= layers <= MAX_BLOCKS - 2:
         raise WhatIfError(422, f"config: num_hidden_layers: {layers} is not in 1..{MAX_BLOCKS - 2}")
     traces, plans = TraceRepository(session), PlanRepository(session)
+    calibrations: dict[str, Calibration | None] = {
+        e.key: calibration_for(cfg, e, req.dtype, session, project_id) if req.calibrate else None
+        for e in entries
+    }
     stored = []  # (batch, seq, entry, host, trace row): every trace first, for their savepoints (below)
     for batch, seq in itertools.product(req.batch_sizes, req.sequence_lengths):
         try:
@@ -75,12 +82,13 @@ def create_sweep(
             raise WhatIfError(422, f"batch {batch} x seq {seq}: {exc}") from None
         for e in entries:
             for host in req.host_memory_bytes or [e.host_memory_bytes]:
-                row, _ = traces.add(trace_on(it, e, host_memory_bytes=host), project_id)
-                stored.append((batch, seq, e, host, row))
+                cal = calibrations[e.key]
+                row, _ = traces.add(trace_on(it, e, host_memory_bytes=host, calibration=cal), project_id)
+                stored.append((batch, seq, e, host, row, cal))
     # Plans and their jobs after every trace: `TraceRepository.add` opens a savepoint, and a savepoint
     # released after a plan was handed to the in-process pool let that plan run before its row was committed.
     points: list[dict[str, object]] = []
-    for batch, seq, e, host, row in stored:
+    for batch, seq, e, host, row, cal in stored:
         for device in req.device_memory_bytes or [e.device_memory_bytes]:
             c = Constraints(device_memory_bytes=device, host_memory_bytes=host, time_limit_s=req.time_limit_s)
             plan = plans.create(row, c, Objective.min_iteration_time, SOLVER, SOLVER_VERSION)
@@ -94,6 +102,7 @@ def create_sweep(
                     "host_memory_bytes": host,
                     "trace_id": row.id,
                     "plan_id": plan.id,
+                    **_calibration_fields(cal),
                 }
             )
     sweep = SweepRow(
@@ -102,6 +111,23 @@ def create_sweep(
     session.add(sweep)
     session.flush()
     return sweep
+
+
+def _calibration_fields(cal: Calibration | None) -> dict[str, object]:
+    """What a point says of its calibration (`SweepPoint.calibrated` ...)."""
+    if cal is None or not cal.calibrated:
+        return {
+            "calibrated": False,
+            "calibration_traces": 0,
+            "calibration_residual": None,
+            "calibration_models": [],
+        }
+    return {
+        "calibrated": True,
+        "calibration_traces": cal.traces,
+        "calibration_residual": cal.residual,
+        "calibration_models": list(cal.models),
+    }
 
 
 def read_sweep(

@@ -124,3 +124,47 @@ def test_headless_chromium_draws_the_memory_chart_and_the_mode_strip(server: str
             if all(abs(c - s) <= 12 for c, s in zip(rgb.getpixel((x, y)), SERIES_COLOUR, strict=True))
         )
     assert drawn > 150, f"only {drawn} series-coloured pixels on the screenshot"
+
+
+DIFFERS_COLOUR = (0xFB, 0xEF, 0xB0)  # tr.differs td in planner_service/ui/static/ui.css: used by nothing else
+
+
+@pytest.mark.slow
+def test_headless_chromium_paints_the_compare_view_and_its_differences_only_toggle(
+    server: str, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    chromium = _chromium()
+    trace = synthetic_trace(
+        n_blocks=6, hidden=256, vocab=1000, batch=2, seq=128, name="compare-browser-model"
+    )
+    ids = []
+    with httpx.Client(base_url=server, timeout=60) as client:
+        trace_id = client.post("/v1/traces", content=trace.canonical_json()).json()["id"]
+        for limit in (40 * MiB, 4096 * MiB):
+            plan_id = client.post(
+                "/v1/plans", json={"trace_id": trace_id, "constraints": {"device_memory_bytes": limit}}
+            ).json()["id"]
+            assert client.get(f"/v1/plans/{plan_id}", params={"wait": 60}).json()["status"] == "done"
+            ids.append(plan_id)
+    url = f"{server}/ui/compare?id={ids[0]}&id={ids[1]}"
+
+    full = Dom(_browse(chromium, tmp_path / "full", url, "--dump-dom").stdout)
+    rows, differing = full.all("tr", "compare-row"), full.all("tr", "differs")
+    assert 0 < len(differing) < len(rows)
+    only = Dom(_browse(chromium, tmp_path / "only", url + "&diff=1", "--dump-dom").stdout)
+    assert len(only.all("tr", "compare-row")) == len(differing)
+
+    shot = tmp_path / "compare.png"
+    _browse(chromium, tmp_path / "shot", url + "&diff=1", f"--screenshot={shot}")
+    with Image.open(shot) as image:
+        rgb = image.convert("RGB")
+        width, height = rgb.size
+        painted = sum(
+            1
+            for x in range(0, width, 2)
+            for y in range(0, height, 2)
+            if all(abs(c - s) <= 6 for c, s in zip(rgb.getpixel((x, y)), DIFFERS_COLOUR, strict=True))
+        )
+    assert painted > 200, f"only {painted} pixels of the differences' highlight on the screenshot"

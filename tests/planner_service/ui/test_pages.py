@@ -222,7 +222,12 @@ def test_pages_show_only_the_callers_project(settings, solved) -> None:  # type:
     with TestClient(with_ui(create_app(settings.model_copy(update={"auth": True})))) as client:
         client.headers["authorization"] = f"Bearer {token_a}"
         mine = solved(client, _trace(4, "team-a-model"), limit=64 * MiB)
+        other = solved(client, _trace(4, "team-a-model"), limit=72 * MiB)
+        compare = f"/ui/compare?id={mine['id']}&id={other['id']}"
+        assert client.get(compare).status_code == 200
         client.headers["authorization"] = f"Bearer {token_b}"
+        assert client.get(compare).status_code == 404  # another project's plans are not found
+        assert "team-a-model" not in client.get("/ui/plans", params={"search": "team-a"}).text
         listing = client.get("/ui/plans")
         assert (
             listing.status_code == 200

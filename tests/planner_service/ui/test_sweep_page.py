@@ -77,6 +77,8 @@ def test_sweep_page_shows_the_table_and_one_line_per_hardware(server: str) -> No
     assert len(lines) == 4  # two panels (tokens/s, peak device memory) x two GPUs
     assert all(len(ln.attrs["points"].split()) == 3 for ln in lines)  # every batch fits this small model
     assert "6 of 6 points solved" in page.text
+    # the project holds no measured trace from an L4 or an H100: every point says it is uncalibrated
+    assert [c.text.strip() for c in dom.all("td", "calibration")] == ["uncalibrated"] * 6
     assert [a for a in dom.all("a") if a.attrs.get("href", "").startswith("/ui/plans/")]
     missing = httpx.get(f"{server}/ui/sweeps/nope", timeout=30)
     assert missing.status_code == 404 and "no sweep" in missing.text

@@ -185,12 +185,30 @@ def test_memplan_whatif_calibrate_with_measured_traces(
     transformers.AutoConfig.for_model(
         "gpt2", n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
     ).save_pretrained(other)
-    bad = subprocess.run(
+    # another model's what-if: the Llama traces record their config, so they calibrate this CPU for a GPT-2
+    # (the factors are the device's)
+    crossed = subprocess.run(
         [sys.executable, "-m", "memplan", *args[:2], str(other), *args[3:], *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert crossed.returncode == 0, crossed.stderr
+    assert f"this-cpu calibrated on 2 measured traces of {measured[0].model.name}" in " ".join(
+        crossed.stdout.split()
+    )
+    # traces that record no config (taken before the field) only calibrate their own model
+    bare_files = []
+    for i, m in enumerate(measured):
+        bare = m.model_copy(update={"model": m.model.model_copy(update={"config": None})})
+        (tmp_path / f"bare{i}.json").write_text(bare.model_dump_json())
+        bare_files += ["--calibrate-with", str(tmp_path / f"bare{i}.json")]
+    bad = subprocess.run(
+        [sys.executable, "-m", "memplan", *args[:2], str(other), *args[3:], *bare_files],
         capture_output=True,
         text=True,
         timeout=300,
     )
     said = " ".join(bad.stderr.split())  # rich wraps the message at the terminal width
     assert bad.returncode == 2 and "--calibrate-with: measured[0]: LlamaForCausalLM" in said
-    assert "is not the model of the config" in said
+    assert "records no config and is not the model of the config" in said

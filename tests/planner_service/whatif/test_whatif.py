@@ -1,7 +1,7 @@
 """`memplan whatif`: fits or not, which limit binds, speed, the largest batch, comparisons, retargeting.
 
-The 7B questions use the Llama-2-7B config (written here, as its config.json reads); the model is never
-built in memory: its parameters are fake tensors. Timing is benchmarks/whatif.py's job, not these tests'.
+The 7B questions use the Llama-2-7B config (`planner_service.whatif.known_configs`, as its config.json
+reads); the model is never built in memory: its parameters are fake tensors. Timing is benchmarks/whatif.py's job, not these tests'.
 """
 
 from __future__ import annotations
@@ -19,28 +19,12 @@ import agent
 from client.contract import Hardware, Trace
 from planner_service.whatif.answer import answer, largest_batch
 from planner_service.whatif.catalog import CatalogError, load_catalog
+from planner_service.whatif.known_configs import LLAMA_2_7B
 from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
 from planner_service.whatif.retarget import retarget, source_entry, time_scale
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA_2_7B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-05,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float16",
-}
 N_PARAMS_7B = 6_738_415_616
 GiB = 2**30
 
