@@ -108,6 +108,8 @@ def allocate(
             state.host_params = ctx.host_empty(n, compute_dtype, pinned=True)
             state.master = ctx.host_empty(n, torch.float32, pinned=False) if mixed else state.host_params
             state.host_grad = ctx.host_empty(n, master_dtype, pinned=not mixed)
+            # the staging buffer up front: the plan counts it for every offloaded chunk (pinned, in the host arena)
+            state.stage = ctx.host_empty(n, compute_dtype, pinned=True)
             target = state.master
         else:
             state.params = ctx.device_empty(n, compute_dtype)
@@ -128,7 +130,8 @@ def allocate(
 
 
 def stage_for(state: ChunkState, ctx: DeviceContext, compute_dtype: torch.dtype) -> torch.Tensor:
-    """The chunk's pinned staging buffer for gradient copies that must be added or cast (made on first use)."""
+    """The chunk's pinned staging buffer for gradient copies that must be added or cast (`allocate` makes it for
+    offloaded chunks; made here on first use otherwise)."""
     if state.stage is None:
         state.stage = ctx.host_empty(state.numel, compute_dtype, pinned=True)
     return state.stage

@@ -10,10 +10,9 @@ import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from runtime_helpers import Trainer, batches, clone, max_rel_diff, plain_trainer, train
+from runtime_helpers import Trainer, clone, max_rel_diff, plain_trainer, train
 from torch import nn
 
-from agent.runtime import RuntimeOptions
 from agent.runtime.activations import ActivationManager, block_targets
 from agent.runtime.host_arena import HOST_ALIGN_BYTES, FirstFit, HostArena, chunk_region_bytes
 from agent.runtime.layout import ChunkLayout
@@ -63,7 +62,7 @@ def test_one_pinned_buffer_per_request_reaches_1_5x_the_plan_and_the_arena_is_th
 
 
 def _trace_and_plan(kind: str, dtype: torch.dtype, *, hidden: int = 68, vocab: int = 101):
-    """A zoo model with odd-sized parameters, its real profile and a solved plan under a tight device limit."""
+    """A zoo model with odd-sized parameters, its real profile and a solved plan (the planner's chunk layout)."""
     import agent
     from planner_service.solver import solve
 
@@ -75,8 +74,7 @@ def _trace_and_plan(kind: str, dtype: torch.dtype, *, hidden: int = 68, vocab: i
     trace = agent.profile(
         probe, {"input_ids": x, "labels": x}, optimizer=opt, repeats=1, allocation_trace=False
     )
-    limit = int(trace.measurements.peak_device_bytes * 0.5)
-    plan = solve(trace, Constraints(device_memory_bytes=limit, time_limit_s=5.0))
+    plan = solve(trace, Constraints(device_memory_bytes=2**40, time_limit_s=5.0))
     assert plan.solver.status in (SolverStatus.optimal, SolverStatus.feasible), plan.solver.message
     return base, trace, plan
 
@@ -85,7 +83,9 @@ def _trace_and_plan(kind: str, dtype: torch.dtype, *, hidden: int = 68, vocab: i
 def test_wrap_pins_one_arena_of_exactly_the_plans_pinned_bytes_with_swap_and_trains_like_pytorch() -> None:
     from planner_service.solver.cost_model import evaluate
 
-    base, trace, plan = _trace_and_plan("gpt2", torch.float32)  # tied wte / lm_head
+    base, trace, plan = _trace_and_plan(
+        "gpt2", torch.float32, hidden=66
+    )  # tied wte / lm_head, 264-byte norms
     assert plan.policy is not None
     # every chunk offloaded, the middle block swapped: the plan counts chunk buffers and swapped activations
     blocks = [
@@ -105,7 +105,8 @@ def test_wrap_pins_one_arena_of_exactly_the_plans_pinned_bytes_with_swap_and_tra
 
     from agent.wrapping import unwrap, wrap
 
-    data = batches(4)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 101, (2, 16), generator=g) for _ in range(4)]
     ref = train(plain_trainer(clone(base), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)), data)
     model = clone(base)
     w = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan)
@@ -225,7 +226,7 @@ def test_first_fit_refuses_a_double_free() -> None:
 
 # ----------------------------------------------------------------------------------------- item 10: padding
 class OddSized(nn.Module):
-    """Parameters of odd element counts in bf16 (22, 14, 6 bytes ...) between aligned ones."""
+    """Parameters of odd element counts (11 and 7: 22 and 14 bytes in bf16, 44 and 28 in fp32) between others."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -241,30 +242,33 @@ class OddSized(nn.Module):
 
 
 @pytest.mark.parametrize("offload", ["none", "all"])
-def test_every_parameter_view_is_16_byte_aligned_after_an_odd_sized_bf16_parameter(offload: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_parameter_view_is_16_byte_aligned_after_an_odd_sized_parameter(
+    offload: str, dtype: torch.dtype
+) -> None:
     from agent.wrapping import unwrap, wrap
 
     torch.manual_seed(0)
-    base = OddSized().to(torch.bfloat16)
+    base = OddSized().to(dtype)
     ref_model = clone(base)
     model = clone(base)
+    esize = torch.empty((), dtype=dtype).element_size()
     plan = manual_plan(model, chunk_size_bytes=1024, offload=offload, n_buffers=1)
     assert plan.policy is not None and len(plan.policy.chunks) == 1
-    opts = RuntimeOptions(fp32_master=False)  # bf16 steps, as plain PyTorch takes them
-    w = wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan, options=opts)
+    w = wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan)
     state = w.runtime.states[0]
     flat = state.host_params if offload == "all" else state.params
     assert flat is not None
     for p in model.parameters():
         assert p.data_ptr() % 16 == 0 and (p.data_ptr() - flat.data_ptr()) % 16 == 0
     assert (
-        state.spec.used_numel * 2
+        state.spec.used_numel * esize
         == plan.policy.chunks[0].used_bytes
-        == sum(parameter_slot_bytes(p.numel(), 2) for p in model.parameters())
+        == sum(parameter_slot_bytes(p.numel(), esize) for p in model.parameters())
     )
-    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    x = torch.randn(3, 16, dtype=dtype)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
-    for _ in range(2):  # the padding changes nothing: the same steps as plain PyTorch
+    for _ in range(2):
         ref_model(x).backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -273,28 +277,32 @@ def test_every_parameter_view_is_16_byte_aligned_after_an_odd_sized_bf16_paramet
         w.optimizer.zero_grad()
     w.synchronize()
     unwrap(w)
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    if dtype == torch.float32:  # the padding changes nothing: the same steps as plain PyTorch, bit for bit
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            assert torch.equal(p, q)
+    # (bf16 runs through an fp32 master by default: close to plain bf16 PyTorch, not equal; test_bf16_master.py)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kind", "dtype"),
+    ("kind", "dtype", "hidden"),
     [
-        ("gpt2", torch.bfloat16),
-        ("llama", torch.bfloat16),
-        ("qwen2", torch.float32),
-        ("gpt_neox", torch.bfloat16),
+        ("gpt2", torch.float32, 66),
+        ("gpt2", torch.bfloat16, 68),
+        ("llama", torch.bfloat16, 68),
+        ("qwen2", torch.bfloat16, 68),
+        ("gpt_neox", torch.bfloat16, 68),
     ],
 )
-def test_planner_chunk_bytes_equal_the_runtimes_for_zoo_models(kind: str, dtype: torch.dtype) -> None:
-    # hidden 68 and vocabulary 101: norms and biases of 136 bytes in bf16 (not a multiple of 16) between the
-    # matrices; GPT-2 ties wte and lm_head (one parameter, listed once)
-    base, trace, plan = _trace_and_plan(kind, dtype)
+def test_planner_chunk_bytes_equal_the_runtimes_for_zoo_models(
+    kind: str, dtype: torch.dtype, hidden: int
+) -> None:
+    # widths 66 (fp32: 264-byte norms and biases) and 68 (bf16: 136 bytes), vocabulary 101: parameters whose bytes
+    # are no multiple of 16 between the matrices; GPT-2 ties wte and lm_head (one parameter, listed once)
+    base, trace, plan = _trace_and_plan(kind, dtype, hidden=hidden)
     assert plan.policy is not None
-    layout = ChunkLayout.from_policy(
-        plan.policy, base, dtype
-    )  # refuses a used_bytes the runtime does not lay out
+    # from_policy refuses a chunk whose used_bytes is not what the runtime lays out
+    layout = ChunkLayout.from_policy(plan.policy, base, dtype)
     esize = torch.empty((), dtype=dtype).element_size()
     grid = layout_from_chunks(trace, plan.policy.chunk_size_bytes, [c.parameters for c in plan.policy.chunks])
     assert any(parameter_slot_bytes(p.numel(), esize) != p.numel() * esize for p in base.parameters())
