@@ -374,6 +374,7 @@ def apply_plan(
     layout does not match."""
     from agent.runtime.arena import runtime_arena_context
     from agent.runtime.device import DeviceContext
+    from agent.runtime.host_arena import host_arena_for
     from agent.runtime.layout import ChunkLayout
     from agent.runtime.manager import ModelStateManager
     from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
@@ -395,6 +396,7 @@ def apply_plan(
     check_parameters(optimizer, layout)  # every check before the model is touched
     user_state = optimizer.state_dict() if optimizer.state else None
     ctx = runtime_arena_context(device, layout) if arena else DeviceContext(device)
+    ctx.host_arena = host_arena_for(plan, layout, device, fp32_master=opts.fp32_master)  # pinned: one arena
     manager = ModelStateManager(model, layout, ctx, opts)
     wrapped_opt = ChunkedOptimizer(optimizer, layout, manager)
     manager.attach_optimizer(wrapped_opt)
@@ -426,6 +428,7 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
         wrapped.batch_guard = None
     state = wrapped.optimizer.state_dict()
     wrapped.runtime.detach()
+    wrapped.runtime.ctx.close_host_arena()  # unregister the page-locked arena (CUDA)
     model = wrapped.model
     model._memplan_wrapped = False  # type: ignore[assignment]
     for g_orig, g_new in zip(

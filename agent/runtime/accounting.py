@@ -17,7 +17,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class MemoryReport:
-    """Bytes held, by category. Optimizer state is counted once it exists (after the first step)."""
+    """Bytes held, by category. Optimizer state is counted once it exists (after the first step).
+
+    `pinned_host_bytes`: with a host arena (`host_arena.py`) its size plus any chunk buffer that went
+    around it (on CPU the same figure, though nothing is page-locked there); without one, the host buffers
+    that report `is_pinned()`."""
 
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
@@ -94,6 +98,11 @@ def measure_memory(
     def add(d: dict[str, int], key: str, n: int) -> None:
         d[key] = d.get(key, 0) + n
 
+    arena = ctx.host_arena
+    if (
+        arena is not None
+    ):  # one page-locked allocation, whatever is sliced from it now (and what went around it)
+        rep.pinned_host_bytes = arena.pinned_bytes
     seen: set[int] = set()
     for st in states:
         side = host if st.offloaded else dev
@@ -110,7 +119,7 @@ def measure_memory(
                 continue
             seen.add(t.untyped_storage().data_ptr())
             add(side, key, t.nbytes)
-            if t.is_pinned():
+            if arena is None and t.is_pinned():
                 rep.pinned_host_bytes += t.nbytes
         inner = steppers[st.index].inner if steppers else None
         if inner is not None:

@@ -40,6 +40,7 @@ from agent.runtime.swap import SwapStore
 from client.contract import ActivationMode, Policy
 
 if TYPE_CHECKING:
+    from agent.runtime.host_arena import HostArena
     from agent.runtime.manager import ModelStateManager
 
 
@@ -164,6 +165,7 @@ class ActivationManager:
         device: torch.device,
         state_storages: Callable[[], set[int]] | None = None,
         saved_scope: Callable[[], AbstractContextManager[None]] | None = None,
+        host_arena: HostArena | None = None,
     ) -> None:
         self.model = model
         # entered around a swapped or checkpointed block's forward, outside the mode's own saved-tensor
@@ -178,7 +180,8 @@ class ActivationManager:
         self._state_now: set[int] = set()
         self._in_root_forward = False
         swaps = [t for t in self.targets if t.mode == ActivationMode.swap]
-        self.store: SwapStore | None = SwapStore(device, self._is_model_state) if swaps else None
+        # swapped host copies: ranges of the runtime's host arena when it has one (its swap region)
+        self.store: SwapStore | None = SwapStore(device, self._is_model_state, host_arena) if swaps else None
         self._swap_blocks = {t.index for t in swaps}
         self._forward_order = [t.index for t in self.targets]
         self._order_prev: list[int] = []  # backward start order of the previous iteration
@@ -369,5 +372,10 @@ def apply_activation_policy(
     if runtime is None:
         return ActivationManager(model, targets, device)
     return ActivationManager(
-        model, targets, device, runtime_state_storages(runtime, model), runtime.saved_scope
+        model,
+        targets,
+        device,
+        runtime_state_storages(runtime, model),
+        runtime.saved_scope,
+        host_arena=runtime.ctx.host_arena,
     )

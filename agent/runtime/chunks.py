@@ -5,7 +5,8 @@ parameters' `.grad` are views into it) and, in mixed precision, an fp32 master. 
 host memory: compute copy (the upload source; parameters point here while the chunk is not resident),
 fp32 master (the same tensor as the compute copy in fp32 training), fp32 gradient, and a staging buffer
 for gradient copies that must be added rather than written. Optimizer state is held by the chunk's
-optimizer (see `optimizer.py`) on the same side as the master.
+optimizer (see `optimizer.py`) on the same side as the master. The host buffers asked for `pinned` are
+slices of the runtime's one host arena when it has one (`host_arena.py`, via `DeviceContext.host_empty`).
 """
 
 from __future__ import annotations
@@ -107,12 +108,16 @@ def allocate(
             state.host_params = ctx.host_empty(n, compute_dtype, pinned=True)
             state.master = ctx.host_empty(n, torch.float32, pinned=False) if mixed else state.host_params
             state.host_grad = ctx.host_empty(n, master_dtype, pinned=not mixed)
+            # the staging buffer up front: the plan counts it for every offloaded chunk (pinned, in the host arena)
+            state.stage = ctx.host_empty(n, compute_dtype, pinned=True)
             target = state.master
         else:
             state.params = ctx.device_empty(n, compute_dtype)
             state.grad = ctx.device_empty(n, compute_dtype).zero_()
             state.master = ctx.device_empty(n, torch.float32) if mixed else state.params
             target = state.master
+        if n != sum(e.numel for e in spec.entries):
+            target.zero_()  # alignment padding between parameters: zeros, never stepped into NaN by garbage
         for e, v in zip(spec.entries, views(target, spec.entries), strict=True):
             v.copy_(e.param.detach().reshape(e.shape))  # fp32 master from the original values
         if mixed:
@@ -125,7 +130,8 @@ def allocate(
 
 
 def stage_for(state: ChunkState, ctx: DeviceContext, compute_dtype: torch.dtype) -> torch.Tensor:
-    """The chunk's pinned staging buffer for gradient copies that must be added or cast (made on first use)."""
+    """The chunk's pinned staging buffer for gradient copies that must be added or cast (`allocate` makes it for
+    offloaded chunks; made here on first use otherwise)."""
     if state.stage is None:
         state.stage = ctx.host_empty(state.numel, compute_dtype, pinned=True)
     return state.stage

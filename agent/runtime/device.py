@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
+
+if TYPE_CHECKING:
+    from agent.runtime.host_arena import HostArena
 
 Event: TypeAlias = "torch.cuda.Event | None"
 
@@ -30,14 +33,28 @@ class DeviceContext:
         else:
             self.upload_stream = None
             self.offload_stream = None
+        # every pinned host buffer is sliced from this one allocation when set (`agent.wrap` sets it: see
+        # `host_arena.py`); None: each pinned buffer is its own allocation from PyTorch's caching host allocator
+        self.host_arena: HostArena | None = None
 
     # ----------------------------------------------------------------------------------- allocation
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def host_empty(self, numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
-        """Host memory; page-locked on CUDA when `pinned` (so copies can be asynchronous)."""
+        """Host memory; page-locked on CUDA when `pinned` (so copies can be asynchronous). A pinned buffer
+        comes from the host arena when there is one (a buffer that does not fit it is allocated here and
+        counted in the arena's stats)."""
+        if pinned and self.host_arena is not None and numel > 0:
+            t = self.host_arena.take(numel, dtype)
+            if t is not None:
+                return t
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pinned and self.is_cuda)
+
+    def close_host_arena(self) -> None:
+        """Unregister the host arena's page-locked memory (the runtime is being detached)."""
+        if self.host_arena is not None:
+            self.host_arena.close()
 
     # --------------------------------------------------------------------------------- stream order
     def compute_stream(self) -> torch.cuda.Stream | None:

@@ -1,8 +1,9 @@
 """Chunk layout: which parameter lives in which chunk at which offset, checked against the model.
 
 The plan names parameters as `model.named_parameters()` does (a tied parameter may be named by any of
-its aliases) and packs them contiguously, in the listed order, into chunks of `chunk_size_bytes`.
-Bytes are counted in the training (compute) dtype. A plan that does not match the model is refused
+its aliases) and packs them, in the listed order, into chunks of `chunk_size_bytes`, each parameter at a
+16-byte aligned offset (`client.contract.parameter_slot_bytes`, the function the planner counts chunk
+bytes with). Bytes are counted in the training (compute) dtype. A plan that does not match the model is refused
 with an error naming the chunk and the parameter.
 """
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from agent.runtime.device import element_size
-from client.contract import Placement, Policy
+from client.contract import Placement, Policy, parameter_slot_bytes
 
 
 class PlanMismatchError(ValueError):
@@ -42,9 +43,14 @@ class ChunkSpec:
     index: int
     placement: Placement
     entries: list[ParamEntry] = field(default_factory=list)
+    # elements the chunk's buffers hold, alignment padding included (set by `ChunkLayout.from_policy`);
+    # None: the entries are packed back to back (layouts the profiler's probes build) and end at the last one
+    padded_numel: int | None = None
 
     @property
     def used_numel(self) -> int:
+        if self.padded_numel is not None:
+            return self.padded_numel
         return self.entries[-1].end if self.entries else 0
 
     @property
@@ -105,9 +111,10 @@ class ChunkLayout:
                     raise PlanMismatchError(
                         f"{where}: {name!r} has dtype {param.dtype}; chunks hold floats only"
                     )
-                if offset + param.numel() > chunk_numel:
+                slot = parameter_slot_bytes(param.numel(), esize) // esize
+                if offset + slot > chunk_numel:
                     raise PlanMismatchError(
-                        f"{where}: {name!r} ({param.numel() * esize} bytes) overflows the chunk: "
+                        f"{where}: {name!r} ({slot * esize} bytes with alignment) overflows the chunk: "
                         f"{offset * esize} bytes already used of chunk_size_bytes {policy.chunk_size_bytes}"
                     )
                 entry = ParamEntry(
@@ -120,11 +127,13 @@ class ChunkLayout:
                 )
                 spec.entries.append(entry)
                 by_param[id(param)] = entry
-                offset += param.numel()
+                offset += slot
+            spec.padded_numel = offset
             if offset * esize != chunk.used_bytes:
                 raise PlanMismatchError(
                     f"policy.chunks[{ci}].used_bytes: is {chunk.used_bytes}, but its parameters take "
-                    f"{offset * esize} bytes in {compute_dtype} (was the plan solved for another precision?)"
+                    f"{offset * esize} bytes in {compute_dtype} with 16-byte alignment (was the plan solved for another "
+                    "precision, or by a planner without parameter alignment?)"
                 )
             chunks.append(spec)
         missing = [n for n, p in model.named_parameters() if id(p) not in placed]

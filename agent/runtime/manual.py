@@ -22,6 +22,7 @@ from client.contract import (
     Policy,
     SolverReport,
     SolverStatus,
+    parameter_slot_bytes,
 )
 
 PlacementRule = Callable[[int, int], Placement]  # (chunk index, chunk count) -> placement
@@ -35,7 +36,9 @@ def manual_policy(
     n_buffers: int = 2,
     compute_dtype: torch.dtype | None = None,
 ) -> Policy:
-    """Greedy packing of parameters into chunks; `offload` is "none", "all", chunk indices, or a rule."""
+    """Greedy packing of parameters into chunks; `offload` is "none", "all", chunk indices, or a rule.
+
+    Each parameter takes its aligned slot (`client.contract.parameter_slot_bytes`), as in the runtime."""
     params = list(model.named_parameters())
     if not params:
         raise ValueError("model: has no parameters to chunk")
@@ -44,7 +47,7 @@ def manual_policy(
     groups: list[list[tuple[str, int]]] = [[]]
     used = 0
     for name, p in params:
-        nbytes = p.numel() * esize
+        nbytes = parameter_slot_bytes(p.numel(), esize)  # 16-byte aligned, as the runtime lays it out
         if nbytes > chunk_size_bytes:
             raise ValueError(
                 f"chunk_size_bytes: {chunk_size_bytes} is smaller than parameter {name!r} ({nbytes} bytes)"

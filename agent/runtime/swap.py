@@ -22,6 +22,13 @@ How it works (one `SwapStore` per wrapped model, shared by every block in `swap`
 - release: each entry counts its packed views; when all were unpacked the entry drops its device copy
   (autograd still holds the unpacked tensors while it needs them) and its host buffer (on CPU the buffer
   is kept for the next copy-out of the same size: fresh host memory costs page faults on every copy).
+- host buffers: with the runtime's host arena (`host_arena.py`, what `agent.wrap` gives) each host copy is a
+  range of the arena's swap region (first fit), so the pinned memory is the plan's swapped bytes, not
+  PyTorch's power-of-two blocks. A freed range is handed out again at once: before freeing it the compute
+  stream waits for the copies that used it (copy-out, copy-in), and every later copy into the range waits
+  for a compute-stream point after that. A copy that does not fit the region (more swapped bytes than the
+  plan counted, or fragmentation) takes a buffer of its own from PyTorch, counted in
+  `SwapCounters.arena_fallbacks` / `arena_fallback_bytes`.
 
 On CPU there are no streams: copies are synchronous and events are `None` (the same code path, as in
 `device.py`). The CUDA branches (streams, events, pinned memory, record_stream) are written for, but
@@ -41,6 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from agent.runtime.device import Event
 from agent.runtime.eager import eager
+from agent.runtime.host_arena import HostArena
 from agent.runtime.timing import SWAP_IN, SWAP_OUT, SWAP_PREFETCH, RuntimeTiming, section
 
 ModelStateTest = Callable[[torch.Tensor], bool]
@@ -58,6 +66,8 @@ class SwapCounters:
     demand_fetches: int = 0  # blocks fetched at their first unpack (not even at their backward's start)
     host_bytes_live: int = 0
     host_bytes_peak: int = 0
+    arena_fallbacks: int = 0  # host copies that did not fit the host arena's swap region (own allocation)
+    arena_fallback_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -78,6 +88,9 @@ class SwapEntry:
     # (pluggable) allocator, so only a live reference keeps the storage from being handed out while the copy
     # still reads it (issue 19, defect 5)
     source: torch.Tensor | None = None
+    host_offset: int | None = (
+        None  # the host copy's range in the host arena's swap region (None: its own buffer)
+    )
 
 
 @dataclass(frozen=True)
@@ -115,8 +128,11 @@ def _uint8_view(t: torch.Tensor) -> torch.Tensor:
 class SwapStore:
     """Swaps the saved tensors of blocks in `swap` mode (see the module docstring)."""
 
-    def __init__(self, device: torch.device, is_model_state: ModelStateTest) -> None:
+    def __init__(
+        self, device: torch.device, is_model_state: ModelStateTest, host_arena: HostArena | None = None
+    ) -> None:
         self.device = device
+        self.host_arena = host_arena
         self.is_cuda = device.type == "cuda"
         self.is_model_state = is_model_state
         self.counters = SwapCounters()
@@ -204,9 +220,8 @@ class SwapStore:
         self._settle_sources()
         src = _uint8_view(t)
         nbytes = src.numel()
-        free = self._host_free.get(nbytes)
-        host = free.pop() if free else _host_bytes(nbytes, pinned=self.is_cuda)
-        entry = SwapEntry(block=block, nbytes=nbytes, device=t.device, host=host)
+        host, offset = self._take_host(nbytes)
+        entry = SwapEntry(block=block, nbytes=nbytes, device=t.device, host=host, host_offset=offset)
         if self.out_stream is not None:
             produced = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.out_stream):
@@ -347,12 +362,39 @@ class SwapStore:
             entry.source = None
             self._copying = [e for e in self._copying if e is not entry]
 
+    def _take_host(self, nbytes: int) -> tuple[torch.Tensor, int | None]:
+        """A host buffer for a copy-out: a range of the host arena's swap region, else one of its own."""
+        if self.host_arena is not None:
+            got = self.host_arena.swap_take(nbytes)
+            if got is not None:
+                return got[1], got[0]
+            self.counters.arena_fallbacks += 1
+            self.counters.arena_fallback_bytes += nbytes
+        free = self._host_free.get(nbytes)
+        return (free.pop() if free else _host_bytes(nbytes, pinned=self.is_cuda)), None
+
     def _free_host(self, entry: SwapEntry) -> None:
-        """The entry's host buffer is no longer needed. On CUDA the caching host allocator keeps pinned memory
-        until its copies end; on CPU the buffer is kept for the next iteration's copy of the same size
-        (copies are synchronous there): fresh host memory would be faulted in page by page every iteration."""
+        """The entry's host buffer is no longer needed.
+
+        An arena range goes back to the swap region's free list at once, so the compute stream first waits
+        for the copies that used it: whoever gets the range next copies into it on a stream that waits for a
+        compute-stream point after this one (copy-out) or copies on the compute stream (refetch). Otherwise, on
+        CUDA, the caching host allocator keeps pinned memory until its copies end; on CPU the buffer is kept for
+        the next iteration's copy of the same size (copies are synchronous there): fresh host memory would be
+        faulted in page by page every iteration."""
         host, entry.host = entry.host, None
-        if host is not None and not self.is_cuda:
+        if host is None:
+            return
+        if entry.host_offset is not None:
+            assert self.host_arena is not None
+            if self.is_cuda:
+                compute = torch.cuda.current_stream(self.device)
+                for done in (entry.out_done, entry.in_done):
+                    if done is not None:
+                        compute.wait_event(done)
+            self.host_arena.swap_free(entry.host_offset)
+            entry.host_offset = None
+        elif not self.is_cuda:
             self._host_free.setdefault(entry.nbytes, []).append(host)
 
     def end_iteration(self) -> None:

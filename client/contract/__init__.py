@@ -14,6 +14,11 @@ from client.contract.api import (
     TraceRecord,
     TraceSummary,
 )
+from client.contract.chunk_bytes import (
+    PARAMETER_ALIGN_BYTES,
+    offloaded_chunk_pinned_bytes,
+    parameter_slot_bytes,
+)
 from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, ContractModel
 from client.contract.feedback import Feedback
 from client.contract.hardware import CatalogEntry, DenseThroughput, HardwareCatalog, HostLink, LinkKind

@@ -137,6 +137,12 @@ class Predictions(ContractModel):
     host_optimizer_s: Seconds
     peak_device_bytes: Bytes
     peak_host_bytes: Bytes
+    pinned_host_bytes: Bytes | None = Field(
+        default=None,
+        description="the page-locked part of peak_host_bytes: offloaded chunks' pinned buffers "
+        "(`offloaded_chunk_pinned_bytes`) + swapped activations; the runtime's pinned host arena is this size "
+        "(absent from planners before it was counted)",
+    )
     breakdown: dict[Name, Float] = Field(default_factory=dict, description="named terms of the cost model")
     device_memory_timeline: list[TimelinePoint] = Field(
         default_factory=list,

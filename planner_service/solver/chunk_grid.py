@@ -7,6 +7,8 @@ A layout is the part of the policy that fixes *which* parameters share a chunk; 
 persistent or offloaded is decided later by a solver. Rules:
 
 - Parameters keep the trace's order exactly (`trace.model.parameters`), so chunks are contiguous runs.
+- A parameter takes its 16-byte aligned slot (`slot_bytes`, the contract's `parameter_slot_bytes`): chunk
+  bytes here equal the runtime's chunk buffers byte for byte.
 - A block's parameters never straddle two chunks. The chunk-size grid never offers a size below the
   largest block, so the "a single block exceeds the chunk size" case cannot arise: the smallest
   candidate is "one block per chunk" (the largest block's bytes, rounded up to `CHUNK_ALIGN_BYTES`).
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.contract import Trace
+from client.contract import ParameterInfo, Trace, parameter_slot_bytes
 
 MiB = 2**20
 CHUNK_ALIGN_BYTES = 1 * MiB
@@ -50,6 +52,12 @@ class ChunkGrid:
         return self.chunk_blocks
 
 
+def slot_bytes(p: ParameterInfo) -> int:
+    """Bytes parameter `p` takes in a chunk: its bytes rounded up to the runtime's 16-byte alignment (the
+    contract's `parameter_slot_bytes`, which the runtime lays chunks out with)."""
+    return parameter_slot_bytes(p.numel, p.bytes // p.numel) if p.numel else 0
+
+
 def block_runs(trace: Trace) -> list[tuple[int, int, int]]:
     """(block, first parameter index, stop index) for each block that owns parameters, in order.
 
@@ -79,7 +87,7 @@ def pack(trace: Trace, chunk_size_bytes: int) -> ChunkGrid:
     """Greedy packing in execution order: a new chunk starts when the next block would overflow the current one."""
     runs = block_runs(trace)
     params = trace.model.parameters
-    sizes = {b: sum(p.bytes for p in params[s:e]) for b, s, e in runs}
+    sizes = {b: sum(slot_bytes(p) for p in params[s:e]) for b, s, e in runs}
     biggest = max(sizes.values(), default=0)
     if biggest > chunk_size_bytes:
         raise ValueError(
@@ -124,7 +132,7 @@ def candidate_layouts(trace: Trace, max_candidates: int | None = None) -> list[C
         return [pack(trace, CHUNK_ALIGN_BYTES)]
     per_block: dict[int, int] = {}
     for p in params:
-        per_block[p.block] = per_block.get(p.block, 0) + p.bytes
+        per_block[p.block] = per_block.get(p.block, 0) + slot_bytes(p)
     one_block = _align(max(per_block.values()))
     sizes = sorted({one_block, *(s for s in CHUNK_SIZE_GRID if s >= one_block)})
     seen: set[tuple[tuple[int, ...], ...]] = set()
@@ -164,7 +172,7 @@ def layout_from_chunks(trace: Trace, chunk_size_bytes: int, chunk_parameters: li
         blocks = tuple(sorted({params[i].block for i in range(pos, stop)}))
         ranges.append((pos, stop))
         chunks.append(blocks)
-        used.append(sum(params[i].bytes for i in range(pos, stop)))
+        used.append(sum(slot_bytes(params[i]) for i in range(pos, stop)))
         if used[-1] > chunk_size_bytes:
             raise ValueError(f"policy.chunks[{c}]: holds {used[-1]} bytes, more than chunk_size_bytes")
         pos = stop

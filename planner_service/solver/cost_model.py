@@ -59,8 +59,10 @@ Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
 Host memory: offloaded chunks' model states + the runtime's host extras (fp32 host gradient when an fp32
 master is stepped, the `.grad` exposed after backward, mixed-precision staging, the undo backup of
 speculative steps: master + optimizer state) + swapped activations; must fit the host limit. The pinned
-part (model states and swapped activations, as before the extras, which are ordinary host memory) must fit
-the pinned limit when one is known.
+part (per offloaded chunk `client.contract.offloaded_chunk_pinned_bytes`: upload source, gradient staging,
+the host gradient without a separate fp32 master; plus the swapped activations) must fit the pinned limit
+when one is known. It is `Predictions.pinned_host_bytes`: the runtime's one pinned host arena is exactly
+that size (issue 19, defect 8).
 
 Why one module over 400 lines: the time and memory terms of a policy are one formula, term by term the one
 `cpsat_model.py` encodes; split, the terms that must change together would sit apart.
@@ -101,6 +103,9 @@ class Cost:
     static_device_bytes: int
     activation_peak_bytes: int
     host_bytes: int
+    pinned_bytes: (
+        int  # the pinned part of host_bytes (offloaded chunks' pinned buffers + swapped activations)
+    )
     fits_device: bool
     fits_host: bool
 
@@ -243,7 +248,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     act_peak = activation_peak(inst, d.modes)
     peak = static + act_peak
     swapped = sum(inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
-    pinned = sum(inst.state_bytes(c) for c in range(C) if o[c]) + swapped
+    pinned = sum(inst.pinned_bytes(c) for c in range(C) if o[c]) + swapped
     host = sum(inst.host_bytes(c) for c in range(C) if o[c]) + swapped
     fits_host = host <= inst.host_limit_bytes and (
         inst.pinned_limit_bytes is None or pinned <= inst.pinned_limit_bytes
@@ -263,6 +268,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         static_device_bytes=static,
         activation_peak_bytes=act_peak,
         host_bytes=host,
+        pinned_bytes=pinned,
         fits_device=peak <= inst.usable_device_bytes,
         fits_host=fits_host,
     )
@@ -279,6 +285,7 @@ def predictions_of(inst: PolicyInstance, decision: Decision, cost: Cost) -> Pred
         host_optimizer_s=s(cost.host_optim_ns),
         peak_device_bytes=cost.peak_device_bytes,
         peak_host_bytes=cost.host_bytes,
+        pinned_host_bytes=cost.pinned_bytes,
         breakdown={
             "forward_compute_s": s(cost.forward_compute_ns),
             "forward_exposed_copy_s": s(cost.forward_ns - cost.forward_compute_ns),

@@ -328,13 +328,13 @@ def _add_device_memory(pm: PolicyModel, limit_bytes: int | None) -> None:
 
 def _add_host_memory(pm: PolicyModel) -> None:
     """Offloaded chunks' states and host extras + swapped activations fit the host limit; the pinned part
-    (states + swapped activations) fits the pinned limit (bytes; see cost_model)."""
+    (offloaded chunks' pinned buffers + swapped activations) fits the pinned limit (bytes; see cost_model)."""
     inst = pm.inst
     swapped = sum(inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks))
     host = sum(inst.host_bytes(c) * v for c, v in enumerate(pm.off)) + swapped
     pm.model.add(host <= inst.host_limit_bytes)
     if inst.pinned_limit_bytes is not None:
-        pinned = sum(inst.state_bytes(c) * v for c, v in enumerate(pm.off)) + swapped
+        pinned = sum(inst.pinned_bytes(c) * v for c, v in enumerate(pm.off)) + swapped
         pm.model.add(pinned <= inst.pinned_limit_bytes)
 
 

@@ -11,8 +11,10 @@ Model-state accounting (what the runtime must match; see docs/architecture/solve
   bytes (the runtime allocates each chunk's compute copy, gradient, master and optimizer state at its used
   size; `chunk_state_bytes_of`). Policy-1.1 and earlier counted the full chunk size S here, which
   over-predicted the peak by the padding of every persistent chunk.
-- offloaded chunk: the same bytes on pinned host memory (compute-dtype copy to upload from, fp32 master if
-  mixed precision, optimizer state, gradient landing area); on device only the shared buffers.
+- offloaded chunk: the same bytes on host memory (compute-dtype copy to upload from, fp32 master if
+  mixed precision, optimizer state, gradient landing area); on device only the shared buffers. Of these,
+  the pinned (page-locked) part is `client.contract.offloaded_chunk_pinned_bytes` (`pinned_bytes_of`),
+  the runtime's host arena counts with the same function (issue 19, defect 8).
 - one device buffer: S + (S/elt) * grad bytes (the uploaded compute copy and its gradient before copy-back).
 """
 
@@ -21,7 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
-from client.contract import BlockKind, Constraints, DeviceType, Precision, Trace, Workload
+from client.contract import (
+    BlockKind,
+    Constraints,
+    DeviceType,
+    Precision,
+    Trace,
+    Workload,
+    offloaded_chunk_pinned_bytes,
+)
 from planner_service.solver.bandwidth import transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid
 
@@ -141,10 +151,18 @@ class PolicyInstance:
     host_extra_bytes_of: tuple[int, ...] = field(default=())
     # speculative host steps are redone at optimizer.step() (the job clips): the host work again, after backward
     redo_host_steps: bool = False
+    # per chunk: pinned host bytes when offloaded (`client.contract.offloaded_chunk_pinned_bytes`: the upload
+    # source, the gradient staging buffer, and the host gradient when no separate fp32 master exists);
+    # empty: `state_bytes`
+    pinned_bytes_of: tuple[int, ...] = field(default=())
 
     def state_bytes(self, c: int) -> int:
         """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
         return self.chunk_state_bytes_of[c] if self.chunk_state_bytes_of else self.chunk_state_bytes
+
+    def pinned_bytes(self, c: int) -> int:
+        """Pinned host bytes of chunk c when offloaded (the runtime's host arena holds exactly these)."""
+        return self.pinned_bytes_of[c] if self.pinned_bytes_of else self.state_bytes(c)
 
     def host_bytes(self, c: int) -> int:
         """Host bytes of chunk c when offloaded: its model state plus the runtime's host-side extras."""
@@ -171,11 +189,14 @@ def host_extra_bytes_per_element(w: Workload) -> int:
     """Host bytes per element of an offloaded chunk beyond gradient + optimizer state + master (see
     `agent/runtime/chunks.py`): the host gradient is fp32 whenever an fp32 master is stepped (wider than the
     compute gradient the trace counts), the `.grad` exposed after backward (compute dtype), the staging
-    buffer of mixed-precision gradient copies (compute dtype), and the undo backup of speculative steps."""
+    buffer of gradient copies that are cast or added (compute dtype: mixed precision, and gradient
+    accumulation or a second copy in one backward without an fp32 master, so every offloaded chunk counts
+    one; it is pinned, see `client.contract.offloaded_chunk_pinned_bytes`), and the undo backup of
+    speculative steps."""
     elt = element_bytes(w.precision)
     fp32_master = w.precision == Precision.fp32 or w.master_bytes_per_param > 0
     host_grad = 4 if fp32_master else elt
-    staging = elt if w.master_bytes_per_param > 0 else 0
+    staging = elt
     return max(0, host_grad - w.gradient_bytes_per_param) + elt + staging + w.undo_backup_bytes_per_param
 
 
@@ -241,6 +262,10 @@ def build_instance(
         chunk_state_bytes=S + (S // elt) * state_per_elt,
         chunk_state_bytes_of=tuple(u + (u // elt) * state_per_elt for u in layout.used_bytes),
         host_extra_bytes_of=tuple((u // elt) * host_extra_per_elt for u in layout.used_bytes),
+        pinned_bytes_of=tuple(
+            offloaded_chunk_pinned_bytes(u, separate_master=w.master_bytes_per_param > 0)
+            for u in layout.used_bytes
+        ),
         redo_host_steps=w.clips_gradients and w.undo_backup_bytes_per_param > 0,
         buffer_bytes=S + (S // elt) * w.gradient_bytes_per_param,
         device_limit_bytes=constraints.device_memory_bytes,

@@ -101,9 +101,11 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
     pinned_cap = inst.host_limit_bytes if inst.pinned_limit_bytes is None else inst.pinned_limit_bytes
     state_prefix = [0]
     host_prefix = [0]  # host bytes of chunks 0..c-1 if offloaded: states + the runtime's host extras
+    pinned_prefix = [0]  # pinned host bytes of chunks 0..c-1 if offloaded
     for c in range(C):
         state_prefix.append(state_prefix[-1] + inst.state_bytes(c))
         host_prefix.append(host_prefix[-1] + inst.host_bytes(c))
+        pinned_prefix.append(pinned_prefix[-1] + inst.pinned_bytes(c))
     for n_persist in range(C, -1, -1):
         n_off = C - n_persist
         persist_bytes = state_prefix[n_persist]  # chunks 0..n_persist-1 stay, the rest are offloaded
@@ -120,7 +122,7 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
                 continue
         for nb in range(1, n_off + 1) if n_off else (0,):
             static = persist_bytes + nb * inst.buffer_bytes
-            pinned_chunks = state_prefix[C] - persist_bytes
+            pinned_chunks = pinned_prefix[C] - pinned_prefix[n_persist]
             host_chunks = host_prefix[C] - host_prefix[n_persist]
             if prune_memory and static > inst.usable_device_bytes:
                 break  # more buffers only add memory

@@ -141,9 +141,12 @@ def test_bandwidth_bound_offload_is_paced_by_uploads_and_gradient_copies():
     assert round(p.iteration_s * 1e9) == fwd + host_end
     # device: two buffers of 8 MiB params + 8 MiB grads (buffers are full chunk size); host: each chunk's
     # state at its used bytes, 4x (param, grad, two Adam moments), plus the `.grad` the runtime exposes after
-    # backward (1x, fp32): 5 * (4 + 8 + 8 + 8 + 4) MiB; no undo backup (the workload declares none)
+    # backward (1x, fp32) and the staging buffer of added gradient copies (1x): 6 * (4 + 8 + 8 + 8 + 4) MiB; no
+    # undo backup (the workload declares none)
     assert p.breakdown["static_device_bytes"] == 2 * 16 * MiB
-    assert p.peak_host_bytes == 5 * 32 * MiB
+    assert p.peak_host_bytes == 6 * 32 * MiB
+    # pinned (the runtime's host arena): upload source, host gradient and staging, 3x (fp32: no separate master)
+    assert p.pinned_host_bytes == 3 * 32 * MiB
     assert p.breakdown["host_optimizer_redo_s"] == 0.0
 
 

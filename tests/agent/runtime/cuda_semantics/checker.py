@@ -38,7 +38,10 @@ nothing, as in PyTorch.
 Limits (say so when reading a clean result): host threads are one agent (the host worker is made
 inline), so races between host threads are not checked; storages are tracked by address ranges of
 the CPU tensors that stand in for device memory; the caching host allocator's own event tracking of
-pinned blocks is assumed correct (frees of host memory are not checked).
+pinned blocks is assumed correct (frees of host memory are not checked). The runtime's host arena
+(`agent/runtime/host_arena.py`) is known to the checker: chunk buffers are its views (marked pinned
+host memory), and its swap region is one host storage whose ranges the swap store hands out again, so a
+copy into a reused range that is not ordered after the copies that used it before is a violation.
 """
 
 from __future__ import annotations
@@ -514,7 +517,14 @@ def _plug_runtime(stack: contextlib.ExitStack, sim: SimulatedCuda) -> None:
             sim.clocks.names[self.offload_stream.agent] = "offload stream"  # type: ignore[union-attr]
 
         def host_empty(self, numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
-            t = torch.empty(numel, dtype=dtype, device="cpu")
+            # pinned buffers are the host arena's views when wrap gave one (as on CUDA), else buffers of their own
+            t = (
+                self.host_arena.take(numel, dtype)
+                if pinned and self.host_arena is not None and numel
+                else None
+            )
+            if t is None:
+                t = torch.empty(numel, dtype=dtype, device="cpu")
             return sim.mark_host(t, pinned=pinned)
 
     def runtime_arena_context(device: torch.device, layout: Any) -> DeviceContext:
@@ -544,8 +554,11 @@ def _plug_runtime(stack: contextlib.ExitStack, sim: SimulatedCuda) -> None:
 
     original_init: Callable[..., None] = swap_mod.SwapStore.__init__
 
-    def swap_init(self: Any, device: torch.device, is_model_state: Any) -> None:
-        original_init(self, device, is_model_state)
+    def swap_init(self: Any, device: torch.device, is_model_state: Any, host_arena: Any = None) -> None:
+        original_init(self, device, is_model_state, host_arena)
+        if host_arena is not None and host_arena.swap_region.numel():
+            # the swap region is one storage: reuse of its ranges is checked like any other access
+            sim.mark_host(host_arena.swap_region, pinned=True)
         self.is_cuda = True
         self.out_stream = sim.Stream(device)
         self.in_stream = sim.Stream(device)

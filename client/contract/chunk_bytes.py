@@ -1,0 +1,41 @@
+"""Chunk bytes: how many bytes a parameter takes in a chunk, and how many of an offloaded chunk's bytes are pinned.
+
+The planner (`planner_service/solver/chunk_grid.py`, `instance.py`) and the runtime
+(`agent/runtime/layout.py`, `manual.py`, `host_arena.py`) both count with these functions, so a plan's chunk
+bytes and pinned bytes equal the runtime's byte for byte (issue 19, defect 8 and item 10).
+
+Parameter slots. Every parameter starts at a multiple of `PARAMETER_ALIGN_BYTES` (16) from the start of its
+chunk: its slot is its bytes rounded up to 16. Packed back to back, one odd-sized bf16 parameter (e.g. a
+bias of 11 elements, 22 bytes) would leave every later parameter of the chunk at an address that is not
+16-byte aligned, and vectorised kernels (the fused optimizers, 128-bit loads) either fall back to slow paths
+or fault on unaligned data. Chunk buffers themselves are allocated at least 16-byte aligned, so every
+parameter view is.
+
+Pinned bytes of an offloaded chunk of U used bytes (what `agent/runtime/chunks.py` keeps page-locked so its
+copies can be asynchronous): the compute-dtype copy uploads come from (U), the staging buffer gradient
+copies land in when they must be added or cast (U), and, without a separate fp32 master, the host gradient
+itself (U: gradient copies write it directly). With a separate fp32 master the host gradient is fp32 and
+ordinary memory (the host optimizer reads it; no copy engine writes it). The master and the optimizer
+state are ordinary host memory too.
+"""
+
+from __future__ import annotations
+
+PARAMETER_ALIGN_BYTES = 16
+
+
+def parameter_slot_bytes(numel: int, dtype_bytes: int) -> int:
+    """Bytes a parameter of `numel` elements of `dtype_bytes` each takes in a chunk, padding included."""
+    if numel < 0 or dtype_bytes <= 0:
+        raise ValueError(
+            f"parameter_slot_bytes: numel {numel} and dtype_bytes {dtype_bytes} must be >= 0 and > 0"
+        )
+    return -(-numel * dtype_bytes // PARAMETER_ALIGN_BYTES) * PARAMETER_ALIGN_BYTES
+
+
+def offloaded_chunk_pinned_bytes(used_bytes: int, *, separate_master: bool) -> int:
+    """Pinned host bytes of one offloaded chunk of `used_bytes` (slots included) in the compute dtype.
+
+    `separate_master`: an fp32 master distinct from the compute copy is stepped (mixed precision).
+    """
+    return used_bytes * (2 if separate_master else 3)
