@@ -95,16 +95,20 @@ class DeviceClock:
     def seconds(self, start: Mark, end: Mark) -> float:
         """Seconds from `start` to `end`: wall time on CPU; on CUDA the longest per-stream span of events,
         readable only once the clock synchronised after `end` was marked."""
+        return max(self.spans(start, end))
+
+    def spans(self, start: Mark, end: Mark) -> tuple[float, ...]:
+        """Seconds from `start` to `end` on each of the clock's streams (CUDA), or the wall time (CPU, one)."""
         if not self.cuda:
-            return end.host_s - start.host_s
+            return (end.host_s - start.host_s,)
         if end.epoch >= self._syncs:
             raise RuntimeError(
                 "DeviceClock.seconds: events read before the device was synchronised after the window's end "
                 "mark (call synchronize() at the end of the measured window)"
             )
-        if len(start.events) != len(end.events):
+        if len(start.events) != len(end.events) or not start.events:
             raise ValueError("DeviceClock.seconds: marks of different clocks")
-        return max(s.elapsed_time(e) for s, e in zip(start.events, end.events, strict=True)) / 1e3
+        return tuple(s.elapsed_time(e) / 1e3 for s, e in zip(start.events, end.events, strict=True))
 
     def now(self) -> float:
         """Synchronised wall time: the moment all work queued so far has finished (hook marks)."""

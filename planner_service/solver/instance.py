@@ -141,6 +141,13 @@ class PolicyInstance:
     host_extra_bytes_of: tuple[int, ...] = field(default=())
     # speculative host steps are redone at optimizer.step() (the job clips): the host work again, after backward
     redo_host_steps: bool = False
+    # the same copies while the other direction copies too, over the trace's concurrent (duplex) curves: a
+    # window with both H2D and D2H copies charges these instead (full duplex with overlap only); empty: not
+    # measured (older traces), every copy takes its one-direction time whatever runs beside it
+    swap_out_duplex_ns: tuple[int, ...] = field(default=())
+    swap_in_duplex_ns: tuple[int, ...] = field(default=())
+    upload_duplex_ns: tuple[int, ...] = field(default=())
+    grad_offload_duplex_ns: tuple[int, ...] = field(default=())
 
     def state_bytes(self, c: int) -> int:
         """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
@@ -154,6 +161,11 @@ class PolicyInstance:
     def copy_overlap(self) -> bool:
         """Copies and the host optimizer overlap compute (resolved by `build_instance`; None reads as True)."""
         return self.params.copy_overlap is not False
+
+    @property
+    def duplex(self) -> bool:
+        """Windows whose copies run both ways at once charge the concurrent (duplex) copy times."""
+        return bool(self.upload_duplex_ns) and self.params.full_duplex and self.copy_overlap
 
     @property
     def n_blocks(self) -> int:
@@ -221,6 +233,15 @@ def build_instance(
 
         grad_offload = [g + o for g, o in zip(grad_offload, spread("offload_overhead_s"), strict=True)]
         upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]
+    duplex: dict[str, tuple[int, ...]] = {}
+    if bw.has_duplex and not serial and params.full_duplex:  # copies overlap: both ways at once is possible
+        up, down = bw.duplex_h2d_pinned, bw.duplex_d2h_pinned
+        duplex = {
+            "swap_out_duplex_ns": tuple(transfer_ns(down, x.activation_bytes) for x in meas),
+            "swap_in_duplex_ns": tuple(transfer_ns(up, x.activation_bytes) for x in meas),
+            "upload_duplex_ns": tuple(transfer_ns(up, u) for u in layout.used_bytes),
+            "grad_offload_duplex_ns": tuple(transfer_ns(down, g) for g in grad_bytes),
+        }
     return PolicyInstance(
         layout=layout,
         params=params,
@@ -248,6 +269,7 @@ def build_instance(
         host_limit_bytes=host_limit,
         pinned_limit_bytes=pinned,
         block_names=tuple(b.name for b in blocks),
+        **duplex,
     )
 
 
