@@ -242,6 +242,9 @@ def build_instance(
             "upload_duplex_ns": tuple(transfer_ns(up, u) for u in layout.used_bytes),
             "grad_offload_duplex_ns": tuple(transfer_ns(down, g) for g in grad_bytes),
         }
+        alone = (tuple(swap_out), tuple(swap_in), tuple(upload), tuple(grad_offload))
+        if tuple(duplex.values()) == alone:
+            duplex = {}  # nothing slows down when both ways copy (a full-duplex link as modelled): no terms
     return PolicyInstance(
         layout=layout,
         params=params,
