@@ -13,8 +13,10 @@ copies, and a link or host memory system shared by both directions may give each
 On CUDA the two copies run on two streams started together (one event both wait on), each timed by events on
 its own stream; on CPU they run on two threads started together (a barrier), each timed by its own wall
 clock. Every copy is timed by the profiler's `DeviceClock` (CUDA events read after a synchronisation, or the
-wall clock on CPU). The probe takes well under a second on CPU and is cached per process and device, since the
-machine does not change between profiles; pass `hardware=` to `profile` to reuse one explicitly.
+wall clock on CPU). The concurrent pairs add half again as many copies (run two at a time); on the 2-core
+development machine at load average 13 the whole probe took 11.6 s (median of 3, benchmarks/copy_bandwidth.py;
+docs/BENCHMARKS.md). It is cached per process and device, since the machine does not change between
+profiles; pass `hardware=` to `profile` to reuse one explicitly.
 The CUDA branch follows the PyTorch API but was not run on the development machine (no GPU there).
 """
 
