@@ -1,7 +1,7 @@
 """Benchmark: host<->device copy bandwidth, each direction alone and both at once (issue 19 item 10c).
 
     .venv/bin/python benchmarks/copy_bandwidth.py              # CPU (and the GPU when present)
-    .venv/bin/python benchmarks/copy_bandwidth.py --rounds 5
+    .venv/bin/python benchmarks/copy_bandwidth.py --rounds 5 --device cuda:1
 
 Runs the profiler's own hardware probe (`agent.profiler.hardware.measure_bandwidth`, what every trace
 carries) `--rounds` times and prints, per size, the median over rounds of the pinned H2D and D2H rates alone
@@ -40,7 +40,9 @@ def bench(device: torch.device, rounds: int) -> dict[str, Any]:
             for i, s in enumerate(getattr(curves, k)):
                 rates[k][i].append(s.bytes_per_s)
     rows = []
-    print(f"\n{device}: GB/s, median of {rounds} probes (probe wall median {statistics.median(seconds):.2f} s)")
+    print(
+        f"\n{device}: GB/s, median of {rounds} probes (probe wall median {statistics.median(seconds):.2f} s)"
+    )
     print(f"{'size':>10} {'h2d':>8} {'h2d both':>9} {'ratio':>6} {'d2h':>8} {'d2h both':>9} {'ratio':>6}")
     for i, size in enumerate(BANDWIDTH_SIZES):
         med = {k: statistics.median(rates[k][i]) for k in CURVES}
@@ -59,10 +61,18 @@ def bench(device: torch.device, rounds: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="probes per device (median taken)")
+    p.add_argument("--device", default=None, help="the GPU besides the CPU (default: cuda:0 when present)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     run = Run("copy_bandwidth", args)
-    devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    gpu = (
+        torch.device(args.device)
+        if args.device
+        else torch.device("cuda", 0)
+        if torch.cuda.is_available()
+        else None
+    )
+    devices = [torch.device("cpu")] + ([gpu] if gpu is not None and gpu.type != "cpu" else [])
     results = [bench(d, args.rounds) for d in devices]
     save(args.out, run.document(devices[-1], results=results))
 
