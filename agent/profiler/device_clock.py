@@ -8,10 +8,13 @@ the launches. A mark there records one timing event (`torch.cuda.Event(enable_ti
 measured work runs on (the compute stream, and the side streams of what is measured: the chunk runtime's
 upload and offload streams, the swap store's copy-out and copy-in streams, a copy probe's H2D and D2H streams).
 The events are read (`elapsed_time`) only after `synchronize()` at the end of the measured window (reading one
-earlier is an error here, as `cudaErrorNotReady` would be on the device). The seconds between two marks are
-the longest of the per-stream spans: each stream's span is the time that stream took to get through the work
-queued on it between the marks (a stream with nothing queued spans about the host's time between the two
-records, so a window never reads less than the host needed to issue its work).
+earlier is an error here, as `cudaErrorNotReady` would be on the device). The seconds between two marks run
+from the latest start event (every stream has reached the start: what was queued before is done, so the
+marked work can run) to the latest end event (all of it done). In the middle of a busy iteration this leaves
+out the backlog a stream still had when the host marked the start (a copy stream's span alone would include
+the wait for the compute stream to produce what it copies); at the start of a window that follows a
+synchronisation every stream is idle and it is the window's whole time. `spans` gives each stream's own span
+(the hardware probe times one copy direction per stream that way).
 
 `now()` is the older synchronised wall clock (it synchronises the device, then reads the wall time), kept for
 the hook marks of a profiled iteration, whose per-block sums are rescaled to an un-hooked iteration's wall time
@@ -93,14 +96,23 @@ class DeviceClock:
         self._syncs += 1
 
     def seconds(self, start: Mark, end: Mark) -> float:
-        """Seconds from `start` to `end`: wall time on CPU; on CUDA the longest per-stream span of events,
-        readable only once the clock synchronised after `end` was marked."""
-        return max(self.spans(start, end))
+        """Seconds from `start` to `end`: wall time on CPU; on CUDA from the latest start event to the latest
+        end event over the clock's streams (`min_j max_i elapsed(start_j, end_i)`: the latest start is the
+        one whose distance to the latest end is the smallest), readable once the clock synchronised after
+        `end` was marked."""
+        if not self.cuda:
+            return end.host_s - start.host_s
+        self._check(start, end)
+        return max(0.0, min(max(s.elapsed_time(e) for e in end.events) for s in start.events) / 1e3)
 
     def spans(self, start: Mark, end: Mark) -> tuple[float, ...]:
         """Seconds from `start` to `end` on each of the clock's streams (CUDA), or the wall time (CPU, one)."""
         if not self.cuda:
             return (end.host_s - start.host_s,)
+        self._check(start, end)
+        return tuple(s.elapsed_time(e) / 1e3 for s, e in zip(start.events, end.events, strict=True))
+
+    def _check(self, start: Mark, end: Mark) -> None:
         if end.epoch >= self._syncs:
             raise RuntimeError(
                 "DeviceClock.seconds: events read before the device was synchronised after the window's end "
@@ -108,7 +120,6 @@ class DeviceClock:
             )
         if len(start.events) != len(end.events) or not start.events:
             raise ValueError("DeviceClock.seconds: marks of different clocks")
-        return tuple(s.elapsed_time(e) / 1e3 for s, e in zip(start.events, end.events, strict=True))
 
     def now(self) -> float:
         """Synchronised wall time: the moment all work queued so far has finished (hook marks)."""

@@ -171,3 +171,18 @@ def test_on_cpu_the_clock_is_the_wall_clock_around_each_section() -> None:
     (_, start, end), seconds = spans.spans[0], wall[0]
     assert start.events == () and end.events == ()
     assert clock.seconds(start, end) == end.host_s - start.host_s >= seconds > 0
+
+
+def test_a_window_runs_from_the_latest_start_to_the_latest_end_across_its_streams() -> None:
+    # mid-iteration a copy stream's start event completes when its backlog is done, the compute stream's when
+    # compute reaches the mark: the section's work runs from the later of the two to the last end
+    with simulated_cuda(runtime=False) as sim:
+        side = torch.cuda.Stream()
+        clock = DeviceClock.with_side_streams(CPU, [side], cuda=True)
+        start, end = clock.mark(), clock.mark()
+        clock.synchronize()
+        (s_compute, s_side), (e_compute, e_side) = start.events, end.events
+        s_compute.at, s_side.at, e_compute.at, e_side.at = 0.000, 0.005, 0.006, 0.009  # seconds
+        assert clock.seconds(start, end) == pytest.approx(0.004)  # 9 ms - 5 ms
+        assert clock.spans(start, end) == pytest.approx((0.006, 0.004))
+    sim.check()
