@@ -85,15 +85,22 @@ def _time_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, reps:
 
 
 def _time_duplex(
-    dev_dst: torch.Tensor, host_src: torch.Tensor, host_dst: torch.Tensor, dev_src: torch.Tensor, reps: int
+    dev_dst: torch.Tensor,
+    host_src: torch.Tensor,
+    host_dst: torch.Tensor,
+    dev_src: torch.Tensor,
+    reps: int,
+    *,
+    cuda: bool | None = None,
 ) -> tuple[float, float]:
     """Median seconds of an H2D copy (`host_src` -> `dev_dst`) and a D2H copy (`dev_src` -> `host_dst`) run at
-    the same time, each timed alone (after one warm-up pair)."""
+    the same time, each timed alone (after one warm-up pair). `cuda`: two streams and events (default: the
+    device is a GPU)."""
     device = dev_dst.device
     times: list[tuple[float, float]] = []
-    if device.type == "cuda":
+    if device.type == "cuda" if cuda is None else cuda:
         up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        clock = DeviceClock(device, [up, down])
+        clock = DeviceClock(device, [up, down], cuda=True)
         for rep in range(reps + 1):
             go = torch.cuda.current_stream(device).record_event()  # both copies start from one point
             up.wait_event(go)

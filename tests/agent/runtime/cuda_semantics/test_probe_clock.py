@@ -186,3 +186,25 @@ def test_a_window_runs_from_the_latest_start_to_the_latest_end_across_its_stream
         assert clock.seconds(start, end) == pytest.approx(0.004)  # 9 ms - 5 ms
         assert clock.spans(start, end) == pytest.approx((0.006, 0.004))
     sim.check()
+
+
+def test_the_copy_probe_times_each_direction_on_its_own_stream_both_at_once() -> None:
+    from agent.profiler.hardware import _time_duplex
+
+    with simulated_cuda(runtime=False) as sim:
+        dev_dst, dev_src = torch.empty(1 << 20, dtype=torch.uint8), torch.ones(1 << 20, dtype=torch.uint8)
+        host_src = sim.mark_host(torch.full((1 << 20,), 2, dtype=torch.uint8), pinned=True)
+        host_dst = sim.mark_host(torch.empty(1 << 20, dtype=torch.uint8), pinned=True)
+        dev_src.add_(1)  # a kernel on the compute stream writes it before the copies read it
+        up, down = _time_duplex(dev_dst, host_src, host_dst, dev_src, reps=3, cuda=True)
+        events = list(sim.timing_events)
+        torch.cuda.synchronize()
+        assert torch.equal(dev_dst, host_src) and torch.equal(host_dst, dev_src)
+    assert up > 0 and down > 0
+    # marks on two side streams only (one per direction), 4 pairs of marks (warm-up + 3), one copy each between
+    assert {sim.stream_name(e) for e in events} == {"side stream 1", "side stream 2"}
+    assert len(events) == 4 * 2 * 2
+    for i in range(0, len(events), 4):
+        s_up, s_down, e_up, e_down = events[i : i + 4]
+        assert e_up.kernels - s_up.kernels == 1 and e_down.kernels - s_down.kernels == 1
+    sim.check()  # both copies ordered after the write they read; every read of an event after a synchronise
