@@ -16,9 +16,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     Strict,
     ValidationError,
     ValidationInfo,
+    model_serializer,
     model_validator,
 )
 
@@ -137,6 +139,16 @@ class BandwidthCurves(ContractModel):
     def has_duplex(self) -> bool:
         """Both directions were also measured running at the same time."""
         return bool(self.duplex_h2d_pinned)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_duplex(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Absent concurrent curves are left out of the JSON, so a trace without them (every older one)
+        serialises, and hashes, exactly as before they existed."""
+        data: dict[str, Any] = handler(self)
+        if not self.duplex_h2d_pinned and not self.duplex_d2h_pinned:
+            data.pop("duplex_h2d_pinned", None)
+            data.pop("duplex_d2h_pinned", None)
+        return data
 
 
 class Hardware(ContractModel):
