@@ -7,7 +7,9 @@ Steps (each a subprocess; a failing step is recorded and the next one still runs
    GPU machine the CUDA-only tests run instead of skipping);
 4. `benchmarks/predict_vs_measure.py --device cuda:N` (plan predictions against measurements);
 5. `benchmarks/train_throughput.py --device cuda:N` (memplan against FSDP2 CPU offload and ProTrain,
-   a ~1B llama at seq 1024 in bf16 by default; `--quick` for a small model).
+   a ~1B llama at seq 1024 in bf16 by default; `--quick` for a small model);
+6. `benchmarks/copy_bandwidth.py --device cuda:N` (the hardware probe's H2D and D2H rates, each alone and
+   both at once, timed with CUDA events).
 
 The report is `<out>/gpu_check.json` and `<out>/gpu_check.md`: per step the command, exit status, seconds
 and the tail of its output, plus the benchmarks' result files copied next to it.
@@ -102,6 +104,12 @@ def steps(device: str, quick: bool, python: str) -> list[Step]:
             [python, "benchmarks/train_throughput.py", "--device", device, *size],
             timeout_s=7200,
             results=["benchmarks/results/train_throughput-latest.json"],
+        ),
+        Step(
+            "copy_bandwidth",
+            [python, "benchmarks/copy_bandwidth.py", "--device", device, "--rounds", "1" if quick else "3"],
+            timeout_s=900,
+            results=["benchmarks/results/copy_bandwidth-latest.json"],
         ),
     ]
 

@@ -5,8 +5,18 @@ times (after one warm-up copy) and the median time kept. On CUDA, "pinned" copie
 buffers (`pin_memory=True`) and "pageable" ones ordinary host memory; copies are synchronised before the
 clock is read. On CPU the device *is* host memory: every curve is a real `memcpy` between two host
 buffers (pinned and pageable are the same memory there, yet each curve is still measured, not copied
-from another). The probe takes well under a second on CPU and is cached per process and device, since the
-machine does not change between profiles; pass `hardware=` to `profile` to reuse one explicitly.
+from another).
+
+Each direction is measured alone on an idle device, and both pinned directions again at the same time
+(`duplex_h2d_pinned`, `duplex_d2h_pinned`): the runtime overlaps uploads with gradient offloads and swap
+copies, and a link or host memory system shared by both directions may give each less than it gets alone.
+On CUDA the two copies run on two streams started together (one event both wait on), each timed by events on
+its own stream; on CPU they run on two threads started together (a barrier), each timed by its own wall
+clock. Every copy is timed by the profiler's `DeviceClock` (CUDA events read after a synchronisation, or the
+wall clock on CPU). The concurrent pairs add half again as many copies (run two at a time); on the 2-core
+development machine at load average 13 the whole probe took 11.6 s (median of 3, benchmarks/copy_bandwidth.py;
+docs/BENCHMARKS.md). It is cached per process and device, since the machine does not change between
+profiles; pass `hardware=` to `profile` to reuse one explicitly.
 The CUDA branch follows the PyTorch API but was not run on the development machine (no GPU there).
 """
 
@@ -16,10 +26,11 @@ import functools
 import os
 import platform
 import statistics
-import time
+import threading
 
 import torch
 
+from agent.profiler.device_clock import DeviceClock
 from client.contract import BandwidthCurves, BandwidthSample, DeviceType, Hardware
 
 KiB = 2**10
@@ -59,33 +70,99 @@ def cpu_cores() -> int:
 
 
 def _time_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, reps: int) -> float:
-    cuda = device.type == "cuda"
-    dst.copy_(src, non_blocking=cuda)  # warm-up: page faults, first-touch
-    if cuda:
-        torch.cuda.synchronize(device)
+    """Median seconds of `dst.copy_(src)` alone (after one warm-up copy)."""
+    clock = DeviceClock(device)
+    dst.copy_(src, non_blocking=clock.cuda)  # warm-up: page faults, first-touch
+    clock.synchronize()
     times: list[float] = []
     for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        t0 = clock.mark()
+        dst.copy_(src, non_blocking=clock.cuda)
+        t1 = clock.mark()
+        clock.synchronize()
+        times.append(clock.seconds(t0, t1))
     return max(statistics.median(times), 1e-9)
+
+
+def _time_duplex(
+    dev_dst: torch.Tensor,
+    host_src: torch.Tensor,
+    host_dst: torch.Tensor,
+    dev_src: torch.Tensor,
+    reps: int,
+    *,
+    cuda: bool | None = None,
+) -> tuple[float, float]:
+    """Median seconds of an H2D copy (`host_src` -> `dev_dst`) and a D2H copy (`dev_src` -> `host_dst`) run at
+    the same time, each timed alone (after one warm-up pair). `cuda`: two streams and events (default: the
+    device is a GPU)."""
+    device = dev_dst.device
+    times: list[tuple[float, float]] = []
+    if device.type == "cuda" if cuda is None else cuda:
+        up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        clock = DeviceClock(device, [up, down], cuda=True)
+        for rep in range(reps + 1):
+            go = torch.cuda.current_stream(device).record_event()  # both copies start from one point
+            up.wait_event(go)
+            down.wait_event(go)
+            start = clock.mark()
+            with torch.cuda.stream(up):
+                dev_dst.copy_(host_src, non_blocking=True)
+            with torch.cuda.stream(down):
+                host_dst.copy_(dev_src, non_blocking=True)
+            end = clock.mark()
+            clock.synchronize()
+            h2d, d2h = clock.spans(start, end)  # one span per stream: up, down
+            if rep:
+                times.append((h2d, d2h))
+        torch.cuda.current_stream(device).wait_stream(up)
+        torch.cuda.current_stream(device).wait_stream(down)
+    else:
+        clock = DeviceClock(device)
+        for rep in range(reps + 1):
+            pair = _threads_together(clock, (dev_dst, host_src), (host_dst, dev_src))
+            if rep:
+                times.append(pair)
+    return (
+        max(statistics.median(t[0] for t in times), 1e-9),
+        max(statistics.median(t[1] for t in times), 1e-9),
+    )
 
 
 def _reps(size: int) -> int:
     return 5 if size <= 4 * MiB else (3 if size <= 64 * MiB else 2)
 
 
+def _threads_together(
+    clock: DeviceClock, first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[float, float]:
+    """Seconds of `dst.copy_(src)` for each (dst, src) pair, run on two threads started together (CPU)."""
+    together = threading.Barrier(2)
+    seconds = [0.0, 0.0]
+
+    def copy(i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        together.wait()
+        t0 = clock.mark()
+        dst.copy_(src)  # torch releases the GIL while it copies
+        seconds[i] = clock.seconds(t0, clock.mark())
+
+    other = threading.Thread(target=copy, args=(1, *second), name="memplan-d2h-probe")
+    other.start()
+    copy(0, *first)
+    other.join()
+    return seconds[0], seconds[1]
+
+
 def measure_bandwidth(device: torch.device, sizes: tuple[int, ...] = BANDWIDTH_SIZES) -> BandwidthCurves:
-    """H2D and D2H copy bandwidth, pinned and pageable, at each size (median of repetitions)."""
+    """H2D and D2H copy bandwidth, pinned and pageable, each alone, and pinned H2D and D2H at the same time,
+    at each size (median of repetitions)."""
     curves: dict[str, list[BandwidthSample]] = {
         "h2d_pinned": [],
         "d2h_pinned": [],
         "h2d_pageable": [],
         "d2h_pageable": [],
+        "duplex_h2d_pinned": [],
+        "duplex_d2h_pinned": [],
     }
     pin = device.type == "cuda"
     for size in sorted(set(sizes)):
@@ -100,6 +177,13 @@ def measure_bandwidth(device: torch.device, sizes: tuple[int, ...] = BANDWIDTH_S
             d2h = _time_copy(host, dev, device, reps)
             curves[f"h2d_{kind}"].append(BandwidthSample(size_bytes=size, bytes_per_s=size / h2d))
             curves[f"d2h_{kind}"].append(BandwidthSample(size_bytes=size, bytes_per_s=size / d2h))
+            if pinned:  # both directions at once: a second device buffer read while `dev` is written
+                dev_src = torch.empty(size, dtype=torch.uint8, device=device).fill_(3)
+                host_dst = torch.empty(size, dtype=torch.uint8, pin_memory=pin).fill_(4)
+                up, down = _time_duplex(dev, host, host_dst, dev_src, reps)
+                curves["duplex_h2d_pinned"].append(BandwidthSample(size_bytes=size, bytes_per_s=size / up))
+                curves["duplex_d2h_pinned"].append(BandwidthSample(size_bytes=size, bytes_per_s=size / down))
+                del dev_src, host_dst
             del host
         del dev
     return BandwidthCurves(**curves)

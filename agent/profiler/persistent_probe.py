@@ -13,6 +13,9 @@ timed, not the backward's own work, a stand-in for the real one), `optimizer.ste
 gradients (the first makes the optimizer state; the second is timed), `zero_grad()` (timed). About one
 optimizer step and a pass over the gradients more than the runtime's own calls.
 
+Timed on the profiler's `DeviceClock` (wall time on CPU; on CUDA events on the compute stream and the
+runtime's upload and offload streams, read after the device is synchronised at the end of the probe).
+
 The profile charges it on a CPU device as the device optimizer's throughput (`optimizer.device_bytes_per_s`
 = stepped parameter bytes / these seconds): the cost model charges every persistent chunk its used bytes
 at that rate, exactly the chunks that pay these costs. Parameters (values and storages), gradients and the
@@ -29,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.parameters import OrderedParameter
-from agent.profiler.runtime_probe import _Timer
 
 
 @dataclass(frozen=True)
@@ -98,14 +101,6 @@ def probe_persistent(
         n_buffers=0,
         by_param=by_param,
     )
-    hooks, step, zero = _Timer(), _Timer(), _Timer()
-    timers = {GRAD_HOOK: hooks, STEP: step, ZERO_GRAD: zero}
-
-    def on_section(name: str, seconds: float, depth: int) -> None:
-        """The runtime's timing hook: the gradient hooks, `step` and `zero_grad`, each where torch calls it."""
-        if name in timers and depth == 0:
-            timers[name].total += seconds
-
     data = [p.data for p in params]
     grads = [p.grad for p in params]
     group = optimizer.param_groups[0]
@@ -119,17 +114,26 @@ def probe_persistent(
             user = type(optimizer)(trainable, **hyper)
         except (TypeError, ValueError):
             return None  # the optimizer class cannot be rebuilt from its defaults: not probed
-        manager = ModelStateManager(model, layout, DeviceContext(device), RuntimeOptions(device=device))
-        manager.timing.add_listener(on_section)
+        context = DeviceContext(device)
+        manager = ModelStateManager(model, layout, context, RuntimeOptions(device=device))
+        # the runtime's timing hook: the gradient hooks, `step` and `zero_grad`, each where torch calls it, on a
+        # clock over compute and the runtime's side streams
+        clock = DeviceClock.with_side_streams(
+            device, (context.upload_stream, context.offload_stream), cuda=context.is_cuda
+        )
+        spans = SectionSpans(clock, frozenset({GRAD_HOOK, STEP, ZERO_GRAD}))
+        manager.timing.add_marks(clock, spans)
         chunked = ChunkedOptimizer(user, layout, manager)
         manager.attach_optimizer(chunked)
         chunked.zero_grad()  # as after a step: no gradients, backward's fresh ones are copied into the chunks
         with torch.enable_grad():
             torch.autograd.backward([p.sum() for p in trainable])
         chunked.step()  # warm-up: the optimizer state is made by the first step
-        step.total = 0.0
+        spans.clear(STEP)
         chunked.step()  # timed, on the same gradients
         chunked.zero_grad()
+        clock.synchronize()  # the end of the measured window: the marks can be read
+        hooks_s, step_s, zero_s = (spans.seconds(n) for n in (GRAD_HOOK, STEP, ZERO_GRAD))
     except UnsupportedOptimizerError:
         return None
     finally:
@@ -139,9 +143,9 @@ def probe_persistent(
             p.data = d
             p.grad = g
     return PersistentProbe(
-        grad_hooks_s=hooks.total,
-        step_s=step.total,
-        zero_grad_s=zero.total,
+        grad_hooks_s=hooks_s,
+        step_s=step_s,
+        zero_grad_s=zero_s,
         stepped_bytes=sum(p.numel() * p.element_size() for p in trainable),
         chunks=len(chunks),
     )

@@ -22,7 +22,13 @@ same code the runtime uses:
   class, release) is timed directly, after a warm-up run, and within it each upload and release.
 
 Timing the chunk runtime's own code directly (rather than as a difference of two block runs) keeps its
-small figures out of the noise of the block's compute. `profile` turns them into per-block trace fields
+small figures out of the noise of the block's compute.
+
+Every figure comes from one `DeviceClock` (agent/profiler/device_clock.py): wall time on CPU; on CUDA timing
+events recorded on the streams the work runs on (compute; the swap store's copy-out and copy-in streams for
+the block runs and the store's sections; the chunk runtime's upload and offload streams for its sections),
+read once the run's window is synchronised (at the end of each block run, after backward), so the
+figures are the device's time, not the host's launches. `profile` turns them into per-block trace fields
 (swap_out_s, swap_in_s, recompute_s, offload_overhead_s) for every block, scaled by each block's own
 activation bytes, forward re-run time or parameter count (the repeated blocks are modules of one class:
 the assumption the `max_blocks` extrapolation makes). Parameters, gradients and RNG state are restored.
@@ -38,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agent.profiler.device_clock import DeviceClock
+from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.tensors import iter_tensors
 
 
@@ -66,13 +72,6 @@ class RuntimeProbe:
         return max(0.0, self.checkpoint_s - self.plain_s)
 
 
-@dataclass
-class _Timer:
-    """Wall seconds summed from the runtime's timing hook (`agent.runtime.timing`)."""
-
-    total: float = 0.0
-
-
 class _NotProbed(Exception):
     pass
 
@@ -84,12 +83,9 @@ def _outputs(value: Any) -> list[torch.Tensor]:
 class _Block:
     """Runs the block on its captured inputs: forward, then backward from fixed output gradients."""
 
-    def __init__(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], clock: DeviceClock
-    ) -> None:
+    def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.module = module
         self.kwargs = kwargs
-        self.clock = clock
         # the block's input needs a gradient in training (it comes from the block before)
         self.args = tuple(
             a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -99,17 +95,21 @@ class _Block:
         self.grads: list[torch.Tensor] | None = None  # output gradients, made at the first run
 
     def run(
-        self, forward: Callable[[], Any], before_backward: Callable[[], object] | None = None
+        self,
+        clock: DeviceClock,
+        forward: Callable[[], Any],
+        before_backward: Callable[[], object] | None = None,
     ) -> tuple[float, float]:
+        """Forward and backward seconds on `clock`; the window ends synchronised (sections' marks readable)."""
         for p in self.params:
             p.grad = None
         for a in self.args:
             if isinstance(a, torch.Tensor):
                 a.grad = None
-        t0 = self.clock.now()
+        t0 = clock.mark()
         with torch.enable_grad():
             out = forward()
-        t1 = self.clock.now()
+        t1 = clock.mark()
         if before_backward is not None:
             before_backward()
         outs = _outputs(out)
@@ -118,9 +118,10 @@ class _Block:
         if not outs:
             raise _NotProbed("the block's output needs no gradient")
         torch.autograd.backward(outs, self.grads)
-        t2 = self.clock.now()
+        t2 = clock.mark()
+        clock.synchronize()
         del out, outs
-        return t1 - t0, t2 - t1
+        return clock.seconds(t0, t1), clock.seconds(t1, t2)
 
 
 def probe_block(
@@ -137,28 +138,22 @@ def probe_block(
     from agent.runtime.swap import SwapStore
     from agent.runtime.timing import SWAP_IN, SWAP_OUT, SWAP_PREFETCH
 
-    clock = DeviceClock(device)
     params = [p for p in module.parameters() if p.requires_grad]
     if not params or len({p.dtype for p in params}) != 1 or any(p.device != device for p in params):
         return None
-    block = _Block(module, args, kwargs, clock)
+    block = _Block(module, args, kwargs)
     saved_grads = [p.grad for p in params]
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     state = {p.untyped_storage().data_ptr() for p in module.parameters()}
     state |= {b.untyped_storage().data_ptr() for b in module.buffers()}
-    out_timer, in_timer = _Timer(), _Timer()
-
     store = SwapStore(device, lambda t: t.untyped_storage().data_ptr() in state)
-
-    def on_swap_section(name: str, seconds: float, depth: int) -> None:
-        """The store's timing hook: copies out (pack), copies in (unpack, prefetch), outermost calls only."""
-        if depth == 0:
-            timer = out_timer if name == SWAP_OUT else in_timer if name in (SWAP_IN, SWAP_PREFETCH) else None
-            if timer is not None:
-                timer.total += seconds
-
-    store.timing.add_listener(on_swap_section)
+    # one clock for the plain, checkpointed and swapped runs: compute plus the store's copy streams (events on
+    # CUDA when the store takes its CUDA paths)
+    clock = DeviceClock.with_side_streams(device, (store.out_stream, store.in_stream), cuda=store.is_cuda)
+    # the store's timing hook: copies out (pack), copies in (unpack, prefetch), outermost calls only
+    swap_spans = SectionSpans(clock, frozenset({SWAP_OUT, SWAP_IN, SWAP_PREFETCH}))
+    store.timing.add_marks(clock, swap_spans)
 
     def swapped() -> Any:
         with store.swapping(index):
@@ -181,18 +176,18 @@ def probe_block(
         # no separate warm-up: the first round's swap run makes the store's host buffers (as the runtime's first
         # iteration does) and the fastest round, a later one, has them (one block run less of profile time)
         for _ in range(rounds):  # interleaved: differences to the plain block are the modes' costs
-            plain_t.append(block.run(plain))
-            ckpt_s.append(sum(block.run(checkpointed)))
-            out_timer.total = in_timer.total = 0.0
-            swap_t.append(block.run(swapped, lambda: store.prefetch(index)))
-            swap_direct.append((out_timer.total, in_timer.total))
+            plain_t.append(block.run(clock, plain))
+            ckpt_s.append(sum(block.run(clock, checkpointed)))
+            swap_spans.clear()
+            swap_t.append(block.run(clock, swapped, lambda: store.prefetch(index)))
+            swap_direct.append((swap_spans.seconds(SWAP_OUT), swap_spans.seconds(SWAP_IN, SWAP_PREFETCH)))
         store.end_iteration()
         # the chunk runtime hooks the module while it is installed: its runs come after the others
         offload = _OffloadedChunk(module, params, device, optimizer)
         for _ in range(2):  # warm-up, then timed
             offload.reset()
             offload.run(block, plain)
-        resident = offload.timer.total
+        resident = offload.resident_s()
         reupload = offload.move_s()
     except _NotProbed:
         return None
@@ -256,27 +251,24 @@ class _OffloadedChunk:
         layout = ChunkLayout(
             chunk_numel=offset, compute_dtype=params[0].dtype, chunks=[spec], n_buffers=1, by_param=by_param
         )
-        timer = self.timer = _Timer()
-        moves = self.moves = dict.fromkeys((UPLOAD, EVICT, FLUSH), 0.0)
-
-        def on_section(name: str, seconds: float, depth: int) -> None:
-            """The runtime's timing hook: entry points (hooks torch calls, `zero_grad`; not `optimizer.step()`,
-            run outside the timed block) not inside another section make the runtime's time; uploads, releases
-            and gradient flushes, wherever they run, what moving costs."""
-            if name in ENTRY_POINTS and name != STEP and depth == 0:
-                timer.total += seconds
-            elif name in moves:
-                moves[name] += seconds
-
         self.params = params
         # the parameters' own storages: the runtime copies them into its chunk and never writes them, so
         # giving them back on close restores the values from before the probe (the probe's host steps
         # change the chunk's copy only)
         self.data = [p.data for p in params]
-        self.manager: Any = ModelStateManager(
-            module, layout, DeviceContext(device), RuntimeOptions(device=device)
+        context = DeviceContext(device)
+        self.manager: Any = ModelStateManager(module, layout, context, RuntimeOptions(device=device))
+        # the runtime's timing hook, on a clock over compute and the runtime's upload and offload streams:
+        # entry points (hooks torch calls, `zero_grad`; not `optimizer.step()`, run outside the timed block)
+        # not inside another section make the runtime's time; uploads, releases and gradient flushes, wherever
+        # they run, what moving costs
+        self.clock = DeviceClock.with_side_streams(
+            device, (context.upload_stream, context.offload_stream), cuda=context.is_cuda
         )
-        self.manager.timing.add_listener(on_section)
+        self.entries = SectionSpans(self.clock, frozenset(ENTRY_POINTS - {STEP}))
+        self.moves = SectionSpans(self.clock, frozenset({UPLOAD, EVICT, FLUSH}), outermost=False)
+        self.manager.timing.add_marks(self.clock, self.entries)
+        self.manager.timing.add_marks(self.clock, self.moves)
         self._counts = (0, 0)
         self.optimizer: ChunkedOptimizer | None = None
         if optimizer is not None and optimizer.param_groups:
@@ -299,26 +291,34 @@ class _OffloadedChunk:
                     self.optimizer = None
 
     def reset(self) -> None:
-        self.timer.total = 0.0
-        self.moves.update(dict.fromkeys(self.moves, 0.0))
+        self.entries.clear()
+        self.moves.clear()
         c = self.manager.counters
         self._counts = (c.uploads, c.evictions)
+
+    def resident_s(self) -> float:
+        """Seconds in the runtime's entry points over the timed run (read after its window synchronised)."""
+        return self.entries.seconds()
 
     def move_s(self) -> float:
         """One upload plus one release without gradients to copy (what a re-upload in backward costs), from
         the timed run's uploads and releases (a release's gradient copy is charged once per chunk)."""
+        from agent.runtime.timing import EVICT, FLUSH, UPLOAD
+
         c = self.manager.counters
         n_up, n_ev = c.uploads - self._counts[0], c.evictions - self._counts[1]
         if not n_up or not n_ev:
             return 0.0
-        upload, evict, flush = (self.moves[k] for k in ("upload", "evict", "flush"))  # timing.UPLOAD, ...
+        upload, evict, flush = (self.moves.seconds(k) for k in (UPLOAD, EVICT, FLUSH))
         return upload / n_up + (evict - flush) / n_ev
 
     def run(self, block: _Block, forward: Callable[[], Any]) -> tuple[float, float]:
-        t = block.run(forward)
+        """The block's forward and backward, then the settling step and `zero_grad` (all inside the window)."""
+        t = block.run(self.clock, forward)
         if self.optimizer is not None:
             self.optimizer.step()  # the chunk was stepped in backward: this settles the iteration
         self.manager.zero_grad()
+        self.clock.synchronize()  # zero_grad is an entry point of the timed run: its marks readable
         return t
 
     def close(self) -> None:

@@ -7,6 +7,12 @@ callback, `zero_grad`, `step`) and each move of a chunk (upload, evict, gradient
 and nesting depth. The profiler's probes time the runtime through this, not by subclassing it. With no
 listener and no active profiler a section costs about half a microsecond (one wrapper call and
 one check), on the hooks torch calls per module, saved tensor and gradient.
+
+A wall time is what the host spent in a section; on CUDA the section's copies and kernels run later, on the
+runtime's streams. A probe that needs the device's time registers a `SectionClock` with `add_marks`: the
+section takes the clock's mark at its start and at its end (the profiler's `DeviceClock` records CUDA
+events on the streams the runtime uses) and hands both marks to the listener, which reads the time between
+them after the measured window is synchronised.
 """
 
 from __future__ import annotations
@@ -65,16 +71,40 @@ class TimingListener(Protocol):
     def __call__(self, name: str, seconds: float, depth: int) -> None: ...
 
 
+class SectionClock(Protocol):
+    """Marks points of a section's work (`agent.profiler.device_clock.DeviceClock`)."""
+
+    def mark(self) -> Any: ...
+
+
+class MarkListener(Protocol):
+    """Receives each finished section: its name, the clock's marks at its start and end, and its depth."""
+
+    def __call__(self, name: str, start: Any, end: Any, depth: int) -> None: ...
+
+
 class RuntimeTiming:
     """The listeners of one runtime and the depth of the sections running now (one training thread)."""
 
     def __init__(self) -> None:
         self._listeners: OrderedDict[int, TimingListener] = OrderedDict()  # weak-referenced by handles
+        self._marked: OrderedDict[int, tuple[SectionClock, MarkListener]] = OrderedDict()
         self.depth = 0
 
     @property
     def active(self) -> bool:
-        return bool(self._listeners) or torch.autograd._profiler_enabled()
+        return bool(self._listeners) or bool(self._marked) or torch.autograd._profiler_enabled()
+
+    @property
+    def listening(self) -> bool:
+        """Some listener wants the sections (the decorator's fast path skips all this when none does)."""
+        return bool(self._listeners) or bool(self._marked)
+
+    def add_marks(self, clock: SectionClock, listener: MarkListener) -> RemovableHandle:
+        """Call `listener` with `clock`'s marks at the start and end of every section from now on."""
+        handle = RemovableHandle(self._marked)
+        self._marked[handle.id] = (clock, listener)
+        return handle
 
     def add_listener(self, listener: TimingListener) -> RemovableHandle:
         """Call `listener` after every section from now on; `.remove()` on the handle stops it."""
@@ -86,6 +116,7 @@ class RuntimeTiming:
         """Run `fn` as section `name`."""
         depth = self.depth
         self.depth = depth + 1
+        marked = [(clock.mark(), clock, listen) for clock, listen in list(self._marked.values())]
         t0 = time.perf_counter()
         try:
             if not _profiler_enabled():  # a listener only: no profiler range (it would cost a few us a call)
@@ -94,9 +125,12 @@ class RuntimeTiming:
                 return fn(*args, **kwargs)
         finally:
             seconds = time.perf_counter() - t0
+            ends = [(start, clock.mark(), listen) for start, clock, listen in marked]
             self.depth = depth
             for listener in list(self._listeners.values()):
                 listener(name, seconds, depth)
+            for start, end, listen in ends:
+                listen(name, start, end, depth)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -109,9 +143,7 @@ def section(name: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             timing: RuntimeTiming = self.timing
-            if (
-                not timing._listeners and not _profiler_enabled()
-            ):  # the common case: one check, ~0.5 us a call
+            if not timing.listening and not _profiler_enabled():  # the common case: ~0.5 us a call
                 return fn(self, *args, **kwargs)
             return timing.run(name, fn, self, *args, **kwargs)
 

@@ -35,13 +35,26 @@ class HostLink(ContractModel):
     peak_bytes_per_s: BytesPerSecond = Field(description="theoretical rate of the link, one direction")
     h2d_bytes_per_s: BytesPerSecond = Field(description="sustained pinned host-to-device copy rate")
     d2h_bytes_per_s: BytesPerSecond = Field(description="sustained pinned device-to-host copy rate")
+    # both directions at once (a measured host may lose some to its memory system or root complex); absent:
+    # each direction keeps its own sustained rate (PCIe and NVLink-C2C are full duplex)
+    duplex_h2d_bytes_per_s: BytesPerSecond | None = Field(
+        default=None, description="sustained pinned H2D rate while a D2H copy runs; default h2d_bytes_per_s"
+    )
+    duplex_d2h_bytes_per_s: BytesPerSecond | None = Field(
+        default=None, description="sustained pinned D2H rate while an H2D copy runs; default d2h_bytes_per_s"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> HostLink:
         if self.kind == LinkKind.pcie and (self.pcie_generation is None or self.lanes is None):
             raise ValueError("pcie_generation, lanes: required for a PCIe link")
-        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
-            if getattr(self, name) > self.peak_bytes_per_s:
+        for name in (
+            "h2d_bytes_per_s",
+            "d2h_bytes_per_s",
+            "duplex_h2d_bytes_per_s",
+            "duplex_d2h_bytes_per_s",
+        ):
+            if getattr(self, name) is not None and getattr(self, name) > self.peak_bytes_per_s:
                 raise ValueError(
                     f"{name}: {getattr(self, name):.4g} exceeds the link's peak {self.peak_bytes_per_s:.4g}"
                 )

@@ -16,9 +16,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     Strict,
     ValidationError,
     ValidationInfo,
+    model_serializer,
     model_validator,
 )
 
@@ -103,14 +105,52 @@ class BandwidthCurves(ContractModel):
     d2h_pinned: list[BandwidthSample] = Field(min_length=1, max_length=MAX_BANDWIDTH_SAMPLES)
     h2d_pageable: list[BandwidthSample] = Field(default_factory=list, max_length=MAX_BANDWIDTH_SAMPLES)
     d2h_pageable: list[BandwidthSample] = Field(default_factory=list, max_length=MAX_BANDWIDTH_SAMPLES)
+    # pinned copies in each direction while a copy of the same size runs the other way at the same time (two
+    # streams on CUDA, two threads on CPU): what the runtime gets when uploads and offloads overlap. Optional
+    # (traces from before they were measured have neither); both or neither.
+    duplex_h2d_pinned: list[BandwidthSample] = Field(
+        default_factory=list,
+        max_length=MAX_BANDWIDTH_SAMPLES,
+        description="pinned H2D while a D2H copy runs concurrently",
+    )
+    duplex_d2h_pinned: list[BandwidthSample] = Field(
+        default_factory=list,
+        max_length=MAX_BANDWIDTH_SAMPLES,
+        description="pinned D2H while an H2D copy runs concurrently",
+    )
 
     @model_validator(mode="after")
     def _sorted_unique(self) -> BandwidthCurves:
-        for name in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
+        for name in (
+            "h2d_pinned",
+            "d2h_pinned",
+            "h2d_pageable",
+            "d2h_pageable",
+            "duplex_h2d_pinned",
+            "duplex_d2h_pinned",
+        ):
             sizes = [s.size_bytes for s in getattr(self, name)]
             if sizes != sorted(set(sizes)):
                 raise ValueError(f"{name}: samples must be sorted by size_bytes with no repeated size")
+        if bool(self.duplex_h2d_pinned) != bool(self.duplex_d2h_pinned):
+            missing = "duplex_d2h_pinned" if self.duplex_h2d_pinned else "duplex_h2d_pinned"
+            raise ValueError(f"{missing}: the concurrent curves come as a pair (both or neither)")
         return self
+
+    @property
+    def has_duplex(self) -> bool:
+        """Both directions were also measured running at the same time."""
+        return bool(self.duplex_h2d_pinned)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_duplex(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Absent concurrent curves are left out of the JSON, so a trace without them (every older one)
+        serialises, and hashes, exactly as before they existed."""
+        data: dict[str, Any] = handler(self)
+        if not self.duplex_h2d_pinned and not self.duplex_d2h_pinned:
+            data.pop("duplex_h2d_pinned", None)
+            data.pop("duplex_d2h_pinned", None)
+        return data
 
 
 class Hardware(ContractModel):

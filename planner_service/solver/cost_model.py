@@ -16,6 +16,11 @@ Forward (chunks 0..C-1):
     with one buffer, an offloaded chunk followed by an offloaded chunk cannot prefetch:
     Tf[c] >= F[c] + upload(c+1)
   T_fwd = o[0] * upload(0) + sum Tf[c]     (the first upload is exposed)
+  Concurrent copies (full duplex, when the trace measured both directions at once: `duplex_*_pinned`): a
+  window with H2D and D2H copies both non-zero charges each at its concurrent rate instead,
+    Tf[c] = max(F[c], H2D_duplex, D2H_duplex)     (the same copies over the duplex curves)
+  and at the one-direction rates otherwise; without those curves (older traces) nothing changes. The same
+  rule holds in backward.
 
 Backward (chunks C-1..0):
   resident[c] = o[c] and fewer than n_buffers offloaded chunks come after c: it is still in a buffer at
@@ -114,10 +119,20 @@ class Cost:
         return self.fits_device and self.fits_host
 
 
-def _combine(compute: int, h2d: int, d2h: int, full_duplex: bool, copy_overlap: bool = True) -> int:
-    """One window's time: copies hidden behind compute (GPU), or added to it (CPU: no overlap)."""
+def _combine(
+    compute: int,
+    h2d: int,
+    d2h: int,
+    full_duplex: bool,
+    copy_overlap: bool = True,
+    both_ways: tuple[int, int] | None = None,
+) -> int:
+    """One window's time: copies hidden behind compute (GPU), or added to it (CPU: no overlap). `both_ways`:
+    the window's H2D and D2H copy times at the concurrent rates, charged when both directions copy."""
     if not copy_overlap:
         return compute + h2d + d2h
+    if full_duplex and both_ways is not None and h2d > 0 and d2h > 0:
+        return max(compute, *both_ways)
     return max(compute, h2d, d2h) if full_duplex else max(compute, h2d + d2h)
 
 
@@ -191,6 +206,11 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     Bk = [0] * windows
     SO = [0] * windows
     SI = [0] * windows
+    # the same copies at the concurrent rates (`inst.duplex`): charged in windows that copy both ways
+    dx = inst.duplex
+    Ux, Gx = (inst.upload_duplex_ns, inst.grad_offload_duplex_ns) if dx else (U, G)
+    SOx = [0] * windows
+    SIx = [0] * windows
     rec_total = 0
     for b, w in enumerate(inst.layout.chunk_of_block):
         F[w] += inst.fwd_ns[b]
@@ -201,6 +221,9 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         elif d.modes[b] == Mode.swap:
             SO[w] += inst.swap_out_ns[b]
             SI[w] += inst.swap_in_ns[b]
+            if dx:
+                SOx[w] += inst.swap_out_duplex_ns[b]
+                SIx[w] += inst.swap_in_duplex_ns[b]
     off = lambda c: 0 <= c < C and o[c]  # noqa: E731
     res = residency(o, nb)
     need = [o[c] and not res[c] for c in range(C)]
@@ -208,7 +231,8 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     fwd = U[0] if off(0) else 0
     for c in range(windows):
         h2d = U[c + 1] if off(c + 1) else 0
-        t = _combine(F[c], h2d, SO[c], duplex, overlap)
+        both = ((Ux[c + 1] if off(c + 1) else 0), SOx[c]) if dx else None
+        t = _combine(F[c], h2d, SO[c], duplex, overlap, both)
         if nb == 1 and off(c) and off(c + 1):
             t = max(t, F[c] + U[c + 1])
         fwd += t
@@ -218,7 +242,15 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     for c in range(windows):
         h2d = ((U[c - 1] if need[c - 1] else 0) + SI[c - 1]) if c >= 1 else 0
         d2h = G[c + 1] if off(c + 1) else 0
-        t = _combine(Bk[c], h2d, d2h, duplex, overlap)
+        both = (
+            (
+                ((Ux[c - 1] if need[c - 1] else 0) + SIx[c - 1]) if c >= 1 else 0,
+                Gx[c + 1] if off(c + 1) else 0,
+            )
+            if dx
+            else None
+        )
+        t = _combine(Bk[c], h2d, d2h, duplex, overlap, both)
         if nb == 1 and off(c) and off(c - 1):
             t = max(t, Bk[c] + U[c - 1])
         Tb[c] = t
@@ -361,6 +393,10 @@ class BatchTimer:
         pad = lambda xs: np.concatenate([i64(xs), np.zeros(1, dtype=np.int64)])  # noqa: E731
         self.U, self.G = pad(inst.upload_ns), pad(inst.grad_offload_ns)  # index C reads 0
         self.H, self.D = i64(inst.host_optim_ns), i64(inst.device_optim_ns)
+        self.dx = inst.duplex  # concurrent copy times where a window copies both ways
+        if self.dx:
+            self.sox, self.six = i64(inst.swap_out_duplex_ns), i64(inst.swap_in_duplex_ns)
+            self.Ux, self.Gx = pad(inst.upload_duplex_ns), pad(inst.grad_offload_duplex_ns)
 
     def __call__(self, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray) -> np.ndarray:
         C, W, nb = self.C, self.W, n_buffers
@@ -380,19 +416,37 @@ class BatchTimer:
         duplex = self.inst.params.full_duplex
         overlap = self.inst.copy_overlap
 
-        def combine(compute: np.ndarray, h2d: np.ndarray, d2h: np.ndarray) -> np.ndarray:
+        def combine(
+            compute: np.ndarray,
+            h2d: np.ndarray,
+            d2h: np.ndarray,
+            both_ways: tuple[np.ndarray, np.ndarray] | None = None,
+        ) -> np.ndarray:
             window: np.ndarray  # numpy's ufuncs are typed as returning Any
             if not overlap:
                 window = compute + h2d + d2h
             elif duplex:
                 window = np.maximum(np.maximum(compute, h2d), d2h)
+                if both_ways is not None:  # both directions copy: the concurrent rates
+                    both = np.maximum(np.maximum(compute, both_ways[0]), both_ways[1])
+                    window = np.where((h2d > 0) & (d2h > 0), both, window)
             else:
                 window = np.maximum(compute, h2d + d2h)
             return window
 
         nxt = np.arange(1, W + 1)
         h2d_f = U[nxt] * o[nxt]
-        Tf = combine(self.F, h2d_f, SO)
+        fwd_x = bwd_x = None
+        if self.dx:
+            Ux = self.Ux[: W + 1] if C else np.zeros(W + 1, dtype=np.int64)
+            Gx = self.Gx[: W + 1] if C else np.zeros(W + 1, dtype=np.int64)
+            SIx = (sw * self.six) @ self.ind
+            h2d_bx = np.zeros_like(SIx)
+            if W > 1:
+                h2d_bx[:, 1:] = SIx[:, :-1] + (Ux[: W - 1] * need[: W - 1])
+            fwd_x = (np.broadcast_to(Ux[nxt] * o[nxt], SO.shape), (sw * self.sox) @ self.ind)
+            bwd_x = (h2d_bx, np.broadcast_to(Gx[nxt] * o[nxt], SIx.shape))
+        Tf = combine(self.F, h2d_f, SO, fwd_x)
         if nb == 1:
             serial = o[:W] * o[nxt]
             Tf = np.maximum(Tf, np.where(serial == 1, self.F + U[nxt], 0))
@@ -403,7 +457,7 @@ class BatchTimer:
         if W > 1:
             h2d_b[:, 1:] = SI[:, :-1] + (U[: W - 1] * need[: W - 1])
         d2h_b = G[nxt] * o[nxt]
-        Tb = combine(compute, h2d_b, d2h_b)
+        Tb = combine(compute, h2d_b, d2h_b, bwd_x)
         if nb == 1 and W > 1:
             serial_b = np.zeros(W, dtype=np.int64)
             serial_b[1:] = o[1:W] * o[: W - 1]

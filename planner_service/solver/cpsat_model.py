@@ -138,6 +138,19 @@ def _window_terms(pm: PolicyModel) -> tuple[list[int], list[int], list[Terms], l
     return F, Bk, rec, so, si
 
 
+def _duplex_swap_terms(pm: PolicyModel) -> tuple[list[Terms], list[Terms]]:
+    """Per window: swap-out and swap-in terms at the concurrent copy rates (`inst.duplex`)."""
+    inst = pm.inst
+    W = max(inst.n_chunks, 1)
+    so: list[Terms] = [[] for _ in range(W)]
+    si: list[Terms] = [[] for _ in range(W)]
+    for b, w in enumerate(inst.layout.chunk_of_block):
+        if inst.optimisable[b]:
+            so[w].append((inst.swap_out_duplex_ns[b], pm.swap[b]))
+            si[w].append((inst.swap_in_duplex_ns[b], pm.swap[b]))
+    return so, si
+
+
 def _total(terms: Terms) -> LinearExpr:
     return sum(a * x for a, x in terms)
 
@@ -151,8 +164,13 @@ def _add_window(
     d2h: Terms,
     full_duplex: bool,
     copy_overlap: bool = True,
+    both_ways: tuple[Terms, Terms] | None = None,
 ) -> None:
     """t >= max(compute + recompute, H2D copies, D2H copies) (or H2D + D2H on a half-duplex link).
+
+    `both_ways` (full duplex): the same H2D and D2H terms at the concurrent copy rates, charged when a copy
+    runs each way: a 0/1 `both` >= h + d - 1 for every pair of non-zero H2D and D2H terms, and t >= each
+    concurrent total enforced by `both` (the objective keeps `both` at 0 unless a pair forces it).
 
     Plus, for every single copy term a*x, the cut t >= compute + (a - compute) * x when a > compute: valid
     because t >= max(compute, a*x) for x in {0, 1}, and it is the convex hull of that max. Without it the
@@ -166,6 +184,14 @@ def _add_window(
     if full_duplex:
         m.add(t >= _total(h2d))
         m.add(t >= _total(d2h))
+        ups, downs = [x for a, x in h2d if a > 0], [x for a, x in d2h if a > 0]
+        if both_ways is not None and ups and downs:
+            both = m.new_bool_var("both_ways")
+            for up in ups:
+                for down in downs:
+                    m.add(both >= up + down - 1)
+            m.add(t >= _total(both_ways[0])).only_enforce_if(both)
+            m.add(t >= _total(both_ways[1])).only_enforce_if(both)
     else:
         m.add(t >= _total(h2d) + _total(d2h))
     for a, x in h2d + d2h:
@@ -208,6 +234,13 @@ def _add_time(pm: PolicyModel) -> None:
         + sum(inst.device_optim_ns)
         + sum(inst.host_optim_ns) * 2
     )
+    if inst.duplex:  # a window may charge its copies at the (slower) concurrent rates instead
+        upper += (
+            sum(inst.swap_out_duplex_ns)
+            + sum(inst.swap_in_duplex_ns)
+            + sum(inst.upload_duplex_ns) * 2
+            + sum(inst.grad_offload_duplex_ns)
+        )
 
     def off(c: int) -> Terms:
         return [(U[c], pm.off[c])] if 0 <= c < C else []
@@ -218,10 +251,25 @@ def _add_time(pm: PolicyModel) -> None:
     def grad(c: int) -> Terms:
         return [(G[c], pm.off[c])] if 0 <= c < C else []
 
+    # the same copies at the concurrent rates, for windows that copy both ways (`inst.duplex`)
+    dx = inst.duplex
+    SOx, SIx = _duplex_swap_terms(pm) if dx else (SO, SI)
+    Ux, Gx = inst.upload_duplex_ns, inst.grad_offload_duplex_ns
+
+    def off_x(c: int) -> Terms:
+        return [(Ux[c], pm.off[c])] if 0 <= c < C else []
+
+    def need_x(c: int) -> Terms:
+        return [(Ux[c], pm.off[c] - pm.res[c])] if 0 <= c < C else []
+
+    def grad_x(c: int) -> Terms:
+        return [(Gx[c], pm.off[c])] if 0 <= c < C else []
+
     # forward
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
     for c in range(W):
-        _add_window(m, tf[c], F[c], [], off(c + 1), SO[c], duplex, overlap)
+        both = (off_x(c + 1), SOx[c]) if dx else None
+        _add_window(m, tf[c], F[c], [], off(c + 1), SO[c], duplex, overlap, both)
         if overlap and c + 1 < C:  # serial windows already pay every upload
             m.add(tf[c] >= F[c] + U[c + 1] * _serial_pair(pm, c, c + 1))
     fwd = _total(off(0)) + sum(tf)
@@ -230,7 +278,8 @@ def _add_time(pm: PolicyModel) -> None:
     tb = [m.new_int_var(Bk[c], upper, f"tb[{c}]") for c in range(W)]
     for c in range(W):
         h2d = (need(c - 1) + SI[c - 1]) if c >= 1 else []
-        _add_window(m, tb[c], Bk[c], REC[c], h2d, grad(c + 1), duplex, overlap)
+        both = (((need_x(c - 1) + SIx[c - 1]) if c >= 1 else []), grad_x(c + 1)) if dx else None
+        _add_window(m, tb[c], Bk[c], REC[c], h2d, grad(c + 1), duplex, overlap, both)
         if overlap and 1 <= c < C:
             m.add(tb[c] >= Bk[c] + _total(REC[c]) + U[c - 1] * _serial_pair(pm, c - 1, c))
     head = _total(need(C - 1) + SI[W - 1])

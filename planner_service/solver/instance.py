@@ -155,6 +155,13 @@ class PolicyInstance:
     # source, the gradient staging buffer, and the host gradient when no separate fp32 master exists);
     # empty: `state_bytes`
     pinned_bytes_of: tuple[int, ...] = field(default=())
+    # the same copies while the other direction copies too, over the trace's concurrent (duplex) curves: a
+    # window with both H2D and D2H copies charges these instead (full duplex with overlap only); empty: not
+    # measured (older traces), every copy takes its one-direction time whatever runs beside it
+    swap_out_duplex_ns: tuple[int, ...] = field(default=())
+    swap_in_duplex_ns: tuple[int, ...] = field(default=())
+    upload_duplex_ns: tuple[int, ...] = field(default=())
+    grad_offload_duplex_ns: tuple[int, ...] = field(default=())
 
     def state_bytes(self, c: int) -> int:
         """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
@@ -172,6 +179,11 @@ class PolicyInstance:
     def copy_overlap(self) -> bool:
         """Copies and the host optimizer overlap compute (resolved by `build_instance`; None reads as True)."""
         return self.params.copy_overlap is not False
+
+    @property
+    def duplex(self) -> bool:
+        """Windows whose copies run both ways at once charge the concurrent (duplex) copy times."""
+        return bool(self.upload_duplex_ns) and self.params.full_duplex and self.copy_overlap
 
     @property
     def n_blocks(self) -> int:
@@ -242,6 +254,18 @@ def build_instance(
 
         grad_offload = [g + o for g, o in zip(grad_offload, spread("offload_overhead_s"), strict=True)]
         upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]
+    duplex: dict[str, tuple[int, ...]] = {}
+    if bw.has_duplex and not serial and params.full_duplex:  # copies overlap: both ways at once is possible
+        up, down = bw.duplex_h2d_pinned, bw.duplex_d2h_pinned
+        duplex = {
+            "swap_out_duplex_ns": tuple(transfer_ns(down, x.activation_bytes) for x in meas),
+            "swap_in_duplex_ns": tuple(transfer_ns(up, x.activation_bytes) for x in meas),
+            "upload_duplex_ns": tuple(transfer_ns(up, u) for u in layout.used_bytes),
+            "grad_offload_duplex_ns": tuple(transfer_ns(down, g) for g in grad_bytes),
+        }
+        alone = (tuple(swap_out), tuple(swap_in), tuple(upload), tuple(grad_offload))
+        if tuple(duplex.values()) == alone:
+            duplex = {}  # nothing slows down when both ways copy (a full-duplex link as modelled): no terms
     return PolicyInstance(
         layout=layout,
         params=params,
@@ -273,6 +297,7 @@ def build_instance(
         host_limit_bytes=host_limit,
         pinned_limit_bytes=pinned,
         block_names=tuple(b.name for b in blocks),
+        **duplex,
     )
 
 

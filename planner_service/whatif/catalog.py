@@ -103,6 +103,11 @@ def to_hardware(
         pinned_memory_limit_bytes=None,
         cpu_cores=cpu_cores if cpu_cores is not None else e.cpu_cores,
         bandwidth=BandwidthCurves(
-            h2d_pinned=_curve(e.host_link.h2d_bytes_per_s), d2h_pinned=_curve(e.host_link.d2h_bytes_per_s)
+            h2d_pinned=_curve(e.host_link.h2d_bytes_per_s),
+            d2h_pinned=_curve(e.host_link.d2h_bytes_per_s),
+            # both ways at once: the entry's duplex rates, else each direction's own (full-duplex links;
+            # docs/architecture/hardware.md)
+            duplex_h2d_pinned=_curve(e.host_link.duplex_h2d_bytes_per_s or e.host_link.h2d_bytes_per_s),
+            duplex_d2h_pinned=_curve(e.host_link.duplex_d2h_bytes_per_s or e.host_link.d2h_bytes_per_s),
         ),
     )

@@ -95,6 +95,7 @@ def test_gpu_check_lists_its_steps_and_writes_a_report_of_what_ran(
         "cuda_tests",
         "predict_vs_measure",
         "train_throughput",
+        "copy_bandwidth",
     ]
     assert "benchmarks/train_throughput.py --device cuda:1" in done.stdout and "--dtype bf16" in done.stdout
 

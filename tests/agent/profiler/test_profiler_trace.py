@@ -27,8 +27,17 @@ def test_hardware_is_measured_on_cpu(gpt2_trace: Trace) -> None:
     assert hw.device_memory_bytes == hw.host_memory_bytes > 2**30
     curve = hw.bandwidth.h2d_pinned
     assert curve[0].size_bytes == 64 * 2**10 and curve[-1].size_bytes == 256 * 2**20
-    for name in ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
+    # each direction alone, and pinned H2D and D2H at the same time (two threads on CPU), at every size
+    for name in (
+        "h2d_pinned",
+        "d2h_pinned",
+        "h2d_pageable",
+        "d2h_pageable",
+        "duplex_h2d_pinned",
+        "duplex_d2h_pinned",
+    ):
         assert len(getattr(hw.bandwidth, name)) == 7
+    assert [s.size_bytes for s in hw.bandwidth.duplex_d2h_pinned] == [s.size_bytes for s in curve]
 
 
 def test_allocation_trace_replays_to_the_measured_peak(gpt2_trace: Trace) -> None:

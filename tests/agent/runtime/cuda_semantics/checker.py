@@ -35,6 +35,13 @@ current point, because the allocator may hand the bytes out again at once. Under
 `allocator="planned"` (the planned allocator, a `CUDAPluggableAllocator`) `record_stream` does
 nothing, as in PyTorch.
 
+Timing events: an `Event(enable_timing=True)` notes the stream it was recorded on and the wall time of the
+record (the simulated work runs at once on the CPU, so that is when the stream reaches the event);
+`elapsed_time` is the difference, and reading it before the host has waited for both events (an event or
+stream synchronise, `torch.cuda.synchronize`) raises and is a `Violation`, as CUDA answers
+`cudaErrorNotReady`; so is reading an event made without `enable_timing`. `SimulatedCuda.timing_events` lists
+every timing event recorded, for tests that check which streams a clock marks.
+
 Limits (say so when reading a clean result): host threads are one agent (the host worker is made
 inline), so races between host threads are not checked; storages are tracked by address ranges of
 the CPU tensors that stand in for device memory; the caching host allocator's own event tracking of
@@ -49,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -139,6 +147,7 @@ class Clocks:
         self.storages: dict[int, _Storage] = {}
         self.violations: list[Violation] = []
         self.in_host_job = False  # the (inline) host worker is running a job: every op is host work
+        self.timing_events: list[SimEvent] = []  # every Event(enable_timing=True) recorded, in order
         self._current = threading.local()
 
     # ------------------------------------------------------------------ agents
@@ -311,10 +320,17 @@ class SimEvent:
     def __init__(self, clocks: Clocks, enable_timing: bool = False, **_: Any) -> None:
         self._clocks = clocks
         self.vc = [0] * len(clocks.names)
+        self.enable_timing = enable_timing
+        self.agent: int | None = None  # the stream it was last recorded on
+        self.kernels = 0  # kernels that stream had run when the event was recorded
+        self.at = 0.0  # wall time of the record (the simulated stream reaches it at once)
 
     def record(self, stream: SimStream | None = None) -> None:
         agent = stream.agent if stream is not None else self._clocks.current()
         self.vc = list(self._clocks.submit(agent))
+        self.agent, self.kernels, self.at = agent, self.vc[agent], time.perf_counter()
+        if self.enable_timing:
+            self._clocks.timing_events.append(self)
 
     def wait(self, stream: SimStream | None = None) -> None:
         agent = stream.agent if stream is not None else self._clocks.current()
@@ -327,7 +343,25 @@ class SimEvent:
         return False
 
     def elapsed_time(self, end: SimEvent) -> float:
-        return 0.0  # no timing in the simulation
+        """Milliseconds from this event to `end`; both must be recorded with timing and waited for by the host."""
+        c = self._clocks
+        host = c.vc[HOST]
+        for e in (self, end):
+            problem = (
+                "was made without enable_timing=True"
+                if not e.enable_timing
+                else "was never recorded"
+                if e.agent is None
+                else None
+                if all(host[i] >= x for i, x in enumerate(e.vc))
+                else "is read before the host waited for it (cudaErrorNotReady: synchronise first)"
+            )
+            if problem is not None:
+                where = c.names[e.agent] if e.agent is not None else "no stream"
+                v = Violation(f"elapsed_time: an event on {where} {problem}", _format(_stack(2)), "")
+                c.violations.append(v)
+                raise StreamOrderError(str(v))
+        return (end.at - self.at) * 1e3
 
 
 class _Recorder(TorchDispatchMode):
@@ -445,6 +479,13 @@ class SimulatedCuda:
     def synchronize(self, device: Any = None) -> None:
         for v in self.clocks.vc[1:]:
             self.clocks.host_waits_for(v)
+
+    @property
+    def timing_events(self) -> list[SimEvent]:
+        return self.clocks.timing_events
+
+    def stream_name(self, event: SimEvent) -> str:
+        return "unrecorded" if event.agent is None else self.clocks.names[event.agent]
 
     def kernels_on(self, name: str) -> int:
         """How many kernels ran on the stream called `name` (e.g. "upload stream"); 0 if it does not exist."""
