@@ -139,13 +139,14 @@ def attach_managed_allocation(
     options: RuntimeOptions | None,
     arena: bool,
 ) -> PlanSource:
-    """Off CUDA: give a newly solved plan the allocation of its managed iteration and send it to the service,
-    so the plan's record shows that plan's arena. Best effort: a failure is logged and the plan keeps the
+    """Off CUDA: give a plan from the service, its history or the in-process solver the allocation of its
+    managed iteration (unless it has one) and send it to the service, so the plan's record shows that plan's
+    arena. Best effort: a failure is logged and the plan keeps the
     placement of the profiled iteration (the training job goes on)."""
-    if has_managed_allocation(source.plan) or source.origin not in ("service", "embedded", "fallback"):
+    if has_managed_allocation(source.plan) or source.origin == "given":
         return source
-    if sample_batch is None or source.trace is None or source.trace.allocation_trace is None:
-        return source  # profiled without an allocation trace: the job asked for no allocation plan
+    if sample_batch is None:
+        return source
     try:
         managed = with_managed_allocation(
             model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options, arena=arena

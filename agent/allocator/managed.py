@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
     from agent.runtime.options import RuntimeOptions
 
+WARMUP_ITERATIONS = 2
+"""Iterations run before the recorded one (as the feedback monitor meters its third step)."""
+
 MANAGED_ALLOCATION_TIME_LIMIT_S = 10.0
 """Time limit of placing the managed iteration's buffers (the planner always returns a valid placement)."""
 
@@ -124,7 +127,10 @@ def record_managed_trace(
     try:
         wrapped.activations = apply_activation_policy(twin, plan.policy, cpu, wrapped.runtime)
         step = TrainingStep(twin, move_batch(batch, cpu), loss_fn, wrapped.optimizer, n_blocks=1)
-        step.run()  # warm-up: optimizer state, swap's host buffers and the runtime's caches come into being
+        for _ in range(
+            WARMUP_ITERATIONS
+        ):  # optimizer state, undo backups, swap buffers, caches come into being
+            step.run()
         wrapped.optimizer.zero_grad(set_to_none=True)
         tracker = StorageTracker()
         for t, cat in device_state_tensors(twin, wrapped.runtime):
