@@ -1,7 +1,9 @@
 """memplan agent: runs inside the training job (profile -> plan -> apply -> measure -> report).
 
 `agent.profile(...)` measures a training iteration and returns a wire-contract Trace;
-`agent.wrap(...)` applies a plan to a model and optimizer, `agent.unwrap(...)` gives them back.
+`agent.wrap(...)` applies a plan to a model and optimizer, `agent.unwrap(...)` gives them back;
+`agent.plan_with_allocation(...)` saves a plan with its managed allocation and `agent.install_allocator(...)`
+installs the planned CUDA allocator from it (first thing in a training script).
 The functions live in `agent.profiler` and `agent.wrapping` (no submodule shares a name with a function,
 so `agent.wrap` is the function whatever was imported before). They load on first use, so importing
 `agent` stays cheap (no torch import).
@@ -13,12 +15,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agent.allocator.install import install_allocator, plan_with_allocation
     from agent.profiler import profile
     from agent.wrapping import unwrap, wrap
 
-__all__ = ["profile", "wrap", "unwrap"]
+__all__ = ["profile", "wrap", "unwrap", "install_allocator", "plan_with_allocation"]
 
-_LAZY = {"profile": "agent.profiler", "wrap": "agent.wrapping", "unwrap": "agent.wrapping"}
+_LAZY = {
+    "profile": "agent.profiler",
+    "wrap": "agent.wrapping",
+    "unwrap": "agent.wrapping",
+    "install_allocator": "agent.allocator.install",
+    "plan_with_allocation": "agent.allocator.install",
+}
 
 
 def __getattr__(name: str) -> Any:

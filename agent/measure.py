@@ -9,9 +9,12 @@ runtime's host copies (offloaded chunks) are allocated before the window and not
 buffers are allocated with dispatch modes switched off (see `runtime/swap.py`). So the figure compares
 with the trace's `peak_device_bytes` and with the plan's `predictions.peak_device_bytes`.
 
-CUDA: `torch.cuda.max_memory_allocated` over the iteration (what the profiler reports on CUDA); it
-counts every tensor on the device, so it needs no registration. Written for CUDA, not run here (no GPU
-in the session that wrote it).
+CUDA: the peak allocated bytes over the iteration (what the profiler reports on CUDA); it counts every
+tensor on the device, so it needs no registration. Read through `agent.allocator.device_memory`: PyTorch's
+`max_memory_allocated` under its caching allocator, the planned allocator's own statistics when
+`allocation="planned"` installed it (PyTorch's pluggable allocator refuses peak statistics). Written for
+CUDA, not run here (no GPU in the session that wrote it); the selection is tested on CPU against the C++
+core driven through the fake CUDA runtime.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from agent.allocator import device_memory
 from agent.profiler.storage_tracker import StorageTracker
 from agent.profiler.tensors import iter_tensors
 from client.contract import AllocationCategory
@@ -76,7 +80,7 @@ class DevicePeakMeter:
     def start(self, state: Iterable[tuple[torch.Tensor, AllocationCategory]], external: Any) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            device_memory.reset_peak(self.device)
             self._cuda_running = True
             return
         tracker = StorageTracker()
@@ -91,7 +95,7 @@ class DevicePeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._cuda_running = False
-            return int(torch.cuda.max_memory_allocated(self.device))
+            return device_memory.peak_allocated(self.device)
         tracker = self._tracker
         assert tracker is not None, "stop() without start()"
         self._tracker = None

@@ -255,35 +255,61 @@ def _wrap(
     clips_gradients: bool,
 ) -> Wrapped:
     """`wrap` after its argument checks, with the KV cache already off."""
+    from agent.allocator.install import attach_managed_allocation, install_planned_first, planned_cuda_device
     from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
     from agent.planning import PlanSource, obtain_plan
     from agent.runtime.activations import apply_activation_policy, block_targets
 
-    if plan is not None:
+    obtain_kwargs: dict[str, Any] = dict(
+        server=server,
+        device_memory=device_memory,
+        host_memory=host_memory,
+        wait_s=wait_s,
+        service_budget_s=service_budget_s,
+        reuse=reuse,
+        clips_gradients=clips_gradients,
+    )
+    selection: AllocatorSelection | None = None
+    cuda = planned_cuda_device(model, options) if allocation == "planned" else None
+    if cuda is not None:
+        # Level 2 on CUDA: the allocator goes in before anything here initialises CUDA (agent/allocator/install.py)
+        source, selection = install_planned_first(
+            model,
+            optimizer,
+            plan,
+            sample_batch=sample_batch,
+            loss_fn=loss_fn,
+            options=options,
+            blocks=blocks,
+            device=cuda,
+            obtain_kwargs=obtain_kwargs,
+        )
+        log.info("memplan: %s; %s", source.message, selection.reason)
+    elif plan is not None:
         source = PlanSource(plan, "given", message="plan given to wrap")
     else:
         source = obtain_plan(
+            model, optimizer, sample_batch, loss_fn=loss_fn, blocks=blocks, options=options, **obtain_kwargs
+        )
+        log.info("memplan: %s", source.message)
+        source = attach_managed_allocation(
+            source,
             model,
             optimizer,
             sample_batch,
-            server=server,
-            device_memory=device_memory,
-            host_memory=host_memory,
             loss_fn=loss_fn,
-            wait_s=wait_s,
-            service_budget_s=service_budget_s,
-            reuse=reuse,
-            blocks=blocks,
             options=options,
-            clips_gradients=clips_gradients,
+            arena=allocation == "planned",
         )
-        log.info("memplan: %s", source.message)
     plan = source.plan
     if plan.policy is None:
         raise ValueError(f"plan.policy: absent (solver status {plan.solver.status.value}); nothing to apply")
     block_targets(model, plan.policy)  # activation checks before the model is touched
-    selection = _select_allocator(allocation, plan, source, target_device(model, options))
-    wrapped = apply_plan(model, optimizer, plan, options, arena=allocation == "planned")
+    if selection is None:
+        selection = _select_allocator(allocation, plan, source, target_device(model, options))
+    # the runtime's own arena (Level 1) only where no planned allocator places every tensor (Level 2 places
+    # the runtime's buffers too: they are long-lived slots of the managed iteration it replays)
+    wrapped = apply_plan(model, optimizer, plan, options, arena=allocation == "planned" and selection is None)
     wrapped.source = source
     wrapped.allocator = selection
     wrapped.kv_cache = cache_off
@@ -335,7 +361,9 @@ def target_device(model: nn.Module, options: RuntimeOptions | None = None) -> to
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        # current_device() initialises CUDA; until then the current device is 0 (the planned allocator must be
+        # installed before CUDA is initialised, issue 19 defect 3)
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
     return device
 
 
@@ -356,7 +384,11 @@ def _select_allocator(
             device.type,
         )
         return None
-    events = source.trace.allocation_trace if source.trace is not None else None
+    events = (
+        source.trace.allocation_trace
+        if plan.allocation is not None and plan.allocation.events is None and source.trace is not None
+        else None
+    )  # None: the plan's own allocation.events
     return select("planned", plan, events, device=device)
 
 

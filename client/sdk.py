@@ -21,6 +21,7 @@ import httpx
 from pydantic import BaseModel
 
 from client.contract import (
+    AllocationTrace,
     Constraints,
     Feedback,
     FeedbackRecord,
@@ -45,6 +46,8 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 30.0
 # A what-if answer runs a fake iteration and the solver per entry while the client waits.
 WHATIF_TIMEOUT_S = 300.0
+# Placing a managed iteration's buffers: the service's time limit for it, plus a first numba compile.
+MANAGED_ALLOCATION_WAIT_S = 60.0
 DEFAULT_MAX_RETRIES = 2
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -336,6 +339,19 @@ class BaseClient:
             "POST", f"/v1/plans/{plan_id}/feedback", parse, json=feedback.model_dump(mode="json")
         )
 
+    def _put_managed_allocation(self, plan_id: str, events: AllocationTrace) -> APIRequest[PlanRecord]:
+        def parse(body: Any) -> PlanRecord:
+            self._plans.forget(plan_id)
+            return PlanRecord.model_validate(body)
+
+        return APIRequest(
+            "PUT",
+            f"/v1/plans/{plan_id}/allocation",
+            parse,
+            json=events.model_dump(mode="json"),
+            timeout=DEFAULT_TIMEOUT_S + MANAGED_ALLOCATION_WAIT_S,
+        )
+
     def _models(self) -> APIRequest[list[ModelSummary]]:
         return APIRequest("GET", "/v1/models", lambda body: [ModelSummary.model_validate(m) for m in body])
 
@@ -492,6 +508,11 @@ class Client(BaseClient):
     def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
         return self._call(self._post_feedback(plan_id, feedback))
 
+    def put_managed_allocation(self, plan_id: str, events: AllocationTrace) -> PlanRecord:
+        """Send one iteration run under the plan (its allocation trace); the service places it and stores the
+        placement as the plan's allocation (`iteration="managed"`). Returns the updated record."""
+        return self._call(self._put_managed_allocation(plan_id, events))
+
     # catalog -----------------------------------------------------------------------------------
     def models(self) -> list[ModelSummary]:
         return self._call(self._models())
@@ -628,6 +649,9 @@ class AsyncClient(BaseClient):
 
     async def post_feedback(self, plan_id: str, feedback: Feedback) -> FeedbackRecord:
         return await self._call(self._post_feedback(plan_id, feedback))
+
+    async def put_managed_allocation(self, plan_id: str, events: AllocationTrace) -> PlanRecord:
+        return await self._call(self._put_managed_allocation(plan_id, events))
 
     async def models(self) -> list[ModelSummary]:
         return await self._call(self._models())

@@ -54,6 +54,7 @@ class CudaPlannedAllocator:
         self._core = core
         self._pluggable = pluggable  # keeps the library loaded as long as PyTorch may call it
         self.device = device
+        self.plan_key: tuple[str, int, int] | None = None  # the plan it replays (`select.plan_key`)
 
     def begin_iteration(self) -> None:
         """A training iteration starts: replay the plan from its first slot."""

@@ -55,7 +55,8 @@ def select(
     debug: bool = False,
     **rules: Any,
 ) -> AllocatorSelection:
-    """Apply the allocation mode; "planned" needs `plan.allocation` and the trace's allocation events."""
+    """Apply the allocation mode; "planned" needs `plan.allocation` and the events it places (`events`, else
+    the plan's own `allocation.events`)."""
     if allocation not in MODES:
         raise ValueError(f"allocation: must be one of {', '.join(MODES)}, got {allocation!r}")
     if allocation == "caching":
@@ -66,7 +67,12 @@ def select(
             "(solve it from a trace profiled with allocation_trace=True)"
         )
     if events is None:
-        raise ValueError("events: allocation='planned' needs the trace's allocation_trace events")
+        events = plan.allocation.events
+    if events is None:
+        raise ValueError(
+            "events: allocation='planned' needs the allocation events the plan places (plan.allocation.events, "
+            "carried by plans since issue 19, or the trace's allocation_trace)"
+        )
     evs = events.events if isinstance(events, AllocationTrace) else events
     import torch
 
@@ -85,4 +91,11 @@ def select(
     allocator = install_cuda_planned_allocator(
         plan.allocation, evs, device=index, debug=debug, rules=MatchRules(**rules)
     )
+    allocator.plan_key = plan_key(plan)
     return AllocatorSelection("planned", "planned", f"planned CUDA allocator on cuda:{index}", allocator)
+
+
+def plan_key(plan: Plan) -> tuple[str, int, int]:
+    """What identifies a plan's allocation: the trace it was solved for, its arena and its number of slots."""
+    a = plan.allocation
+    return (plan.trace_hash, a.arena_bytes if a else 0, len(a.offsets) if a else 0)

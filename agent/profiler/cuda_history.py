@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from agent.allocator.device_memory import check_history_available
 from agent.profiler.storage_tracker import StorageRecord
 from client.contract import AllocationCategory, Phase
 
@@ -39,6 +40,7 @@ class CudaGauge:
     mark_counts: list[int] = field(default_factory=list)  # allocations since the gauge started, per mark
 
     def __post_init__(self) -> None:
+        check_history_available(self.device)  # memory_stats raise under the planned allocator
         torch.cuda.reset_peak_memory_stats(self.device)
         self.base_count = self.alloc_count()
 
@@ -64,6 +66,7 @@ class CudaAllocatorHistory:
     """Context manager recording the caching allocator's events for one window on `device`."""
 
     def __init__(self, device: torch.device, max_entries: int = 2_000_000) -> None:
+        check_history_available(device)  # no memory history under the planned allocator
         self.device = device
         self.max_entries = max_entries
         self.entries: list[dict[str, Any]] = []

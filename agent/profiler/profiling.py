@@ -285,6 +285,10 @@ def _measure(
     repeats: int,
     hw: Hardware,
 ) -> _Result:
+    if dev.type == "cuda":
+        from agent.allocator.device_memory import check_history_available
+
+        check_history_available(dev)  # the planned allocator has no memory history: say so before any work
     clock = DeviceClock(dev)
     n_blocks = len(repeated) + 2
     step = TrainingStep(model, batch, loss_fn, opt, n_blocks)

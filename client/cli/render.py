@@ -62,11 +62,12 @@ def plan_table(plan: Plan, title: str = "plan") -> Table:
         )
     if plan.allocation is not None:
         a = plan.allocation
-        # The service places the buffers of the profiled iteration (the trace's allocation trace, recorded
-        # without this plan's offloading and recomputation): say so, it is not the managed run's arena.
+        # At solve time the service places the buffers of the profiled iteration (recorded without this plan's
+        # offloading and recomputation); once the agent has run the plan, those of its managed iteration.
+        placed = "this plan's iteration" if a.iteration == "managed" else "profiled (un-managed) iteration"
         t.add_row(
             "allocation",
-            f"profiled (un-managed) iteration: arena {format_bytes(a.arena_bytes)} vs live-bytes "
+            f"{placed}: arena {format_bytes(a.arena_bytes)} vs live-bytes "
             f"bound {format_bytes(a.lower_bound_bytes)} (gap {a.gap:.2%}, {a.status.value}, "
             f"{plural(len(a.offsets), 'buffer')} placed)",
         )

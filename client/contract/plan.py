@@ -22,6 +22,7 @@ from client.contract.common import (
     Seconds,
     Text,
 )
+from client.contract.trace import AllocationTrace
 
 
 class Placement(StrEnum):
@@ -115,6 +116,17 @@ class AllocationPlan(ContractModel):
     status: SolverStatus
     solve_s: Seconds
     solver: Name
+    iteration: Literal["profiled", "managed"] = Field(
+        default="profiled",
+        description="whose buffers are placed: 'profiled', the trace's un-managed iteration (what the service "
+        "plans at solve time); 'managed', one iteration run under this plan's policy (its offloading, "
+        "checkpointing and swap), recorded by the agent and planned after the policy",
+    )
+    events: AllocationTrace | None = Field(
+        default=None,
+        description="the allocation events the offsets place (each offset's id is an event id): with them "
+        "the plan alone is enough to install the planned allocator, without the trace it was solved from",
+    )
 
     @property
     def gap(self) -> float:

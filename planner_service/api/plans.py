@@ -1,4 +1,5 @@
-"""/v1/plans: request (queued for a worker, identical requests reuse), fetch with long-poll, list, feedback."""
+"""/v1/plans: request (queued for a worker, identical requests reuse), fetch with long-poll, list, feedback, and
+the managed iteration's allocation (`PUT /{id}/allocation`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from client.contract import (
     FINAL_PLAN_STATUSES,
+    AllocationTrace,
     Feedback,
     FeedbackRecord,
     Page,
@@ -80,7 +82,9 @@ def _load(db: Database, plan_id: str, project_id: str) -> tuple[str, str, bytes]
         if found is None:
             return None
         row, raw = found
-        etag = plan_etag(row.id, row.status, row.attempts, row.started_at, row.finished_at, len(row.feedback))
+        etag = plan_etag(
+            row.id, row.status, row.attempts, row.started_at, row.finished_at, len(row.feedback), row.revision
+        )
         return row.status, etag, plan_record_body(row, raw)
 
 
@@ -236,3 +240,20 @@ def post_feedback(
     except plans.FeedbackNotAccepted as exc:
         raise ApiError(409, str(exc)) from exc
     return feedback_record(row)
+
+
+@router.put("/{plan_id}/allocation", response_model=PlanRecord)
+def put_managed_allocation(
+    plan_id: PlanId, body: AllocationTrace, request: Request, session: SessionDep, principal: PrincipalDep
+) -> PlanRecord:
+    """The allocation of one iteration run under the plan (the agent records it): placed, validated and stored
+    as the plan's allocation (`iteration: managed`), replacing the placement of the profiled iteration."""
+    try:
+        row = plans.store_managed_allocation(
+            session, principal.project_id, plan_id, body, request.app.state.change_feed
+        )
+    except plans.PlanNotFound as exc:
+        raise ApiError(404, str(exc)) from exc
+    except plans.AllocationNotAccepted as exc:
+        raise ApiError(409, str(exc)) from exc
+    return plan_record(row)

@@ -140,6 +140,12 @@ class PlanRow(Base):
     )
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    revision: Mapped[int] = mapped_column(
+        Integer,
+        default=0,
+        server_default="0",
+        doc="changes of the stored Plan after it finished (the managed allocation, migration 0008)",
+    )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -47,11 +47,18 @@ REUSABLE_STATUSES = tuple(
 
 
 def plan_etag(
-    plan_id: str, status: str, attempts: int, started_at: Any, finished_at: Any, n_feedback: int
+    plan_id: str,
+    status: str,
+    attempts: int,
+    started_at: Any,
+    finished_at: Any,
+    n_feedback: int,
+    revision: int = 0,
 ) -> str:
     """Entity tag of a plan record: it changes whenever the record can (status, a new attempt, its times, new
-    feedback; the stored Plan is written once, with the final status). Strong: equal tags, equal bytes."""
-    key = f"{plan_id}|{status}|{attempts}|{started_at}|{finished_at}|{n_feedback}"
+    feedback, a new revision of the stored Plan: written with the final status, and again when the agent's
+    managed allocation replaces the profiled one). Strong: equal tags, equal bytes."""
+    key = f"{plan_id}|{status}|{attempts}|{started_at}|{finished_at}|{n_feedback}|{revision}"
     return '"' + hashlib.blake2b(key.encode(), digest_size=12).hexdigest() + '"'
 
 
@@ -76,6 +83,7 @@ _PLAN_VERSION = select(
     PlanRow.started_at,
     PlanRow.finished_at,
     select(func.count()).select_from(FeedbackRow).where(FeedbackRow.plan_id == PlanRow.id).scalar_subquery(),
+    PlanRow.revision,
 ).where(PlanRow.id == bindparam("plan_id"), PlanRow.project_id == bindparam("project_id"))
 
 
@@ -517,6 +525,22 @@ class PlanRepository:
             )
         )
         return res.rowcount == 1  # type: ignore[attr-defined]
+
+    def replace_allocation(self, plan_id: str, project_id: str, allocation: dict[str, Any]) -> PlanRow | None:
+        """Store `allocation` as the `done` plan's allocation and count a revision; None (nothing written) if
+        the plan is not the project's or not done. The row is locked for the read-modify-write."""
+        row = self.s.scalar(
+            select(PlanRow)
+            .where(PlanRow.id == plan_id, PlanRow.project_id == project_id)
+            .options(undefer(PlanRow.result))
+            .with_for_update()
+        )
+        if row is None or row.status != PlanStatus.done.value or row.result is None:
+            return None
+        row.result = {**row.result, "allocation": allocation}
+        row.revision = (row.revision or 0) + 1
+        self.s.flush()
+        return row
 
     def solve_inputs(self, plan_id: str) -> tuple[bytes | None, dict[str, Any]]:
         """The plan's stored trace (gzip bytes; None if gone) and its request's fields, as stored."""

@@ -3,6 +3,9 @@
 - An identical earlier request (same trace content, limits, objective, solver and solver version) of the
   project is reused unless it failed; a new plan and its solve job are written in one transaction.
 - Feedback is for plans that were applied: only a `done` plan takes it.
+- The allocation of a `done` plan can be replaced once the agent has run it: the agent records one iteration
+  under the plan (its offloading, checkpointing, swap) and sends it; the service places those buffers (the
+  same planner and validator as at solve time) and stores the placement, counting a revision of the plan.
 - A plan this process changes is dropped from the change feed's memory before the commit, so no poll here
   answers from the old entity tag afterwards.
 - The solve job (`jobs/tasks.py`) counts an attempt before it reads anything; a plan found running was
@@ -20,7 +23,14 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from client.contract import FINAL_PLAN_STATUSES, PENDING_PLAN_STATUSES, Feedback, PlanRequest, PlanStatus
+from client.contract import (
+    FINAL_PLAN_STATUSES,
+    PENDING_PLAN_STATUSES,
+    AllocationTrace,
+    Feedback,
+    PlanRequest,
+    PlanStatus,
+)
 from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.models import FeedbackRow, PlanRow
 from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
@@ -36,6 +46,10 @@ class TraceNotFound(LookupError):
 
 class PlanNotFound(LookupError):
     """No such plan in the project."""
+
+
+class AllocationNotAccepted(Exception):
+    """A managed allocation for a plan that is not `done` (nothing was applied), or events that cannot be placed."""
 
 
 class FeedbackNotAccepted(Exception):
@@ -82,6 +96,37 @@ def add_feedback(
             f"plan {plan_id} is {plan.status}: feedback is for plans that were applied (done)"
         )
     row = FeedbackRepository(session).add(plan, feedback)
+    if feed is not None:
+        feed.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
+    return row
+
+
+MANAGED_ALLOCATION_TIME_LIMIT_S = 10.0
+"""How long the service spends placing a managed iteration's buffers (a valid placement always comes back)."""
+
+
+def store_managed_allocation(
+    session: Session, project_id: str, plan_id: str, events: AllocationTrace, feed: ChangeFeed | None
+) -> PlanRow:
+    """Place `events` (one iteration run under plan `plan_id`, recorded by the agent), validate the placement
+    and store it as the plan's allocation (`iteration="managed"`); only a `done` plan takes it."""
+    plan = PlanRepository(session).get(plan_id, project_id)
+    if plan is None:
+        raise PlanNotFound(f"plan {plan_id} not found")
+    if plan.status != PlanStatus.done:
+        raise AllocationNotAccepted(
+            f"plan {plan_id} is {plan.status}: a managed allocation is for plans that were applied (done)"
+        )
+    # imported here: the allocation planner pulls in numba, which the API process needs only for this
+    from planner_service.solver.plan import solve_allocation
+
+    try:
+        allocation = solve_allocation(events, MANAGED_ALLOCATION_TIME_LIMIT_S, iteration="managed")
+    except ValueError as exc:  # the validator's or the planner's input checks, naming the event
+        raise AllocationNotAccepted(f"allocation_trace: {exc}") from exc
+    row = PlanRepository(session).replace_allocation(plan_id, project_id, allocation.model_dump(mode="json"))
+    if row is None:
+        raise AllocationNotAccepted(f"plan {plan_id} is no longer done")
     if feed is not None:
         feed.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
     return row

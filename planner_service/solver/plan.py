@@ -7,7 +7,17 @@
 
 from __future__ import annotations
 
-from client.contract import AllocationPlan, Constraints, Plan, PlanRequest, SolverStatus, Trace
+from typing import Literal
+
+from client.contract import (
+    AllocationPlan,
+    AllocationTrace,
+    Constraints,
+    Plan,
+    PlanRequest,
+    SolverStatus,
+    Trace,
+)
 from planner_service.solver.allocation import plan_allocation, validate_allocation
 from planner_service.solver.entry import solve
 
@@ -30,8 +40,20 @@ def solve_plan(trace: Trace, request: PlanRequest | Constraints, *, seed: int = 
 
 
 def _allocate(trace: Trace, constraints: Constraints) -> AllocationPlan:
-    """Place the buffers of the trace's allocation trace within half the solve's time limit, validated."""
+    """Place the buffers of the trace's allocation trace (the profiled, un-managed iteration) within half the
+    solve's time limit, validated; the plan carries the events it places."""
     assert trace.allocation_trace is not None
-    allocation = plan_allocation(trace.allocation_trace, time_limit_s=max(1.0, constraints.time_limit_s / 2))
-    validate_allocation(trace.allocation_trace, allocation)
-    return allocation
+    return solve_allocation(
+        trace.allocation_trace, max(1.0, constraints.time_limit_s / 2), iteration="profiled"
+    )
+
+
+def solve_allocation(
+    events: AllocationTrace, time_limit_s: float, *, iteration: Literal["profiled", "managed"]
+) -> AllocationPlan:
+    """Place `events` (an iteration's buffers) and validate the placement; the plan carries `events`, so it
+    is all the planned allocator needs. `iteration` says whose buffers they are: the trace's profiled
+    iteration, or one iteration run under the plan's policy (`managed`, recorded by the agent)."""
+    allocation = plan_allocation(events, time_limit_s=time_limit_s)
+    validate_allocation(events, allocation)
+    return allocation.model_copy(update={"iteration": iteration, "events": events})

@@ -2,9 +2,11 @@
 
 In order of preference:
 1. `timeline`: the solver's predicted `Plan.predictions.device_memory_timeline` (bytes per step).
-2. `allocation`: the live bytes over one iteration of the trace's `allocation_trace` (long-lived
-   buffers counted at every time), when the plan carries an allocation plan for it; the arena the
-   allocation planner reserved is drawn as a reference line.
+2. `allocation`: the live bytes over the iteration the plan's allocation places (long-lived buffers
+   counted at every time): the plan's own managed iteration (`allocation.iteration == "managed"`, its
+   events carried by the plan: one iteration run under this plan, sent by the agent), else the trace's
+   profiled `allocation_trace`; the arena the allocation planner reserved is drawn as a reference line,
+   labelled with whose iteration it places.
 3. `blocks`: per block, the predicted device memory while that block runs, from the plan's
    predictions breakdown (`static_device_bytes`: persistent chunks and buffers) plus the trace's
    per-block activation figures under the plan's activation mode. This is the same walk as the cost
@@ -43,9 +45,19 @@ def reference_markers(plan: Plan, measured_peak_bytes: int | None) -> list[Marke
     return markers
 
 
+def allocation_events(plan: Plan, trace: Trace | None) -> AllocationTrace | None:
+    """The events the plan's allocation places: its own (managed iteration, or any plan carrying them), else
+    the trace's profiled allocation trace; None when the plan has no allocation or the events are unknown."""
+    if plan.allocation is None:
+        return None
+    if plan.allocation.events is not None:
+        return plan.allocation.events
+    return trace.allocation_trace if trace is not None else None
+
+
 def needs_trace(plan: Plan) -> bool:
     """Whether `memory_charts` reads the trace for this plan (so a page can skip parsing a large one)."""
-    if plan.allocation is not None:
+    if plan.allocation is not None and plan.allocation.events is None:
         return True
     return (
         plan.predictions is not None
@@ -61,8 +73,9 @@ def memory_chart(
     markers = reference_markers(plan, measured_peak_bytes)
     if plan.predictions is not None and plan.predictions.device_memory_timeline:
         return timeline_chart(plan, markers)
-    if plan.allocation is not None and trace is not None and trace.allocation_trace is not None:
-        return allocation_chart(trace.allocation_trace, [*markers, _arena(plan)])
+    events = allocation_events(plan, trace)
+    if events is not None:
+        return allocation_chart(events, [*markers, _arena(plan)])
     if plan.predictions is not None and plan.policy is not None and trace is not None:
         return block_chart(plan, trace, markers)
     if plan.solver.min_device_memory_bytes is not None:
@@ -79,20 +92,24 @@ def memory_charts(
     if (
         main is not None
         and main.source != "allocation"
-        and plan.allocation is not None
-        and trace is not None
-        and trace.allocation_trace is not None
+        and (events := allocation_events(plan, trace)) is not None
     ):
-        charts.append(
-            allocation_chart(trace.allocation_trace, [reference_markers(plan, None)[0], _arena(plan)])
-        )
+        charts.append(allocation_chart(events, [reference_markers(plan, None)[0], _arena(plan)]))
     return charts
 
 
 def _arena(plan: Plan) -> Marker:
     assert plan.allocation is not None
-    # the arena placing the profiled (un-managed) iteration's buffers, not a run under this plan
-    return Marker("arena of the profiled iteration", plan.allocation.arena_bytes, "arena")
+    return Marker(arena_label(plan), plan.allocation.arena_bytes, "arena")
+
+
+def arena_label(plan: Plan) -> str:
+    """Whose arena the plan's allocation is: this plan's (its managed iteration), or the profiled iteration's
+    (placed at solve time, before the agent ran the plan: not the arena of a run under it)."""
+    assert plan.allocation is not None
+    if plan.allocation.iteration == "managed":
+        return "arena of this plan's iteration"
+    return "arena of the profiled iteration"
 
 
 def requirement_chart(plan: Plan) -> MemoryChart:

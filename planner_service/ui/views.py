@@ -208,7 +208,13 @@ def allocation_rows(plan: Plan) -> list[tuple[str, str]]:
     a = plan.allocation
     if a is None:
         return []
+    placed = (
+        "this plan's iteration (run under the plan by the agent)"
+        if a.iteration == "managed"
+        else "the profiled (un-managed) iteration: not yet a run under this plan"
+    )
     return [
+        ("iteration placed", placed),
         ("arena", format_bytes(a.arena_bytes)),
         ("lower bound (peak live bytes)", format_bytes(a.lower_bound_bytes)),
         ("gap", f"{a.gap * 100:.2f}%"),
@@ -317,7 +323,8 @@ def plan_page(record: PlanRecord, stored: StoredTrace | None, cache: ChartCache 
             PlanStatus.running: "Running: a worker is solving this plan.",
         }.get(record.status, "This plan has no result.")
     else:
-        key = (record.id, str(record.finished_at), latest.id if latest else "")
+        placed = plan.allocation.iteration if plan.allocation is not None else ""  # managed arrives later
+        key = (record.id, str(record.finished_at), latest.id if latest else "", placed)
         cached = cache.get(key) if record.status.final else None
         if cached is not None:
             charts, note = cached, ""

@@ -1,0 +1,247 @@
+"""Installing the planned CUDA allocator before anything initialises CUDA (issue 19 defect 3).
+
+PyTorch swaps its CUDA allocator only before its first CUDA allocation. So everything `wrap(...,
+allocation="planned")` does on the way to the install must leave CUDA alone:
+
+1. `planned_cuda_device` finds the device without `torch.cuda.current_device()` (which initialises CUDA;
+   `torch.cuda.is_available()` does not);
+2. a plan given to `wrap` that already carries its managed allocation (`iteration="managed"` with its
+   events) is installed at once; any other plan gets one: the managed iteration is recorded on a CPU copy
+   of the job (`agent.allocator.managed`, no CUDA);
+3. without a plan, profiling and solving would initialise CUDA, so they run in a child process
+   (`plan_subprocess.obtain_plan_in_subprocess`), and only the plan comes back;
+4. then `select("planned", plan)` installs the allocator, and `wrap` goes on (the runtime's buffers,
+   the model's move to the GPU: all served by the planned allocator).
+
+Two calls for scripts that manage the order themselves:
+* `plan_with_allocation(model, optimizer, sample_batch, path=...)`: a plan with its managed allocation,
+  saved as JSON (run once, e.g. in a preparation script; it may use the GPU);
+* `install_allocator(plan_file)`: the first line of the training script; `wrap(..., plan=same plan,
+  allocation="planned")` then uses the allocator already installed.
+
+Not run on a GPU where this was written: the ordering is tested on CPU by observing `torch.cuda`'s lazy
+initialisation and the install call (tests/agent/allocator/test_install_order.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent.allocator.managed import has_managed_allocation, with_managed_allocation
+from agent.allocator.select import plan_key
+from client.contract import Plan
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from agent.allocator.cuda import CudaPlannedAllocator
+    from agent.allocator.select import AllocatorSelection
+    from agent.planning import PlanSource
+    from agent.runtime.options import RuntimeOptions
+
+log = logging.getLogger(__name__)
+
+
+def planned_cuda_device(model: nn.Module, options: RuntimeOptions | None) -> torch.device | None:
+    """The CUDA device `wrap` will use (None: not CUDA), found without initialising CUDA: the option, else the
+    model's device, else cuda:0 when a GPU is visible; an index-less "cuda" is the current device, which is
+    device 0 until CUDA is initialised."""
+    import torch
+
+    params = list(model.parameters())
+    if options is not None and options.device is not None:
+        device = torch.device(options.device)
+    elif params and params[0].device.type != "cpu":
+        device = params[0].device
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        return None
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        device = torch.device("cuda", index)
+    return device
+
+
+def install_planned_first(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan | None,
+    *,
+    sample_batch: Any,
+    loss_fn: Any,
+    options: RuntimeOptions | None,
+    blocks: Any,
+    device: torch.device,
+    obtain_kwargs: dict[str, Any],
+) -> tuple[PlanSource, AllocatorSelection]:
+    """Steps 2-4 of the module doc: the plan with its managed allocation, and the allocator installed from it,
+    with no CUDA initialisation in this process before the install."""
+    import torch
+
+    from agent.allocator.cuda import check_can_install, installed
+    from agent.allocator.select import AllocatorSelection, select
+    from agent.planning import PlanSource
+
+    handle = installed()
+    if handle is None:  # fail before any profiling or copying when the switch is already impossible
+        check_can_install(
+            cuda_available=True, cuda_initialized=torch.cuda.is_initialized(), already_installed=False
+        )
+    if plan is not None:
+        source = PlanSource(plan, "given", message="plan given to wrap")
+    else:
+        from agent.allocator.plan_subprocess import obtain_plan_in_subprocess
+
+        source = obtain_plan_in_subprocess(
+            model,
+            optimizer,
+            sample_batch,
+            loss_fn=loss_fn,
+            blocks=blocks,
+            options=options,
+            **obtain_kwargs,
+        )
+    if not has_managed_allocation(source.plan):
+        managed = with_managed_allocation(
+            model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options
+        )
+        source = dataclasses.replace(source, plan=managed)
+        publish(source)
+    a = source.plan.allocation
+    assert a is not None and a.events is not None
+    if handle is not None:
+        if handle.plan_key is not None and handle.plan_key != plan_key(source.plan):
+            log.warning(
+                "memplan: the planned CUDA allocator installed earlier (agent.install_allocator) replays another "
+                "plan's allocation than the plan wrap applies; its statistics will show fallbacks"
+            )
+        selection = AllocatorSelection(
+            "planned", "planned", f"planned CUDA allocator installed earlier on cuda:{handle.device}", handle
+        )
+        return source, selection
+    return source, select("planned", source.plan, a.events, device=device)
+
+
+def attach_managed_allocation(
+    source: PlanSource,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sample_batch: Any,
+    *,
+    loss_fn: Any,
+    options: RuntimeOptions | None,
+    arena: bool,
+) -> PlanSource:
+    """Off CUDA: give a plan from the service, its history or the in-process solver the allocation of its
+    managed iteration (unless it has one) and send it to the service, so the plan's record shows that plan's
+    arena. Best effort: a failure is logged and the plan keeps the
+    placement of the profiled iteration (the training job goes on)."""
+    if has_managed_allocation(source.plan) or source.origin == "given":
+        return source
+    if sample_batch is None:
+        return source
+    try:
+        managed = with_managed_allocation(
+            model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options, arena=arena
+        )
+    except Exception as exc:  # noqa: BLE001 - an extra the job does not need must not stop it
+        log.warning(
+            "memplan: the managed iteration could not be recorded (%s: %s); the plan keeps the allocation "
+            "of the profiled iteration",
+            type(exc).__name__,
+            exc,
+        )
+        return source
+    source = dataclasses.replace(source, plan=managed)
+    publish(source)
+    return source
+
+
+def publish(source: PlanSource) -> None:
+    """Send the plan's managed allocation to the service that made it (best effort)."""
+    if source.server and source.plan_id and source.origin in ("service", "history"):
+        from agent.allocator.publish import publish_managed_allocation
+
+        publish_managed_allocation(source.server, source.plan_id, source.plan)
+
+
+def plan_with_allocation(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sample_batch: Any,
+    *,
+    path: str | Path | None = None,
+    loss_fn: Any = None,
+    options: RuntimeOptions | None = None,
+    blocks: Any = None,
+    **obtain_kwargs: Any,
+) -> Plan:
+    """A plan for the job (history, service or in-process, as `wrap` gets one) with the allocation of its
+    managed iteration, saved as JSON at `path` if given: what `install_allocator` needs. It may initialise
+    CUDA (it profiles on the GPU): run it before the training script, or in another process."""
+    from agent.planning import obtain_plan
+
+    source = obtain_plan(
+        model, optimizer, sample_batch, loss_fn=loss_fn, options=options, blocks=blocks, **obtain_kwargs
+    )
+    plan = source.plan
+    if not has_managed_allocation(plan):
+        plan = with_managed_allocation(model, optimizer, plan, sample_batch, loss_fn=loss_fn, options=options)
+        publish(dataclasses.replace(source, plan=plan))
+    if path is not None:
+        Path(path).write_text(plan.model_dump_json())
+    return plan
+
+
+def load_plan(plan: Plan | str | Path) -> Plan:
+    """A Plan, or one read from a JSON file (a Plan, or a plan record whose `plan` field is one)."""
+    import json
+
+    if isinstance(plan, Plan):
+        return plan
+    path = Path(plan)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"plan: cannot read a plan from {path} ({type(exc).__name__}: {exc})") from exc
+    if isinstance(data, dict) and "plan" in data and "trace_hash" not in data:
+        data = data["plan"]
+    return Plan.model_validate(data)
+
+
+def install_allocator(
+    plan: Plan | str | Path, *, device: int = 0, debug: bool = False, **rules: Any
+) -> CudaPlannedAllocator:
+    """Make the planned allocator PyTorch's CUDA allocator, from a plan that carries its managed allocation
+    (`plan_with_allocation`). Call it first thing in the training script, before any CUDA tensor exists.
+    Raises AllocatorSwitchError (CUDA already initialised, installed twice, no GPU) or ValueError naming the
+    field the plan lacks."""
+    from agent.allocator.core import MatchRules
+    from agent.allocator.cuda import install_cuda_planned_allocator
+
+    p = load_plan(plan)
+    a = p.allocation
+    if a is None:
+        raise ValueError("plan.allocation: absent; save the plan with agent.plan_with_allocation(...)")
+    if a.events is None:
+        raise ValueError(
+            "plan.allocation.events: absent (a plan from before allocations carried their events); save the "
+            "plan again with agent.plan_with_allocation(...)"
+        )
+    if a.iteration != "managed":
+        log.warning(
+            "memplan: plan.allocation places the profiled (un-managed) iteration, not the iteration this plan "
+            "runs; the allocator will fall back often. Save it with agent.plan_with_allocation(...)"
+        )
+    handle = install_cuda_planned_allocator(
+        a, a.events.events, device=device, debug=debug, rules=MatchRules(**rules)
+    )
+    handle.plan_key = plan_key(p)
+    return handle
