@@ -15,6 +15,14 @@ from client.contract.api import (
     TraceSummary,
 )
 from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, ContractModel
+from client.contract.distributed import (
+    CollectiveBackend,
+    CollectiveCopyOverlap,
+    CollectiveCurves,
+    CollectiveSample,
+    Distributed,
+    Interconnect,
+)
 from client.contract.feedback import Feedback
 from client.contract.hardware import CatalogEntry, DenseThroughput, HardwareCatalog, HostLink, LinkKind
 from client.contract.plan import (
