@@ -11,6 +11,11 @@ Decision variables
   res[c]  offloaded chunk c still in a buffer after forward (allowed iff fewer than n_buffers offloaded after it)
   nbuf    number of device buffers, 0..#offloaded, >= 1 when anything is offloaded
   nbuf1   nbuf == 1 (one buffer: no prefetch between two offloaded chunks)
+Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank jobs"):
+  sh[c]   chunk c sharded across the ranks (off[c] implies sh[c]); sharded chunks use the buffers, so
+          res/nbuf count sharded chunks where a single-rank job counts offloaded ones
+  nup[c]  offloaded chunk c is not in a buffer after forward (its shard is uploaded again for backward)
+At world size 1 none of these exist and the model is the single-process one, row for row.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from planner_service.solver.instance import Decision, Mode, PolicyInstance
+from planner_service.solver.sharding import PERMILLE
 
 LinearExpr = cp_model.LinearExpr | int  # a CP-SAT linear expression or a constant (units per use)
 
@@ -40,6 +46,12 @@ class PolicyModel:
     iteration: cp_model.IntVar | None = None
     peak: cp_model.IntVar | None = None
     pairs: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
+    sh: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only
+
+    @property
+    def buffered(self) -> list[cp_model.IntVar]:
+        """Chunks that go through the device buffers: offloaded (one rank) or sharded (several)."""
+        return self.sh if self.inst.sharded_job else self.off
 
     def decision(self, solver: cp_model.CpSolver) -> Decision:
         assert self.nbuf is not None
@@ -55,6 +67,7 @@ class PolicyModel:
             offloaded=tuple(bool(solver.value(v)) for v in self.off),
             n_buffers=int(solver.value(self.nbuf)),
             modes=tuple(modes),
+            sharded=tuple(bool(solver.value(v)) for v in self.sh),
         )
 
     def hint(self, d: Decision) -> None:
@@ -71,10 +84,12 @@ class PolicyModel:
             ):
                 if isinstance(expr, cp_model.IntVar):
                     m.add_hint(expr, int(mode == want))
-        res = residency(d.offloaded, d.n_buffers)
+        res = residency(d.buffered(self.inst), d.n_buffers)
         for c, v in enumerate(self.off):
             m.add_hint(v, int(d.offloaded[c]))
             m.add_hint(self.res[c], int(res[c]))
+        for c, v in enumerate(self.sh):
+            m.add_hint(v, int(d.sharded_chunks(self.inst)[c]))
         m.add_hint(self.nbuf, d.n_buffers)
         m.add_hint(self.nbuf1, int(d.n_buffers == 1))
 
@@ -103,17 +118,22 @@ def _add_placement(pm: PolicyModel) -> None:
     pm.nbuf1 = m.new_bool_var("nbuf1")
     m.add(pm.nbuf == 1).only_enforce_if(pm.nbuf1)
     m.add(pm.nbuf != 1).only_enforce_if(~pm.nbuf1)
-    m.add(pm.nbuf <= sum(pm.off))
-    # after[c] = number of offloaded chunks after c (a chain keeps the model linear in C, not quadratic)
+    if pm.inst.sharded_job:  # an offloaded chunk is sharded; sharded chunks are gathered into the buffers
+        pm.sh = [m.new_bool_var(f"sh[{c}]") for c in range(C)]
+        for c in range(C):
+            m.add_implication(pm.off[c], pm.sh[c])
+    buf = pm.buffered
+    m.add(pm.nbuf <= sum(buf))
+    # after[c] = number of buffered chunks after c (a chain keeps the model linear in C, not quadratic)
     after: LinearExpr = 0
     for c in range(C - 1, -1, -1):
-        m.add(pm.nbuf >= 1).only_enforce_if(pm.off[c])
-        m.add_implication(pm.res[c], pm.off[c])
+        m.add(pm.nbuf >= 1).only_enforce_if(buf[c])
+        m.add_implication(pm.res[c], buf[c])
         if c + 1 < C:
-            # offloaded chunks after c, plus c itself, must all fit in the buffers
+            # buffered chunks after c, plus c itself, must all fit in the buffers
             m.add(after + 1 <= pm.nbuf).only_enforce_if(pm.res[c])
         count = m.new_int_var(0, C - c, f"offloaded_from[{c}]")
-        m.add(count == after + pm.off[c])
+        m.add(count == after + buf[c])
         after = count
 
 
@@ -190,6 +210,9 @@ def _serial_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
 
 def _add_time(pm: PolicyModel) -> None:
     """Forward and backward windows, optimizer terms and the iteration-time objective (all in ns)."""
+    if pm.inst.sharded_job:
+        _add_time_sharded(pm)
+        return
     m, inst = pm.model, pm.inst
     C, W = inst.n_chunks, max(inst.n_chunks, 1)
     U, G = inst.upload_ns, inst.grad_offload_ns
@@ -271,6 +294,164 @@ def _add_time(pm: PolicyModel) -> None:
     m.add(pm.iteration == fwd + tail + redo)
 
 
+def _add_window_sharded(
+    pm: PolicyModel,
+    t: cp_model.IntVar,
+    compute: int,
+    extra: Terms,
+    h2d: Terms,
+    d2h: Terms,
+    comm: Terms,
+    chains: list[LinearExpr],
+) -> None:
+    """t >= the cost model's multi-rank window: max(compute, chain, copies + (1-f) comm, comm + (1-f) copies)
+    with copies = max(H2D, D2H) (H2D + D2H half duplex), the (1-f) rows scaled by 1000 (f in 1/1000), so
+    t >= their ceiling, as the cost model rounds. Serial (CPU): t >= compute + copies + collectives."""
+    m, inst = pm.model, pm.inst
+    if not inst.copy_overlap:
+        m.add(t >= compute + _total(extra) + _total(h2d) + _total(d2h) + _total(comm))
+        return
+    m.add(t >= compute + _total(extra))
+    slow = PERMILLE - inst.collective_overlap_permille
+    links = [_total(h2d), _total(d2h)] if inst.params.full_duplex else [_total(h2d) + _total(d2h)]
+    M = _total(comm)
+    for copies in links:
+        m.add(PERMILLE * t >= PERMILLE * copies + slow * M)
+        m.add(PERMILLE * t >= PERMILLE * M + slow * copies)
+    for chain in chains:
+        m.add(t >= chain)
+    for a, x in h2d + d2h + comm:  # the convex-hull cut of _add_window, for every single term
+        if a > compute:
+            m.add(t >= compute + (a - compute) * x)
+
+
+def _sharded_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
+    """`_serial_pair` for a multi-rank job: chunks a and b both buffered (sharded) and one buffer."""
+    assert pm.nbuf1 is not None
+    key = (min(a, b), max(a, b))
+    if key not in pm.pairs:
+        pair = pm.model.new_bool_var(f"serial[{key[0]},{key[1]}]")
+        pm.model.add(pair >= pm.sh[a] + pm.sh[b] + pm.nbuf1 - 2)
+        pm.pairs[key] = pair
+    return pm.pairs[key]
+
+
+def _add_time_sharded(pm: PolicyModel) -> None:
+    """`_add_time` for a multi-rank job: the cost model's "Multi-rank jobs" windows, row for row."""
+    m, inst = pm.model, pm.inst
+    C, W = inst.n_chunks, max(inst.n_chunks, 1)
+    Us, AG, RS, AR, Gs = (
+        inst.shard_upload_ns,
+        inst.gather_ns,
+        inst.reduce_scatter_ns,
+        inst.all_reduce_ns,
+        inst.shard_grad_offload_ns,
+    )
+    overlap = inst.copy_overlap
+    assert pm.nbuf1 is not None
+    F, Bk, REC, SO, SI = _window_terms(pm)
+    upper = (
+        sum(inst.fwd_ns)
+        + sum(inst.bwd_ns)
+        + sum(inst.rec_ns)
+        + sum(inst.swap_out_ns)
+        + sum(inst.swap_in_ns)
+        + sum(Us) * 2
+        + sum(AG) * 2
+        + sum(max(r, a) for r, a in zip(RS, AR, strict=True))
+        + sum(Gs)
+        + sum(inst.device_optim_ns)
+        + sum(inst.shard_host_optim_ns) * 2
+    )
+    ok = lambda c: 0 <= c < C  # noqa: E731
+    # nup[c]: offloaded and not resident (its shard is uploaded again for backward); pushed down by the
+    # objective, it equals max(0, off - res)
+    nup = [m.new_bool_var(f"nup[{c}]") for c in range(C)]
+    for c in range(C):
+        m.add(nup[c] >= pm.off[c] - pm.res[c])
+
+    def up(c: int) -> Terms:
+        return [(Us[c], pm.off[c])] if ok(c) else []
+
+    def ag(c: int) -> Terms:
+        return [(AG[c], pm.sh[c])] if ok(c) else []
+
+    def red(c: int) -> Terms:  # reduce-scatter when sharded, all-reduce when replicated
+        return [(RS[c], pm.sh[c]), (AR[c], 1 - pm.sh[c])] if ok(c) else []
+
+    def gout(c: int) -> Terms:
+        return [(Gs[c], pm.off[c])] if ok(c) else []
+
+    def re_up(c: int) -> Terms:
+        return [(Us[c], nup[c])] if ok(c) else []
+
+    def re_ag(c: int) -> Terms:
+        return [(AG[c], pm.sh[c] - pm.res[c])] if ok(c) else []
+
+    # forward
+    tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
+    for c in range(W):
+        chain = _total(up(c + 1) + ag(c + 1))
+        _add_window_sharded(pm, tf[c], F[c], [], up(c + 1), SO[c], ag(c + 1), [chain])
+        if overlap and c + 1 < C:
+            pair = _sharded_pair(pm, c, c + 1)
+            q = m.new_bool_var(f"serial_up[{c + 1}]")
+            m.add(q >= pair + pm.off[c + 1] - 1)
+            m.add(tf[c] >= F[c] + AG[c + 1] * pair + Us[c + 1] * q)
+    fwd = _total(up(0) + ag(0)) + sum(tf)
+
+    # backward
+    tb = [m.new_int_var(Bk[c], upper, f"tb[{c}]") for c in range(W)]
+    for c in range(W):
+        h2d = (re_up(c - 1) + SI[c - 1]) if c >= 1 else []
+        gather, reduce, copy_out = _total(re_ag(c - 1)), _total(red(c + 1)), _total(gout(c + 1))
+        chains = [reduce + gather, _total(re_up(c - 1)) + gather, reduce + copy_out]
+        _add_window_sharded(pm, tb[c], Bk[c], REC[c], h2d, gout(c + 1), re_ag(c - 1) + red(c + 1), chains)
+        if overlap and 1 <= c < C:
+            pair = _sharded_pair(pm, c - 1, c)
+            q = m.new_bool_var(f"serial_up_b[{c - 1}]")
+            m.add(q >= pair + pm.off[c - 1] - 1)
+            m.add(tb[c] >= Bk[c] + _total(REC[c]) + AG[c - 1] * pair + Us[c - 1] * q)
+    head = _total(re_up(C - 1) + re_ag(C - 1) + SI[W - 1])
+    tail = _total(red(0))
+    bwd = head + sum(tb) + tail
+
+    # optimizer: replicated persistent chunks step whole on the device, sharded persistent ones their shard;
+    # offloaded chunks step their shard on the host (one FIFO worker)
+    dev_opt = sum(
+        inst.device_optim_ns[c] * (1 - pm.sh[c]) + inst.shard_device_optim_ns[c] * (pm.sh[c] - pm.off[c])
+        for c in range(C)
+    )
+    Hs = inst.shard_host_optim_ns
+    redo = sum(Hs[c] * pm.off[c] for c in range(C)) if inst.redo_host_steps else 0
+    if not overlap:
+        host_work = sum(Hs[c] * pm.off[c] for c in range(C)) + (Gs[0] * pm.off[0] if C else 0)
+        pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
+        m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
+        return
+    host_end = m.new_int_var(0, upper, "host_end")
+    done = m.new_int_var(0, upper, f"done[{W - 1}]")
+    m.add(done == head + tb[W - 1])
+    dones = [done]
+    for c in range(W - 2, -1, -1):
+        nxt = m.new_int_var(0, upper, f"done[{c}]")
+        m.add(nxt == dones[-1] + tb[c])
+        dones.append(nxt)
+    dones.reverse()
+    queued: LinearExpr = 0
+    for c in range(C):
+        q = m.new_int_var(0, sum(Hs), f"host_queued[{c}]")
+        m.add(q == queued + Hs[c] * pm.off[c])
+        queued = q
+        # an offloaded chunk is sharded: its gradient is reduce-scattered, then its shard copied out
+        m.add(host_end >= dones[c] + (RS[c] + Gs[c]) * pm.off[c] + queued)
+    after = m.new_int_var(0, upper, "after_forward")
+    m.add(after >= bwd + dev_opt)
+    m.add(after >= host_end)
+    pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
+    m.add(pm.iteration == fwd + after + redo)
+
+
 def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     """One variable for the model-state bytes on the device (persistent chunks + buffers), shared by all steps."""
     inst = pm.inst
@@ -278,6 +459,16 @@ def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     C = inst.n_chunks
     top = sum(inst.state_bytes(c) for c in range(C)) + C * inst.buffer_bytes
     static = pm.model.new_int_var(0, top, "static_device_bytes")
+    if inst.sharded_job:  # replicated persistent chunks whole, sharded persistent ones one rank's share
+        pm.model.add(
+            static
+            == sum(
+                inst.state_bytes(c) * (1 - pm.sh[c]) + inst.shard_state_bytes_of[c] * (pm.sh[c] - pm.off[c])
+                for c in range(C)
+            )
+            + inst.buffer_bytes * pm.nbuf
+        )
+        return static
     pm.model.add(
         static
         == sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off)) + inst.buffer_bytes * pm.nbuf
@@ -331,6 +522,13 @@ def _add_host_memory(pm: PolicyModel) -> None:
     (states + swapped activations) fits the pinned limit (bytes; see cost_model)."""
     inst = pm.inst
     swapped = sum(inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks))
+    if inst.sharded_job:  # one rank's shards; the node's ranks share its host RAM, each its own pinned limit
+        host = sum(inst.shard_host_bytes_of[c] * v for c, v in enumerate(pm.off)) + swapped
+        pm.model.add(inst.ranks_per_node * host <= inst.host_limit_bytes)
+        if inst.pinned_limit_bytes is not None:
+            pinned = sum(inst.shard_state_bytes_of[c] * v for c, v in enumerate(pm.off)) + swapped
+            pm.model.add(pinned <= inst.pinned_limit_bytes)
+        return
     host = sum(inst.host_bytes(c) * v for c, v in enumerate(pm.off)) + swapped
     pm.model.add(host <= inst.host_limit_bytes)
     if inst.pinned_limit_bytes is not None:

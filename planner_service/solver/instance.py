@@ -24,6 +24,7 @@ from enum import IntEnum
 from client.contract import BlockKind, Constraints, DeviceType, Precision, Trace, Workload
 from planner_service.solver.bandwidth import transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid
+from planner_service.solver.sharding import with_sharding
 
 DEFAULT_ALPHA = 0.10
 
@@ -141,6 +142,22 @@ class PolicyInstance:
     host_extra_bytes_of: tuple[int, ...] = field(default=())
     # speculative host steps are redone at optimizer.step() (the job clips): the host work again, after backward
     redo_host_steps: bool = False
+    # Multi-rank jobs (issue 20; `sharding.py` builds these). At world size 1 every tuple is empty and the
+    # cost model, the CP-SAT model and the ProTrain search are exactly the single-process ones.
+    world_size: int = 1
+    ranks_per_node: int = 1  # ranks sharing the node's host RAM: the host limit is per node
+    shard_upload_ns: tuple[int, ...] = field(default=())  # H2D of one rank's shard of an offloaded chunk
+    gather_ns: tuple[int, ...] = field(default=())  # all-gather of the chunk's compute copy (used bytes)
+    reduce_scatter_ns: tuple[int, ...] = field(default=())  # reduce-scatter of the chunk's gradient
+    all_reduce_ns: tuple[int, ...] = field(default=())  # a replicated chunk's gradient all-reduce
+    shard_grad_offload_ns: tuple[int, ...] = field(default=())  # D2H of one rank's gradient shard
+    shard_device_optim_ns: tuple[int, ...] = field(default=())  # device step of one rank's shard
+    shard_host_optim_ns: tuple[int, ...] = field(default=())  # host step of one rank's shard
+    shard_state_bytes_of: tuple[int, ...] = field(default=())  # one rank's share of `state_bytes(c)`
+    shard_host_bytes_of: tuple[int, ...] = field(default=())  # one rank's share of `host_bytes(c)`
+    # how much of the shorter of (collectives, copies) in one window hides behind the longer, in 1/1000:
+    # 1000 fully concurrent, 0 serialised (`CollectiveCurves.copy_overlap`; see cost_model)
+    collective_overlap_permille: int = 1000
 
     def state_bytes(self, c: int) -> int:
         """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
@@ -149,6 +166,11 @@ class PolicyInstance:
     def host_bytes(self, c: int) -> int:
         """Host bytes of chunk c when offloaded: its model state plus the runtime's host-side extras."""
         return self.state_bytes(c) + (self.host_extra_bytes_of[c] if self.host_extra_bytes_of else 0)
+
+    @property
+    def sharded_job(self) -> bool:
+        """More than one rank: chunks may be sharded, collectives are timed."""
+        return self.world_size > 1
 
     @property
     def copy_overlap(self) -> bool:
@@ -221,7 +243,7 @@ def build_instance(
 
         grad_offload = [g + o for g, o in zip(grad_offload, spread("offload_overhead_s"), strict=True)]
         upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]
-    return PolicyInstance(
+    inst = PolicyInstance(
         layout=layout,
         params=params,
         optimisable=tuple(b.kind == BlockKind.block for b in blocks),
@@ -249,15 +271,28 @@ def build_instance(
         pinned_limit_bytes=pinned,
         block_names=tuple(b.name for b in blocks),
     )
+    return with_sharding(trace, inst, layout, grad_bytes) if trace.hardware.world_size > 1 else inst
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One point of the decision space: chunk placements, buffer count, per-block modes."""
+    """One point of the decision space: chunk placements, buffer count, per-block modes, and in a multi-rank
+    job which chunks are sharded (empty: the offloaded ones, every persistent chunk replicated)."""
 
     offloaded: tuple[bool, ...]  # per chunk
     n_buffers: int
     modes: tuple[Mode, ...]  # per block
+    sharded: tuple[bool, ...] = ()  # per chunk; world size 1: empty (nothing is sharded)
+
+    def sharded_chunks(self, inst: PolicyInstance) -> tuple[bool, ...]:
+        """Per chunk: sharded across the ranks (always False at world size 1)."""
+        if not inst.sharded_job:
+            return (False,) * len(self.offloaded)
+        return self.sharded or self.offloaded
+
+    def buffered(self, inst: PolicyInstance) -> tuple[bool, ...]:
+        """Per chunk: used through the device buffers (offloaded, or sharded and gathered before use)."""
+        return self.sharded_chunks(inst) if inst.sharded_job else self.offloaded
 
     def check(self, inst: PolicyInstance) -> None:
         if len(self.offloaded) != inst.n_chunks:
@@ -266,3 +301,15 @@ class Decision:
             raise ValueError(f"modes: {len(self.modes)} entries for {inst.n_blocks} blocks")
         if any(self.offloaded) and self.n_buffers < 1:
             raise ValueError("n_buffers: offloaded chunks need at least one buffer")
+        if self.sharded:
+            if not inst.sharded_job:
+                raise ValueError("sharded: a single-rank job shards nothing")
+            if len(self.sharded) != inst.n_chunks:
+                raise ValueError(f"sharded: {len(self.sharded)} entries for {inst.n_chunks} chunks")
+            for c, (o, sh) in enumerate(zip(self.offloaded, self.sharded, strict=True)):
+                if o and not sh:
+                    raise ValueError(
+                        f"sharded[{c}]: an offloaded chunk of a multi-rank job is always sharded"
+                    )
+            if any(self.sharded) and self.n_buffers < 1:
+                raise ValueError("n_buffers: sharded chunks are gathered into buffers: at least one needed")
