@@ -121,6 +121,8 @@ class Policy(ContractModel):
                 raise ValueError(f"blocks[{i}].block: is {b.block}, must equal its position {i}")
         if self.n_buffers == 0 and any(c.placement == Placement.offloaded for c in self.chunks):
             raise ValueError("n_buffers: offloaded chunks need at least one buffer")
+        if self.n_buffers == 0 and any(c.sharded for c in self.chunks):
+            raise ValueError("n_buffers: sharded chunks are gathered into buffers: at least one needed")
         return self
 
     @property

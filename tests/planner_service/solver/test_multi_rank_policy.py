@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from client.contract import Constraints
 from planner_service.solver.chunk_grid import candidate_layouts
 from planner_service.solver.cost_model import activation_peak, evaluate_decision, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
@@ -141,3 +142,179 @@ def test_vectorised_timer_agrees_with_the_cost_model(world: int, copy_overlap: b
             )
             want = evaluate_decision(inst, Decision(off, nb, modes, sh)).iteration_ns
             assert int(iteration_ns_batch(inst, off, nb, np.array([modes]), sh)[0]) == want
+
+
+# ------------------------------------------------------------------------------- hand-computed figures
+# Two blocks of 100 MB fp32 parameters (Adam: 16 bytes of state per 4-byte element), one chunk each; copies
+# 10 GB/s each way, collectives `rate` (flat), forward 10 ms, backward 20 ms; the host optimizer 1 GB/s and
+# the device one 100 GB/s of parameter bytes. World size 2, both ranks on one node.
+MB = 10**6
+ms = 10**6  # ns
+
+
+def _hand(rate: float = 50e9, overlap: float = 1.0, world: int = 2, per_node: int = 2, **kw):  # type: ignore[no-untyped-def]
+    from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
+
+    specs = [
+        BlockSpec(100 * MB, 0.010, 0.020, 0.010, activation_bytes=50 * MB, input_bytes=MB) for _ in range(2)
+    ]
+    trace = hand_trace(specs, **kw)
+    if world > 1:
+        trace = with_distributed(
+            trace,
+            synthetic_distributed(
+                world, per_node, collective_bytes_per_s=rate, overlap_factor=overlap, flat=True
+            ),
+        )
+    return trace
+
+
+def _inst(trace, **cons):  # type: ignore[no-untyped-def]
+    from planner_service.solver.chunk_grid import pack
+
+    layout = pack(trace, 128 * MiB)
+    assert layout.n_chunks == 2
+    return build_instance(
+        trace, layout, Constraints(device_memory_bytes=8 * 2**30, **cons), CostParams(alpha=0.0)
+    )
+
+
+KEEP = (Mode.keep, Mode.keep)
+
+
+def test_instance_constants_are_the_hand_computed_shards_and_collectives() -> None:
+    inst = _inst(_hand())
+    assert inst.gather_ns == (2 * ms, 2 * ms)  # 100 MB all-gathered at 50 GB/s
+    assert inst.reduce_scatter_ns == (2 * ms, 2 * ms)  # 100 MB of fp32 gradient
+    assert inst.all_reduce_ns == (4 * ms, 4 * ms)  # reduce-scatter + all-gather
+    assert inst.shard_upload_ns == (5 * ms, 5 * ms)  # 50 MB shard at 10 GB/s
+    assert inst.shard_grad_offload_ns == (5 * ms, 5 * ms)
+    assert inst.shard_host_optim_ns == (50 * ms, 50 * ms)  # 50 MB of shard at 1 GB/s
+    assert inst.shard_device_optim_ns == (ms // 2, ms // 2)
+    assert inst.state_bytes(0) == 400 * MB and inst.shard_state_bytes_of == (200 * MB, 200 * MB)
+    assert inst.shard_host_bytes_of == (250 * MB, 250 * MB)  # + the exposed 4-byte .grad per element
+    assert inst.collective_overlap_permille == 1000
+
+
+def test_sharded_persistent_chunks_gathered_once_count_their_collectives() -> None:
+    inst = _inst(_hand())
+    cost = evaluate_decision(inst, Decision((False, False), 2, KEEP, (True, True)))
+    # forward: gather chunk 0 (2 ms, exposed), window 0 hides the gather of chunk 1 behind 10 ms, window 1
+    assert cost.forward_ns == 2 * ms + 10 * ms + 10 * ms
+    # backward: both chunks still in the two buffers; chunk 1's reduce-scatter hides in window 0, chunk 0's
+    # (2 ms) has no window after it
+    assert cost.backward_ns == 20 * ms + 20 * ms + 2 * ms
+    assert cost.device_optim_ns == ms  # two half-chunk shards
+    assert cost.iteration_ns == 22 * ms + 42 * ms + ms
+    assert (cost.forward_collective_ns, cost.backward_collective_ns) == (4 * ms, 4 * ms)
+    # one rank's device: two 200 MB shards + two full 128 MiB buffers (compute copy + gradient)
+    assert cost.static_device_bytes == 400 * MB + 2 * (2 * 128 * MiB)
+
+
+def test_slow_collectives_are_exposed_where_compute_cannot_hide_them() -> None:
+    inst = _inst(_hand(rate=5e9))  # 20 ms a collective, longer than a 10 ms forward window
+    cost = evaluate_decision(inst, Decision((False, False), 2, KEEP, (True, True)))
+    assert cost.forward_ns == 20 * ms + 20 * ms + 10 * ms
+    assert cost.backward_ns == 20 * ms + 20 * ms + 20 * ms
+    # replicated chunks: no gathers, each gradient all-reduced (40 ms) after its backward
+    rep = evaluate_decision(inst, Decision((False, False), 0, KEEP, (False, False)))
+    assert rep.forward_ns == 20 * ms
+    assert rep.backward_ns == max(20 * ms, 40 * ms) + 20 * ms + 40 * ms
+    assert rep.device_optim_ns == 2 * ms and rep.static_device_bytes == 800 * MB
+
+
+def test_offloaded_shards_with_one_buffer_and_the_host_queue() -> None:
+    inst = _inst(_hand())
+    cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (True, True)))
+    # forward: fetch chunk 0 (5 ms shard upload, then 2 ms gather); one buffer: chunk 1's fetch waits for
+    # window 0's compute (10 + 7)
+    assert cost.forward_ns == 7 * ms + 17 * ms + 10 * ms
+    # backward: chunk 1 is still in the buffer; window 1 (chunk 1) computes, then window 0 refetches chunk 0
+    # after it (one buffer: 20 + 7); chunk 0's reduce-scatter is exposed (2 ms)
+    assert cost.backward_ns == 20 * ms + 27 * ms + 2 * ms
+    # host: chunk 1's shard arrives at 27 + 2 + 5 ms and both 50 ms shard steps queue behind it
+    assert cost.host_end_ns == 34 * ms + 100 * ms
+    assert cost.iteration_ns == 34 * ms + 134 * ms
+    assert cost.host_bytes == 500 * MB and cost.host_node_bytes == 1000 * MB
+
+
+@pytest.mark.parametrize(("overlap", "window_ms"), [(1.0, 10.0), (0.5, 12.5), (0.0, 15.0)])
+def test_measured_overlap_of_collectives_and_copies_sets_the_window(overlap: float, window_ms: float) -> None:
+    # block 0 swapped: its 50 MB go out (5 ms D2H) while chunk 1 is gathered (10 ms at 10 GB/s)
+    inst = _inst(_hand(rate=10e9, overlap=overlap))
+    assert inst.collective_overlap_permille == round(1000 * overlap)
+    cost = evaluate_decision(inst, Decision((False, False), 2, (Mode.swap, Mode.keep), (True, True)))
+    # head gather 10 ms + window 0: max(10, chain 10, 5 + (1-f) 10, 10 + (1-f) 5) + window 1 10 ms
+    assert cost.forward_ns == round((10 + window_ms + 10) * ms)
+
+
+def test_host_memory_is_the_nodes_shared_by_its_ranks() -> None:
+    limit = 999 * MB  # one rank's 500 MB of offloaded shards fits; two ranks on a node (1000 MB) do not
+    two_per_node = _inst(_hand(per_node=2), host_memory_bytes=limit)
+    one_per_node = _inst(_hand(per_node=1), host_memory_bytes=limit)
+    d = Decision((True, True), 1, KEEP, (True, True))
+    assert not evaluate_decision(two_per_node, d).fits_host
+    assert evaluate_decision(one_per_node, d).fits_host
+    # and the solver sees it: two ranks per node keep a chunk on the device instead
+    got = solve_layout(two_per_node, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
+    assert got.decision is not None and got.cost is not None and got.cost.host_node_bytes <= limit
+    assert not all(got.decision.offloaded)
+
+
+def test_a_single_rank_trace_rejects_a_sharding() -> None:
+    inst = _inst(_hand(world=1))
+    with pytest.raises(ValueError, match="sharded: a single-rank job shards nothing"):
+        evaluate_decision(inst, Decision((False, False), 1, KEEP, (True, True)))
+    with pytest.raises(ValueError, match=r"sharded\[0\]: an offloaded chunk"):
+        evaluate_decision(_inst(_hand()), Decision((True, False), 1, KEEP, (False, True)))
+
+
+# ------------------------------------------------------------------------------------ whole plans
+def _plans(device_mib: int, solver: str = "cpsat"):  # type: ignore[no-untyped-def]
+    from planner_service.solver.entry import solve_with_gap
+    from planner_service.solver.testing.synthetic import synthetic_trace
+
+    base = synthetic_trace(n_blocks=6, hidden=512, heads=8, batch=4, seq=512, vocab=8000)
+    cons = Constraints(device_memory_bytes=device_mib * MiB, host_memory_bytes=4 * 2**30)
+    out = {}
+    for world in (1, 2, 4):
+        trace = base if world == 1 else with_distributed(base, synthetic_distributed(world))
+        out[world] = (trace, cons, solve_with_gap(trace, cons, solver=solver, seed=0, gap_limit=0.0))
+    return out
+
+
+def _offloaded_fraction(policy) -> float:  # type: ignore[no-untyped-def]
+    total = sum(c.used_bytes for c in policy.chunks)
+    return sum(c.used_bytes for c in policy.chunks if c.placement.value == "offloaded") / total
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "protrain"])
+def test_sharding_keeps_more_on_each_ranks_device_and_the_plan_is_faster(solver: str) -> None:
+    from planner_service.solver.cost_model import evaluate
+
+    plans = _plans(300, solver)
+    offloaded = {}
+    for world, (trace, cons, plan) in plans.items():
+        assert plan.policy is not None and plan.predictions is not None, plan.solver.message
+        assert plan.policy.world_size == world
+        assert bool(plan.policy.sharded_chunks) == (world > 1)
+        # the wire policy evaluates back to the plan's predictions (sharding and world size included)
+        assert evaluate(trace, plan.policy, cons, None).iteration_s == pytest.approx(
+            plan.predictions.iteration_s
+        )
+        offloaded[world] = _offloaded_fraction(plan.policy)
+    t = {w: p.predictions.iteration_s for w, (_, _, p) in plans.items()}  # type: ignore[union-attr]
+    # one rank of 300 MiB cannot hold the model's states: it offloads; 1/2 and 1/4 of them fit
+    assert offloaded[1] > offloaded[2] >= offloaded[4] and offloaded[4] == 0.0
+    assert t[1] > t[2] > t[4]
+    b = plans[2][2].predictions.breakdown  # type: ignore[union-attr]
+    assert b["world_size"] == 2.0 and b["forward_collective_s"] > 0 and b["backward_collective_s"] > 0
+
+
+def test_with_room_for_everything_communication_is_not_free() -> None:
+    plans = _plans(700)
+    one, two = plans[1][2], plans[2][2]
+    assert one.policy is not None and not any(c.placement.value == "offloaded" for c in one.policy.chunks)
+    assert "world_size" not in one.predictions.breakdown  # type: ignore[union-attr]
+    # the same per-rank work plus gathers/reductions: no faster per iteration than one rank alone
+    assert two.predictions.iteration_s >= one.predictions.iteration_s  # type: ignore[union-attr]
