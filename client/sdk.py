@@ -271,13 +271,22 @@ class BaseClient:
         cursor: str | None,
         sort: str,
         id_prefix: str | None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> APIRequest[Page[TraceSummary]]:
         return APIRequest(
             "GET",
             "/v1/traces",
             Page[TraceSummary].model_validate,
             params=_params(
-                model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort, id_prefix=id_prefix
+                model=model,
+                hardware=hardware,
+                limit=limit,
+                cursor=cursor,
+                sort=sort,
+                id_prefix=id_prefix,
+                world_size=world_size,
+                ranks_per_node=ranks_per_node,
             ),
         )
 
@@ -308,6 +317,8 @@ class BaseClient:
         sort: str,
         with_plan: bool,
         id_prefix: str | None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> APIRequest[Page[PlanRecord]]:
         return APIRequest(
             "GET",
@@ -322,6 +333,8 @@ class BaseClient:
                 sort=sort,
                 with_plan=with_plan or None,
                 id_prefix=id_prefix,
+                world_size=world_size,
+                ranks_per_node=ranks_per_node,
             ),
         )
 
@@ -435,8 +448,15 @@ class Client(BaseClient):
         cursor: str | None = None,
         sort: str = "-created_at",
         id_prefix: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[TraceSummary]:
-        return self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
+        """A page of traces; `world_size` / `ranks_per_node` keep those measured in such a process group."""
+        return self._call(
+            self._list_traces_page(
+                model, hardware, limit, cursor, sort, id_prefix, world_size, ranks_per_node
+            )
+        )
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
         """Every matching trace, newest first, following cursors."""
@@ -474,9 +494,14 @@ class Client(BaseClient):
         sort: str = "-created_at",
         with_plan: bool = False,
         id_prefix: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[PlanRecord]:
+        """A page of plans; `world_size` / `ranks_per_node` keep plans for jobs of such a process group."""
         return self._call(
-            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix)
+            self._list_plans_page(
+                model, hardware, status, limit, cursor, sort, with_plan, id_prefix, world_size, ranks_per_node
+            )
         )
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
@@ -572,8 +597,15 @@ class AsyncClient(BaseClient):
         cursor: str | None = None,
         sort: str = "-created_at",
         id_prefix: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[TraceSummary]:
-        return await self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
+        """A page of traces; `world_size` / `ranks_per_node` keep those measured in such a process group."""
+        return await self._call(
+            self._list_traces_page(
+                model, hardware, limit, cursor, sort, id_prefix, world_size, ranks_per_node
+            )
+        )
 
     def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
         return _afollow(self.list_traces_page, filters)
@@ -610,9 +642,14 @@ class AsyncClient(BaseClient):
         sort: str = "-created_at",
         with_plan: bool = False,
         id_prefix: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[PlanRecord]:
+        """A page of plans; `world_size` / `ranks_per_node` keep plans for jobs of such a process group."""
         return await self._call(
-            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix)
+            self._list_plans_page(
+                model, hardware, status, limit, cursor, sort, with_plan, id_prefix, world_size, ranks_per_node
+            )
         )
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:

@@ -24,3 +24,9 @@ ModelFilter = Annotated[
 HardwareFilter = Annotated[
     str | None, Query(description="hardware key", max_length=4 * MAX_NAME_CHARS, pattern=NO_NUL_PATTERN)
 ]
+WorldSizeFilter = Annotated[
+    int | None, Query(ge=1, le=65_536, description="only jobs of this many ranks (1: single-process jobs)")
+]
+RanksPerNodeFilter = Annotated[
+    int | None, Query(ge=1, le=65_536, description="only jobs with this many ranks per node")
+]

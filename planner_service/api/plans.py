@@ -22,7 +22,13 @@ from client.contract import (
 from planner_service.api import links
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
-from planner_service.api.params import HardwareFilter, ModelFilter, PlanId
+from planner_service.api.params import (
+    HardwareFilter,
+    ModelFilter,
+    PlanId,
+    RanksPerNodeFilter,
+    WorldSizeFilter,
+)
 from planner_service.api.poll_shortcut import etag_matches
 from planner_service.api.present import feedback_record, plan_record, plan_record_body, plan_record_json
 from planner_service.db.change_feed import ChangeFeed
@@ -166,6 +172,8 @@ def list_plans(
     principal: PrincipalDep,
     model: ModelFilter = None,
     hardware: HardwareFilter = None,
+    world_size: WorldSizeFilter = None,
+    ranks_per_node: RanksPerNodeFilter = None,
     status: PlanStatus | None = None,
     id_prefix: Annotated[
         str | None,
@@ -195,6 +203,8 @@ def list_plans(
             descending=sort.startswith("-"),
             with_result=with_plan,
             id_prefix=id_prefix,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
         )
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc
