@@ -6,7 +6,7 @@ so a page never shows another project's plans, models or hardware; the router on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ class PlanFilters:
     model: str | None = None
     hardware: str | None = None
     status: str | None = None
+    world_size: int | None = None  # ranks of the job (issue 20); None: any
     sort: SortOrder = "-created_at"
     limit: int = 25
     cursor: str | None = None
@@ -63,6 +64,7 @@ class PlanListPage:
     next_cursor: str | None
     models: list[tuple[str, str]]  # (fingerprint, label) for the filter
     hardware: list[str]
+    world_sizes: list[int] = field(default_factory=list)  # of the project's jobs with plans, for the filter
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
         limit=filters.limit,
         cursor=filters.cursor,
         descending=filters.sort.startswith("-"),
+        world_size=filters.world_size,
     )
     counts = FeedbackRepository(session).counts([r.id for r in page.items])
     items = [
@@ -135,8 +138,12 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
         for m, _, plans in catalog.models(project_id)
         if plans
     ]
-    hardware = [h.key for h, _, plans in catalog.hardware(project_id) if plans]
-    return PlanListPage(items=items, next_cursor=page.next_cursor, models=models, hardware=hardware)
+    with_plans = [h for h, _, plans in catalog.hardware(project_id) if plans]
+    hardware = [h.key for h in with_plans]
+    world_sizes = sorted({h.world_size for h in with_plans})
+    return PlanListPage(
+        items=items, next_cursor=page.next_cursor, models=models, hardware=hardware, world_sizes=world_sizes
+    )
 
 
 def load_plan_detail(session: Session, project_id: str, plan_id: str) -> PlanDetail | None:
