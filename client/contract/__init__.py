@@ -24,7 +24,14 @@ from client.contract.distributed import (
     Interconnect,
 )
 from client.contract.feedback import Feedback
-from client.contract.hardware import CatalogEntry, DenseThroughput, HardwareCatalog, HostLink, LinkKind
+from client.contract.hardware import (
+    CatalogEntry,
+    DenseThroughput,
+    HardwareCatalog,
+    HostLink,
+    LinkKind,
+    PeerLink,
+)
 from client.contract.plan import (
     FINAL_PLAN_STATUSES,
     PENDING_PLAN_STATUSES,
