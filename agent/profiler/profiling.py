@@ -135,8 +135,8 @@ def profile(
 
     t_hw = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
-    if distributed is not None:
-        hw = hw.model_copy(update={"distributed": distributed})
+    if distributed is not None:  # the node's devices are its ranks' (launchers without LOCAL_WORLD_SIZE too)
+        hw = hw.model_copy(update={"distributed": distributed, "device_count": distributed.ranks_per_node})
     t_hw = time.perf_counter() - t_hw
     with truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
         opt = (

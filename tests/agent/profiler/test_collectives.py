@@ -84,7 +84,7 @@ def test_every_rank_gets_the_same_measured_group(two_ranks: Path) -> None:
 def test_rank_zero_builds_one_trace_for_the_job(two_ranks: Path) -> None:
     trace = Trace.model_validate_json((two_ranks / "trace.json").read_text())
     assert trace.hardware.world_size == 2 and trace.hardware.ranks_per_node == 2
-    assert trace.hardware.key.endswith(":w2r2")
+    assert trace.hardware.key.endswith(":x2:w2r2") and trace.hardware.device_count == 2
     group = json.loads((two_ranks / "group0.json").read_text())
     assert json.loads(trace.hardware.distributed.model_dump_json()) == group  # type: ignore[union-attr]
 
@@ -92,3 +92,15 @@ def test_rank_zero_builds_one_trace_for_the_job(two_ranks: Path) -> None:
 def test_the_probe_refuses_without_a_process_group() -> None:
     with pytest.raises(CollectiveProbeError, match="not initialised"):
         probe_process_group()
+
+
+def test_a_one_rank_group_is_a_single_process_job_without_collectives() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        d = probe_process_group()
+    finally:
+        dist.destroy_process_group()
+    assert (d.world_size, d.ranks_per_node, d.collectives) == (1, 1, None)
+    assert d.interconnect is not None and d.interconnect.backend == CollectiveBackend.gloo
