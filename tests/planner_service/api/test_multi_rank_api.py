@@ -105,3 +105,24 @@ def test_a_bad_process_group_upload_is_a_422_naming_the_field(api) -> None:  # t
     assert r.status_code == 422
     assert r.json()["detail"][0]["field"] == "body.hardware.distributed.collectives.all_gather[0].bytes_per_s"
     assert api.get("/v1/traces").json()["items"] == []
+
+
+def test_a_multi_rank_plan_says_which_chunks_are_sharded_when_shown() -> None:
+    from rich.console import Console
+
+    from client.cli.render import plan_table
+    from client.contract import Constraints
+    from planner_service.solver import solve
+
+    trace = _traces()[(2, 2)]
+    plan = solve(trace, Constraints(device_memory_bytes=64 * 2**20))
+    assert plan.policy is not None and plan.policy.world_size == 2
+    console = Console(width=200, record=True)
+    console.print(plan_table(plan))
+    text = console.export_text()
+    n = len(plan.policy.sharded_chunks)
+    assert f"planned for 2 ranks: {n} of {len(plan.policy.chunks)} chunks sharded" in text
+    single = solve(_traces()[(1, 1)], Constraints(device_memory_bytes=64 * 2**20))
+    console = Console(width=200, record=True)
+    console.print(plan_table(single))
+    assert "planned for" not in console.export_text()
