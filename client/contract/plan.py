@@ -71,7 +71,7 @@ class Chunk(ContractModel):
         description="multi-rank jobs: each rank holds 1/world_size of the chunk's model states (on the "
         "device when persistent, on the host when offloaded), all-gathers the chunk before its forward and "
         "its backward, and reduce-scatters its gradient; false: every rank holds the whole chunk (replicated, "
-        "gradient all-reduced)",
+        "gradient all-reduced on the device; offloaded: then copied to the host and stepped whole)",
     )
 
 
@@ -103,10 +103,6 @@ class Policy(ContractModel):
         for i, c in enumerate(self.chunks):
             if c.sharded and self.world_size == 1:
                 raise ValueError(f"chunks[{i}].sharded: a single-rank policy (world_size 1) shards nothing")
-            if self.world_size > 1 and c.placement == Placement.offloaded and not c.sharded:
-                raise ValueError(
-                    f"chunks[{i}].sharded: an offloaded chunk of a multi-rank policy is always sharded"
-                )
         return self
 
     @model_validator(mode="after")

@@ -64,12 +64,14 @@ the pinned limit when one is known.
 
 Multi-rank jobs (issue 20; world size N > 1, R ranks per node; constants in `sharding.py`). Every figure
 is one rank's; all ranks run the same plan on equal shards, so one rank's time is the job's. Per chunk c:
-  sh[c]  sharded (each rank holds 1/N of its model states); an offloaded chunk is always sharded
-  buffered[c] = sh[c]  (a sharded chunk is gathered into a device buffer before use; at N = 1: o[c])
-  up(c)  = o[c] * H2D of the rank's shard (ceil(used/N) bytes)
+  sh[c]  sharded (each rank holds 1/N of its model states, on the device or, offloaded, on the host);
+         else replicated (whole on every rank, persistent or offloaded)
+  buffered[c] = o[c] or sh[c]  (offloaded, or gathered into a device buffer before use; at N = 1: o[c])
+  up(c)  = o[c] * H2D of the rank's shard (ceil(used/N) bytes) when sharded, of the whole chunk when not
   ag(c)  = sh[c] * all-gather of the chunk's used bytes (measured curve)
   red(c) = sh[c] ? reduce-scatter of its gradient : all-reduce of it (replicated: reduce-scatter + all-gather)
-  gout(c)= o[c] * D2H of the rank's gradient shard
+  gout(c)= o[c] * D2H of the rank's gradient shard (sharded) or the whole gradient (replicated, after its
+         all-reduce on the device); host steps, host and pinned bytes likewise a shard's or the chunk's
   fetch(c) = up(c) + ag(c)  (the shard must be on the device before the gather)
 Collectives run on their own stream beside the copy engines and compute, prefetched like chunk uploads.
 With overlap factor f (the least measured `CollectiveCopyOverlap.factor`, in 1/1000; 0 when not measured)
@@ -209,22 +211,34 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             pinned_bytes=tuple(inst.state_bytes(c) if o[c] else 0 for c in range(C)),
         )
     sh = d.sharded_chunks(inst)
+    # an offloaded chunk is sharded (each rank holds and steps a share) or replicated (whole on every rank)
     return ChunkTerms(
-        buffered=sh,
-        upload=tuple(inst.shard_upload_ns[c] if o[c] else 0 for c in range(C)),
+        buffered=tuple(o[c] or sh[c] for c in range(C)),
+        upload=tuple(
+            (inst.shard_upload_ns[c] if sh[c] else inst.upload_ns[c]) if o[c] else 0 for c in range(C)
+        ),
         gather=tuple(inst.gather_ns[c] if sh[c] else 0 for c in range(C)),
         reduce=tuple(inst.reduce_scatter_ns[c] if sh[c] else inst.all_reduce_ns[c] for c in range(C)),
-        grad_offload=tuple(inst.shard_grad_offload_ns[c] if o[c] else 0 for c in range(C)),
+        grad_offload=tuple(
+            (inst.shard_grad_offload_ns[c] if sh[c] else inst.grad_offload_ns[c]) if o[c] else 0
+            for c in range(C)
+        ),
         device_optim=tuple(
             0 if o[c] else inst.shard_device_optim_ns[c] if sh[c] else inst.device_optim_ns[c]
             for c in range(C)
         ),
-        host_optim=tuple(inst.shard_host_optim_ns[c] if o[c] else 0 for c in range(C)),
+        host_optim=tuple(
+            (inst.shard_host_optim_ns[c] if sh[c] else inst.host_optim_ns[c]) if o[c] else 0 for c in range(C)
+        ),
         device_bytes=tuple(
             0 if o[c] else inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c) for c in range(C)
         ),
-        host_bytes=tuple(inst.shard_host_bytes_of[c] if o[c] else 0 for c in range(C)),
-        pinned_bytes=tuple(inst.shard_state_bytes_of[c] if o[c] else 0 for c in range(C)),
+        host_bytes=tuple(
+            (inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c)) if o[c] else 0 for c in range(C)
+        ),
+        pinned_bytes=tuple(
+            (inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c)) if o[c] else 0 for c in range(C)
+        ),
     )
 
 

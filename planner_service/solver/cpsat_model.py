@@ -12,9 +12,10 @@ Decision variables
   nbuf    number of device buffers, 0..#offloaded, >= 1 when anything is offloaded
   nbuf1   nbuf == 1 (one buffer: no prefetch between two offloaded chunks)
 Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank jobs"):
-  sh[c]   chunk c sharded across the ranks (off[c] implies sh[c]); sharded chunks use the buffers, so
-          res/nbuf count sharded chunks where a single-rank job counts offloaded ones
-  nup[c]  offloaded chunk c is not in a buffer after forward (its shard is uploaded again for backward)
+  sh[c]   chunk c sharded across the ranks; rep[c] = off[c] and not sh[c] (offloaded, replicated);
+          buf[c] = sh[c] + rep[c]: offloaded or sharded chunks use the buffers, so res/nbuf count them
+  nup_s[c], nup_r[c], nag[c]  chunk c is not in a buffer after forward: its shard (sharded) or the whole
+          chunk (replicated) is uploaded again, and (sharded) gathered again, for backward
 At world size 1 none of these exist and the model is the single-process one, row for row.
 """
 
@@ -47,11 +48,13 @@ class PolicyModel:
     peak: cp_model.IntVar | None = None
     pairs: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
     sh: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only
+    rep: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded and replicated
+    buf: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded or sharded
 
     @property
     def buffered(self) -> list[cp_model.IntVar]:
-        """Chunks that go through the device buffers: offloaded (one rank) or sharded (several)."""
-        return self.sh if self.inst.sharded_job else self.off
+        """Chunks that go through the device buffers: offloaded (one rank), offloaded or sharded (several)."""
+        return self.buf if self.inst.sharded_job else self.off
 
     def decision(self, solver: cp_model.CpSolver) -> Decision:
         assert self.nbuf is not None
@@ -118,10 +121,15 @@ def _add_placement(pm: PolicyModel) -> None:
     pm.nbuf1 = m.new_bool_var("nbuf1")
     m.add(pm.nbuf == 1).only_enforce_if(pm.nbuf1)
     m.add(pm.nbuf != 1).only_enforce_if(~pm.nbuf1)
-    if pm.inst.sharded_job:  # an offloaded chunk is sharded; sharded chunks are gathered into the buffers
+    if pm.inst.sharded_job:  # sharded chunks are gathered into the buffers; offloaded ones uploaded there
         pm.sh = [m.new_bool_var(f"sh[{c}]") for c in range(C)]
-        for c in range(C):
-            m.add_implication(pm.off[c], pm.sh[c])
+        pm.rep = [m.new_bool_var(f"rep[{c}]") for c in range(C)]
+        pm.buf = [m.new_bool_var(f"buf[{c}]") for c in range(C)]
+        for c in range(C):  # rep = off and not sh, exactly; buf = off or sh = sh + rep
+            m.add(pm.rep[c] >= pm.off[c] - pm.sh[c])
+            m.add(pm.rep[c] <= pm.off[c])
+            m.add(pm.rep[c] <= 1 - pm.sh[c])
+            m.add(pm.buf[c] == pm.sh[c] + pm.rep[c])
     buf = pm.buffered
     m.add(pm.nbuf <= sum(buf))
     # after[c] = number of buffered chunks after c (a chain keeps the model linear in C, not quadratic)
@@ -326,12 +334,12 @@ def _add_window_sharded(
 
 
 def _sharded_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
-    """`_serial_pair` for a multi-rank job: chunks a and b both buffered (sharded) and one buffer."""
+    """`_serial_pair` for a multi-rank job: chunks a and b both buffered (offloaded or sharded), one buffer."""
     assert pm.nbuf1 is not None
     key = (min(a, b), max(a, b))
     if key not in pm.pairs:
         pair = pm.model.new_bool_var(f"serial[{key[0]},{key[1]}]")
-        pm.model.add(pair >= pm.sh[a] + pm.sh[b] + pm.nbuf1 - 2)
+        pm.model.add(pair >= pm.buf[a] + pm.buf[b] + pm.nbuf1 - 2)
         pm.pairs[key] = pair
     return pm.pairs[key]
 
@@ -356,22 +364,28 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         + sum(inst.rec_ns)
         + sum(inst.swap_out_ns)
         + sum(inst.swap_in_ns)
-        + sum(Us) * 2
+        + sum(max(a, b) for a, b in zip(Us, inst.upload_ns, strict=True)) * 2
         + sum(AG) * 2
         + sum(max(r, a) for r, a in zip(RS, AR, strict=True))
-        + sum(Gs)
+        + sum(max(a, b) for a, b in zip(Gs, inst.grad_offload_ns, strict=True))
         + sum(inst.device_optim_ns)
-        + sum(inst.shard_host_optim_ns) * 2
+        + sum(max(a, b) for a, b in zip(inst.shard_host_optim_ns, inst.host_optim_ns, strict=True)) * 2
     )
+    U, G, H = inst.upload_ns, inst.grad_offload_ns, inst.host_optim_ns
     ok = lambda c: 0 <= c < C  # noqa: E731
-    # nup[c]: offloaded and not resident (its shard is uploaded again for backward); pushed down by the
-    # objective, it equals max(0, off - res)
-    nup = [m.new_bool_var(f"nup[{c}]") for c in range(C)]
+    osh = [pm.off[c] - pm.rep[c] for c in range(C)]  # offloaded and sharded (0/1)
+    # not resident after forward: the shard (nup_s) or whole chunk (nup_r) uploaded again, the shard
+    # gathered again (nag); pushed down by the objective, each equals max(0, its lower bound)
+    nup_s = [m.new_bool_var(f"nup_s[{c}]") for c in range(C)]
+    nup_r = [m.new_bool_var(f"nup_r[{c}]") for c in range(C)]
+    nag = [m.new_bool_var(f"nag[{c}]") for c in range(C)]
     for c in range(C):
-        m.add(nup[c] >= pm.off[c] - pm.res[c])
+        m.add(nup_s[c] >= osh[c] - pm.res[c])
+        m.add(nup_r[c] >= pm.rep[c] - pm.res[c])
+        m.add(nag[c] >= pm.sh[c] - pm.res[c])
 
     def up(c: int) -> Terms:
-        return [(Us[c], pm.off[c])] if ok(c) else []
+        return [(Us[c], osh[c]), (U[c], pm.rep[c])] if ok(c) else []
 
     def ag(c: int) -> Terms:
         return [(AG[c], pm.sh[c])] if ok(c) else []
@@ -380,13 +394,22 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         return [(RS[c], pm.sh[c]), (AR[c], 1 - pm.sh[c])] if ok(c) else []
 
     def gout(c: int) -> Terms:
-        return [(Gs[c], pm.off[c])] if ok(c) else []
+        return [(Gs[c], osh[c]), (G[c], pm.rep[c])] if ok(c) else []
 
     def re_up(c: int) -> Terms:
-        return [(Us[c], nup[c])] if ok(c) else []
+        return [(Us[c], nup_s[c]), (U[c], nup_r[c])] if ok(c) else []
 
     def re_ag(c: int) -> Terms:
-        return [(AG[c], pm.sh[c] - pm.res[c])] if ok(c) else []
+        return [(AG[c], nag[c])] if ok(c) else []
+
+    def serial_fetch(c: int, pair: cp_model.IntVar, name: str) -> LinearExpr:
+        """fetch(c) = up(c) + ag(c) when `pair` (one buffer, both chunks buffered), else 0."""
+        out: LinearExpr = 0
+        for coef, x, tag in ((Us[c], osh[c], "s"), (U[c], pm.rep[c], "r"), (AG[c], pm.sh[c], "g")):
+            q = m.new_bool_var(f"{name}_{tag}[{c}]")
+            m.add(q >= pair + x - 1)
+            out = out + coef * q
+        return out
 
     # forward
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
@@ -394,10 +417,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         chain = _total(up(c + 1) + ag(c + 1))
         _add_window_sharded(pm, tf[c], F[c], [], up(c + 1), SO[c], ag(c + 1), [chain])
         if overlap and c + 1 < C:
-            pair = _sharded_pair(pm, c, c + 1)
-            q = m.new_bool_var(f"serial_up[{c + 1}]")
-            m.add(q >= pair + pm.off[c + 1] - 1)
-            m.add(tf[c] >= F[c] + AG[c + 1] * pair + Us[c + 1] * q)
+            m.add(tf[c] >= F[c] + serial_fetch(c + 1, _sharded_pair(pm, c, c + 1), "serial_f"))
     fwd = _total(up(0) + ag(0)) + sum(tf)
 
     # backward
@@ -408,24 +428,25 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         chains = [reduce + gather, _total(re_up(c - 1)) + gather, reduce + copy_out]
         _add_window_sharded(pm, tb[c], Bk[c], REC[c], h2d, gout(c + 1), re_ag(c - 1) + red(c + 1), chains)
         if overlap and 1 <= c < C:
-            pair = _sharded_pair(pm, c - 1, c)
-            q = m.new_bool_var(f"serial_up_b[{c - 1}]")
-            m.add(q >= pair + pm.off[c - 1] - 1)
-            m.add(tb[c] >= Bk[c] + _total(REC[c]) + AG[c - 1] * pair + Us[c - 1] * q)
+            fetch = serial_fetch(c - 1, _sharded_pair(pm, c - 1, c), "serial_b")
+            m.add(tb[c] >= Bk[c] + _total(REC[c]) + fetch)
     head = _total(re_up(C - 1) + re_ag(C - 1) + SI[W - 1])
     tail = _total(red(0))
     bwd = head + sum(tb) + tail
 
     # optimizer: replicated persistent chunks step whole on the device, sharded persistent ones their shard;
     # offloaded chunks step their shard on the host (one FIFO worker)
+    # persistent replicated = 1 - sh - rep; persistent sharded = sh - (off - rep)
     dev_opt = sum(
-        inst.device_optim_ns[c] * (1 - pm.sh[c]) + inst.shard_device_optim_ns[c] * (pm.sh[c] - pm.off[c])
+        inst.device_optim_ns[c] * (1 - pm.sh[c] - pm.rep[c])
+        + inst.shard_device_optim_ns[c] * (pm.sh[c] - osh[c])
         for c in range(C)
     )
     Hs = inst.shard_host_optim_ns
-    redo = sum(Hs[c] * pm.off[c] for c in range(C)) if inst.redo_host_steps else 0
+    host_step = [Hs[c] * osh[c] + H[c] * pm.rep[c] for c in range(C)]
+    redo = sum(host_step) if inst.redo_host_steps else 0
     if not overlap:
-        host_work = sum(Hs[c] * pm.off[c] for c in range(C)) + (Gs[0] * pm.off[0] if C else 0)
+        host_work = sum(host_step) + (_total(gout(0)) if C else 0)
         pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
         m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
         return
@@ -440,11 +461,13 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     dones.reverse()
     queued: LinearExpr = 0
     for c in range(C):
-        q = m.new_int_var(0, sum(Hs), f"host_queued[{c}]")
-        m.add(q == queued + Hs[c] * pm.off[c])
+        q = m.new_int_var(0, sum(max(a, b) for a, b in zip(Hs, H, strict=True)), f"host_queued[{c}]")
+        m.add(q == queued + host_step[c])
         queued = q
-        # an offloaded chunk is sharded: its gradient is reduce-scattered, then its shard copied out
-        m.add(host_end >= dones[c] + (RS[c] + Gs[c]) * pm.off[c] + queued)
+        # an offloaded chunk's gradient is reduced (scattered when sharded, all-reduced when not), then
+        # its shard or the whole of it copied out
+        arrive = (RS[c] + Gs[c]) * osh[c] + (AR[c] + G[c]) * pm.rep[c]
+        m.add(host_end >= dones[c] + arrive + queued)
     after = m.new_int_var(0, upper, "after_forward")
     m.add(after >= bwd + dev_opt)
     m.add(after >= host_end)
@@ -463,7 +486,8 @@ def _static_device(pm: PolicyModel) -> cp_model.IntVar:
         pm.model.add(
             static
             == sum(
-                inst.state_bytes(c) * (1 - pm.sh[c]) + inst.shard_state_bytes_of[c] * (pm.sh[c] - pm.off[c])
+                inst.state_bytes(c) * (1 - pm.sh[c] - pm.rep[c])
+                + inst.shard_state_bytes_of[c] * (pm.sh[c] - pm.off[c] + pm.rep[c])
                 for c in range(C)
             )
             + inst.buffer_bytes * pm.nbuf
@@ -523,10 +547,23 @@ def _add_host_memory(pm: PolicyModel) -> None:
     inst = pm.inst
     swapped = sum(inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks))
     if inst.sharded_job:  # one rank's shards; the node's ranks share its host RAM, each its own pinned limit
-        host = sum(inst.shard_host_bytes_of[c] * v for c, v in enumerate(pm.off)) + swapped
+        C = inst.n_chunks
+        host = (
+            sum(
+                inst.shard_host_bytes_of[c] * (pm.off[c] - pm.rep[c]) + inst.host_bytes(c) * pm.rep[c]
+                for c in range(C)
+            )
+            + swapped
+        )
         pm.model.add(inst.ranks_per_node * host <= inst.host_limit_bytes)
         if inst.pinned_limit_bytes is not None:
-            pinned = sum(inst.shard_state_bytes_of[c] * v for c, v in enumerate(pm.off)) + swapped
+            pinned = (
+                sum(
+                    inst.shard_state_bytes_of[c] * (pm.off[c] - pm.rep[c]) + inst.state_bytes(c) * pm.rep[c]
+                    for c in range(C)
+                )
+                + swapped
+            )
             pm.model.add(pinned <= inst.pinned_limit_bytes)
         return
     host = sum(inst.host_bytes(c) * v for c, v in enumerate(pm.off)) + swapped

@@ -277,7 +277,7 @@ def build_instance(
 @dataclass(frozen=True)
 class Decision:
     """One point of the decision space: chunk placements, buffer count, per-block modes, and in a multi-rank
-    job which chunks are sharded (empty: the offloaded ones, every persistent chunk replicated)."""
+    job which chunks are sharded (empty: the offloaded ones; an offloaded chunk may also be replicated)."""
 
     offloaded: tuple[bool, ...]  # per chunk
     n_buffers: int
@@ -292,7 +292,9 @@ class Decision:
 
     def buffered(self, inst: PolicyInstance) -> tuple[bool, ...]:
         """Per chunk: used through the device buffers (offloaded, or sharded and gathered before use)."""
-        return self.sharded_chunks(inst) if inst.sharded_job else self.offloaded
+        if not inst.sharded_job:
+            return self.offloaded
+        return tuple(o or sh for o, sh in zip(self.offloaded, self.sharded_chunks(inst), strict=True))
 
     def check(self, inst: PolicyInstance) -> None:
         if len(self.offloaded) != inst.n_chunks:
@@ -306,10 +308,5 @@ class Decision:
                 raise ValueError("sharded: a single-rank job shards nothing")
             if len(self.sharded) != inst.n_chunks:
                 raise ValueError(f"sharded: {len(self.sharded)} entries for {inst.n_chunks} chunks")
-            for c, (o, sh) in enumerate(zip(self.offloaded, self.sharded, strict=True)):
-                if o and not sh:
-                    raise ValueError(
-                        f"sharded[{c}]: an offloaded chunk of a multi-rank job is always sharded"
-                    )
             if any(self.sharded) and self.n_buffers < 1:
                 raise ValueError("n_buffers: sharded chunks are gathered into buffers: at least one needed")

@@ -25,15 +25,8 @@ MiB = 2**20
 
 
 def shardings(off: tuple[bool, ...]) -> list[tuple[bool, ...]]:
-    """Every sharding of the chunks that shards the offloaded ones."""
-    free = [c for c, o in enumerate(off) if not o]
-    out = []
-    for bits in itertools.product((False, True), repeat=len(free)):
-        sh = list(off)
-        for c, b in zip(free, bits, strict=True):
-            sh[c] = b
-        out.append(tuple(sh))
-    return out
+    """Every sharding of the chunks (an offloaded chunk may be sharded or replicated too)."""
+    return list(itertools.product((False, True), repeat=len(off)))
 
 
 def brute_force(inst: PolicyInstance) -> int | None:
@@ -53,15 +46,19 @@ def brute_force(inst: PolicyInstance) -> int | None:
     C = inst.n_chunks
     for off in itertools.product((False, True), repeat=C):
         for sh in shardings(off):
-            n_buf = sum(sh)
+            n_buf = sum(o or s for o, s in zip(off, sh, strict=True))
             for nb in range(1, n_buf + 1) if n_buf else (0,):
                 dev = sum(
                     inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c)
                     for c in range(C)
                     if not off[c]
                 )
-                host = sum(inst.shard_host_bytes_of[c] for c in range(C) if off[c])
-                pinned = sum(inst.shard_state_bytes_of[c] for c in range(C) if off[c])
+                host = sum(
+                    inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c) for c in range(C) if off[c]
+                )
+                pinned = sum(
+                    inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c) for c in range(C) if off[c]
+                )
                 ok = (
                     (dev + nb * inst.buffer_bytes + act_peak <= inst.usable_device_bytes)
                     & (inst.ranks_per_node * (host + swapped) <= inst.host_limit_bytes)
@@ -265,8 +262,18 @@ def test_a_single_rank_trace_rejects_a_sharding() -> None:
     inst = _inst(_hand(world=1))
     with pytest.raises(ValueError, match="sharded: a single-rank job shards nothing"):
         evaluate_decision(inst, Decision((False, False), 1, KEEP, (True, True)))
-    with pytest.raises(ValueError, match=r"sharded\[0\]: an offloaded chunk"):
-        evaluate_decision(_inst(_hand()), Decision((True, False), 1, KEEP, (False, True)))
+
+
+def test_an_offloaded_replicated_chunk_moves_and_steps_the_whole_chunk() -> None:
+    inst = _inst(_hand())
+    cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (False, False)))
+    # forward: the whole 100 MB uploaded (10 ms), no gather; one buffer: chunk 1 waits for window 0
+    assert cost.forward_ns == 10 * ms + (10 + 10) * ms + 10 * ms
+    # backward: window 0 all-reduces chunk 1's gradient (4 ms) then copies it out whole (10 ms), hidden in
+    # 20 ms; window 1 refetches chunk 0 after its compute (one buffer: 20 + 10); chunk 0's all-reduce exposed
+    assert cost.backward_ns == 20 * ms + 30 * ms + 4 * ms
+    assert cost.host_optim_ns == 200 * ms  # two whole 100 MB steps at 1 GB/s
+    assert cost.host_bytes == 2 * 500 * MB and cost.host_node_bytes == 2000 * MB
 
 
 # ------------------------------------------------------------------------------------ whole plans
