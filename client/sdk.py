@@ -274,13 +274,22 @@ class BaseClient:
         cursor: str | None,
         sort: str,
         id_prefix: str | None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> APIRequest[Page[TraceSummary]]:
         return APIRequest(
             "GET",
             "/v1/traces",
             Page[TraceSummary].model_validate,
             params=_params(
-                model=model, hardware=hardware, limit=limit, cursor=cursor, sort=sort, id_prefix=id_prefix
+                model=model,
+                hardware=hardware,
+                limit=limit,
+                cursor=cursor,
+                sort=sort,
+                id_prefix=id_prefix,
+                world_size=world_size,
+                ranks_per_node=ranks_per_node,
             ),
         )
 
@@ -312,6 +321,8 @@ class BaseClient:
         with_plan: bool,
         id_prefix: str | None,
         search: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> APIRequest[Page[PlanRecord]]:
         return APIRequest(
             "GET",
@@ -327,6 +338,8 @@ class BaseClient:
                 with_plan=with_plan or None,
                 id_prefix=id_prefix,
                 search=search,
+                world_size=world_size,
+                ranks_per_node=ranks_per_node,
             ),
         )
 
@@ -453,8 +466,15 @@ class Client(BaseClient):
         cursor: str | None = None,
         sort: str = "-created_at",
         id_prefix: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[TraceSummary]:
-        return self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
+        """A page of traces; `world_size` / `ranks_per_node` keep those measured in such a process group."""
+        return self._call(
+            self._list_traces_page(
+                model, hardware, limit, cursor, sort, id_prefix, world_size, ranks_per_node
+            )
+        )
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
         """Every matching trace, newest first, following cursors."""
@@ -493,11 +513,26 @@ class Client(BaseClient):
         with_plan: bool = False,
         id_prefix: str | None = None,
         search: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[PlanRecord]:
         """A page of plans; `sort` is a column ("-" first for descending: created_at, model, hardware,
-        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text."""
+        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text;
+        `world_size` / `ranks_per_node` keep plans for jobs of such a process group."""
         return self._call(
-            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix, search)
+            self._list_plans_page(
+                model,
+                hardware,
+                status,
+                limit,
+                cursor,
+                sort,
+                with_plan,
+                id_prefix,
+                search,
+                world_size,
+                ranks_per_node,
+            )
         )
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
@@ -598,8 +633,15 @@ class AsyncClient(BaseClient):
         cursor: str | None = None,
         sort: str = "-created_at",
         id_prefix: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[TraceSummary]:
-        return await self._call(self._list_traces_page(model, hardware, limit, cursor, sort, id_prefix))
+        """A page of traces; `world_size` / `ranks_per_node` keep those measured in such a process group."""
+        return await self._call(
+            self._list_traces_page(
+                model, hardware, limit, cursor, sort, id_prefix, world_size, ranks_per_node
+            )
+        )
 
     def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
         return _afollow(self.list_traces_page, filters)
@@ -637,11 +679,26 @@ class AsyncClient(BaseClient):
         with_plan: bool = False,
         id_prefix: str | None = None,
         search: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> Page[PlanRecord]:
         """A page of plans; `sort` is a column ("-" first for descending: created_at, model, hardware,
-        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text."""
+        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text;
+        `world_size` / `ranks_per_node` keep plans for jobs of such a process group."""
         return await self._call(
-            self._list_plans_page(model, hardware, status, limit, cursor, sort, with_plan, id_prefix, search)
+            self._list_plans_page(
+                model,
+                hardware,
+                status,
+                limit,
+                cursor,
+                sort,
+                with_plan,
+                id_prefix,
+                search,
+                world_size,
+                ranks_per_node,
+            )
         )
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:

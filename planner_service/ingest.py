@@ -38,6 +38,8 @@ class TraceFacts:
     device_name: str
     device_memory_bytes: int
     device_count: int
+    world_size: int
+    ranks_per_node: int
     workload_key: str
     payload_gzip: bytes
     payload_bytes: int
@@ -64,6 +66,8 @@ class TraceFacts:
             device_name=h.device_name,
             device_memory_bytes=h.machine_device_memory_bytes,
             device_count=h.device_count,
+            world_size=h.world_size,
+            ranks_per_node=h.ranks_per_node,
             workload_key=trace.workload.key,
             payload_gzip=payload_gzip,
             payload_bytes=payload_bytes,

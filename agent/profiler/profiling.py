@@ -72,6 +72,7 @@ from client.contract import (
     BlockInfo,
     BlockKind,
     BlockMeasurement,
+    Distributed,
     Hardware,
     Measurements,
     ModelInfo,
@@ -102,13 +103,17 @@ def profile(
     hardware: Hardware | None = None,
     device_memory_limit: int | None = None,
     name: str | None = None,
+    distributed: Distributed | None = None,
 ) -> Trace:
     """Profile one training iteration of `model` on `sample_batch`; every number in the Trace is measured.
 
     `optimizer` defaults to AdamW over the trainable parameters (created and discarded here); `device`
     defaults to where the parameters are; `blocks` overrides block detection with the repeated blocks in
     execution order. `max_blocks` profiles only that many repeated blocks and extrapolates to the rest.
-    `hardware` reuses an earlier probe; `device_memory_limit` caps the reported device capacity. When the
+    `hardware` reuses an earlier probe; `device_memory_limit` caps the reported device capacity.
+    `distributed`: the job's process group as `collectives.probe_process_group` measured it (every rank
+    probes; rank 0 profiles and passes it here): the trace then says world size, ranks per node and the
+    collectives, and the plan is a multi-rank one (issue 20). When the
     model's states would not fit the device (see `extrapolation.blocks_that_fit`), fewer blocks are profiled
     automatically and the rest extrapolated.
     """
@@ -131,6 +136,8 @@ def profile(
 
     t_hw = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
+    if distributed is not None:  # the node's devices are its ranks' (launchers without LOCAL_WORLD_SIZE too)
+        hw = hw.model_copy(update={"distributed": distributed, "device_count": distributed.ranks_per_node})
     t_hw = time.perf_counter() - t_hw
     with truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
         opt = (

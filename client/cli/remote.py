@@ -36,6 +36,10 @@ from client.sdk import Client
 
 traces_app = typer.Typer(no_args_is_help=True, help="Upload and browse traces.")
 
+WorldSizeOpt = Annotated[
+    int | None, typer.Option(min=1, help="only jobs of this many ranks (1: single-process jobs)")
+]
+RanksPerNodeOpt = Annotated[int | None, typer.Option(min=1, help="only jobs with this many ranks per node")]
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="print the rows as a JSON array (whole ids) instead of a table")
 ]
@@ -113,6 +117,16 @@ def _filters(c: Client, model: str | None, hardware: str | None) -> tuple[list[d
     return [{"model": m, "hardware": h} for m, h in itertools.product(models, keys)], "; ".join(said)
 
 
+def _group(world_size: int | None, ranks_per_node: int | None) -> dict[str, int]:
+    """The process-group filters that were given (issue 20), as API parameters."""
+    given = {"world_size": world_size, "ranks_per_node": ranks_per_node}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _group_said(group: dict[str, int]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in group.items())
+
+
 def _page(limit: int) -> int:
     """Rows per request: what the list shows, within the API's page limit."""
     return min(limit, 1000)
@@ -135,6 +149,8 @@ def traces_list(
         str | None, typer.Option(help="model name (exact, prefix or substring) or fingerprint")
     ] = None,
     hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
+    world_size: WorldSizeOpt = None,
+    ranks_per_node: RanksPerNodeOpt = None,
     limit: LimitOpt = 50,
     as_json: JsonOpt = False,
     server: ServerOpt = None,
@@ -144,9 +160,11 @@ def traces_list(
     try:
         with _client(server, token) as c:
             filters, said = _filters(c, model, hardware)
+            group = _group(world_size, ranks_per_node)
             rows: list[TraceSummary] = _newest_first(
-                [c.list_traces(limit=_page(limit), **f) for f in filters], limit
+                [c.list_traces(limit=_page(limit), **f, **group) for f in filters], limit
             )
+            said = "; ".join(x for x in (said, _group_said(group)) if x)
     except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -250,6 +268,8 @@ def plans_list(
             "(--sort=-error: the largest measured error first); error is |measured / predicted - 1|",
         ),
     ] = "-created_at",
+    world_size: WorldSizeOpt = None,
+    ranks_per_node: RanksPerNodeOpt = None,
     limit: LimitOpt = 50,
     as_json: JsonOpt = False,
     server: ServerOpt = None,
@@ -260,8 +280,9 @@ def plans_list(
     try:
         with _client(server, token) as c:
             filters, said = _filters(c, model, hardware)
+            group = _group(world_size, ranks_per_node)
             streams = [
-                c.list_plans(status=status, limit=_page(limit), sort=sort, search=search, **f)
+                c.list_plans(status=status, limit=_page(limit), sort=sort, search=search, **f, **group)
                 for f in filters
             ]
             if len(streams) == 1:
@@ -273,6 +294,7 @@ def plans_list(
                     f"--sort {sort}: {said} matched several; give an exact name or key to sort by another "
                     "column than created_at"
                 )
+            said = "; ".join(x for x in (said, _group_said(group)) if x)
     except (MemplanError, LookupFailed) as exc:
         raise _fail(exc) from exc
     if as_json:

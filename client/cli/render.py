@@ -47,6 +47,13 @@ def plan_table(plan: Plan, title: str = "plan") -> Table:
             f"{plural(p.n_buffers, 'device buffer')} for offloaded chunks",
         )
         t.add_row("chunk strip", f"{strip}  (P persistent, o offloaded)")
+        if p.world_size > 1:  # issue 20: which chunks each rank holds only a share of
+            sharded = "".join("s" if ch.sharded else "r" for ch in p.chunks)
+            t.add_row(
+                "ranks",
+                f"planned for {p.world_size} ranks: {len(p.sharded_chunks)} of {len(p.chunks)} chunks sharded; "
+                f"{sharded}  (s sharded, r replicated)",
+            )
         t.add_row("block modes", f"{p.mode_strip()}  (K keep, C checkpoint, S swap)")
     if plan.predictions is not None:
         pr = plan.predictions

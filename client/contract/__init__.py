@@ -20,8 +20,23 @@ from client.contract.chunk_bytes import (
     parameter_slot_bytes,
 )
 from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, ContractModel
+from client.contract.distributed import (
+    CollectiveBackend,
+    CollectiveCopyOverlap,
+    CollectiveCurves,
+    CollectiveSample,
+    Distributed,
+    Interconnect,
+)
 from client.contract.feedback import Feedback
-from client.contract.hardware import CatalogEntry, DenseThroughput, HardwareCatalog, HostLink, LinkKind
+from client.contract.hardware import (
+    CatalogEntry,
+    DenseThroughput,
+    HardwareCatalog,
+    HostLink,
+    LinkKind,
+    PeerLink,
+)
 from client.contract.plan import (
     FINAL_PLAN_STATUSES,
     PENDING_PLAN_STATUSES,

@@ -115,6 +115,8 @@ class HardwareSummary(BaseModel):
     device_count: int
     traces: int
     plans: int
+    world_size: int = Field(default=1, description="ranks of the job's process group (1: one process)")
+    ranks_per_node: int = Field(default=1, description="ranks sharing one node's host RAM")
 
 
 class FieldError(BaseModel):

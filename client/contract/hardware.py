@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -61,6 +61,25 @@ class HostLink(ContractModel):
         return self
 
 
+class PeerLink(ContractModel):
+    """The device's link to the other devices of its node, when it is not PCIe through the host (NVLink
+    through NVSwitch on HGX boards): rates per direction per device. Absent: peers talk over the host link
+    (issue 20; see docs/architecture/hardware.md, "Peer links")."""
+
+    kind: Literal["nvlink"]
+    generation: Int = Field(ge=1, le=10)
+    peak_bytes_per_s: BytesPerSecond = Field(description="theoretical rate to the peers, one direction")
+    sustained_bytes_per_s: BytesPerSecond = Field(description="what ring collectives achieve, one direction")
+
+    @model_validator(mode="after")
+    def _sustained_below_peak(self) -> PeerLink:
+        if self.sustained_bytes_per_s > self.peak_bytes_per_s:
+            raise ValueError(
+                f"sustained_bytes_per_s: {self.sustained_bytes_per_s:.4g} exceeds the peak {self.peak_bytes_per_s:.4g}"
+            )
+        return self
+
+
 class DenseThroughput(ContractModel):
     """Dense (no structured sparsity) peak throughput per training precision. fp32 is the non-tensor-core
     rate (PyTorch's default: TF32 matmuls are off); bf16/fp16 are tensor-core rates with fp32 accumulate."""
@@ -83,6 +102,12 @@ class CatalogEntry(ContractModel):
     host_memory_bytes: PositiveBytes = Field(description="typical host RAM available to one such device")
     cpu_cores: Int = Field(ge=1, le=100_000, description="typical host CPU cores available to one device")
     notes: str = Field(default="", max_length=1024, description="where the figures come from, in brief")
+    # Left out of the JSON when absent: entries without one are unchanged (issue 20).
+    peer_link: PeerLink | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="link to the node's other devices (NVLink); absent: over the host link",
+    )
 
     @field_validator("key")
     @classmethod

@@ -48,7 +48,10 @@ class Objective(StrEnum):
 
 
 class Constraints(ContractModel):
-    """What a plan must respect. Unset host limit: the trace's host memory."""
+    """What a plan must respect. Unset host limit: the trace's host memory.
+
+    In a multi-rank job (issue 20) `device_memory_bytes` is one rank's device and `host_memory_bytes` one
+    node's host RAM, shared by the node's ranks; `pinned_memory_bytes` is one rank's (process's) limit."""
 
     device_memory_bytes: PositiveBytes
     host_memory_bytes: PositiveBytes | None = None
@@ -62,6 +65,15 @@ class Chunk(ContractModel):
     parameters: list[Name] = Field(description="parameter names in execution order, packed contiguously")
     blocks: list[Int] = Field(description="blocks whose parameters live in this chunk")
     used_bytes: Bytes = Field(description="bytes of parameters in the chunk (the rest is padding)")
+    # Left out of the JSON when false: single-process plans are unchanged (issue 20).
+    sharded: Bool = Field(
+        default=False,
+        exclude_if=lambda v: v is False,
+        description="multi-rank jobs: each rank holds 1/world_size of the chunk's model states (on the "
+        "device when persistent, on the host when offloaded), all-gathers the chunk before its forward and "
+        "its backward, and reduce-scatters its gradient; false: every rank holds the whole chunk (replicated, "
+        "gradient all-reduced on the device; offloaded: then copied to the host and stepped whole)",
+    )
 
 
 class BlockPolicy(ContractModel):
@@ -79,6 +91,20 @@ class Policy(ContractModel):
     chunks: list[Chunk] = Field(max_length=MAX_PARAMETERS)
     n_buffers: Int = Field(ge=0, le=1024, description="device buffers for offloaded chunks")
     blocks: list[BlockPolicy] = Field(max_length=MAX_BLOCKS)
+    world_size: Int = Field(
+        default=1,
+        ge=1,
+        le=65_536,
+        exclude_if=lambda v: v == 1,
+        description="ranks the policy was planned for (the trace's world size); left out when 1",
+    )
+
+    @model_validator(mode="after")
+    def _sharding(self) -> Policy:
+        for i, c in enumerate(self.chunks):
+            if c.sharded and self.world_size == 1:
+                raise ValueError(f"chunks[{i}].sharded: a single-rank policy (world_size 1) shards nothing")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> Policy:
@@ -92,11 +118,17 @@ class Policy(ContractModel):
                 raise ValueError(f"blocks[{i}].block: is {b.block}, must equal its position {i}")
         if self.n_buffers == 0 and any(c.placement == Placement.offloaded for c in self.chunks):
             raise ValueError("n_buffers: offloaded chunks need at least one buffer")
+        if self.n_buffers == 0 and any(c.sharded for c in self.chunks):
+            raise ValueError("n_buffers: sharded chunks are gathered into buffers: at least one needed")
         return self
 
     @property
     def persistent_chunks(self) -> list[Int]:
         return [c.index for c in self.chunks if c.placement == Placement.persistent]
+
+    @property
+    def sharded_chunks(self) -> list[Int]:
+        return [c.index for c in self.chunks if c.sharded]
 
     def mode_strip(self) -> str:
         """One character per block: K keep, C checkpoint, S swap."""

@@ -44,6 +44,7 @@ from client.contract.common import (
     Seconds,
     Text,
 )
+from client.contract.distributed import Distributed
 
 
 class DeviceType(StrEnum):
@@ -164,6 +165,23 @@ class Hardware(ContractModel):
     pinned_memory_limit_bytes: Bytes | None = Field(default=None, description="page-locked limit, if known")
     cpu_cores: Int = Field(ge=1, le=100_000)
     bandwidth: BandwidthCurves
+    # Left out of the JSON when absent, so single-process traces keep their content hashes (issue 20).
+    distributed: Distributed | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="the job's process group (world size, ranks per node, interconnect, collectives); "
+        "absent for a single-process job",
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job (1 for a single-process job)."""
+        return self.distributed.world_size if self.distributed is not None else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing one node's host RAM (1 for a single-process job)."""
+        return self.distributed.ranks_per_node if self.distributed is not None else 1
 
     @property
     def machine_device_memory_bytes(self) -> int:
@@ -173,11 +191,13 @@ class Hardware(ContractModel):
 
     @property
     def key(self) -> str:
-        """Stable identity used to group traces and plans by hardware: device type, name, memory, count.
+        """Stable identity used to group traces and plans by hardware: device type, name, memory, count, and
+        for a multi-rank job `:w<world size>r<ranks per node>` (a single-process job's key is unchanged).
         Memory under 1 GiB is written in MiB, never as 0GiB."""
         memory = self.machine_device_memory_bytes
         size = f"{memory // 2**30}GiB" if memory >= 2**30 else f"{memory // 2**20}MiB"
-        return f"{self.device_type.value}:{self.device_name}:{size}:x{self.device_count}"
+        group = f":w{self.world_size}r{self.ranks_per_node}" if self.world_size > 1 else ""
+        return f"{self.device_type.value}:{self.device_name}:{size}:x{self.device_count}{group}"
 
 
 class Software(ContractModel):

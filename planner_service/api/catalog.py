@@ -38,6 +38,8 @@ def list_hardware(session: SessionDep, principal: PrincipalDep) -> list[Hardware
             device_count=h.device_count,
             traces=t,
             plans=p,
+            world_size=h.world_size,
+            ranks_per_node=h.ranks_per_node,
         )
         for h, t, p in CatalogRepository(session).hardware(principal.project_id)
     ]

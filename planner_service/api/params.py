@@ -44,3 +44,9 @@ PlanSort = Annotated[
         + " (error, peak_error: the latest feedback's |measured / predicted - 1|); plans without a value last",
     ),
 ]
+WorldSizeFilter = Annotated[
+    int | None, Query(ge=1, le=65_536, description="only jobs of this many ranks (1: single-process jobs)")
+]
+RanksPerNodeFilter = Annotated[
+    int | None, Query(ge=1, le=65_536, description="only jobs with this many ranks per node")
+]

@@ -24,7 +24,15 @@ from client.contract import (
 from planner_service.api import links
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError
-from planner_service.api.params import HardwareFilter, ModelFilter, PlanId, PlanSort, SearchFilter
+from planner_service.api.params import (
+    HardwareFilter,
+    ModelFilter,
+    PlanId,
+    PlanSort,
+    RanksPerNodeFilter,
+    SearchFilter,
+    WorldSizeFilter,
+)
 from planner_service.api.poll_shortcut import etag_matches
 from planner_service.api.present import (
     MeasuredErrors,
@@ -176,6 +184,8 @@ def list_plans(
     principal: PrincipalDep,
     model: ModelFilter = None,
     hardware: HardwareFilter = None,
+    world_size: WorldSizeFilter = None,
+    ranks_per_node: RanksPerNodeFilter = None,
     status: PlanStatus | None = None,
     id_prefix: Annotated[
         str | None,
@@ -208,6 +218,8 @@ def list_plans(
             id_prefix=id_prefix,
             sort_key=sort.lstrip("-"),
             search=search,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
         )
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc

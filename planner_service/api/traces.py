@@ -13,7 +13,13 @@ from planner_service.api import links
 from planner_service.api.bodies import read_body
 from planner_service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from planner_service.api.errors import ERROR_RESPONSES, ApiError, validation_detail
-from planner_service.api.params import HardwareFilter, ModelFilter, TraceId
+from planner_service.api.params import (
+    HardwareFilter,
+    ModelFilter,
+    RanksPerNodeFilter,
+    TraceId,
+    WorldSizeFilter,
+)
 from planner_service.api.present import trace_summary
 from planner_service.db.keyset_cursor import BadCursor
 from planner_service.db.repositories import TraceRepository, UnreadableStoredTrace, decompress_trace
@@ -95,6 +101,8 @@ def list_traces(
     principal: PrincipalDep,
     model: ModelFilter = None,
     hardware: HardwareFilter = None,
+    world_size: WorldSizeFilter = None,
+    ranks_per_node: RanksPerNodeFilter = None,
     id_prefix: Annotated[
         str | None,
         Query(
@@ -114,6 +122,8 @@ def list_traces(
             cursor=cursor,
             descending=sort.startswith("-"),
             id_prefix=id_prefix,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
         )
     except BadCursor as exc:
         raise ApiError(400, str(exc)) from exc

@@ -69,6 +69,9 @@ class HardwareRow(Base):
     device_memory_bytes: Mapped[int] = mapped_column(BigInteger)
     device_count: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # the job's process group (issue 20; 1 and 1 for a single-process job); also named by the key
+    world_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    ranks_per_node: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
 
 
 class ModelRow(Base):

@@ -209,6 +209,8 @@ class TraceRepository:
                             device_name=f.device_name,
                             device_memory_bytes=f.device_memory_bytes,
                             device_count=f.device_count,
+                            world_size=f.world_size,
+                            ranks_per_node=f.ranks_per_node,
                             created_at=utcnow(),
                         )
                     )
@@ -225,6 +227,8 @@ class TraceRepository:
         cursor: str | None,
         descending: bool = True,
         id_prefix: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> PageResult[TraceRow]:
         stmt = select(TraceRow).join(ModelRow).where(TraceRow.project_id == project_id)
         if id_prefix:
@@ -233,17 +237,52 @@ class TraceRepository:
             stmt = stmt.where(or_(TraceRow.model_fingerprint == model, ModelRow.name == model))
         if hardware:
             stmt = stmt.where(TraceRow.hardware_key == hardware)
+        stmt = _by_process_group(stmt, TraceRow, world_size, ranks_per_node)
         return _page(self.s, stmt, TraceRow, limit, cursor, descending)
+
+    def process_group(self, trace: TraceRow) -> tuple[int, int]:
+        """(world size, ranks per node) of the job the trace was measured in ((1, 1): a single process)."""
+        hw = self.s.get(HardwareRow, {"project_id": trace.project_id, "key": trace.hardware_key})
+        return (1, 1) if hw is None else (hw.world_size, hw.ranks_per_node)
+
+
+def _by_process_group(
+    stmt: Any, row: type[TraceRow] | type[PlanRow], world: int | None, per_node: int | None
+) -> Any:
+    """`stmt` keeping the rows whose hardware has this world size / ranks per node (None: any)."""
+    if world is None and per_node is None:
+        return stmt
+    stmt = stmt.join(
+        HardwareRow, (HardwareRow.project_id == row.project_id) & (HardwareRow.key == row.hardware_key)
+    )
+    if world is not None:
+        stmt = stmt.where(HardwareRow.world_size == world)
+    if per_node is not None:
+        stmt = stmt.where(HardwareRow.ranks_per_node == per_node)
+    return stmt
 
 
 # -------------------------------------------------------------------------------------------- plans
 def request_key(
-    trace_hash: str, constraints: Constraints, objective: Objective, solver: str, solver_version: str
+    trace_hash: str,
+    constraints: Constraints,
+    objective: Objective,
+    solver: str,
+    solver_version: str,
+    process_group: tuple[int, int] = (1, 1),
 ) -> str:
-    blob = json.dumps(
-        [trace_hash, constraints.model_dump(mode="json"), objective.value, solver, solver_version],
-        sort_keys=True,
-    ).encode()
+    """The plan cache key of a request. A multi-rank job's (world size, ranks per node) is part of it (the
+    trace's hash differs already; the key says so outright); single-process keys are what they were."""
+    parts: list[Any] = [
+        trace_hash,
+        constraints.model_dump(mode="json"),
+        objective.value,
+        solver,
+        solver_version,
+    ]
+    if process_group != (1, 1):
+        parts.append(list(process_group))
+    blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -384,7 +423,8 @@ class PlanRepository:
         solver: str,
         solver_version: str,
     ) -> PlanRow:
-        key = request_key(trace.content_hash, constraints, objective, solver, solver_version)
+        group = TraceRepository(self.s).process_group(trace)
+        key = request_key(trace.content_hash, constraints, objective, solver, solver_version, group)
         row = PlanRow(
             trace_id=trace.id,
             project_id=trace.project_id,
@@ -418,9 +458,12 @@ class PlanRepository:
         id_prefix: str | None = None,
         sort_key: str = "created_at",
         search: str | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> PageResult[PlanListRow]:
         """A page of plans with their models and their latest measured errors, filtered, searched
-        (`search_terms`) and sorted by `sort_key` (one of `PLAN_SORT_KEYS`; nulls last, then the id); the
+        (`search_terms`) and sorted by `sort_key` (one of `PLAN_SORT_KEYS`; nulls last, then the id), of jobs of the process
+        group `world_size` / `ranks_per_node` if given; the
         stored Plans (megabytes each) only `with_result`."""
         if sort_key not in PLAN_SORT_KEYS:
             raise ValueError(f"sort: {sort_key!r} is not one of {', '.join(PLAN_SORT_KEYS)}")
@@ -444,6 +487,7 @@ class PlanRepository:
             stmt = stmt.where(PlanRow.status == status)
         if id_prefix:
             stmt = stmt.where(PlanRow.id.startswith(id_prefix, autoescape=True))
+        stmt = _by_process_group(stmt, PlanRow, world_size, ranks_per_node)
         for term in search_terms(search):
             stmt = stmt.where(_matches(term))
         if sort_key == "created_at":

@@ -70,12 +70,16 @@ def solver_version() -> str:
 def request_plan(session: Session, project_id: str, request: PlanRequest, enqueue: Enqueue) -> Requested:
     """The project's plan for `request`: an identical earlier one that did not fail, else a new queued plan
     whose solve job `enqueue` adds to this session's transaction (the plan and its job, or neither)."""
-    trace = TraceRepository(session).get(request.trace_id, project_id, payload=False)
+    traces = TraceRepository(session)
+    trace = traces.get(request.trace_id, project_id, payload=False)
     if trace is None:
         raise TraceNotFound(f"trace_id: trace {request.trace_id} not found")
     plans = PlanRepository(session)
     version = solver_version()
-    key = request_key(trace.content_hash, request.constraints, request.objective, request.solver, version)
+    group = traces.process_group(trace)
+    key = request_key(
+        trace.content_hash, request.constraints, request.objective, request.solver, version, group
+    )
     existing = plans.reusable(project_id, key)
     if existing is not None:
         return Requested(existing, reused=True)

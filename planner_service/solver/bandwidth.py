@@ -1,14 +1,24 @@
-"""Copy time by transfer size, read off a measured bandwidth curve (log-size interpolation)."""
+"""Copy (or collective) time by transfer size, read off a measured bandwidth curve (log-size interpolation)."""
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
+from typing import Protocol
 
-from client.contract import BandwidthSample
+
+class RateSample(Protocol):
+    """A point of a curve: `BandwidthSample` (copies) or `CollectiveSample` (collectives, issue 20)."""
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def bytes_per_s(self) -> float: ...
 
 
-def bytes_per_s_at(curve: list[BandwidthSample], size_bytes: int) -> float:
+def bytes_per_s_at(curve: Sequence[RateSample], size_bytes: int) -> float:
     """Bandwidth for a copy of `size_bytes`: linear in log(size) between samples, flat beyond the ends."""
     if not curve:
         raise ValueError("bandwidth curve: needs at least one sample")
@@ -23,7 +33,7 @@ def bytes_per_s_at(curve: list[BandwidthSample], size_bytes: int) -> float:
     return lo.bytes_per_s + w * (hi.bytes_per_s - lo.bytes_per_s)
 
 
-def transfer_ns(curve: list[BandwidthSample], size_bytes: int) -> int:
+def transfer_ns(curve: Sequence[RateSample], size_bytes: int) -> int:
     """Integer nanoseconds to copy `size_bytes` in one transfer (0 for nothing)."""
     if size_bytes <= 0:
         return 0

@@ -69,6 +69,41 @@ the host gradient without a separate fp32 master; plus the swapped activations) 
 when one is known. It is `Predictions.pinned_host_bytes`: the runtime's one pinned host arena is exactly
 that size (issue 19, defect 8).
 
+Multi-rank jobs (issue 20; world size N > 1, R ranks per node; constants in `sharding.py`). Every figure
+is one rank's; all ranks run the same plan on equal shards, so one rank's time is the job's. Per chunk c:
+  sh[c]  sharded (each rank holds 1/N of its model states, on the device or, offloaded, on the host);
+         else replicated (whole on every rank, persistent or offloaded)
+  buffered[c] = o[c] or sh[c]  (offloaded, or gathered into a device buffer before use; at N = 1: o[c])
+  up(c)  = o[c] * H2D of the rank's shard (ceil(used/N) bytes) when sharded, of the whole chunk when not
+  ag(c)  = sh[c] * all-gather of the chunk's used bytes (measured curve)
+  red(c) = sh[c] ? reduce-scatter of its gradient : all-reduce of it (replicated: reduce-scatter + all-gather)
+  gout(c)= o[c] * D2H of the rank's gradient shard (sharded) or the whole gradient (replicated, after its
+         all-reduce on the device); host steps, host and pinned bytes likewise a shard's or the chunk's
+  fetch(c) = up(c) + ag(c)  (the shard must be on the device before the gather)
+Collectives run on their own stream beside the copy engines and compute, prefetched like chunk uploads.
+With overlap factor f (the least measured `CollectiveCopyOverlap.factor`, in 1/1000; 0 when not measured)
+a window with compute X, copies h2d/d2h, collectives `comm` and a dependency chain `chain` takes
+  copies = max(h2d, d2h)  (h2d + d2h half duplex)
+  link   = max(chain, copies + (1 - f) * comm, comm + (1 - f) * copies)
+         = max(chain, max(copies, comm) + (1 - f) * min(copies, comm))   (f = 1: concurrent; 0: serialised)
+  T      = max(X, link)           (each (1 - f) term rounded up to whole ns, as the CP-SAT rows are)
+  without copy overlap (CPU): T = X + h2d + d2h + comm
+Forward window c: comm = ag(c+1), h2d = up(c+1), d2h = swap-out, chain = up(c+1) + ag(c+1);
+  T_fwd = buffered[0] * fetch(0) + sum Tf[c].
+Backward window c (r = refetch of c-1: buffered and not still in a buffer after forward):
+  comm = r * ag(c-1) + red(c+1), h2d = r * up(c-1) + swap-in of window c-1, d2h = gout(c+1),
+  chain = max(max(red(c+1), r * up(c-1)) + r * ag(c-1), red(c+1) + gout(c+1))
+  (the reduction of the chunk that just finished runs first; the next chunk's shard uploads meanwhile)
+  T_bwd = need[C-1] * fetch(C-1) + swap-in of the last window + sum Tb[c] + red(0)
+  (chunk 0's reduction has no window after it). One buffer: T >= compute + fetch(next) when both chunks
+  are buffered. Residency counts buffered chunks (the last n_buffers of them stay in a buffer).
+Optimizer: persistent sharded chunks step their shard on the device, replicated ones the whole chunk;
+  offloaded chunks step their shard on the host; a host step waits for done(c) + red(c) + gout(c).
+Memory of one rank: static = replicated persistent states + ceil(elements/N) of each sharded persistent
+  chunk's states + n_buffers full buffers; host = shards of offloaded chunks (+ extras) + swapped
+  activations. Host RAM is the node's: R * host <= host limit. The pinned limit is one rank's (process's).
+At N = 1 every term reduces to the single-process formulas above (a test holds plans and costs fixed).
+
 Why one module over 400 lines: the time and memory terms of a policy are one formula, term by term the one
 `cpsat_model.py` encodes; split, the terms that must change together would sit apart.
 """
@@ -76,12 +111,14 @@ Why one module over 400 lines: the time and memory terms of a policy are one for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from client.contract import ActivationMode, Constraints, Placement, Policy, Predictions, TimelinePoint, Trace
 from planner_service.solver.chunk_grid import layout_from_chunks
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
+from planner_service.solver.sharding import PERMILLE
 
 _MODE_OF = {
     ActivationMode.keep: Mode.keep,
@@ -113,6 +150,11 @@ class Cost:
     )
     fits_device: bool
     fits_host: bool
+    # multi-rank jobs (zero at world size 1): collective work, and the node's host bytes (host_bytes is one
+    # rank's; ranks_per_node ranks share the node)
+    forward_collective_ns: int = 0
+    backward_collective_ns: int = 0
+    host_node_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -134,6 +176,90 @@ def _combine(
     if full_duplex and both_ways is not None and h2d > 0 and d2h > 0:
         return max(compute, *both_ways)
     return max(compute, h2d, d2h) if full_duplex else max(compute, h2d + d2h)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _combine_sharded(compute: int, h2d: int, d2h: int, comm: int, chain: int, inst: PolicyInstance) -> int:
+    """One window's time in a multi-rank job (see "Multi-rank jobs" in the module docstring)."""
+    if not inst.copy_overlap:
+        return compute + h2d + d2h + comm
+    copies = max(h2d, d2h) if inst.params.full_duplex else h2d + d2h
+    slow = PERMILLE - inst.collective_overlap_permille
+    link = max(
+        chain,
+        _ceil_div(PERMILLE * copies + slow * comm, PERMILLE),
+        _ceil_div(PERMILLE * comm + slow * copies, PERMILLE),
+    )
+    return max(compute, link)
+
+
+@dataclass(frozen=True)
+class ChunkTerms:
+    """Per chunk, the times and bytes a decision gives it (ns, bytes); at world size 1 the single-process
+    terms (no collectives, whole chunks)."""
+
+    buffered: tuple[bool, ...]  # goes through the device buffers (offloaded, or sharded)
+    upload: tuple[int, ...]  # H2D of the chunk (its shard in a multi-rank job) when offloaded, else 0
+    gather: tuple[int, ...]  # all-gather when sharded, else 0
+    reduce: tuple[int, ...]  # gradient reduce-scatter (sharded) or all-reduce (replicated, N > 1), else 0
+    grad_offload: tuple[int, ...]  # D2H of the gradient (shard) when offloaded, else 0
+    device_optim: tuple[int, ...]
+    host_optim: tuple[int, ...]
+    device_bytes: tuple[int, ...]  # model-state bytes on one rank's device
+    host_bytes: tuple[int, ...]  # host bytes of one rank
+    pinned_bytes: tuple[int, ...]
+
+
+def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
+    """The decision's per-chunk terms (see the module docstring, "Multi-rank jobs")."""
+    C, o = inst.n_chunks, d.offloaded
+    if not inst.sharded_job:
+        zero = (0,) * C
+        return ChunkTerms(
+            buffered=o,
+            upload=tuple(inst.upload_ns[c] if o[c] else 0 for c in range(C)),
+            gather=zero,
+            reduce=zero,
+            grad_offload=tuple(inst.grad_offload_ns[c] if o[c] else 0 for c in range(C)),
+            device_optim=tuple(0 if o[c] else inst.device_optim_ns[c] for c in range(C)),
+            host_optim=tuple(inst.host_optim_ns[c] if o[c] else 0 for c in range(C)),
+            device_bytes=tuple(0 if o[c] else inst.state_bytes(c) for c in range(C)),
+            host_bytes=tuple(inst.host_bytes(c) if o[c] else 0 for c in range(C)),
+            pinned_bytes=tuple(inst.pinned_bytes(c) if o[c] else 0 for c in range(C)),
+        )
+    sh = d.sharded_chunks(inst)
+    # an offloaded chunk is sharded (each rank holds and steps a share) or replicated (whole on every rank)
+    return ChunkTerms(
+        buffered=tuple(o[c] or sh[c] for c in range(C)),
+        upload=tuple(
+            (inst.shard_upload_ns[c] if sh[c] else inst.upload_ns[c]) if o[c] else 0 for c in range(C)
+        ),
+        gather=tuple(inst.gather_ns[c] if sh[c] else 0 for c in range(C)),
+        reduce=tuple(inst.reduce_scatter_ns[c] if sh[c] else inst.all_reduce_ns[c] for c in range(C)),
+        grad_offload=tuple(
+            (inst.shard_grad_offload_ns[c] if sh[c] else inst.grad_offload_ns[c]) if o[c] else 0
+            for c in range(C)
+        ),
+        device_optim=tuple(
+            0 if o[c] else inst.shard_device_optim_ns[c] if sh[c] else inst.device_optim_ns[c]
+            for c in range(C)
+        ),
+        host_optim=tuple(
+            (inst.shard_host_optim_ns[c] if sh[c] else inst.host_optim_ns[c]) if o[c] else 0 for c in range(C)
+        ),
+        device_bytes=tuple(
+            0 if o[c] else inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c) for c in range(C)
+        ),
+        host_bytes=tuple(
+            (inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c)) if o[c] else 0 for c in range(C)
+        ),
+        pinned_bytes=tuple(
+            (inst.shard_state_bytes_of[c] if sh[c] else inst.pinned_bytes(c)) if o[c] else 0 for c in range(C)
+        ),
+    )
 
 
 def residency(offloaded: tuple[bool, ...], n_buffers: int) -> list[bool]:
@@ -196,11 +322,12 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     """The cost model on integers. See the module docstring for every formula."""
     d.check(inst)
     C = inst.n_chunks
-    o = d.offloaded
     nb = d.n_buffers
     duplex = inst.params.full_duplex
     overlap = inst.copy_overlap
-    U, G = inst.upload_ns, inst.grad_offload_ns
+    sharded = inst.sharded_job
+    k = chunk_terms(inst, d)
+    U, G, AG, RS = k.upload, k.grad_offload, k.gather, k.reduce
     windows = max(C, 1)
     F = [0] * windows
     Bk = [0] * windows
@@ -224,40 +351,63 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
             if dx:
                 SOx[w] += inst.swap_out_duplex_ns[b]
                 SIx[w] += inst.swap_in_duplex_ns[b]
-    off = lambda c: 0 <= c < C and o[c]  # noqa: E731
-    res = residency(o, nb)
-    need = [o[c] and not res[c] for c in range(C)]
+    off = lambda c: 0 <= c < C and d.offloaded[c]  # noqa: E731
+    buf = lambda c: 0 <= c < C and k.buffered[c]  # noqa: E731
+    at = lambda xs, c: xs[c] if 0 <= c < C else 0  # noqa: E731
+    res = residency(k.buffered, nb)
+    need = [k.buffered[c] and not res[c] for c in range(C)]
+    fetch = lambda c: at(U, c) + at(AG, c)  # noqa: E731  (a chunk's shard upload, then its gather)
 
-    fwd = U[0] if off(0) else 0
+    fwd = fetch(0) if buf(0) else 0
+    fwd_comm = AG[0] if C and buf(0) else 0
     for c in range(windows):
-        h2d = U[c + 1] if off(c + 1) else 0
-        both = ((Ux[c + 1] if off(c + 1) else 0), SOx[c]) if dx else None
-        t = _combine(F[c], h2d, SO[c], duplex, overlap, both)
-        if nb == 1 and off(c) and off(c + 1):
-            t = max(t, F[c] + U[c + 1])
+        h2d = at(U, c + 1)
+        if sharded:
+            comm = at(AG, c + 1)
+            fwd_comm += comm
+            t = _combine_sharded(F[c], h2d, SO[c], comm, h2d + comm, inst)
+        else:
+            both = ((Ux[c + 1] if off(c + 1) else 0), SOx[c]) if dx else None
+            t = _combine(F[c], h2d, SO[c], duplex, overlap, both)
+        if nb == 1 and buf(c) and buf(c + 1):
+            t = max(t, F[c] + fetch(c + 1))
         fwd += t
 
-    head = (U[C - 1] if C and need[C - 1] else 0) + SI[windows - 1]
+    head = (fetch(C - 1) if C and need[C - 1] else 0) + SI[windows - 1]
+    bwd_comm = AG[C - 1] if C and need[C - 1] else 0
     Tb = [0] * windows
     for c in range(windows):
-        h2d = ((U[c - 1] if need[c - 1] else 0) + SI[c - 1]) if c >= 1 else 0
-        d2h = G[c + 1] if off(c + 1) else 0
-        both = (
-            (
-                ((Ux[c - 1] if need[c - 1] else 0) + SIx[c - 1]) if c >= 1 else 0,
-                Gx[c + 1] if off(c + 1) else 0,
+        refetch = c >= 1 and need[c - 1]
+        up = at(U, c - 1) if refetch else 0
+        h2d = up + (SI[c - 1] if c >= 1 else 0)
+        d2h = at(G, c + 1)
+        if sharded:
+            gather = at(AG, c - 1) if refetch else 0
+            reduce = at(RS, c + 1)
+            comm = gather + reduce
+            bwd_comm += comm
+            # the next chunk's shard must land before its gather; the reduced gradient before its copy out
+            chain = max(max(reduce, up) + gather, reduce + d2h)
+            t = _combine_sharded(Bk[c], h2d, d2h, comm, chain, inst)
+        else:
+            both = (
+                (
+                    ((Ux[c - 1] if refetch else 0) + SIx[c - 1]) if c >= 1 else 0,
+                    Gx[c + 1] if off(c + 1) else 0,
+                )
+                if dx
+                else None
             )
-            if dx
-            else None
-        )
-        t = _combine(Bk[c], h2d, d2h, duplex, overlap, both)
-        if nb == 1 and off(c) and off(c - 1):
-            t = max(t, Bk[c] + U[c - 1])
+            t = _combine(Bk[c], h2d, d2h, duplex, overlap, both)
+        if nb == 1 and buf(c) and buf(c - 1):
+            t = max(t, Bk[c] + fetch(c - 1))
         Tb[c] = t
-    bwd = head + sum(Tb)
+    tail = RS[0] if C else 0  # chunk 0's gradient reduction: no window after it hides it
+    bwd_comm += tail
+    bwd = head + sum(Tb) + tail
 
-    dev_opt = sum(inst.device_optim_ns[c] for c in range(C) if not o[c])
-    host_total = sum(inst.host_optim_ns[c] for c in range(C) if o[c])
+    dev_opt = sum(k.device_optim)
+    host_total = sum(k.host_optim)
     host_end = 0
     queued = host_total  # sum over c' <= c of offloaded host steps, walking c downwards
     dones = [0] * windows  # backward time through window c (windows run C-1..0)
@@ -266,23 +416,24 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         acc += Tb[c]
         dones[c] = acc
     for c in range(C - 1, -1, -1):
-        host_end = max(host_end, dones[c] + (G[c] if o[c] else 0) + queued)
-        if o[c]:
-            queued -= inst.host_optim_ns[c]
+        arrive = dones[c] + (RS[c] + G[c] if d.offloaded[c] else 0)
+        host_end = max(host_end, arrive + queued)
+        queued -= k.host_optim[c]
     if not overlap:
         # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
         # backward and the device optimizer, on the same cores
-        host_end = bwd + dev_opt + (G[0] if C and o[0] else 0) + host_total
+        host_end = bwd + dev_opt + (G[0] if C else 0) + host_total
     redo = host_total if inst.redo_host_steps else 0
     iteration = fwd + max(bwd + dev_opt, host_end) + redo
 
-    static = sum(inst.state_bytes(c) for c in range(C) if not o[c]) + nb * inst.buffer_bytes
+    static = sum(k.device_bytes) + nb * inst.buffer_bytes
     act_peak = activation_peak(inst, d.modes)
     peak = static + act_peak
     swapped = sum(inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
-    pinned = sum(inst.pinned_bytes(c) for c in range(C) if o[c]) + swapped
-    host = sum(inst.host_bytes(c) for c in range(C) if o[c]) + swapped
-    fits_host = host <= inst.host_limit_bytes and (
+    pinned = sum(k.pinned_bytes) + swapped
+    host = sum(k.host_bytes) + swapped
+    node_host = host * inst.ranks_per_node
+    fits_host = node_host <= inst.host_limit_bytes and (
         inst.pinned_limit_bytes is None or pinned <= inst.pinned_limit_bytes
     )
     return Cost(
@@ -303,6 +454,9 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         pinned_bytes=pinned,
         fits_device=peak <= inst.usable_device_bytes,
         fits_host=fits_host,
+        forward_collective_ns=fwd_comm if sharded else 0,
+        backward_collective_ns=bwd_comm if sharded else 0,
+        host_node_bytes=node_host,
     )
 
 
@@ -336,16 +490,39 @@ def predictions_of(inst: PolicyInstance, decision: Decision, cost: Cost) -> Pred
             "copy_overlap": 1.0 if inst.copy_overlap else 0.0,
             "chunk_state_bytes": float(inst.chunk_state_bytes),
             "buffer_bytes": float(inst.buffer_bytes),
-        },
+        }
+        | (_sharded_breakdown(inst, decision, cost) if inst.sharded_job else {}),
         device_memory_timeline=device_timeline(inst, decision, cost.static_device_bytes),
     )
 
 
+def _sharded_breakdown(inst: PolicyInstance, decision: Decision, cost: Cost) -> dict[str, float]:
+    """The multi-rank terms (only in a multi-rank job's predictions: single-rank ones are unchanged)."""
+    return {
+        "world_size": float(inst.world_size),
+        "ranks_per_node": float(inst.ranks_per_node),
+        "sharded_chunks": float(sum(decision.sharded_chunks(inst))),
+        "forward_collective_s": cost.forward_collective_ns / 1e9,
+        "backward_collective_s": cost.backward_collective_ns / 1e9,
+        "collective_copy_overlap": inst.collective_overlap_permille / PERMILLE,
+        "host_node_bytes": float(cost.host_node_bytes),
+    }
+
+
 def decision_of(inst: PolicyInstance, policy: Policy) -> Decision:
+    """The decision a wire policy encodes; raises ValueError (naming the field) when the policy was planned
+    for another world size than the instance's trace."""
+    if policy.world_size != inst.world_size:
+        raise ValueError(
+            f"policy.world_size: {policy.world_size}, the trace was measured at world size {inst.world_size}"
+        )
+    offloaded = tuple(c.placement == Placement.offloaded for c in policy.chunks)
+    sharded = tuple(c.sharded for c in policy.chunks)
     return Decision(
-        offloaded=tuple(c.placement == Placement.offloaded for c in policy.chunks),
+        offloaded=offloaded,
         n_buffers=policy.n_buffers,
         modes=tuple(_MODE_OF[b.mode] for b in policy.blocks),
+        sharded=sharded if inst.sharded_job else (),
     )
 
 
@@ -398,7 +575,11 @@ class BatchTimer:
             self.sox, self.six = i64(inst.swap_out_duplex_ns), i64(inst.swap_in_duplex_ns)
             self.Ux, self.Gx = pad(inst.upload_duplex_ns), pad(inst.grad_offload_duplex_ns)
 
-    def __call__(self, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray) -> np.ndarray:
+    def __call__(
+        self, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray, sharded: tuple[bool, ...] = ()
+    ) -> np.ndarray:
+        if self.inst.sharded_job:
+            return self._sharded(offloaded, n_buffers, modes, sharded)
         C, W, nb = self.C, self.W, n_buffers
         o = np.zeros(W + 1, dtype=np.int64)
         o[:C] = np.array(offloaded, dtype=np.int64)
@@ -480,9 +661,90 @@ class BatchTimer:
         )
         return iteration
 
+    def _sharded(
+        self, offloaded: tuple[bool, ...], nb: int, modes: np.ndarray, sharded: tuple[bool, ...]
+    ) -> np.ndarray:
+        """The multi-rank windows (module docstring, "Multi-rank jobs"), vectorised over mode rows."""
+        inst, C, W = self.inst, self.C, self.W
+        d = Decision(offloaded, nb, (Mode.keep,) * inst.n_blocks, sharded)
+        d.check(inst)
+        k = chunk_terms(inst, d)
+        i64 = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
+        pad = lambda xs: np.concatenate([i64(xs), np.zeros(W + 1 - C, dtype=np.int64)])  # noqa: E731
+        U, AG, RS, G = pad(k.upload), pad(k.gather), pad(k.reduce), pad(k.grad_offload)
+        buf = pad(k.buffered)
+        need = pad([b and not r for b, r in zip(k.buffered, residency(k.buffered, nb), strict=True)])
+        o = pad(offloaded)
+        fetch = U + AG
+        ck = (modes == Mode.checkpoint).astype(np.int64)
+        sw = (modes == Mode.swap).astype(np.int64)
+        REC = (ck * self.rec) @ self.ind
+        SO = (sw * self.so) @ self.ind
+        SI = (sw * self.si) @ self.ind
+        overlap = inst.copy_overlap
+        slow = PERMILLE - inst.collective_overlap_permille
+
+        def combine(compute: Any, h2d: Any, d2h: Any, comm: Any, chain: Any) -> np.ndarray:
+            window: np.ndarray
+            if not overlap:
+                window = compute + h2d + d2h + comm
+                return window
+            copies = np.maximum(h2d, d2h) if inst.params.full_duplex else h2d + d2h
+            link = np.maximum(
+                chain,
+                np.maximum(
+                    -(-(PERMILLE * copies + slow * comm) // PERMILLE),
+                    -(-(PERMILLE * comm + slow * copies) // PERMILLE),
+                ),
+            )
+            window = np.maximum(compute, link)
+            return window
+
+        nxt = np.arange(1, W + 1)
+        Tf = combine(self.F, U[nxt], SO, AG[nxt], U[nxt] + AG[nxt])
+        if nb == 1:
+            Tf = np.maximum(Tf, np.where(buf[:W] * buf[nxt] == 1, self.F + fetch[nxt], 0))
+        fwd = fetch[0] * buf[0] + Tf.sum(axis=1)
+
+        compute = self.Bk + REC
+        prev = np.concatenate([[0], need[: W - 1]]) if W > 1 else np.zeros(W, dtype=np.int64)
+        up_b = np.concatenate([[0], U[: W - 1]]) * prev if W > 1 else np.zeros(W, dtype=np.int64)
+        ag_b = np.concatenate([[0], AG[: W - 1]]) * prev if W > 1 else np.zeros(W, dtype=np.int64)
+        si_b = np.zeros_like(SI)
+        if W > 1:
+            si_b[:, 1:] = SI[:, :-1]
+        red, gout = RS[nxt], G[nxt]
+        chain = np.maximum(np.maximum(red, up_b) + ag_b, red + gout)
+        Tb = combine(compute, up_b + si_b, gout, ag_b + red, chain)
+        if nb == 1 and W > 1:
+            serial_b = np.concatenate([[0], buf[1:W] * buf[: W - 1]])
+            Tb = np.maximum(Tb, np.where(serial_b == 1, compute + np.concatenate([[0], fetch[: W - 1]]), 0))
+        head = (fetch[C - 1] * need[C - 1] if C else 0) + SI[:, W - 1]
+        tail = int(RS[0]) if C else 0
+        bwd = head + Tb.sum(axis=1) + tail
+        dones = head[:, None] + np.cumsum(Tb[:, ::-1], axis=1)[:, ::-1]
+        H = i64(k.host_optim)
+        host_total = int(H.sum())
+        dev_opt = sum(k.device_optim)
+        if C:
+            arrive = dones[:, :C] + ((RS[:C] + G[:C]) * o[:C])[None, :]
+            host_end = np.maximum(0, (arrive + np.cumsum(H)[None, :]).max(axis=1))
+        else:
+            host_end = np.zeros(modes.shape[0], dtype=np.int64)
+        if not overlap:
+            host_end = bwd + dev_opt + int(G[0]) + host_total
+        iteration: np.ndarray = (
+            fwd + np.maximum(bwd + dev_opt, host_end) + (host_total if inst.redo_host_steps else 0)
+        )
+        return iteration
+
 
 def iteration_ns_batch(
-    inst: PolicyInstance, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray
+    inst: PolicyInstance,
+    offloaded: tuple[bool, ...],
+    n_buffers: int,
+    modes: np.ndarray,
+    sharded: tuple[bool, ...] = (),
 ) -> np.ndarray:
     """`evaluate_decision(...).iteration_ns` for every row of `modes` (see `BatchTimer`)."""
-    return BatchTimer(inst)(offloaded, n_buffers, modes)
+    return BatchTimer(inst)(offloaded, n_buffers, modes, sharded)

@@ -11,6 +11,12 @@ Decision variables
   res[c]  offloaded chunk c still in a buffer after forward (allowed iff fewer than n_buffers offloaded after it)
   nbuf    number of device buffers, 0..#offloaded, >= 1 when anything is offloaded
   nbuf1   nbuf == 1 (one buffer: no prefetch between two offloaded chunks)
+Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank jobs"):
+  sh[c]   chunk c sharded across the ranks; rep[c] = off[c] and not sh[c] (offloaded, replicated);
+          buf[c] = sh[c] + rep[c]: offloaded or sharded chunks use the buffers, so res/nbuf count them
+  nup_s[c], nup_r[c], nag[c]  chunk c is not in a buffer after forward: its shard (sharded) or the whole
+          chunk (replicated) is uploaded again, and (sharded) gathered again, for backward
+At world size 1 none of these exist and the model is the single-process one, row for row.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from planner_service.solver.instance import Decision, Mode, PolicyInstance
+from planner_service.solver.sharding import PERMILLE
 
 LinearExpr = cp_model.LinearExpr | int  # a CP-SAT linear expression or a constant (units per use)
 
@@ -40,6 +47,14 @@ class PolicyModel:
     iteration: cp_model.IntVar | None = None
     peak: cp_model.IntVar | None = None
     pairs: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
+    sh: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only
+    rep: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded and replicated
+    buf: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded or sharded
+
+    @property
+    def buffered(self) -> list[cp_model.IntVar]:
+        """Chunks that go through the device buffers: offloaded (one rank), offloaded or sharded (several)."""
+        return self.buf if self.inst.sharded_job else self.off
 
     def decision(self, solver: cp_model.CpSolver) -> Decision:
         assert self.nbuf is not None
@@ -55,6 +70,7 @@ class PolicyModel:
             offloaded=tuple(bool(solver.value(v)) for v in self.off),
             n_buffers=int(solver.value(self.nbuf)),
             modes=tuple(modes),
+            sharded=tuple(bool(solver.value(v)) for v in self.sh),
         )
 
     def hint(self, d: Decision) -> None:
@@ -71,10 +87,12 @@ class PolicyModel:
             ):
                 if isinstance(expr, cp_model.IntVar):
                     m.add_hint(expr, int(mode == want))
-        res = residency(d.offloaded, d.n_buffers)
+        res = residency(d.buffered(self.inst), d.n_buffers)
         for c, v in enumerate(self.off):
             m.add_hint(v, int(d.offloaded[c]))
             m.add_hint(self.res[c], int(res[c]))
+        for c, v in enumerate(self.sh):
+            m.add_hint(v, int(d.sharded_chunks(self.inst)[c]))
         m.add_hint(self.nbuf, d.n_buffers)
         m.add_hint(self.nbuf1, int(d.n_buffers == 1))
 
@@ -103,17 +121,27 @@ def _add_placement(pm: PolicyModel) -> None:
     pm.nbuf1 = m.new_bool_var("nbuf1")
     m.add(pm.nbuf == 1).only_enforce_if(pm.nbuf1)
     m.add(pm.nbuf != 1).only_enforce_if(~pm.nbuf1)
-    m.add(pm.nbuf <= sum(pm.off))
-    # after[c] = number of offloaded chunks after c (a chain keeps the model linear in C, not quadratic)
+    if pm.inst.sharded_job:  # sharded chunks are gathered into the buffers; offloaded ones uploaded there
+        pm.sh = [m.new_bool_var(f"sh[{c}]") for c in range(C)]
+        pm.rep = [m.new_bool_var(f"rep[{c}]") for c in range(C)]
+        pm.buf = [m.new_bool_var(f"buf[{c}]") for c in range(C)]
+        for c in range(C):  # rep = off and not sh, exactly; buf = off or sh = sh + rep
+            m.add(pm.rep[c] >= pm.off[c] - pm.sh[c])
+            m.add(pm.rep[c] <= pm.off[c])
+            m.add(pm.rep[c] <= 1 - pm.sh[c])
+            m.add(pm.buf[c] == pm.sh[c] + pm.rep[c])
+    buf = pm.buffered
+    m.add(pm.nbuf <= sum(buf))
+    # after[c] = number of buffered chunks after c (a chain keeps the model linear in C, not quadratic)
     after: LinearExpr = 0
     for c in range(C - 1, -1, -1):
-        m.add(pm.nbuf >= 1).only_enforce_if(pm.off[c])
-        m.add_implication(pm.res[c], pm.off[c])
+        m.add(pm.nbuf >= 1).only_enforce_if(buf[c])
+        m.add_implication(pm.res[c], buf[c])
         if c + 1 < C:
-            # offloaded chunks after c, plus c itself, must all fit in the buffers
+            # buffered chunks after c, plus c itself, must all fit in the buffers
             m.add(after + 1 <= pm.nbuf).only_enforce_if(pm.res[c])
         count = m.new_int_var(0, C - c, f"offloaded_from[{c}]")
-        m.add(count == after + pm.off[c])
+        m.add(count == after + buf[c])
         after = count
 
 
@@ -216,6 +244,9 @@ def _serial_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
 
 def _add_time(pm: PolicyModel) -> None:
     """Forward and backward windows, optimizer terms and the iteration-time objective (all in ns)."""
+    if pm.inst.sharded_job:
+        _add_time_sharded(pm)
+        return
     m, inst = pm.model, pm.inst
     C, W = inst.n_chunks, max(inst.n_chunks, 1)
     U, G = inst.upload_ns, inst.grad_offload_ns
@@ -320,6 +351,179 @@ def _add_time(pm: PolicyModel) -> None:
     m.add(pm.iteration == fwd + tail + redo)
 
 
+def _add_window_sharded(
+    pm: PolicyModel,
+    t: cp_model.IntVar,
+    compute: int,
+    extra: Terms,
+    h2d: Terms,
+    d2h: Terms,
+    comm: Terms,
+    chains: list[LinearExpr],
+) -> None:
+    """t >= the cost model's multi-rank window: max(compute, chain, copies + (1-f) comm, comm + (1-f) copies)
+    with copies = max(H2D, D2H) (H2D + D2H half duplex), the (1-f) rows scaled by 1000 (f in 1/1000), so
+    t >= their ceiling, as the cost model rounds. Serial (CPU): t >= compute + copies + collectives."""
+    m, inst = pm.model, pm.inst
+    if not inst.copy_overlap:
+        m.add(t >= compute + _total(extra) + _total(h2d) + _total(d2h) + _total(comm))
+        return
+    m.add(t >= compute + _total(extra))
+    slow = PERMILLE - inst.collective_overlap_permille
+    links = [_total(h2d), _total(d2h)] if inst.params.full_duplex else [_total(h2d) + _total(d2h)]
+    M = _total(comm)
+    for copies in links:
+        m.add(PERMILLE * t >= PERMILLE * copies + slow * M)
+        m.add(PERMILLE * t >= PERMILLE * M + slow * copies)
+    for chain in chains:
+        m.add(t >= chain)
+    for a, x in h2d + d2h + comm:  # the convex-hull cut of _add_window, for every single term
+        if a > compute:
+            m.add(t >= compute + (a - compute) * x)
+
+
+def _sharded_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
+    """`_serial_pair` for a multi-rank job: chunks a and b both buffered (offloaded or sharded), one buffer."""
+    assert pm.nbuf1 is not None
+    key = (min(a, b), max(a, b))
+    if key not in pm.pairs:
+        pair = pm.model.new_bool_var(f"serial[{key[0]},{key[1]}]")
+        pm.model.add(pair >= pm.buf[a] + pm.buf[b] + pm.nbuf1 - 2)
+        pm.pairs[key] = pair
+    return pm.pairs[key]
+
+
+def _add_time_sharded(pm: PolicyModel) -> None:
+    """`_add_time` for a multi-rank job: the cost model's "Multi-rank jobs" windows, row for row."""
+    m, inst = pm.model, pm.inst
+    C, W = inst.n_chunks, max(inst.n_chunks, 1)
+    Us, AG, RS, AR, Gs = (
+        inst.shard_upload_ns,
+        inst.gather_ns,
+        inst.reduce_scatter_ns,
+        inst.all_reduce_ns,
+        inst.shard_grad_offload_ns,
+    )
+    overlap = inst.copy_overlap
+    assert pm.nbuf1 is not None
+    F, Bk, REC, SO, SI = _window_terms(pm)
+    upper = (
+        sum(inst.fwd_ns)
+        + sum(inst.bwd_ns)
+        + sum(inst.rec_ns)
+        + sum(inst.swap_out_ns)
+        + sum(inst.swap_in_ns)
+        + sum(max(a, b) for a, b in zip(Us, inst.upload_ns, strict=True)) * 2
+        + sum(AG) * 2
+        + sum(max(r, a) for r, a in zip(RS, AR, strict=True))
+        + sum(max(a, b) for a, b in zip(Gs, inst.grad_offload_ns, strict=True))
+        + sum(inst.device_optim_ns)
+        + sum(max(a, b) for a, b in zip(inst.shard_host_optim_ns, inst.host_optim_ns, strict=True)) * 2
+    )
+    U, G, H = inst.upload_ns, inst.grad_offload_ns, inst.host_optim_ns
+    ok = lambda c: 0 <= c < C  # noqa: E731
+    osh = [pm.off[c] - pm.rep[c] for c in range(C)]  # offloaded and sharded (0/1)
+    # not resident after forward: the shard (nup_s) or whole chunk (nup_r) uploaded again, the shard
+    # gathered again (nag); pushed down by the objective, each equals max(0, its lower bound)
+    nup_s = [m.new_bool_var(f"nup_s[{c}]") for c in range(C)]
+    nup_r = [m.new_bool_var(f"nup_r[{c}]") for c in range(C)]
+    nag = [m.new_bool_var(f"nag[{c}]") for c in range(C)]
+    for c in range(C):
+        m.add(nup_s[c] >= osh[c] - pm.res[c])
+        m.add(nup_r[c] >= pm.rep[c] - pm.res[c])
+        m.add(nag[c] >= pm.sh[c] - pm.res[c])
+
+    def up(c: int) -> Terms:
+        return [(Us[c], osh[c]), (U[c], pm.rep[c])] if ok(c) else []
+
+    def ag(c: int) -> Terms:
+        return [(AG[c], pm.sh[c])] if ok(c) else []
+
+    def red(c: int) -> Terms:  # reduce-scatter when sharded, all-reduce when replicated
+        return [(RS[c], pm.sh[c]), (AR[c], 1 - pm.sh[c])] if ok(c) else []
+
+    def gout(c: int) -> Terms:
+        return [(Gs[c], osh[c]), (G[c], pm.rep[c])] if ok(c) else []
+
+    def re_up(c: int) -> Terms:
+        return [(Us[c], nup_s[c]), (U[c], nup_r[c])] if ok(c) else []
+
+    def re_ag(c: int) -> Terms:
+        return [(AG[c], nag[c])] if ok(c) else []
+
+    def serial_fetch(c: int, pair: cp_model.IntVar, name: str) -> LinearExpr:
+        """fetch(c) = up(c) + ag(c) when `pair` (one buffer, both chunks buffered), else 0."""
+        out: LinearExpr = 0
+        for coef, x, tag in ((Us[c], osh[c], "s"), (U[c], pm.rep[c], "r"), (AG[c], pm.sh[c], "g")):
+            q = m.new_bool_var(f"{name}_{tag}[{c}]")
+            m.add(q >= pair + x - 1)
+            out = out + coef * q
+        return out
+
+    # forward
+    tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
+    for c in range(W):
+        chain = _total(up(c + 1) + ag(c + 1))
+        _add_window_sharded(pm, tf[c], F[c], [], up(c + 1), SO[c], ag(c + 1), [chain])
+        if overlap and c + 1 < C:
+            m.add(tf[c] >= F[c] + serial_fetch(c + 1, _sharded_pair(pm, c, c + 1), "serial_f"))
+    fwd = _total(up(0) + ag(0)) + sum(tf)
+
+    # backward
+    tb = [m.new_int_var(Bk[c], upper, f"tb[{c}]") for c in range(W)]
+    for c in range(W):
+        h2d = (re_up(c - 1) + SI[c - 1]) if c >= 1 else []
+        gather, reduce, copy_out = _total(re_ag(c - 1)), _total(red(c + 1)), _total(gout(c + 1))
+        chains = [reduce + gather, _total(re_up(c - 1)) + gather, reduce + copy_out]
+        _add_window_sharded(pm, tb[c], Bk[c], REC[c], h2d, gout(c + 1), re_ag(c - 1) + red(c + 1), chains)
+        if overlap and 1 <= c < C:
+            fetch = serial_fetch(c - 1, _sharded_pair(pm, c - 1, c), "serial_b")
+            m.add(tb[c] >= Bk[c] + _total(REC[c]) + fetch)
+    head = _total(re_up(C - 1) + re_ag(C - 1) + SI[W - 1])
+    tail = _total(red(0))
+    bwd = head + sum(tb) + tail
+
+    # optimizer: replicated persistent chunks step whole on the device, sharded persistent ones their shard;
+    # offloaded chunks step their shard on the host (one FIFO worker)
+    # persistent replicated = 1 - sh - rep; persistent sharded = sh - (off - rep)
+    dev_opt = sum(
+        inst.device_optim_ns[c] * (1 - pm.sh[c] - pm.rep[c])
+        + inst.shard_device_optim_ns[c] * (pm.sh[c] - osh[c])
+        for c in range(C)
+    )
+    Hs = inst.shard_host_optim_ns
+    host_step = [Hs[c] * osh[c] + H[c] * pm.rep[c] for c in range(C)]
+    redo = sum(host_step) if inst.redo_host_steps else 0
+    if not overlap:
+        host_work = sum(host_step) + (_total(gout(0)) if C else 0)
+        pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
+        m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
+        return
+    host_end = m.new_int_var(0, upper, "host_end")
+    done = m.new_int_var(0, upper, f"done[{W - 1}]")
+    m.add(done == head + tb[W - 1])
+    dones = [done]
+    for c in range(W - 2, -1, -1):
+        nxt = m.new_int_var(0, upper, f"done[{c}]")
+        m.add(nxt == dones[-1] + tb[c])
+        dones.append(nxt)
+    dones.reverse()
+    queued: LinearExpr = 0
+    for c in range(C):
+        q = m.new_int_var(0, sum(max(a, b) for a, b in zip(Hs, H, strict=True)), f"host_queued[{c}]")
+        m.add(q == queued + host_step[c])
+        queued = q
+        # an offloaded chunk's gradient is reduced (scattered when sharded, all-reduced when not), then
+        # its shard or the whole of it copied out
+        arrive = (RS[c] + Gs[c]) * osh[c] + (AR[c] + G[c]) * pm.rep[c]
+        m.add(host_end >= dones[c] + arrive + queued)
+    after = m.new_int_var(0, upper, "after_forward")
+    m.add(after >= bwd + dev_opt)
+    m.add(after >= host_end)
+    pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
+    m.add(pm.iteration == fwd + after + redo)
+
+
 def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     """One variable for the model-state bytes on the device (persistent chunks + buffers), shared by all steps."""
     inst = pm.inst
@@ -327,6 +531,17 @@ def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     C = inst.n_chunks
     top = sum(inst.state_bytes(c) for c in range(C)) + C * inst.buffer_bytes
     static = pm.model.new_int_var(0, top, "static_device_bytes")
+    if inst.sharded_job:  # replicated persistent chunks whole, sharded persistent ones one rank's share
+        pm.model.add(
+            static
+            == sum(
+                inst.state_bytes(c) * (1 - pm.sh[c] - pm.rep[c])
+                + inst.shard_state_bytes_of[c] * (pm.sh[c] - pm.off[c] + pm.rep[c])
+                for c in range(C)
+            )
+            + inst.buffer_bytes * pm.nbuf
+        )
+        return static
     pm.model.add(
         static
         == sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off)) + inst.buffer_bytes * pm.nbuf
@@ -380,6 +595,26 @@ def _add_host_memory(pm: PolicyModel) -> None:
     (offloaded chunks' pinned buffers + swapped activations) fits the pinned limit (bytes; see cost_model)."""
     inst = pm.inst
     swapped = sum(inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks))
+    if inst.sharded_job:  # one rank's shards; the node's ranks share its host RAM, each its own pinned limit
+        C = inst.n_chunks
+        host = (
+            sum(
+                inst.shard_host_bytes_of[c] * (pm.off[c] - pm.rep[c]) + inst.host_bytes(c) * pm.rep[c]
+                for c in range(C)
+            )
+            + swapped
+        )
+        pm.model.add(inst.ranks_per_node * host <= inst.host_limit_bytes)
+        if inst.pinned_limit_bytes is not None:
+            pinned = (
+                sum(
+                    inst.shard_state_bytes_of[c] * (pm.off[c] - pm.rep[c]) + inst.state_bytes(c) * pm.rep[c]
+                    for c in range(C)
+                )
+                + swapped
+            )
+            pm.model.add(pinned <= inst.pinned_limit_bytes)
+        return
     host = sum(inst.host_bytes(c) * v for c, v in enumerate(pm.off)) + swapped
     pm.model.add(host <= inst.host_limit_bytes)
     if inst.pinned_limit_bytes is not None:

@@ -64,6 +64,9 @@ class _Best:
 def policy_of(trace: Trace, layout: ChunkGrid, decision: Decision) -> Policy:
     """The wire policy for a decision on a layout (chunk parameters in the trace's execution order)."""
     params = trace.model.parameters
+    world = trace.hardware.world_size
+    # a multi-rank decision without an explicit sharding shards its offloaded chunks (Decision.sharded_chunks)
+    sharded = (decision.sharded or decision.offloaded) if world > 1 else (False,) * len(decision.offloaded)
     chunks = [
         Chunk(
             index=c,
@@ -71,6 +74,7 @@ def policy_of(trace: Trace, layout: ChunkGrid, decision: Decision) -> Policy:
             parameters=[params[i].name for i in range(start, stop)],
             blocks=list(layout.chunk_blocks[c]),
             used_bytes=layout.used_bytes[c],
+            sharded=sharded[c],
         )
         for c, (start, stop) in enumerate(layout.param_ranges)
     ]
@@ -79,7 +83,11 @@ def policy_of(trace: Trace, layout: ChunkGrid, decision: Decision) -> Policy:
         for b in trace.model.blocks
     ]
     return Policy(
-        chunk_size_bytes=layout.chunk_size_bytes, chunks=chunks, n_buffers=decision.n_buffers, blocks=blocks
+        chunk_size_bytes=layout.chunk_size_bytes,
+        chunks=chunks,
+        n_buffers=decision.n_buffers,
+        blocks=blocks,
+        world_size=world,
     )
 
 

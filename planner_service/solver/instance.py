@@ -34,6 +34,7 @@ from client.contract import (
 )
 from planner_service.solver.bandwidth import transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid
+from planner_service.solver.sharding import with_sharding
 
 DEFAULT_ALPHA = 0.10
 
@@ -162,6 +163,22 @@ class PolicyInstance:
     swap_in_duplex_ns: tuple[int, ...] = field(default=())
     upload_duplex_ns: tuple[int, ...] = field(default=())
     grad_offload_duplex_ns: tuple[int, ...] = field(default=())
+    # Multi-rank jobs (issue 20; `sharding.py` builds these). At world size 1 every tuple is empty and the
+    # cost model, the CP-SAT model and the ProTrain search are exactly the single-process ones.
+    world_size: int = 1
+    ranks_per_node: int = 1  # ranks sharing the node's host RAM: the host limit is per node
+    shard_upload_ns: tuple[int, ...] = field(default=())  # H2D of one rank's shard of an offloaded chunk
+    gather_ns: tuple[int, ...] = field(default=())  # all-gather of the chunk's compute copy (used bytes)
+    reduce_scatter_ns: tuple[int, ...] = field(default=())  # reduce-scatter of the chunk's gradient
+    all_reduce_ns: tuple[int, ...] = field(default=())  # a replicated chunk's gradient all-reduce
+    shard_grad_offload_ns: tuple[int, ...] = field(default=())  # D2H of one rank's gradient shard
+    shard_device_optim_ns: tuple[int, ...] = field(default=())  # device step of one rank's shard
+    shard_host_optim_ns: tuple[int, ...] = field(default=())  # host step of one rank's shard
+    shard_state_bytes_of: tuple[int, ...] = field(default=())  # one rank's share of `state_bytes(c)`
+    shard_host_bytes_of: tuple[int, ...] = field(default=())  # one rank's share of `host_bytes(c)`
+    # how much of the shorter of (collectives, copies) in one window hides behind the longer, in 1/1000:
+    # 1000 fully concurrent, 0 serialised (`CollectiveCurves.copy_overlap`; see cost_model)
+    collective_overlap_permille: int = 1000
 
     def state_bytes(self, c: int) -> int:
         """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
@@ -176,6 +193,11 @@ class PolicyInstance:
         return self.state_bytes(c) + (self.host_extra_bytes_of[c] if self.host_extra_bytes_of else 0)
 
     @property
+    def sharded_job(self) -> bool:
+        """More than one rank: chunks may be sharded, collectives are timed."""
+        return self.world_size > 1
+
+    @property
     def copy_overlap(self) -> bool:
         """Copies and the host optimizer overlap compute (resolved by `build_instance`; None reads as True)."""
         return self.params.copy_overlap is not False
@@ -183,7 +205,12 @@ class PolicyInstance:
     @property
     def duplex(self) -> bool:
         """Windows whose copies run both ways at once charge the concurrent (duplex) copy times."""
-        return bool(self.upload_duplex_ns) and self.params.full_duplex and self.copy_overlap
+        return (
+            bool(self.upload_duplex_ns)
+            and self.params.full_duplex
+            and self.copy_overlap
+            and not self.sharded_job
+        )
 
     @property
     def n_blocks(self) -> int:
@@ -255,7 +282,9 @@ def build_instance(
         grad_offload = [g + o for g, o in zip(grad_offload, spread("offload_overhead_s"), strict=True)]
         upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]
     duplex: dict[str, tuple[int, ...]] = {}
-    if bw.has_duplex and not serial and params.full_duplex:  # copies overlap: both ways at once is possible
+    # copies overlap: both ways at once is possible (single-rank jobs: the multi-rank windows use the collective
+    # model of `sharding.py`, which has no duplex terms yet)
+    if bw.has_duplex and not serial and params.full_duplex and trace.hardware.world_size == 1:
         up, down = bw.duplex_h2d_pinned, bw.duplex_d2h_pinned
         duplex = {
             "swap_out_duplex_ns": tuple(transfer_ns(down, x.activation_bytes) for x in meas),
@@ -266,7 +295,7 @@ def build_instance(
         alone = (tuple(swap_out), tuple(swap_in), tuple(upload), tuple(grad_offload))
         if tuple(duplex.values()) == alone:
             duplex = {}  # nothing slows down when both ways copy (a full-duplex link as modelled): no terms
-    return PolicyInstance(
+    inst = PolicyInstance(
         layout=layout,
         params=params,
         optimisable=tuple(b.kind == BlockKind.block for b in blocks),
@@ -299,15 +328,30 @@ def build_instance(
         block_names=tuple(b.name for b in blocks),
         **duplex,
     )
+    return with_sharding(trace, inst, layout, grad_bytes) if trace.hardware.world_size > 1 else inst
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One point of the decision space: chunk placements, buffer count, per-block modes."""
+    """One point of the decision space: chunk placements, buffer count, per-block modes, and in a multi-rank
+    job which chunks are sharded (empty: the offloaded ones; an offloaded chunk may also be replicated)."""
 
     offloaded: tuple[bool, ...]  # per chunk
     n_buffers: int
     modes: tuple[Mode, ...]  # per block
+    sharded: tuple[bool, ...] = ()  # per chunk; world size 1: empty (nothing is sharded)
+
+    def sharded_chunks(self, inst: PolicyInstance) -> tuple[bool, ...]:
+        """Per chunk: sharded across the ranks (always False at world size 1)."""
+        if not inst.sharded_job:
+            return (False,) * len(self.offloaded)
+        return self.sharded or self.offloaded
+
+    def buffered(self, inst: PolicyInstance) -> tuple[bool, ...]:
+        """Per chunk: used through the device buffers (offloaded, or sharded and gathered before use)."""
+        if not inst.sharded_job:
+            return self.offloaded
+        return tuple(o or sh for o, sh in zip(self.offloaded, self.sharded_chunks(inst), strict=True))
 
     def check(self, inst: PolicyInstance) -> None:
         if len(self.offloaded) != inst.n_chunks:
@@ -316,3 +360,10 @@ class Decision:
             raise ValueError(f"modes: {len(self.modes)} entries for {inst.n_blocks} blocks")
         if any(self.offloaded) and self.n_buffers < 1:
             raise ValueError("n_buffers: offloaded chunks need at least one buffer")
+        if self.sharded:
+            if not inst.sharded_job:
+                raise ValueError("sharded: a single-rank job shards nothing")
+            if len(self.sharded) != inst.n_chunks:
+                raise ValueError(f"sharded: {len(self.sharded)} entries for {inst.n_chunks} chunks")
+            if any(self.sharded) and self.n_buffers < 1:
+                raise ValueError("n_buffers: sharded chunks are gathered into buffers: at least one needed")

@@ -6,7 +6,7 @@ so a page never shows another project's plans, models or hardware; the router on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -36,6 +36,7 @@ class PlanFilters:
     status: str | None = None
     search: str | None = None
     sort: str = "-created_at"  # a repositories.PLAN_SORT_KEYS key, "-" first for descending
+    world_size: int | None = None  # ranks of the job (issue 20); None: any
     limit: int = 25
     cursor: str | None = None
 
@@ -74,6 +75,7 @@ class PlanListPage:
     next_cursor: str | None
     models: list[tuple[str, str]]  # (fingerprint, label) for the filter
     hardware: list[str]
+    world_sizes: list[int] = field(default_factory=list)  # of the project's jobs with plans, for the filter
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
         descending=filters.descending,
         sort_key=filters.sort_key,
         search=filters.search,
+        world_size=filters.world_size,
     )
     counts = FeedbackRepository(session).counts([r.plan.id for r in page.items])
     items = [
@@ -151,8 +154,12 @@ def load_plan_list(session: Session, project_id: str, filters: PlanFilters) -> P
         for m, _, plans in catalog.models(project_id)
         if plans
     ]
-    hardware = [h.key for h, _, plans in catalog.hardware(project_id) if plans]
-    return PlanListPage(items=items, next_cursor=page.next_cursor, models=models, hardware=hardware)
+    with_plans = [h for h, _, plans in catalog.hardware(project_id) if plans]
+    hardware = [h.key for h in with_plans]
+    world_sizes = sorted({h.world_size for h in with_plans})
+    return PlanListPage(
+        items=items, next_cursor=page.next_cursor, models=models, hardware=hardware, world_sizes=world_sizes
+    )
 
 
 def load_plan_detail(session: Session, project_id: str, plan_id: str) -> PlanDetail | None:

@@ -99,12 +99,19 @@ def _filters(request: Request) -> PlanFilters:
         raise BadQuery(f"limit: {raw_limit!r} is not a whole number") from None
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise BadQuery(f"limit: {limit} is not between 1 and {MAX_PAGE_SIZE}")
+    raw_world = text("world_size")
+    world_size = None
+    if raw_world is not None:
+        if not raw_world.isdigit() or not 1 <= int(raw_world) <= 65_536:
+            raise BadQuery(f"world_size: {raw_world!r} is not a number of ranks (1 to 65536)")
+        world_size = int(raw_world)
     return PlanFilters(
         model=text("model"),
         hardware=text("hardware"),
         status=status,
         search=search,
         sort=sort,
+        world_size=world_size,
         limit=limit,
         cursor=text("cursor"),
     )
@@ -117,6 +124,7 @@ def _query(filters: PlanFilters, **changes: Any) -> str:
         "hardware": filters.hardware,
         "status": filters.status,
         "search": filters.search,
+        "world_size": filters.world_size,
         "sort": None if filters.sort == "-created_at" else filters.sort,
         "limit": None if filters.limit == 25 else filters.limit,
         "cursor": filters.cursor,

@@ -148,7 +148,10 @@ def answer(
             peak_device_bytes=pred.peak_device_bytes,
             peak_host_bytes=pred.peak_host_bytes,
             iteration_s=pred.iteration_s,
-            tokens_per_s=w.batch_size * w.sequence_length / pred.iteration_s if pred.iteration_s else None,
+            # the job's tokens: every rank of a multi-rank job runs this batch (issue 20)
+            tokens_per_s=trace.hardware.world_size * w.batch_size * w.sequence_length / pred.iteration_s
+            if pred.iteration_s
+            else None,
             solver_status=plan.solver.status.value,
             plan_summary=_summary(plan),
             plan=plan,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -26,9 +26,10 @@ from client.cli.common import ServerOpt, TokenOpt, server_url
 from client.contract import CatalogEntry, HardwareCatalog, OptimizerKind, SweepPoint, SweepRequest, Trace
 from client.errors import MemplanError
 from client.units import format_bytes, parse_bytes
-from planner_service.whatif.answer import Answer, answer, largest_batch, tokens_per_s_str
+from planner_service.whatif.answer import Answer, largest_batch, tokens_per_s_str
 from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
 from planner_service.whatif.catalog import CatalogError, entry, load_catalog
+from planner_service.whatif.interconnect import GroupNotModelled, in_group, modelled_group
 from planner_service.whatif.retarget import retarget, source_entry
 
 if TYPE_CHECKING:  # calibration.py imports torch (through roofline.py)
@@ -193,6 +194,21 @@ def whatif(
             "the efficiency factors of each --hardware entry whose device took it are fitted to it",
         ),
     ] = None,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size",
+            min=1,
+            help="ranks of a sharded job on one node of this hardware (collectives from the catalogue's "
+            "peer link; --host-memory is then the node's)",
+        ),
+    ] = 1,
+    ranks_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--ranks-per-node", min=1, help="default: --world-size (one node; several are not modelled)"
+        ),
+    ] = None,
 ) -> None:
     """Will it fit, which limit binds, how fast: a model (config or measured trace) on catalogued GPUs."""
     if dtype not in ("bf16", "fp16", "fp32"):
@@ -207,8 +223,19 @@ def whatif(
         raise _fail("--hardware: give at least one catalogue key (see `memplan hardware catalog`)")
     try:
         entries = [entry(cat, k) for k in keys]
+        for e in entries:
+            modelled_group(e, world_size, ranks_per_node)  # refuses what it cannot model, before any work
     except CatalogError as exc:
         raise _fail(str(exc)) from None
+    except GroupNotModelled as exc:
+        raise _fail(f"--{str(exc).replace('_', '-')}") from None
+    if sweep and world_size > 1:
+        raise _fail("--world-size: not with --sweep yet (the service's sweeps plan one device)")
+
+    def answer(t: Trace, e: CatalogEntry, **kw: Any) -> Answer:
+        """`answer_one` for one rank of the job (`--world-size`; 1: the trace as it is)."""
+        return answer(in_group(t, e, world_size, ranks_per_node, node_host_memory_bytes=host), e, **kw)
+
     try:
         hosts = [parse_bytes(h.strip()) for h in host_memory.split(",")] if host_memory is not None else None
     except ValueError as exc:

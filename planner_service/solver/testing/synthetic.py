@@ -23,8 +23,14 @@ from client.contract import (
     BlockInfo,
     BlockKind,
     BlockMeasurement,
+    CollectiveBackend,
+    CollectiveCopyOverlap,
+    CollectiveCurves,
+    CollectiveSample,
     DeviceType,
+    Distributed,
     Hardware,
+    Interconnect,
     Measurements,
     ModelInfo,
     OptimizerKind,
@@ -332,3 +338,59 @@ def hand_trace(
             peak_device_bytes=0,
         ),
     )
+
+
+# Modelled collective rates for synthetic multi-rank traces (issue 20): an NVLink-class group, algorithm
+# bandwidth of the whole tensor saturating at 100 GB/s, and collectives fully concurrent with host copies
+# (separate links). Like every figure here, a guess for solver tests, never a measurement.
+MODELLED_COLLECTIVE_BYTES_PER_S = 100e9
+
+
+def synthetic_distributed(
+    world_size: int,
+    ranks_per_node: int | None = None,
+    *,
+    collective_bytes_per_s: float = MODELLED_COLLECTIVE_BYTES_PER_S,
+    overlap_factor: float = 1.0,
+    flat: bool = False,
+) -> Distributed:
+    """A modelled process group: `flat` gives one sample per curve (the same rate at every size, for
+    hand-computed tests); otherwise latency-limited curves like `_curve`. `overlap_factor` sets the measured
+    overlap of each collective with the copy beside it (all-gather with H2D, reduce-scatter with D2H)."""
+    rpn = ranks_per_node or world_size
+    if flat:
+        curve = [CollectiveSample(size_bytes=1, bytes_per_s=collective_bytes_per_s)]
+    else:
+        curve = [
+            CollectiveSample(size_bytes=s.size_bytes, bytes_per_s=s.bytes_per_s)
+            for s in _curve(collective_bytes_per_s)
+        ]
+    # alone 1 s each; together 2 - factor seconds: `CollectiveCopyOverlap.factor` reads back `overlap_factor`
+    overlap = [
+        CollectiveCopyOverlap(
+            collective=c,
+            direction=d,
+            collective_bytes=2**20,
+            copy_bytes=2**20,
+            collective_s=1.0,
+            copy_s=1.0,
+            concurrent_s=2.0 - overlap_factor,
+        )
+        for c, d in (("all_gather", "h2d"), ("reduce_scatter", "d2h"))
+    ]
+    return Distributed(
+        world_size=world_size,
+        ranks_per_node=rpn,
+        interconnect=Interconnect(
+            backend=CollectiveBackend.nccl,
+            intra_node="nvlink (modelled)",
+            inter_node=None if rpn == world_size else "infiniband (modelled)",
+        ),
+        collectives=CollectiveCurves(all_gather=curve, reduce_scatter=list(curve), copy_overlap=overlap),
+    )
+
+
+def with_distributed(trace: Trace, distributed: Distributed | None) -> Trace:
+    """`trace` measured in `distributed`'s process group (None: a single-process job), revalidated."""
+    hw = trace.hardware.model_copy(update={"distributed": distributed})
+    return Trace.model_validate_json(trace.model_copy(update={"hardware": hw}).model_dump_json())

@@ -1,0 +1,270 @@
+"""Collective probe (issue 20): the job's own process group, measured as the sharded runtime will use it.
+
+Every rank calls `probe_process_group` (it runs collectives); each gets the same `Distributed`, which rank 0
+puts in the one trace it profiles and uploads for the job (`profile(..., distributed=...)`).
+
+Measured, on the job's group and device:
+- all-gather (`all_gather_into_tensor`) and reduce-scatter (`reduce_scatter_tensor`) at a few whole-tensor
+  sizes: per size one warm-up, then the median of repetitions, each started after a barrier; a collective is
+  as slow as its slowest rank, so the slowest rank's median is kept (all-reduce MAX). The contract's rate is
+  the whole tensor over the time (`CollectiveSample`: algorithm bandwidth).
+- overlap with host<->device copies: at one size, the collective alone, a copy of the same size alone, and
+  both started together (the collective asynchronous, the copy on its own CUDA stream on a GPU; on a CPU the
+  gloo worker thread runs the collective while this thread copies), for all-gather beside H2D and
+  reduce-scatter beside D2H, the two pairs the runtime overlaps (prefetch, gradient offload).
+- ranks per node: ranks whose host name is rank 0's (the busiest host when hosts differ); the interconnect
+  names the backend, and the links as far as the process can tell (peer access between CUDA devices; one
+  host: shared memory or loopback).
+
+On CPU (gloo) every figure is a real measurement of the loopback group; the CUDA/NCCL branch follows the
+PyTorch API and was not run on the development machine (no GPU there).
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from client.contract import (
+    CollectiveBackend,
+    CollectiveCopyOverlap,
+    CollectiveCurves,
+    CollectiveSample,
+    Distributed,
+    Interconnect,
+)
+
+KiB = 2**10
+MiB = 2**20
+COLLECTIVE_SIZES: tuple[int, ...] = (256 * KiB, 4 * MiB, 32 * MiB, 128 * MiB)
+OVERLAP_SIZE = 32 * MiB
+REPEATS = 5
+
+
+class CollectiveProbeError(RuntimeError):
+    """The process group cannot be probed (not initialised, an unsupported backend, uneven nodes)."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, group: dist.ProcessGroup | None, device: torch.device) -> float:
+    """The largest of every rank's `seconds` (a collective finishes when its slowest rank does)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return max(float(t.item()), 1e-9)
+
+
+def _median_time(
+    run: Callable[[], object], group: dist.ProcessGroup | None, device: torch.device, repeats: int
+) -> float:
+    run()  # warm-up: connections, buffers, first touch
+    _sync(device)
+    times: list[float] = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return _slowest(statistics.median(times), group, device)
+
+
+def _elements(size_bytes: int, world: int) -> int:
+    """Elements (uint8) of a whole tensor of about `size_bytes`, divisible by the world size."""
+    return max(world, size_bytes // world * world)
+
+
+def _all_gather(
+    size_bytes: int, group: dist.ProcessGroup | None, device: torch.device, world: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    n = _elements(size_bytes, world)
+    out = torch.empty(n, dtype=torch.uint8, device=device)
+    shard = torch.ones(n // world, dtype=torch.uint8, device=device)
+    return out, shard, n
+
+
+def _reduce_buffers(
+    size_bytes: int, device: torch.device, world: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    # float32: the sum of a gradient; uint8 has no meaningful SUM on every backend
+    n = max(world, size_bytes // 4 // world * world)
+    whole = torch.ones(n, dtype=torch.float32, device=device)
+    shard = torch.empty(n // world, dtype=torch.float32, device=device)
+    return whole, shard, n * 4
+
+
+def measure_curves(
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    sizes: tuple[int, ...] = COLLECTIVE_SIZES,
+    repeats: int = REPEATS,
+) -> tuple[list[CollectiveSample], list[CollectiveSample]]:
+    """All-gather and reduce-scatter rates by whole-tensor size (slowest rank's median)."""
+    world = dist.get_world_size(group)
+    gather: list[CollectiveSample] = []
+    reduce: list[CollectiveSample] = []
+    for size in sorted(set(sizes)):
+        out, shard, n = _all_gather(size, group, device, world)
+        t = _median_time(
+            functools.partial(dist.all_gather_into_tensor, out, shard, group=group), group, device, repeats
+        )
+        gather.append(CollectiveSample(size_bytes=n, bytes_per_s=n / t))
+        whole, part, nbytes = _reduce_buffers(size, device, world)
+        t = _median_time(
+            functools.partial(dist.reduce_scatter_tensor, part, whole, group=group), group, device, repeats
+        )
+        reduce.append(CollectiveSample(size_bytes=nbytes, bytes_per_s=nbytes / t))
+    return _unique(gather), _unique(reduce)
+
+
+def _unique(samples: list[CollectiveSample]) -> list[CollectiveSample]:
+    """Sorted by size, one sample per size (tiny sizes rounded to the world size can coincide)."""
+    by_size = {s.size_bytes: s for s in samples}
+    return [by_size[k] for k in sorted(by_size)]
+
+
+def measure_overlap(
+    collective: Literal["all_gather", "reduce_scatter"],
+    direction: Literal["h2d", "d2h"],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    size_bytes: int = OVERLAP_SIZE,
+    repeats: int = REPEATS,
+) -> CollectiveCopyOverlap:
+    """The collective alone, a copy alone, and both together (slowest rank's medians)."""
+    world = dist.get_world_size(group)
+    cuda = device.type == "cuda"
+    if collective == "all_gather":
+        out, shard, coll_bytes = _all_gather(size_bytes, group, device, world)
+
+        def start() -> dist.Work | None:
+            return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+    else:
+        whole, part, coll_bytes = _reduce_buffers(size_bytes, device, world)
+
+        def start() -> dist.Work | None:
+            return dist.reduce_scatter_tensor(part, whole, group=group, async_op=True)
+
+    # a separate device buffer for the copy: on a CPU "device" both ends are host memory (a memcpy)
+    dev_buf = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    host_buf = torch.ones(size_bytes, dtype=torch.uint8, pin_memory=cuda)
+    src, dst = (host_buf, dev_buf) if direction == "h2d" else (dev_buf, host_buf)
+    stream = torch.cuda.Stream(device) if cuda else None
+
+    def copy() -> None:
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def collective_alone() -> None:
+        work = start()
+        if work is not None:
+            work.wait()
+
+    def together() -> None:
+        work = start()
+        copy()
+        if work is not None:
+            work.wait()
+
+    alone = _median_time(collective_alone, group, device, repeats)
+    copy_s = _median_time(copy, group, device, repeats)
+    both = _median_time(together, group, device, repeats)
+    return CollectiveCopyOverlap(
+        collective=collective,
+        direction=direction,
+        collective_bytes=coll_bytes,
+        copy_bytes=size_bytes,
+        collective_s=alone,
+        copy_s=copy_s,
+        concurrent_s=both,
+    )
+
+
+def ranks_per_node(group: dist.ProcessGroup | None) -> int:
+    """Ranks on the busiest host (host names gathered from every rank); must divide the world size."""
+    world = dist.get_world_size(group)
+    names: list[str | None] = [None] * world
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    busiest = max(Counter(names).values())
+    if world % busiest:
+        raise CollectiveProbeError(
+            f"ranks_per_node: hosts run uneven numbers of ranks ({dict(Counter(names))}); "
+            "memplan plans for nodes with equal ranks"
+        )
+    return busiest
+
+
+def interconnect(group: dist.ProcessGroup | None, device: torch.device, per_node: int) -> Interconnect:
+    """The backend and links of the group, as far as this process can tell."""
+    name = str(dist.get_backend(group)).lower()
+    try:
+        backend = CollectiveBackend(name)
+    except ValueError:
+        raise CollectiveProbeError(
+            f"backend: {name!r} is not one memplan plans for ({', '.join(b.value for b in CollectiveBackend)})"
+        ) from None
+    if device.type == "cuda" and torch.cuda.device_count() > 1:
+        peer = torch.cuda.can_device_access_peer(device.index or 0, 1 if (device.index or 0) == 0 else 0)
+        intra = "cuda peer-to-peer (nvlink or pcie)" if peer else "cuda through host memory (no peer access)"
+    elif device.type == "cuda":
+        intra = "cuda, one visible device per process"
+    else:
+        intra = "one host: shared memory or loopback tcp"
+    world = dist.get_world_size(group)
+    return Interconnect(
+        backend=backend,
+        intra_node=intra,
+        inter_node=None if per_node == world else f"{backend.value} network",
+    )
+
+
+def probe_process_group(
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    *,
+    sizes: tuple[int, ...] = COLLECTIVE_SIZES,
+    overlap_size: int = OVERLAP_SIZE,
+    repeats: int = REPEATS,
+) -> Distributed:
+    """Measure the job's group (a collective call: every rank of `group` must call it with the same
+    arguments). `device`: where the runtime keeps chunks (default: the current CUDA device for NCCL, the
+    CPU for gloo)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise CollectiveProbeError("process group: torch.distributed is not initialised")
+    if repeats < 1:
+        raise ValueError(f"repeats: must be at least 1, got {repeats}")
+    if device is None:
+        nccl = str(dist.get_backend(group)).lower() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    dev = torch.device(device)
+    world = dist.get_world_size(group)
+    per_node = ranks_per_node(group)
+    link = interconnect(group, dev, per_node)
+    if world == 1:
+        return Distributed(world_size=1, ranks_per_node=1, interconnect=link)
+    gather, reduce = measure_curves(group, dev, sizes, repeats)
+    overlap = [
+        measure_overlap("all_gather", "h2d", group, dev, overlap_size, repeats),
+        measure_overlap("reduce_scatter", "d2h", group, dev, overlap_size, repeats),
+    ]
+    return Distributed(
+        world_size=world,
+        ranks_per_node=per_node,
+        interconnect=link,
+        collectives=CollectiveCurves(all_gather=gather, reduce_scatter=reduce, copy_overlap=overlap),
+    )

@@ -1,0 +1,106 @@
+"""The collective probe on a real 2-rank gloo group (issue 20): every rank measures, rank 0 profiles and the
+one trace of the job says world size, ranks per node, interconnect and the measured collectives."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.profiler.collectives import CollectiveProbeError, probe_process_group
+from client.contract import CollectiveBackend, Distributed, Hardware, Trace
+
+KiB = 2**10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, port: int, out: str, hardware_json: str) -> None:
+    import torch.distributed as dist
+
+    from agent.profiler import profile
+    from agent.testing.model_zoo import build, sample_batch
+    from client.contract import Hardware
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        d = probe_process_group(sizes=(4 * KiB, 64 * KiB), overlap_size=256 * KiB, repeats=3)
+        Path(out, f"group{rank}.json").write_text(d.model_dump_json())
+        if rank == 0:  # rank 0 profiles and builds the job's one trace
+            torch.manual_seed(0)
+            model, config = build("gpt2", layers=2, hidden=32, vocab=128, seq=16)
+            hw = Hardware.model_validate_json(hardware_json)  # measured once per test session
+            trace = profile(
+                model,
+                sample_batch(config, 2, 16),
+                hardware=hw,
+                repeats=1,
+                allocation_trace=False,
+                distributed=d,
+            )
+            Path(out, "trace.json").write_text(trace.model_dump_json())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, cpu_hardware: Hardware) -> Path:
+    out = tmp_path_factory.mktemp("collectives")
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    args = (_free_port(), str(out), cpu_hardware.model_dump_json())
+    torch.multiprocessing.spawn(_rank, args=args, nprocs=2, join=True)
+    return out
+
+
+def test_every_rank_gets_the_same_measured_group(two_ranks: Path) -> None:
+    groups = [Distributed.model_validate_json((two_ranks / f"group{r}.json").read_text()) for r in (0, 1)]
+    # the slowest rank's medians are kept, so both ranks hold the same figures
+    assert groups[0] == groups[1]
+    d = groups[0]
+    assert (d.world_size, d.ranks_per_node, d.nodes) == (2, 2, 1)
+    assert d.interconnect is not None and d.interconnect.backend == CollectiveBackend.gloo
+    assert d.interconnect.inter_node is None
+    c = d.collectives
+    assert c is not None
+    assert [s.size_bytes for s in c.all_gather] == [4 * KiB, 64 * KiB]
+    assert [s.size_bytes for s in c.reduce_scatter] == [4 * KiB, 64 * KiB]
+    assert all(0 < s.bytes_per_s < 1e13 for s in c.all_gather + c.reduce_scatter)
+    pairs = {(o.collective, o.direction) for o in c.copy_overlap}
+    assert pairs == {("all_gather", "h2d"), ("reduce_scatter", "d2h")}
+    for o in c.copy_overlap:
+        assert o.collective_s > 0 and o.copy_s > 0 and o.concurrent_s > 0 and 0.0 <= o.factor <= 1.0
+
+
+def test_rank_zero_builds_one_trace_for_the_job(two_ranks: Path) -> None:
+    trace = Trace.model_validate_json((two_ranks / "trace.json").read_text())
+    assert trace.hardware.world_size == 2 and trace.hardware.ranks_per_node == 2
+    assert trace.hardware.key.endswith(":x2:w2r2") and trace.hardware.device_count == 2
+    group = json.loads((two_ranks / "group0.json").read_text())
+    assert json.loads(trace.hardware.distributed.model_dump_json()) == group  # type: ignore[union-attr]
+
+
+def test_the_probe_refuses_without_a_process_group() -> None:
+    with pytest.raises(CollectiveProbeError, match="not initialised"):
+        probe_process_group()
+
+
+def test_a_one_rank_group_is_a_single_process_job_without_collectives() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        d = probe_process_group()
+    finally:
+        dist.destroy_process_group()
+    assert (d.world_size, d.ranks_per_node, d.collectives) == (1, 1, None)
+    assert d.interconnect is not None and d.interconnect.backend == CollectiveBackend.gloo
