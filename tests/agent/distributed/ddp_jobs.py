@@ -1,0 +1,211 @@
+"""Jobs the multi-process tests run on every rank (spawned with `torch.multiprocessing`, gloo on CPU).
+
+Each job trains the same model two ways in one process: plain `DistributedDataParallel` (the reference)
+and `agent.wrap` under the same process group, on this rank's own batches, and writes what it measured to
+`<out>/rank<r>.json` for the test to compare. Importable by name in the spawned children (the parent's
+`sys.path` is passed on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+VOCAB = 128
+SEQ = 16
+BATCH = 4
+
+
+@dataclass
+class Case:
+    """One multi-process comparison: model, plan, loop options, and checkpoint files."""
+
+    kind: str = "gpt2"  # a model_zoo kind, or "hf-llama" (Hugging Face llama at the library's defaults)
+    offload: str = "all"  # "all": every chunk offloaded; "alternate": persistent and offloaded chunks
+    steps: int = 4
+    clip: float | None = None
+    micro: int = 1
+    no_sync: bool = False  # accumulate inside no_sync() (DDP's and memplan's)
+    save: str | None = None  # rank 0 writes the full state dicts (model, optimizer; both variants) here
+    load: str | None = None  # both variants start from this checkpoint (saved at any world size)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(case: Case, world: int, out: Path) -> list[dict[str, Any]]:
+    """Run `case` on `world` ranks; the per-rank results."""
+    mp.spawn(_entry, args=(world, free_port(), asdict(case), str(out)), nprocs=world, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = compare_with_ddp(rank, world, Case(**case))
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def build_model(kind: str) -> nn.Module:
+    from agent.testing.model_zoo import build, build_with_library_defaults
+
+    if kind == "hf-llama":
+        model, _ = build_with_library_defaults("llama", layers=2, hidden=64, vocab=VOCAB, seq=32, seed=0)
+    else:
+        model, _ = build(kind, layers=2, hidden=32, vocab=VOCAB, seq=32, seed=0)
+    return model
+
+
+def adamw(m: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    no_decay = [p for p in m.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-3,
+        fused=True,
+    )
+
+
+def batches(n: int, rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    case: Case,
+    no_sync: Callable[[], contextlib.AbstractContextManager[None]],
+    clip: Callable[[float], torch.Tensor],
+) -> tuple[list[float], list[float]]:
+    """The same loop for both variants; the losses and the gradient norms clipping saw."""
+    torch.manual_seed(1234)  # dropout masks identical across variants
+    losses, norms = [], []
+    for x in data:
+        total = 0.0
+        parts = x.chunk(case.micro)
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            with no_sync() if case.no_sync and not last else contextlib.nullcontext():
+                loss = model(input_ids=part, labels=part).loss / case.micro
+                loss.backward()
+            total += loss.item()
+        if case.clip is not None:
+            norms.append(float(clip(case.clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms
+
+
+def rel_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
+    """Largest ||a - b|| / ||b|| over the parameters, and its name."""
+    worst, name = 0.0, ""
+    bs = dict(b.named_parameters())
+    for n, p in a.named_parameters():
+        q = bs[n].detach().float()
+        d = ((p.detach().float() - q).norm() / q.norm().clamp_min(1e-12)).item()
+        if d > worst:
+            worst, name = d, n
+    return worst, name
+
+
+def checksum(model: nn.Module) -> float:
+    return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
+    import agent
+    from agent.runtime import manual_plan
+    from agent.runtime.process_group import resolve
+    from client.contract import Placement
+
+    torch.manual_seed(0)
+    model = build_model(case.kind)
+    if rank:  # ranks start apart: both variants must take rank 0's model (DDP broadcasts it at construction)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * rank)
+    ref_model = copy.deepcopy(model)
+    ref_opt = adamw(ref_model)
+    opt = adamw(model)
+    if case.load is not None:
+        ckpt = torch.load(case.load, weights_only=True)
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            m.load_state_dict(ckpt["model"])
+            o.load_state_dict(ckpt["optimizer"])
+    ddp = DistributedDataParallel(ref_model)
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    chunk = -(-max(max(sizes), -(-sum(sizes) // 6)) // 64) * 64
+    offload: Any = (
+        "all" if case.offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
+    )
+    plan = manual_plan(model, chunk_size_bytes=chunk, offload=offload, n_buffers=2)
+    wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None)
+    data = batches(case.steps, rank)
+    ref_losses, ref_norms = train(
+        ddp,
+        ref_opt,
+        data,
+        case,
+        ddp.no_sync,
+        lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m),
+    )
+    losses, norms = train(
+        wrapped.model, wrapped.optimizer, data, case, wrapped.no_sync, wrapped.clip_grad_norm_
+    )
+    group = resolve()
+    assert group is not None and group.world_size == world
+    result: dict[str, Any] = {
+        "ref_losses": ref_losses,
+        "losses": losses,
+        "ref_norms": ref_norms,
+        "norms": norms,
+        "param_rel_diff": rel_diff(wrapped.model, ref_model),
+        "ref_rel_diff_to_rank0": 0.0,
+        "checksum": checksum(wrapped.model),
+        "grad_reductions": wrapped.runtime.counters.grad_reductions,
+        "offloaded_chunks": sum(st.offloaded for st in wrapped.runtime.states),
+        "persistent_chunks": sum(not st.offloaded for st in wrapped.runtime.states),
+    }
+    if case.save is not None and rank == 0:
+        torch.save(
+            {
+                "model": wrapped.model.state_dict(),
+                "optimizer": wrapped.optimizer.state_dict(),
+                "ref_model": ref_model.state_dict(),
+                "ref_optimizer": ref_opt.state_dict(),
+            },
+            case.save,
+        )
+    dist.barrier()
+    return result
