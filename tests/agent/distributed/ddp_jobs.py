@@ -1,9 +1,8 @@
-"""Jobs the multi-process tests run on every rank (spawned with `torch.multiprocessing`, gloo on CPU).
+"""Jobs the multi-process tests run on every rank (forked by `torch.multiprocessing`, gloo on CPU).
 
 Each job trains the same model two ways in one process: plain `DistributedDataParallel` (the reference)
 and `agent.wrap` under the same process group, on this rank's own batches, and writes what it measured to
-`<out>/rank<r>.json` for the test to compare. Importable by name in the spawned children (the parent's
-`sys.path` is passed on).
+`<out>/rank<r>.json` for the test to compare.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import contextlib
 import copy
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers  # noqa: F401  (loaded before the fork, like the agent below)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+import agent  # imported here, so forked ranks start with it (and transformers) loaded
+from agent.runtime import manual_plan
+from agent.runtime.process_group import resolve
+from agent.testing.model_zoo import build, build_with_library_defaults
+from client.contract import Placement
 
 VOCAB = 128
 SEQ = 16
@@ -40,6 +46,8 @@ class Case:
     no_sync: bool = False  # accumulate inside no_sync() (DDP's and memplan's)
     save: str | None = None  # rank 0 writes the full state dicts (model, optimizer; both variants) here
     load: str | None = None  # both variants start from this checkpoint (saved at any world size)
+    feedback: str | None = None  # wrap's monitor sends feedback after 4 steps to this local file
+    solve: bool = False  # no plan given: rank 0 profiles and solves in-process, the others receive the plan
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -53,7 +61,15 @@ def free_port() -> int:
 
 def spawn(case: Case, world: int, out: Path) -> list[dict[str, Any]]:
     """Run `case` on `world` ranks; the per-rank results."""
-    mp.spawn(_entry, args=(world, free_port(), asdict(case), str(out)), nprocs=world, join=True)
+    # fork: the children start with torch, transformers and the agent imported (spawn re-imports them in
+    # every child: ~15 s per rank on the loaded 2-core CI box)
+    mp.start_processes(
+        _entry,
+        args=(world, free_port(), asdict(case), str(out)),
+        nprocs=world,
+        join=True,
+        start_method="fork",
+    )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -70,8 +86,6 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
 
 
 def build_model(kind: str) -> nn.Module:
-    from agent.testing.model_zoo import build, build_with_library_defaults
-
     if kind == "hf-llama":
         model, _ = build_with_library_defaults("llama", layers=2, hidden=64, vocab=VOCAB, seq=32, seed=0)
     else:
@@ -138,17 +152,7 @@ def checksum(model: nn.Module) -> float:
     return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
 
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
 def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
-    import agent
-    from agent.runtime import manual_plan
-    from agent.runtime.process_group import resolve
-    from client.contract import Placement
-
     torch.manual_seed(0)
     model = build_model(case.kind)
     if rank:  # ranks start apart: both variants must take rank 0's model (DDP broadcasts it at construction)
@@ -169,9 +173,15 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     offload: Any = (
         "all" if case.offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
     )
-    plan = manual_plan(model, chunk_size_bytes=chunk, offload=offload, n_buffers=2)
-    wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None)
     data = batches(case.steps, rank)
+    wrapped = agent.wrap(
+        model,
+        opt,
+        plan=None if case.solve else manual_plan(model, chunk_size_bytes=chunk, offload=offload, n_buffers=2),
+        sample_batch={"input_ids": data[0], "labels": data[0]} if case.solve else None,
+        feedback_steps=4 if case.feedback else None,
+        feedback_path=Path(case.feedback) if case.feedback else None,
+    )
     ref_losses, ref_norms = train(
         ddp,
         ref_opt,
@@ -197,6 +207,16 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         "offloaded_chunks": sum(st.offloaded for st in wrapped.runtime.states),
         "persistent_chunks": sum(not st.offloaded for st in wrapped.runtime.states),
     }
+    assert wrapped.source is not None
+    result["plan"] = wrapped.plan.model_dump_json()
+    result["plan_origin"] = wrapped.source.origin
+    if wrapped.monitor is not None:
+        m = wrapped.monitor.measured
+        local = m.feedback()
+        assert local is not None and m.sent is not None
+        result["local_feedback"] = [local.iteration_s, local.peak_device_bytes, local.peak_host_bytes]
+        result["sent_feedback"] = [m.sent.iteration_s, m.sent.peak_device_bytes, m.sent.peak_host_bytes]
+        result["sent_to"] = m.sent_to
     if case.save is not None and rank == 0:
         torch.save(
             {

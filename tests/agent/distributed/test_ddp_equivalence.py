@@ -8,6 +8,7 @@ DDP's at the first step. Marked `distributed`: `pytest -m distributed` runs only
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,17 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
 
 
 def test_all_offloaded_chunks_train_as_ddp_on_two_ranks(tmp_path: Path) -> None:
-    results = spawn(Case(kind="gpt2", offload="all", steps=4), 2, tmp_path)
+    sink = tmp_path / "feedback.jsonl"
+    results = spawn(Case(kind="gpt2", offload="all", steps=4, feedback=str(sink)), 2, tmp_path)
     assert results[0]["persistent_chunks"] == 0 and results[0]["offloaded_chunks"] > 1
     check(results)
+    # feedback: the slowest rank's time and the largest rank's peaks, the same on every rank, sent by rank 0
+    job = [max(res["local_feedback"][k] for res in results) for k in range(3)]
+    for res in results:
+        assert res["sent_feedback"] == pytest.approx(job)
+    assert "rank 0 sends" in results[1]["sent_to"]
+    lines = sink.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["feedback"]["peak_host_bytes"] == job[2]
 
 
 def test_mixed_plan_with_clipping_trains_as_ddp_on_four_ranks(tmp_path: Path) -> None:
@@ -56,9 +65,12 @@ def test_gradient_accumulation_trains_as_ddp(tmp_path: Path, no_sync: bool) -> N
     check(results)
 
 
-def test_hugging_face_llama_at_library_defaults_trains_as_ddp(tmp_path: Path) -> None:
-    results = spawn(Case(kind="hf-llama", offload="alternate", steps=3, clip=1.0), 2, tmp_path)
+def test_hugging_face_llama_at_library_defaults_planned_by_rank_0_trains_as_ddp(tmp_path: Path) -> None:
+    # no plan given: rank 0 profiles and solves in-process, rank 1 receives the same plan
+    results = spawn(Case(kind="hf-llama", steps=3, clip=1.0, solve=True), 2, tmp_path)
     check(results, clipped=True)
+    assert results[0]["plan"] == results[1]["plan"]
+    assert results[0]["plan_origin"] == results[1]["plan_origin"] != "given"
 
 
 def test_state_dict_saved_at_two_ranks_loads_in_plain_torch_and_at_four_ranks(tmp_path: Path) -> None:
