@@ -25,7 +25,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import agent  # imported here, so forked ranks start with it (and transformers) loaded
 from agent.runtime import manual_plan
-from agent.runtime.process_group import resolve
 from agent.testing.model_zoo import build, build_with_library_defaults
 from client.contract import Placement
 
@@ -48,6 +47,7 @@ class Case:
     load: str | None = None  # both variants start from this checkpoint (saved at any world size)
     feedback: str | None = None  # wrap's monitor sends feedback after 4 steps to this local file
     solve: bool = False  # no plan given: rank 0 profiles and solves in-process, the others receive the plan
+    explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,6 +181,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         sample_batch={"input_ids": data[0], "labels": data[0]} if case.solve else None,
         feedback_steps=4 if case.feedback else None,
         feedback_path=Path(case.feedback) if case.feedback else None,
+        process_group=dist.new_group(list(range(world))) if case.explicit_group else None,
     )
     ref_losses, ref_norms = train(
         ddp,
@@ -193,8 +194,9 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     losses, norms = train(
         wrapped.model, wrapped.optimizer, data, case, wrapped.no_sync, wrapped.clip_grad_norm_
     )
-    group = resolve()
-    assert group is not None and group.world_size == world
+    group = wrapped.runtime.group
+    assert group is not None and group.world_size == world and group.rank == rank
+    assert (group.group is not None) == case.explicit_group
     result: dict[str, Any] = {
         "ref_losses": ref_losses,
         "losses": losses,
