@@ -48,6 +48,9 @@ class Case:
     feedback: str | None = None  # wrap's monitor sends feedback after 4 steps to this local file
     solve: bool = False  # no plan given: rank 0 profiles and solves in-process, the others receive the plan
     explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
+    no_batch: bool = (
+        False  # wrap with neither plan nor sample batch: rank 0 cannot plan; report each rank's error
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -167,6 +170,12 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         for m, o in ((ref_model, ref_opt), (model, opt)):
             m.load_state_dict(ckpt["model"])
             o.load_state_dict(ckpt["optimizer"])
+    if case.no_batch:
+        try:
+            agent.wrap(model, opt, feedback_steps=None)
+        except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": None}
     ddp = DistributedDataParallel(ref_model)
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     chunk = -(-max(max(sizes), -(-sum(sizes) // 6)) // 64) * 64

@@ -102,3 +102,19 @@ def test_state_dict_saved_at_two_ranks_loads_in_plain_torch_and_at_four_ranks(tm
             tmp_path / "resume",
         )
     )
+
+
+def test_when_rank_0_cannot_plan_every_rank_raises_instead_of_waiting(tmp_path: Path) -> None:
+    results = spawn(Case(kind="gpt2", no_batch=True), 2, tmp_path)
+    assert results[0]["error"].startswith("ValueError: sample_batch:")
+    assert results[1]["error"].startswith(
+        "RuntimeError: memplan: rank 0 could not obtain the plan: ValueError"
+    )
+
+
+def test_process_group_without_torch_distributed_is_refused() -> None:
+    from agent.runtime.process_group import resolve
+
+    with pytest.raises(ValueError, match="process_group: given, but torch.distributed is not initialised"):
+        resolve(object())
+    assert resolve() is None  # a single-process job: nothing to synchronise
