@@ -107,7 +107,7 @@ class GradientFlow:
             elif st.in_slot:
                 self.flush(st, slot, keep=True)
         st.complete = True
-        if self.reduce and st.touched:
+        if self.reduce and st.unaveraged:
             self._submit_average(st)
         if (
             self.host_steps.speculating()
@@ -137,6 +137,7 @@ class GradientFlow:
             self.ctx.wait(copied)
             slot.grad[:n].zero_()
         st.flushes += 1
+        st.unaveraged = True
         st.touched |= st.in_slot
         st.in_slot.clear()
         events = [*st.pending_events, copied]
@@ -163,6 +164,7 @@ class GradientFlow:
         its host step (the worker runs tasks in order). Averaging again after a later flush is still
         exact: the averaged part is the same on every rank."""
         assert self.worker is not None and self.group is not None
+        st.unaveraged = False
         events = st.pending_events
         st.pending_events = []
         st.host_work = self.worker.submit(self._average_host, st, events)
@@ -174,6 +176,16 @@ class GradientFlow:
             self.ctx.host_wait(ev)
         assert st.host_grad is not None and self.group is not None
         self.group.average_(st.host_grad[: st.numel])
+
+    def average_stragglers(self) -> None:
+        """End of a synchronising backward, before `expose`: offloaded chunks holding gradients of earlier
+        `no_sync` backwards that this backward did not complete (unused in it) are averaged too, in chunk
+        order, so every rank steps the same gradient."""
+        if not self.reduce:
+            return
+        for st in self.states:
+            if st.offloaded and st.unaveraged:
+                self._submit_average(st)
 
     def reduce_persistent(self) -> None:
         """End of backward: average every persistent chunk's gradient across the ranks (its parameters'
@@ -305,6 +317,7 @@ class GradientFlow:
             if st.stepped:  # a speculative step no optimizer.step() confirmed: skipped, as torch would
                 self.host_steps.undo(st, why="zero_grad() without optimizer.step()")
             st.flushes = 0
+            st.unaveraged = False
             st.user_grad_filled = False
             if st.exposed and set_to_none:
                 for e in st.spec.entries:

@@ -301,6 +301,7 @@ class ModelStateManager:
         self.counters.iterations += 1
         if not aborted and self.host_steps is not None:
             self.host_steps.backwards += 1
+            self.gradients.average_stragglers()
             self.gradients.expose()
         if not aborted:
             # after `expose`: every offloaded chunk's reduction (host worker) has finished, so collectives
