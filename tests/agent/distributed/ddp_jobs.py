@@ -12,7 +12,7 @@ import copy
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,8 @@ class Case:
     feedback: str | None = None  # wrap's monitor sends feedback after 4 steps to this local file
     solve: bool = False  # no plan given: rank 0 profiles and solves in-process, the others receive the plan
     explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
-    no_batch: bool = (
-        False  # wrap with neither plan nor sample batch: rank 0 cannot plan; report each rank's error
-    )
-    extra: dict[str, Any] = field(default_factory=dict)
+    no_batch: bool = False  # neither plan nor sample batch: rank 0 cannot plan; each rank's error
+    job: str = "ddp"  # "ddp": compare_with_ddp; "unused": unused_in_the_last_micro_step
 
 
 def free_port() -> int:
@@ -82,7 +80,8 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = compare_with_ddp(rank, world, Case(**case))
+        c = Case(**case)
+        result = (compare_with_ddp if c.job == "ddp" else unused_in_the_last_micro_step)(rank, world, c)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -240,3 +239,50 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         )
     dist.barrier()
     return result
+
+
+class TwoPaths(nn.Module):
+    """Embedding, then `first` (only when `use_first`), then `second`: a model whose first layer can sit out
+    a micro-step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.first = nn.Linear(32, 32)
+        self.second = nn.Linear(32, VOCAB)
+        self.use_first = True
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.embed(input_ids)
+        if self.use_first:
+            h = torch.tanh(self.first(h))
+        logits = self.second(h)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return type("Out", (), {"loss": loss})()
+
+
+def unused_in_the_last_micro_step(rank: int, world: int, case: Case) -> dict[str, Any]:
+    """Accumulate over two micro-steps, the first inside no_sync() using every layer, the last not using
+    `first`: `first`'s gradient (from the first micro-step only, different on every rank) must still be
+    averaged before the step, or the ranks' models part."""
+    torch.manual_seed(0)
+    model = TwoPaths()
+    chunk = max(p.numel() * p.element_size() for p in model.parameters())
+    chunk = -(-chunk // 64) * 64
+    wrapped = agent.wrap(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        plan=manual_plan(model, chunk_size_bytes=chunk, offload="all", n_buffers=2),
+        feedback_steps=None,
+    )
+    data = batches(2 * case.steps, rank)
+    for i in range(case.steps):
+        model.use_first = True
+        with wrapped.no_sync():
+            wrapped.model(data[2 * i], data[2 * i]).loss.backward()
+        model.use_first = False
+        wrapped.model(data[2 * i + 1], data[2 * i + 1]).loss.backward()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+    first = [float(v) for v in model.first.weight.detach().flatten()[:8]]
+    return {"checksum": checksum(model), "first": first, "chunks": len(wrapped.runtime.states)}

@@ -118,3 +118,10 @@ def test_process_group_without_torch_distributed_is_refused() -> None:
     with pytest.raises(ValueError, match="process_group: given, but torch.distributed is not initialised"):
         resolve(object())
     assert resolve() is None  # a single-process job: nothing to synchronise
+
+
+def test_a_chunk_unused_in_the_synchronising_micro_step_is_still_averaged(tmp_path: Path) -> None:
+    results = spawn(Case(job="unused", steps=2), 2, tmp_path)
+    assert results[0]["chunks"] >= 3  # embed, first, second in chunks of their own
+    assert results[0]["first"] == results[1]["first"]
+    assert results[0]["checksum"] == results[1]["checksum"]
