@@ -33,6 +33,9 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
         if clipped:
             assert res["norms"], "clipping ran"
         assert res["grad_reductions"] > 0
+    loss_diff = max(rel(res["losses"], res["ref_losses"]) for res in results)
+    param_diff = max(res["param_rel_diff"][0] for res in results)
+    print(f"vs DDP over {len(results)} ranks: losses {loss_diff:.2e}, parameters {param_diff:.2e} relative")
     # every rank holds the same model, and the ranks trained on different data (losses differ)
     assert len({round(res["checksum"], 6) for res in results}) == 1
     assert len({res["ref_losses"][0] for res in results}) == len(results)
