@@ -39,6 +39,7 @@ from client.contract import Feedback
 if TYPE_CHECKING:
     from agent.runtime.activations import ActivationManager
     from agent.runtime.manager import ModelStateManager
+    from agent.runtime.process_group import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class StepMonitor:
         steps: int,  # `wrap(feedback_steps=...)`, default `agent.wrapping.DEFAULT_FEEDBACK_STEPS`
         warmup: int = 2,
         notes: Callable[[], str] | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         if steps < warmup + 2:
             raise ValueError(
@@ -168,6 +170,7 @@ class StepMonitor:
         self.sink = sink
         self.steps = steps
         self.warmup = warmup
+        self.group = group  # the job's process group: feedback is the job's, sent by rank 0 (issue 20)
         self.measured = Measured()
         self._notes = notes
         self._meter = DevicePeakMeter(device)
@@ -230,6 +233,19 @@ class StepMonitor:
         fb = self.measured.feedback(self._notes() if self._notes else "")
         if fb is None or self.measured.sent is not None:
             return self.measured.sent
+        if self.group is not None:
+            # the job's figures: the slowest rank's time, the largest rank's peaks (a collective: every
+            # rank flushes after the same number of steps)
+            t, dev, host = self.group.max([fb.iteration_s, fb.peak_device_bytes, fb.peak_host_bytes])
+            fb = fb.model_copy(
+                update={"iteration_s": t, "peak_device_bytes": int(dev), "peak_host_bytes": int(host)}
+            )
+            if not self.group.is_main:
+                self.measured.sent = fb
+                self.measured.sent_to = (
+                    f"not sent by rank {self.group.rank} (rank 0 sends the job's feedback)"
+                )
+                return fb
         self.measured.sent = fb
         if self.sink is None:
             return fb

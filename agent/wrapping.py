@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from agent.runtime.manager import ModelStateManager
     from agent.runtime.optimizer import ChunkedOptimizer
     from agent.runtime.options import RuntimeOptions
+    from agent.runtime.process_group import RankGroup
     from client.contract import Feedback, Plan
 
 
@@ -130,6 +132,13 @@ class Wrapped:
             max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Under a process group: forwards (and their backwards) inside keep gradients local, as
+        `DistributedDataParallel.no_sync` (gradient accumulation without communication); the first
+        backward outside averages the accumulated gradients. A no-op in a single-process job."""
+        self._check()
+        return self.runtime.no_sync()
+
     def synchronize(self) -> None:
         """Wait for host optimizer work in flight (before reading offloaded parameters directly)."""
         self._check()
@@ -160,6 +169,7 @@ def wrap(
     reuse: bool = True,
     allocation: str = "caching",
     clips_gradients: bool = False,
+    process_group: Any = None,
 ) -> Wrapped:
     """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
 
@@ -180,6 +190,12 @@ def wrap(
     profile and plan afresh even when the service's history has a plan for this job. `clips_gradients`: the
     job scales gradients after backward on most steps (clipping): the plan then counts the redo of the
     overlapped host steps (clipping works either way; this only informs the prediction).
+    `process_group`: the `torch.distributed` group the job trains in (default: the default group when
+    torch.distributed is initialised with more than one rank). Under a group, rank 0 obtains the plan and
+    broadcasts it, rank 0's parameters and buffers are broadcast (as DDP does), gradients are averaged
+    across the ranks after every backward outside `wrapped.no_sync()`, and feedback is the slowest rank's
+    time and the largest rank's peaks, sent by rank 0. Call `wrap` on every rank. See
+    docs/architecture/runtime.md, "Multi-process jobs".
 
     The model's parameters become views into chunk buffers laid out as the plan says; use the returned
     `.model` and `.optimizer` from here on (the optimizer passed in is left untouched and goes stale).
@@ -205,6 +221,9 @@ def wrap(
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)
     check_supported(optimizer)
+    from agent.runtime.process_group import resolve
+
+    group = resolve(process_group)
     cache_off = KVCacheOff(model)  # training never uses the KV cache; unwrap restores the user's setting
     try:
         wrapped = _wrap(
@@ -226,6 +245,7 @@ def wrap(
             reuse=reuse,
             allocation=allocation,
             clips_gradients=clips_gradients,
+            group=group,
         )
     except BaseException:
         cache_off.restore()
@@ -253,6 +273,7 @@ def _wrap(
     reuse: bool,
     allocation: str,
     clips_gradients: bool,
+    group: RankGroup | None = None,
 ) -> Wrapped:
     """`wrap` after its argument checks, with the KV cache already off."""
     from agent.allocator.install import attach_managed_allocation, install_planned_first, planned_cuda_device
@@ -271,7 +292,18 @@ def _wrap(
     )
     selection: AllocatorSelection | None = None
     cuda = planned_cuda_device(model, options) if allocation == "planned" else None
-    if cuda is not None:
+    if cuda is not None and group is not None:
+        raise ValueError(
+            "allocation: 'planned' on CUDA is single-process only for now (the planned allocator is installed "
+            "before CUDA starts, from a plan each rank would need before any collective); use 'caching'"
+        )
+    if group is not None and not group.is_main:
+        # the plan is solved (and the model profiled) once, by rank 0 (issue 20)
+        received = group.broadcast_object(None)
+        if isinstance(received, str):
+            raise RuntimeError(f"memplan: rank 0 could not obtain the plan: {received}")
+        source = received
+    elif cuda is not None:
         # Level 2 on CUDA: the allocator goes in before anything here initialises CUDA (agent/allocator/install.py)
         source, selection = install_planned_first(
             model,
@@ -288,19 +320,32 @@ def _wrap(
     elif plan is not None:
         source = PlanSource(plan, "given", message="plan given to wrap")
     else:
-        source = obtain_plan(
-            model, optimizer, sample_batch, loss_fn=loss_fn, blocks=blocks, options=options, **obtain_kwargs
-        )
-        log.info("memplan: %s", source.message)
-        source = attach_managed_allocation(
-            source,
-            model,
-            optimizer,
-            sample_batch,
-            loss_fn=loss_fn,
-            options=options,
-            arena=allocation == "planned",
-        )
+        try:
+            source = obtain_plan(
+                model,
+                optimizer,
+                sample_batch,
+                loss_fn=loss_fn,
+                blocks=blocks,
+                options=options,
+                **obtain_kwargs,
+            )
+            log.info("memplan: %s", source.message)
+            source = attach_managed_allocation(
+                source,
+                model,
+                optimizer,
+                sample_batch,
+                loss_fn=loss_fn,
+                options=options,
+                arena=allocation == "planned",
+            )
+        except BaseException as exc:
+            if group is not None:  # the other ranks wait for the plan: tell them why none comes
+                group.broadcast_object(f"{type(exc).__name__}: {exc}")
+            raise
+    if group is not None and group.is_main:
+        group.broadcast_object(source)
     plan = source.plan
     if plan.policy is None:
         raise ValueError(f"plan.policy: absent (solver status {plan.solver.status.value}); nothing to apply")
@@ -309,7 +354,9 @@ def _wrap(
         selection = _select_allocator(allocation, plan, source, target_device(model, options))
     # the runtime's own arena (Level 1) only where no planned allocator places every tensor (Level 2 places
     # the runtime's buffers too: they are long-lived slots of the managed iteration it replays)
-    wrapped = apply_plan(model, optimizer, plan, options, arena=allocation == "planned" and selection is None)
+    wrapped = apply_plan(
+        model, optimizer, plan, options, arena=allocation == "planned" and selection is None, group=group
+    )
     wrapped.source = source
     wrapped.allocator = selection
     wrapped.kv_cache = cache_off
@@ -345,6 +392,7 @@ def _wrap(
             sink=sink,
             steps=feedback_steps,
             notes=lambda: f"memplan agent; plan origin {source.origin}; modes {strip}",
+            group=group,
         )
     return wrapped
 
@@ -399,11 +447,13 @@ def apply_plan(
     options: RuntimeOptions | None = None,
     *,
     arena: bool = False,
+    group: RankGroup | None = None,
 ) -> Wrapped:
     """The model-state part of `wrap`: chunks, offload and host optimizer as the plan says (no activation
     modes, no monitor). `arena`: the runtime's device buffers are views into one planned arena (nothing of
     the runtime's is allocated after warm-up). Raises PlanMismatchError (naming the parameter) when the
-    layout does not match."""
+    layout does not match. `group`: the job's process group (rank 0's parameters and buffers are broadcast,
+    gradients averaged across the ranks)."""
     from agent.runtime.arena import runtime_arena_context
     from agent.runtime.device import DeviceContext
     from agent.runtime.host_arena import host_arena_for
@@ -429,7 +479,9 @@ def apply_plan(
     user_state = optimizer.state_dict() if optimizer.state else None
     ctx = runtime_arena_context(device, layout) if arena else DeviceContext(device)
     ctx.host_arena = host_arena_for(plan, layout, device, fp32_master=opts.fp32_master)  # pinned: one arena
-    manager = ModelStateManager(model, layout, ctx, opts)
+    if group is not None:
+        broadcast_model(model, group)
+    manager = ModelStateManager(model, layout, ctx, opts, group)
     wrapped_opt = ChunkedOptimizer(optimizer, layout, manager)
     manager.attach_optimizer(wrapped_opt)
     if user_state is not None:
@@ -438,6 +490,16 @@ def apply_plan(
     return Wrapped(
         model=model, optimizer=wrapped_opt, plan=plan, runtime=manager, original_optimizer=optimizer
     )
+
+
+def broadcast_model(model: nn.Module, group: RankGroup) -> None:
+    """Every rank's parameters and buffers become rank 0's, as `DistributedDataParallel` does at
+    construction (ranks seeded differently start from the same model)."""
+    import torch
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            group.broadcast_(t.data)
 
 
 def unwrap(wrapped: Wrapped) -> nn.Module:

@@ -60,7 +60,14 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
             "(or none) to the Trainer and let it build the scheduler during train()"
         )
     if trainer.args.world_size > 1:
-        raise ValueError(f"trainer.args.world_size: {trainer.args.world_size}; memplan runs on one process")
+        # the Trainer wraps its model in DistributedDataParallel itself (Accelerate's prepare), which memplan's
+        # parameters (re-pointed between host and device) are not made for; `agent.wrap` averages gradients
+        # across the ranks on its own (issue 20): use it in a training loop of your own under torchrun
+        raise ValueError(
+            f"trainer.args.world_size: {trainer.args.world_size}; the Trainer under torchrun is not supported "
+            "(it wraps the model in DistributedDataParallel): call agent.wrap in your own loop, which trains "
+            "as DDP under a process group"
+        )
     if trainer.optimizer is None:
         trainer.create_optimizer()
     optimizer = trainer.optimizer

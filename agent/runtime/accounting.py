@@ -57,6 +57,7 @@ class Counters:
     host_step_undos: int = 0  # speculative steps undone (gradient accumulation, zero_grad without step)
     device_steps: int = 0
     iterations: int = 0  # completed backward passes
+    grad_reductions: int = 0  # chunk gradients averaged across the ranks of the job's process group
 
 
 @dataclass

@@ -19,6 +19,7 @@ from agent.runtime.chunks import ChunkState, ViewCache, stage_for
 from agent.runtime.device import DeviceContext, Event, element_size
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
+from agent.runtime.process_group import RankGroup
 from agent.runtime.residency import ChunkResidency
 from agent.runtime.timing import FLUSH, RuntimeTiming, section
 
@@ -50,6 +51,9 @@ class GradientFlow:
         self.host_steps = host_steps
         self.worker = worker
         self._esize = element_size(compute_dtype)
+        # the job's process group (issue 20) and whether this backward averages gradients across it
+        self.group: RankGroup | None = None
+        self.reduce = False
 
     # ======================================================================== arriving gradients
     def receive(self, param: torch.Tensor) -> None:
@@ -103,6 +107,8 @@ class GradientFlow:
             elif st.in_slot:
                 self.flush(st, slot, keep=True)
         st.complete = True
+        if self.reduce and st.unaveraged:
+            self._submit_average(st)
         if (
             self.host_steps.speculating()
             and st.touched
@@ -131,6 +137,7 @@ class GradientFlow:
             self.ctx.wait(copied)
             slot.grad[:n].zero_()
         st.flushes += 1
+        st.unaveraged = True
         st.touched |= st.in_slot
         st.in_slot.clear()
         events = [*st.pending_events, copied]
@@ -151,6 +158,46 @@ class GradientFlow:
             st.host_grad.copy_(st.stage)
         else:
             st.host_grad.add_(st.stage)
+
+    def _submit_average(self, st: ChunkState) -> None:
+        """Queue the average of the chunk's host gradient across the ranks, after its flushes and before
+        its host step (the worker runs tasks in order). Averaging again after a later flush is still
+        exact: the averaged part is the same on every rank."""
+        assert self.worker is not None and self.group is not None
+        st.unaveraged = False
+        events = st.pending_events
+        st.pending_events = []
+        st.host_work = self.worker.submit(self._average_host, st, events)
+        self.counters.grad_reductions += 1
+
+    def _average_host(self, st: ChunkState, events: list[Event]) -> None:
+        """Host worker: all-reduce (mean) the chunk's fp32 host gradient."""
+        for ev in events:
+            self.ctx.host_wait(ev)
+        assert st.host_grad is not None and self.group is not None
+        self.group.average_(st.host_grad[: st.numel])
+
+    def average_stragglers(self) -> None:
+        """End of a synchronising backward, before `expose`: offloaded chunks holding gradients of earlier
+        `no_sync` backwards that this backward did not complete (unused in it) are averaged too, in chunk
+        order, so every rank steps the same gradient."""
+        if not self.reduce:
+            return
+        for st in self.states:
+            if st.offloaded and st.unaveraged:
+                self._submit_average(st)
+
+    def reduce_persistent(self) -> None:
+        """End of backward: average every persistent chunk's gradient across the ranks (its parameters'
+        `.grad` are views of it), in chunk order."""
+        if not self.reduce:
+            return
+        assert self.group is not None
+        for st in self.states:
+            if not st.offloaded and st.touched:
+                assert st.grad is not None
+                self.group.average_(st.grad)
+                self.counters.grad_reductions += 1
 
     def grad_views(self, st: ChunkState) -> list[torch.Tensor]:
         """The persistent chunk's per-parameter gradient views (made once: its gradient buffer never moves)."""
@@ -270,6 +317,7 @@ class GradientFlow:
             if st.stepped:  # a speculative step no optimizer.step() confirmed: skipped, as torch would
                 self.host_steps.undo(st, why="zero_grad() without optimizer.step()")
             st.flushes = 0
+            st.unaveraged = False
             st.user_grad_filled = False
             if st.exposed and set_to_none:
                 for e in st.spec.entries:

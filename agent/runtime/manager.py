@@ -19,7 +19,8 @@ Over ~400 lines because it is the one place torch's hooks enter and the public s
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -40,6 +41,7 @@ from agent.runtime.layout import ChunkLayout
 from agent.runtime.optimizer import ChunkedOptimizer
 from agent.runtime.options import RuntimeOptions
 from agent.runtime.phase import Phase, TrainingState
+from agent.runtime.process_group import RankGroup
 from agent.runtime.residency import ChunkResidency
 from agent.runtime.saved_tensors import SavedChunkView, SavedTensorRebinder
 from agent.runtime.schedule import AccessSchedule, Direction
@@ -53,12 +55,20 @@ class ModelStateManager:
     """Applies a plan's model-state policy to a model: owns its hooks, the phase, and the runtime's parts."""
 
     def __init__(
-        self, model: nn.Module, layout: ChunkLayout, ctx: DeviceContext, options: RuntimeOptions
+        self,
+        model: nn.Module,
+        layout: ChunkLayout,
+        ctx: DeviceContext,
+        options: RuntimeOptions,
+        group: RankGroup | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
         self.ctx = ctx
         self.options = options
+        # the job's process group (issue 20): gradients are averaged across its ranks after backward
+        self.group = group
+        self.sync_gradients = True  # False inside `no_sync()`
         self.counters = Counters()
         self.timing = RuntimeTiming()  # the timing hook: see `timing.py`
         self.phase = Phase()
@@ -98,6 +108,7 @@ class ModelStateManager:
             self.host_steps,
             self.worker,
         )
+        self.gradients.group = group
         if self.residency is not None:
             self.residency.flush = self.gradients.flush
         self.optimizer: ChunkedOptimizer | None = None
@@ -222,6 +233,10 @@ class ModelStateManager:
         training = self.has_offload and torch.is_grad_enabled()
         if training:
             self.gradients.retract()  # gradients of this forward's backward add to the host gradients
+        if torch.is_grad_enabled():
+            # as DDP decides at forward: this forward's backward averages gradients across the ranks
+            # unless it runs inside `no_sync()`
+            self.gradients.reduce = self.group is not None and self.sync_gradients
         # a forward with grad enabled at the root will be backpropagated through every module it runs,
         # also those run under no_grad inside it (re-entrant checkpointing recomputes them in backward)
         self._root_grad = torch.is_grad_enabled()
@@ -286,7 +301,12 @@ class ModelStateManager:
         self.counters.iterations += 1
         if not aborted and self.host_steps is not None:
             self.host_steps.backwards += 1
+            self.gradients.average_stragglers()
             self.gradients.expose()
+        if not aborted:
+            # after `expose`: every offloaded chunk's reduction (host worker) has finished, so collectives
+            # are issued in the same order on every rank
+            self.gradients.reduce_persistent()
 
     # ================================================================================ module hooks
     @section(timing.MODULE_FORWARD)
@@ -317,6 +337,18 @@ class ModelStateManager:
             if st.slot is not None:
                 slot = self.residency.pool.slots[st.slot]
                 slot.pins = max(0, slot.pins - 1)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside this context keep their gradients local (accumulated
+        on each rank, not averaged), as `DistributedDataParallel.no_sync`; the first backward after it
+        averages the accumulated gradients. A no-op without a process group."""
+        before = self.sync_gradients
+        self.sync_gradients = False
+        try:
+            yield
+        finally:
+            self.sync_gradients = before
 
     # ============================================================================== saved tensors
     def saved_scope(self) -> AbstractContextManager[None]:

@@ -1,0 +1,97 @@
+"""The job's process group and the runtime's collectives on it (issue 20).
+
+`agent.wrap` inside an initialised `torch.distributed` process group (or with `process_group=`) runs one
+runtime per rank and keeps them in step as `DistributedDataParallel` does: rank 0's parameters and buffers
+are broadcast at wrap, every chunk's gradient is averaged across the ranks after backward (unless inside
+`wrapped.no_sync()`), so every rank steps the same averaged gradient and holds the same model state.
+
+Collectives take host tensors (gloo, and the offloaded chunks' host gradients) or device tensors (NCCL with
+persistent chunks); a host tensor on a backend that cannot reduce host memory (NCCL) goes through a device
+copy (`_on_backend_device`): correct, not fast, and not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """One process group as the runtime sees it: the group, this process's rank in it and its size."""
+
+    group: Any  # dist.ProcessGroup (None: the default group)
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device  # where collectives on this backend take their tensors
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ================================================================================= collectives
+    def average_(self, tensor: torch.Tensor) -> None:
+        """All-reduce `tensor` in place to the mean over the ranks (DDP's gradient average)."""
+        with _on_backend_device(tensor, self.device) as t:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            t.div_(self.world_size)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Every rank's `tensor` becomes rank `src`'s (in place)."""
+        with _on_backend_device(tensor, self.device) as t:
+            dist.broadcast(
+                t, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group
+            )
+
+    def max(self, values: list[float]) -> list[float]:
+        """The element-wise maximum of `values` over the ranks (the slowest rank's time, the largest peak)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [float(v) for v in t.tolist()]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s Python object on every rank (pickled: `torch.distributed.broadcast_object_list`)."""
+        box = [obj if self.rank == src else None]
+        global_src = dist.get_global_rank(self.group, src) if self.group else src
+        dist.broadcast_object_list(box, src=global_src, group=self.group, device=self.device)
+        return box[0]
+
+
+class _on_backend_device:
+    """`tensor` itself when the backend takes it where it is, else a copy on the backend's device that is
+    written back on exit (NCCL reduces device memory only)."""
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device) -> None:
+        self.tensor = tensor
+        self.device = device
+        self.copy = tensor.device.type != device.type
+
+    def __enter__(self) -> torch.Tensor:
+        if not self.copy:
+            return self.tensor
+        self.moved = self.tensor.to(self.device, copy=True)
+        return self.moved
+
+    def __exit__(self, *exc: object) -> None:
+        if self.copy and exc[0] is None:
+            self.tensor.copy_(self.moved)
+
+
+def resolve(process_group: Any = None) -> RankGroup | None:
+    """The group `wrap` runs in: `process_group` if given, else the default group when torch.distributed is
+    initialised with more than one rank; None for a single-process job (nothing to synchronise)."""
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise ValueError("process_group: given, but torch.distributed is not initialised")
+        return None
+    group = process_group
+    world = dist.get_world_size(group)
+    if process_group is None and world == 1:
+        return None
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return RankGroup(group=group, rank=dist.get_rank(group), world_size=world, backend=backend, device=device)
