@@ -326,7 +326,10 @@ def build_instance(
         host_limit_bytes=host_limit,
         pinned_limit_bytes=pinned,
         block_names=tuple(b.name for b in blocks),
-        **duplex,
+        swap_out_duplex_ns=duplex.get("swap_out_duplex_ns", ()),
+        swap_in_duplex_ns=duplex.get("swap_in_duplex_ns", ()),
+        upload_duplex_ns=duplex.get("upload_duplex_ns", ()),
+        grad_offload_duplex_ns=duplex.get("grad_offload_duplex_ns", ()),
     )
     return with_sharding(trace, inst, layout, grad_bytes) if trace.hardware.world_size > 1 else inst
 
