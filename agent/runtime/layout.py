@@ -81,6 +81,13 @@ class ChunkLayout:
     def from_policy(cls, policy: Policy, model: nn.Module, compute_dtype: torch.dtype) -> ChunkLayout:
         """Check `policy` against `model` and compute every parameter's offset. Raises PlanMismatchError."""
         model_name = type(model).__name__
+        for ci, chunk in enumerate(policy.chunks):
+            if chunk.sharded:
+                raise PlanMismatchError(
+                    f"policy.chunks[{ci}].sharded: the runtime keeps every chunk whole on every rank (gradients "
+                    "averaged as DistributedDataParallel does); sharded chunks are planned but not applied yet "
+                    "(issue 20): solve the plan from a single-process trace, or mark no chunk sharded"
+                )
         named: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
         canonical: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
         esize = element_size(compute_dtype)

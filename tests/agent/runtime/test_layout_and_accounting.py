@@ -37,6 +37,23 @@ def test_plan_naming_an_unknown_parameter_is_refused_with_its_name() -> None:
         wrap(model, adamw(model), plan=edited(plan, 1, parameters=names))
 
 
+def test_plan_with_sharded_chunks_is_refused_before_the_model_is_touched() -> None:
+    """The planner may shard chunks of a multi-rank job; the runtime does not shard yet (issue 20): such a
+    plan is refused by name, not applied as if replicated."""
+    model = tiny_model("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = plan_for(model, "all")
+    assert plan.policy is not None
+    policy = plan.policy.model_copy(update={"world_size": 2})
+    sharded = plan.model_copy(update={"policy": policy})
+    with pytest.raises(
+        PlanMismatchError, match=r"policy\.chunks\[1\]\.sharded: the runtime keeps every chunk"
+    ):
+        wrap(model, adamw(model), plan=edited(sharded, 1, sharded=True))
+    assert not getattr(model, "_memplan_wrapped", False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def test_plan_missing_a_parameter_is_refused_with_its_name() -> None:
     model = tiny_model("llama")
     plan = plan_for(model, "none")
