@@ -139,11 +139,18 @@ def attach_managed_allocation(
     options: RuntimeOptions | None,
     arena: bool,
 ) -> PlanSource:
-    """Off CUDA: give a plan from the service, its history or the in-process solver the allocation of its
-    managed iteration (unless it has one) and send it to the service, so the plan's record shows that plan's
-    arena. Best effort: a failure is logged and the plan keeps the
-    placement of the profiled iteration (the training job goes on)."""
+    """Give a plan from the service, its history or the in-process solver the allocation of its managed
+    iteration (unless it has one) and send it to the service, so the plan's record shows that plan's arena.
+    Best effort: a failure is logged and the plan keeps the placement of the profiled iteration (the training
+    job goes on).
+
+    Only where it is cheap or needed: a job that trains on the CPU (the recording's own device), or one that
+    asked for the planned arena (`arena`). A CUDA job with PyTorch's caching allocator is not recorded: it
+    would pay a host copy of its model and optimizer and three CPU iterations for a chart (its plan's record
+    keeps the profiled iteration's arena, labelled so)."""
     if has_managed_allocation(source.plan) or source.origin == "given":
+        return source
+    if not arena and planned_cuda_device(model, options) is not None:
         return source
     if sample_batch is None:
         return source
