@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from agent.measure import DevicePeakMeter, device_state_tensors
 from agent.runtime.eager import eager
 from client.contract import Feedback
+from client.sdk import Client
 
 if TYPE_CHECKING:
     from agent.runtime.activations import ActivationManager
@@ -102,7 +103,6 @@ class ServiceSink:
     timeout_s: float = 5.0
 
     def send(self, feedback: Feedback) -> str:
-        from client.sdk import Client
 
         try:
             with Client(self.server, timeout=self.timeout_s, max_retries=1) as c:

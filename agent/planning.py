@@ -28,13 +28,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+import agent
+from agent.profiler import parameters  # module attribute: tests replace parameters.fingerprint
+from agent.profiler.hardware import probe_hardware
+from agent.profiler.optimizer_probe import optimizer_kind
+from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 from agent.runtime.options import RuntimeOptions, job_workload
 from agent.service_call import ServiceBudget, classify
 from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, Workload
+from client.sdk import Client
 
 if TYPE_CHECKING:
     from client.contract import Hardware
-    from client.sdk import Client
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +75,6 @@ def workload_key(
     model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *, clips_gradients: bool = False
 ) -> str:
     """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind, clipping)."""
-    from agent.profiler.optimizer_probe import optimizer_kind
-    from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 
     params = list(model.parameters())
     dtype = _majority_dtype(params)
@@ -144,7 +147,8 @@ def check_feasible(plan: Plan, constraints: Constraints) -> Plan:
 
 def solve_embedded(trace: Trace, constraints: Constraints) -> Plan:
     """The service's solve, in-process: the same `solve_plan` its worker runs (policy, then allocation)."""
-    from planner_service.solver.plan import solve_plan  # the solver (ortools, numba) loads only when needed
+    # local import: the solver (ortools, numba) loads only when a job solves in-process
+    from planner_service.solver.plan import solve_plan
 
     return solve_plan(trace, constraints)
 
@@ -197,9 +201,6 @@ def obtain_plan(
 
     `service_budget_s` (default `wait_s` + SERVICE_BUDGET_MARGIN_S): the total time every exchange with the
     service may take together (profiling and in-process solving are not counted)."""
-    import agent
-    from agent.profiler.hardware import probe_hardware
-    from agent.profiler.parameters import fingerprint
 
     if sample_batch is None:
         raise ValueError(
@@ -220,8 +221,6 @@ def obtain_plan(
     budget: ServiceBudget | None = None
     down: str | None = None  # why the service could not be used
     if url is not None:
-        from client.sdk import Client
-
         client = Client(url, timeout=request_timeout_s, max_retries=1)
         budget = ServiceBudget(
             service_budget_s if service_budget_s is not None else wait_s + SERVICE_BUDGET_MARGIN_S,
@@ -231,7 +230,7 @@ def obtain_plan(
         if client is not None and budget is not None and reuse:
             # the job's own keys are computed outside the service's except: a bug here is the agent's
             keys = (
-                fingerprint(model),
+                parameters.fingerprint(model),
                 hw.key,
                 workload_key(model, optimizer, sample_batch, clips_gradients=clips_gradients),
             )

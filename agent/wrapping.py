@@ -29,25 +29,35 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from agent.allocator.install import attach_managed_allocation, install_planned_first, planned_cuda_device
+from agent.allocator.select import MODES, select
 from agent.batch_guard import BatchShapeGuard, batch_shape
+from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import MoveGuard, byte_size, check_not_compiled
+from agent.planning import PlanSource, obtain_plan
+from agent.report import WrapReport
+from agent.runtime.activations import apply_activation_policy, block_targets
+from agent.runtime.arena import runtime_arena_context
+from agent.runtime.device import DeviceContext
+from agent.runtime.host_arena import host_arena_for
+from agent.runtime.layout import ChunkLayout
+from agent.runtime.manager import ModelStateManager
+from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
+from agent.runtime.options import RuntimeOptions
+from agent.runtime.process_group import resolve
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    import torch
     from torch import nn
 
     from agent.allocator.select import AllocatorSelection
     from agent.feedback import StepMonitor
-    from agent.planning import PlanSource
-    from agent.report import WrapReport
     from agent.runtime.accounting import RuntimeReport
     from agent.runtime.activations import ActivationManager
-    from agent.runtime.manager import ModelStateManager
-    from agent.runtime.optimizer import ChunkedOptimizer
-    from agent.runtime.options import RuntimeOptions
     from agent.runtime.process_group import RankGroup
     from client.contract import Feedback, Plan
 
@@ -79,7 +89,6 @@ class Wrapped:
 
     def report(self) -> WrapReport:
         """Plan summary, predicted vs measured (once the monitor has measured), feedback, runtime figures."""
-        from agent.report import WrapReport
 
         self._check()
         policy = self.plan.policy
@@ -210,8 +219,6 @@ def wrap(
     model is is a no-op and any other move or cast raises WrappedModelMoveError, and a batch larger than
     planned warns once (CPU) or raises BatchShapeError (GPU). See docs/architecture/wrap.md.
     """
-    from agent.allocator.select import MODES
-    from agent.runtime.optimizer import check_supported
 
     if getattr(model, "_memplan_wrapped", False):
         raise RuntimeError("model: is already wrapped; unwrap it first")
@@ -221,7 +228,6 @@ def wrap(
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)
     check_supported(optimizer)
-    from agent.runtime.process_group import resolve
 
     group = resolve(process_group)
     cache_off = KVCacheOff(model)  # training never uses the KV cache; unwrap restores the user's setting
@@ -276,10 +282,6 @@ def _wrap(
     group: RankGroup | None = None,
 ) -> Wrapped:
     """`wrap` after its argument checks, with the KV cache already off."""
-    from agent.allocator.install import attach_managed_allocation, install_planned_first, planned_cuda_device
-    from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
-    from agent.planning import PlanSource, obtain_plan
-    from agent.runtime.activations import apply_activation_policy, block_targets
 
     obtain_kwargs: dict[str, Any] = dict(
         server=server,
@@ -399,7 +401,6 @@ def _wrap(
 
 def target_device(model: nn.Module, options: RuntimeOptions | None = None) -> torch.device:
     """Where the runtime puts device state: the option, else the model's device, else CUDA if present."""
-    import torch
 
     params = list(model.parameters())
     if options is not None and options.device is not None:
@@ -423,7 +424,6 @@ def _select_allocator(
     own buffers are planned (Level 1, the arena in `apply_plan`)."""
     if allocation != "planned":
         return None
-    from agent.allocator.select import select
 
     if device.type != "cuda":
         log.info(
@@ -454,13 +454,6 @@ def apply_plan(
     the runtime's is allocated after warm-up). Raises PlanMismatchError (naming the parameter) when the
     layout does not match. `group`: the job's process group (rank 0's parameters and buffers are broadcast,
     gradients averaged across the ranks)."""
-    from agent.runtime.arena import runtime_arena_context
-    from agent.runtime.device import DeviceContext
-    from agent.runtime.host_arena import host_arena_for
-    from agent.runtime.layout import ChunkLayout
-    from agent.runtime.manager import ModelStateManager
-    from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
-    from agent.runtime.options import RuntimeOptions
 
     if plan.policy is None:
         raise ValueError(f"plan.policy: absent (solver status {plan.solver.status.value}); nothing to apply")
@@ -495,7 +488,6 @@ def apply_plan(
 def broadcast_model(model: nn.Module, group: RankGroup) -> None:
     """Every rank's parameters and buffers become rank 0's, as `DistributedDataParallel` does at
     construction (ranks seeded differently start from the same model)."""
-    import torch
 
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:

@@ -13,10 +13,6 @@ Such an import carries a comment in this fixed form, on its own line or in the c
 A comment just above the first of a run of consecutive import statements (blank lines aside) covers the
 run. A bare one fails the check. Typing-only imports go under `if TYPE_CHECKING:` at the module top instead.
 
-Files another change is rewriting may be listed in `scripts/local_imports_allowlist.txt` (`path count`, one
-file a line, `#` comments): up to `count` bare imports are accepted in that file. The list only shrinks: an
-entry whose file now has fewer bare imports than its count fails too, so that it is lowered (or removed).
-
 Usage: python scripts/check_local_imports.py [--count] [ROOT]
   --count   print every function-level import (bare or with its reason) per file and the totals; exit 0.
 """
@@ -34,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGES = ("agent", "client", "planner_service", "memplan")
-ALLOWLIST = Path("scripts/local_imports_allowlist.txt")
 REASON = re.compile(r"#\s*local import:\s*\S")
 
 
@@ -110,21 +105,6 @@ def local_imports(path: Path, relative: str) -> list[LocalImport]:
     return sorted(found, key=lambda i: i.line)
 
 
-def read_allowlist(path: Path) -> dict[str, int]:
-    allowed: dict[str, int] = {}
-    if not path.exists():
-        return allowed
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
-        entry = raw.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        parts = entry.split()
-        if len(parts) != 2 or not parts[1].isdigit():
-            raise SystemExit(f"{path}:{number}: expected `path count`, got {raw!r}")
-        allowed[parts[0]] = int(parts[1])
-    return allowed
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", action="store_true", help="list every function-level import and exit 0")
@@ -145,34 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(imports)} function-level imports, {sum(bare_per_file.values())} without a reason")
         return 0
 
-    allowed = read_allowlist(root / ALLOWLIST)
-    bare = [i for i in imports if not i.reason]
-    bare_per_file = Counter(i.path for i in bare)
-    problems: list[str] = []
-    for item in bare:
-        if item.path not in allowed:
-            problems.append(
-                f"{item.path}:{item.line}: import inside a function without a reason: {item.text}\n"
-                "    move it to the module top, or say why on its line: `# local import: <reason>`"
-            )
-    for name, count in sorted(allowed.items()):
-        if bare_per_file[name] > count:
-            problems.append(
-                f"{ALLOWLIST}: {name} allows {count} bare function-level imports, it has {bare_per_file[name]}"
-            )
-        elif bare_per_file[name] < count:
-            problems.append(
-                f"{ALLOWLIST}: {name} allows {count} bare function-level imports, it has {bare_per_file[name]}: "
-                f"lower the entry to {bare_per_file[name]}"
-                + (" (remove it)" if bare_per_file[name] == 0 else "")
-            )
+    problems = [
+        f"{i.path}:{i.line}: import inside a function without a reason: {i.text}\n"
+        "    move it to the module top, or say why on its line: `# local import: <reason>`"
+        for i in imports
+        if not i.reason
+    ]
     for problem in problems:
         print(problem, file=sys.stderr)
     with_reason = sum(1 for i in imports if i.reason)
-    print(
-        f"local imports: {len(imports)} in functions, {with_reason} with a reason, "
-        f"{sum(bare_per_file[n] for n in allowed)} allow-listed ({len(allowed)} files)"
-    )
+    print(f"local imports: {len(imports)} in functions, {with_reason} with a reason")
     return 1 if problems else 0
 
 

@@ -19,8 +19,7 @@ check "mypy" "${bin}mypy" agent client planner_service memplan
 # import layers (.importlinter): client imports neither agent nor planner_service; planner_service never
 # imports agent; memplan (the command's composition root) sits on top. PYTHONPATH: this tree's code.
 check "import layers" env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${bin}lint-imports" --no-cache .importlinter
-# imports inside functions: each at the module top, or with `# local import: <reason>` (scripts/check_local_imports.py;
-# scripts/local_imports_allowlist.txt lists the files not yet done, and only shrinks)
+# imports inside functions: each at the module top, or with `# local import: <reason>` (scripts/check_local_imports.py)
 check "local imports" "${bin}python" scripts/check_local_imports.py
 
 if [ "${#failed[@]}" -gt 0 ]; then

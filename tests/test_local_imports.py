@@ -1,6 +1,6 @@
 """scripts/check_local_imports.py (run by scripts/lint.sh): an import inside a function fails unless a
 `# local import: <reason>` comment says why, on its line or just above it (or above the run of imports it
-opens); the allow-list of files not yet done only shrinks."""
+opens). No file is exempt."""
 
 from __future__ import annotations
 
@@ -18,12 +18,9 @@ def _check(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _tree(tmp_path: Path, source: str, allowlist: str | None = None) -> Path:
+def _tree(tmp_path: Path, source: str) -> Path:
     (tmp_path / "agent").mkdir()
     (tmp_path / "agent" / "mod.py").write_text(source)
-    if allowlist is not None:
-        (tmp_path / "scripts").mkdir()
-        (tmp_path / "scripts" / "local_imports_allowlist.txt").write_text(allowlist)
     return tmp_path
 
 
@@ -91,22 +88,6 @@ def test_a_comment_that_only_looks_like_a_reason_inside_a_string_does_not_count(
     return text, json
 """
     assert _check(_tree(tmp_path, source)).returncode == 1
-
-
-def test_the_allow_list_accepts_its_count_and_fails_above_or_below_it(tmp_path: Path) -> None:
-    tree = _tree(tmp_path, BARE, "# files not yet done\nagent/mod.py 1\n")
-    assert _check(tree).returncode == 0
-    allowlist = tmp_path / "scripts" / "local_imports_allowlist.txt"
-    allowlist.write_text("agent/mod.py 2\n")
-    below = _check(tree)
-    assert below.returncode == 1
-    assert "lower the entry to 1" in below.stderr
-    allowlist.write_text("agent/mod.py 0\n")
-    assert _check(tree).returncode == 1
-    allowlist.write_text("agent/gone.py 1\nagent/mod.py 1\n")
-    gone = _check(tree)
-    assert gone.returncode == 1
-    assert "agent/gone.py allows 1" in gone.stderr and "(remove it)" in gone.stderr
 
 
 def test_the_tree_passes_the_check() -> None:

@@ -120,6 +120,7 @@ def _nvidia_roots() -> list[Path]:
     """`nvidia/` folders: those of `$MEMPLAN_CUDA_WHEELS` first, then the installed namespace package."""
     roots = [Path(p) / "nvidia" for p in os.environ.get("MEMPLAN_CUDA_WHEELS", "").split(os.pathsep) if p]
     try:
+        # local import: NVIDIA's CUDA wheels are optional (the namespace package may be absent)
         import nvidia  # type: ignore[import-not-found]  # namespace package of NVIDIA's pip wheels
 
         roots += [Path(p) for p in nvidia.__path__]
@@ -145,6 +146,7 @@ def _layouts() -> Iterator[tuple[Path, list[Path], list[Path]]]:
 
 def torch_cuda_major() -> int | None:
     """The CUDA major version PyTorch was built for; None for a CPU build."""
+    # local import: importing `agent.allocator` loads no torch (its docstring)
     import torch
 
     return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from agent.allocator.core import MatchRules, PlannedCore
+from agent.allocator.library import load_library
 from agent.allocator.slots import plan_slots
 from agent.allocator.stats import AllocatorStats
 from client.contract import AllocationEvent, AllocationPlan
@@ -62,12 +63,14 @@ class CudaPlannedAllocator:
 
     def attach(self, model: nn.Module) -> RemovableHandle:
         """Call `begin_iteration` at every training forward of `model` (root module pre-hook)."""
+        # local import: importing `agent.allocator` loads no torch (its docstring)
         import torch
 
         def _pre_hook(module: nn.Module, args: Any) -> None:
             if module.training and torch.is_grad_enabled():
                 self._core.begin_iteration()
 
+        # local import: agent.runtime.eager imports torch, which importing `agent.allocator` does not
         from agent.runtime.eager import eager
 
         return model.register_forward_pre_hook(eager(_pre_hook))
@@ -97,6 +100,7 @@ def install_cuda_planned_allocator(
 ) -> CudaPlannedAllocator:
     """Build (first use) the CUDA library, create the core for `plan`, and make it PyTorch's CUDA allocator."""
     global _installed
+    # local import: importing `agent.allocator` loads no torch (its docstring)
     import torch
 
     check_can_install(
@@ -105,8 +109,6 @@ def install_cuda_planned_allocator(
         already_installed=_installed is not None,
     )
     slots = plan_slots(plan, events)  # bad plans fail before anything is built or swapped
-    from agent.allocator.library import load_library
-
     lib = load_library("cuda")
     core = PlannedCore(lib, slots, device=device, debug=debug, rules=rules or MatchRules())
     lib.mp_cuda_install(core.handle, device)  # type: ignore[attr-defined]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+from agent.allocator.cuda import installed
+
+if TYPE_CHECKING:
     from agent.allocator.cuda import CudaPlannedAllocator
 
 
@@ -27,7 +29,6 @@ class AllocatorHistoryUnavailable(RuntimeError):
 
 def planned_allocator(device: torch.device) -> CudaPlannedAllocator | None:
     """The planned allocator serving `device`'s memory, if one is installed in this process."""
-    from agent.allocator.cuda import installed
 
     handle = installed()
     if handle is None or device.type != "cuda":
@@ -41,7 +42,6 @@ def reset_peak(device: torch.device) -> None:
     if handle is not None:
         handle.reset_peaks()
         return
-    import torch
 
     torch.cuda.reset_peak_memory_stats(device)
 
@@ -51,7 +51,6 @@ def peak_allocated(device: torch.device) -> int:
     handle = planned_allocator(device)
     if handle is not None:
         return handle.stats().peak_allocated_bytes
-    import torch
 
     return int(torch.cuda.max_memory_allocated(device))
 
@@ -61,7 +60,6 @@ def allocated(device: torch.device) -> int:
     handle = planned_allocator(device)
     if handle is not None:
         return handle.stats().allocated_bytes
-    import torch
 
     return int(torch.cuda.memory_allocated(device))
 

@@ -6,6 +6,7 @@ device calls (plan replay, matching, fallbacks, statistics, the debug check) run
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -65,8 +66,7 @@ class PlannedAllocator:
 
     def tensor(self, address: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor viewing `nbytes` at `address` (a live block); it must not outlive the block."""
-        import ctypes
-
+        # local import: importing `agent.allocator` loads no torch (its docstring)
         import torch
 
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)

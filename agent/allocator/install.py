@@ -26,21 +26,27 @@ initialisation and the install call (tests/agent/allocator/test_install_order.py
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from agent.allocator import cuda as cuda_allocator
+from agent.allocator.core import MatchRules
+from agent.allocator.cuda import check_can_install, installed
 from agent.allocator.managed import has_managed_allocation, with_managed_allocation
-from agent.allocator.select import plan_key
+from agent.allocator.plan_subprocess import obtain_plan_in_subprocess
+from agent.allocator.publish import publish_managed_allocation
+from agent.allocator.select import AllocatorSelection, plan_key, select
+from agent.planning import PlanSource, obtain_plan
 from client.contract import Plan
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from agent.allocator.cuda import CudaPlannedAllocator
-    from agent.allocator.select import AllocatorSelection
-    from agent.planning import PlanSource
     from agent.runtime.options import RuntimeOptions
 
 log = logging.getLogger(__name__)
@@ -50,7 +56,6 @@ def planned_cuda_device(model: nn.Module, options: RuntimeOptions | None) -> tor
     """The CUDA device `wrap` will use (None: not CUDA), found without initialising CUDA: the option, else the
     model's device, else cuda:0 when a GPU is visible; an index-less "cuda" is the current device, which is
     device 0 until CUDA is initialised."""
-    import torch
 
     params = list(model.parameters())
     if options is not None and options.device is not None:
@@ -83,11 +88,6 @@ def install_planned_first(
 ) -> tuple[PlanSource, AllocatorSelection]:
     """Steps 2-4 of the module doc: the plan with its managed allocation, and the allocator installed from it,
     with no CUDA initialisation in this process before the install."""
-    import torch
-
-    from agent.allocator.cuda import check_can_install, installed
-    from agent.allocator.select import AllocatorSelection, select
-    from agent.planning import PlanSource
 
     handle = installed()
     if handle is None:  # fail before any profiling or copying when the switch is already impossible
@@ -97,8 +97,6 @@ def install_planned_first(
     if plan is not None:
         source = PlanSource(plan, "given", message="plan given to wrap")
     else:
-        from agent.allocator.plan_subprocess import obtain_plan_in_subprocess
-
         source = obtain_plan_in_subprocess(
             model,
             optimizer,
@@ -174,8 +172,6 @@ def attach_managed_allocation(
 def publish(source: PlanSource) -> None:
     """Send the plan's managed allocation to the service that made it (best effort)."""
     if source.server and source.plan_id and source.origin in ("service", "history"):
-        from agent.allocator.publish import publish_managed_allocation
-
         publish_managed_allocation(source.server, source.plan_id, source.plan)
 
 
@@ -193,7 +189,6 @@ def plan_with_allocation(
     """A plan for the job (history, service or in-process, as `wrap` gets one) with the allocation of its
     managed iteration, saved as JSON at `path` if given: what `install_allocator` needs. It may initialise
     CUDA (it profiles on the GPU): run it before the training script, or in another process."""
-    from agent.planning import obtain_plan
 
     source = obtain_plan(
         model, optimizer, sample_batch, loss_fn=loss_fn, options=options, blocks=blocks, **obtain_kwargs
@@ -209,7 +204,6 @@ def plan_with_allocation(
 
 def load_plan(plan: Plan | str | Path) -> Plan:
     """A Plan, or one read from a JSON file (a Plan, or a plan record whose `plan` field is one)."""
-    import json
 
     if isinstance(plan, Plan):
         return plan
@@ -230,9 +224,6 @@ def install_allocator(
     (`plan_with_allocation`). Call it first thing in the training script, before any CUDA tensor exists.
     Raises AllocatorSwitchError (CUDA already initialised, installed twice, no GPU) or ValueError naming the
     field the plan lacks."""
-    from agent.allocator.core import MatchRules
-    from agent.allocator.cuda import install_cuda_planned_allocator
-
     p = load_plan(plan)
     a = p.allocation
     if a is None:
@@ -247,7 +238,7 @@ def install_allocator(
             "memplan: plan.allocation places the profiled (un-managed) iteration, not the iteration this plan "
             "runs; the allocator will fall back often. Save it with agent.plan_with_allocation(...)"
         )
-    handle = install_cuda_planned_allocator(
+    handle = cuda_allocator.install_cuda_planned_allocator(  # module attribute: tests replace it
         a, a.events.events, device=device, debug=debug, rules=MatchRules(**rules)
     )
     handle.plan_key = plan_key(p)

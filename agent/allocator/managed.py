@@ -35,13 +35,20 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from agent.measure import device_state_tensors
+from agent.profiler.allocation_trace import build_allocation_trace
+from agent.profiler.session import TrainingStep, move_batch
+from agent.profiler.storage_tracker import StorageTracker
+from agent.profiler.tensors import iter_tensors
+from agent.runtime.activations import apply_activation_policy
+from agent.runtime.options import RuntimeOptions
 from client.contract import AllocationTrace, Plan
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
-    from agent.runtime.options import RuntimeOptions
 
 WARMUP_ITERATIONS = 2
 """Iterations run before the recorded one (as the feedback monitor meters its third step)."""
@@ -56,7 +63,6 @@ class ManagedTraceError(ValueError):
 
 def copy_job(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A CPU copy of `model` and an optimizer of the same class and settings (and state) over the copy."""
-    import torch
 
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ManagedTraceError(
@@ -98,15 +104,8 @@ def record_managed_trace(
     `options` as `wrap` applies them (the device is replaced by the CPU); `arena`: the runtime's buffers are
     views into one planned arena, as `wrap(..., allocation="planned")` does where no pluggable allocator
     exists. Leaves `model` and `optimizer` untouched."""
-    import torch
 
-    from agent.measure import device_state_tensors
-    from agent.profiler.allocation_trace import build_allocation_trace
-    from agent.profiler.session import TrainingStep, move_batch
-    from agent.profiler.storage_tracker import StorageTracker
-    from agent.profiler.tensors import iter_tensors
-    from agent.runtime.activations import apply_activation_policy
-    from agent.runtime.options import RuntimeOptions
+    # local import: cycle agent.wrapping -> agent.allocator.install -> agent.allocator.managed -> agent.wrapping
     from agent.wrapping import apply_plan, unwrap
 
     if plan.policy is None:
@@ -161,6 +160,7 @@ def plan_managed_allocation(
     plan: Plan, events: AllocationTrace, *, time_limit_s: float = MANAGED_ALLOCATION_TIME_LIMIT_S
 ) -> Plan:
     """`plan` with its `allocation` replaced by the placement of `events` (the managed iteration), validated."""
+    # local import: the solver (ortools, numba) loads only when an allocation is solved in-process
     from planner_service.solver.plan import solve_allocation
 
     return plan.model_copy(update={"allocation": solve_allocation(events, time_limit_s, iteration="managed")})

@@ -21,17 +21,23 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from agent.allocator.managed import has_managed_allocation, with_managed_allocation
+from agent.allocator.publish import publish_managed_allocation
+from agent.planning import PlanSource, obtain_plan
+from client.contract import Plan
+
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
-    from agent.planning import PlanSource
     from agent.runtime.options import RuntimeOptions
 
 CHILD_TIMEOUT_S = 3600.0
@@ -53,10 +59,6 @@ def obtain_plan_in_subprocess(
     **obtain_kwargs: Any,
 ) -> PlanSource:
     """`obtain_plan(...)` plus the managed allocation, run in a fresh interpreter (see the module doc)."""
-    import torch
-
-    from agent.planning import PlanSource
-    from client.contract import Plan
 
     with tempfile.TemporaryDirectory(prefix="memplan-plan-") as tmp:
         job, out = Path(tmp) / "job.pt", Path(tmp) / "plan.json"
@@ -107,7 +109,6 @@ def obtain_plan_in_subprocess(
 
 def _unpicklable(payload: dict[str, Any]) -> str:
     """The argument of `wrap` that pickle refuses (the first one)."""
-    import pickle
 
     names = {"batch": "sample_batch", "kwargs": "wrap's arguments"}
     for key, value in payload.items():
@@ -120,10 +121,6 @@ def _unpicklable(payload: dict[str, Any]) -> str:
 
 def _child(job: Path, out: Path) -> None:
     """The child's side: plan the job as `wrap` would, record the managed iteration, write the plan."""
-    import torch
-
-    from agent.allocator.managed import has_managed_allocation, with_managed_allocation
-    from agent.planning import obtain_plan
 
     payload = torch.load(job, weights_only=False)
     model, optimizer, batch = payload["model"], payload["optimizer"], payload["batch"]
@@ -142,8 +139,6 @@ def _child(job: Path, out: Path) -> None:
             model, optimizer, plan, batch, loss_fn=payload["loss_fn"], options=payload["options"]
         )
         if source.server and source.plan_id:
-            from agent.allocator.publish import publish_managed_allocation
-
             publish_managed_allocation(source.server, source.plan_id, plan)
     out.write_text(
         json.dumps(

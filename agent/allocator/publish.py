@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from client.contract import Plan
+from client.sdk import Client
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,6 @@ def publish_managed_allocation(
 ) -> bool:
     """Send `plan.allocation.events` (the managed iteration) for plan `plan_id`; True when the service stored
     it. Never raises for the service's failures."""
-    from client.sdk import Client
 
     a = plan.allocation
     if a is None or a.iteration != "managed" or a.events is None:

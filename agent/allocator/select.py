@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from agent.allocator import cuda as cuda_allocator
+from agent.allocator.core import MatchRules
 from agent.allocator.stats import AllocatorStats
 from client.contract import AllocationEvent, AllocationTrace, Plan
 
@@ -74,6 +76,7 @@ def select(
             "carried by plans since issue 19, or the trace's allocation_trace)"
         )
     evs = events.events if isinstance(events, AllocationTrace) else events
+    # local import: importing `agent.allocator` loads no torch (its docstring)
     import torch
 
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -84,11 +87,8 @@ def select(
             f"allocation='planned' replaces PyTorch's CUDA allocator; {dev.type} has no pluggable allocator, "
             "so only the runtime's own buffers use the planned arena there (agent.runtime.arena)",
         )
-    from agent.allocator.core import MatchRules
-    from agent.allocator.cuda import install_cuda_planned_allocator
-
     index = dev.index if dev.index is not None else 0
-    allocator = install_cuda_planned_allocator(
+    allocator = cuda_allocator.install_cuda_planned_allocator(  # module attribute: tests replace it
         plan.allocation, evs, device=index, debug=debug, rules=MatchRules(**rules)
     )
     allocator.plan_key = plan_key(plan)

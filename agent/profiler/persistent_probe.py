@@ -34,6 +34,13 @@ from torch import nn
 
 from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.parameters import OrderedParameter
+from agent.runtime.device import DeviceContext
+from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
+from agent.runtime.manager import ModelStateManager
+from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError, check_supported
+from agent.runtime.options import RuntimeOptions
+from agent.runtime.timing import GRAD_HOOK, STEP, ZERO_GRAD
+from client.contract import Placement
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,6 @@ def probe_persistent(
 ) -> PersistentProbe | None:
     """Time the runtime's persistent path on every parameter of `model` (see the module docstring); None when
     the runtime cannot hold these parameters (mixed dtypes, another device, an optimizer it does not support)."""
-    from agent.runtime.device import DeviceContext
-    from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
-    from agent.runtime.manager import ModelStateManager
-    from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError, check_supported
-    from agent.runtime.options import RuntimeOptions
-    from agent.runtime.timing import GRAD_HOOK, STEP, ZERO_GRAD
-    from client.contract import Placement
 
     params = [o.param for o in ordered]
     trainable = [p for p in params if p.requires_grad]

@@ -34,11 +34,13 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 from torch import nn
 
+from agent.allocator.device_memory import check_history_available
 from agent.kv_cache import KVCacheOff
 from agent.profiler.block_detection import RepeatedBlocks, detect_blocks, edge_name
 from agent.profiler.block_marks import BlockTracker, seconds_by_block, segments
@@ -293,8 +295,6 @@ def _measure(
     hw: Hardware,
 ) -> _Result:
     if dev.type == "cuda":
-        from agent.allocator.device_memory import check_history_available
-
         check_history_available(dev)  # the planned allocator has no memory history: say so before any work
     clock = DeviceClock(dev)
     n_blocks = len(repeated) + 2
@@ -537,7 +537,6 @@ def _batch_shape(batch: Any) -> tuple[int, int]:
 
 
 def _software() -> Software:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         memplan_version = version("memplan")

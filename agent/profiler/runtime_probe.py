@@ -43,9 +43,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.tensors import iter_tensors
+from agent.runtime.device import DeviceContext
+from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
+from agent.runtime.manager import ModelStateManager
+from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError
+from agent.runtime.options import RuntimeOptions
+from agent.runtime.swap import SwapStore
+from agent.runtime.timing import ENTRY_POINTS, EVICT, FLUSH, STEP, SWAP_IN, SWAP_OUT, SWAP_PREFETCH, UPLOAD
+from client.contract import Placement
 
 
 @dataclass(frozen=True)
@@ -135,8 +144,6 @@ def probe_block(
 ) -> RuntimeProbe | None:
     """Run the block in every mode (see the module docstring); None when the block cannot be probed
     (no trainable parameters, mixed parameter dtypes, no differentiable output)."""
-    from agent.runtime.swap import SwapStore
-    from agent.runtime.timing import SWAP_IN, SWAP_OUT, SWAP_PREFETCH
 
     params = [p for p in module.parameters() if p.requires_grad]
     if not params or len({p.dtype for p in params}) != 1 or any(p.device != device for p in params):
@@ -160,7 +167,6 @@ def probe_block(
             return module(*block.args, **block.kwargs)
 
     def checkpointed() -> Any:
-        from torch.utils.checkpoint import checkpoint
 
         return checkpoint(module, *block.args, use_reentrant=False, preserve_rng_state=True, **block.kwargs)
 
@@ -231,13 +237,6 @@ class _OffloadedChunk:
         device: torch.device,
         optimizer: torch.optim.Optimizer | None,
     ) -> None:
-        from agent.runtime.device import DeviceContext
-        from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
-        from agent.runtime.manager import ModelStateManager
-        from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError
-        from agent.runtime.options import RuntimeOptions
-        from agent.runtime.timing import ENTRY_POINTS, EVICT, FLUSH, STEP, UPLOAD
-        from client.contract import Placement
 
         names = {id(p): n for n, p in module.named_parameters()}
         spec = ChunkSpec(index=0, placement=Placement.offloaded)
@@ -303,7 +302,6 @@ class _OffloadedChunk:
     def move_s(self) -> float:
         """One upload plus one release without gradients to copy (what a re-upload in backward costs), from
         the timed run's uploads and releases (a release's gradient copy is charged once per chunk)."""
-        from agent.runtime.timing import EVICT, FLUSH, UPLOAD
 
         c = self.manager.counters
         n_up, n_ev = c.uploads - self._counts[0], c.evictions - self._counts[1]

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from agent.runtime.eager import eager, eager_frame
@@ -233,7 +234,6 @@ class ActivationManager:
 
     # ------------------------------------------------------------------------------ modes
     def _checkpointed(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        from torch.utils.checkpoint import checkpoint
 
         @eager  # under torch.compile a checkpointed block runs eagerly (docs/architecture/wrap.md)
         def forward(*args: Any, **kwargs: Any) -> Any:

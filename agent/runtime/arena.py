@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent.allocator.slots import plan_slots
 from agent.runtime.device import DeviceContext, element_size
 from agent.runtime.layout import ChunkLayout
 from client.contract import (
@@ -138,6 +139,7 @@ def runtime_allocation_trace(buffers: Sequence[RuntimeBuffer]) -> AllocationTrac
 
 def plan_runtime_arena(layout: ChunkLayout, *, alignment_bytes: int = 512) -> RuntimeArenaPlan:
     """Plan the runtime's arena with the allocation planner (embedded, in-process)."""
+    # local import: the allocation planner loads ortools and numba; only `allocation="planned"` needs it
     from planner_service.solver.allocation import plan_allocation
 
     buffers = runtime_buffers(layout)
@@ -165,7 +167,6 @@ class ArenaDeviceContext(DeviceContext):
         strict: bool = False,
     ) -> None:
         super().__init__(device)
-        from agent.allocator.slots import plan_slots
 
         slots = plan_slots(allocation, events)  # validates offsets, alignment and the arena bound
         self.strict = strict

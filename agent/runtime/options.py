@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from client.contract import Precision
+
 if TYPE_CHECKING:
     from client.contract import Workload
 
@@ -63,7 +65,6 @@ def job_workload(
     (`undo_host_steps` with `overlap_host_step`: a copy of the master and of the optimizer state) and whether
     the job clips (its speculative host steps are then redone after backward). The profiler measures the
     plain job, which has none of these. A `compute_dtype` other than the model's is not modelled."""
-    from client.contract import Precision
 
     opts = options or RuntimeOptions()
     elt = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp16: 2}[workload.precision]

@@ -36,6 +36,7 @@ from planner_service.db.models import FeedbackRow, PlanRow
 from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
 from planner_service.observability import PLAN_OUTCOMES
 from planner_service.solver import SOLVER_VERSION
+from planner_service.solver.plan import solve_allocation
 
 Enqueue = Callable[[Session, str], None]
 
@@ -121,8 +122,6 @@ def store_managed_allocation(
         raise AllocationNotAccepted(
             f"plan {plan_id} is {plan.status}: a managed allocation is for plans that were applied (done)"
         )
-    # imported here: the allocation planner pulls in numba, which the API process needs only for this
-    from planner_service.solver.plan import solve_allocation
 
     try:
         allocation = solve_allocation(events, MANAGED_ALLOCATION_TIME_LIMIT_S, iteration="managed")

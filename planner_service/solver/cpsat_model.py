@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
+from planner_service.solver.cost_model import residency
 from planner_service.solver.instance import Decision, Mode, PolicyInstance
 from planner_service.solver.sharding import PERMILLE
 
@@ -75,7 +76,6 @@ class PolicyModel:
 
     def hint(self, d: Decision) -> None:
         """Hint the decision variables (the derived integers are left to the solver's propagation)."""
-        from planner_service.solver.cost_model import residency
 
         m = self.model
         assert self.nbuf is not None and self.nbuf1 is not None

@@ -43,6 +43,7 @@ def with_sharding(
     trace: Trace, inst: PolicyInstance, layout: ChunkGrid, grad_bytes: list[int]
 ) -> PolicyInstance:
     """`inst` (built for one rank as if alone) with the multi-rank constants of `trace`'s process group."""
+    # local import: cycle planner_service.solver.instance -> sharding (with_sharding) -> instance
     from planner_service.solver.instance import element_bytes, host_extra_bytes_per_element
 
     d = trace.hardware.distributed

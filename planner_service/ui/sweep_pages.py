@@ -13,14 +13,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
 
+from client.contract import SweepRequest
 from client.contract.common import NO_NUL_MESSAGE, has_nul
 from planner_service.api.deps import DatabaseDep, PrincipalDep
 from planner_service.db.models import FeedbackRow, PlanRow, SweepRow
 from planner_service.ui.calibration_chart import FeedbackPoint, errors, render_calibration_svg
 from planner_service.ui.router import _error_page, templates
 from planner_service.ui.sweep_chart import render_sweep_svg
-from planner_service.whatif.sweep import MAX_PAGE, read_sweep
+from planner_service.whatif.catalog import load_catalog
+from planner_service.whatif.service import WhatIfError
+from planner_service.whatif.sweep import MAX_PAGE, create_sweep, read_sweep
 
 router = APIRouter(include_in_schema=False)
 
@@ -119,7 +123,6 @@ def _whatif_form(
     message: str | None,
     status_code: int = 200,
 ) -> Response:
-    from planner_service.whatif.catalog import load_catalog
 
     with db.session() as s:
         history = _history(s, project_id)
@@ -146,12 +149,6 @@ def whatif_page(request: Request, db: DatabaseDep, principal: PrincipalDep) -> R
 @router.post("/ui/whatif", response_class=HTMLResponse)
 async def whatif_submit(request: Request, db: DatabaseDep, principal: PrincipalDep) -> Response:
     """Start a sweep from the form and go to its page; a bad field re-shows the form naming it (400)."""
-    from starlette.concurrency import run_in_threadpool
-
-    from client.contract import SweepRequest
-    from planner_service.whatif.catalog import load_catalog
-    from planner_service.whatif.service import WhatIfError
-    from planner_service.whatif.sweep import create_sweep
 
     body = await request.body()
     if len(body) > MAX_FORM_BYTES:

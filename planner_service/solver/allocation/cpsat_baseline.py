@@ -19,6 +19,8 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ortools.sat.python import cp_model
+
 from planner_service.solver.allocation.search import SearchResult, SearchStatus
 
 
@@ -34,7 +36,6 @@ def cpsat_placement(
     minimize: bool = False,
     seed: int = 0,
 ) -> SearchResult:
-    from ortools.sat.python import cp_model
 
     t0 = time.perf_counter()
     model = cp_model.CpModel()
