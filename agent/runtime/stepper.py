@@ -91,11 +91,14 @@ class ChunkStepper:
         self._undo: tuple[list[Run], torch.optim.Optimizer, list[int], list[Any]] | None = None
         self._outer_groups = outer_groups
         if self.runs:
-            # Persistent chunks step with the user's implementation choice; offloaded chunks step on
-            # the host with the fused (or foreach) CPU implementation.
+            # Persistent chunks step with the user's implementation choice; offloaded chunks with an fp32
+            # master step on the host with the fused (or foreach) CPU implementation (equal to the others
+            # within an ulp in fp32). A bf16/fp16 master (fp32_master=False) steps with the user's choice
+            # too: in low precision torch's fused CPU kernels round differently from the loop and foreach
+            # ones (several ulps after a few steps), and that option promises plain PyTorch's values.
             self.impl_kwargs = (
                 host_impl(cls, hyper_parameters(outer_groups[self.runs[0].outer]))
-                if state.offloaded
+                if state.offloaded and state.master.dtype == torch.float32
                 else device_impl
             )
             self.impl = next(iter(self.impl_kwargs), "default")

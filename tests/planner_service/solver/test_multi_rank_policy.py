@@ -189,7 +189,9 @@ def test_instance_constants_are_the_hand_computed_shards_and_collectives() -> No
     assert inst.shard_host_optim_ns == (50 * ms, 50 * ms)  # 50 MB of shard at 1 GB/s
     assert inst.shard_device_optim_ns == (ms // 2, ms // 2)
     assert inst.state_bytes(0) == 400 * MB and inst.shard_state_bytes_of == (200 * MB, 200 * MB)
-    assert inst.shard_host_bytes_of == (250 * MB, 250 * MB)  # + the exposed 4-byte .grad per element
+    # + the exposed 4-byte .grad and the 4-byte gradient staging buffer per element (counted for every
+    # offloaded chunk since the pinned arena, issue 19 defect 8)
+    assert inst.shard_host_bytes_of == (300 * MB, 300 * MB)
     assert inst.collective_overlap_permille == 1000
 
 
@@ -232,7 +234,8 @@ def test_offloaded_shards_with_one_buffer_and_the_host_queue() -> None:
     # host: chunk 1's shard arrives at 27 + 2 + 5 ms and both 50 ms shard steps queue behind it
     assert cost.host_end_ns == 34 * ms + 100 * ms
     assert cost.iteration_ns == 34 * ms + 134 * ms
-    assert cost.host_bytes == 500 * MB and cost.host_node_bytes == 1000 * MB
+    # two 300 MB shards (states, exposed .grad, gradient staging; see the instance test) on each of 2 ranks
+    assert cost.host_bytes == 600 * MB and cost.host_node_bytes == 1200 * MB
 
 
 @pytest.mark.parametrize(("overlap", "window_ms"), [(1.0, 10.0), (0.5, 12.5), (0.0, 15.0)])
@@ -273,7 +276,7 @@ def test_an_offloaded_replicated_chunk_moves_and_steps_the_whole_chunk() -> None
     # 20 ms; window 1 refetches chunk 0 after its compute (one buffer: 20 + 10); chunk 0's all-reduce exposed
     assert cost.backward_ns == 20 * ms + 30 * ms + 4 * ms
     assert cost.host_optim_ns == 200 * ms  # two whole 100 MB steps at 1 GB/s
-    assert cost.host_bytes == 2 * 500 * MB and cost.host_node_bytes == 2000 * MB
+    assert cost.host_bytes == 2 * 600 * MB and cost.host_node_bytes == 2400 * MB  # whole chunks, incl. staging
 
 
 # ------------------------------------------------------------------------------------ whole plans

@@ -1,7 +1,9 @@
 """Single-rank jobs plan exactly as before multi-rank planning existed (issue 20).
 
 `data/single_rank_golden.json` was written by this module (`--write`) at the commit before the cost model,
-the CP-SAT model and the ProTrain search learned about world sizes. A single-process trace, and the same
+the CP-SAT model and the ProTrain search learned about world sizes (first written at that branch's base;
+rewritten at 8385f19, main just before the multi-rank merge, which already counted the pinned arena and the
+duplex copies of issue 19: the import of the two multi-rank helpers dropped for the run). A single-process trace, and the same
 trace with an explicit one-rank process group, must give the same plans (policy and predictions, CP-SAT and
 ProTrain, proven optima), the same cost of fixed decisions, and the same CP-SAT model, byte for byte.
 
