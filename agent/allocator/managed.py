@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agent.applied import apply_plan, unwrap
 from agent.measure import device_state_tensors
 from agent.profiler.allocation_trace import build_allocation_trace
 from agent.profiler.session import TrainingStep, move_batch
@@ -104,9 +105,6 @@ def record_managed_trace(
     `options` as `wrap` applies them (the device is replaced by the CPU); `arena`: the runtime's buffers are
     views into one planned arena, as `wrap(..., allocation="planned")` does where no pluggable allocator
     exists. Leaves `model` and `optimizer` untouched."""
-
-    # local import: cycle agent.wrapping -> agent.allocator.install -> agent.allocator.managed -> agent.wrapping
-    from agent.wrapping import apply_plan, unwrap
 
     if plan.policy is None:
         raise ManagedTraceError(

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from agent.runtime.device import element_size
 from client.contract import Placement, Policy, parameter_slot_bytes
 
 
@@ -90,7 +89,7 @@ class ChunkLayout:
                 )
         named: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
         canonical: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
-        esize = element_size(compute_dtype)
+        esize = compute_dtype.itemsize
         if policy.chunk_size_bytes % esize:
             raise PlanMismatchError(
                 f"policy.chunk_size_bytes: {policy.chunk_size_bytes} is not a multiple of the "

@@ -34,7 +34,7 @@ from client.contract import (
 )
 from planner_service.solver.bandwidth import transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid
-from planner_service.solver.sharding import with_sharding
+from planner_service.solver.sharding import multi_rank_fields
 
 DEFAULT_ALPHA = 0.10
 
@@ -331,7 +331,20 @@ def build_instance(
         upload_duplex_ns=duplex.get("upload_duplex_ns", ()),
         grad_offload_duplex_ns=duplex.get("grad_offload_duplex_ns", ()),
     )
-    return with_sharding(trace, inst, layout, grad_bytes) if trace.hardware.world_size > 1 else inst
+    if trace.hardware.world_size == 1:
+        return inst
+    return replace(
+        inst,
+        **multi_rank_fields(
+            trace,
+            layout,
+            grad_bytes,
+            upload_ns=inst.upload_ns,
+            grad_offload_ns=inst.grad_offload_ns,
+            elt=element_bytes(w.precision),
+            host_extra_per_elt=host_extra_bytes_per_element(w),
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,13 @@ whole chunk (serial devices only: `instance.build_instance` adds it). Times are 
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from client.contract import Trace
 from planner_service.solver.bandwidth import transfer_ns
 
 if TYPE_CHECKING:
     from planner_service.solver.chunk_grid import ChunkGrid
-    from planner_service.solver.instance import PolicyInstance
 
 PERMILLE = 1000
 
@@ -39,37 +37,38 @@ def collective_overlap_permille(trace: Trace) -> int:
     return round(PERMILLE * min(o.factor for o in d.collectives.copy_overlap))
 
 
-def with_sharding(
-    trace: Trace, inst: PolicyInstance, layout: ChunkGrid, grad_bytes: list[int]
-) -> PolicyInstance:
-    """`inst` (built for one rank as if alone) with the multi-rank constants of `trace`'s process group."""
-    # local import: cycle planner_service.solver.instance -> sharding (with_sharding) -> instance
-    from planner_service.solver.instance import element_bytes, host_extra_bytes_per_element
-
+def multi_rank_fields(
+    trace: Trace,
+    layout: ChunkGrid,
+    grad_bytes: list[int],
+    *,
+    upload_ns: tuple[int, ...],
+    grad_offload_ns: tuple[int, ...],
+    elt: int,
+    host_extra_per_elt: int,
+) -> dict[str, Any]:
+    """The `PolicyInstance` fields of `trace`'s process group, for an instance built for one rank as if alone
+    (its whole-chunk `upload_ns` / `grad_offload_ns`, element bytes and host extras per element given by
+    `instance.build_instance`, which applies them; this module does not import `instance.py`)."""
     d = trace.hardware.distributed
     assert d is not None and d.collectives is not None, "validated: a multi-rank trace has its collectives"
     n = d.world_size
     w = trace.workload
     bw = trace.hardware.bandwidth
     opt = trace.measurements.optimizer
-    elt = element_bytes(w.precision)
     state_per_elt = (
         elt + w.gradient_bytes_per_param + w.optimizer_state_bytes_per_param + w.master_bytes_per_param
     )
-    host_extra_per_elt = host_extra_bytes_per_element(w)
     shard = lambda x: -(-x // n)  # noqa: E731
     ns = lambda s: round(s * 1e9)  # noqa: E731
     ag, rs = d.collectives.all_gather, d.collectives.reduce_scatter
     shard_elems = [shard(u // elt) for u in layout.used_bytes]
     # the runtime's measured per-copy cost (serial devices: build_instance added it to the whole copy)
     upload_rest = [
-        t - transfer_ns(bw.h2d_pinned, u) for t, u in zip(inst.upload_ns, layout.used_bytes, strict=True)
+        t - transfer_ns(bw.h2d_pinned, u) for t, u in zip(upload_ns, layout.used_bytes, strict=True)
     ]
-    grad_rest = [
-        t - transfer_ns(bw.d2h_pinned, g) for t, g in zip(inst.grad_offload_ns, grad_bytes, strict=True)
-    ]
-    return dataclasses.replace(
-        inst,
+    grad_rest = [t - transfer_ns(bw.d2h_pinned, g) for t, g in zip(grad_offload_ns, grad_bytes, strict=True)]
+    return dict(
         world_size=n,
         ranks_per_node=d.ranks_per_node,
         shard_upload_ns=tuple(

@@ -276,7 +276,9 @@ def test_an_offloaded_replicated_chunk_moves_and_steps_the_whole_chunk() -> None
     # 20 ms; window 1 refetches chunk 0 after its compute (one buffer: 20 + 10); chunk 0's all-reduce exposed
     assert cost.backward_ns == 20 * ms + 30 * ms + 4 * ms
     assert cost.host_optim_ns == 200 * ms  # two whole 100 MB steps at 1 GB/s
-    assert cost.host_bytes == 2 * 600 * MB and cost.host_node_bytes == 2400 * MB  # whole chunks, incl. staging
+    assert (
+        cost.host_bytes == 2 * 600 * MB and cost.host_node_bytes == 2400 * MB
+    )  # whole chunks, incl. staging
 
 
 # ------------------------------------------------------------------------------------ whole plans
