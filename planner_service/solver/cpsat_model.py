@@ -328,14 +328,7 @@ def _add_time(pm: PolicyModel) -> None:
         m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
         return
     host_end = m.new_int_var(0, upper, "host_end")
-    done = m.new_int_var(0, upper, f"done[{W - 1}]")
-    m.add(done == head + tb[W - 1])
-    dones = [done]
-    for c in range(W - 2, -1, -1):
-        nxt = m.new_int_var(0, upper, f"done[{c}]")
-        m.add(nxt == dones[-1] + tb[c])
-        dones.append(nxt)
-    dones.reverse()
+    dones = _backward_done(m, head, tb, upper)
     queued: LinearExpr = 0  # host optimizer work of offloaded chunks 0..c (ns), as a chain of variables
     total_host = sum(inst.host_optim_ns)
     for c in range(C):
@@ -500,14 +493,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
         return
     host_end = m.new_int_var(0, upper, "host_end")
-    done = m.new_int_var(0, upper, f"done[{W - 1}]")
-    m.add(done == head + tb[W - 1])
-    dones = [done]
-    for c in range(W - 2, -1, -1):
-        nxt = m.new_int_var(0, upper, f"done[{c}]")
-        m.add(nxt == dones[-1] + tb[c])
-        dones.append(nxt)
-    dones.reverse()
+    dones = _backward_done(m, head, tb, upper)
     queued: LinearExpr = 0
     for c in range(C):
         q = m.new_int_var(0, sum(max(a, b) for a, b in zip(Hs, H, strict=True)), f"host_queued[{c}]")
@@ -644,3 +630,19 @@ def build(inst: PolicyInstance, *, objective: str = "time", cutoff_ns: int | Non
     else:
         raise ValueError(f"objective: unknown {objective!r} (use 'time' or 'memory')")
     return pm
+
+
+def _backward_done(
+    m: cp_model.CpModel, head: LinearExpr, tb: list[cp_model.IntVar], upper: int
+) -> list[cp_model.IntVar]:
+    """done[c]: backward time through window c (windows run W-1..0, after `head`), as a chain of variables."""
+    W = len(tb)
+    done = m.new_int_var(0, upper, f"done[{W - 1}]")
+    m.add(done == head + tb[W - 1])
+    dones = [done]
+    for c in range(W - 2, -1, -1):
+        nxt = m.new_int_var(0, upper, f"done[{c}]")
+        m.add(nxt == dones[-1] + tb[c])
+        dones.append(nxt)
+    dones.reverse()
+    return dones
