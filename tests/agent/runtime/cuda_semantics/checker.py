@@ -511,6 +511,16 @@ def _patch(stack: contextlib.ExitStack, obj: Any, name: str, value: Any) -> None
     stack.callback(setattr, obj, name, old)
 
 
+def _patch_everywhere(stack: contextlib.ExitStack, home: Any, name: str, value: Any) -> None:
+    """`home.name` and every loaded `agent` module's binding of the same object (a `from home import name`
+    at a module's top binds it there), replaced by `value` for the stack's lifetime."""
+    original = getattr(home, name)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is not None and (mod_name == "agent" or mod_name.startswith("agent.")):
+            if getattr(mod, name, None) is original:
+                _patch(stack, mod, name, value)
+
+
 @contextlib.contextmanager
 def simulated_cuda(allocator: Allocator = "caching", *, runtime: bool = True) -> Iterator[SimulatedCuda]:
     """Simulate CUDA stream semantics on CPU for the duration; yields the simulation (`.violations`, `.check()`).
@@ -571,9 +581,10 @@ def _plug_runtime(stack: contextlib.ExitStack, sim: SimulatedCuda) -> None:
     def runtime_arena_context(device: torch.device, layout: Any) -> DeviceContext:
         return SimulatedCudaContext(device)
 
-    # agent.wrap imports both names from these modules when it builds the manager
-    _patch(stack, device_mod, "DeviceContext", SimulatedCudaContext)
-    _patch(stack, arena_mod, "runtime_arena_context", runtime_arena_context)
+    # every module that builds a context (agent.applied's apply_plan, the profiler's probes) imports these
+    # names at its top: each module's own binding is replaced, not only the defining module's
+    _patch_everywhere(stack, device_mod, "DeviceContext", SimulatedCudaContext)
+    _patch_everywhere(stack, arena_mod, "runtime_arena_context", runtime_arena_context)
 
     class InlineHostWorker(HostWorker):
         """The host worker, inline (one thread for the dispatch mode to see), its jobs marked as host work."""
