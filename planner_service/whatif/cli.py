@@ -27,6 +27,7 @@ from client.contract import CatalogEntry, HardwareCatalog, OptimizerKind, SweepP
 from client.errors import MemplanError
 from client.units import format_bytes, parse_bytes
 from planner_service.whatif.answer import Answer, largest_batch, tokens_per_s_str
+from planner_service.whatif.answer import answer as answer_one
 from planner_service.whatif.architecture import ArchitectureError, config_from_flags, load_config
 from planner_service.whatif.catalog import CatalogError, entry, load_catalog
 from planner_service.whatif.interconnect import GroupNotModelled, in_group, modelled_group
@@ -234,7 +235,7 @@ def whatif(
 
     def answer(t: Trace, e: CatalogEntry, **kw: Any) -> Answer:
         """`answer_one` for one rank of the job (`--world-size`; 1: the trace as it is)."""
-        return answer(in_group(t, e, world_size, ranks_per_node, node_host_memory_bytes=host), e, **kw)
+        return answer_one(in_group(t, e, world_size, ranks_per_node, node_host_memory_bytes=host), e, **kw)
 
     try:
         hosts = [parse_bytes(h.strip()) for h in host_memory.split(",")] if host_memory is not None else None
