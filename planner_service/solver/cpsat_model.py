@@ -227,8 +227,11 @@ def _add_window(
             m.add(t >= compute + (a - compute) * x)
 
 
-def _serial_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
-    """A 0/1 variable forced to 1 when chunks a and b are both offloaded and there is one buffer.
+def _serial_pair(
+    pm: PolicyModel, a: int, b: int, through: list[cp_model.IntVar] | None = None
+) -> cp_model.IntVar:
+    """A 0/1 variable forced to 1 when chunks a and b both go through the buffers (`through`: offloaded,
+    `pm.off`; in a multi-rank job `pm.buf`, offloaded or sharded) and there is one buffer.
 
     Written as pair >= off[a] + off[b] + nbuf1 - 2 (a plain linear row, not an enforced constraint), so
     the LP relaxation sees the serialisation cost of a single buffer; the objective pushes it to 0 otherwise.
@@ -237,7 +240,8 @@ def _serial_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
     key = (min(a, b), max(a, b))
     if key not in pm.pairs:
         pair = pm.model.new_bool_var(f"serial[{key[0]},{key[1]}]")
-        pm.model.add(pair >= pm.off[a] + pm.off[b] + pm.nbuf1 - 2)
+        on = pm.off if through is None else through
+        pm.model.add(pair >= on[a] + on[b] + pm.nbuf1 - 2)
         pm.pairs[key] = pair
     return pm.pairs[key]
 
@@ -375,17 +379,6 @@ def _add_window_sharded(
             m.add(t >= compute + (a - compute) * x)
 
 
-def _sharded_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
-    """`_serial_pair` for a multi-rank job: chunks a and b both buffered (offloaded or sharded), one buffer."""
-    assert pm.nbuf1 is not None
-    key = (min(a, b), max(a, b))
-    if key not in pm.pairs:
-        pair = pm.model.new_bool_var(f"serial[{key[0]},{key[1]}]")
-        pm.model.add(pair >= pm.buf[a] + pm.buf[b] + pm.nbuf1 - 2)
-        pm.pairs[key] = pair
-    return pm.pairs[key]
-
-
 def _add_time_sharded(pm: PolicyModel) -> None:
     """`_add_time` for a multi-rank job: the cost model's "Multi-rank jobs" windows, row for row."""
     m, inst = pm.model, pm.inst
@@ -459,7 +452,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         chain = _total(up(c + 1) + ag(c + 1))
         _add_window_sharded(pm, tf[c], F[c], [], up(c + 1), SO[c], ag(c + 1), [chain])
         if overlap and c + 1 < C:
-            m.add(tf[c] >= F[c] + serial_fetch(c + 1, _sharded_pair(pm, c, c + 1), "serial_f"))
+            m.add(tf[c] >= F[c] + serial_fetch(c + 1, _serial_pair(pm, c, c + 1, pm.buf), "serial_f"))
     fwd = _total(up(0) + ag(0)) + sum(tf)
 
     # backward
@@ -470,7 +463,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         chains = [reduce + gather, _total(re_up(c - 1)) + gather, reduce + copy_out]
         _add_window_sharded(pm, tb[c], Bk[c], REC[c], h2d, gout(c + 1), re_ag(c - 1) + red(c + 1), chains)
         if overlap and 1 <= c < C:
-            fetch = serial_fetch(c - 1, _sharded_pair(pm, c - 1, c), "serial_b")
+            fetch = serial_fetch(c - 1, _serial_pair(pm, c - 1, c, pm.buf), "serial_b")
             m.add(tb[c] >= Bk[c] + _total(REC[c]) + fetch)
     head = _total(re_up(C - 1) + re_ag(C - 1) + SI[W - 1])
     tail = _total(red(0))
