@@ -150,12 +150,20 @@ def _train(model: Any, opt: Any, batches: list[Any], steps: int) -> list[float]:
     torch.manual_seed(0)
     losses = []
     for i in range(steps):
-        loss = model(**batches[i % len(batches)]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _step(model, opt, batches[i % len(batches)])
         losses.append(loss.item())
     return losses
+
+
+def _step(model: Any, opt: Any, batch: Any) -> torch.Tensor:
+    """One training step, the same for the managed run and the baseline whose losses it is compared with.
+    Returns the loss tensor: callers hold it until the next step, as a training loop does (it is in the
+    metered step's peak on CUDA)."""
+    loss: torch.Tensor = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
 
 
 def _train_plain(
@@ -174,10 +182,7 @@ def _train_plain(
             state += [(b_, AllocationCategory.param) for b_ in model.buffers()]
             state += [(v, AllocationCategory.optimizer) for _, v in state_tensors(opt)]
             meter.start(state, b)
-        loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _step(model, opt, b)
         losses.append(loss.item())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
