@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import httpx
 from pydantic import BaseModel
@@ -147,6 +147,35 @@ def _params(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+class TraceListFilters(TypedDict, total=False):
+    """The keywords of `list_traces_page`, typed once for both clients; defaults: `_list_traces_page`."""
+
+    model: str | None
+    hardware: str | None
+    limit: int
+    cursor: str | None
+    sort: str
+    id_prefix: str | None
+    world_size: int | None
+    ranks_per_node: int | None
+
+
+class PlanListFilters(TypedDict, total=False):
+    """The keywords of `list_plans_page`, typed once for both clients; defaults: `_list_plans_page`."""
+
+    model: str | None
+    hardware: str | None
+    status: str | None
+    limit: int
+    cursor: str | None
+    sort: str
+    with_plan: bool
+    id_prefix: str | None
+    search: str | None
+    world_size: int | None
+    ranks_per_node: int | None
+
+
 @dataclass(frozen=True)
 class APIRequest(Generic[T]):
     """One call of the API, built once for both clients: what to send and how to read the answer."""
@@ -268,15 +297,18 @@ class BaseClient:
 
     def _list_traces_page(
         self,
-        model: str | None,
-        hardware: str | None,
-        limit: int,
-        cursor: str | None,
-        sort: str,
-        id_prefix: str | None,
+        *,
+        model: str | None = None,
+        hardware: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        sort: str = "-created_at",
+        id_prefix: str | None = None,
         world_size: int | None = None,
         ranks_per_node: int | None = None,
     ) -> APIRequest[Page[TraceSummary]]:
+        """A page of traces; `world_size` / `ranks_per_node` keep those measured in such a process group.
+        The one definition of `list_traces_page`'s keywords and defaults, for both clients."""
         return APIRequest(
             "GET",
             "/v1/traces",
@@ -312,18 +344,23 @@ class BaseClient:
 
     def _list_plans_page(
         self,
-        model: str | None,
-        hardware: str | None,
-        status: str | None,
-        limit: int,
-        cursor: str | None,
-        sort: str,
-        with_plan: bool,
-        id_prefix: str | None,
+        *,
+        model: str | None = None,
+        hardware: str | None = None,
+        status: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        sort: str = "-created_at",
+        with_plan: bool = False,
+        id_prefix: str | None = None,
         search: str | None = None,
         world_size: int | None = None,
         ranks_per_node: int | None = None,
     ) -> APIRequest[Page[PlanRecord]]:
+        """A page of plans; `sort` is a column ("-" first for descending: created_at, model, hardware,
+        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text;
+        `world_size` / `ranks_per_node` keep plans for jobs of such a process group. The one definition
+        of `list_plans_page`'s keywords and defaults, for both clients."""
         return APIRequest(
             "GET",
             "/v1/plans",
@@ -457,24 +494,9 @@ class Client(BaseClient):
     def get_trace(self, trace_id: str) -> TraceRecord:
         return self._call(self._get_trace(trace_id))
 
-    def list_traces_page(
-        self,
-        *,
-        model: str | None = None,
-        hardware: str | None = None,
-        limit: int = 50,
-        cursor: str | None = None,
-        sort: str = "-created_at",
-        id_prefix: str | None = None,
-        world_size: int | None = None,
-        ranks_per_node: int | None = None,
-    ) -> Page[TraceSummary]:
-        """A page of traces; `world_size` / `ranks_per_node` keep those measured in such a process group."""
-        return self._call(
-            self._list_traces_page(
-                model, hardware, limit, cursor, sort, id_prefix, world_size, ranks_per_node
-            )
-        )
+    def list_traces_page(self, **filters: Unpack[TraceListFilters]) -> Page[TraceSummary]:
+        """A page of traces; the keywords and their defaults: `BaseClient._list_traces_page`."""
+        return self._call(self._list_traces_page(**filters))
 
     def list_traces(self, **filters: Any) -> Iterator[TraceSummary]:
         """Every matching trace, newest first, following cursors."""
@@ -501,39 +523,9 @@ class Client(BaseClient):
             if wait.finished(record):
                 return record
 
-    def list_plans_page(
-        self,
-        *,
-        model: str | None = None,
-        hardware: str | None = None,
-        status: str | None = None,
-        limit: int = 50,
-        cursor: str | None = None,
-        sort: str = "-created_at",
-        with_plan: bool = False,
-        id_prefix: str | None = None,
-        search: str | None = None,
-        world_size: int | None = None,
-        ranks_per_node: int | None = None,
-    ) -> Page[PlanRecord]:
-        """A page of plans; `sort` is a column ("-" first for descending: created_at, model, hardware,
-        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text;
-        `world_size` / `ranks_per_node` keep plans for jobs of such a process group."""
-        return self._call(
-            self._list_plans_page(
-                model,
-                hardware,
-                status,
-                limit,
-                cursor,
-                sort,
-                with_plan,
-                id_prefix,
-                search,
-                world_size,
-                ranks_per_node,
-            )
-        )
+    def list_plans_page(self, **filters: Unpack[PlanListFilters]) -> Page[PlanRecord]:
+        """A page of plans; its keywords (sort, search, ...) and their defaults: `BaseClient._list_plans_page`."""
+        return self._call(self._list_plans_page(**filters))
 
     def list_plans(self, **filters: Any) -> Iterator[PlanRecord]:
         """Every matching plan, newest first, following cursors. Records carry the plan's `headline`; the
@@ -624,24 +616,8 @@ class AsyncClient(BaseClient):
     async def get_trace(self, trace_id: str) -> TraceRecord:
         return await self._call(self._get_trace(trace_id))
 
-    async def list_traces_page(
-        self,
-        *,
-        model: str | None = None,
-        hardware: str | None = None,
-        limit: int = 50,
-        cursor: str | None = None,
-        sort: str = "-created_at",
-        id_prefix: str | None = None,
-        world_size: int | None = None,
-        ranks_per_node: int | None = None,
-    ) -> Page[TraceSummary]:
-        """A page of traces; `world_size` / `ranks_per_node` keep those measured in such a process group."""
-        return await self._call(
-            self._list_traces_page(
-                model, hardware, limit, cursor, sort, id_prefix, world_size, ranks_per_node
-            )
-        )
+    async def list_traces_page(self, **filters: Unpack[TraceListFilters]) -> Page[TraceSummary]:
+        return await self._call(self._list_traces_page(**filters))
 
     def list_traces(self, **filters: Any) -> AsyncIterator[TraceSummary]:
         return _afollow(self.list_traces_page, filters)
@@ -667,39 +643,8 @@ class AsyncClient(BaseClient):
             if wait.finished(record):
                 return record
 
-    async def list_plans_page(
-        self,
-        *,
-        model: str | None = None,
-        hardware: str | None = None,
-        status: str | None = None,
-        limit: int = 50,
-        cursor: str | None = None,
-        sort: str = "-created_at",
-        with_plan: bool = False,
-        id_prefix: str | None = None,
-        search: str | None = None,
-        world_size: int | None = None,
-        ranks_per_node: int | None = None,
-    ) -> Page[PlanRecord]:
-        """A page of plans; `sort` is a column ("-" first for descending: created_at, model, hardware,
-        workload, status, solver, iteration, peak, device_limit, error, peak_error), `search` free text;
-        `world_size` / `ranks_per_node` keep plans for jobs of such a process group."""
-        return await self._call(
-            self._list_plans_page(
-                model,
-                hardware,
-                status,
-                limit,
-                cursor,
-                sort,
-                with_plan,
-                id_prefix,
-                search,
-                world_size,
-                ranks_per_node,
-            )
-        )
+    async def list_plans_page(self, **filters: Unpack[PlanListFilters]) -> Page[PlanRecord]:
+        return await self._call(self._list_plans_page(**filters))
 
     def list_plans(self, **filters: Any) -> AsyncIterator[PlanRecord]:
         return _afollow(self.list_plans_page, filters)

@@ -7,7 +7,8 @@ import copy
 import os
 import statistics
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -40,113 +41,105 @@ def run(
 ) -> None:
     """Run the demo with `memplan demo`'s options (checked there)."""
     t_start = time.perf_counter()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Any: transformers' typing of `PreTrainedModel.to` refuses a torch.device
+    device: Any = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with _compute_threads(threads, device):
+        console.print(
+            f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "
+            f"{steps} steps per run on {device} ({torch.get_num_threads()} compute threads)"
+        )
+        base, config = model_zoo.build("llama", layers, hidden, seq=max(seq, 128))
+        batches = [model_zoo.sample_batch(config, batch, seq, seed=i, device=device) for i in range(4)]
+
+        console.print("1. un-managed baseline (plain PyTorch) ...")
+        plain = copy.deepcopy(base).to(device)
+        plain_opt = _adamw(plain)
+        plain_losses, plain_peak, plain_iter = _train_plain(plain, plain_opt, batches, steps, device)
+        del plain, plain_opt
+        limit = bytes_option(device_memory) or int(plain_peak * fraction)
+        console.print(
+            f"   peak device memory {format_bytes(plain_peak)}, {plain_iter * 1e3:.0f} ms/iteration; "
+            f"limit for the managed run: {format_bytes(limit)}"
+        )
+
+        service = _service(server)
+        with service as url:
+            if server is None:
+                console.print(
+                    f"   planner service: in-process at {url}, database {service.database} (the database "
+                    "`memplan serve` uses in this environment: the demo's traces, plans and feedback stay "
+                    "there; MEMPLAN_DATABASE_URL picks another)",
+                    highlight=False,
+                )
+            console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
+            model = copy.deepcopy(base).to(device)
+            run = wrap(
+                model,
+                _adamw(model),
+                sample_batch=batches[0],
+                server=url,
+                device_memory=limit,
+                feedback_steps=steps,
+                reuse=reuse,
+            )
+            assert run.source is not None
+            console.print(f"   {run.source.message}")
+            if run.source.origin == "history":
+                console.print("   (predictions below come from the trace of the run that made this plan)")
+            console.print("3. managed training ...")
+            managed_losses = _train(run.model, run.optimizer, batches, steps)
+            report = run.report()
+            unwrap(run)
+
+        console.print(plan_table(run.plan, title=f"plan under {format_bytes(limit)}"))
+        t = Table(title="predicted vs measured (managed run)")
+        for col in ("quantity", "predicted", "measured", "error"):
+            t.add_column(col, justify="right" if col != "quantity" else "left")
+        for row in report.rows():
+            t.add_row(*row)
+        t.add_row("un-managed peak", "", format_bytes(plain_peak), "")
+        t.add_row("un-managed iteration", "", f"{plain_iter * 1e3:.1f} ms", "")
+        console.print(t)
+        console.print(f"feedback: {report.feedback_to or 'not sent'}")
+        if report.swap is not None:
+            s = report.swap
+            console.print(
+                f"swap: {format_bytes(s.swapped_out_bytes)} copied out, {s.prefetched_blocks} block prefetches, "
+                f"{s.late_fetches} late, {s.demand_fetches} on demand"
+            )
+
+        rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(managed_losses, plain_losses, strict=True)]
+        lt = Table(title="loss curve: managed vs un-managed baseline")
+        for col in ("step", "baseline", "managed", "rel. difference"):
+            lt.add_column(col, justify="right")
+        shown = sorted({0, 1, 2, steps // 2, steps - 2, steps - 1})
+        for i in shown:
+            lt.add_row(str(i), f"{plain_losses[i]:.6f}", f"{managed_losses[i]:.6f}", f"{rel[i]:.1e}")
+        console.print(lt)
+        agree = max(rel) <= 1e-5
+        console.print(
+            f"max relative loss difference over {steps} steps: {max(rel):.2e} "
+            + ("[green](agrees within 1e-5)[/]" if agree else "[red](differs)[/]")
+        )
+        console.print(f"demo took {time.perf_counter() - t_start:.0f} s")
+        if not agree:
+            raise typer.Exit(1)
+
+
+@contextmanager
+def _compute_threads(threads: int | None, device: torch.device) -> Iterator[None]:
+    """Torch's compute threads for the demo's runs, restored after. On CPU the in-process service (its solve
+    worker) shares the cores with training: by default leave it one. (The host optimizer step now runs
+    inline on CPU; on 2 cores --threads 1 and 2 both took 11 s.)"""
     if device.type == "cpu" and threads is None:
-        # On CPU the in-process service (its solve worker) shares the cores with training: leave it one.
-        # (The host optimizer step now runs inline on CPU; on 2 cores --threads 1 and 2 both took 11 s.)
         threads = max(1, (os.cpu_count() or 2) - 1)
     threads_before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        _run(server, layers, hidden, batch, seq, steps, device_memory, fraction, reuse, device, t_start)
+        yield
     finally:
         torch.set_num_threads(threads_before)
-
-
-def _run(
-    server: str | None,
-    layers: int,
-    hidden: int,
-    batch: int,
-    seq: int,
-    steps: int,
-    device_memory: str | None,
-    fraction: float,
-    reuse: bool,
-    device: Any,
-    t_start: float,
-) -> None:
-    console.print(
-        f"[bold]memplan demo[/]: llama, {layers} blocks, hidden {hidden}, batch {batch} x {seq} tokens, "
-        f"{steps} steps per run on {device} ({torch.get_num_threads()} compute threads)"
-    )
-    base, config = model_zoo.build("llama", layers, hidden, seq=max(seq, 128))
-    batches = [model_zoo.sample_batch(config, batch, seq, seed=i, device=device) for i in range(4)]
-
-    console.print("1. un-managed baseline (plain PyTorch) ...")
-    plain = copy.deepcopy(base).to(device)
-    plain_opt = _adamw(plain)
-    plain_losses, plain_peak, plain_iter = _train_plain(plain, plain_opt, batches, steps, device)
-    del plain, plain_opt
-    limit = bytes_option(device_memory) or int(plain_peak * fraction)
-    console.print(
-        f"   peak device memory {format_bytes(plain_peak)}, {plain_iter * 1e3:.0f} ms/iteration; "
-        f"limit for the managed run: {format_bytes(limit)}"
-    )
-
-    service = _service(server)
-    with service as url:
-        if server is None:
-            console.print(
-                f"   planner service: in-process at {url}, database {service.database} (the database "
-                "`memplan serve` uses in this environment: the demo's traces, plans and feedback stay "
-                "there; MEMPLAN_DATABASE_URL picks another)",
-                highlight=False,
-            )
-        console.print(f"2. agent.wrap: profile, upload to {url}, plan, apply ...")
-        model = copy.deepcopy(base).to(device)
-        run = wrap(
-            model,
-            _adamw(model),
-            sample_batch=batches[0],
-            server=url,
-            device_memory=limit,
-            feedback_steps=steps,
-            reuse=reuse,
-        )
-        assert run.source is not None
-        console.print(f"   {run.source.message}")
-        if run.source.origin == "history":
-            console.print("   (predictions below come from the trace of the run that made this plan)")
-        console.print("3. managed training ...")
-        managed_losses = _train(run.model, run.optimizer, batches, steps)
-        report = run.report()
-        unwrap(run)
-
-    console.print(plan_table(run.plan, title=f"plan under {format_bytes(limit)}"))
-    t = Table(title="predicted vs measured (managed run)")
-    for col in ("quantity", "predicted", "measured", "error"):
-        t.add_column(col, justify="right" if col != "quantity" else "left")
-    for row in report.rows():
-        t.add_row(*row)
-    t.add_row("un-managed peak", "", format_bytes(plain_peak), "")
-    t.add_row("un-managed iteration", "", f"{plain_iter * 1e3:.1f} ms", "")
-    console.print(t)
-    console.print(f"feedback: {report.feedback_to or 'not sent'}")
-    if report.swap is not None:
-        s = report.swap
-        console.print(
-            f"swap: {format_bytes(s.swapped_out_bytes)} copied out, {s.prefetched_blocks} block prefetches, "
-            f"{s.late_fetches} late, {s.demand_fetches} on demand"
-        )
-
-    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(managed_losses, plain_losses, strict=True)]
-    lt = Table(title="loss curve: managed vs un-managed baseline")
-    for col in ("step", "baseline", "managed", "rel. difference"):
-        lt.add_column(col, justify="right")
-    shown = sorted({0, 1, 2, steps // 2, steps - 2, steps - 1})
-    for i in shown:
-        lt.add_row(str(i), f"{plain_losses[i]:.6f}", f"{managed_losses[i]:.6f}", f"{rel[i]:.1e}")
-    console.print(lt)
-    agree = max(rel) <= 1e-5
-    console.print(
-        f"max relative loss difference over {steps} steps: {max(rel):.2e} "
-        + ("[green](agrees within 1e-5)[/]" if agree else "[red](differs)[/]")
-    )
-    console.print(f"demo took {time.perf_counter() - t_start:.0f} s")
-    if not agree:
-        raise typer.Exit(1)
 
 
 def _adamw(model: Any) -> Any:
@@ -157,12 +150,20 @@ def _train(model: Any, opt: Any, batches: list[Any], steps: int) -> list[float]:
     torch.manual_seed(0)
     losses = []
     for i in range(steps):
-        loss = model(**batches[i % len(batches)]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _step(model, opt, batches[i % len(batches)])
         losses.append(loss.item())
     return losses
+
+
+def _step(model: Any, opt: Any, batch: Any) -> torch.Tensor:
+    """One training step, the same for the managed run and the baseline whose losses it is compared with.
+    Returns the loss tensor: callers hold it until the next step, as a training loop does (it is in the
+    metered step's peak on CUDA)."""
+    loss: torch.Tensor = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
 
 
 def _train_plain(
@@ -181,10 +182,7 @@ def _train_plain(
             state += [(b_, AllocationCategory.param) for b_ in model.buffers()]
             state += [(v, AllocationCategory.optimizer) for _, v in state_tensors(opt)]
             meter.start(state, b)
-        loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _step(model, opt, b)
         losses.append(loss.item())
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel
+from rich.table import Table
 
 from client.cli.common import ServerOpt, TokenOpt, bytes_option, console, err_console, server_url, write_json
 from client.cli.files import TRACE, WrongFile, read_as
@@ -36,6 +37,10 @@ from client.sdk import Client
 
 traces_app = typer.Typer(no_args_is_help=True, help="Upload and browse traces.")
 
+ModelFilterOpt = Annotated[
+    str | None, typer.Option(help="model name (exact, prefix or substring) or fingerprint")
+]
+HardwareFilterOpt = Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")]
 WorldSizeOpt = Annotated[
     int | None, typer.Option(min=1, help="only jobs of this many ranks (1: single-process jobs)")
 ]
@@ -44,6 +49,7 @@ JsonOpt = Annotated[
     bool, typer.Option("--json", help="print the rows as a JSON array (whole ids) instead of a table")
 ]
 LimitOpt = Annotated[int, typer.Option(min=1, help="most rows to show")]
+Row = TypeVar("Row", bound=BaseModel)
 
 
 def _client(server: str | None, token: str | None) -> Client:
@@ -145,10 +151,8 @@ def _merged(streams: list[Iterator[Any]], limit: int, *, newest_first: bool) -> 
 
 @traces_app.command("list")
 def traces_list(
-    model: Annotated[
-        str | None, typer.Option(help="model name (exact, prefix or substring) or fingerprint")
-    ] = None,
-    hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
+    model: ModelFilterOpt = None,
+    hardware: HardwareFilterOpt = None,
     world_size: WorldSizeOpt = None,
     ranks_per_node: RanksPerNodeOpt = None,
     limit: LimitOpt = 50,
@@ -249,10 +253,8 @@ PLAN_SORT_KEYS = (
 
 
 def plans_list(
-    model: Annotated[
-        str | None, typer.Option(help="model name (exact, prefix or substring) or fingerprint")
-    ] = None,
-    hardware: Annotated[str | None, typer.Option(help="hardware key (exact, prefix or substring)")] = None,
+    model: ModelFilterOpt = None,
+    hardware: HardwareFilterOpt = None,
     status: Annotated[str | None, typer.Option(help="queued|running|done|failed|infeasible")] = None,
     search: Annotated[
         str | None,
@@ -304,27 +306,30 @@ def plans_list(
         console.print(plans_table(rows, title=f"plans ({caption})"))
 
 
-def models(as_json: JsonOpt = False, server: ServerOpt = None, token: TokenOpt = None) -> None:
-    """List the models the service has traces of (names and fingerprints for `--model`)."""
+def _catalogue(
+    server: str | None,
+    token: str | None,
+    as_json: bool,
+    fetch: Callable[[Client], list[Row]],
+    table: Callable[[list[Row]], Table],
+) -> None:
+    """`memplan models` and `memplan hardware`: one catalogue call, printed as JSON or as its table."""
     try:
         with _client(server, token) as c:
-            rows = c.models()
+            rows = fetch(c)
     except MemplanError as exc:
         raise _fail(exc) from exc
     if as_json:
         _print_json(rows)
     else:
-        console.print(models_table(rows))
+        console.print(table(rows))
+
+
+def models(as_json: JsonOpt = False, server: ServerOpt = None, token: TokenOpt = None) -> None:
+    """List the models the service has traces of (names and fingerprints for `--model`)."""
+    _catalogue(server, token, as_json, Client.models, models_table)
 
 
 def hardware(as_json: JsonOpt = False, server: ServerOpt = None, token: TokenOpt = None) -> None:
     """List the hardware the service has traces from (keys for `--hardware`)."""
-    try:
-        with _client(server, token) as c:
-            rows = c.hardware()
-    except MemplanError as exc:
-        raise _fail(exc) from exc
-    if as_json:
-        _print_json(rows)
-    else:
-        console.print(hardware_table(rows))
+    _catalogue(server, token, as_json, Client.hardware, hardware_table)

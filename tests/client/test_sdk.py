@@ -186,3 +186,28 @@ def test_async_client_lists_follow_cursors(service: str) -> None:
 
     ids = asyncio.run(run())
     assert len(ids) == 5 == len(set(ids))
+
+
+def test_both_clients_read_the_same_plan_page_from_the_one_query_builder(service: str) -> None:
+    """`list_plans_page` keywords are defined once (`BaseClient._list_plans_page`): the async client, given the
+    same filters, reads the same page and cursor as the sync one; an unknown keyword is refused by both."""
+    with Client(service) as c:
+        for i in range(3):
+            created = c.upload_trace(synthetic_trace(n_blocks=1 + i, hidden=64, vocab=100, name="pm"))
+            c.request_plan(created.id, Constraints(device_memory_bytes=2**34))
+        page = c.list_plans_page(model="pm", limit=2, sort="created_at", with_plan=True)
+        with pytest.raises(TypeError, match="colour"):
+            c.list_plans_page(colour="red")  # type: ignore[call-arg]
+
+    async def run() -> tuple[list[str], str | None, list[str]]:
+        async with AsyncClient(service) as ac:
+            first = await ac.list_plans_page(model="pm", limit=2, sort="created_at", with_plan=True)
+            with pytest.raises(TypeError, match="colour"):
+                await ac.list_plans_page(colour="red")  # type: ignore[call-arg]
+            every = [p.id async for p in ac.list_plans(model="pm", limit=2)]
+            return [p.id for p in first.items], first.next_cursor, every
+
+    ids, cursor, every = asyncio.run(run())
+    assert ids == [p.id for p in page.items] and len(ids) == 2
+    assert cursor is not None and cursor == page.next_cursor
+    assert len(every) == 3 == len(set(every))

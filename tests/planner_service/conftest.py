@@ -1,4 +1,5 @@
-"""Fixtures of the service's fault tests: a private PostgreSQL cluster that a test may stop, freeze or kill."""
+"""Fixtures of the service's tests: a private PostgreSQL cluster that a test may stop, freeze or kill (the fault
+tests); the service with two job workers that the sweep tests send their sweeps to."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from planner_service.embedded import free_port
+from planner_service.embedded import EmbeddedServer, free_port
 
 
 def _pg_bin() -> str | None:
@@ -121,3 +122,11 @@ def private_postgres_cluster() -> Iterator[PrivateCluster]:
             [*run_as, f"{bindir}/pg_ctl", "-D", str(data), "-m", "immediate", "stop"], capture_output=True
         )
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.fixture
+def sweep_service(settings) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """The real app on a loopback port with two job workers, which solve a sweep's plans side by side (the
+    sweep tests under whatif/ and ui/)."""
+    with EmbeddedServer(settings, workers=2) as url:
+        yield url

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -52,6 +53,31 @@ OPTIMIZERS: dict[str, MakeOpt] = {
 }
 
 
+@dataclass
+class Reference:
+    """A tiny model, its batches and the plain-PyTorch run the wrapped one must reproduce: `base` is what a
+    test wraps (cloned), `model` and `trainer` train it without memplan."""
+
+    base: torch.nn.Module
+    data: list[torch.Tensor]
+    model: torch.nn.Module
+    trainer: Trainer
+
+
+def reference(kind: str, n_batches: int, make_opt: MakeOpt = grouped_adamw) -> Reference:
+    base = tiny_model(kind)
+    data = batches(n_batches)
+    ref_model = clone(base)
+    return Reference(base, data, ref_model, plain_trainer(ref_model, make_opt))
+
+
+def assert_reproduces(got: list[float], ref: list[float], w: Wrapped, ref_model: torch.nn.Module) -> None:
+    """The wrapped run's losses, and once its host steps are done its parameters, are plain PyTorch's."""
+    assert max_rel_diff(got, ref) <= TOL
+    w.synchronize()
+    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+
+
 def wrapped_run(
     base: torch.nn.Module,
     make_opt: MakeOpt,
@@ -69,46 +95,34 @@ def wrapped_run(
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_optimizer_hyper_parameters_and_groups_are_reproduced(name: str) -> None:
-    base = tiny_model("llama")
-    data = batches(8)
-    ref_model = clone(base)
-    ref = train(plain_trainer(ref_model, OPTIMIZERS[name]), data)
-    got, w = wrapped_run(base, OPTIMIZERS[name], data)
-    assert max_rel_diff(got, ref) <= TOL
-    w.synchronize()
-    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+    r = reference("llama", 8, OPTIMIZERS[name])
+    ref = train(r.trainer, r.data)
+    got, w = wrapped_run(r.base, OPTIMIZERS[name], r.data)
+    assert_reproduces(got, ref, w, r.model)
 
 
 def test_lr_scheduler_on_the_wrapped_optimizer_drives_device_and_host_steps() -> None:
-    base = tiny_model("gpt2")
-    data = batches(10)
+    r = reference("gpt2", 10)
 
     def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-3, total_steps=len(data))
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-3, total_steps=len(r.data))
 
-    ref_model = clone(base)
-    ref_t = plain_trainer(ref_model, grouped_adamw)
-    ref_t.scheduler = sched(ref_t.optimizer)
-    ref = train(ref_t, data)
+    r.trainer.scheduler = sched(r.trainer.optimizer)
+    ref = train(r.trainer, r.data)
 
-    model = clone(base)
+    model = clone(r.base)
     w = wrap(model, grouped_adamw(model), plan=plan_for(model, "all"))
     t = Trainer(w.model, w.optimizer, scheduler=sched(w.optimizer))
-    got = train(t, data)
-    assert max_rel_diff(got, ref) <= TOL
-    assert w.optimizer.param_groups[0]["lr"] == ref_t.optimizer.param_groups[0]["lr"]
-    w.synchronize()
-    assert param_rel_diff(model, ref_model)[0] <= TOL
+    got = train(t, r.data)
+    assert w.optimizer.param_groups[0]["lr"] == r.trainer.optimizer.param_groups[0]["lr"]
+    assert_reproduces(got, ref, w, r.model)
 
 
 def test_optimizer_state_dict_has_the_plain_pytorch_format_and_values() -> None:
-    base = tiny_model("llama")
-    data = batches(3)
-    ref_model = clone(base)
-    ref_t = plain_trainer(ref_model, grouped_adamw)
-    train(ref_t, data)
-    _, w = wrapped_run(base, grouped_adamw, data)
-    ours, theirs = w.optimizer.state_dict(), ref_t.optimizer.state_dict()
+    r = reference("llama", 3)
+    train(r.trainer, r.data)
+    _, w = wrapped_run(r.base, grouped_adamw, r.data)
+    ours, theirs = w.optimizer.state_dict(), r.trainer.optimizer.state_dict()
     assert ours["param_groups"] == theirs["param_groups"]
     assert ours["state"].keys() == theirs["state"].keys()
     for k, st in theirs["state"].items():
@@ -118,28 +132,23 @@ def test_optimizer_state_dict_has_the_plain_pytorch_format_and_values() -> None:
 
 
 def test_optimizer_state_is_readable_per_parameter_as_in_plain_pytorch() -> None:
-    base = tiny_model("gpt2")
-    data = batches(3)
-    ref_model = clone(base)
-    ref_t = plain_trainer(ref_model, grouped_adamw)
-    train(ref_t, data)
-    _, w = wrapped_run(base, grouped_adamw, data)
-    ref_params = dict(ref_model.named_parameters())
-    assert len(w.optimizer.state) == len(ref_t.optimizer.state)
+    r = reference("gpt2", 3)
+    train(r.trainer, r.data)
+    _, w = wrapped_run(r.base, grouped_adamw, r.data)
+    ref_params = dict(r.model.named_parameters())
+    assert len(w.optimizer.state) == len(r.trainer.optimizer.state)
     for name, p in w.model.named_parameters():
-        ours, theirs = w.optimizer.state[p], ref_t.optimizer.state[ref_params[name]]
+        ours, theirs = w.optimizer.state[p], r.trainer.optimizer.state[ref_params[name]]
         assert ours.keys() == theirs.keys()
         torch.testing.assert_close(ours["exp_avg_sq"], theirs["exp_avg_sq"], rtol=TOL, atol=1e-12)
 
 
 def test_checkpoint_and_resume_mid_run_gives_the_same_trajectory() -> None:
-    base = tiny_model("gpt2")
-    data = batches(20)
-    ref_model = clone(base)
-    ref = train(plain_trainer(ref_model, grouped_adamw), data)
+    r = reference("gpt2", 20)
+    ref = train(r.trainer, r.data)
 
     # first half, then save model and optimizer exactly as one would with plain PyTorch
-    first, w = wrapped_run(base, grouped_adamw, data[:10], offload="all")
+    first, w = wrapped_run(r.base, grouped_adamw, r.data[:10], offload="all")
     buf = io.BytesIO()
     torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()}, buf)
 
@@ -153,54 +162,44 @@ def test_checkpoint_and_resume_mid_run_gives_the_same_trajectory() -> None:
     ckpt = torch.load(buf, weights_only=True)
     w2.model.load_state_dict(ckpt["model"])
     w2.optimizer.load_state_dict(ckpt["optimizer"])
-    second = train(Trainer(w2.model, w2.optimizer), data[10:], seed=4321)
+    second = train(Trainer(w2.model, w2.optimizer), r.data[10:], seed=4321)
 
     # the reference continues from its own step 10 with the same dropout seed
-    ref_resumed_model = clone(base)
+    ref_resumed_model = clone(r.base)
     ref_t = plain_trainer(ref_resumed_model, grouped_adamw)
-    train(ref_t, data[:10])
-    ref_second = train(ref_t, data[10:], seed=4321)
+    train(ref_t, r.data[:10])
+    ref_second = train(ref_t, r.data[10:], seed=4321)
     assert max_rel_diff(first, ref[:10]) <= TOL
-    assert max_rel_diff(second, ref_second) <= TOL
-    w2.synchronize()
-    assert param_rel_diff(fresh, ref_resumed_model)[0] <= TOL
+    assert_reproduces(second, ref_second, w2, ref_resumed_model)
 
 
 def test_plain_pytorch_checkpoint_loads_into_the_wrapped_optimizer() -> None:
-    base = tiny_model("llama")
-    data = batches(8)
-    ref_model = clone(base)
-    ref_t = plain_trainer(ref_model, grouped_adamw)
-    train(ref_t, data[:4])
-    model = clone(base)
-    model.load_state_dict(ref_model.state_dict())
+    r = reference("llama", 8)
+    train(r.trainer, r.data[:4])
+    model = clone(r.base)
+    model.load_state_dict(r.model.state_dict())
     w = wrap(model, grouped_adamw(model), plan=plan_for(model, alternate))
     # a copy, as a checkpoint file would give (a live state dict shares tensors, as in plain PyTorch)
-    w.optimizer.load_state_dict(copy.deepcopy(ref_t.optimizer.state_dict()))
-    got = train(Trainer(w.model, w.optimizer), data[4:], seed=7)
-    ref = train(ref_t, data[4:], seed=7)
+    w.optimizer.load_state_dict(copy.deepcopy(r.trainer.optimizer.state_dict()))
+    got = train(Trainer(w.model, w.optimizer), r.data[4:], seed=7)
+    ref = train(r.trainer, r.data[4:], seed=7)
     assert max_rel_diff(got, ref) <= TOL
 
 
 @pytest.mark.parametrize("offload", ["none", "all", "alternate"])
 def test_clip_grad_norm_spans_persistent_and_offloaded_chunks(offload: str) -> None:
-    base = tiny_model("llama")
-    data = batches(10)
-    ref_model = clone(base)
-    ref_t = plain_trainer(ref_model, grouped_adamw)
-    ref = train(ref_t, data, clip=0.05)  # small: clipping is active every step
+    r = reference("llama", 10)
+    ref = train(r.trainer, r.data, clip=0.05)  # small: clipping is active every step
     deferred = RuntimeOptions(overlap_host_step=False)
     got, w = wrapped_run(
-        base,
+        r.base,
         grouped_adamw,
-        data,
+        r.data,
         offload=alternate if offload == "alternate" else offload,
         options=deferred,
         clip=0.05,
     )
-    assert max_rel_diff(got, ref) <= TOL
-    w.synchronize()
-    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+    assert_reproduces(got, ref, w, r.model)
 
 
 def test_clip_grad_norm_returns_the_plain_pytorch_total_norm() -> None:
@@ -223,24 +222,18 @@ def test_clip_grad_norm_returns_the_plain_pytorch_total_norm() -> None:
 
 
 def test_gradient_accumulation_with_deferred_host_steps_matches_plain_pytorch() -> None:
-    base = tiny_model("llama")
-    data = batches(6)
-    ref_model = clone(base)
-    ref = train(plain_trainer(ref_model, grouped_adamw), data, micro=2)
+    r = reference("llama", 6)
+    ref = train(r.trainer, r.data, micro=2)
     got, w = wrapped_run(
-        base, grouped_adamw, data, offload="all", options=RuntimeOptions(overlap_host_step=False), micro=2
+        r.base, grouped_adamw, r.data, offload="all", options=RuntimeOptions(overlap_host_step=False), micro=2
     )
-    assert max_rel_diff(got, ref) <= TOL
-    w.synchronize()
-    assert param_rel_diff(w.model, ref_model)[0] <= TOL
+    assert_reproduces(got, ref, w, r.model)
 
 
 def test_model_zero_grad_resets_offloaded_gradients_like_optimizer_zero_grad() -> None:
-    base = tiny_model("gpt2")
-    data = batches(4)
-    ref_model = clone(base)
-    ref = train(plain_trainer(ref_model, grouped_adamw), data)
-    model = clone(base)
+    r = reference("gpt2", 4)
+    ref = train(r.trainer, r.data)
+    model = clone(r.base)
     w = wrap(
         model,
         grouped_adamw(model),
@@ -249,7 +242,7 @@ def test_model_zero_grad_resets_offloaded_gradients_like_optimizer_zero_grad() -
     )
     torch.manual_seed(1234)
     got = []
-    for x in data:
+    for x in r.data:
         loss = w.model(input_ids=x, labels=x).loss
         loss.backward()
         w.optimizer.step()

@@ -29,11 +29,28 @@ GiB = 2**30
 NO_MARGIN = CostParams(alpha=0.0)
 
 
-def five_block_trace(fwd: float, bwd: float, rec: float, host_rate: float = 1e12):
-    """prologue (4 MiB params) + 3 blocks (8 MiB) + epilogue (4 MiB); fp32 Adam: a chunk of S bytes = 4S of state."""
+def five_block_trace(
+    fwd: float,
+    bwd: float,
+    rec: float,
+    host_rate: float = 1e12,
+    *,
+    device_type: DeviceType = DeviceType.cuda,
+    runtime_costs: bool = False,
+):
+    """prologue (4 MiB params) + 3 blocks (8 MiB) + epilogue (4 MiB); fp32 Adam: a chunk of S bytes = 4S of state.
+
+    `runtime_costs`: the runtime costs the profiler's runtime probe measures, per block: offloading 0.5 ms
+    and uploading 0.1 ms (every block), swapping out 3 ms and in 2 ms (the three middle blocks)."""
     edge = dict(forward_s=fwd, backward_s=bwd, recompute_s=rec)
+    costs = dict(offload_overhead_s=0.0005, upload_overhead_s=0.0001) if runtime_costs else {}
+    swaps = dict(swap_out_s=0.003, swap_in_s=0.002) if runtime_costs else {}
     return hand_trace(
-        [BlockSpec(4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge)]
+        [
+            BlockSpec(
+                4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge, **costs
+            )
+        ]
         + [
             BlockSpec(
                 8 * MiB,
@@ -42,16 +59,26 @@ def five_block_trace(fwd: float, bwd: float, rec: float, host_rate: float = 1e12
                 forward_peak_bytes=2 * MiB,
                 backward_peak_bytes=4 * MiB,
                 **edge,
+                **costs,
+                **swaps,
             )
         ]
         * 3
         + [
-            BlockSpec(4 * MiB, activation_bytes=2 * MiB, input_bytes=1 * MiB, kind=BlockKind.epilogue, **edge)
+            BlockSpec(
+                4 * MiB,
+                activation_bytes=2 * MiB,
+                input_bytes=1 * MiB,
+                kind=BlockKind.epilogue,
+                **edge,
+                **costs,
+            )
         ],
         h2d_bytes_per_s=10e9,
         d2h_bytes_per_s=10e9,
         device_optimizer_bytes_per_s=100e9,
         host_optimizer_bytes_per_s=host_rate,
+        device_type=device_type,
     )
 
 
@@ -216,30 +243,14 @@ def test_fragmentation_margin_comes_from_a_measured_allocation_trace_when_there_
     assert alpha_for(trace) == DEFAULT_ALPHA  # nothing measured: the documented default
     # live bytes peak at 300 MiB (events 0 and 2 overlap); the measured peak of 360 MiB means 20% over
     events = [
-        AllocationEvent(
-            id=0,
-            size_bytes=100 * MiB,
-            alloc_index=0,
-            free_index=3,
-            category=AllocationCategory.activation,
-            phase=Phase.forward,
-        ),
-        AllocationEvent(
-            id=1,
-            size_bytes=50 * MiB,
-            alloc_index=0,
-            free_index=1,
-            category=AllocationCategory.temp,
-            phase=Phase.forward,
-        ),
-        AllocationEvent(
-            id=2,
-            size_bytes=200 * MiB,
-            alloc_index=1,
-            free_index=4,
-            category=AllocationCategory.activation,
-            phase=Phase.backward,
-        ),
+        AllocationEvent(id=i, size_bytes=mib * MiB, alloc_index=a, free_index=f, category=cat, phase=phase)
+        for i, (mib, a, f, cat, phase) in enumerate(
+            [
+                (100, 0, 3, AllocationCategory.activation, Phase.forward),
+                (50, 0, 1, AllocationCategory.temp, Phase.forward),
+                (200, 1, 4, AllocationCategory.activation, Phase.backward),
+            ]
+        )
     ]
     data = trace.model_dump()
     data["allocation_trace"] = AllocationTrace(
@@ -261,6 +272,16 @@ def cpu_five_block_trace(fwd: float, bwd: float, rec: float, host_rate: float = 
     )
 
 
+def gpu_and_cpu_costs(policy_args: tuple, fwd: float, bwd: float, rec: float):
+    """One policy costed (no margin) on `five_block_trace` and on its CPU twin: (GPU cost, CPU cost)."""
+    gpu = five_block_trace(fwd, bwd, rec)
+    cpu = cpu_five_block_trace(fwd, bwd, rec)
+    return (
+        evaluate(gpu, policy(gpu, *policy_args), ROOMY, NO_MARGIN),
+        evaluate(cpu, policy(cpu, *policy_args), ROOMY, NO_MARGIN),
+    )
+
+
 def test_copy_overlap_defaults_to_the_trace_device_type():
     gpu = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
     cpu = cpu_five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
@@ -275,10 +296,7 @@ def test_copy_overlap_defaults_to_the_trace_device_type():
 def test_cpu_everything_fits_costs_the_same_as_on_a_gpu():
     # no copies and no host optimizer: nothing to serialise, so the CPU model changes nothing
     pol_args = (32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K, C, C, K, K])
-    gpu = five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
-    cpu = cpu_five_block_trace(fwd=0.002, bwd=0.004, rec=0.002)
-    p_gpu = evaluate(gpu, policy(gpu, *pol_args), ROOMY, NO_MARGIN)
-    p_cpu = evaluate(cpu, policy(cpu, *pol_args), ROOMY, NO_MARGIN)
+    p_gpu, p_cpu = gpu_and_cpu_costs(pol_args, fwd=0.002, bwd=0.004, rec=0.002)
     assert p_cpu.iteration_s == p_gpu.iteration_s
     assert p_cpu.iteration_s == pytest.approx(0.010 + 0.020 + 2 * 0.002 + 32 * MiB / 100e9, abs=1e-9)
     assert p_cpu.breakdown["copy_overlap"] == 0.0 and p_gpu.breakdown["copy_overlap"] == 1.0
@@ -286,10 +304,7 @@ def test_cpu_everything_fits_costs_the_same_as_on_a_gpu():
 
 def test_cpu_swap_copies_add_to_compute_instead_of_hiding_behind_it():
     args = (32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K, S, S, S, K])
-    gpu = five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
-    cpu = cpu_five_block_trace(fwd=0.0001, bwd=0.0002, rec=0.0001)
-    p_gpu = evaluate(gpu, policy(gpu, *args), ROOMY, NO_MARGIN)
-    p_cpu = evaluate(cpu, policy(cpu, *args), ROOMY, NO_MARGIN)
+    p_gpu, p_cpu = gpu_and_cpu_costs(args, fwd=0.0001, bwd=0.0002, rec=0.0001)
     swap16 = 1_677_722  # 16 MiB at 10 GB/s, ns
     # one window: GPU forward = max(5 * 0.1 ms, 3 swap-outs); CPU forward = compute + 3 swap-outs
     assert round(p_gpu.forward_s * 1e9) == 3 * swap16
@@ -359,44 +374,7 @@ def test_cpu_batch_timing_equals_the_reference_model_on_random_decisions():
 
 def measured_trace(device_type: DeviceType, measured: bool = True):
     """`five_block_trace(0.1 ms, 0.2 ms, 0.1 ms)` plus runtime costs measured per block (or none)."""
-    edge = dict(forward_s=0.0001, backward_s=0.0002, recompute_s=0.0001)
-    costs = dict(offload_overhead_s=0.0005, upload_overhead_s=0.0001) if measured else {}
-    swaps = dict(swap_out_s=0.003, swap_in_s=0.002) if measured else {}
-    return hand_trace(
-        [
-            BlockSpec(
-                4 * MiB, activation_bytes=1 * MiB, input_bytes=0, kind=BlockKind.prologue, **edge, **costs
-            )
-        ]
-        + [
-            BlockSpec(
-                8 * MiB,
-                activation_bytes=16 * MiB,
-                input_bytes=1 * MiB,
-                forward_peak_bytes=2 * MiB,
-                backward_peak_bytes=4 * MiB,
-                **edge,
-                **costs,
-                **swaps,
-            )
-        ]
-        * 3
-        + [
-            BlockSpec(
-                4 * MiB,
-                activation_bytes=2 * MiB,
-                input_bytes=1 * MiB,
-                kind=BlockKind.epilogue,
-                **edge,
-                **costs,
-            )
-        ],
-        h2d_bytes_per_s=10e9,
-        d2h_bytes_per_s=10e9,
-        device_optimizer_bytes_per_s=100e9,
-        host_optimizer_bytes_per_s=1e12,
-        device_type=device_type,
-    )
+    return five_block_trace(0.0001, 0.0002, 0.0001, device_type=device_type, runtime_costs=measured)
 
 
 def test_cpu_swap_costs_are_the_measured_ones_instead_of_bytes_over_bandwidth():

@@ -5,29 +5,18 @@ and in headless Chromium, drawn (a screenshot's pixels in the series colours).""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.planner_service.sweeps import TINY_LLAMA
+
 from .conftest import Dom
 
-transformers = pytest.importorskip("transformers")
-
-CONFIG = transformers.AutoConfig.for_model(
-    "llama",
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    intermediate_size=128,
-    max_position_embeddings=256,
-).to_dict()
 # wide enough that the GPUs' lines part: this small one is dispatch-bound (op count x 8 us) on both
 WIDE = {
-    **CONFIG,
+    **TINY_LLAMA,
     "hidden_size": 1024,
     "intermediate_size": 4096,
     "num_attention_heads": 8,
@@ -36,15 +25,7 @@ WIDE = {
 }
 
 
-@pytest.fixture
-def server(settings) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    from planner_service.embedded import EmbeddedServer
-
-    with EmbeddedServer(settings, workers=2) as url:
-        yield url
-
-
-def _finished_sweep(server: str, config: dict[str, object] = CONFIG, seq: int = 64) -> str:
+def _finished_sweep(server: str, config: dict[str, object] = TINY_LLAMA, seq: int = 64) -> str:
     with httpx.Client(base_url=server, timeout=120) as c:
         r = c.post(
             "/v1/sweeps",
@@ -65,9 +46,9 @@ def _finished_sweep(server: str, config: dict[str, object] = CONFIG, seq: int = 
     return str(sweep_id)
 
 
-def test_sweep_page_shows_the_table_and_one_line_per_hardware(server: str) -> None:
-    sweep_id = _finished_sweep(server)
-    page = httpx.get(f"{server}/ui/sweeps/{sweep_id}", timeout=30)
+def test_sweep_page_shows_the_table_and_one_line_per_hardware(sweep_service: str) -> None:
+    sweep_id = _finished_sweep(sweep_service)
+    page = httpx.get(f"{sweep_service}/ui/sweeps/{sweep_id}", timeout=30)
     assert page.status_code == 200, page.text
     dom = Dom(page.text)
     assert len(dom.all("tr", "point-row")) == 6
@@ -80,20 +61,20 @@ def test_sweep_page_shows_the_table_and_one_line_per_hardware(server: str) -> No
     # the project holds no measured trace from an L4 or an H100: every point says it is uncalibrated
     assert [c.text.strip() for c in dom.all("td", "calibration")] == ["uncalibrated"] * 6
     assert [a for a in dom.all("a") if a.attrs.get("href", "").startswith("/ui/plans/")]
-    missing = httpx.get(f"{server}/ui/sweeps/nope", timeout=30)
+    missing = httpx.get(f"{sweep_service}/ui/sweeps/nope", timeout=30)
     assert missing.status_code == 404 and "no sweep" in missing.text
 
 
 @pytest.mark.slow
-def test_headless_chromium_draws_the_sweep_plot(server: str, tmp_path: Path) -> None:
+def test_headless_chromium_draws_the_sweep_plot(sweep_service: str, tmp_path: Path) -> None:
     from PIL import Image
 
     from .test_browser import _browse, _chromium
 
     chromium = _chromium()
-    sweep_id = _finished_sweep(server, WIDE, 256)
+    sweep_id = _finished_sweep(sweep_service, WIDE, 256)
     shot = tmp_path / "sweep.png"
-    _browse(chromium, tmp_path / "shot", f"{server}/ui/sweeps/{sweep_id}", f"--screenshot={shot}")
+    _browse(chromium, tmp_path / "shot", f"{sweep_service}/ui/sweeps/{sweep_id}", f"--screenshot={shot}")
     colours = [(0x1F, 0x77, 0xB4), (0xD6, 0x27, 0x28)]  # sweep_chart.COLOURS[:2]
     with Image.open(shot) as image:
         rgb = image.convert("RGB")
@@ -110,16 +91,16 @@ def test_headless_chromium_draws_the_sweep_plot(server: str, tmp_path: Path) -> 
     assert all(n > 30 for n in counts), counts
 
 
-def test_whatif_form_starts_a_sweep_and_names_bad_fields(server: str) -> None:
+def test_whatif_form_starts_a_sweep_and_names_bad_fields(sweep_service: str) -> None:
     """The what-if page as a person uses it: paste a config, tick GPUs, submit, land on the sweep's page; then
     pick the same config from the history."""
     import json
 
-    with httpx.Client(base_url=server, timeout=120, follow_redirects=False) as c:
+    with httpx.Client(base_url=sweep_service, timeout=120, follow_redirects=False) as c:
         form = c.get("/ui/whatif")
         assert form.status_code == 200 and 'name="config"' in form.text and 'value="h100-sxm"' in form.text
         sent = {
-            "config": json.dumps(CONFIG),
+            "config": json.dumps(TINY_LLAMA),
             "hardware": ["l4", "h100-sxm"],
             "batch_sizes": "1,2",
             "sequence_lengths": "64",

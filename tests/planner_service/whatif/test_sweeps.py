@@ -6,39 +6,20 @@ progress while they finish, and pages its results; bad sweeps are named."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from client import Client
 from client.contract import SweepPoint, SweepRequest
-from planner_service.embedded import EmbeddedServer
+from tests.planner_service.sweeps import TINY_LLAMA
 
-transformers = pytest.importorskip("transformers")
-
-CONFIG = transformers.AutoConfig.for_model(
-    "llama",
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    intermediate_size=128,
-    max_position_embeddings=256,
-).to_dict()
 FINAL = {"done", "infeasible", "failed"}
 
 
-@pytest.fixture
-def service(settings) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    with EmbeddedServer(settings, workers=2) as url:
-        yield url
-
-
-def test_a_64_point_sweep_finishes_on_2_workers_and_reports_progress(service: str) -> None:
+def test_a_64_point_sweep_finishes_on_2_workers_and_reports_progress(sweep_service: str) -> None:
     req = SweepRequest(
-        config=CONFIG,
+        config=TINY_LLAMA,
         hardware=["l4", "h100-sxm"],
         batch_sizes=[1, 2, 4, 8],
         sequence_lengths=[16, 32, 64, 128],
@@ -47,7 +28,7 @@ def test_a_64_point_sweep_finishes_on_2_workers_and_reports_progress(service: st
         time_limit_s=1.0,
     )
     assert req.n_points() == 64
-    with Client(service) as c:
+    with Client(sweep_service) as c:
         created = c.create_sweep(req)
         assert created.progress.total == 64 and len(created.points) == 64
         seen = [created.progress.finished]
@@ -84,8 +65,8 @@ def test_a_64_point_sweep_finishes_on_2_workers_and_reports_progress(service: st
         assert c.get_trace(points[-1].trace_id).trace.modelled is not None
 
 
-def test_bad_sweeps_are_named(service: str) -> None:
-    base = {"config": CONFIG, "hardware": ["l4"], "batch_sizes": [1], "sequence_lengths": [8]}
+def test_bad_sweeps_are_named(sweep_service: str) -> None:
+    base = {"config": TINY_LLAMA, "hardware": ["l4"], "batch_sizes": [1], "sequence_lengths": [8]}
     cases = [
         ({**base, "hardware": ["nope"]}, 422, "hardware[0]: 'nope' is not in the catalogue"),
         (
@@ -98,16 +79,16 @@ def test_bad_sweeps_are_named(service: str) -> None:
         ({**base, "batch_sizes": [0]}, 422, "batch_sizes"),
     ]
     for body, status, says in cases:
-        r = httpx.post(f"{service}/v1/sweeps", json=body, timeout=60)
+        r = httpx.post(f"{sweep_service}/v1/sweeps", json=body, timeout=60)
         assert r.status_code == status, (body, r.text)
         assert says in r.text, (body, r.text)
-    assert httpx.get(f"{service}/v1/sweeps/nope", timeout=10).status_code == 404
-    created = httpx.post(f"{service}/v1/sweeps", json=base, timeout=60).json()
-    r = httpx.get(f"{service}/v1/sweeps/{created['id']}", params={"cursor": "x1"}, timeout=10)
+    assert httpx.get(f"{sweep_service}/v1/sweeps/nope", timeout=10).status_code == 404
+    created = httpx.post(f"{sweep_service}/v1/sweeps", json=base, timeout=60).json()
+    r = httpx.get(f"{sweep_service}/v1/sweeps/{created['id']}", params={"cursor": "x1"}, timeout=10)
     assert r.status_code == 400 and "cursor" in r.text
 
 
-def test_memplan_whatif_sweep_shows_progress_and_every_point(service: str) -> None:
+def test_memplan_whatif_sweep_shows_progress_and_every_point(sweep_service: str) -> None:
     """The user's path: `memplan whatif --family ... --batch 1,2 --seq 16,32 --hardware l4,h100-sxm --sweep`."""
     import json
     import os
@@ -140,7 +121,7 @@ def test_memplan_whatif_sweep_shows_progress_and_every_point(service: str) -> No
         "1",
         "--sweep",
         "--server",
-        service,
+        sweep_service,
     ]
     wide = {**os.environ, "COLUMNS": "200"}  # the table as a wide terminal shows it
     shown = subprocess.run(

@@ -89,21 +89,9 @@ def test_7b_on_an_a100_80gb_fits_with_the_json_keys_the_issue_names(llama_7b: Pa
 
 @pytest.mark.slow
 def test_7b_comparison_table_and_host_memory_that_binds(llama_7b: Path) -> None:
+    workload = ["--batch", "1", "--seq", "4096", "--host-memory", "16GiB", "--time-limit", "1"]
     out = _memplan(
-        "whatif",
-        "--config",
-        str(llama_7b),
-        "--hardware",
-        "rtx-3090,h100-sxm",
-        "--batch",
-        "1",
-        "--seq",
-        "4096",
-        "--host-memory",
-        "16GiB",
-        "--time-limit",
-        "1",
-        "--json",
+        "whatif", "--config", str(llama_7b), "--hardware", "rtx-3090,h100-sxm", *workload, "--json"
     )
     assert out.returncode == 0, out.stderr
     rtx, h100 = json.loads(out.stdout)
@@ -112,22 +100,9 @@ def test_7b_comparison_table_and_host_memory_that_binds(llama_7b: Path) -> None:
     assert rtx["fits"] is False and rtx["binding"] == "host"
     assert 16 * GiB < rtx["min_host_memory_bytes"] < 80 * GiB
     assert h100["fits"] is True  # 80 GiB device + 16 GiB host hold the states with room for activations
+    # the same question with --hardware given twice, answered as a table
     table = _memplan(
-        "whatif",
-        "--config",
-        str(llama_7b),
-        "--hardware",
-        "rtx-3090",
-        "--hardware",
-        "h100-sxm",
-        "--batch",
-        "1",
-        "--seq",
-        "4096",
-        "--host-memory",
-        "16GiB",
-        "--time-limit",
-        "1",
+        "whatif", "--config", str(llama_7b), "--hardware", "rtx-3090", "--hardware", "h100-sxm", *workload
     )
     assert table.returncode == 0, table.stderr
     assert "rtx-3090" in table.stdout and "h100-sxm" in table.stdout and "host >=" in table.stdout
