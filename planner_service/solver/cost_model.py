@@ -212,7 +212,9 @@ class ChunkTerms:
 
     upload: tuple[int, ...]  # H2D of the whole chunk when offloaded (sharded or not), else 0
     reduce: tuple[int, ...]  # gradient reduce-scatter (sharded) or all-reduce (replicated, N > 1), else 0
-    grad_offload: tuple[int, ...]  # D2H of the gradient (the rank's shard when sharded) when offloaded, else 0
+    grad_offload: tuple[
+        int, ...
+    ]  # D2H of the gradient (the rank's shard when sharded) when offloaded, else 0
     device_optim: tuple[int, ...]
     host_optim: tuple[int, ...]  # the host step (of the rank's shard when sharded) when offloaded, else 0
     host_gather: tuple[int, ...]  # all-gather of a sharded chunk's compute copy after its host step, else 0
@@ -709,7 +711,9 @@ class BatchTimer:
             cp = copies(h2d_b, gout)
             link = np.maximum(
                 red + gout,
-                np.maximum(-(-(PERMILLE * cp + slow * red) // PERMILLE), -(-(PERMILLE * red + slow * cp) // PERMILLE)),
+                np.maximum(
+                    -(-(PERMILLE * cp + slow * red) // PERMILLE), -(-(PERMILLE * red + slow * cp) // PERMILLE)
+                ),
             )
             Tb = np.maximum(compute, link)
         else:

@@ -381,7 +381,9 @@ class Decision:
                 raise ValueError("sharded: a single-rank job shards nothing")
             if len(self.sharded) != inst.n_chunks:
                 raise ValueError(f"sharded: {len(self.sharded)} entries for {inst.n_chunks} chunks")
-            persistent = [c for c, (sh, o) in enumerate(zip(self.sharded, self.offloaded, strict=True)) if sh and not o]
+            persistent = [
+                c for c, (sh, o) in enumerate(zip(self.sharded, self.offloaded, strict=True)) if sh and not o
+            ]
             if persistent:
                 raise ValueError(
                     f"sharded: chunks {persistent} are persistent; only offloaded chunks may be sharded "

@@ -60,7 +60,9 @@ def brute_force(inst: PolicyInstance) -> int | None:
                     inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c) for c in range(C) if off[c]
                 )
                 pinned = sum(
-                    inst.shard_pinned_bytes_of[c] if sh[c] else inst.pinned_bytes(c) for c in range(C) if off[c]
+                    inst.shard_pinned_bytes_of[c] if sh[c] else inst.pinned_bytes(c)
+                    for c in range(C)
+                    if off[c]
                 )
                 ok = (
                     (dev + nb * inst.buffer_bytes + act_peak <= inst.usable_device_bytes)
@@ -169,7 +171,9 @@ MB = 10**6
 ms = 10**6  # ns
 
 
-def _hand(rate: float = 50e9, overlap: float = 1.0, world: int = 2, per_node: int = 2, n_blocks: int = 2, **kw):  # type: ignore[no-untyped-def]
+def _hand(
+    rate: float = 50e9, overlap: float = 1.0, world: int = 2, per_node: int = 2, n_blocks: int = 2, **kw
+):  # type: ignore[no-untyped-def]
     from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
 
     specs = [
@@ -258,14 +262,18 @@ def test_a_persistent_chunk_is_never_sharded() -> None:
     from planner_service.solver.entry import policy_of
 
     inst = _inst(_hand())
-    with pytest.raises(ValueError, match=r"sharded: chunks \[0\] are persistent; only offloaded chunks may be"):
+    with pytest.raises(
+        ValueError, match=r"sharded: chunks \[0\] are persistent; only offloaded chunks may be"
+    ):
         evaluate_decision(inst, Decision((False, True), 1, KEEP, (True, True)))
     # nor through the wire: a policy sharding a persistent chunk does not evaluate
     trace = _hand()
     policy = policy_of(trace, inst.layout, Decision((False, True), 1, KEEP, (False, True)))
     chunks = [policy.chunks[0].model_copy(update={"sharded": True}), policy.chunks[1]]
     with pytest.raises(ValueError, match="only offloaded chunks may be sharded"):
-        evaluate(trace, policy.model_copy(update={"chunks": chunks}), Constraints(device_memory_bytes=8 * 2**30))
+        evaluate(
+            trace, policy.model_copy(update={"chunks": chunks}), Constraints(device_memory_bytes=8 * 2**30)
+        )
 
 
 def test_persistent_chunks_are_replicated_and_all_reduced() -> None:
