@@ -70,38 +70,46 @@ when one is known. It is `Predictions.pinned_host_bytes`: the runtime's one pinn
 that size (issue 19, defect 8).
 
 Multi-rank jobs (issue 20; world size N > 1, R ranks per node; constants in `sharding.py`). Every figure
-is one rank's; all ranks run the same plan on equal shards, so one rank's time is the job's. Per chunk c:
-  sh[c]  sharded (each rank holds 1/N of its model states, on the device or, offloaded, on the host);
-         else replicated (whole on every rank, persistent or offloaded)
-  buffered[c] = o[c] or sh[c]  (offloaded, or gathered into a device buffer before use; at N = 1: o[c])
-  up(c)  = o[c] * H2D of the rank's shard (ceil(used/N) bytes) when sharded, of the whole chunk when not
-  ag(c)  = sh[c] * all-gather of the chunk's used bytes (measured curve)
-  red(c) = sh[c] ? reduce-scatter of its gradient : all-reduce of it (replicated: reduce-scatter + all-gather)
-  gout(c)= o[c] * D2H of the rank's gradient shard (sharded) or the whole gradient (replicated, after its
-         all-reduce on the device); host steps, host and pinned bytes likewise a shard's or the chunk's
-  fetch(c) = up(c) + ag(c)  (the shard must be on the device before the gather)
-Collectives run on their own stream beside the copy engines and compute, prefetched like chunk uploads.
-With overlap factor f (the least measured `CollectiveCopyOverlap.factor`, in 1/1000; 0 when not measured)
-a window with compute X, copies h2d/d2h, collectives `comm` and a dependency chain `chain` takes
+is one rank's; all ranks run the same plan on equal shards, so one rank's time is the job's. ZeRO-Offload
+style ("ZeRO-2 on the host"): only an offloaded chunk may be sharded (`Decision.check` refuses a persistent
+one, as the runtime does). Per chunk c:
+  sh[c]  sharded (offloaded only): compute copy and exposed `.grad` whole on every rank's host, the rest of
+         its host state (host gradient, master, optimizer state, staging, undo backup) 1/N per rank
+         (s = ceil(elements / N) rounded up to 4 elements); else replicated (whole on every rank)
+  up(c)  = o[c] * H2D of the WHOLE chunk, sharded or not (it is uploaded from the full host copy), so the
+         forward windows, residency and the one-buffer rule are the single-process ones (no collectives)
+  red(c) = reduce-scatter of its gradient when sharded, all-reduce when replicated (every persistent chunk)
+  gout(c)= o[c] * D2H of the rank's gradient shard (sharded) or of the whole gradient (replicated)
+  step(c)= o[c] * host step of the shard (sharded) or of the whole chunk; persistent chunks step whole on
+         the device
+  ag(c)  = sh[c] * all-gather of the compute copy (N * s elements) on the host after the chunk's step
+Collectives on the device (the gradient reductions) run on their own stream beside the copy engines and
+compute. With overlap factor f (the least measured `CollectiveCopyOverlap.factor`, in 1/1000; 0 when not
+measured) a backward window with compute X, copies h2d/d2h, collectives `comm` and a dependency chain `chain`
+takes
   copies = max(h2d, d2h)  (h2d + d2h half duplex)
   link   = max(chain, copies + (1 - f) * comm, comm + (1 - f) * copies)
          = max(chain, max(copies, comm) + (1 - f) * min(copies, comm))   (f = 1: concurrent; 0: serialised)
   T      = max(X, link)           (each (1 - f) term rounded up to whole ns, as the CP-SAT rows are)
   without copy overlap (CPU): T = X + h2d + d2h + comm
-Forward window c: comm = ag(c+1), h2d = up(c+1), d2h = swap-out, chain = up(c+1) + ag(c+1);
-  T_fwd = buffered[0] * fetch(0) + sum Tf[c].
-Backward window c (r = refetch of c-1: buffered and not still in a buffer after forward):
-  comm = r * ag(c-1) + red(c+1), h2d = r * up(c-1) + swap-in of window c-1, d2h = gout(c+1),
-  chain = max(max(red(c+1), r * up(c-1)) + r * ag(c-1), red(c+1) + gout(c+1))
-  (the reduction of the chunk that just finished runs first; the next chunk's shard uploads meanwhile)
-  T_bwd = need[C-1] * fetch(C-1) + swap-in of the last window + sum Tb[c] + red(0)
-  (chunk 0's reduction has no window after it). One buffer: T >= compute + fetch(next) when both chunks
-  are buffered. Residency counts buffered chunks (the last n_buffers of them stay in a buffer).
-Optimizer: persistent sharded chunks step their shard on the device, replicated ones the whole chunk;
-  offloaded chunks step their shard on the host; a host step waits for done(c) + red(c) + gout(c).
-Memory of one rank: static = replicated persistent states + ceil(elements/N) of each sharded persistent
-  chunk's states + n_buffers full buffers; host = shards of offloaded chunks (+ extras) + swapped
-  activations. Host RAM is the node's: R * host <= host limit. The pinned limit is one rank's (process's).
+Backward window c: comm = red(c+1), h2d = need[c-1] * up(c-1) + swap-in of window c-1, d2h = gout(c+1),
+  chain = red(c+1) + gout(c+1) (the chunk that just finished is reduced, then its gradient copied out);
+  T_bwd = need[C-1] * up(C-1) + swap-in of the last window + sum Tb[c] + red(0)
+  (chunk 0's reduction has no window after it). The concurrent (duplex) copy rates are not applied.
+Host worker: an offloaded chunk's gradient arrives at done(c) + red(c) + gout(c); the FIFO worker then
+  steps it and, when sharded, all-gathers its compute copy (ag(c), at the measured all-gather rate; the
+  gather's contention with the windows' copies and collectives is not modelled, f applies to the windows):
+    T_host_end = max over c of (done(c) + o[c] * (red(c) + gout(c)) + sum_{c' <= c} (step(c') + ag(c')))
+  When clipping redoes the speculative steps (T_host_redo), the gathers follow the redone steps at
+  optimizer.step() instead: T_host_redo = sum step(c) + sum ag(c), and the FIFO holds the steps only.
+  Serial (CPU): T_host_end = T_bwd + T_dev_opt + gout(0) + sum of the FIFO's work.
+  (The runtime issues the gathers at optimizer.step(), in chunk order, on the host worker; the model puts
+  each right after its chunk's step, so a gather may hide behind backward compute as the step does.)
+Memory of one rank: device as one process (persistent chunks whole + n_buffers buffers); host = offloaded
+  chunks (sharded: 2 * N * s * elt + s * the rest per element; replicated: whole) + swapped activations.
+  Host RAM is the node's: R * host <= host limit. The pinned limit is one rank's (process's): a sharded
+  chunk pins its full compute copy, its shard's staging buffer and, without a separate fp32 master, its
+  shard's host gradient.
 At N = 1 every term reduces to the single-process formulas above (a test holds plans and costs fixed).
 
 Why one module over 400 lines: the time and memory terms of a policy are one formula, term by term the one
@@ -150,10 +158,11 @@ class Cost:
     )
     fits_device: bool
     fits_host: bool
-    # multi-rank jobs (zero at world size 1): collective work, and the node's host bytes (host_bytes is one
-    # rank's; ranks_per_node ranks share the node)
-    forward_collective_ns: int = 0
+    # multi-rank jobs (zero at world size 1): collective work on the device during backward (gradient
+    # reductions), on the host after the host steps (all-gathers of sharded chunks' compute copies), and the
+    # node's host bytes (host_bytes is one rank's; ranks_per_node ranks share the node)
     backward_collective_ns: int = 0
+    host_collective_ns: int = 0
     host_node_bytes: int = 0
 
     @property
@@ -201,13 +210,14 @@ class ChunkTerms:
     """Per chunk, the times and bytes a decision gives it (ns, bytes); at world size 1 the single-process
     terms (no collectives, whole chunks)."""
 
-    buffered: tuple[bool, ...]  # goes through the device buffers (offloaded, or sharded)
-    upload: tuple[int, ...]  # H2D of the chunk (its shard in a multi-rank job) when offloaded, else 0
-    gather: tuple[int, ...]  # all-gather when sharded, else 0
+    upload: tuple[int, ...]  # H2D of the whole chunk when offloaded (sharded or not), else 0
     reduce: tuple[int, ...]  # gradient reduce-scatter (sharded) or all-reduce (replicated, N > 1), else 0
-    grad_offload: tuple[int, ...]  # D2H of the gradient (shard) when offloaded, else 0
+    grad_offload: tuple[
+        int, ...
+    ]  # D2H of the gradient (the rank's shard when sharded) when offloaded, else 0
     device_optim: tuple[int, ...]
-    host_optim: tuple[int, ...]
+    host_optim: tuple[int, ...]  # the host step (of the rank's shard when sharded) when offloaded, else 0
+    host_gather: tuple[int, ...]  # all-gather of a sharded chunk's compute copy after its host step, else 0
     device_bytes: tuple[int, ...]  # model-state bytes on one rank's device
     host_bytes: tuple[int, ...]  # host bytes of one rank
     pinned_bytes: tuple[int, ...]
@@ -216,50 +226,56 @@ class ChunkTerms:
 def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
     """The decision's per-chunk terms (see the module docstring, "Multi-rank jobs")."""
     C, o = inst.n_chunks, d.offloaded
+    upload = tuple(inst.upload_ns[c] if o[c] else 0 for c in range(C))
+    device_optim = tuple(0 if o[c] else inst.device_optim_ns[c] for c in range(C))
+    device_bytes = tuple(0 if o[c] else inst.state_bytes(c) for c in range(C))
     if not inst.sharded_job:
         zero = (0,) * C
         return ChunkTerms(
-            buffered=o,
-            upload=tuple(inst.upload_ns[c] if o[c] else 0 for c in range(C)),
-            gather=zero,
+            upload=upload,
             reduce=zero,
             grad_offload=tuple(inst.grad_offload_ns[c] if o[c] else 0 for c in range(C)),
-            device_optim=tuple(0 if o[c] else inst.device_optim_ns[c] for c in range(C)),
+            device_optim=device_optim,
             host_optim=tuple(inst.host_optim_ns[c] if o[c] else 0 for c in range(C)),
-            device_bytes=tuple(0 if o[c] else inst.state_bytes(c) for c in range(C)),
+            host_gather=zero,
+            device_bytes=device_bytes,
             host_bytes=tuple(inst.host_bytes(c) if o[c] else 0 for c in range(C)),
             pinned_bytes=tuple(inst.pinned_bytes(c) if o[c] else 0 for c in range(C)),
         )
-    sh = d.sharded_chunks(inst)
-    # an offloaded chunk is sharded (each rank holds and steps a share) or replicated (whole on every rank)
+    sh = d.sharded_chunks(inst)  # only offloaded chunks (Decision.check)
+    # a persistent chunk is replicated: whole on every rank, its gradient all-reduced, stepped on the device;
+    # an offloaded chunk is uploaded whole, and sharded (the rank's shard of its gradient copied out, stepped,
+    # then the compute copy all-gathered on the host) or replicated (whole everywhere)
     return ChunkTerms(
-        buffered=tuple(o[c] or sh[c] for c in range(C)),
-        upload=tuple(
-            (inst.shard_upload_ns[c] if sh[c] else inst.upload_ns[c]) if o[c] else 0 for c in range(C)
-        ),
-        gather=tuple(inst.gather_ns[c] if sh[c] else 0 for c in range(C)),
+        upload=upload,
         reduce=tuple(inst.reduce_scatter_ns[c] if sh[c] else inst.all_reduce_ns[c] for c in range(C)),
         grad_offload=tuple(
             (inst.shard_grad_offload_ns[c] if sh[c] else inst.grad_offload_ns[c]) if o[c] else 0
             for c in range(C)
         ),
-        device_optim=tuple(
-            0 if o[c] else inst.shard_device_optim_ns[c] if sh[c] else inst.device_optim_ns[c]
-            for c in range(C)
-        ),
+        device_optim=device_optim,
         host_optim=tuple(
             (inst.shard_host_optim_ns[c] if sh[c] else inst.host_optim_ns[c]) if o[c] else 0 for c in range(C)
         ),
-        device_bytes=tuple(
-            0 if o[c] else inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c) for c in range(C)
-        ),
+        host_gather=tuple(inst.gather_ns[c] if sh[c] else 0 for c in range(C)),
+        device_bytes=device_bytes,
         host_bytes=tuple(
             (inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c)) if o[c] else 0 for c in range(C)
         ),
         pinned_bytes=tuple(
-            (inst.shard_state_bytes_of[c] if sh[c] else inst.pinned_bytes(c)) if o[c] else 0 for c in range(C)
+            (inst.shard_pinned_bytes_of[c] if sh[c] else inst.pinned_bytes(c)) if o[c] else 0
+            for c in range(C)
         ),
     )
+
+
+def host_queue(inst: PolicyInstance, k: ChunkTerms) -> tuple[tuple[int, ...], int]:
+    """Per chunk, the host worker's FIFO work after the chunk's gradient arrives (its step, then its
+    compute copy's all-gather), and the work redone at optimizer.step() when clipping redoes the speculative
+    steps (every step again, then every all-gather: the gathers follow the chunk's final step)."""
+    if inst.redo_host_steps:
+        return k.host_optim, sum(k.host_optim) + sum(k.host_gather)
+    return tuple(h + g for h, g in zip(k.host_optim, k.host_gather, strict=True)), 0
 
 
 def residency(offloaded: tuple[bool, ...], n_buffers: int) -> list[bool]:
@@ -327,7 +343,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     overlap = inst.copy_overlap
     sharded = inst.sharded_job
     k = chunk_terms(inst, d)
-    U, G, AG, RS = k.upload, k.grad_offload, k.gather, k.reduce
+    U, G, RS = k.upload, k.grad_offload, k.reduce
     windows = max(C, 1)
     F = [0] * windows
     Bk = [0] * windows
@@ -352,29 +368,22 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
                 SOx[w] += inst.swap_out_duplex_ns[b]
                 SIx[w] += inst.swap_in_duplex_ns[b]
     off = lambda c: 0 <= c < C and d.offloaded[c]  # noqa: E731
-    buf = lambda c: 0 <= c < C and k.buffered[c]  # noqa: E731
     at = lambda xs, c: xs[c] if 0 <= c < C else 0  # noqa: E731
-    res = residency(k.buffered, nb)
-    need = [k.buffered[c] and not res[c] for c in range(C)]
-    fetch = lambda c: at(U, c) + at(AG, c)  # noqa: E731  (a chunk's shard upload, then its gather)
+    res = residency(d.offloaded, nb)
+    need = [d.offloaded[c] and not res[c] for c in range(C)]
 
-    fwd = fetch(0) if buf(0) else 0
-    fwd_comm = AG[0] if C and buf(0) else 0
+    # forward: no collectives in any job (a sharded chunk is uploaded whole from its full host copy)
+    fwd = U[0] if off(0) else 0
     for c in range(windows):
         h2d = at(U, c + 1)
-        if sharded:
-            comm = at(AG, c + 1)
-            fwd_comm += comm
-            t = _combine_sharded(F[c], h2d, SO[c], comm, h2d + comm, inst)
-        else:
-            both = ((Ux[c + 1] if off(c + 1) else 0), SOx[c]) if dx else None
-            t = _combine(F[c], h2d, SO[c], duplex, overlap, both)
-        if nb == 1 and buf(c) and buf(c + 1):
-            t = max(t, F[c] + fetch(c + 1))
+        both = ((Ux[c + 1] if off(c + 1) else 0), SOx[c]) if dx else None
+        t = _combine(F[c], h2d, SO[c], duplex, overlap, both)
+        if nb == 1 and off(c) and off(c + 1):
+            t = max(t, F[c] + U[c + 1])
         fwd += t
 
-    head = (fetch(C - 1) if C and need[C - 1] else 0) + SI[windows - 1]
-    bwd_comm = AG[C - 1] if C and need[C - 1] else 0
+    head = (U[C - 1] if C and need[C - 1] else 0) + SI[windows - 1]
+    bwd_comm = 0
     Tb = [0] * windows
     for c in range(windows):
         refetch = c >= 1 and need[c - 1]
@@ -382,13 +391,10 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         h2d = up + (SI[c - 1] if c >= 1 else 0)
         d2h = at(G, c + 1)
         if sharded:
-            gather = at(AG, c - 1) if refetch else 0
             reduce = at(RS, c + 1)
-            comm = gather + reduce
-            bwd_comm += comm
-            # the next chunk's shard must land before its gather; the reduced gradient before its copy out
-            chain = max(max(reduce, up) + gather, reduce + d2h)
-            t = _combine_sharded(Bk[c], h2d, d2h, comm, chain, inst)
+            bwd_comm += reduce
+            # the gradient of the chunk that just finished is reduced, then (offloaded) copied out
+            t = _combine_sharded(Bk[c], h2d, d2h, reduce, reduce + d2h, inst)
         else:
             both = (
                 (
@@ -399,8 +405,8 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
                 else None
             )
             t = _combine(Bk[c], h2d, d2h, duplex, overlap, both)
-        if nb == 1 and buf(c) and buf(c - 1):
-            t = max(t, Bk[c] + fetch(c - 1))
+        if nb == 1 and off(c) and off(c - 1):
+            t = max(t, Bk[c] + U[c - 1])
         Tb[c] = t
     tail = RS[0] if C else 0  # chunk 0's gradient reduction: no window after it hides it
     bwd_comm += tail
@@ -408,8 +414,9 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
 
     dev_opt = sum(k.device_optim)
     host_total = sum(k.host_optim)
+    work, redo = host_queue(inst, k)  # the FIFO worker's work per chunk; what step() redoes (clipping)
     host_end = 0
-    queued = host_total  # sum over c' <= c of offloaded host steps, walking c downwards
+    queued = sum(work)  # sum over c' <= c of the worker's work, walking c downwards
     dones = [0] * windows  # backward time through window c (windows run C-1..0)
     acc = head
     for c in range(windows - 1, -1, -1):
@@ -418,12 +425,11 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     for c in range(C - 1, -1, -1):
         arrive = dones[c] + (RS[c] + G[c] if d.offloaded[c] else 0)
         host_end = max(host_end, arrive + queued)
-        queued -= k.host_optim[c]
+        queued -= work[c]
     if not overlap:
         # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
         # backward and the device optimizer, on the same cores
-        host_end = bwd + dev_opt + (G[0] if C else 0) + host_total
-    redo = host_total if inst.redo_host_steps else 0
+        host_end = bwd + dev_opt + (G[0] if C else 0) + sum(work)
     iteration = fwd + max(bwd + dev_opt, host_end) + redo
 
     static = sum(k.device_bytes) + nb * inst.buffer_bytes
@@ -454,8 +460,8 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         pinned_bytes=pinned,
         fits_device=peak <= inst.usable_device_bytes,
         fits_host=fits_host,
-        forward_collective_ns=fwd_comm if sharded else 0,
-        backward_collective_ns=bwd_comm if sharded else 0,
+        backward_collective_ns=bwd_comm,
+        host_collective_ns=sum(k.host_gather),
         host_node_bytes=node_host,
     )
 
@@ -502,8 +508,8 @@ def _sharded_breakdown(inst: PolicyInstance, decision: Decision, cost: Cost) -> 
         "world_size": float(inst.world_size),
         "ranks_per_node": float(inst.ranks_per_node),
         "sharded_chunks": float(sum(decision.sharded_chunks(inst))),
-        "forward_collective_s": cost.forward_collective_ns / 1e9,
         "backward_collective_s": cost.backward_collective_ns / 1e9,
+        "host_collective_s": cost.host_collective_ns / 1e9,
         "collective_copy_overlap": inst.collective_overlap_permille / PERMILLE,
         "host_node_bytes": float(cost.host_node_bytes),
     }
@@ -669,73 +675,66 @@ class BatchTimer:
         d = Decision(offloaded, nb, (Mode.keep,) * inst.n_blocks, sharded)
         d.check(inst)
         k = chunk_terms(inst, d)
+        work, redo = host_queue(inst, k)
         i64 = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
         pad = lambda xs: np.concatenate([i64(xs), np.zeros(W + 1 - C, dtype=np.int64)])  # noqa: E731
-        U, AG, RS, G = pad(k.upload), pad(k.gather), pad(k.reduce), pad(k.grad_offload)
-        buf = pad(k.buffered)
-        need = pad([b and not r for b, r in zip(k.buffered, residency(k.buffered, nb), strict=True)])
+        U, RS, G = pad(k.upload), pad(k.reduce), pad(k.grad_offload)
         o = pad(offloaded)
-        fetch = U + AG
+        need = pad([b and not r for b, r in zip(offloaded, residency(offloaded, nb), strict=True)])
         ck = (modes == Mode.checkpoint).astype(np.int64)
         sw = (modes == Mode.swap).astype(np.int64)
         REC = (ck * self.rec) @ self.ind
         SO = (sw * self.so) @ self.ind
         SI = (sw * self.si) @ self.ind
-        overlap = inst.copy_overlap
+        overlap, full_duplex = inst.copy_overlap, inst.params.full_duplex
         slow = PERMILLE - inst.collective_overlap_permille
 
-        def combine(compute: Any, h2d: Any, d2h: Any, comm: Any, chain: Any) -> np.ndarray:
-            window: np.ndarray
-            if not overlap:
-                window = compute + h2d + d2h + comm
-                return window
-            copies = np.maximum(h2d, d2h) if inst.params.full_duplex else h2d + d2h
-            link = np.maximum(
-                chain,
-                np.maximum(
-                    -(-(PERMILLE * copies + slow * comm) // PERMILLE),
-                    -(-(PERMILLE * comm + slow * copies) // PERMILLE),
-                ),
-            )
-            window = np.maximum(compute, link)
-            return window
+        def copies(h2d: Any, d2h: Any) -> Any:
+            return np.maximum(h2d, d2h) if full_duplex else h2d + d2h
 
         nxt = np.arange(1, W + 1)
-        Tf = combine(self.F, U[nxt], SO, AG[nxt], U[nxt] + AG[nxt])
+        # forward: the single-rank windows (no collectives; sharded chunks are uploaded whole)
+        h2d_f = U[nxt]
+        Tf = np.maximum(self.F, copies(h2d_f, SO)) if overlap else self.F + h2d_f + SO
         if nb == 1:
-            Tf = np.maximum(Tf, np.where(buf[:W] * buf[nxt] == 1, self.F + fetch[nxt], 0))
-        fwd = fetch[0] * buf[0] + Tf.sum(axis=1)
+            Tf = np.maximum(Tf, np.where(o[:W] * o[nxt] == 1, self.F + U[nxt], 0))
+        fwd = U[0] * o[0] + Tf.sum(axis=1)
 
         compute = self.Bk + REC
-        prev = np.concatenate([[0], need[: W - 1]]) if W > 1 else np.zeros(W, dtype=np.int64)
-        up_b = np.concatenate([[0], U[: W - 1]]) * prev if W > 1 else np.zeros(W, dtype=np.int64)
-        ag_b = np.concatenate([[0], AG[: W - 1]]) * prev if W > 1 else np.zeros(W, dtype=np.int64)
+        up_b = np.concatenate([[0], U[: W - 1] * need[: W - 1]]) if W > 1 else np.zeros(W, dtype=np.int64)
         si_b = np.zeros_like(SI)
         if W > 1:
             si_b[:, 1:] = SI[:, :-1]
         red, gout = RS[nxt], G[nxt]
-        chain = np.maximum(np.maximum(red, up_b) + ag_b, red + gout)
-        Tb = combine(compute, up_b + si_b, gout, ag_b + red, chain)
+        h2d_b = up_b + si_b
+        if overlap:
+            cp = copies(h2d_b, gout)
+            link = np.maximum(
+                red + gout,
+                np.maximum(
+                    -(-(PERMILLE * cp + slow * red) // PERMILLE), -(-(PERMILLE * red + slow * cp) // PERMILLE)
+                ),
+            )
+            Tb = np.maximum(compute, link)
+        else:
+            Tb = compute + h2d_b + gout + red
         if nb == 1 and W > 1:
-            serial_b = np.concatenate([[0], buf[1:W] * buf[: W - 1]])
-            Tb = np.maximum(Tb, np.where(serial_b == 1, compute + np.concatenate([[0], fetch[: W - 1]]), 0))
-        head = (fetch[C - 1] * need[C - 1] if C else 0) + SI[:, W - 1]
+            serial_b = np.concatenate([[0], o[1:W] * o[: W - 1]])
+            Tb = np.maximum(Tb, np.where(serial_b == 1, compute + np.concatenate([[0], U[: W - 1]]), 0))
+        head = (U[C - 1] * need[C - 1] if C else 0) + SI[:, W - 1]
         tail = int(RS[0]) if C else 0
         bwd = head + Tb.sum(axis=1) + tail
         dones = head[:, None] + np.cumsum(Tb[:, ::-1], axis=1)[:, ::-1]
-        H = i64(k.host_optim)
-        host_total = int(H.sum())
+        queue = i64(work)
         dev_opt = sum(k.device_optim)
         if C:
             arrive = dones[:, :C] + ((RS[:C] + G[:C]) * o[:C])[None, :]
-            host_end = np.maximum(0, (arrive + np.cumsum(H)[None, :]).max(axis=1))
+            host_end = np.maximum(0, (arrive + np.cumsum(queue)[None, :]).max(axis=1))
         else:
             host_end = np.zeros(modes.shape[0], dtype=np.int64)
         if not overlap:
-            host_end = bwd + dev_opt + int(G[0]) + host_total
-        iteration: np.ndarray = (
-            fwd + np.maximum(bwd + dev_opt, host_end) + (host_total if inst.redo_host_steps else 0)
-        )
+            host_end = bwd + dev_opt + int(G[0]) + int(queue.sum())
+        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end) + redo
         return iteration
 
 

@@ -12,10 +12,9 @@ Decision variables
   nbuf    number of device buffers, 0..#offloaded, >= 1 when anything is offloaded
   nbuf1   nbuf == 1 (one buffer: no prefetch between two offloaded chunks)
 Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank jobs"):
-  sh[c]   chunk c sharded across the ranks; rep[c] = off[c] and not sh[c] (offloaded, replicated);
-          buf[c] = sh[c] + rep[c]: offloaded or sharded chunks use the buffers, so res/nbuf count them
-  nup_s[c], nup_r[c], nag[c]  chunk c is not in a buffer after forward: its shard (sharded) or the whole
-          chunk (replicated) is uploaded again, and (sharded) gathered again, for backward
+  sh[c]   offloaded chunk c sharded across the ranks (sh[c] <= off[c]: a persistent chunk is never sharded);
+          off[c] - sh[c] is an offloaded replicated chunk, 1 - sh[c] one whose gradient is all-reduced.
+          Uploads, residency and buffers are the single-process ones (a sharded chunk is uploaded whole).
 At world size 1 none of these exist and the model is the single-process one, row for row.
 """
 
@@ -48,14 +47,7 @@ class PolicyModel:
     iteration: cp_model.IntVar | None = None
     peak: cp_model.IntVar | None = None
     pairs: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
-    sh: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only
-    rep: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded and replicated
-    buf: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded or sharded
-
-    @property
-    def buffered(self) -> list[cp_model.IntVar]:
-        """Chunks that go through the device buffers: offloaded (one rank), offloaded or sharded (several)."""
-        return self.buf if self.inst.sharded_job else self.off
+    sh: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded and sharded
 
     def decision(self, solver: cp_model.CpSolver) -> Decision:
         assert self.nbuf is not None
@@ -121,16 +113,11 @@ def _add_placement(pm: PolicyModel) -> None:
     pm.nbuf1 = m.new_bool_var("nbuf1")
     m.add(pm.nbuf == 1).only_enforce_if(pm.nbuf1)
     m.add(pm.nbuf != 1).only_enforce_if(~pm.nbuf1)
-    if pm.inst.sharded_job:  # sharded chunks are gathered into the buffers; offloaded ones uploaded there
+    if pm.inst.sharded_job:  # only offloaded chunks are sharded (the runtime refuses a persistent one)
         pm.sh = [m.new_bool_var(f"sh[{c}]") for c in range(C)]
-        pm.rep = [m.new_bool_var(f"rep[{c}]") for c in range(C)]
-        pm.buf = [m.new_bool_var(f"buf[{c}]") for c in range(C)]
-        for c in range(C):  # rep = off and not sh, exactly; buf = off or sh = sh + rep
-            m.add(pm.rep[c] >= pm.off[c] - pm.sh[c])
-            m.add(pm.rep[c] <= pm.off[c])
-            m.add(pm.rep[c] <= 1 - pm.sh[c])
-            m.add(pm.buf[c] == pm.sh[c] + pm.rep[c])
-    buf = pm.buffered
+        for c in range(C):
+            m.add(pm.sh[c] <= pm.off[c])
+    buf = pm.off
     m.add(pm.nbuf <= sum(buf))
     # after[c] = number of buffered chunks after c (a chain keeps the model linear in C, not quadratic)
     after: LinearExpr = 0
@@ -227,11 +214,8 @@ def _add_window(
             m.add(t >= compute + (a - compute) * x)
 
 
-def _serial_pair(
-    pm: PolicyModel, a: int, b: int, through: list[cp_model.IntVar] | None = None
-) -> cp_model.IntVar:
-    """A 0/1 variable forced to 1 when chunks a and b both go through the buffers (`through`: offloaded,
-    `pm.off`; in a multi-rank job `pm.buf`, offloaded or sharded) and there is one buffer.
+def _serial_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
+    """A 0/1 variable forced to 1 when chunks a and b are both offloaded and there is one buffer.
 
     Written as pair >= off[a] + off[b] + nbuf1 - 2 (a plain linear row, not an enforced constraint), so
     the LP relaxation sees the serialisation cost of a single buffer; the objective pushes it to 0 otherwise.
@@ -240,8 +224,7 @@ def _serial_pair(
     key = (min(a, b), max(a, b))
     if key not in pm.pairs:
         pair = pm.model.new_bool_var(f"serial[{key[0]},{key[1]}]")
-        on = pm.off if through is None else through
-        pm.model.add(pair >= on[a] + on[b] + pm.nbuf1 - 2)
+        pm.model.add(pair >= pm.off[a] + pm.off[b] + pm.nbuf1 - 2)
         pm.pairs[key] = pair
     return pm.pairs[key]
 
@@ -380,108 +363,84 @@ def _add_window_sharded(
 
 
 def _add_time_sharded(pm: PolicyModel) -> None:
-    """`_add_time` for a multi-rank job: the cost model's "Multi-rank jobs" windows, row for row."""
+    """`_add_time` for a multi-rank job: the cost model's "Multi-rank jobs" windows, row for row. Forward,
+    uploads and the one-buffer rule are the single-process rows (a sharded chunk is uploaded whole); backward
+    windows add the gradient reductions; the host worker adds the sharded chunks' all-gathers."""
     m, inst = pm.model, pm.inst
     C, W = inst.n_chunks, max(inst.n_chunks, 1)
-    Us, AG, RS, AR, Gs = (
-        inst.shard_upload_ns,
+    U, G, H = inst.upload_ns, inst.grad_offload_ns, inst.host_optim_ns
+    AG, RS, AR, Gs, Hs = (
         inst.gather_ns,
         inst.reduce_scatter_ns,
         inst.all_reduce_ns,
         inst.shard_grad_offload_ns,
+        inst.shard_host_optim_ns,
     )
-    overlap = inst.copy_overlap
+    duplex, overlap = inst.params.full_duplex, inst.copy_overlap
     assert pm.nbuf1 is not None
     F, Bk, REC, SO, SI = _window_terms(pm)
+    red_max = [max(r, a) for r, a in zip(RS, AR, strict=True)]
+    gout_max = [max(g, s) for g, s in zip(G, Gs, strict=True)]
+    work_max = [max(h, hs + ag) for h, hs, ag in zip(H, Hs, AG, strict=True)]
     upper = (
         sum(inst.fwd_ns)
         + sum(inst.bwd_ns)
         + sum(inst.rec_ns)
         + sum(inst.swap_out_ns)
         + sum(inst.swap_in_ns)
-        + sum(max(a, b) for a, b in zip(Us, inst.upload_ns, strict=True)) * 2
-        + sum(AG) * 2
-        + sum(max(r, a) for r, a in zip(RS, AR, strict=True))
-        + sum(max(a, b) for a, b in zip(Gs, inst.grad_offload_ns, strict=True))
+        + sum(U) * 2
+        + sum(red_max) * 2
+        + sum(gout_max) * 2
         + sum(inst.device_optim_ns)
-        + sum(max(a, b) for a, b in zip(inst.shard_host_optim_ns, inst.host_optim_ns, strict=True)) * 2
+        + sum(work_max) * 2
     )
-    U, G, H = inst.upload_ns, inst.grad_offload_ns, inst.host_optim_ns
     ok = lambda c: 0 <= c < C  # noqa: E731
-    osh = [pm.off[c] - pm.rep[c] for c in range(C)]  # offloaded and sharded (0/1)
-    # not resident after forward: the shard (nup_s) or whole chunk (nup_r) uploaded again, the shard
-    # gathered again (nag); pushed down by the objective, each equals max(0, its lower bound)
-    nup_s = [m.new_bool_var(f"nup_s[{c}]") for c in range(C)]
-    nup_r = [m.new_bool_var(f"nup_r[{c}]") for c in range(C)]
-    nag = [m.new_bool_var(f"nag[{c}]") for c in range(C)]
-    for c in range(C):
-        m.add(nup_s[c] >= osh[c] - pm.res[c])
-        m.add(nup_r[c] >= pm.rep[c] - pm.res[c])
-        m.add(nag[c] >= pm.sh[c] - pm.res[c])
+    rep = [pm.off[c] - pm.sh[c] for c in range(C)]  # offloaded and replicated (0/1: sh <= off)
 
     def up(c: int) -> Terms:
-        return [(Us[c], osh[c]), (U[c], pm.rep[c])] if ok(c) else []
+        return [(U[c], pm.off[c])] if ok(c) else []
 
-    def ag(c: int) -> Terms:
-        return [(AG[c], pm.sh[c])] if ok(c) else []
+    def need(c: int) -> Terms:  # not in a buffer after forward: uploaded again for backward
+        return [(U[c], pm.off[c] - pm.res[c])] if ok(c) else []
 
-    def red(c: int) -> Terms:  # reduce-scatter when sharded, all-reduce when replicated
+    def red(c: int) -> Terms:  # reduce-scatter when sharded, all-reduce when replicated (persistent too)
         return [(RS[c], pm.sh[c]), (AR[c], 1 - pm.sh[c])] if ok(c) else []
 
-    def gout(c: int) -> Terms:
-        return [(Gs[c], osh[c]), (G[c], pm.rep[c])] if ok(c) else []
+    def gout(c: int) -> Terms:  # the rank's gradient shard (sharded) or the whole gradient copied out
+        return [(Gs[c], pm.sh[c]), (G[c], rep[c])] if ok(c) else []
 
-    def re_up(c: int) -> Terms:
-        return [(Us[c], nup_s[c]), (U[c], nup_r[c])] if ok(c) else []
-
-    def re_ag(c: int) -> Terms:
-        return [(AG[c], nag[c])] if ok(c) else []
-
-    def serial_fetch(c: int, pair: cp_model.IntVar, name: str) -> LinearExpr:
-        """fetch(c) = up(c) + ag(c) when `pair` (one buffer, both chunks buffered), else 0."""
-        out: LinearExpr = 0
-        for coef, x, tag in ((Us[c], osh[c], "s"), (U[c], pm.rep[c], "r"), (AG[c], pm.sh[c], "g")):
-            q = m.new_bool_var(f"{name}_{tag}[{c}]")
-            m.add(q >= pair + x - 1)
-            out = out + coef * q
-        return out
-
-    # forward
+    # forward: the single-process windows
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
     for c in range(W):
-        chain = _total(up(c + 1) + ag(c + 1))
-        _add_window_sharded(pm, tf[c], F[c], [], up(c + 1), SO[c], ag(c + 1), [chain])
+        _add_window(m, tf[c], F[c], [], up(c + 1), SO[c], duplex, overlap)
         if overlap and c + 1 < C:
-            m.add(tf[c] >= F[c] + serial_fetch(c + 1, _serial_pair(pm, c, c + 1, pm.buf), "serial_f"))
-    fwd = _total(up(0) + ag(0)) + sum(tf)
+            m.add(tf[c] >= F[c] + U[c + 1] * _serial_pair(pm, c, c + 1))
+    fwd = _total(up(0)) + sum(tf)
 
-    # backward
+    # backward: the chunk that just finished is reduced, then (offloaded) its gradient copied out
     tb = [m.new_int_var(Bk[c], upper, f"tb[{c}]") for c in range(W)]
     for c in range(W):
-        h2d = (re_up(c - 1) + SI[c - 1]) if c >= 1 else []
-        gather, reduce, copy_out = _total(re_ag(c - 1)), _total(red(c + 1)), _total(gout(c + 1))
-        chains = [reduce + gather, _total(re_up(c - 1)) + gather, reduce + copy_out]
-        _add_window_sharded(pm, tb[c], Bk[c], REC[c], h2d, gout(c + 1), re_ag(c - 1) + red(c + 1), chains)
+        h2d = (need(c - 1) + SI[c - 1]) if c >= 1 else []
+        chain = _total(red(c + 1)) + _total(gout(c + 1))
+        _add_window_sharded(pm, tb[c], Bk[c], REC[c], h2d, gout(c + 1), red(c + 1), [chain])
         if overlap and 1 <= c < C:
-            fetch = serial_fetch(c - 1, _serial_pair(pm, c - 1, c, pm.buf), "serial_b")
-            m.add(tb[c] >= Bk[c] + _total(REC[c]) + fetch)
-    head = _total(re_up(C - 1) + re_ag(C - 1) + SI[W - 1])
+            m.add(tb[c] >= Bk[c] + _total(REC[c]) + U[c - 1] * _serial_pair(pm, c - 1, c))
+    head = _total(need(C - 1) + SI[W - 1])
     tail = _total(red(0))
     bwd = head + sum(tb) + tail
 
-    # optimizer: replicated persistent chunks step whole on the device, sharded persistent ones their shard;
-    # offloaded chunks step their shard on the host (one FIFO worker)
-    # persistent replicated = 1 - sh - rep; persistent sharded = sh - (off - rep)
-    dev_opt = sum(
-        inst.device_optim_ns[c] * (1 - pm.sh[c] - pm.rep[c])
-        + inst.shard_device_optim_ns[c] * (pm.sh[c] - osh[c])
-        for c in range(C)
-    )
-    Hs = inst.shard_host_optim_ns
-    host_step = [Hs[c] * osh[c] + H[c] * pm.rep[c] for c in range(C)]
-    redo = sum(host_step) if inst.redo_host_steps else 0
+    # optimizer: persistent chunks step whole on the device; the host worker (FIFO) steps an offloaded
+    # chunk's shard (sharded) or the whole chunk, then all-gathers a sharded chunk's compute copy; clipping
+    # redoes the steps at optimizer.step() and the gathers follow them there (cost_model.host_queue)
+    dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
+    step = [Hs[c] * pm.sh[c] + H[c] * rep[c] for c in range(C)]
+    gather = [AG[c] * pm.sh[c] for c in range(C)]
+    if inst.redo_host_steps:
+        work, redo = step, sum(step) + sum(gather)
+    else:
+        work, redo = [st + g for st, g in zip(step, gather, strict=True)], 0
     if not overlap:
-        host_work = sum(host_step) + (_total(gout(0)) if C else 0)
+        host_work = sum(work) + (_total(gout(0)) if C else 0)
         pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
         m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
         return
@@ -489,12 +448,12 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     dones = _backward_done(m, head, tb, upper)
     queued: LinearExpr = 0
     for c in range(C):
-        q = m.new_int_var(0, sum(max(a, b) for a, b in zip(Hs, H, strict=True)), f"host_queued[{c}]")
-        m.add(q == queued + host_step[c])
+        q = m.new_int_var(0, sum(work_max), f"host_queued[{c}]")
+        m.add(q == queued + work[c])
         queued = q
         # an offloaded chunk's gradient is reduced (scattered when sharded, all-reduced when not), then
         # its shard or the whole of it copied out
-        arrive = (RS[c] + Gs[c]) * osh[c] + (AR[c] + G[c]) * pm.rep[c]
+        arrive = (RS[c] + Gs[c]) * pm.sh[c] + (AR[c] + G[c]) * rep[c]
         m.add(host_end >= dones[c] + arrive + queued)
     after = m.new_int_var(0, upper, "after_forward")
     m.add(after >= bwd + dev_opt)
@@ -510,17 +469,6 @@ def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     C = inst.n_chunks
     top = sum(inst.state_bytes(c) for c in range(C)) + C * inst.buffer_bytes
     static = pm.model.new_int_var(0, top, "static_device_bytes")
-    if inst.sharded_job:  # replicated persistent chunks whole, sharded persistent ones one rank's share
-        pm.model.add(
-            static
-            == sum(
-                inst.state_bytes(c) * (1 - pm.sh[c] - pm.rep[c])
-                + inst.shard_state_bytes_of[c] * (pm.sh[c] - pm.off[c] + pm.rep[c])
-                for c in range(C)
-            )
-            + inst.buffer_bytes * pm.nbuf
-        )
-        return static
     pm.model.add(
         static
         == sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off)) + inst.buffer_bytes * pm.nbuf
@@ -574,22 +522,16 @@ def _add_host_memory(pm: PolicyModel) -> None:
     (offloaded chunks' pinned buffers + swapped activations) fits the pinned limit (bytes; see cost_model)."""
     inst = pm.inst
     swapped = sum(inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks))
-    if inst.sharded_job:  # one rank's shards; the node's ranks share its host RAM, each its own pinned limit
+    if inst.sharded_job:  # one rank's bytes; the node's ranks share its host RAM, each its own pinned limit
         C = inst.n_chunks
+        sh, rep = pm.sh, [pm.off[c] - pm.sh[c] for c in range(C)]
         host = (
-            sum(
-                inst.shard_host_bytes_of[c] * (pm.off[c] - pm.rep[c]) + inst.host_bytes(c) * pm.rep[c]
-                for c in range(C)
-            )
-            + swapped
+            sum(inst.shard_host_bytes_of[c] * sh[c] + inst.host_bytes(c) * rep[c] for c in range(C)) + swapped
         )
         pm.model.add(inst.ranks_per_node * host <= inst.host_limit_bytes)
         if inst.pinned_limit_bytes is not None:
             pinned = (
-                sum(
-                    inst.shard_state_bytes_of[c] * (pm.off[c] - pm.rep[c]) + inst.state_bytes(c) * pm.rep[c]
-                    for c in range(C)
-                )
+                sum(inst.shard_pinned_bytes_of[c] * sh[c] + inst.pinned_bytes(c) * rep[c] for c in range(C))
                 + swapped
             )
             pm.model.add(pinned <= inst.pinned_limit_bytes)

@@ -164,18 +164,19 @@ class PolicyInstance:
     upload_duplex_ns: tuple[int, ...] = field(default=())
     grad_offload_duplex_ns: tuple[int, ...] = field(default=())
     # Multi-rank jobs (issue 20; `sharding.py` builds these). At world size 1 every tuple is empty and the
-    # cost model, the CP-SAT model and the ProTrain search are exactly the single-process ones.
+    # cost model, the CP-SAT model and the ProTrain search are exactly the single-process ones. Only offloaded
+    # chunks are sharded; a sharded chunk is uploaded whole (`upload_ns`), as a replicated one.
     world_size: int = 1
     ranks_per_node: int = 1  # ranks sharing the node's host RAM: the host limit is per node
-    shard_upload_ns: tuple[int, ...] = field(default=())  # H2D of one rank's shard of an offloaded chunk
-    gather_ns: tuple[int, ...] = field(default=())  # all-gather of the chunk's compute copy (used bytes)
-    reduce_scatter_ns: tuple[int, ...] = field(default=())  # reduce-scatter of the chunk's gradient
+    # all-gather of a sharded chunk's compute copy on the host after its host step (N * shard elements)
+    gather_ns: tuple[int, ...] = field(default=())
+    reduce_scatter_ns: tuple[int, ...] = field(default=())  # reduce-scatter of a sharded chunk's gradient
     all_reduce_ns: tuple[int, ...] = field(default=())  # a replicated chunk's gradient all-reduce
     shard_grad_offload_ns: tuple[int, ...] = field(default=())  # D2H of one rank's gradient shard
-    shard_device_optim_ns: tuple[int, ...] = field(default=())  # device step of one rank's shard
     shard_host_optim_ns: tuple[int, ...] = field(default=())  # host step of one rank's shard
-    shard_state_bytes_of: tuple[int, ...] = field(default=())  # one rank's share of `state_bytes(c)`
-    shard_host_bytes_of: tuple[int, ...] = field(default=())  # one rank's share of `host_bytes(c)`
+    # one rank's host bytes of a sharded offloaded chunk: compute copy and exposed .grad whole, the rest a shard
+    shard_host_bytes_of: tuple[int, ...] = field(default=())
+    shard_pinned_bytes_of: tuple[int, ...] = field(default=())  # the pinned part of `shard_host_bytes_of`
     # how much of the shorter of (collectives, copies) in one window hides behind the longer, in 1/1000:
     # 1000 fully concurrent, 0 serialised (`CollectiveCurves.copy_overlap`; see cost_model)
     collective_overlap_permille: int = 1000
@@ -339,10 +340,10 @@ def build_instance(
             trace,
             layout,
             grad_bytes,
-            upload_ns=inst.upload_ns,
             grad_offload_ns=inst.grad_offload_ns,
-            elt=element_bytes(w.precision),
-            host_extra_per_elt=host_extra_bytes_per_element(w),
+            elt=elt,
+            host_bytes_per_elt=elt + state_per_elt + host_extra_per_elt,
+            separate_master=w.master_bytes_per_param > 0,
         ),
     )
 
@@ -350,7 +351,8 @@ def build_instance(
 @dataclass(frozen=True)
 class Decision:
     """One point of the decision space: chunk placements, buffer count, per-block modes, and in a multi-rank
-    job which chunks are sharded (empty: the offloaded ones; an offloaded chunk may also be replicated)."""
+    job which offloaded chunks are sharded (empty: every offloaded one; an offloaded chunk may also be
+    replicated; a persistent chunk never is sharded: the runtime refuses it)."""
 
     offloaded: tuple[bool, ...]  # per chunk
     n_buffers: int
@@ -364,10 +366,8 @@ class Decision:
         return self.sharded or self.offloaded
 
     def buffered(self, inst: PolicyInstance) -> tuple[bool, ...]:
-        """Per chunk: used through the device buffers (offloaded, or sharded and gathered before use)."""
-        if not inst.sharded_job:
-            return self.offloaded
-        return tuple(o or sh for o, sh in zip(self.offloaded, self.sharded_chunks(inst), strict=True))
+        """Per chunk: used through the device buffers (the offloaded chunks, sharded or not)."""
+        return self.offloaded
 
     def check(self, inst: PolicyInstance) -> None:
         if len(self.offloaded) != inst.n_chunks:
@@ -381,5 +381,11 @@ class Decision:
                 raise ValueError("sharded: a single-rank job shards nothing")
             if len(self.sharded) != inst.n_chunks:
                 raise ValueError(f"sharded: {len(self.sharded)} entries for {inst.n_chunks} chunks")
-            if any(self.sharded) and self.n_buffers < 1:
-                raise ValueError("n_buffers: sharded chunks are gathered into buffers: at least one needed")
+            persistent = [
+                c for c, (sh, o) in enumerate(zip(self.sharded, self.offloaded, strict=True)) if sh and not o
+            ]
+            if persistent:
+                raise ValueError(
+                    f"sharded: chunks {persistent} are persistent; only offloaded chunks may be sharded "
+                    "(the runtime refuses a persistent sharded chunk)"
+                )

@@ -3,9 +3,9 @@
 Knobs (arXiv 2406.08334, Sec. 3.4): n_persist (a prefix of chunks stays on the device), n_buffer (device
 buffers for the offloaded rest), n_swap and n_checkpoint (repeated blocks, laid out from the first block:
 swap and checkpoint blocks interleaved early, unoptimised blocks last; the prologue and epilogue are kept).
-In a multi-rank job (issue 20) the offloaded chunks are sharded, as ProTrain shards model states across
-GPUs, and one more knob says whether the persistent prefix is replicated or sharded too; every setting is
-timed by the same multi-rank cost model.
+In a multi-rank job (issue 20) the offloaded chunks are sharded (ZeRO-Offload style: each rank steps its share
+of their host states) and the persistent prefix is replicated (the runtime shards offloaded chunks only); every
+setting is timed by the same multi-rank cost model.
 
 The search is exhaustive in effect, with two exact pruning rules (each switchable for ablation):
 - `prune_memory`: knob settings whose peak device or host bytes exceed the limits are skipped without
@@ -88,17 +88,6 @@ def _activation_tables(inst: PolicyInstance, combos: list[tuple[int, int]]) -> t
     return M, peak, swapped, rec
 
 
-def _persistent_terms(
-    inst: PolicyInstance, shard_persistent: bool
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per chunk, when persistent: its device model-state bytes and its device optimizer ns (one rank's
-    shard of each when `shard_persistent`)."""
-    C = inst.n_chunks
-    if shard_persistent:
-        return inst.shard_state_bytes_of, inst.shard_device_optim_ns
-    return tuple(inst.state_bytes(c) for c in range(C)), inst.device_optim_ns
-
-
 def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool = True) -> ProTrainResult:
     """Best decision over ProTrain's knobs under the instance's limits (None when nothing fits)."""
     B, C = inst.n_blocks, inst.n_chunks
@@ -114,75 +103,70 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
     evaluated = 0
     pinned_cap = inst.host_limit_bytes if inst.pinned_limit_bytes is None else inst.pinned_limit_bytes
     per_node = inst.ranks_per_node  # host RAM is the node's (1 for a single-rank job)
-    # A multi-rank job adds one knob: persistent chunks replicated on every rank, or sharded like the
-    # offloaded ones (ZeRO-3 style); offloaded chunks are always sharded (see cost_model).
-    for shard_persistent in (False, True) if inst.sharded_job else (False,):
-        sharded = inst.sharded_job
-        dev_state, dev_opt_of = _persistent_terms(inst, shard_persistent)
-        host_of = inst.shard_host_bytes_of if sharded else tuple(inst.host_bytes(c) for c in range(C))
-        pinned_of = inst.shard_state_bytes_of if sharded else tuple(inst.pinned_bytes(c) for c in range(C))
-        state_prefix = [0]  # device bytes of chunks 0..c-1 if persistent
-        host_prefix = [0]  # host bytes of chunks 0..c-1 if offloaded: states + the runtime's host extras
-        pinned_prefix = [0]
-        for c in range(C):
-            state_prefix.append(state_prefix[-1] + dev_state[c])
-            host_prefix.append(host_prefix[-1] + host_of[c])
-            pinned_prefix.append(pinned_prefix[-1] + pinned_of[c])
-        for n_persist in range(C, -1, -1):
-            n_off = C - n_persist
-            persist_bytes = state_prefix[n_persist]  # chunks 0..n_persist-1 stay, the rest are offloaded
-            offloaded = tuple([False] * n_persist + [True] * n_off)
-            shards = (
-                tuple(shard_persistent or o for o in offloaded) if sharded else ()
-            )  # what goes through the buffers: offloaded chunks, and sharded persistent ones
-            n_buf = sum(shards) if sharded else n_off
-            dev_opt = sum(dev_opt_of[:n_persist])
-            if prune_bound and best is not None and n_buf:
-                # more buffers are never slower, so keeping every block with the most buffers that fit bounds
-                # every (n_buffer, n_swap, n_checkpoint) of this n_persist from below
-                nb_max = min(
-                    n_buf, max(1, (inst.usable_device_bytes - persist_bytes) // max(inst.buffer_bytes, 1))
+    # a multi-rank job shards every offloaded chunk and replicates the persistent ones (see cost_model)
+    sharded = inst.sharded_job
+    host_of = inst.shard_host_bytes_of if sharded else tuple(inst.host_bytes(c) for c in range(C))
+    pinned_of = inst.shard_pinned_bytes_of if sharded else tuple(inst.pinned_bytes(c) for c in range(C))
+    state_prefix = [0]  # device bytes of chunks 0..c-1 if persistent
+    host_prefix = [0]  # host bytes of chunks 0..c-1 if offloaded: states + the runtime's host extras
+    pinned_prefix = [0]
+    for c in range(C):
+        state_prefix.append(state_prefix[-1] + inst.state_bytes(c))
+        host_prefix.append(host_prefix[-1] + host_of[c])
+        pinned_prefix.append(pinned_prefix[-1] + pinned_of[c])
+    for n_persist in range(C, -1, -1):
+        n_off = C - n_persist
+        persist_bytes = state_prefix[n_persist]  # chunks 0..n_persist-1 stay, the rest are offloaded
+        offloaded = tuple([False] * n_persist + [True] * n_off)
+        shards = offloaded if sharded else ()  # the offloaded chunks, all sharded
+        n_buf = n_off
+        dev_opt = sum(inst.device_optim_ns[:n_persist])
+        if prune_bound and best is not None and n_buf:
+            # more buffers are never slower, so keeping every block with the most buffers that fit bounds
+            # every (n_buffer, n_swap, n_checkpoint) of this n_persist from below
+            nb_max = min(
+                n_buf, max(1, (inst.usable_device_bytes - persist_bytes) // max(inst.buffer_bytes, 1))
+            )
+            evaluated += 1
+            if int(timer(offloaded, nb_max, keep_row, shards)[0]) >= best[0]:
+                continue
+        for nb in range(1, n_buf + 1) if n_buf else (0,):
+            static = persist_bytes + nb * inst.buffer_bytes
+            pinned_chunks = pinned_prefix[C] - pinned_prefix[n_persist]
+            host_chunks = host_prefix[C] - host_prefix[n_persist]
+            if prune_memory and static > inst.usable_device_bytes:
+                break  # more buffers only add memory
+            if prune_memory:
+                ok = (
+                    (static + peak[order] <= inst.usable_device_bytes)
+                    & ((host_chunks + swapped[order]) * per_node <= inst.host_limit_bytes)
+                    & (pinned_chunks + swapped[order] <= pinned_cap)
                 )
-                evaluated += 1
-                if int(timer(offloaded, nb_max, keep_row, shards)[0]) >= best[0]:
+                candidates = order[ok]
+            else:
+                candidates = order
+            if prune_bound and best is not None:
+                candidates = candidates[base + rec[candidates] + dev_opt < best[0]]
+                if candidates.size and int(timer(offloaded, nb, keep_row, shards)[0]) >= best[0]:
+                    # keeping every block is the fastest mode setting for these placements: a lower bound
+                    evaluated += 1
                     continue
-            for nb in range(1, n_buf + 1) if n_buf else (0,):
-                static = persist_bytes + nb * inst.buffer_bytes
-                pinned_chunks = pinned_prefix[C] - pinned_prefix[n_persist]
-                host_chunks = host_prefix[C] - host_prefix[n_persist]
-                if prune_memory and static > inst.usable_device_bytes:
-                    break  # more buffers only add memory
-                if prune_memory:
-                    ok = (
-                        (static + peak[order] <= inst.usable_device_bytes)
-                        & ((host_chunks + swapped[order]) * per_node <= inst.host_limit_bytes)
-                        & (pinned_chunks + swapped[order] <= pinned_cap)
-                    )
-                    candidates = order[ok]
-                else:
-                    candidates = order
-                if prune_bound and best is not None:
-                    candidates = candidates[base + rec[candidates] + dev_opt < best[0]]
-                    if candidates.size and int(timer(offloaded, nb, keep_row, shards)[0]) >= best[0]:
-                        # keeping every block is the fastest mode setting for these placements: a lower bound
-                        evaluated += 1
-                        continue
-                if candidates.size == 0:
-                    continue
-                times = timer(offloaded, nb, modes[candidates], shards)
-                evaluated += int(candidates.size)
-                for j in np.argsort(times, kind="stable"):
-                    k = int(candidates[j])
-                    if best is not None and int(times[j]) >= best[0]:
-                        break
-                    s, c = combos[k]
-                    d = Decision(
-                        offloaded=offloaded, n_buffers=nb, modes=knob_modes(B, repeated, s, c), sharded=shards
-                    )
-                    cost = evaluate_decision(inst, d)
-                    if cost.fits:  # always true after memory pruning; checked for the unpruned ablation
-                        best = (cost.iteration_ns, d, cost)
-                        break
+            if candidates.size == 0:
+                continue
+            times = timer(offloaded, nb, modes[candidates], shards)
+            evaluated += int(candidates.size)
+            for j in np.argsort(times, kind="stable"):
+                k = int(candidates[j])
+                if best is not None and int(times[j]) >= best[0]:
+                    break
+                s, c = combos[k]
+                d = Decision(
+                    offloaded=offloaded, n_buffers=nb, modes=knob_modes(B, repeated, s, c), sharded=shards
+                )
+                cost = evaluate_decision(inst, d)
+                if cost.fits:  # always true after memory pruning; checked for the unpruned ablation
+                    best = (cost.iteration_ns, d, cost)
+                    break
     if best is None:
         return ProTrainResult(None, None, evaluated)
     return ProTrainResult(best[1], best[2], evaluated)

@@ -1,17 +1,24 @@
-"""The multi-rank constants of a planning instance (issue 20): shards, collectives, per-rank optimizer work.
+"""The multi-rank constants of a planning instance (issue 20): shards, collectives, per-rank host work.
 
-A job of N ranks (`Hardware.distributed`) splits a *sharded* chunk's model states across the ranks: each
-rank holds ceil(elements / N) elements of the chunk (its compute copy, gradient, master and optimizer state),
-on the device when the chunk is persistent, on the host when it is offloaded (an offloaded chunk is always
-sharded). Before the chunk's forward and again before its backward (unless it is still in a buffer), the
-chunk's compute copy is all-gathered into a device buffer; after its backward the gradient is
-reduce-scattered and each rank steps only its shard. A *replicated* (unsharded) chunk is whole on every rank
-and its gradient is all-reduced (ring: a reduce-scatter and an all-gather of the gradient).
+The design (docs/architecture/solver.md, "Multi-rank jobs"): ZeRO-Offload style, ZeRO-2 on the host. Only an
+*offloaded* chunk may be sharded; a persistent chunk is always replicated (whole on every rank, its gradient
+all-reduced), because the runtime refuses a persistent sharded chunk. For a sharded offloaded chunk of n used
+elements in a job of N ranks, each rank owns s = ceil(n / N) rounded up to 4 elements (16-byte alignment in
+fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the runtime lays it out:
+- host, REPLICATED (N * s elements): the compute copy (the upload source) and the exposed `.grad` (the
+  averaged full gradient), each in the compute dtype;
+- host, SHARDED (s elements): everything else per element (`host_extra_bytes_per_element` and the trace's
+  gradient, optimizer state and master bytes): host gradient, fp32 master, optimizer state, gradient staging,
+  undo backup;
+- device: unchanged (the chunk is uploaded whole from the full compute copy into a buffer);
+- time: the whole chunk's upload (as a replicated chunk), a reduce-scatter of the gradient after the chunk's
+  backward and a D2H copy of the rank's shard only, the host step of the shard, and one all-gather of the
+  compute copy (N * s elements) on the host worker after that step.
 
 Collective times come from the trace's measured curves (`CollectiveCurves`, algorithm bandwidth of the
-whole tensor): all-gather of the chunk's used bytes, reduce-scatter of its gradient bytes. Copies of a shard
-are ceil(bytes / N) over the host<->device curves, plus the runtime's measured per-copy overhead as for a
-whole chunk (serial devices only: `instance.build_instance` adds it). Times are integer ns, as everywhere.
+whole tensor). Copies of a shard are its bytes over the host<->device curves, plus the runtime's measured
+per-copy overhead as for a whole chunk (serial devices only: `instance.build_instance` adds it). Times are
+integer ns, as everywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ if TYPE_CHECKING:
     from planner_service.solver.chunk_grid import ChunkGrid
 
 PERMILLE = 1000
+SHARD_ALIGN_ELEMENTS = 4  # a shard starts at a multiple of 16 bytes in fp32 (the runtime's alignment)
+
+
+def shard_elements(elements: int, world_size: int) -> int:
+    """Elements of one rank's shard of a chunk of `elements`: ceil(elements / N) rounded up to a multiple of
+    `SHARD_ALIGN_ELEMENTS` (the runtime pads the flat chunk to N times this with zeros)."""
+    s = -(-elements // world_size)
+    return -(-s // SHARD_ALIGN_ELEMENTS) * SHARD_ALIGN_ELEMENTS
 
 
 def collective_overlap_permille(trace: Trace) -> int:
@@ -42,48 +57,44 @@ def multi_rank_fields(
     layout: ChunkGrid,
     grad_bytes: list[int],
     *,
-    upload_ns: tuple[int, ...],
     grad_offload_ns: tuple[int, ...],
     elt: int,
-    host_extra_per_elt: int,
+    host_bytes_per_elt: int,
+    separate_master: bool,
 ) -> dict[str, Any]:
     """The `PolicyInstance` fields of `trace`'s process group, for an instance built for one rank as if alone
-    (its whole-chunk `upload_ns` / `grad_offload_ns`, element bytes and host extras per element given by
-    `instance.build_instance`, which applies them; this module does not import `instance.py`)."""
+    (its chunks' gradient bytes `grad_bytes` and whole-chunk `grad_offload_ns`, compute element bytes `elt`, all host bytes per element of an
+    offloaded chunk `host_bytes_per_elt` (model state and the runtime's host extras) and whether an fp32
+    master separate from the compute copy is stepped, given by `instance.build_instance`, which applies
+    them; this module does not import `instance.py`)."""
     d = trace.hardware.distributed
     assert d is not None and d.collectives is not None, "validated: a multi-rank trace has its collectives"
     n = d.world_size
     w = trace.workload
     bw = trace.hardware.bandwidth
     opt = trace.measurements.optimizer
-    state_per_elt = (
-        elt + w.gradient_bytes_per_param + w.optimizer_state_bytes_per_param + w.master_bytes_per_param
-    )
-    shard = lambda x: -(-x // n)  # noqa: E731
     ns = lambda s: round(s * 1e9)  # noqa: E731
     ag, rs = d.collectives.all_gather, d.collectives.reduce_scatter
-    shard_elems = [shard(u // elt) for u in layout.used_bytes]
+    shards = [shard_elements(u // elt, n) for u in layout.used_bytes]
     # the runtime's measured per-copy cost (serial devices: build_instance added it to the whole copy)
-    upload_rest = [
-        t - transfer_ns(bw.h2d_pinned, u) for t, u in zip(upload_ns, layout.used_bytes, strict=True)
-    ]
     grad_rest = [t - transfer_ns(bw.d2h_pinned, g) for t, g in zip(grad_offload_ns, grad_bytes, strict=True)]
+    # replicated per element: the compute copy and the exposed .grad (compute dtype each); sharded: the rest
+    rest_per_elt = host_bytes_per_elt - 2 * elt
+    # pinned (`client.contract.offloaded_chunk_pinned_bytes` per part): the full compute copy; the shard's
+    # staging buffer and, without a separate fp32 master, its host gradient
+    pinned_shard_elts = 1 if separate_master else 2
     return dict(
         world_size=n,
         ranks_per_node=d.ranks_per_node,
-        shard_upload_ns=tuple(
-            transfer_ns(bw.h2d_pinned, shard(u)) + r
-            for u, r in zip(layout.used_bytes, upload_rest, strict=True)
-        ),
-        gather_ns=tuple(transfer_ns(ag, u) for u in layout.used_bytes),
-        reduce_scatter_ns=tuple(transfer_ns(rs, g) for g in grad_bytes),
+        gather_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
+        reduce_scatter_ns=tuple(transfer_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
         all_reduce_ns=tuple(transfer_ns(rs, g) + transfer_ns(ag, g) for g in grad_bytes),
         shard_grad_offload_ns=tuple(
-            transfer_ns(bw.d2h_pinned, shard(g)) + r for g, r in zip(grad_bytes, grad_rest, strict=True)
+            transfer_ns(bw.d2h_pinned, s * w.gradient_bytes_per_param) + r
+            for s, r in zip(shards, grad_rest, strict=True)
         ),
-        shard_device_optim_ns=tuple(ns(e * elt / opt.device_bytes_per_s) for e in shard_elems),
-        shard_host_optim_ns=tuple(ns(e * elt / opt.host_bytes_per_s) for e in shard_elems),
-        shard_state_bytes_of=tuple(e * state_per_elt for e in shard_elems),
-        shard_host_bytes_of=tuple(e * (state_per_elt + host_extra_per_elt) for e in shard_elems),
+        shard_host_optim_ns=tuple(ns(s * elt / opt.host_bytes_per_s) for s in shards),
+        shard_host_bytes_of=tuple(n * s * 2 * elt + s * rest_per_elt for s in shards),
+        shard_pinned_bytes_of=tuple(n * s * elt + s * elt * pinned_shard_elts for s in shards),
         collective_overlap_permille=collective_overlap_permille(trace),
     )

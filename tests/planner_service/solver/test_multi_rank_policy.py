@@ -1,8 +1,11 @@
 """Multi-rank planning (issue 20): collectives in the cost model, sharding as a decision, per-node host RAM.
 
-CP-SAT finds exactly the brute-force optimum over placements, sharding, buffers and modes at world sizes 2
-and 4 (overlapped and serial copies, measured overlap factors 0, 0.5 and 1); the vectorised timer agrees with
-the reference cost model; hand-computed figures pin the formulas.
+The model is ZeRO-Offload style (docs/architecture/solver.md, "Multi-rank jobs"): only offloaded chunks may be
+sharded; a sharded chunk is uploaded whole, its gradient reduce-scattered and its shard copied out and stepped
+on the host, then its compute copy all-gathered on the host. CP-SAT finds exactly the brute-force optimum over
+placements, sharding of the offloaded chunks, buffers and modes at world sizes 2 and 4 (overlapped and serial
+copies, measured overlap factors 0, 0.5 and 1, with and without clipping's redone host steps and a pinned
+limit); the vectorised timer agrees with the reference cost model; hand-computed figures pin the formulas.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import random
 import numpy as np
 import pytest
 
-from client.contract import Constraints
+from client.contract import Constraints, Trace, Workload
 from planner_service.solver.chunk_grid import candidate_layouts
 from planner_service.solver.cost_model import activation_peak, evaluate_decision, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
@@ -25,8 +28,12 @@ MiB = 2**20
 
 
 def shardings(off: tuple[bool, ...]) -> list[tuple[bool, ...]]:
-    """Every sharding of the chunks (an offloaded chunk may be sharded or replicated too)."""
-    return list(itertools.product((False, True), repeat=len(off)))
+    """Every sharding of the offloaded chunks (each sharded or replicated; persistent chunks never sharded)."""
+    out = []
+    for pick in itertools.product((False, True), repeat=sum(off)):
+        it = iter(pick)
+        out.append(tuple(next(it) if o else False for o in off))
+    return out
 
 
 def brute_force(inst: PolicyInstance) -> int | None:
@@ -46,18 +53,16 @@ def brute_force(inst: PolicyInstance) -> int | None:
     C = inst.n_chunks
     for off in itertools.product((False, True), repeat=C):
         for sh in shardings(off):
-            n_buf = sum(o or s for o, s in zip(off, sh, strict=True))
+            n_buf = sum(off)
             for nb in range(1, n_buf + 1) if n_buf else (0,):
-                dev = sum(
-                    inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c)
-                    for c in range(C)
-                    if not off[c]
-                )
+                dev = sum(inst.state_bytes(c) for c in range(C) if not off[c])
                 host = sum(
                     inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c) for c in range(C) if off[c]
                 )
                 pinned = sum(
-                    inst.shard_state_bytes_of[c] if sh[c] else inst.state_bytes(c) for c in range(C) if off[c]
+                    inst.shard_pinned_bytes_of[c] if sh[c] else inst.pinned_bytes(c)
+                    for c in range(C)
+                    if off[c]
                 )
                 ok = (
                     (dev + nb * inst.buffer_bytes + act_peak <= inst.usable_device_bytes)
@@ -71,7 +76,13 @@ def brute_force(inst: PolicyInstance) -> int | None:
     return best
 
 
-def _multi_rank(rng: np.random.Generator, world: int, per_node: int, overlap: float, n_blocks: int):
+def _clipping(trace: Trace) -> Trace:
+    """The job clips its gradients and keeps undo backups: speculative host steps are redone at step()."""
+    w = trace.workload.model_dump() | {"clips_gradients": True, "undo_backup_bytes_per_param": 12}
+    return trace.model_copy(update={"workload": Workload.model_validate(w)})
+
+
+def _multi_rank(rng: np.random.Generator, world: int, per_node: int, overlap: float, n_blocks: int):  # type: ignore[no-untyped-def]
     base = random_trace(rng, n_blocks=n_blocks)
     # collectives between 0.3x and 3x the copy rate: sometimes hidden, sometimes the bottleneck
     rate = float(rng.uniform(0.3, 3.0)) * base.hardware.bandwidth.h2d_pinned[0].bytes_per_s
@@ -82,28 +93,32 @@ def _multi_rank(rng: np.random.Generator, world: int, per_node: int, overlap: fl
         ),
     )
     cons = limits_between_extremes(rng, trace)
-    # the host limit is the node's: R ranks each holding 1/N of what one process would
+    # the host limit is the node's: R ranks each holding about 1/N of what one process would
     assert cons.host_memory_bytes is not None
     return trace, cons.model_copy(update={"host_memory_bytes": cons.host_memory_bytes * per_node // world})
 
 
-CASES = [  # (seed, world size, ranks per node, overlap factor, copies overlap compute, full duplex)
-    (0, 2, 2, 1.0, True, True),
-    (1, 2, 2, 0.0, True, False),
-    (3, 4, 2, 0.5, True, True),
-    (6, 4, 4, 1.0, True, False),
-    (1, 2, 1, 0.5, True, True),
-    (0, 2, 2, 1.0, False, True),
-    (6, 4, 2, 0.0, False, False),
+CASES = [  # (seed, world size, ranks per node, overlap factor, copies overlap compute, full duplex, clipping)
+    (0, 2, 2, 1.0, True, True, False),
+    (1, 2, 2, 0.0, True, False, True),
+    (3, 4, 2, 0.5, True, True, False),
+    (6, 4, 4, 1.0, True, False, True),
+    (1, 2, 1, 0.5, True, True, False),
+    (0, 2, 2, 1.0, False, True, True),
+    (6, 4, 2, 0.0, False, False, False),
 ]
 
 
-@pytest.mark.parametrize(("seed", "world", "per_node", "overlap", "copy_overlap", "duplex"), CASES)
+@pytest.mark.parametrize(("seed", "world", "per_node", "overlap", "copy_overlap", "duplex", "clip"), CASES)
 def test_cpsat_optimum_equals_brute_force_at_world_sizes_2_and_4(  # noqa: PLR0913
-    seed: int, world: int, per_node: int, overlap: float, copy_overlap: bool, duplex: bool
+    seed: int, world: int, per_node: int, overlap: float, copy_overlap: bool, duplex: bool, clip: bool
 ) -> None:
     rng = np.random.default_rng(7000 + seed)
     trace, cons = _multi_rank(rng, world, per_node, overlap, n_blocks=int(rng.integers(3, 6)))
+    if clip:
+        trace = _clipping(trace)
+        # a pinned limit that binds sometimes: between one sharded and one replicated chunk's pinned bytes
+        cons = cons.model_copy(update={"pinned_memory_bytes": int(cons.host_memory_bytes * 0.3)})  # type: ignore[operator]
     params = CostParams(alpha=0.05, full_duplex=duplex, copy_overlap=copy_overlap)
     compared = 0
     for lay in candidate_layouts(trace):
@@ -111,6 +126,7 @@ def test_cpsat_optimum_equals_brute_force_at_world_sizes_2_and_4(  # noqa: PLR09
             continue
         inst = build_instance(trace, lay, cons, params)
         assert inst.world_size == world and inst.ranks_per_node == per_node
+        assert inst.redo_host_steps == clip
         expected = brute_force(inst)
         got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
         if expected is None:
@@ -118,22 +134,28 @@ def test_cpsat_optimum_equals_brute_force_at_world_sizes_2_and_4(  # noqa: PLR09
             continue
         assert got.status == "optimal" and got.cost is not None and got.cost.fits
         assert got.cost.iteration_ns == expected
+        assert got.decision is not None
+        # CP-SAT never shards a persistent chunk
+        assert all(o or not s for o, s in zip(got.decision.offloaded, got.decision.sharded, strict=True))
         compared += 1
     assert compared >= 1, "this case compares no optimum: pick limits that leave a layout feasible"
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("copy_overlap", [True, False])
-def test_vectorised_timer_agrees_with_the_cost_model(world: int, copy_overlap: bool) -> None:
+@pytest.mark.parametrize("clip", [False, True])
+def test_vectorised_timer_agrees_with_the_cost_model(world: int, copy_overlap: bool, clip: bool) -> None:
     rng = np.random.default_rng(world)
     trace, cons = _multi_rank(rng, world, 2, 0.4, n_blocks=7)
+    if clip:
+        trace = _clipping(trace)
     pick = random.Random(world)
     for lay in candidate_layouts(trace):
         inst = build_instance(trace, lay, cons, CostParams(copy_overlap=copy_overlap))
         for _ in range(40):
-            off = tuple(pick.random() < 0.4 for _ in range(inst.n_chunks))
-            sh = tuple(o or pick.random() < 0.5 for o in off)
-            nb = pick.randint(1, max(1, sum(sh))) if any(sh) else 0
+            off = tuple(pick.random() < 0.6 for _ in range(inst.n_chunks))
+            sh = tuple(o and pick.random() < 0.6 for o in off)
+            nb = pick.randint(1, sum(off)) if any(off) else 0
             modes = tuple(
                 Mode(pick.randint(0, 2)) if inst.optimisable[b] else Mode.keep for b in range(inst.n_blocks)
             )
@@ -142,18 +164,21 @@ def test_vectorised_timer_agrees_with_the_cost_model(world: int, copy_overlap: b
 
 
 # ------------------------------------------------------------------------------- hand-computed figures
-# Two blocks of 100 MB fp32 parameters (Adam: 16 bytes of state per 4-byte element), one chunk each; copies
+# Blocks of 100 MB fp32 parameters (Adam: 16 bytes of state per 4-byte element), one chunk each; copies
 # 10 GB/s each way, collectives `rate` (flat), forward 10 ms, backward 20 ms; the host optimizer 1 GB/s and
 # the device one 100 GB/s of parameter bytes. World size 2, both ranks on one node.
 MB = 10**6
 ms = 10**6  # ns
 
 
-def _hand(rate: float = 50e9, overlap: float = 1.0, world: int = 2, per_node: int = 2, **kw):  # type: ignore[no-untyped-def]
+def _hand(
+    rate: float = 50e9, overlap: float = 1.0, world: int = 2, per_node: int = 2, n_blocks: int = 2, **kw
+):  # type: ignore[no-untyped-def]
     from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
 
     specs = [
-        BlockSpec(100 * MB, 0.010, 0.020, 0.010, activation_bytes=50 * MB, input_bytes=MB) for _ in range(2)
+        BlockSpec(100 * MB, 0.010, 0.020, 0.010, activation_bytes=50 * MB, input_bytes=MB)
+        for _ in range(n_blocks)
     ]
     trace = hand_trace(specs, **kw)
     if world > 1:
@@ -170,7 +195,7 @@ def _inst(trace, **cons):  # type: ignore[no-untyped-def]
     from planner_service.solver.chunk_grid import pack
 
     layout = pack(trace, 128 * MiB)
-    assert layout.n_chunks == 2
+    assert layout.n_chunks == len(trace.model.blocks)
     return build_instance(
         trace, layout, Constraints(device_memory_bytes=8 * 2**30, **cons), CostParams(alpha=0.0)
     )
@@ -181,75 +206,158 @@ KEEP = (Mode.keep, Mode.keep)
 
 def test_instance_constants_are_the_hand_computed_shards_and_collectives() -> None:
     inst = _inst(_hand())
-    assert inst.gather_ns == (2 * ms, 2 * ms)  # 100 MB all-gathered at 50 GB/s
+    assert inst.gather_ns == (2 * ms, 2 * ms)  # the 100 MB compute copy all-gathered at 50 GB/s
     assert inst.reduce_scatter_ns == (2 * ms, 2 * ms)  # 100 MB of fp32 gradient
     assert inst.all_reduce_ns == (4 * ms, 4 * ms)  # reduce-scatter + all-gather
-    assert inst.shard_upload_ns == (5 * ms, 5 * ms)  # 50 MB shard at 10 GB/s
-    assert inst.shard_grad_offload_ns == (5 * ms, 5 * ms)
+    assert inst.upload_ns == (10 * ms, 10 * ms)  # a sharded chunk is uploaded whole, as a replicated one
+    assert inst.shard_grad_offload_ns == (5 * ms, 5 * ms)  # the rank's 50 MB of gradient
     assert inst.shard_host_optim_ns == (50 * ms, 50 * ms)  # 50 MB of shard at 1 GB/s
-    assert inst.shard_device_optim_ns == (ms // 2, ms // 2)
-    assert inst.state_bytes(0) == 400 * MB and inst.shard_state_bytes_of == (200 * MB, 200 * MB)
-    # + the exposed 4-byte .grad and the 4-byte gradient staging buffer per element (counted for every
-    # offloaded chunk since the pinned arena, issue 19 defect 8)
-    assert inst.shard_host_bytes_of == (300 * MB, 300 * MB)
+    # a whole offloaded chunk: 24 bytes per element (4 compute copy, 4 gradient, 8 Adam state, 4 exposed
+    # .grad, 4 gradient staging); sharded, the compute copy and .grad stay whole on every rank (25M elements
+    # * 8 bytes) and the other 16 bytes per element are the rank's 12.5M-element shard
+    assert inst.host_bytes(0) == 600 * MB
+    assert inst.shard_host_bytes_of == (400 * MB, 400 * MB)
+    # pinned: the whole compute copy (100 MB), the shard's staging buffer and, with no separate fp32 master,
+    # its host gradient (50 MB each); a replicated chunk pins 3 x 100 MB
+    assert inst.pinned_bytes(0) == 300 * MB and inst.shard_pinned_bytes_of == (200 * MB, 200 * MB)
     assert inst.collective_overlap_permille == 1000
 
 
-def test_sharded_persistent_chunks_gathered_once_count_their_collectives() -> None:
+def test_a_shard_is_a_multiple_of_4_elements_of_the_padded_chunk() -> None:
+    from planner_service.solver.sharding import shard_elements
+
+    assert shard_elements(10, 4) == 4  # ceil(10 / 4) = 3, aligned to 4: the last shard is padding only
+    assert shard_elements(16, 4) == 4 and shard_elements(17, 4) == 8 and shard_elements(8, 2) == 4
+    # 12 + 4 = 16-byte (fp32) fragments of 100 MB + 4 bytes of parameters over 3 ranks
+    trace = _hand(world=3, per_node=3)
+    inst = _inst(trace)
+    s = shard_elements(25_000_000, 3)
+    assert s == 8_333_336
+    assert inst.shard_host_bytes_of[0] == 3 * s * 8 + s * 16
+
+
+def test_mixed_precision_shard_bytes_follow_what_the_runtime_keeps_per_rank() -> None:
+    from planner_service.solver.sharding import shard_elements
+    from planner_service.solver.testing.synthetic import synthetic_trace
+
+    base = synthetic_trace(n_blocks=4, hidden=256, heads=4, batch=2, seq=128, vocab=1000)
+    w = base.workload
+    assert (w.precision.value, w.gradient_bytes_per_param, w.master_bytes_per_param) == ("bf16", 2, 4)
+    trace = with_distributed(_clipping(base), synthetic_distributed(4, 2))
+    inst = build_instance(
+        trace, candidate_layouts(trace)[0], Constraints(device_memory_bytes=2**30), CostParams(alpha=0.0)
+    )
+    for c, used in enumerate(inst.layout.used_bytes):
+        s = shard_elements(used // 2, 4)
+        # whole on every rank: bf16 compute copy + bf16 exposed .grad; per rank's shard: fp32 host gradient,
+        # fp32 master, optimizer state, bf16 gradient staging, undo backup
+        rest = 4 + 4 + w.optimizer_state_bytes_per_param + 2 + 12
+        assert inst.shard_host_bytes_of[c] == 4 * s * (2 + 2) + s * rest
+        # pinned: the whole compute copy and the shard's staging buffer (the fp32 host gradient is not pinned)
+        assert inst.shard_pinned_bytes_of[c] == 4 * s * 2 + s * 2
+
+
+def test_a_persistent_chunk_is_never_sharded() -> None:
+    from planner_service.solver.cost_model import evaluate
+    from planner_service.solver.entry import policy_of
+
     inst = _inst(_hand())
-    cost = evaluate_decision(inst, Decision((False, False), 2, KEEP, (True, True)))
-    # forward: gather chunk 0 (2 ms, exposed), window 0 hides the gather of chunk 1 behind 10 ms, window 1
-    assert cost.forward_ns == 2 * ms + 10 * ms + 10 * ms
-    # backward: both chunks still in the two buffers; chunk 1's reduce-scatter hides in window 0, chunk 0's
-    # (2 ms) has no window after it
-    assert cost.backward_ns == 20 * ms + 20 * ms + 2 * ms
-    assert cost.device_optim_ns == ms  # two half-chunk shards
-    assert cost.iteration_ns == 22 * ms + 42 * ms + ms
-    assert (cost.forward_collective_ns, cost.backward_collective_ns) == (4 * ms, 4 * ms)
-    # one rank's device: two 200 MB shards + two full 128 MiB buffers (compute copy + gradient)
-    assert cost.static_device_bytes == 400 * MB + 2 * (2 * 128 * MiB)
+    with pytest.raises(
+        ValueError, match=r"sharded: chunks \[0\] are persistent; only offloaded chunks may be"
+    ):
+        evaluate_decision(inst, Decision((False, True), 1, KEEP, (True, True)))
+    # nor through the wire: a policy sharding a persistent chunk does not evaluate
+    trace = _hand()
+    policy = policy_of(trace, inst.layout, Decision((False, True), 1, KEEP, (False, True)))
+    chunks = [policy.chunks[0].model_copy(update={"sharded": True}), policy.chunks[1]]
+    with pytest.raises(ValueError, match="only offloaded chunks may be sharded"):
+        evaluate(
+            trace, policy.model_copy(update={"chunks": chunks}), Constraints(device_memory_bytes=8 * 2**30)
+        )
+
+
+def test_persistent_chunks_are_replicated_and_all_reduced() -> None:
+    inst = _inst(_hand())
+    cost = evaluate_decision(inst, Decision((False, False), 0, KEEP, (False, False)))
+    # forward: no collectives; backward: window 0 hides chunk 1's all-reduce (4 ms), chunk 0's is exposed
+    assert cost.forward_ns == 20 * ms
+    assert cost.backward_ns == 20 * ms + 20 * ms + 4 * ms
+    assert cost.device_optim_ns == 2 * ms  # two whole 100 MB chunks at 100 GB/s
+    assert cost.iteration_ns == 20 * ms + 44 * ms + 2 * ms
+    assert (cost.backward_collective_ns, cost.host_collective_ns) == (8 * ms, 0)
+    assert cost.static_device_bytes == 800 * MB  # whole on each rank's device
 
 
 def test_slow_collectives_are_exposed_where_compute_cannot_hide_them() -> None:
-    inst = _inst(_hand(rate=5e9))  # 20 ms a collective, longer than a 10 ms forward window
-    cost = evaluate_decision(inst, Decision((False, False), 2, KEEP, (True, True)))
-    assert cost.forward_ns == 20 * ms + 20 * ms + 10 * ms
-    assert cost.backward_ns == 20 * ms + 20 * ms + 20 * ms
-    # replicated chunks: no gathers, each gradient all-reduced (40 ms) after its backward
+    inst = _inst(_hand(rate=5e9))  # 20 ms a reduce-scatter, 40 ms an all-reduce: longer than backward windows
     rep = evaluate_decision(inst, Decision((False, False), 0, KEEP, (False, False)))
     assert rep.forward_ns == 20 * ms
     assert rep.backward_ns == max(20 * ms, 40 * ms) + 20 * ms + 40 * ms
-    assert rep.device_optim_ns == 2 * ms and rep.static_device_bytes == 800 * MB
+    # chunk 1 offloaded and sharded: reduce-scattered (20 ms) then its 50 MB shard copied out (5 ms) behind
+    # chunk 0's backward (20 ms): the chain is exposed; chunk 0's all-reduce (40 ms) has no window after it
+    sh = evaluate_decision(inst, Decision((False, True), 1, KEEP, (False, True)))
+    assert sh.backward_ns == 20 * ms + 25 * ms + 40 * ms
 
 
 def test_offloaded_shards_with_one_buffer_and_the_host_queue() -> None:
     inst = _inst(_hand())
     cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (True, True)))
-    # forward: fetch chunk 0 (5 ms shard upload, then 2 ms gather); one buffer: chunk 1's fetch waits for
-    # window 0's compute (10 + 7)
-    assert cost.forward_ns == 7 * ms + 17 * ms + 10 * ms
-    # backward: chunk 1 is still in the buffer; window 1 (chunk 1) computes, then window 0 refetches chunk 0
-    # after it (one buffer: 20 + 7); chunk 0's reduce-scatter is exposed (2 ms)
-    assert cost.backward_ns == 20 * ms + 27 * ms + 2 * ms
-    # host: chunk 1's shard arrives at 27 + 2 + 5 ms and both 50 ms shard steps queue behind it
-    assert cost.host_end_ns == 34 * ms + 100 * ms
-    assert cost.iteration_ns == 34 * ms + 134 * ms
-    # two 300 MB shards (states, exposed .grad, gradient staging; see the instance test) on each of 2 ranks
-    assert cost.host_bytes == 600 * MB and cost.host_node_bytes == 1200 * MB
+    # forward: upload chunk 0 whole (10 ms), no gather; one buffer: chunk 1's upload waits for window 0's
+    # compute (10 + 10)
+    assert cost.forward_ns == 10 * ms + 20 * ms + 10 * ms
+    # backward: chunk 1 is still in the buffer; window 1 computes, then chunk 0 is uploaded again after it
+    # (one buffer: 20 + 10); window 0 hides chunk 1's reduce-scatter (2 ms) and shard copy (5 ms); chunk 0's
+    # reduce-scatter is exposed (2 ms)
+    assert cost.backward_ns == 30 * ms + 20 * ms + 2 * ms
+    # host: chunk 1's shard arrives at 30 + 2 + 5 ms; the worker steps it (50 ms) and all-gathers its
+    # compute copy (2 ms), then chunk 0's (arrived at 50 + 7 ms) likewise
+    assert cost.host_end_ns == 37 * ms + 2 * 52 * ms
+    assert cost.iteration_ns == 40 * ms + 141 * ms
+    assert cost.host_optim_ns == 100 * ms and cost.host_collective_ns == 4 * ms
+    # two 400 MB sharded chunks (see the instance test) on each of 2 ranks; 200 MB pinned each
+    assert cost.host_bytes == 800 * MB and cost.host_node_bytes == 1600 * MB and cost.pinned_bytes == 400 * MB
+    assert cost.static_device_bytes == 2 * 128 * MiB  # one full buffer (compute copy + gradient)
 
 
-@pytest.mark.parametrize(("overlap", "window_ms"), [(1.0, 10.0), (0.5, 12.5), (0.0, 15.0)])
+def test_clipping_redoes_the_shard_steps_and_then_gathers() -> None:
+    inst = _inst(_clipping(_hand()))
+    assert inst.redo_host_steps
+    cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (True, True)))
+    # during backward the worker only steps (speculatively): chunk 1 at 37 + 50, chunk 0 after it at 137 ms
+    assert cost.host_end_ns == 137 * ms
+    # at optimizer.step() both shard steps are redone, then both compute copies all-gathered
+    assert cost.host_redo_ns == 100 * ms + 4 * ms
+    assert cost.iteration_ns == 40 * ms + 137 * ms + 104 * ms
+    # the undo backup (12 bytes per element: master + Adam state) is a shard's too
+    assert inst.shard_host_bytes_of[0] == 400 * MB + 12 * 12_500_000
+
+
+def test_on_a_serial_device_every_collective_adds() -> None:
+    inst = _inst(_hand(device_type="cpu"))  # type: ignore[arg-type]
+    assert not inst.copy_overlap
+    cost = evaluate_decision(inst, Decision((False, True), 1, KEEP, (False, True)))
+    # forward: window 0 then uploads chunk 1 (10 ms) after compute
+    assert cost.forward_ns == 10 * ms + 10 * ms + 10 * ms
+    # backward: window 1; window 0 + chunk 1's reduce-scatter (2) and shard copy (5); chunk 0's all-reduce (4)
+    assert cost.backward_ns == 20 * ms + 27 * ms + 4 * ms
+    # then the device step of chunk 0 (1 ms), the shard step (50) and the gather (2), serially
+    assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 52 * ms
+
+
+@pytest.mark.parametrize(("overlap", "window_ms"), [(1.0, 20.0), (0.5, 22.5), (0.0, 25.0)])
 def test_measured_overlap_of_collectives_and_copies_sets_the_window(overlap: float, window_ms: float) -> None:
-    # block 0 swapped: its 50 MB go out (5 ms D2H) while chunk 1 is gathered (10 ms at 10 GB/s)
-    inst = _inst(_hand(rate=10e9, overlap=overlap))
+    # three persistent chunks; block 0 swapped: its 50 MB come back (5 ms H2D) during window 1, while chunk
+    # 2's gradient is all-reduced (20 ms at 10 GB/s)
+    inst = _inst(_hand(rate=10e9, overlap=overlap, n_blocks=3))
     assert inst.collective_overlap_permille == round(1000 * overlap)
-    cost = evaluate_decision(inst, Decision((False, False), 2, (Mode.swap, Mode.keep), (True, True)))
-    # head gather 10 ms + window 0: max(10, chain 10, 5 + (1-f) 10, 10 + (1-f) 5) + window 1 10 ms
-    assert cost.forward_ns == round((10 + window_ms + 10) * ms)
+    cost = evaluate_decision(inst, Decision((False,) * 3, 0, (Mode.swap, Mode.keep, Mode.keep), (False,) * 3))
+    # window 2 (20 ms) + window 1: max(20, 5 + (1-f) 20, 20 + (1-f) 5) + window 0 (20 ms, hides chunk 1's
+    # all-reduce) + chunk 0's all-reduce (20 ms, exposed)
+    assert cost.backward_ns == round((20 + window_ms + 20 + 20) * ms)
 
 
 def test_host_memory_is_the_nodes_shared_by_its_ranks() -> None:
-    limit = 999 * MB  # one rank's 500 MB of offloaded shards fits; two ranks on a node (1000 MB) do not
+    limit = 999 * MB  # one rank's 800 MB of offloaded shards fits; two ranks on a node (1600 MB) do not
     two_per_node = _inst(_hand(per_node=2), host_memory_bytes=limit)
     one_per_node = _inst(_hand(per_node=1), host_memory_bytes=limit)
     d = Decision((True, True), 1, KEEP, (True, True))
@@ -264,18 +372,20 @@ def test_host_memory_is_the_nodes_shared_by_its_ranks() -> None:
 def test_a_single_rank_trace_rejects_a_sharding() -> None:
     inst = _inst(_hand(world=1))
     with pytest.raises(ValueError, match="sharded: a single-rank job shards nothing"):
-        evaluate_decision(inst, Decision((False, False), 1, KEEP, (True, True)))
+        evaluate_decision(inst, Decision((True, True), 1, KEEP, (True, True)))
 
 
 def test_an_offloaded_replicated_chunk_moves_and_steps_the_whole_chunk() -> None:
     inst = _inst(_hand())
     cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (False, False)))
-    # forward: the whole 100 MB uploaded (10 ms), no gather; one buffer: chunk 1 waits for window 0
+    # forward: the whole 100 MB uploaded (10 ms), as a sharded chunk; one buffer: chunk 1 waits for window 0
     assert cost.forward_ns == 10 * ms + (10 + 10) * ms + 10 * ms
     # backward: window 0 all-reduces chunk 1's gradient (4 ms) then copies it out whole (10 ms), hidden in
     # 20 ms; window 1 refetches chunk 0 after its compute (one buffer: 20 + 10); chunk 0's all-reduce exposed
     assert cost.backward_ns == 20 * ms + 30 * ms + 4 * ms
-    assert cost.host_optim_ns == 200 * ms  # two whole 100 MB steps at 1 GB/s
+    assert cost.host_optim_ns == 200 * ms and cost.host_collective_ns == 0  # two whole steps, no gathers
+    # host: chunk 1 arrives at 30 + 4 + 10 ms, then two whole 100 ms steps
+    assert cost.host_end_ns == 44 * ms + 200 * ms
     assert (
         cost.host_bytes == 2 * 600 * MB and cost.host_node_bytes == 2400 * MB
     )  # whole chunks, incl. staging
@@ -301,26 +411,31 @@ def _offloaded_fraction(policy) -> float:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "protrain"])
-def test_sharding_keeps_more_on_each_ranks_device_and_the_plan_is_faster(solver: str) -> None:
+def test_sharding_the_offloaded_chunks_divides_host_work_and_host_memory(solver: str) -> None:
     from planner_service.solver.cost_model import evaluate
 
     plans = _plans(300, solver)
-    offloaded = {}
     for world, (trace, cons, plan) in plans.items():
         assert plan.policy is not None and plan.predictions is not None, plan.solver.message
         assert plan.policy.world_size == world
-        assert bool(plan.policy.sharded_chunks) == (world > 1)
+        offloaded = [c.index for c in plan.policy.chunks if c.placement.value == "offloaded"]
+        # only offloaded chunks are sharded; here sharding every one of them pays
+        assert plan.policy.sharded_chunks == (offloaded if world > 1 else [])
         # the wire policy evaluates back to the plan's predictions (sharding and world size included)
         assert evaluate(trace, plan.policy, cons, None).iteration_s == pytest.approx(
             plan.predictions.iteration_s
         )
-        offloaded[world] = _offloaded_fraction(plan.policy)
+    # one rank of 300 MiB cannot hold the model's states, and sharding does not shrink what a rank's device
+    # holds (persistent chunks stay whole): every world size offloads; each rank steps 1/N of the offloaded
+    # states on its host and keeps 1/N of them there (but the compute copy and .grad whole)
+    assert all(_offloaded_fraction(p.policy) > 0.5 for _, _, p in plans.values())
     t = {w: p.predictions.iteration_s for w, (_, _, p) in plans.items()}  # type: ignore[union-attr]
-    # one rank of 300 MiB cannot hold the model's states: it offloads; 1/2 and 1/4 of them fit
-    assert offloaded[1] > offloaded[2] >= offloaded[4] and offloaded[4] == 0.0
+    host = {w: p.predictions.peak_host_bytes for w, (_, _, p) in plans.items()}  # type: ignore[union-attr]
     assert t[1] > t[2] > t[4]
+    assert host[1] > host[2] > host[4]
     b = plans[2][2].predictions.breakdown  # type: ignore[union-attr]
-    assert b["world_size"] == 2.0 and b["forward_collective_s"] > 0 and b["backward_collective_s"] > 0
+    assert b["world_size"] == 2.0 and b["backward_collective_s"] > 0 and b["host_collective_s"] > 0
+    assert "forward_collective_s" not in b  # a sharded chunk is uploaded whole: no gather before use
 
 
 def test_with_room_for_everything_communication_is_not_free() -> None:
@@ -328,5 +443,5 @@ def test_with_room_for_everything_communication_is_not_free() -> None:
     one, two = plans[1][2], plans[2][2]
     assert one.policy is not None and not any(c.placement.value == "offloaded" for c in one.policy.chunks)
     assert "world_size" not in one.predictions.breakdown  # type: ignore[union-attr]
-    # the same per-rank work plus gathers/reductions: no faster per iteration than one rank alone
+    # the same per-rank work plus gradient all-reduces: no faster per iteration than one rank alone
     assert two.predictions.iteration_s >= one.predictions.iteration_s  # type: ignore[union-attr]
