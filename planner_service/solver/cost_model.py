@@ -97,14 +97,15 @@ Backward window c: comm = red(c+1), h2d = need[c-1] * up(c-1) + swap-in of windo
   T_bwd = need[C-1] * up(C-1) + swap-in of the last window + sum Tb[c] + red(0)
   (chunk 0's reduction has no window after it). The concurrent (duplex) copy rates are not applied.
 Host worker: an offloaded chunk's gradient arrives at done(c) + red(c) + gout(c); the FIFO worker then
-  steps it and, when sharded, all-gathers its compute copy (ag(c), at the measured all-gather rate; the
-  gather's contention with the windows' copies and collectives is not modelled, f applies to the windows):
-    T_host_end = max over c of (done(c) + o[c] * (red(c) + gout(c)) + sum_{c' <= c} (step(c') + ag(c')))
-  When clipping redoes the speculative steps (T_host_redo), the gathers follow the redone steps at
-  optimizer.step() instead: T_host_redo = sum step(c) + sum ag(c), and the FIFO holds the steps only.
+  steps it:
+    T_host_end = max over c of (done(c) + o[c] * (red(c) + gout(c)) + sum_{c' <= c} step(c'))
+  At optimizer.step(), after every step settled, the sharded chunks' compute copies are all-gathered (ag(c),
+  at the measured all-gather rate), in chunk order, as the runtime queues them (unconditionally: no rank's
+  own validation decides a collective); when clipping redoes the speculative steps they come first:
+    T_after = sum ag(c) (+ sum step(c) when redone), added after max(T_bwd + T_dev_opt, T_host_end).
+  So the gathers never hide behind backward (gathering each chunk right after its speculative step, and
+  again only where a rank-agreed validation failed, would hide them: not built).
   Serial (CPU): T_host_end = T_bwd + T_dev_opt + gout(0) + sum of the FIFO's work.
-  (The runtime issues the gathers at optimizer.step(), in chunk order, on the host worker; the model puts
-  each right after its chunk's step, so a gather may hide behind backward compute as the step does.)
 Memory of one rank: device as one process (persistent chunks whole + n_buffers buffers); host = offloaded
   chunks (sharded: 2 * N * s * elt + s * the rest per element; replicated: whole) + swapped activations.
   Host RAM is the node's: R * host <= host limit. The pinned limit is one rank's (process's): a sharded
@@ -145,7 +146,9 @@ class Cost:
     device_optim_ns: int
     host_optim_ns: int  # total host optimizer work
     host_end_ns: int  # host optimizer finish, from the start of backward
-    host_redo_ns: int  # host steps redone at optimizer.step() (clipping), after backward
+    host_redo_ns: (
+        int  # at optimizer.step(), after backward: steps redone (clipping), then sharded chunks' all-gathers
+    )
     forward_compute_ns: int
     backward_compute_ns: int
     recompute_ns: int
@@ -270,12 +273,13 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
 
 
 def host_queue(inst: PolicyInstance, k: ChunkTerms) -> tuple[tuple[int, ...], int]:
-    """Per chunk, the host worker's FIFO work after the chunk's gradient arrives (its step, then its
-    compute copy's all-gather), and the work redone at optimizer.step() when clipping redoes the speculative
-    steps (every step again, then every all-gather: the gathers follow the chunk's final step)."""
+    """Per chunk, the host worker's FIFO work after the chunk's gradient arrives (its step), and the work at
+    optimizer.step() after every step settled: the sharded chunks' compute-copy all-gathers (the runtime
+    queues them there, in chunk order, so no rank's own validation decides a collective), after the steps
+    redone when clipping changed the gradients."""
     if inst.redo_host_steps:
         return k.host_optim, sum(k.host_optim) + sum(k.host_gather)
-    return tuple(h + g for h, g in zip(k.host_optim, k.host_gather, strict=True)), 0
+    return k.host_optim, sum(k.host_gather)
 
 
 def residency(offloaded: tuple[bool, ...], n_buffers: int) -> list[bool]:

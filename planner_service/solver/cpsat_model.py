@@ -430,15 +430,15 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     bwd = head + sum(tb) + tail
 
     # optimizer: persistent chunks step whole on the device; the host worker (FIFO) steps an offloaded
-    # chunk's shard (sharded) or the whole chunk, then all-gathers a sharded chunk's compute copy; clipping
-    # redoes the steps at optimizer.step() and the gathers follow them there (cost_model.host_queue)
+    # chunk's shard (sharded) or the whole chunk; at optimizer.step() the sharded chunks' compute copies are
+    # all-gathered, after the steps clipping redoes (cost_model.host_queue)
     dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
     step = [Hs[c] * pm.sh[c] + H[c] * rep[c] for c in range(C)]
     gather = [AG[c] * pm.sh[c] for c in range(C)]
     if inst.redo_host_steps:
         work, redo = step, sum(step) + sum(gather)
     else:
-        work, redo = [st + g for st, g in zip(step, gather, strict=True)], 0
+        work, redo = step, sum(gather)
     if not overlap:
         host_work = sum(work) + (_total(gout(0)) if C else 0)
         pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
