@@ -46,7 +46,7 @@ class ChunkResidency:
         self.schedule = schedule
         self.views = views
         self.timing = timing
-        self.pool = BufferPool(ctx, layout.n_buffers, layout.chunk_numel, layout.compute_dtype)
+        self.pool = BufferPool(ctx, layout.n_buffers, layout.buffer_numel, layout.compute_dtype)
         self.slot_by_storage = self.pool.storage_ids()
         # set by the manager: flush a chunk's gradients still in its buffer before the buffer is reused
         self.flush: Callable[[ChunkState, Slot], None] = _no_flush
@@ -138,7 +138,9 @@ class ChunkResidency:
         assert slot is not None and st.host_params is not None
         if slot.chunk is not None:
             self.evict(slot)
-        st.wait_host()  # the host step must have finished writing the upload source
+        # the host step must have finished writing the upload source (a sharded chunk: and the all-gather of
+        # every rank's stepped shard into it, queued after the step at optimizer.step())
+        st.wait_host()
         n = st.numel
         stream = self.ctx.upload_stream
         with self.ctx.on(stream):
@@ -147,8 +149,9 @@ class ChunkResidency:
             slot.free_after.clear()
             timing = self.options.measure_uploads
             start = self.ctx.record(stream, timing=True) if timing else None
-            slot.params[:n].copy_(st.host_params, non_blocking=True)
-            slot.grad[:n].zero_()
+            slot.params[:n].copy_(st.host_params[:n], non_blocking=True)
+            # a sharded chunk's gradient area is reduce-scattered whole: its padding up to world_size shards too
+            slot.grad[: st.shard.total if st.shard is not None else n].zero_()
             st.ready = self.ctx.record(stream, timing=timing)
             if start is not None:
                 self.upload_timings.append((start, st.ready))
