@@ -15,8 +15,8 @@ and the exposed gradient whole, and the fp32 master, host gradient and staging b
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 import dataclasses
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -462,7 +462,8 @@ class ModelStateManager:
                 # this rank's loaded shard into the compute copy, then every rank's (a collective, chunk order)
                 assert st.host_params is not None and st.master is not None and self.group is not None
                 own = st.host_params[st.shard.start : st.shard.end]
-                own.copy_(st.master)
+                if st.mixed:  # (in fp32 the master is `own` itself)
+                    own.copy_(st.master)
                 self.group.all_gather(st.host_params, own.clone())
                 continue
             if not st.mixed:

@@ -201,7 +201,11 @@ class ChunkedOptimizer(torch.optim.Optimizer):
                 if st is None:
                     continue
                 n = stepper.entries[i].numel
-                flat = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n}
+                flat = {
+                    k: v
+                    for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n
+                }
                 other = {k: v for k, v in st.items() if k not in flat}
                 local[j] = ({k: v.dtype for k, v in flat.items()}, other)
                 pieces[j] = flat

@@ -55,18 +55,20 @@ class RankGroup:
     def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """`output` (s elements) = the mean over the ranks of `full[rank*s : (rank+1)*s]` (`full`: world_size*s
         elements, left unchanged). `output` must not overlap `full` (gloo is only documented for separate ones)."""
-        with _on_backend_device(full, self.device, write_back=False) as src, _on_backend_device(
-            output, self.device
-        ) as dst:
+        with (
+            _on_backend_device(full, self.device, write_back=False) as src,
+            _on_backend_device(output, self.device) as dst,
+        ):
             _reduce_scatter(dst, src, group=self.group)
             dst.div_(self.world_size)
 
     def all_gather(self, full: torch.Tensor, own: torch.Tensor) -> None:
         """`full` (world_size*s elements) = every rank's `own` (s elements) in rank order. `own` must not
         overlap `full` (pass a copy of this rank's slice)."""
-        with _on_backend_device(own, self.device, write_back=False) as src, _on_backend_device(
-            full, self.device
-        ) as dst:
+        with (
+            _on_backend_device(own, self.device, write_back=False) as src,
+            _on_backend_device(full, self.device) as dst,
+        ):
             _all_gather(dst, src, group=self.group)
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -124,8 +124,12 @@ class ChunkResidency:
             st = self.states[t]
             if st.slot is not None or not st.offloaded:
                 continue
-            if st.host_work is not None and not st.host_work.done():
-                break  # its host step is still running: do not block the training thread for a prefetch
+            if st.host_work is not None and not st.host_work.done() and not self.layout.sharded:
+                # its host step is still running: do not block the training thread for a prefetch. With sharded
+                # chunks the upload waits instead: prefetching may evict a chunk whose gradients are still in its
+                # buffer, and that flush is a collective: where it happens must not depend on timing, or ranks
+                # would issue their collectives in different orders (issue 20)
+                break
             victim = self._victim(demand=False, before=self.schedule.next_use(t))
             if victim is None:
                 break
@@ -143,6 +147,9 @@ class ChunkResidency:
         st.wait_host()
         n = st.numel
         stream = self.ctx.upload_stream
+        for issued in slot.issued:
+            issued.result()
+        slot.issued.clear()
         with self.ctx.on(stream):
             for ev in slot.free_after:
                 self.ctx.wait(ev, stream)

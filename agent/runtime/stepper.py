@@ -300,7 +300,6 @@ class ChunkStepper:
                     st[k] = v
             self.inner.state[r.tensor] = st
 
-
     def _pieces(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Whole parameters' states (by chunk entry) -> their pieces' states in this shard (by stepper entry)."""
         assert self.state.shard is not None
@@ -310,7 +309,9 @@ class ChunkStepper:
             st = states.get(j)
             if st is None:
                 continue
-            lo = piece.offset + self.state.shard.start - whole[j].offset  # where the piece starts in the parameter
+            lo = (
+                piece.offset + self.state.shard.start - whole[j].offset
+            )  # where the piece starts in the parameter
             out[i] = {
                 k: v.reshape(-1)[lo : lo + piece.numel]
                 if isinstance(v, torch.Tensor) and v.numel() == whole[j].numel and v.dim() > 0
