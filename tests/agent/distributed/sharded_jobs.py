@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import agent
-from agent.runtime import manual_plan
+from agent.runtime import RuntimeOptions, manual_plan
 from client.contract import Placement, Plan
 
 
@@ -38,6 +38,8 @@ class ShardCase:
     no_sync: bool = False
     save: str | None = None  # every rank gathers the full state dicts; rank 0 writes them here
     load: str | None = None  # both variants start from this checkpoint (memplan's, saved at any world size)
+    bf16: bool = False  # memplan computes in bf16 with an fp32 master (DDP stays fp32)
+    unwrap: bool = False  # end with agent.unwrap: the trained model and optimizer state back in plain PyTorch
 
 
 class TokenMLP(nn.Module):
@@ -58,21 +60,27 @@ class TokenMLP(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
-def sharded_plan(model: nn.Module, world: int, offload: str) -> Plan:
+def sharded_plan(model: nn.Module, world: int, offload: str, dtype: torch.dtype = torch.float32) -> Plan:
     """A hand-built plan for `world` ranks with every offloaded chunk sharded."""
-    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    sizes = [p.numel() * dtype.itemsize for p in model.parameters()]
     chunk = -(-max(max(sizes), -(-sum(sizes) // 5)) // 64) * 64 + 48  # 48: chunks end off a shard boundary
     rule: Any = "all" if offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
-    plan = manual_plan(model, chunk_size_bytes=chunk, offload=rule, n_buffers=2)
+    plan = manual_plan(model, chunk_size_bytes=chunk, offload=rule, n_buffers=2, compute_dtype=dtype)
     assert plan.policy is not None
-    chunks = [c.model_copy(update={"sharded": c.placement == Placement.offloaded}) for c in plan.policy.chunks]
+    chunks = [
+        c.model_copy(update={"sharded": c.placement == Placement.offloaded}) for c in plan.policy.chunks
+    ]
     policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
     return plan.model_copy(update={"policy": policy})
 
 
 def spawn(case: ShardCase, world: int, out: Path) -> list[dict[str, Any]]:
     mp.start_processes(
-        _entry, args=(world, free_port(), asdict(case), str(out)), nprocs=world, join=True, start_method="fork"
+        _entry,
+        args=(world, free_port(), asdict(case), str(out)),
+        nprocs=world,
+        join=True,
+        start_method="fork",
     )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -121,7 +129,14 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
             o.load_state_dict(ckpt["optimizer"])  # plain PyTorch, and memplan's wrap keeps it
     ddp = DistributedDataParallel(ref_model)
     data = batches(case.steps, rank)
-    wrapped = agent.wrap(model, opt, plan=sharded_plan(model, world, case.offload), feedback_steps=None)
+    dtype = torch.bfloat16 if case.bf16 else torch.float32
+    wrapped = agent.wrap(
+        model,
+        opt,
+        plan=sharded_plan(model, world, case.offload, dtype),
+        options=RuntimeOptions(compute_dtype=dtype),
+        feedback_steps=None,
+    )
     loop = LoopCase(steps=case.steps, clip=case.clip, micro=case.micro, no_sync=case.no_sync)
     ref_losses, ref_norms = train(
         ddp, ref_opt, data, loop, ddp.no_sync, lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m)
@@ -172,5 +187,10 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         plain.load_state_dict(state)  # plain PyTorch takes it
         if case.save is not None and rank == 0:
             torch.save({"model": wrapped.model.state_dict(), "optimizer": state}, case.save)
+    if case.unwrap:
+        plain_model = agent.unwrap(wrapped)  # a collective with sharded chunks: every rank
+        result["unwrapped_rel_diff"] = rel_diff(plain_model, ref_model)
+        result["unwrapped_dtype"] = str(next(plain_model.parameters()).dtype)
+        result["unwrapped_opt_rel_diff"] = state_rel_diff(opt.state_dict(), ref_opt.state_dict())
     dist.barrier()
     return result

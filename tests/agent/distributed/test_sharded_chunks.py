@@ -34,7 +34,9 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
         assert res["grad_reductions"] > 0 and res["param_gathers"] > 0
     loss_diff = max(rel(res["losses"], res["ref_losses"]) for res in results)
     param_diff = max(res["param_rel_diff"][0] for res in results)
-    print(f"sharded vs DDP over {len(results)} ranks: losses {loss_diff:.2e}, parameters {param_diff:.2e} relative")
+    print(
+        f"sharded vs DDP over {len(results)} ranks: losses {loss_diff:.2e}, parameters {param_diff:.2e} relative"
+    )
     # every rank holds the same whole model, and the ranks trained on different data (losses differ)
     assert len({round(res["checksum"], 6) for res in results}) == 1
     assert len({res["ref_losses"][0] for res in results}) == len(results)
@@ -46,7 +48,9 @@ def test_sharded_chunks_of_a_hugging_face_llama_train_as_ddp_on_two_ranks(tmp_pa
     check(results)
 
 
-def test_persistent_and_sharded_chunks_train_as_ddp_on_four_ranks_holding_a_quarter_each(tmp_path: Path) -> None:
+def test_persistent_and_sharded_chunks_train_as_ddp_on_four_ranks_holding_a_quarter_each(
+    tmp_path: Path,
+) -> None:
     world = 4
     results = spawn(ShardCase(kind="mlp", offload="alternate", steps=4), world, tmp_path)
     assert results[0]["persistent_chunks"] > 0
@@ -58,11 +62,14 @@ def test_persistent_and_sharded_chunks_train_as_ddp_on_four_ranks_holding_a_quar
         for n, s, (grad, stage, master, compute) in zip(
             chunk_numel, res["shard_numel"], res["shard_buffers"], strict=True
         ):
-            assert s == -(-(-(-n // world)) // 4) * 4 and 0 <= world * s - n < 4 * world
+            per_rank = -(-n // world)  # ceil(n / world), then up to a multiple of 4 elements
+            assert s == -(-per_rank // 4) * 4 and 0 <= world * s - n < 4 * world
             assert grad == stage == master == s and compute == world * s
         shards = sum(res["shard_numel"])
         assert res["host_report"]["gradients"] == res["host_report"]["gradient_staging"] == 4 * shards
-        assert res["host_report"]["parameters"] == res["host_report"]["gradient_exposed"] == 4 * world * shards
+        assert (
+            res["host_report"]["parameters"] == res["host_report"]["gradient_exposed"] == 4 * world * shards
+        )
         assert res["sharded_opt_state_bytes"] <= 2 * 4 * shards  # AdamW's two moments of the shard, fp32
     # together the ranks hold each moment once: the whole chunks' (alignment padding inside runs included)
     total_opt = sum(res["sharded_opt_state_bytes"] for res in results)
@@ -71,10 +78,24 @@ def test_persistent_and_sharded_chunks_train_as_ddp_on_four_ranks_holding_a_quar
 
 def test_clipping_every_step_sees_the_global_norm_as_ddp(tmp_path: Path) -> None:
     # a small max norm: torch's clip_grad_norm_ on the wrapped model's parameters scales every step (the
-    # overlapped host steps of the shards are redone) and sees the whole averaged `.grad` on every rank
-    results = spawn(ShardCase(kind="llama", offload="all", steps=4, clip=0.05), 2, tmp_path)
+    # overlapped host steps of the shards are redone) and sees the whole averaged `.grad` on every rank;
+    # unwrap then gives back DDP's model and optimizer state in plain PyTorch
+    results = spawn(ShardCase(kind="llama", offload="all", steps=4, clip=0.05, unwrap=True), 2, tmp_path)
     check(results, clipped=True)
-    assert all(res["host_step_redos"] > 0 for res in results)
+    for res in results:
+        assert res["host_step_redos"] > 0
+        assert res["unwrapped_rel_diff"][0] <= TOL and res["unwrapped_opt_rel_diff"] <= TOL
+
+
+def test_bf16_compute_with_sharded_fp32_masters_trains_alike_on_every_rank(tmp_path: Path) -> None:
+    """Smoke test of mixed precision: the fp32 master is a shard (its own tensor); ranks stay identical, losses
+    stay near fp32 DDP's, and unwrap gathers every rank's fp32 master into the plain model."""
+    results = spawn(ShardCase(kind="mlp", offload="alternate", steps=3, bf16=True, unwrap=True), 2, tmp_path)
+    assert len({round(res["checksum"], 6) for res in results}) == 1
+    for res in results:
+        assert res["sharded_chunks"] > 0 and res["host_report"]["master"] > 0
+        assert rel(res["losses"], res["ref_losses"]) <= 2e-2, (res["losses"], res["ref_losses"])
+        assert res["unwrapped_dtype"] == "torch.float32" and res["unwrapped_rel_diff"][0] <= 2e-2
 
 
 def test_gradient_accumulation_with_no_sync_trains_as_ddp(tmp_path: Path) -> None:

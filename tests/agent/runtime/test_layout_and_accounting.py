@@ -61,7 +61,8 @@ def test_plan_with_sharded_offloaded_chunks_for_two_ranks_is_refused_in_one_proc
     assert plan.policy is not None
     sharded = plan.model_copy(update={"policy": plan.policy.model_copy(update={"world_size": 2})})
     with pytest.raises(
-        PlanMismatchError, match=r"policy\.world_size: is 2, and policy\.chunks\[1\] is sharded.* runs 1 process"
+        PlanMismatchError,
+        match=r"policy\.world_size: is 2, and policy\.chunks\[1\] is sharded.* runs 1 process",
     ):
         wrap(model, adamw(model), plan=edited(sharded, 1, sharded=True))
     assert not getattr(model, "_memplan_wrapped", False)
