@@ -20,7 +20,7 @@ from agent.report import WrapReport
 from agent.runtime.arena import runtime_arena_context
 from agent.runtime.device import DeviceContext
 from agent.runtime.host_arena import host_arena_for
-from agent.runtime.layout import ChunkLayout
+from agent.runtime.layout import ChunkLayout, check_world
 from agent.runtime.manager import ModelStateManager
 from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
 from agent.runtime.options import RuntimeOptions
@@ -177,6 +177,7 @@ def apply_plan(
     compute_dtype = opts.compute_dtype or model_dtype
     device = target_device(model, opts)
     layout = ChunkLayout.from_policy(plan.policy, model, compute_dtype)
+    check_world(layout, group.world_size if group is not None else 1)
     check_parameters(optimizer, layout)  # every check before the model is touched
     user_state = optimizer.state_dict() if optimizer.state else None
     ctx = runtime_arena_context(device, layout) if arena else DeviceContext(device)

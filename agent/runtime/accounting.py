@@ -57,7 +57,8 @@ class Counters:
     host_step_undos: int = 0  # speculative steps undone (gradient accumulation, zero_grad without step)
     device_steps: int = 0
     iterations: int = 0  # completed backward passes
-    grad_reductions: int = 0  # chunk gradients averaged across the ranks of the job's process group
+    grad_reductions: int = 0  # chunk gradients averaged (or reduce-scattered) across the job's ranks
+    param_gathers: int = 0  # sharded chunks' compute copies all-gathered after their host step
 
 
 @dataclass

@@ -106,17 +106,10 @@ def runtime_buffers(layout: ChunkLayout) -> list[RuntimeBuffer]:
                 RuntimeBuffer(f"chunk{spec.index}.master", n, torch.float32, AllocationCategory.optimizer)
             )
     if layout.offloaded and layout.chunk_numel > 0:
+        n = layout.buffer_numel  # a sharded chunk's zero-padded size where that exceeds the capacity
         for i in range(layout.n_buffers):
-            out.append(
-                RuntimeBuffer(
-                    f"buffer{i}.params", layout.chunk_numel, layout.compute_dtype, AllocationCategory.param
-                )
-            )
-            out.append(
-                RuntimeBuffer(
-                    f"buffer{i}.grad", layout.chunk_numel, layout.compute_dtype, AllocationCategory.grad
-                )
-            )
+            out.append(RuntimeBuffer(f"buffer{i}.params", n, layout.compute_dtype, AllocationCategory.param))
+            out.append(RuntimeBuffer(f"buffer{i}.grad", n, layout.compute_dtype, AllocationCategory.grad))
     return out
 
 

@@ -3,11 +3,12 @@
 A slot holds at most one chunk: its compute copy (parameters are views into it while resident) and a
 gradient area the chunk's gradients are gathered in before they go to the host. `free_after` is the
 set of events a new upload into the slot must wait for: compute that read the old contents and the
-gradient copy that drained it.
+gradient copy that drained it (`issued`: the host-worker tasks that record some of those events).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,9 @@ class Slot:
     pins: int = 0  # modules running forward with this chunk
     last_use: int = 0  # logical clock of the last demand (LRU tie-break)
     free_after: list[Event] = field(default_factory=list)
+    # host-worker tasks that record events of `free_after` (a sharded chunk's reduce-scatter on CUDA): an event
+    # must be recorded before a stream waits on it, so the next upload waits for these to have run first
+    issued: list[Future[None]] = field(default_factory=list)
 
 
 class BufferPool:

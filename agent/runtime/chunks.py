@@ -7,10 +7,15 @@ fp32 master (the same tensor as the compute copy in fp32 training), fp32 gradien
 for gradient copies that must be added rather than written. Optimizer state is held by the chunk's
 optimizer (see `optimizer.py`) on the same side as the master. The host buffers asked for `pinned` are
 slices of the runtime's one host arena when it has one (`host_arena.py`, via `DeviceContext.host_empty`).
+
+A sharded offloaded chunk (issue 20, `shards.py`) keeps the compute copy (zero padded to world_size shards)
+and the exposed gradient whole, and the fp32 master, host gradient and staging buffer for its own shard only
+(in fp32 training the master is the shard's slice of the compute copy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +24,7 @@ import torch
 
 from agent.runtime.device import DeviceContext, Event
 from agent.runtime.layout import ChunkSpec, ParamEntry
+from agent.runtime.shards import Shard
 
 
 def views(flat: torch.Tensor, entries: list[ParamEntry]) -> list[torch.Tensor]:
@@ -42,6 +48,7 @@ class ChunkState:
 
     spec: ChunkSpec
     mixed: bool  # a separate fp32 master exists (compute dtype narrower than fp32, fp32_master)
+    shard: Shard | None = None  # this rank's shard of a sharded offloaded chunk (master, host_grad, stage)
     # persistent (device)
     params: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -95,17 +102,31 @@ class ChunkState:
 
 
 def allocate(
-    spec: ChunkSpec, ctx: DeviceContext, compute_dtype: torch.dtype, *, fp32_master: bool = True
+    spec: ChunkSpec,
+    ctx: DeviceContext,
+    compute_dtype: torch.dtype,
+    *,
+    fp32_master: bool = True,
+    shard: Shard | None = None,
 ) -> ChunkState:
     """Allocate a chunk's memory on its side and copy the parameters' current values into it. Without an
     fp32 master (`fp32_master` False, narrow compute dtype) the compute copy is the master and the host
-    gradient has the compute dtype."""
+    gradient has the compute dtype. `shard`: this rank's shard of a sharded offloaded chunk."""
     n = spec.used_numel
     mixed = compute_dtype != torch.float32 and fp32_master
     master_dtype = torch.float32 if mixed else compute_dtype
-    state = ChunkState(spec=spec, mixed=mixed)
+    state = ChunkState(spec=spec, mixed=mixed, shard=shard)
     with torch.no_grad():
-        if spec.offloaded:
+        if spec.offloaded and shard is not None:
+            state.host_params = ctx.host_empty(shard.total, compute_dtype, pinned=True)
+            state.host_params.zero_()  # the padding past the last parameter: zeros on every rank
+            full_master = torch.empty(shard.total, dtype=torch.float32) if mixed else state.host_params
+            state.host_grad = ctx.host_empty(shard.size, master_dtype, pinned=not mixed)
+            state.stage = ctx.host_empty(shard.size, compute_dtype, pinned=True)
+            target = full_master
+            if mixed:
+                target.zero_()
+        elif spec.offloaded:
             state.host_params = ctx.host_empty(n, compute_dtype, pinned=True)
             state.master = ctx.host_empty(n, torch.float32, pinned=False) if mixed else state.host_params
             state.host_grad = ctx.host_empty(n, master_dtype, pinned=not mixed)
@@ -122,12 +143,30 @@ def allocate(
         for e, v in zip(spec.entries, views(target, spec.entries), strict=True):
             v.copy_(e.param.detach().reshape(e.shape))  # fp32 master from the original values
         if mixed:
-            (state.host_params if spec.offloaded else state.params).copy_(state.master)  # type: ignore[union-attr]
+            (state.host_params if spec.offloaded else state.params)[: target.numel()].copy_(target)  # type: ignore[index]
+        if shard is not None:
+            # the shard's master: a slice of the compute copy (fp32), or its own fp32 copy (mixed precision)
+            own = target[shard.start : shard.end]
+            state.master = own.clone() if mixed else own
         bind(state.host_params if spec.offloaded else state.params, spec.entries)  # type: ignore[arg-type]
         if not spec.offloaded:
             for e, g in zip(spec.entries, views(state.grad, spec.entries), strict=True):  # type: ignore[arg-type]
                 e.param.grad = g if e.param.requires_grad else None
     return state
+
+
+def clipped_entries(entries: list[ParamEntry], shard: Shard) -> tuple[list[ParamEntry], list[int]]:
+    """The parts of a sharded chunk's parameters inside `shard`, as flat entries whose offsets count from the
+    shard's start, and each one's position in `entries`: what the shard's optimizer steps (its runs and
+    per-parameter states are these pieces, so per-parameter semantics stay exact)."""
+    out: list[ParamEntry] = []
+    positions: list[int] = []
+    for j, e in enumerate(entries):
+        a, b = max(e.offset, shard.start), min(e.end, shard.end)
+        if a < b:
+            out.append(dataclasses.replace(e, offset=a - shard.start, numel=b - a, shape=torch.Size([b - a])))
+            positions.append(j)
+    return out, positions
 
 
 def stage_for(state: ChunkState, ctx: DeviceContext, compute_dtype: torch.dtype) -> torch.Tensor:

@@ -7,9 +7,15 @@ chunk leaves its buffer and, when speculating, its host step is queued. At the e
 offloaded parameter gets `.grad`, a host view of its chunk's `user_grad` (`expose`); the user's edits are
 folded back into the host gradient at `optimizer.step()` (`reconcile`) or before the next training forward
 (`retract`).
+
+A sharded offloaded chunk (issue 20) is reduce-scattered at every flush (also inside `no_sync()`): this rank
+receives the mean of its own shard only, which goes to the host; its `.grad` is the all-gather of the shards'
+host gradients (`HostSteps.fill_user_grad`), so every rank sees DDP's whole averaged gradient.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import torch
 
@@ -128,16 +134,34 @@ class GradientFlow:
         target = st.host_grad if direct else stage_for(st, self.ctx, self.compute_dtype)
         computed = self.ctx.record()
         stream = self.ctx.offload_stream
+        issued: Future[None] | None = None
+        copied: Event
         with self.ctx.on(stream):
             self.ctx.wait(computed, stream)
-            target[:n].copy_(slot.grad[:n], non_blocking=True)
-            copied = self.ctx.record(stream)
+            if st.shard is not None and self.ctx.is_cuda:
+                # issued by the host worker, the one thread that issues the runtime's collectives while
+                # backward runs (its FIFO order is the same on every rank; two issuing threads could interleave
+                # collectives differently on different ranks)
+                copied = torch.cuda.Event()
+                issued = self.worker.submit(
+                    self._reduce_scatter_on_device, st, slot.grad, target, stream, copied
+                )
+                slot.issued.append(issued)
+                st.host_work = issued
+            elif st.shard is not None:
+                self._reduce_scatter(st, slot.grad, target)
+                copied = self.ctx.record(stream)
+            else:
+                target[:n].copy_(slot.grad[:n], non_blocking=True)
+                copied = self.ctx.record(stream)
         slot.free_after.append(copied)
         if keep:
+            if issued is not None:
+                issued.result()  # `copied` is recorded once the worker issued the reduce-scatter
             self.ctx.wait(copied)
             slot.grad[:n].zero_()
         st.flushes += 1
-        st.unaveraged = True
+        st.unaveraged = st.shard is None  # a shard arrives averaged
         st.touched |= st.in_slot
         st.in_slot.clear()
         events = [*st.pending_events, copied]
@@ -147,7 +171,37 @@ class GradientFlow:
         else:
             st.host_work = self.worker.submit(self._absorb, st, events, first)
         self.counters.grad_flushes += 1
-        self.counters.grad_flush_bytes += n * self._esize
+        self.counters.grad_flush_bytes += (st.shard.size if st.shard is not None else n) * self._esize
+
+    def _reduce_scatter(self, st: ChunkState, area: torch.Tensor, target: torch.Tensor) -> None:
+        """A sharded chunk's flush: the mean over the ranks of this rank's shard of the buffer's gradient `area`
+        (zero padded to world_size shards by the upload) into `target` on the host. On a CPU device the area is
+        host memory: reduce-scattered straight into `target`. On CUDA (NCCL; written, not run on a GPU yet) it
+        is reduce-scattered into a device copy of the shard, then only the shard goes to the host."""
+        assert st.shard is not None and self.group is not None
+        sh = st.shard
+        full = area[: sh.total]
+        if not self.ctx.is_cuda:
+            self.group.reduce_scatter_mean(target[: sh.size], full)
+        else:
+            shard = torch.empty(sh.size, dtype=full.dtype, device=full.device)
+            self.group.reduce_scatter_mean(shard, full)
+            target[: sh.size].copy_(shard, non_blocking=True)  # `shard` was made on this (offload) stream
+        self.counters.grad_reductions += 1
+
+    def _reduce_scatter_on_device(
+        self,
+        st: ChunkState,
+        area: torch.Tensor,
+        target: torch.Tensor,
+        stream: torch.cuda.Stream | None,
+        copied: torch.cuda.Event,
+    ) -> None:
+        """Host worker (CUDA): the reduce-scatter and the shard's copy to the host on the offload stream (after
+        the compute the flush waited for), then `copied` recorded there."""
+        with self.ctx.on(stream):
+            self._reduce_scatter(st, area, target)
+            copied.record(stream)
 
     def _absorb(self, st: ChunkState, events: list[Event], first: bool) -> None:
         """Host worker: fold the staged gradient copy into the fp32 host gradient."""
@@ -193,6 +247,8 @@ class GradientFlow:
         if not self.reduce:
             return
         assert self.group is not None
+        for st in self.states:
+            st.wait_host()  # no collective of the host worker (sharded chunks) in flight: one issuer at a time
         for st in self.states:
             if not st.offloaded and st.touched:
                 assert st.grad is not None
@@ -255,8 +311,10 @@ class GradientFlow:
                 changed = True
             elif g is not gv[j]:
                 gv[j].copy_(g)
-        if not torch.equal(st.user_grad, st.host_grad.to(st.user_grad.dtype)):
-            st.host_grad.copy_(st.user_grad)
+        # a sharded chunk: this rank's own shard only (each rank decides for its shard; no collective here)
+        seen = st.user_grad if st.shard is None else st.user_grad[st.shard.start : st.shard.end]
+        if not torch.equal(seen, st.host_grad.to(seen.dtype)):
+            st.host_grad.copy_(seen)
             changed = True
         return changed
 

@@ -253,10 +253,16 @@ class HostArena:
 def chunk_region_bytes(layout: ChunkLayout, *, separate_master: bool) -> int:
     """Pinned bytes of the layout's offloaded chunks, as the planner counts them (contract function)."""
     esize = torch.empty((), dtype=layout.compute_dtype).element_size()
-    return sum(
-        offloaded_chunk_pinned_bytes(c.used_numel * esize, separate_master=separate_master)
-        for c in layout.offloaded
-    )
+    total = 0
+    for c in layout.offloaded:
+        if c.sharded:
+            # issue 20: the compute copy whole (zero padded to world_size shards); the staging buffer and
+            # (without a separate master) the host gradient for this rank's shard only
+            shard = c.shard_numel * esize
+            total += _round_up(layout.world_size * shard) + _round_up(shard) * (1 if separate_master else 2)
+        else:
+            total += offloaded_chunk_pinned_bytes(c.used_numel * esize, separate_master=separate_master)
+    return total
 
 
 def plan_host_arena_bytes(plan: Plan, layout: ChunkLayout, *, separate_master: bool) -> tuple[int, int]:

@@ -5,6 +5,10 @@ the unclipped gradient; with `undo_host_steps` its master and optimizer state ar
 `optimizer.step()` validates each speculative step (same `.grad`, same stepped parameters, same
 hyper-parameters) and restores and redoes the ones that fail (SuperOffload's speculation-then-validation,
 with a backup instead of an arithmetic rollback: see docs/architecture/runtime.md).
+
+A sharded chunk (issue 20) steps this rank's shard; filling its `.grad` all-gathers the shards' host gradients,
+and after `optimizer.step()` settled every chunk, the compute copies of the sharded chunks the optimizer steps
+are all-gathered, in chunk order on every rank (`gather_params`), whatever each rank decided for its own shard.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from agent.runtime.chunks import ChunkState
 from agent.runtime.device import DeviceContext, Event
 from agent.runtime.host_worker import HostWorker
 from agent.runtime.options import RuntimeOptions
+from agent.runtime.process_group import RankGroup
 from agent.runtime.residency import ChunkResidency
 
 if TYPE_CHECKING:
@@ -48,6 +53,7 @@ class HostSteps:
         # had; host steps are speculated only in the backward expected to be the last before a step
         self.backwards = 0
         self.accumulation = 1
+        self.group: RankGroup | None = None  # the job's process group: sharded chunks' collectives
 
     def speculating(self) -> bool:
         """Step offloaded chunks during this backward: overlapping, and (with gradient accumulation) this is
@@ -104,19 +110,54 @@ class HostSteps:
                 st.backup_master.copy_(st.master)
                 self.optimizer.steppers[st.index].snapshot()
         self.optimizer.steppers[st.index].step(hypers, st.host_grad, touched)
-        if st.mixed:
-            st.host_params.copy_(st.master)
+        self._refresh_compute(st)
         self.counters.host_step_s += time.perf_counter() - t0
         self.counters.host_steps += 1
 
+    def _refresh_compute(self, st: ChunkState) -> None:
+        """The compute copy (upload source) from the stepped master: in mixed precision a cast copy; in a sharded
+        chunk this rank's shard only (`gather_params` brings the other ranks' shards after `optimizer.step()`)."""
+        assert st.host_params is not None and st.master is not None
+        if not st.mixed:
+            return  # the master is the compute copy (or its shard)
+        if st.shard is None:
+            st.host_params.copy_(st.master)
+        else:
+            st.host_params[st.shard.start : st.shard.end].copy_(st.master)
+
     def fill_user_grad(self, st: ChunkState, events: list[Event] | None = None) -> None:
-        """Host worker: the gradient `.grad` shows, from the host gradient (cast to the compute dtype)."""
+        """Host worker: the gradient `.grad` shows, from the host gradient (cast to the compute dtype). A
+        sharded chunk: the all-gather of every rank's shard (a collective: issued in the same order on every rank,
+        chunk completion order during backward, chunk order at its end)."""
         for ev in events or []:
             self.ctx.host_wait(ev)
         assert st.host_grad is not None
         if st.user_grad is None:
-            st.user_grad = torch.empty(st.numel, dtype=self.compute_dtype, device=st.host_grad.device)
-        st.user_grad.copy_(st.host_grad)
+            n = st.shard.total if st.shard is not None else st.numel
+            st.user_grad = torch.empty(n, dtype=self.compute_dtype, device=st.host_grad.device)
+        if st.shard is None:
+            st.user_grad.copy_(st.host_grad)
+        else:
+            assert self.group is not None
+            self.group.all_gather(st.user_grad, st.host_grad.to(self.compute_dtype, copy=True))
+
+    def gather_params(self, states: list[ChunkState]) -> None:
+        """At `optimizer.step()`, after every chunk's step was queued: queue the all-gather of each sharded
+        chunk's compute copy (every rank's stepped shard), in chunk order, for every sharded chunk the optimizer
+        steps: unconditional, so no rank's own validation decision changes the collectives. The next upload
+        of the chunk waits for it (`ChunkResidency.upload` waits on the chunk's host work)."""
+        assert self.optimizer is not None
+        for st in states:
+            if st.shard is None or not self.optimizer.steppers[st.index].steps_chunk:
+                continue
+            st.host_work = self.worker.submit(self._gather_params, st)
+            self.counters.param_gathers += 1
+
+    def _gather_params(self, st: ChunkState) -> None:
+        """Host worker: every rank's shard of the compute copy into the whole compute copy."""
+        assert st.shard is not None and st.host_params is not None and self.group is not None
+        own = st.host_params[st.shard.start : st.shard.end].clone()
+        self.group.all_gather(st.host_params, own)
 
     def _restore(self, st: ChunkState) -> None:
         """Host worker: undo the chunk's speculative step (master, compute copy, optimizer state)."""
@@ -124,8 +165,7 @@ class HostSteps:
         assert st.master is not None and st.backup_master is not None and st.host_params is not None
         st.master.copy_(st.backup_master)
         self.optimizer.steppers[st.index].restore()
-        if st.mixed:
-            st.host_params.copy_(st.master)
+        self._refresh_compute(st)
 
     def undo(self, st: ChunkState, *, why: str) -> None:
         """Undo a speculative step now (another backward adds to the gradient, or no step follows)."""

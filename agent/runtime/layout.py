@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from agent.runtime.shards import shard_size
 from client.contract import Placement, Policy, parameter_slot_bytes
 
 
@@ -45,6 +46,12 @@ class ChunkSpec:
     # elements the chunk's buffers hold, alignment padding included (set by `ChunkLayout.from_policy`);
     # None: the entries are packed back to back (layouts the profiler's probes build) and end at the last one
     padded_numel: int | None = None
+    # sharded offloaded chunk (issue 20): elements each rank owns (see `shards.py`); 0: replicated
+    shard_numel: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_numel > 0
 
     @property
     def used_numel(self) -> int:
@@ -64,6 +71,18 @@ class ChunkLayout:
     chunks: list[ChunkSpec]
     n_buffers: int
     by_param: dict[int, ParamEntry]  # id(parameter) -> entry
+    world_size: int = 1  # ranks the plan was made for: sharded chunks are cut into this many shards
+
+    @property
+    def sharded(self) -> list[ChunkSpec]:
+        return [c for c in self.chunks if c.sharded]
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements of each device buffer: a chunk's capacity, or a sharded chunk's zero-padded flat size
+        (world_size shards, a few elements past the capacity at most) where that is larger: the gradient
+        area is reduce-scattered whole."""
+        return max([self.chunk_numel, *(c.shard_numel * self.world_size for c in self.sharded)])
 
     @property
     def offloaded(self) -> list[ChunkSpec]:
@@ -81,11 +100,11 @@ class ChunkLayout:
         """Check `policy` against `model` and compute every parameter's offset. Raises PlanMismatchError."""
         model_name = type(model).__name__
         for ci, chunk in enumerate(policy.chunks):
-            if chunk.sharded:
+            if chunk.sharded and chunk.placement == Placement.persistent:
                 raise PlanMismatchError(
-                    f"policy.chunks[{ci}].sharded: the runtime keeps every chunk whole on every rank (gradients "
-                    "averaged as DistributedDataParallel does); sharded chunks are planned but not applied yet "
-                    "(issue 20): solve the plan from a single-process trace, or mark no chunk sharded"
+                    f"policy.chunks[{ci}].sharded: persistent sharded chunks: not applied yet (issue 20; the "
+                    "runtime shards offloaded chunks only, persistent chunks stay whole on every rank with their "
+                    "gradient averaged): mark this chunk unsharded, or offload it"
                 )
         named: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
         canonical: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
@@ -135,6 +154,8 @@ class ChunkLayout:
                 by_param[id(param)] = entry
                 offset += slot
             spec.padded_numel = offset
+            if chunk.sharded:
+                spec.shard_numel = shard_size(offset, policy.world_size)
             if offset * esize != chunk.used_bytes:
                 raise PlanMismatchError(
                     f"policy.chunks[{ci}].used_bytes: is {chunk.used_bytes}, but its parameters take "
@@ -166,4 +187,15 @@ class ChunkLayout:
             chunks=chunks,
             n_buffers=policy.n_buffers,
             by_param=by_param,
+            world_size=policy.world_size,
+        )
+
+
+def check_world(layout: ChunkLayout, world_size: int) -> None:
+    """A layout with sharded chunks must run at the world size its shards were cut for (one shard per rank)."""
+    if layout.sharded and layout.world_size != world_size:
+        c = layout.sharded[0].index
+        raise PlanMismatchError(
+            f"policy.world_size: is {layout.world_size}, and policy.chunks[{c}] is sharded into that many shards, "
+            f"but this job runs {world_size} process(es): solve the plan for this world size"
         )

@@ -37,7 +37,7 @@ from agent.runtime.eager import eager
 from agent.runtime.gradients import GradientFlow
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
-from agent.runtime.layout import ChunkLayout
+from agent.runtime.layout import ChunkLayout, check_world
 from agent.runtime.optimizer import ChunkedOptimizer
 from agent.runtime.options import RuntimeOptions
 from agent.runtime.phase import Phase, TrainingState
@@ -45,6 +45,7 @@ from agent.runtime.process_group import RankGroup
 from agent.runtime.residency import ChunkResidency
 from agent.runtime.saved_tensors import SavedChunkView, SavedTensorRebinder
 from agent.runtime.schedule import AccessSchedule, Direction
+from agent.runtime.shards import Shard
 from agent.runtime.stepper import ChunkStepper
 from agent.runtime.timing import RuntimeTiming, section
 
@@ -73,8 +74,17 @@ class ModelStateManager:
         self.timing = RuntimeTiming()  # the timing hook: see `timing.py`
         self.phase = Phase()
         self._original = {id(e.param): (e.param.dtype, e.param.device) for e in layout.by_param.values()}
+        check_world(layout, group.world_size if group is not None else 1)
         self.states: list[ChunkState] = [
-            allocate(spec, ctx, layout.compute_dtype, fp32_master=options.fp32_master)
+            allocate(
+                spec,
+                ctx,
+                layout.compute_dtype,
+                fp32_master=options.fp32_master,
+                shard=Shard(group.rank, group.world_size, spec.shard_numel)
+                if spec.sharded and group is not None
+                else None,
+            )
             for spec in layout.chunks
         ]
         self._pos = {id(e.param): (e.chunk, j) for spec in layout.chunks for j, e in enumerate(spec.entries)}
@@ -93,6 +103,7 @@ class ModelStateManager:
             self.host_steps = HostSteps(
                 ctx, options, self.counters, self.worker, self.residency, layout.compute_dtype
             )
+            self.host_steps.group = group
             self.saved = SavedTensorRebinder(
                 self.residency, ctx, layout.compute_dtype, self.phase, self._ensure_backward, self.timing
             )
@@ -207,7 +218,9 @@ class ModelStateManager:
         self.remove_hooks()
         with torch.no_grad():
             for st in self.states:
-                source = st.master if st.mixed or st.offloaded else st.params
+                source = self._whole_master(st) if st.shard is not None else None
+                if source is None:
+                    source = st.master if st.mixed or st.offloaded else st.params
                 assert source is not None
                 for e, v in zip(st.spec.entries, views(source, st.spec.entries), strict=True):
                     dtype, device = self._original[id(e.param)]
@@ -220,6 +233,17 @@ class ModelStateManager:
             self.optimizer.steppers = []
         self.residency = None
         self._views.clear()
+
+    def _whole_master(self, st: ChunkState) -> torch.Tensor:
+        """A sharded chunk's whole master: the compute copy (fp32), or every rank's fp32 master shard gathered
+        (mixed precision; a collective, called for the sharded chunks in chunk order on every rank)."""
+        assert st.shard is not None and st.host_params is not None and st.master is not None
+        if not st.mixed:
+            return st.host_params
+        assert self.group is not None
+        whole = torch.empty(st.shard.total, dtype=st.master.dtype)
+        self.group.all_gather(whole, st.master.clone())
+        return whole
 
     # ======================================================================================= phases
     @section(timing.ROOT_FORWARD)
@@ -406,6 +430,7 @@ class ModelStateManager:
             st.wait_host()
             changed = self.gradients.reconcile(st)
             self.host_steps.settle(st, hypers, grad_changed=changed)
+        self.host_steps.gather_params(self.states)  # sharded chunks: every rank's stepped shard, chunk order
         if not self.options.async_step:
             for st in self.states:  # parameters are final when step() returns, as in plain PyTorch
                 st.wait_host()
@@ -433,6 +458,14 @@ class ModelStateManager:
         """After masters were loaded: rebuild the compute copies (mixed precision) and drop stale buffers."""
         self.evict_all()
         for st in self.states:
+            if st.shard is not None:
+                # this rank's loaded shard into the compute copy, then every rank's (a collective, chunk order)
+                assert st.host_params is not None and st.master is not None and self.group is not None
+                own = st.host_params[st.shard.start : st.shard.end]
+                if st.mixed:  # (in fp32 the master is `own` itself)
+                    own.copy_(st.master)
+                self.group.all_gather(st.host_params, own.clone())
+                continue
             if not st.mixed:
                 continue
             target = st.host_params if st.offloaded else st.params
@@ -470,6 +503,8 @@ class ModelStateManager:
             if st.mixed:
                 source = st.host_params if st.offloaded else st.params
                 assert st.master is not None and source is not None
+                if st.shard is not None:
+                    source = source[st.shard.start : st.shard.end]  # every rank loaded the whole chunk
                 st.master.copy_(source)
 
     # ================================================================================= accounting

@@ -7,6 +7,12 @@ chunks step on the host with torch's fused CPU kernel (or foreach where fused is
 runtime's worker thread. `ChunkedOptimizer` is the `torch.optim.Optimizer` the user holds: its
 `param_groups` are the source of truth for hyper-parameters (so LR schedulers work), and its
 `state_dict()` is exactly the plain-PyTorch format, keyed by the user's parameter order.
+
+Sharded chunks (issue 20): each rank holds the state of its shard. `state_dict()` is still the whole
+plain-PyTorch format on every rank (the shards' states are all-gathered: a collective, call it on every rank,
+as FSDP's full optimizer state dict), and `load_state_dict` takes that format and keeps this rank's shard, so a
+checkpoint saved at N ranks loads at M ranks or in plain PyTorch. `optimizer.state[p]` (no collective) shows
+the state of p's piece in this rank's shard (flat; {} without one).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from agent.runtime.chunks import ChunkState
 from agent.runtime.layout import ChunkLayout
+from agent.runtime.process_group import RankGroup
 from agent.runtime.stepper import ChunkStepper, hyper_parameters
 
 
@@ -27,6 +34,7 @@ class ChunkRuntime(Protocol):
     optimizer never imports the runtime, the runtime imports the optimizer."""
 
     layout: ChunkLayout
+    group: RankGroup | None
 
     def step(self) -> None: ...
 
@@ -169,16 +177,84 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         if st is None:
             return None
         out = dict(st)
-        if stepper.state.mixed:
-            out[MASTER_KEY] = stepper.masters[j]
+        i = stepper.local(j)
+        if stepper.state.mixed and i is not None:
+            out[MASTER_KEY] = stepper.masters[i]
+        return out
+
+    def _gather_sharded(self) -> dict[int, dict[str, Any]]:
+        """Whole per-parameter states (plain-PyTorch values) of the sharded chunks' parameters, by id(param):
+        every rank's pieces all-gathered, chunk by chunk in chunk order (a collective on every rank)."""
+        out: dict[int, dict[str, Any]] = {}
+        group = self._runtime.group
+        for stepper in self.steppers:
+            sh = stepper.state.shard
+            if sh is None or not stepper.steps_chunk:
+                continue
+            assert group is not None
+            whole = stepper.state.spec.entries
+            # what this rank holds: per chunk entry, its flat state keys (with dtype) and its other values
+            local: dict[int, tuple[dict[str, torch.dtype], dict[str, Any]]] = {}
+            pieces: dict[int, dict[str, Any]] = {}
+            for i, j in enumerate(stepper.positions):
+                st = stepper.param_state(j)
+                if st is None:
+                    continue
+                n = stepper.entries[i].numel
+                flat = {
+                    k: v
+                    for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n
+                }
+                other = {k: v for k, v in st.items() if k not in flat}
+                local[j] = ({k: v.dtype for k, v in flat.items()}, other)
+                pieces[j] = flat
+            merged: dict[int, tuple[dict[str, torch.dtype], dict[str, Any]]] = {}
+            for rank_meta in group.all_gather_object(local):  # rank order: the lowest rank's other values
+                for j, (flat_keys, other) in rank_meta.items():
+                    if j not in merged:
+                        merged[j] = (dict(flat_keys), other)
+                    else:
+                        merged[j][0].update(flat_keys)
+            keys = sorted({(k, str(dt)) for fk, _ in merged.values() for k, dt in fk.items()})
+            dtypes = {k: dt for fk, _ in merged.values() for k, dt in fk.items()}
+            gathered: dict[str, torch.Tensor] = {}
+            for k, _ in keys:
+                own = torch.zeros(sh.size, dtype=dtypes[k])
+                for i, j in enumerate(stepper.positions):
+                    piece = pieces.get(j, {}).get(k)
+                    if piece is not None:
+                        e = stepper.entries[i]
+                        own[e.offset : e.end].copy_(piece)
+                full = torch.empty(sh.total, dtype=dtypes[k])
+                group.all_gather(full, own)
+                gathered[k] = full
+            if stepper.state.mixed and merged:
+                assert stepper.state.master is not None
+                full = torch.empty(sh.total, dtype=stepper.state.master.dtype)
+                group.all_gather(full, stepper.state.master.clone())
+                gathered[MASTER_KEY] = full
+            for j, (flat_keys, other) in merged.items():
+                e = whole[j]
+                st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in other.items()}
+                for k in flat_keys:
+                    st[k] = gathered[k][e.offset : e.end].view(e.shape)
+                if MASTER_KEY in gathered:
+                    st[MASTER_KEY] = gathered[MASTER_KEY][e.offset : e.end].view(e.shape)
+                out[id(e.param)] = st
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-PyTorch format: {"state": {index: {...}}, "param_groups": [...]}, indices in group order."""
         self._runtime.synchronize()
+        sharded = self._gather_sharded()
         state: dict[int, dict[str, Any]] = {}
         for idx, p in enumerate(self._index):
-            st = self.param_state(p)
+            entry = self._runtime.layout.entry(p)
+            if entry is not None and self._runtime.layout.chunks[entry.chunk].sharded:
+                st = sharded.get(id(p))
+            else:
+                st = self.param_state(p)
             if st is not None:
                 state[idx] = st
         groups = []
@@ -223,7 +299,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             j = spec.entries.index(entry)
             if master is not None:
                 with torch.no_grad():
-                    self.steppers[entry.chunk].masters[j].copy_(master)
+                    self.steppers[entry.chunk].load_master(j, master)
             per_chunk.setdefault(entry.chunk, {})[j] = st
         for ci, stepper in enumerate(self.steppers):
             stepper.load_param_states(per_chunk.get(ci, {}))

@@ -8,6 +8,11 @@ are broadcast at wrap, every chunk's gradient is averaged across the ranks after
 Collectives take host tensors (gloo, and the offloaded chunks' host gradients) or device tensors (NCCL with
 persistent chunks); a host tensor on a backend that cannot reduce host memory (NCCL) goes through a device
 copy (`_on_backend_device`): correct, not fast, and not yet run on a GPU.
+
+Sharded offloaded chunks (issue 20) use reduce-scatter (the gradient: each rank receives the mean of its own
+shard) and all-gather (the compute copy after the host step, the exposed gradient, the optimizer state of a
+full state dict). On gloo these take host tensors as they are (what the tests run); on NCCL they go through the
+same device copies, written straightforwardly and not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -47,6 +52,31 @@ class RankGroup:
                 t, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group
             )
 
+    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """`output` (s elements) = the mean over the ranks of `full[rank*s : (rank+1)*s]` (`full`: world_size*s
+        elements, left unchanged). `output` must not overlap `full` (gloo is only documented for separate ones)."""
+        with (
+            _on_backend_device(full, self.device, write_back=False) as src,
+            _on_backend_device(output, self.device) as dst,
+        ):
+            _reduce_scatter(dst, src, group=self.group)
+            dst.div_(self.world_size)
+
+    def all_gather(self, full: torch.Tensor, own: torch.Tensor) -> None:
+        """`full` (world_size*s elements) = every rank's `own` (s elements) in rank order. `own` must not
+        overlap `full` (pass a copy of this rank's slice)."""
+        with (
+            _on_backend_device(own, self.device, write_back=False) as src,
+            _on_backend_device(full, self.device) as dst,
+        ):
+            _all_gather(dst, src, group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's Python object, in rank order (pickled: `torch.distributed.all_gather_object`)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def max(self, values: list[float]) -> list[float]:
         """The element-wise maximum of `values` over the ranks (the slowest rank's time, the largest peak)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -61,14 +91,20 @@ class RankGroup:
         return box[0]
 
 
+# torch 2.13 names them `*_single` (the `*_tensor` names are deprecated); older ones have only the latter
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _on_backend_device:
     """`tensor` itself when the backend takes it where it is, else a copy on the backend's device that is
-    written back on exit (NCCL reduces device memory only)."""
+    written back on exit unless `write_back` is False (an input) (NCCL reduces device memory only)."""
 
-    def __init__(self, tensor: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, tensor: torch.Tensor, device: torch.device, *, write_back: bool = True) -> None:
         self.tensor = tensor
         self.device = device
         self.copy = tensor.device.type != device.type
+        self.write_back = write_back
 
     def __enter__(self) -> torch.Tensor:
         if not self.copy:
@@ -77,7 +113,7 @@ class _on_backend_device:
         return self.moved
 
     def __exit__(self, *exc: object) -> None:
-        if self.copy and exc[0] is None:
+        if self.copy and self.write_back and exc[0] is None:
             self.tensor.copy_(self.moved)
 
 

@@ -46,7 +46,7 @@ class ChunkResidency:
         self.schedule = schedule
         self.views = views
         self.timing = timing
-        self.pool = BufferPool(ctx, layout.n_buffers, layout.chunk_numel, layout.compute_dtype)
+        self.pool = BufferPool(ctx, layout.n_buffers, layout.buffer_numel, layout.compute_dtype)
         self.slot_by_storage = self.pool.storage_ids()
         # set by the manager: flush a chunk's gradients still in its buffer before the buffer is reused
         self.flush: Callable[[ChunkState, Slot], None] = _no_flush
@@ -124,8 +124,12 @@ class ChunkResidency:
             st = self.states[t]
             if st.slot is not None or not st.offloaded:
                 continue
-            if st.host_work is not None and not st.host_work.done():
-                break  # its host step is still running: do not block the training thread for a prefetch
+            if st.host_work is not None and not st.host_work.done() and not self.layout.sharded:
+                # its host step is still running: do not block the training thread for a prefetch. With sharded
+                # chunks the upload waits instead: prefetching may evict a chunk whose gradients are still in its
+                # buffer, and that flush is a collective: where it happens must not depend on timing, or ranks
+                # would issue their collectives in different orders (issue 20)
+                break
             victim = self._victim(demand=False, before=self.schedule.next_use(t))
             if victim is None:
                 break
@@ -138,17 +142,23 @@ class ChunkResidency:
         assert slot is not None and st.host_params is not None
         if slot.chunk is not None:
             self.evict(slot)
-        st.wait_host()  # the host step must have finished writing the upload source
+        # the host step must have finished writing the upload source (a sharded chunk: and the all-gather of
+        # every rank's stepped shard into it, queued after the step at optimizer.step())
+        st.wait_host()
         n = st.numel
         stream = self.ctx.upload_stream
+        for issued in slot.issued:
+            issued.result()
+        slot.issued.clear()
         with self.ctx.on(stream):
             for ev in slot.free_after:
                 self.ctx.wait(ev, stream)
             slot.free_after.clear()
             timing = self.options.measure_uploads
             start = self.ctx.record(stream, timing=True) if timing else None
-            slot.params[:n].copy_(st.host_params, non_blocking=True)
-            slot.grad[:n].zero_()
+            slot.params[:n].copy_(st.host_params[:n], non_blocking=True)
+            # a sharded chunk's gradient area is reduce-scattered whole: its padding up to world_size shards too
+            slot.grad[: st.shard.total if st.shard is not None else n].zero_()
             st.ready = self.ctx.record(stream, timing=timing)
             if start is not None:
                 self.upload_timings.append((start, st.ready))

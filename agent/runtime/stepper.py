@@ -2,7 +2,8 @@
 
 `ChunkStepper` is what `ChunkedOptimizer` holds per chunk; the host steps of offloaded chunks
 (`host_steps.py`) and the device steps of persistent ones call `step`, and speculation calls `snapshot` and
-`restore` to undo a step.
+`restore` to undo a step. The stepper of a sharded chunk (issue 20) steps this rank's shard only: its
+entries are the parameters' pieces inside the shard (`chunks.clipped_entries`), offsets from the shard's start.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 import torch
 
-from agent.runtime.chunks import ChunkState, views
+from agent.runtime.chunks import ChunkState, clipped_entries, views
+from agent.runtime.layout import ParamEntry
 
 # Group keys that choose an implementation, not a hyper-parameter: set per side, never copied.
 IMPL_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
@@ -42,8 +44,8 @@ class Run:
     """Consecutive parameters of one chunk in one param group, stepped as a single flat tensor."""
 
     outer: int  # index into ChunkedOptimizer.param_groups
-    entries: list[int]  # positions in the chunk's entries, consecutive in memory
-    start: int  # element offsets in the chunk
+    entries: list[int]  # positions in the stepper's entries, consecutive in memory
+    start: int  # element offsets in the master (the chunk, or this rank's shard of it)
     end: int
     tensor: torch.Tensor  # master[start:end], the inner optimizer's parameter
 
@@ -68,9 +70,20 @@ class ChunkStepper:
     ) -> None:
         self.state = state
         self.cls = cls
-        entries = state.spec.entries
+        # what this stepper steps: the chunk's parameters, or their pieces in this rank's shard; `positions[i]`
+        # is entry i's position in the chunk's entries (`touched` and the optimizer speak those)
+        self.entries: list[ParamEntry]
+        if state.shard is not None:
+            self.entries, self.positions = clipped_entries(state.spec.entries, state.shard)
+        else:
+            self.entries, self.positions = state.spec.entries, list(range(len(state.spec.entries)))
+        self._local = {j: i for i, j in enumerate(self.positions)}
+        # the user's optimizer steps some parameter of the chunk (the same on every rank, unlike `runs`: a
+        # rank's shard may hold none of them): sharded chunks' collectives are issued on this
+        self.steps_chunk = any(id(e.param) in group_of for e in state.spec.entries)
+        entries = self.entries
         assert state.master is not None
-        self.masters = views(state.master, entries)
+        self.masters = views(state.master, entries)  # by position in self.entries
         self.runs: list[Run] = []
         for j, e in enumerate(entries):
             g = group_of.get(id(e.param))
@@ -120,7 +133,7 @@ class ChunkStepper:
     def _split(self, key: Callable[[int], Any]) -> None:
         """Split every run where `key(entry)` changes; the pieces keep their slices of the run's state."""
         assert self.inner is not None
-        entries = self.state.spec.entries
+        entries = self.entries
         new_runs: list[Run] = []
         states: dict[torch.Tensor, dict[str, Any]] = {}
         changed = False
@@ -156,6 +169,8 @@ class ChunkStepper:
         have no gradient this step and are skipped, as torch skips parameters whose grad is None."""
         if self.inner is None:
             return
+        if self.state.shard is not None:
+            touched = {i for i, j in enumerate(self.positions) if j in touched}
         if any(0 < sum(j in touched for j in r.entries) < len(r.entries) for r in self.runs):
             self._split(lambda j: j in touched)
         for g, group in zip(self._group_order, self.inner.param_groups, strict=True):
@@ -221,21 +236,43 @@ class ChunkStepper:
     def _run_of(self, j: int) -> Run | None:
         return next((r for r in self.runs if r.entries[0] <= j <= r.entries[-1]), None)
 
+    def local(self, j: int) -> int | None:
+        """The position in this stepper's entries of the chunk's entry j (None: no piece of it in the shard)."""
+        return self._local.get(j)
+
+    def load_master(self, j: int, value: torch.Tensor) -> None:
+        """The chunk's entry j's master from a whole parameter's value (its piece in the shard, if sharded)."""
+        i = self._local.get(j)
+        if i is None:
+            return
+        if self.state.shard is None:
+            self.masters[i].copy_(value)
+            return
+        lo = self.entries[i].offset + self.state.shard.start - self.state.spec.entries[j].offset
+        self.masters[i].copy_(value.reshape(-1)[lo : lo + self.entries[i].numel])
+
     def param_state(self, j: int) -> dict[str, Any] | None:
-        """Entry j's state in plain-PyTorch form (tensors shaped like the parameter; views, not copies)."""
-        r = self._run_of(j)
+        """The chunk's entry j's state in plain-PyTorch form (tensors shaped like the parameter; views, not
+        copies). Sharded chunk: the state of its piece in this rank's shard (flat), None without one."""
+        i = self._local.get(j)
+        if i is None:
+            return None
+        r = self._run_of(i)
         if r is None or self.inner is None:
             return None
         st = self.inner.state.get(r.tensor)
         if not st:
             return None
-        e = self.state.spec.entries[j]
+        e = self.entries[i]
         return {k: _param_state(v, r, e.offset, e.end, e.shape) for k, v in st.items()}
 
     def load_param_states(self, states: dict[int, dict[str, Any]]) -> None:
-        """Replace the state by per-entry states (plain-PyTorch values); entries absent start fresh."""
+        """Replace the state by per-entry states (plain-PyTorch values, keyed by the chunk's entry positions);
+        entries absent start fresh. Sharded chunk: each parameter's state is cut to its piece in the shard."""
         if self.inner is None:
             return
+        if self.state.shard is not None:
+            states = self._pieces(states)
 
         def key(j: int) -> Any:
             st = states.get(j)
@@ -250,7 +287,7 @@ class ChunkStepper:
             first = states.get(r.entries[0])
             if first is None:
                 continue
-            entries = self.state.spec.entries
+            entries = self.entries
             st: dict[str, Any] = {}
             for k, v in first.items():
                 if k == "step":
@@ -262,6 +299,26 @@ class ChunkStepper:
                 else:
                     st[k] = v
             self.inner.state[r.tensor] = st
+
+    def _pieces(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Whole parameters' states (by chunk entry) -> their pieces' states in this shard (by stepper entry)."""
+        assert self.state.shard is not None
+        out: dict[int, dict[str, Any]] = {}
+        whole = self.state.spec.entries
+        for i, (piece, j) in enumerate(zip(self.entries, self.positions, strict=True)):
+            st = states.get(j)
+            if st is None:
+                continue
+            lo = (
+                piece.offset + self.state.shard.start - whole[j].offset
+            )  # where the piece starts in the parameter
+            out[i] = {
+                k: v.reshape(-1)[lo : lo + piece.numel]
+                if isinstance(v, torch.Tensor) and v.numel() == whole[j].numel and v.dim() > 0
+                else v
+                for k, v in st.items()
+            }
+        return out
 
 
 def _slice_state(v: Any, r: Run, a: int, b: int) -> Any:

@@ -37,21 +37,35 @@ def test_plan_naming_an_unknown_parameter_is_refused_with_its_name() -> None:
         wrap(model, adamw(model), plan=edited(plan, 1, parameters=names))
 
 
-def test_plan_with_sharded_chunks_is_refused_before_the_model_is_touched() -> None:
-    """The planner may shard chunks of a multi-rank job; the runtime does not shard yet (issue 20): such a
-    plan is refused by name, not applied as if replicated."""
+def test_plan_with_a_sharded_persistent_chunk_is_refused_by_name_before_the_model_is_touched() -> None:
+    """The runtime shards offloaded chunks only (issue 20): a persistent chunk marked sharded is refused by
+    naming the field, not applied as if replicated."""
     model = tiny_model("llama")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    plan = plan_for(model, "all")
+    plan = plan_for(model, "none")
     assert plan.policy is not None
     policy = plan.policy.model_copy(update={"world_size": 2})
     sharded = plan.model_copy(update={"policy": policy})
     with pytest.raises(
-        PlanMismatchError, match=r"policy\.chunks\[1\]\.sharded: the runtime keeps every chunk"
+        PlanMismatchError, match=r"policy\.chunks\[1\]\.sharded: persistent sharded chunks: not applied yet"
     ):
         wrap(model, adamw(model), plan=edited(sharded, 1, sharded=True))
     assert not getattr(model, "_memplan_wrapped", False)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_plan_with_sharded_offloaded_chunks_for_two_ranks_is_refused_in_one_process() -> None:
+    """Sharded offloaded chunks are applied (one shard per rank) only at the world size they were cut for."""
+    model = tiny_model("llama")
+    plan = plan_for(model, "all")
+    assert plan.policy is not None
+    sharded = plan.model_copy(update={"policy": plan.policy.model_copy(update={"world_size": 2})})
+    with pytest.raises(
+        PlanMismatchError,
+        match=r"policy\.world_size: is 2, and policy\.chunks\[1\] is sharded.* runs 1 process",
+    ):
+        wrap(model, adamw(model), plan=edited(sharded, 1, sharded=True))
+    assert not getattr(model, "_memplan_wrapped", False)
 
 
 def test_plan_missing_a_parameter_is_refused_with_its_name() -> None:

@@ -1,0 +1,42 @@
+"""Shards of a sharded offloaded chunk (issue 20, docs/architecture/runtime.md "Sharded chunks").
+
+A chunk marked `sharded` in a job of N ranks is cut into N equal shards of `s` elements: `s` is the chunk's
+padded element count divided by N, rounded up to a multiple of 4 elements (16 bytes in fp32, so every shard
+starts aligned), and the flat chunk is zero padded to N*s. Rank r owns elements [r*s, (r+1)*s): it keeps the
+master, host gradient, staging buffer and optimizer state of that range only (the last shards may cover
+padding only). The compute copy and the gradient users see stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHARD_ALIGN = 4  # elements: a shard boundary on a 16-byte boundary in fp32
+
+
+def shard_size(numel: int, world_size: int) -> int:
+    """Elements each rank owns of a chunk of `numel` elements sharded over `world_size` ranks."""
+    s = -(-numel // world_size)
+    return -(-s // SHARD_ALIGN) * SHARD_ALIGN
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's range of a sharded chunk."""
+
+    rank: int
+    world_size: int
+    size: int  # s: elements per rank
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.size
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+    @property
+    def total(self) -> int:
+        """Elements of the zero-padded flat chunk (N*s): what the collectives move."""
+        return self.world_size * self.size
