@@ -28,6 +28,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -47,6 +48,30 @@ MiB = 2**20
 COLLECTIVE_SIZES: tuple[int, ...] = (256 * KiB, 4 * MiB, 32 * MiB, 128 * MiB)
 OVERLAP_SIZE = 32 * MiB
 REPEATS = 5
+SMALLEST_SIZE = 64 * KiB
+"""The smallest whole tensor `ProbeSettings.for_model` measures (a model smaller than that is measured there)."""
+PLANNING_REPEATS = 3
+"""Repetitions per size when a job is probed to be planned (`agent.wrap`, `agent.profile(process_group=)`)."""
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What `probe_process_group` measures; every rank of the group must use the same settings (rank 0 picks
+    them and broadcasts them in `agent.wrap`)."""
+
+    sizes: tuple[int, ...] = COLLECTIVE_SIZES
+    overlap_size: int = OVERLAP_SIZE
+    repeats: int = REPEATS
+
+    @classmethod
+    def for_model(cls, model_bytes: int, repeats: int = PLANNING_REPEATS) -> ProbeSettings:
+        """The default sizes up to the model's parameter bytes, then that size itself: no chunk of the plan is
+        larger than the model (the cost model reads a curve flat beyond its largest sample), so a small model's
+        probe stays short instead of moving 128 MiB tensors it will never have. The overlap is measured at the
+        largest size measured, at most OVERLAP_SIZE."""
+        top = min(COLLECTIVE_SIZES[-1], max(SMALLEST_SIZE, model_bytes))
+        sizes = tuple(s for s in COLLECTIVE_SIZES if s < top) + (top,)
+        return cls(sizes=sizes, overlap_size=min(OVERLAP_SIZE, top), repeats=repeats)
 
 
 class CollectiveProbeError(RuntimeError):

@@ -46,7 +46,7 @@ from agent.profiler.block_detection import RepeatedBlocks, detect_blocks, edge_n
 from agent.profiler.block_marks import BlockTracker, seconds_by_block, segments
 from agent.profiler.device_clock import DeviceClock
 from agent.profiler.extrapolation import blocks_that_fit, extrapolate, truncated
-from agent.profiler.hardware import probe_hardware
+from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.hooks import BlockHooks
 from agent.profiler.memory_tracking import track_memory
 from agent.profiler.model_config import hf_config
@@ -138,8 +138,7 @@ def profile(
 
     t_hw = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
-    if distributed is not None:  # the node's devices are its ranks' (launchers without LOCAL_WORLD_SIZE too)
-        hw = hw.model_copy(update={"distributed": distributed, "device_count": distributed.ranks_per_node})
+    hw = in_group(hw, distributed)
     t_hw = time.perf_counter() - t_hw
     with truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
         opt = (
