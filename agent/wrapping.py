@@ -34,10 +34,10 @@ from agent.allocator.select import MODES, select
 from agent.applied import Wrapped, apply_plan, target_device, unwrap
 from agent.batch_guard import BatchShapeGuard, batch_shape
 from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
-from agent.group_probe import probe_for_planning
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import MoveGuard, byte_size, check_not_compiled
 from agent.planning import PlanSource, obtain_plan
+from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
 from agent.runtime.optimizer import check_supported
 from agent.runtime.options import RuntimeOptions
@@ -105,7 +105,7 @@ def wrap(
     overlapped host steps (clipping works either way; this only informs the prediction).
     `process_group`: the `torch.distributed` group the job trains in (default: the default group when
     torch.distributed is initialised with more than one rank). Under a group, every rank first measures the
-    group's collectives when rank 0 will profile (`agent/group_probe.py`), rank 0 obtains a plan for the
+    group's collectives when rank 0 will profile (`agent/profiler/collectives.py`), rank 0 obtains a plan for the
     whole group (its trace carries world size and collectives) and broadcasts it, rank 0's parameters and buffers are broadcast (as DDP does), gradients are averaged
     across the ranks after every backward outside `wrapped.no_sync()`, and feedback is the slowest rank's
     time and the largest rank's peaks, sent by rank 0. Call `wrap` on every rank. See
