@@ -202,9 +202,9 @@ def obtain_plan(
 
     `service_budget_s` (default `wait_s` + SERVICE_BUDGET_MARGIN_S): the total time every exchange with the
     service may take together (profiling and in-process solving are not counted). `distributed`: the job's
-    process group as every rank measured it (`collectives.probe_for_planning`): the history look-up then asks for plans of
-    this world size (the hardware key names it) and the profiled trace carries the group, so the plan is
-    solved for every rank of the job."""
+    process group as every rank measured it (`collectives.probe_for_planning`): the history look-up then
+    asks for plans of this world size (the hardware key names it) and the profiled trace carries the group,
+    so the plan is solved for every rank of the job."""
 
     if sample_batch is None:
         raise ValueError(

@@ -105,8 +105,9 @@ def wrap(
     overlapped host steps (clipping works either way; this only informs the prediction).
     `process_group`: the `torch.distributed` group the job trains in (default: the default group when
     torch.distributed is initialised with more than one rank). Under a group, every rank first measures the
-    group's collectives when rank 0 will profile (`agent/profiler/collectives.py`), rank 0 obtains a plan for the
-    whole group (its trace carries world size and collectives) and broadcasts it, rank 0's parameters and buffers are broadcast (as DDP does), gradients are averaged
+    group's collectives when rank 0 will profile (`collectives.probe_for_planning`), rank 0 obtains a plan
+    for the whole group (its trace carries the world size and the collectives) and broadcasts it, rank 0's
+    parameters and buffers are broadcast (as DDP does), gradients are averaged
     across the ranks after every backward outside `wrapped.no_sync()`, and feedback is the slowest rank's
     time and the largest rank's peaks, sent by rank 0. Call `wrap` on every rank. See
     docs/architecture/runtime.md, "Multi-process jobs".

@@ -146,10 +146,8 @@ def profile(
     all_params_named = dict(model.named_parameters())
 
     if process_group is not None:
-        group = resolve(process_group)
-        assert (
-            group is not None
-        )  # a group given: resolved, or ValueError when torch.distributed is not initialised
+        group = resolve(process_group)  # a group given: resolved, or ValueError naming it
+        assert group is not None
         distributed = probe_for_planning(group, model)
     t_hw = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
