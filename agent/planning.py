@@ -30,7 +30,7 @@ from torch import nn
 
 import agent
 from agent.profiler import parameters  # module attribute: tests replace parameters.fingerprint
-from agent.profiler.hardware import probe_hardware
+from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.optimizer_probe import optimizer_kind
 from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 from agent.runtime.options import RuntimeOptions, job_workload
@@ -39,7 +39,7 @@ from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, 
 from client.sdk import Client
 
 if TYPE_CHECKING:
-    from client.contract import Hardware
+    from client.contract import Distributed, Hardware
 
 log = logging.getLogger(__name__)
 
@@ -196,11 +196,15 @@ def obtain_plan(
     options: RuntimeOptions | None = None,
     clips_gradients: bool = False,
     blocks: Sequence[nn.Module] | None = None,
+    distributed: Distributed | None = None,
 ) -> PlanSource:
     """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError.
 
     `service_budget_s` (default `wait_s` + SERVICE_BUDGET_MARGIN_S): the total time every exchange with the
-    service may take together (profiling and in-process solving are not counted)."""
+    service may take together (profiling and in-process solving are not counted). `distributed`: the job's
+    process group as every rank measured it (`collectives.probe_for_planning`): the history look-up then
+    asks for plans of this world size (the hardware key names it) and the profiled trace carries the group,
+    so the plan is solved for every rank of the job."""
 
     if sample_batch is None:
         raise ValueError(
@@ -214,7 +218,7 @@ def obtain_plan(
     dev = params[0].device
     if dev.type == "cpu" and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
-    hw = probe_hardware(dev, device_memory)
+    hw = in_group(probe_hardware(dev, device_memory), distributed)
     constraints = _constraints(hw, device_memory, host_memory, time_limit_s)
 
     client: Client | None = None
@@ -264,6 +268,7 @@ def obtain_plan(
             blocks=blocks,
             device_memory_limit=device_memory,
             hardware=hw,
+            distributed=distributed,
         )
         # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions
         trace = trace.model_copy(

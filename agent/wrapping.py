@@ -37,6 +37,7 @@ from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_p
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import MoveGuard, byte_size, check_not_compiled
 from agent.planning import PlanSource, obtain_plan
+from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
 from agent.runtime.optimizer import check_supported
 from agent.runtime.options import RuntimeOptions
@@ -103,8 +104,10 @@ def wrap(
     job scales gradients after backward on most steps (clipping): the plan then counts the redo of the
     overlapped host steps (clipping works either way; this only informs the prediction).
     `process_group`: the `torch.distributed` group the job trains in (default: the default group when
-    torch.distributed is initialised with more than one rank). Under a group, rank 0 obtains the plan and
-    broadcasts it, rank 0's parameters and buffers are broadcast (as DDP does), gradients are averaged
+    torch.distributed is initialised with more than one rank). Under a group, every rank first measures the
+    group's collectives when rank 0 will profile (`collectives.probe_for_planning`), rank 0 obtains a plan
+    for the whole group (its trace carries the world size and the collectives) and broadcasts it, rank 0's
+    parameters and buffers are broadcast (as DDP does), gradients are averaged
     across the ranks after every backward outside `wrapped.no_sync()`, and feedback is the slowest rank's
     time and the largest rank's peaks, sent by rank 0. Call `wrap` on every rank. See
     docs/architecture/runtime.md, "Multi-process jobs".
@@ -202,6 +205,12 @@ def _wrap(
             "allocation: 'planned' on CUDA is single-process only for now (the planned allocator is installed "
             "before CUDA starts, from a plan each rank would need before any collective); use 'caching'"
         )
+    # a plan rank 0 profiles for is the job's: every rank measures the group for its trace first (issue 20)
+    distributed = (
+        probe_for_planning(group, model if plan is None and sample_batch is not None else None)
+        if group is not None
+        else None
+    )
     if group is not None and not group.is_main:
         # the plan is solved (and the model profiled) once, by rank 0 (issue 20)
         received = group.broadcast_object(None)
@@ -233,6 +242,7 @@ def _wrap(
                 loss_fn=loss_fn,
                 blocks=blocks,
                 options=options,
+                distributed=distributed,
                 **obtain_kwargs,
             )
             log.info("memplan: %s", source.message)

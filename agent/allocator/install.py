@@ -145,10 +145,20 @@ def attach_managed_allocation(
     Only where it is cheap or needed: a job that trains on the CPU (the recording's own device), or one that
     asked for the planned arena (`arena`). A CUDA job with PyTorch's caching allocator is not recorded: it
     would pay a host copy of its model and optimizer and three CPU iterations for a chart (its plan's record
-    keeps the profiled iteration's arena, labelled so)."""
+    keeps the profiled iteration's arena, labelled so). Nor is a multi-rank plan with sharded chunks (issue
+    20): the recording runs one process, which cannot hold a chunk sharded across the job's ranks."""
     if has_managed_allocation(source.plan) or source.origin == "given":
         return source
     if not arena and planned_cuda_device(model, options) is not None:
+        return source
+    policy = source.plan.policy
+    if policy is not None and any(c.sharded for c in policy.chunks):
+        # the recording runs the job in this one process; a sharded chunk needs the ranks it is sharded across
+        log.info(
+            "memplan: the managed iteration of a plan with chunks sharded across %d ranks is not recorded "
+            "(the recording runs one process); the plan keeps the allocation of the profiled iteration",
+            policy.world_size,
+        )
         return source
     if sample_batch is None:
         return source

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from client.cli.common import bytes_option, console, err_console, write_json
+
+if TYPE_CHECKING:
+    import torch
 
 
 def profile(
@@ -44,10 +48,19 @@ def profile(
     ] = False,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="timed repetitions (medians)")] = 3,
     seed: Annotated[int, typer.Option("--seed", help="weight initialisation seed")] = 0,
+    process_group: Annotated[
+        bool,
+        typer.Option(
+            "--process-group",
+            help="under torchrun, on every rank: join the launcher's process group (gloo on cpu, nccl on cuda) "
+            "and measure its collectives; rank 0 writes the job's multi-rank trace",
+        ),
+    ] = False,
 ) -> None:
     """Build MODEL from a transformers config (nothing downloaded), profile one training step, write the Trace."""
     # local import: torch, the profiler and transformers load when the command runs, not for `memplan --help`
     import torch
+    import torch.distributed as dist
 
     from agent.profiler import BlockDetectionError, ProfilerInputError
     from agent.profiler import profile as run_profile
@@ -66,35 +79,69 @@ def profile(
         raise typer.BadParameter("CUDA is not available on this machine", param_hint="--device")
     limit = bytes_option(device_memory)
 
+    if process_group:
+        dev = join_launcher_group(dev)
     try:
-        net, config = build(model, layers, hidden, heads=heads, vocab=vocab, seq=seq, seed=seed)
-        sample = sample_batch(config, batch, seq)
-    except ValueError as exc:
-        err_console.print(f"[red]model[/]: {exc}")
-        raise typer.Exit(2) from exc
-    net.to(dtype=dtypes[dtype])  # type: ignore[call-arg]  # nn.Module.to, in place
-    if max_blocks is None:
-        net.to(dev)  # type: ignore[arg-type]  # with --max-blocks the profiler moves only the profiled blocks
-    try:
-        trace = run_profile(
-            net,
-            sample,
-            device=dev,
-            allocation_trace=not no_allocation_trace,
-            max_blocks=max_blocks,
-            repeats=repeats,
-            device_memory_limit=limit,
-        )  # named as agent.wrap names it
-    except (BlockDetectionError, ProfilerInputError) as exc:
-        err_console.print(f"[red]profile[/]: {exc}")
-        raise typer.Exit(2) from exc
-    write_json(output, trace.model_dump_json())
-    m = trace.measurements
-    alloc = trace.allocation_trace
-    console.print(
-        f"{trace.model.name}: {len(trace.model.blocks)} blocks, {trace.model.parameter_count:,} parameters; "
-        f"iteration {m.iteration_s * 1e3:.1f} ms, peak {m.peak_device_bytes / 2**20:.1f} MiB"
-        + (f", {len(alloc.events):,} allocation events" if alloc is not None else "")
-        + (" (extrapolated)" if m.extrapolated else "")
-    )
-    console.print(f"wrote {output}")
+        try:
+            net, config = build(model, layers, hidden, heads=heads, vocab=vocab, seq=seq, seed=seed)
+            sample = sample_batch(config, batch, seq)
+        except ValueError as exc:
+            err_console.print(f"[red]model[/]: {exc}")
+            raise typer.Exit(2) from exc
+        net.to(dtype=dtypes[dtype])  # type: ignore[call-arg]  # nn.Module.to, in place
+        if max_blocks is None:
+            net.to(dev)  # type: ignore[arg-type]  # with --max-blocks the profiler moves only the profiled blocks
+        try:
+            trace = run_profile(
+                net,
+                sample,
+                device=dev,
+                allocation_trace=not no_allocation_trace,
+                max_blocks=max_blocks,
+                repeats=repeats,
+                device_memory_limit=limit,
+                process_group=dist.group.WORLD if process_group else None,
+            )  # named as agent.wrap names it
+        except (BlockDetectionError, ProfilerInputError) as exc:
+            err_console.print(f"[red]profile[/]: {exc}")
+            raise typer.Exit(2) from exc
+        if process_group and dist.get_rank() != 0:
+            return  # the job's one trace is rank 0's
+        write_json(output, trace.model_dump_json())
+        m = trace.measurements
+        alloc = trace.allocation_trace
+        console.print(
+            f"{trace.model.name}: {len(trace.model.blocks)} blocks, {trace.model.parameter_count:,} parameters; "
+            f"iteration {m.iteration_s * 1e3:.1f} ms, peak {m.peak_device_bytes / 2**20:.1f} MiB"
+            + (f", {len(alloc.events):,} allocation events" if alloc is not None else "")
+            + (" (extrapolated)" if m.extrapolated else "")
+        )
+        console.print(f"wrote {output}")
+    finally:
+        if process_group:
+            dist.destroy_process_group()
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun (or any env:// launcher) sets on every rank; `--process-group` joins the group they name."""
+
+
+def join_launcher_group(device: torch.device) -> torch.device:
+    """Join the process group the launcher's environment names (gloo on a CPU device; NCCL on CUDA, each rank
+    on the device `LOCAL_RANK` names when `--device cuda` names none); returns the device to profile on."""
+    # local import: torch loads when the command runs, not for `memplan --help`
+    import torch
+    import torch.distributed as dist
+
+    missing = [v for v in LAUNCHER_VARIABLES if v not in os.environ]
+    if missing:
+        raise typer.BadParameter(
+            f"needs the environment of a launcher such as torchrun ({', '.join(missing)} not set)",
+            param_hint="--process-group",
+        )
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device

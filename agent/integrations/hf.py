@@ -60,13 +60,16 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
             "(or none) to the Trainer and let it build the scheduler during train()"
         )
     if trainer.args.world_size > 1:
-        # the Trainer wraps its model in DistributedDataParallel itself (Accelerate's prepare), which memplan's
-        # parameters (re-pointed between host and device) are not made for; `agent.wrap` averages gradients
-        # across the ranks on its own (issue 20): use it in a training loop of your own under torchrun
+        # the Trainer wraps its model for distributed training itself (Accelerate's prepare: DDP, or FSDP /
+        # DeepSpeed when configured); DDP would average the gradients that memplan's runtime already averages
+        # (issue 20) and does not expect parameters re-pointed between host and device. `agent.wrap` under the
+        # process group does the whole job: use it in a training loop of your own under torchrun
         raise ValueError(
-            f"trainer.args.world_size: {trainer.args.world_size}; the Trainer under torchrun is not supported "
-            "(it wraps the model in DistributedDataParallel): call agent.wrap in your own loop, which trains "
-            "as DDP under a process group"
+            f"trainer.args.world_size: {trainer.args.world_size}; wrap_trainer runs on one process only: on "
+            "several, the Trainer wraps the model in DistributedDataParallel itself (or FSDP / DeepSpeed when "
+            "configured), which would average the gradients a second time. Call agent.wrap on every rank in a "
+            "training loop of your own instead: it plans for the whole process group and averages the "
+            "gradients across the ranks as DistributedDataParallel does"
         )
     if trainer.optimizer is None:
         trainer.create_optimizer()

@@ -18,17 +18,30 @@ Measured, on the job's group and device:
 
 On CPU (gloo) every figure is a real measurement of the loopback group; the CUDA/NCCL branch follows the
 PyTorch API and was not run on the development machine (no GPU there).
+
+Planning a multi-rank job (`probe_for_planning`): under a process group `agent.wrap` obtains the plan once, on
+rank 0 (history, the service, or profiling and solving in-process), and broadcasts it. That plan is the job's,
+not rank 0's alone: it may shard offloaded chunks across the ranks and it times the collectives that sharding
+and the gradient average add, so rank 0's trace must carry the group. The probe is a collective: every rank
+calls it with the same sizes, or none does. Only rank 0 knows whether it will profile (a plan given to wrap,
+or no sample batch, needs no probe), so rank 0 decides and broadcasts the decision together with the sizes
+(`ProbeSettings`, scaled to the model so that a small model's probe stays short); every rank then probes or
+not. `agent.profile(process_group=)` does the same with rank 0's model. A plan found in the service's history
+is found after the probe (the look-up needs the hardware key, which names the ranks per node, which takes a
+collective to learn): a history hit pays for one probe it does not use.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import socket
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -42,11 +55,42 @@ from client.contract import (
     Interconnect,
 )
 
+if TYPE_CHECKING:
+    from torch import nn
+
+    from agent.runtime.process_group import RankGroup
+
+log = logging.getLogger(__name__)
+
 KiB = 2**10
 MiB = 2**20
 COLLECTIVE_SIZES: tuple[int, ...] = (256 * KiB, 4 * MiB, 32 * MiB, 128 * MiB)
 OVERLAP_SIZE = 32 * MiB
 REPEATS = 5
+SMALLEST_SIZE = 64 * KiB
+"""The smallest whole tensor `ProbeSettings.for_model` measures (a model smaller than that is measured there)."""
+PLANNING_REPEATS = 3
+"""Repetitions per size when a job is probed to be planned (`agent.wrap`, `agent.profile(process_group=)`)."""
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What `probe_process_group` measures; every rank of the group must use the same settings (rank 0 picks
+    them and broadcasts them in `agent.wrap`)."""
+
+    sizes: tuple[int, ...] = COLLECTIVE_SIZES
+    overlap_size: int = OVERLAP_SIZE
+    repeats: int = REPEATS
+
+    @classmethod
+    def for_model(cls, model_bytes: int, repeats: int = PLANNING_REPEATS) -> ProbeSettings:
+        """The default sizes up to the model's parameter bytes, then that size itself: no chunk of the plan is
+        larger than the model (the cost model reads a curve flat beyond its largest sample), so a small model's
+        probe stays short instead of moving 128 MiB tensors it will never have. The overlap is measured at the
+        largest size measured, at most OVERLAP_SIZE."""
+        top = min(COLLECTIVE_SIZES[-1], max(SMALLEST_SIZE, model_bytes))
+        sizes = tuple(s for s in COLLECTIVE_SIZES if s < top) + (top,)
+        return cls(sizes=sizes, overlap_size=min(OVERLAP_SIZE, top), repeats=repeats)
 
 
 class CollectiveProbeError(RuntimeError):
@@ -268,3 +312,36 @@ def probe_process_group(
         interconnect=link,
         collectives=CollectiveCurves(all_gather=gather, reduce_scatter=reduce, copy_overlap=overlap),
     )
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (the most one chunk of its plan can hold)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def probe_for_planning(group: RankGroup, profiled: nn.Module | None) -> Distributed | None:
+    """The job's group as measured on every rank, or None when rank 0 will not profile (see "Planning a
+    multi-rank job" above). Every rank of `group` calls this: it broadcasts rank 0's decision, then probes on
+    every rank or on none. `profiled`: on rank 0, the model it is about to profile for a plan, else None; the
+    other ranks' argument is not read."""
+    settings: ProbeSettings | None = group.broadcast_object(
+        ProbeSettings.for_model(parameter_bytes(profiled)) if group.is_main and profiled is not None else None
+    )
+    if settings is None:
+        return None
+    started = time.perf_counter()
+    distributed = probe_process_group(
+        group.group,
+        group.device,
+        sizes=settings.sizes,
+        overlap_size=settings.overlap_size,
+        repeats=settings.repeats,
+    )
+    log.info(
+        "memplan: measured the collectives of the %d-rank group (%s, sizes up to %d bytes) in %.2f s",
+        group.world_size,
+        group.backend,
+        max(settings.sizes),
+        time.perf_counter() - started,
+    )
+    return distributed

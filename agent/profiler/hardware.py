@@ -31,7 +31,7 @@ import threading
 import torch
 
 from agent.profiler.device_clock import DeviceClock
-from client.contract import BandwidthCurves, BandwidthSample, DeviceType, Hardware
+from client.contract import BandwidthCurves, BandwidthSample, DeviceType, Distributed, Hardware
 
 KiB = 2**10
 MiB = 2**20
@@ -232,3 +232,12 @@ def probe_hardware(device: torch.device, device_memory_limit: int | None = None)
         else torch.device("cuda", torch.cuda.current_device())
     )
     return _probe(key, device_memory_limit).model_copy(deep=True)
+
+
+def in_group(hw: Hardware, distributed: Distributed | None) -> Hardware:
+    """`hw` as one rank of the job's process group sees it (None: `hw` unchanged, a single-process job). The
+    node's devices are its ranks' (launchers that set no LOCAL_WORLD_SIZE too), and the hardware key then
+    names the world size, so history and the plan cache never mix a multi-rank job with a single-rank one."""
+    if distributed is None:
+        return hw
+    return hw.model_copy(update={"distributed": distributed, "device_count": distributed.ranks_per_node})

@@ -44,9 +44,10 @@ from agent.allocator.device_memory import check_history_available
 from agent.kv_cache import KVCacheOff
 from agent.profiler.block_detection import RepeatedBlocks, detect_blocks, edge_name
 from agent.profiler.block_marks import BlockTracker, seconds_by_block, segments
+from agent.profiler.collectives import probe_for_planning
 from agent.profiler.device_clock import DeviceClock
 from agent.profiler.extrapolation import blocks_that_fit, extrapolate, truncated
-from agent.profiler.hardware import probe_hardware
+from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.hooks import BlockHooks
 from agent.profiler.memory_tracking import track_memory
 from agent.profiler.model_config import hf_config
@@ -69,6 +70,7 @@ from agent.profiler.session import (
     preserved_training_state,
 )
 from agent.profiler.tensors import iter_tensors
+from agent.runtime.process_group import resolve
 from client.contract import (
     AllocationTrace,
     BlockInfo,
@@ -106,6 +108,7 @@ def profile(
     device_memory_limit: int | None = None,
     name: str | None = None,
     distributed: Distributed | None = None,
+    process_group: Any = None,
 ) -> Trace:
     """Profile one training iteration of `model` on `sample_batch`; every number in the Trace is measured.
 
@@ -115,12 +118,18 @@ def profile(
     `hardware` reuses an earlier probe; `device_memory_limit` caps the reported device capacity.
     `distributed`: the job's process group as `collectives.probe_process_group` measured it (every rank
     probes; rank 0 profiles and passes it here): the trace then says world size, ranks per node and the
-    collectives, and the plan is a multi-rank one (issue 20). When the
+    collectives, and the plan is a multi-rank one (issue 20). `process_group`: the job's `torch.distributed`
+    group, as `agent.wrap` takes it, measured here instead (`collectives.probe_for_planning`, sized to rank 0's
+    model): then `profile` is a collective call that every rank of the group makes, each profiling its own
+    model, and rank 0's trace is the job's. Not the default group by itself, unlike `wrap`: a `profile` called
+    on rank 0 alone must not wait for ranks that never join. When the
     model's states would not fit the device (see `extrapolation.blocks_that_fit`), fewer blocks are profiled
     automatically and the rest extrapolated.
     """
     if repeats < 1:
         raise ValueError(f"repeats: must be at least 1, got {repeats}")
+    if process_group is not None and distributed is not None:
+        raise ValueError("process_group: given with distributed= (an earlier probe of the group); give one")
     first = next(iter(model.parameters()), None)
     if first is None:
         raise ProfilerInputError(f"model: {type(model).__name__} has no parameters to profile")
@@ -136,10 +145,13 @@ def profile(
     full_fingerprint = fingerprint(model)
     all_params_named = dict(model.named_parameters())
 
+    if process_group is not None:
+        group = resolve(process_group)  # a group given: resolved, or ValueError naming it
+        assert group is not None
+        distributed = probe_for_planning(group, model)
     t_hw = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
-    if distributed is not None:  # the node's devices are its ranks' (launchers without LOCAL_WORLD_SIZE too)
-        hw = hw.model_copy(update={"distributed": distributed, "device_count": distributed.ranks_per_node})
+    hw = in_group(hw, distributed)
     t_hw = time.perf_counter() - t_hw
     with truncated(model, repeated_all, n_profiled) as repeated, _on_device(model, dev, optimizer):
         opt = (

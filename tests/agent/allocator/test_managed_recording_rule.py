@@ -8,6 +8,9 @@ names the device without initialising CUDA, so it is checked here on the CPU.
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
 from agent.allocator.install import attach_managed_allocation
@@ -39,3 +42,20 @@ def test_a_cpu_job_gets_the_allocation_of_its_managed_iteration() -> None:
     got = attach_managed_allocation(source, model, opt, batch, loss_fn=None, options=None, arena=False)
     assert has_managed_allocation(got.plan)
     assert got.plan.allocation is not None and got.plan.allocation.iteration == "managed"
+
+
+def test_a_plan_with_sharded_chunks_is_not_recorded_in_one_process(caplog: pytest.LogCaptureFixture) -> None:
+    # a 2-rank plan that shards its offloaded chunks (issue 20): the one-process recording cannot run it, so it
+    # is not tried (before: tried, refused by the runtime, and a warning on every multi-rank CPU job)
+    model, opt, batch, source = _job()
+    policy = source.plan.policy
+    assert policy is not None
+    sharded = policy.model_copy(
+        update={"world_size": 2, "chunks": [c.model_copy(update={"sharded": True}) for c in policy.chunks]}
+    )
+    source = PlanSource(source.plan.model_copy(update={"policy": sharded}), "embedded", message="test")
+    with caplog.at_level(logging.INFO, logger="agent.allocator.install"):
+        got = attach_managed_allocation(source, model, opt, batch, loss_fn=None, options=None, arena=False)
+    assert got is source
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "sharded across 2 ranks is not recorded" in caplog.records[0].getMessage()

@@ -38,6 +38,7 @@ class Case:
     """One multi-process comparison: model, plan, loop options, and checkpoint files."""
 
     kind: str = "gpt2"  # a model_zoo kind, or "hf-llama" (Hugging Face llama at the library's defaults)
+    hidden: int = 32  # model_zoo kinds: the hidden size (larger: parameters outweigh activations)
     offload: str = "all"  # "all": every chunk offloaded; "alternate": persistent and offloaded chunks
     steps: int = 4
     clip: float | None = None
@@ -47,6 +48,8 @@ class Case:
     load: str | None = None  # both variants start from this checkpoint (saved at any world size)
     feedback: str | None = None  # wrap's monitor sends feedback after 4 steps to this local file
     solve: bool = False  # no plan given: rank 0 profiles and solves in-process, the others receive the plan
+    server: str | None = None  # with solve: rank 0 asks this planner service for the plan
+    device_memory: int | None = None  # with solve: the device memory to plan for (default: the device's)
     explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
     no_batch: bool = False  # neither plan nor sample batch: rank 0 cannot plan; each rank's error
     job: str = "ddp"  # "ddp": compare_with_ddp; "unused": unused_in_the_last_micro_step
@@ -87,11 +90,11 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
         dist.destroy_process_group()
 
 
-def build_model(kind: str) -> nn.Module:
+def build_model(kind: str, hidden: int = 32) -> nn.Module:
     if kind == "hf-llama":
         model, _ = build_with_library_defaults("llama", layers=2, hidden=64, vocab=VOCAB, seq=32, seed=0)
     else:
-        model, _ = build(kind, layers=2, hidden=32, vocab=VOCAB, seq=32, seed=0)
+        model, _ = build(kind, layers=2, hidden=hidden, vocab=VOCAB, seq=32, seed=0)
     return model
 
 
@@ -156,7 +159,7 @@ def checksum(model: nn.Module) -> float:
 
 def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = build_model(case.kind)
+    model = build_model(case.kind, case.hidden)
     if rank:  # ranks start apart: both variants must take rank 0's model (DDP broadcasts it at construction)
         with torch.no_grad():
             for p in model.parameters():
@@ -190,6 +193,8 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         feedback_steps=4 if case.feedback else None,
         feedback_path=Path(case.feedback) if case.feedback else None,
         process_group=dist.new_group(list(range(world))) if case.explicit_group else None,
+        server=case.server,
+        device_memory=case.device_memory,
     )
     ref_losses, ref_norms = train(
         ddp,
@@ -220,6 +225,10 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     assert wrapped.source is not None
     result["plan"] = wrapped.plan.model_dump_json()
     result["plan_origin"] = wrapped.source.origin
+    trace = (
+        wrapped.source.trace
+    )  # the trace rank 0 profiled (and uploaded, from a service), sent with the plan
+    result["trace_hardware"] = trace.hardware.model_dump_json() if trace is not None else None
     if wrapped.monitor is not None:
         m = wrapped.monitor.measured
         local = m.feedback()

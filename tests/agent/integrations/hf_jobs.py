@@ -93,6 +93,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_grad_norm=spec.get("max_grad_norm", 0.5),
         accumulation=spec.get("accumulation", 1),
     )
+    if spec.get("refused"):  # under torchrun: wrap_trainer must refuse, saying why and what to use instead
+        try:
+            wrap_trainer(t, feedback_steps=None)
+        except ValueError as exc:
+            return {"refused": str(exc), "world_size": t.args.world_size}
+        return {"refused": None, "world_size": t.args.world_size}
     plan_json = None
     offloaded = 0
     if spec.get("wrap"):

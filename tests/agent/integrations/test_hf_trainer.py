@@ -138,6 +138,27 @@ def _accelerate_loop(model: torch.nn.Module, wrap: bool, limit: int) -> list[tup
     return out
 
 
+def test_wrap_trainer_under_torchrun_is_refused_naming_agent_wrap(tmp_path: Path) -> None:
+    # the real launcher: two ranks, gloo on CPU; the Trainer's own distributed setup makes world_size 2
+    spec = {"kind": "gpt2", "out": str(tmp_path), "steps": 1, "refused": True}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [str(HERE / "hf_jobs.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line
+    ]
+    assert len(results) == 2 and all(r["world_size"] == 2 for r in results)
+    message = results[0]["refused"]
+    assert message is not None and message.startswith("trainer.args.world_size: 2;")
+    assert "agent.wrap on every rank" in message and "DistributedDataParallel" in message
+
+
 def test_an_accelerate_loop_over_the_wrapped_model_matches_the_plain_loop(limits: dict[str, int]) -> None:
     base = hf_jobs.build_model("gpt2")
     ref = _accelerate_loop(copy.deepcopy(base), False, 0)

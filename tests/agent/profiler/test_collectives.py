@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.profiler.collectives import CollectiveProbeError, probe_process_group
+from agent.profiler import profiling
+from agent.profiler.collectives import CollectiveProbeError, ProbeSettings, probe_process_group
+from agent.testing import model_zoo
 from client.contract import CollectiveBackend, Distributed, Hardware, Trace
 
 KiB = 2**10
@@ -48,6 +50,18 @@ def _rank(rank: int, port: int, out: str, hardware_json: str) -> None:
                 distributed=d,
             )
             Path(out, "trace.json").write_text(trace.model_dump_json())
+        # agent.profile(process_group=): every rank calls it, measures the group and profiles its own model
+        torch.manual_seed(0)
+        model, config = build("gpt2", layers=2, hidden=32, vocab=128, seq=16)
+        own = profile(
+            model,
+            sample_batch(config, 2, 16),
+            hardware=Hardware.model_validate_json(hardware_json),
+            repeats=1,
+            allocation_trace=False,
+            process_group=dist.new_group([0, 1]),
+        )
+        Path(out, f"own{rank}.json").write_text(own.model_dump_json())
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -87,6 +101,36 @@ def test_rank_zero_builds_one_trace_for_the_job(two_ranks: Path) -> None:
     assert trace.hardware.key.endswith(":x2:w2r2") and trace.hardware.device_count == 2
     group = json.loads((two_ranks / "group0.json").read_text())
     assert json.loads(trace.hardware.distributed.model_dump_json()) == group  # type: ignore[union-attr]
+
+
+def test_profile_with_the_group_measures_it_on_every_rank(two_ranks: Path) -> None:
+    traces = [Trace.model_validate_json((two_ranks / f"own{r}.json").read_text()) for r in (0, 1)]
+    groups = [t.hardware.distributed for t in traces]
+    assert groups[0] is not None and groups[0] == groups[1]  # the same figures on both ranks (slowest rank's)
+    assert (groups[0].world_size, groups[0].ranks_per_node) == (2, 2)
+    assert all(t.hardware.key.endswith(":x2:w2r2") for t in traces)
+    # sized to the model (rank 0's settings, broadcast): its parameter bytes, not the 128 MiB default
+    c = groups[0].collectives
+    expected = ProbeSettings.for_model(traces[0].model.parameter_count * 4)
+    assert c is not None and [s.size_bytes for s in c.all_gather] == list(expected.sizes)
+    assert {o.copy_bytes for o in c.copy_overlap} == {expected.overlap_size}
+
+
+def test_profile_refuses_a_group_and_an_earlier_probe_together(cpu_hardware: Hardware) -> None:
+    model, config = model_zoo.build("gpt2", layers=2, hidden=32, vocab=128, seq=16)
+    d = Distributed(world_size=1, ranks_per_node=1)
+    with pytest.raises(ValueError, match="process_group: given with distributed="):
+        profiling.profile(
+            model,
+            model_zoo.sample_batch(config, 2, 16),
+            hardware=cpu_hardware,
+            distributed=d,
+            process_group=object(),
+        )
+    with pytest.raises(ValueError, match="process_group: given, but torch.distributed is not initialised"):
+        profiling.profile(
+            model, model_zoo.sample_batch(config, 2, 16), hardware=cpu_hardware, process_group=object()
+        )
 
 
 def test_the_probe_refuses_without_a_process_group() -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
+import torch
+import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from client.contract import Trace
 from memplan.cli import app
+from planner_service.embedded import free_port
 
 
 def test_profile_command_writes_a_valid_trace(tmp_path: Path) -> None:
@@ -88,4 +93,49 @@ def test_the_command_and_agent_profile_give_a_zoo_model_one_name(tmp_path: Path)
         Trace.model_validate_json(out.read_text()).model.name
         == by_agent.model.name
         == "Qwen2ForCausalLM-2L-64H"
+    )
+
+
+def _command_rank(rank: int, port: int, out: str) -> None:
+    """One rank as torchrun starts it: the launcher's variables, then the command as a person runs it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    torch.set_num_threads(1)
+    result = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            *("--model", "gpt2", "--layers", "2", "--hidden", "32", "--batch", "2", "--seq", "16"),
+            *("--vocab", "128", "--repeats", "1", "--no-allocation-trace", "--process-group"),
+            *("-o", str(Path(out) / f"trace{rank}.json")),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_profile_command_under_a_launcher_writes_rank_zeros_multi_rank_trace(tmp_path: Path) -> None:
+    port = free_port()
+    mp.start_processes(_command_rank, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    trace = Trace.model_validate_json((tmp_path / "trace0.json").read_text())
+    d = trace.hardware.distributed
+    assert d is not None and (d.world_size, d.ranks_per_node) == (2, 2) and d.collectives is not None
+    assert trace.hardware.key.endswith(":x2:w2r2")
+    assert not (tmp_path / "trace1.json").exists()  # one trace for the job: rank 0's
+
+
+def test_profile_command_with_process_group_needs_a_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    result = CliRunner().invoke(
+        app,
+        ["profile", "--model", "gpt2", "--layers", "2", "--hidden", "32", "--process-group"]
+        + ["-o", str(tmp_path / "t.json")],
+    )
+    assert result.exit_code == 2
+    said = " ".join(result.output.replace("│", " ").split())  # the error box wraps lines
+    assert (
+        "needs the environment of a launcher such as torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+        in said
     )
