@@ -46,7 +46,13 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from agent.runtime.layout import ChunkLayout
-from client.contract import PARAMETER_ALIGN_BYTES, ActivationMode, Plan, offloaded_chunk_pinned_bytes
+from client.contract import (
+    PARAMETER_ALIGN_BYTES,
+    ActivationMode,
+    Plan,
+    offloaded_chunk_pinned_bytes,
+    sharded_chunk_pinned_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -255,11 +261,10 @@ def chunk_region_bytes(layout: ChunkLayout, *, separate_master: bool) -> int:
     esize = torch.empty((), dtype=layout.compute_dtype).element_size()
     total = 0
     for c in layout.offloaded:
-        if c.sharded:
-            # issue 20: the compute copy whole (zero padded to world_size shards); the staging buffer and
-            # (without a separate master) the host gradient for this rank's shard only
-            shard = c.shard_numel * esize
-            total += _round_up(layout.world_size * shard) + _round_up(shard) * (1 if separate_master else 2)
+        if c.sharded:  # issue 20: the whole compute copy, this rank's shard of the rest
+            total += sharded_chunk_pinned_bytes(
+                c.used_numel, layout.world_size, esize, separate_master=separate_master
+            )
         else:
             total += offloaded_chunk_pinned_bytes(c.used_numel * esize, separate_master=separate_master)
     return total

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from agent.runtime.shards import shard_size
-from client.contract import Placement, Policy, parameter_slot_bytes
+from client.contract import Placement, Policy, parameter_slot_bytes, shard_elements
 
 
 class PlanMismatchError(ValueError):
@@ -155,7 +154,7 @@ class ChunkLayout:
                 offset += slot
             spec.padded_numel = offset
             if chunk.sharded:
-                spec.shard_numel = shard_size(offset, policy.world_size)
+                spec.shard_numel = shard_elements(offset, policy.world_size)
             if offset * esize != chunk.used_bytes:
                 raise PlanMismatchError(
                     f"policy.chunks[{ci}].used_bytes: is {chunk.used_bytes}, but its parameters take "

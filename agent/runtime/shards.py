@@ -1,6 +1,7 @@
 """Shards of a sharded offloaded chunk (issue 20, docs/architecture/runtime.md "Sharded chunks").
 
-A chunk marked `sharded` in a job of N ranks is cut into N equal shards of `s` elements: `s` is the chunk's
+A chunk marked `sharded` in a job of N ranks is cut into N equal shards of `s` elements
+(`client.contract.shard_elements`, the function the planner counts with): `s` is the chunk's
 padded element count divided by N, rounded up to a multiple of 4 elements (16 bytes in fp32, so every shard
 starts aligned), and the flat chunk is zero padded to N*s. Rank r owns elements [r*s, (r+1)*s): it keeps the
 master, host gradient, staging buffer and optimizer state of that range only (the last shards may cover
@@ -10,14 +11,6 @@ padding only). The compute copy and the gradient users see stay whole on every r
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-SHARD_ALIGN = 4  # elements: a shard boundary on a 16-byte boundary in fp32
-
-
-def shard_size(numel: int, world_size: int) -> int:
-    """Elements each rank owns of a chunk of `numel` elements sharded over `world_size` ranks."""
-    s = -(-numel // world_size)
-    return -(-s // SHARD_ALIGN) * SHARD_ALIGN
 
 
 @dataclass(frozen=True)

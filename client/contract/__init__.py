@@ -16,8 +16,11 @@ from client.contract.api import (
 )
 from client.contract.chunk_bytes import (
     PARAMETER_ALIGN_BYTES,
+    SHARD_ALIGN_ELEMENTS,
     offloaded_chunk_pinned_bytes,
     parameter_slot_bytes,
+    shard_elements,
+    sharded_chunk_pinned_bytes,
 )
 from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, ContractModel
 from client.contract.distributed import (

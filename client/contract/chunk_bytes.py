@@ -17,6 +17,11 @@ copies land in when they must be added or cast (U), and, without a separate fp32
 itself (U: gradient copies write it directly). With a separate fp32 master the host gradient is fp32 and
 ordinary memory (the host optimizer reads it; no copy engine writes it). The master and the optimizer
 state are ordinary host memory too.
+
+Shards (issue 20). A chunk sharded over N ranks is cut into N shards of `shard_elements` (ceil(n / N) rounded
+up to `SHARD_ALIGN_ELEMENTS`, so a shard starts 16-byte aligned in fp32), the flat chunk zero padded to N
+shards. Each rank pins the whole compute copy (N shards), its shard's staging buffer and, without a separate
+master, its shard's host gradient, each buffer rounded up to 16 bytes as the host arena places it.
 """
 
 from __future__ import annotations
@@ -39,3 +44,27 @@ def offloaded_chunk_pinned_bytes(used_bytes: int, *, separate_master: bool) -> i
     `separate_master`: an fp32 master distinct from the compute copy is stepped (mixed precision).
     """
     return used_bytes * (2 if separate_master else 3)
+
+
+SHARD_ALIGN_ELEMENTS = 4  # a shard starts at a multiple of 16 bytes in fp32
+
+
+def shard_elements(elements: int, world_size: int) -> int:
+    """Elements of one rank's shard of a chunk of `elements` sharded over `world_size` ranks."""
+    if elements < 0 or world_size < 1:
+        raise ValueError(f"shard_elements: elements {elements} must be >= 0 and world_size {world_size} >= 1")
+    s = -(-elements // world_size)
+    return -(-s // SHARD_ALIGN_ELEMENTS) * SHARD_ALIGN_ELEMENTS
+
+
+def sharded_chunk_pinned_bytes(
+    used_elements: int, world_size: int, element_bytes: int, *, separate_master: bool
+) -> int:
+    """Pinned host bytes one rank keeps for an offloaded chunk of `used_elements` sharded over `world_size`."""
+    shard = shard_elements(used_elements, world_size) * element_bytes
+    whole = _aligned(world_size * shard)
+    return whole + _aligned(shard) * (1 if separate_master else 2)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // PARAMETER_ALIGN_BYTES) * PARAMETER_ALIGN_BYTES

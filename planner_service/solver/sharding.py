@@ -25,21 +25,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from client.contract import Trace
+from client.contract import Trace, shard_elements, sharded_chunk_pinned_bytes
 from planner_service.solver.bandwidth import transfer_ns
 
 if TYPE_CHECKING:
     from planner_service.solver.chunk_grid import ChunkGrid
 
 PERMILLE = 1000
-SHARD_ALIGN_ELEMENTS = 4  # a shard starts at a multiple of 16 bytes in fp32 (the runtime's alignment)
-
-
-def shard_elements(elements: int, world_size: int) -> int:
-    """Elements of one rank's shard of a chunk of `elements`: ceil(elements / N) rounded up to a multiple of
-    `SHARD_ALIGN_ELEMENTS` (the runtime pads the flat chunk to N times this with zeros)."""
-    s = -(-elements // world_size)
-    return -(-s // SHARD_ALIGN_ELEMENTS) * SHARD_ALIGN_ELEMENTS
 
 
 def collective_overlap_permille(trace: Trace) -> int:
@@ -80,9 +72,6 @@ def multi_rank_fields(
     grad_rest = [t - transfer_ns(bw.d2h_pinned, g) for t, g in zip(grad_offload_ns, grad_bytes, strict=True)]
     # replicated per element: the compute copy and the exposed .grad (compute dtype each); sharded: the rest
     rest_per_elt = host_bytes_per_elt - 2 * elt
-    # pinned (`client.contract.offloaded_chunk_pinned_bytes` per part): the full compute copy; the shard's
-    # staging buffer and, without a separate fp32 master, its host gradient
-    pinned_shard_elts = 1 if separate_master else 2
     return dict(
         world_size=n,
         ranks_per_node=d.ranks_per_node,
@@ -95,6 +84,10 @@ def multi_rank_fields(
         ),
         shard_host_optim_ns=tuple(ns(s * elt / opt.host_bytes_per_s) for s in shards),
         shard_host_bytes_of=tuple(n * s * 2 * elt + s * rest_per_elt for s in shards),
-        shard_pinned_bytes_of=tuple(n * s * elt + s * elt * pinned_shard_elts for s in shards),
+        # the whole compute copy; the shard's staging buffer and, without a separate master, its host gradient
+        shard_pinned_bytes_of=tuple(
+            sharded_chunk_pinned_bytes(u // elt, n, elt, separate_master=separate_master)
+            for u in layout.used_bytes
+        ),
         collective_overlap_permille=collective_overlap_permille(trace),
     )

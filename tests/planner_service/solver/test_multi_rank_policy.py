@@ -224,7 +224,7 @@ def test_instance_constants_are_the_hand_computed_shards_and_collectives() -> No
 
 
 def test_a_shard_is_a_multiple_of_4_elements_of_the_padded_chunk() -> None:
-    from planner_service.solver.sharding import shard_elements
+    from client.contract import shard_elements  # local import: as the tests beside it, one name per test
 
     assert shard_elements(10, 4) == 4  # ceil(10 / 4) = 3, aligned to 4: the last shard is padding only
     assert shard_elements(16, 4) == 4 and shard_elements(17, 4) == 8 and shard_elements(8, 2) == 4
@@ -237,7 +237,7 @@ def test_a_shard_is_a_multiple_of_4_elements_of_the_padded_chunk() -> None:
 
 
 def test_mixed_precision_shard_bytes_follow_what_the_runtime_keeps_per_rank() -> None:
-    from planner_service.solver.sharding import shard_elements
+    from client.contract import shard_elements  # local import: as the tests beside it, one name per test
     from planner_service.solver.testing.synthetic import synthetic_trace
 
     base = synthetic_trace(n_blocks=4, hidden=256, heads=4, batch=2, seq=128, vocab=1000)
