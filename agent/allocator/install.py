@@ -25,7 +25,6 @@ initialisation and the install call (tests/agent/allocator/test_install_order.py
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -36,9 +35,9 @@ import torch
 from agent.allocator import cuda as cuda_allocator
 from agent.allocator.core import MatchRules
 from agent.allocator.cuda import check_can_install, installed
-from agent.allocator.managed import has_managed_allocation, with_managed_allocation
+from agent.allocator.managed import has_managed_allocation, record_managed_trace
 from agent.allocator.plan_subprocess import obtain_plan_in_subprocess
-from agent.allocator.publish import publish_managed_allocation
+from agent.allocator.publish import place_and_publish
 from agent.allocator.select import AllocatorSelection, plan_key, select
 from agent.planning import PlanSource, obtain_plan
 from client.contract import Plan
@@ -107,11 +106,10 @@ def install_planned_first(
             **obtain_kwargs,
         )
     if not has_managed_allocation(source.plan):
-        managed = with_managed_allocation(
+        events = record_managed_trace(
             model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options
         )
-        source = dataclasses.replace(source, plan=managed)
-        publish(source)
+        source = place_and_publish(source, events)
     a = source.plan.allocation
     assert a is not None and a.events is not None
     if handle is not None:
@@ -153,9 +151,10 @@ def attach_managed_allocation(
     if sample_batch is None:
         return source
     try:
-        managed = with_managed_allocation(
+        events = record_managed_trace(
             model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options, arena=arena
         )
+        return place_and_publish(source, events)
     except Exception as exc:  # noqa: BLE001 - an extra the job does not need must not stop it
         log.warning(
             "memplan: the managed iteration could not be recorded (%s: %s); the plan keeps the allocation "
@@ -164,15 +163,6 @@ def attach_managed_allocation(
             exc,
         )
         return source
-    source = dataclasses.replace(source, plan=managed)
-    publish(source)
-    return source
-
-
-def publish(source: PlanSource) -> None:
-    """Send the plan's managed allocation to the service that made it (best effort)."""
-    if source.server and source.plan_id and source.origin in ("service", "history"):
-        publish_managed_allocation(source.server, source.plan_id, source.plan)
 
 
 def plan_with_allocation(
@@ -193,10 +183,12 @@ def plan_with_allocation(
     source = obtain_plan(
         model, optimizer, sample_batch, loss_fn=loss_fn, options=options, blocks=blocks, **obtain_kwargs
     )
+    if not has_managed_allocation(source.plan):
+        events = record_managed_trace(
+            model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options
+        )
+        source = place_and_publish(source, events)
     plan = source.plan
-    if not has_managed_allocation(plan):
-        plan = with_managed_allocation(model, optimizer, plan, sample_batch, loss_fn=loss_fn, options=options)
-        publish(dataclasses.replace(source, plan=plan))
     if path is not None:
         Path(path).write_text(plan.model_dump_json())
     return plan
