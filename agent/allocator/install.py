@@ -134,19 +134,24 @@ def attach_managed_allocation(
     loss_fn: Any,
     options: RuntimeOptions | None,
     arena: bool,
+    metered: bool = False,
 ) -> PlanSource:
     """Give a plan from the service, its history or the in-process solver the allocation of its managed
     iteration (unless it has one) and send it to the service, so the plan's record shows that plan's arena.
     Best effort: a failure is logged and the plan keeps the placement of the profiled iteration (the training
     job goes on).
 
-    Only where it is cheap or needed: a job that trains on the CPU (the recording's own device), or one that
-    asked for the planned arena (`arena`). A CUDA job with PyTorch's caching allocator is not recorded: it
-    would pay a host copy of its model and optimizer and three CPU iterations for a chart (its plan's record
-    keeps the profiled iteration's arena, labelled so)."""
+    Recorded here, on a CPU copy of the job, only where it is needed before the job runs or cheap and no
+    step of the job will be metered: the planned arena (`arena`) places the runtime's buffers from it; a job
+    that trains on the CPU with no feedback monitor. With `metered` (a feedback monitor will meter a step
+    of the job on PyTorch's allocator) nothing is recorded here: that step is the managed iteration, and
+    `agent.allocator.managed_step` records, places and sends it (CPU or CUDA), with no copy of the model.
+    A CUDA job on the caching allocator with no monitor is not recorded: it would pay a host copy of its
+    model and optimizer and three CPU iterations for a chart (its plan's record keeps the profiled
+    iteration's arena, labelled so)."""
     if has_managed_allocation(source.plan) or source.origin == "given":
         return source
-    if not arena and planned_cuda_device(model, options) is not None:
+    if not arena and (metered or planned_cuda_device(model, options) is not None):
         return source
     if sample_batch is None:
         return source
