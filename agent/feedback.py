@@ -16,7 +16,8 @@ feedback is written locally instead.
 
 A `StepRecorder` (`agent.allocator.managed_step.ManagedStepRecorder`, given by `wrap`) is told when the
 metered step starts and ends, and receives the meter's storage tracker of it (CPU): the metered step is the
-plan's managed iteration, recorded once for the plan's allocation.
+plan's managed iteration, recorded once for the plan's allocation. It is told to send it when the feedback
+is sent, after the timed steps, so its work in the background is in none of them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ class StepRecorder(Protocol):
 
     def finish(self, window: StorageTracker | None) -> None:
         """The metered step's optimizer step returned; `window`: the meter's tracker of it (CPU), else None."""
+        ...
+
+    def publish(self) -> None:
+        """The feedback was sent (the timed steps are over): send what was recorded."""
         ...
 
     def abort(self) -> None:
@@ -278,6 +283,8 @@ class StepMonitor:
                 )
                 return fb
         self.measured.sent = fb
+        if self.recorder is not None:
+            self.recorder.publish()
         if self.sink is None:
             return fb
         if isinstance(self.sink, ServiceSink):

@@ -12,9 +12,11 @@ allocation events, with no copy of the model and no extra iteration:
   after the long-lived state (`state_records` of `agent.measure.device_state_tensors`), with the
   gradients found by address (source "cuda_caching_allocator").
 
-Then, on a background thread, `agent.allocator.publish.place_and_publish` (the same function the CPU copy at
-`wrap` uses) places the events with the service's planner and validator and sends them with
-`PUT /v1/plans/{id}/allocation`; `on_placed` hands the placed plan back to `Wrapped`. Nothing here raises
+When the monitor sends its feedback (after the timed steps, so the placement's CPU time is in none of
+them), a background thread runs `agent.allocator.publish.place_and_publish` (the same function the CPU copy
+at `wrap` uses): it places the events with the service's planner and validator and sends them with
+`PUT /v1/plans/{id}/allocation`; `on_placed` hands the placed plan back to `Wrapped`. No feedback sent (the
+job stopped before `feedback_steps`), nothing placed or sent. Nothing here raises
 into the training loop: every failure (history unavailable, its ring buffer full, an invalid trace, the
 service down) is one warning, and the plan keeps the placement of the profiled iteration.
 
@@ -77,6 +79,7 @@ class ManagedStepRecorder:
         self.device = device
         self.source = source
         self.on_placed = on_placed
+        self.events: AllocationTrace | None = None  # the metered step's, once it finished
         self.placed: PlanSource | None = None
         self.failure: str | None = None  # why no managed allocation came of the step
         self._history: CudaAllocatorHistory | None = None
@@ -93,17 +96,21 @@ class ManagedStepRecorder:
             self._fail(exc)
 
     def finish(self, window: StorageTracker | None) -> None:
-        """After the metered step's optimizer step: its events, then placement and PUT in the background.
+        """After the metered step's optimizer step (an untimed step): its events.
         `window`: the meter's storage tracker of the step (CPU), None on CUDA."""
         if self.failure is not None:
             return
         try:
-            events = self._events(window)
+            self.events = self._events(window)
         except Exception as exc:  # noqa: BLE001 - the training job must not fail for this
             self._fail(exc)
+
+    def publish(self) -> None:
+        """The feedback went out: place the events and send them, on a background thread (once)."""
+        if self.events is None or self._thread is not None:
             return
         self._thread = threading.Thread(
-            target=self._place, args=(events,), name="memplan-managed-allocation", daemon=True
+            target=self._place, args=(self.events,), name="memplan-managed-allocation", daemon=True
         )
         self._thread.start()
 
@@ -114,6 +121,11 @@ class ManagedStepRecorder:
             history.__exit__(RuntimeError, None, None)  # recording off, no snapshot
         if self.failure is None:
             self.failure = "the metered step did not finish"
+
+    @property
+    def sending(self) -> bool:
+        """The placement and PUT were started (after the feedback went out)."""
+        return self._thread is not None
 
     def wait(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) for the placement and PUT in flight."""

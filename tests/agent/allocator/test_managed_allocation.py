@@ -167,19 +167,25 @@ def test_a_cpu_jobs_metered_step_gives_its_plan_the_managed_allocation(
     `memplan plans get` and the plan page then show the arena of this plan."""
     from memplan.cli import app
 
-    run = _wrapped(job, server=service, feedback_steps=4)
+    run = _wrapped(job, server=service, feedback_steps=5)
     try:
         assert run.source.origin == "service" and run.source.plan_id is not None
         plan_id = run.source.plan_id
         assert not has_managed_allocation(run.plan)  # nothing recorded at wrap: no copy of the job
-        for _ in range(4):
+        assert run.monitor is not None and run.monitor.recorder is not None
+        recorder = run.monitor.recorder
+        for step in range(5):
             loss = run.model(**job["batch"]).loss
             loss.backward()
             run.optimizer.step()
             run.optimizer.zero_grad()
-        assert run.monitor is not None and run.monitor.recorder is not None
+            if step == run.monitor.meter_step:
+                # recorded at the metered step; placed and sent only with the feedback, so the placement's CPU
+                # time is in none of the timed steps
+                assert recorder.events is not None and not recorder.sending
         run.monitor.wait_sent(60.0)
-        assert run.monitor.recorder.failure is None
+        assert recorder.sending
+        assert recorder.failure is None
         _check_managed(run.plan, checkpoint=False)
         assert run.source.plan.allocation == run.plan.allocation
         # the placed events are the metered step's: its measured peak is the arena's live-bytes bound

@@ -243,6 +243,7 @@ def test_a_recording_that_fails_is_a_warning_and_never_reaches_the_training_loop
     with caplog.at_level(logging.WARNING, logger="agent.allocator.managed_step"):
         recorder.start()
         recorder.finish(None)
+        recorder.publish()
         recorder.wait(5.0)
     assert recorder.failure is not None and "no recording of the metered step on cuda:0" in recorder.failure
     assert not placed and "keeps the allocation of the profiled iteration" in caplog.text
