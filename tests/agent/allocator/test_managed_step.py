@@ -20,6 +20,7 @@ from torch.cuda._memory_viz import _profile_to_snapshot
 
 from agent.allocator.managed_step import ManagedStepError, ManagedStepRecorder, managed_events_from_history
 from agent.allocator.publish import place_and_publish
+from agent.feedback import StepMonitor
 from agent.measure import DevicePeakMeter, device_state_tensors
 from agent.planning import PlanSource
 from agent.profiler.allocation_trace import build_allocation_trace
@@ -248,3 +249,62 @@ def test_a_recording_that_fails_is_a_warning_and_never_reaches_the_training_loop
     assert recorder.failure is not None and "no recording of the metered step on cuda:0" in recorder.failure
     assert not placed and "keeps the allocation of the profiled iteration" in caplog.text
     assert not torch.cuda.is_initialized()
+
+
+def _monitored(
+    steps: int,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, ManagedStepRecorder, list[PlanSource]]:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    placed: list[PlanSource] = []
+    recorder = ManagedStepRecorder(
+        model,
+        None,
+        torch.device("cpu"),
+        PlanSource(manual_plan(model, chunk_size_bytes=1 << 16), "embedded", message="test"),
+        on_placed=placed.append,
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), recorder, placed
+
+
+def test_the_monitor_records_its_metered_step_and_sends_it_with_the_feedback() -> None:
+    model, opt, recorder, placed = _monitored()
+    monitor = StepMonitor(
+        model, opt, torch.device("cpu"), manager=None, activations=None, sink=None, steps=4, recorder=recorder
+    )
+    x = torch.randn(8, 16)
+    try:
+        for step in range(4):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step < monitor.meter_step:
+                assert recorder.events is None
+            elif step < 3:
+                assert recorder.events is not None and not recorder.sending  # no placement in timed steps
+        monitor.wait_sent(60.0)
+        assert monitor.measured.sent is not None and recorder.failure is None
+        assert len(placed) == 1 and recorder.placed is placed[0]
+        a = placed[0].plan.allocation
+        assert a is not None and a.iteration == "managed" and a.events == recorder.events
+        validate_allocation(a.events, a)
+        grads = [e for e in a.events.events if e.category.value == "grad"]
+        assert sorted(e.size_bytes for e in grads) == sorted(p.numel() * 4 for p in model.parameters())
+    finally:
+        monitor.close()
+
+
+def test_a_monitor_closed_during_the_metered_step_sends_nothing() -> None:
+    model, opt, recorder, placed = _monitored()
+    monitor = StepMonitor(
+        model, opt, torch.device("cpu"), manager=None, activations=None, sink=None, steps=4, recorder=recorder
+    )
+    x = torch.randn(8, 16)
+    for _ in range(monitor.meter_step):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).sum().backward()  # the metered step's forward and backward, and no optimizer step
+    monitor.close()
+    assert recorder.failure == "the metered step did not finish" and recorder.events is None
+    recorder.publish()
+    assert not recorder.sending and not placed
