@@ -251,9 +251,7 @@ def test_a_recording_that_fails_is_a_warning_and_never_reaches_the_training_loop
     assert not torch.cuda.is_initialized()
 
 
-def _monitored(
-    steps: int,
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, ManagedStepRecorder, list[PlanSource]]:
+def _monitored() -> tuple[torch.nn.Module, torch.optim.Optimizer, ManagedStepRecorder, list[PlanSource]]:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     placed: list[PlanSource] = []
     recorder = ManagedStepRecorder(
