@@ -13,6 +13,11 @@ the plan on the service; `LocalSink` appends it as one JSON line to a file (the 
 the service cannot be reached). A post to the service runs on a background thread, so a slow service
 never stalls the step; a sink that fails never raises into the training loop: it logs once and the
 feedback is written locally instead.
+
+A `StepRecorder` (`agent.allocator.managed_step.ManagedStepRecorder`, given by `wrap`) is told when the
+metered step starts and ends, and receives the meter's storage tracker of it (CPU): the metered step is the
+plan's managed iteration, recorded once for the plan's allocation. It is told to send it when the feedback
+is sent, after the timed steps, so its work in the background is in none of them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from client.contract import Feedback
 from client.sdk import Client
 
 if TYPE_CHECKING:
+    from agent.profiler.storage_tracker import StorageTracker
     from agent.runtime.activations import ActivationManager
     from agent.runtime.manager import ModelStateManager
     from agent.runtime.process_group import RankGroup
@@ -54,6 +60,30 @@ def local_feedback_path() -> Path:
     """Where feedback is recorded locally: MEMPLAN_FEEDBACK_PATH, else ~/.memplan/feedback.jsonl."""
     env = os.environ.get("MEMPLAN_FEEDBACK_PATH")
     return Path(env) if env else DEFAULT_LOCAL_FEEDBACK
+
+
+class StepRecorder(Protocol):
+    """Records the metered step (see the module doc); none of its calls raises into the training loop."""
+
+    def start(self) -> None:
+        """The metered step's first forward is about to run (its meter is on)."""
+        ...
+
+    def finish(self, window: StorageTracker | None) -> None:
+        """The metered step's optimizer step returned; `window`: the meter's tracker of it (CPU), else None."""
+        ...
+
+    def publish(self) -> None:
+        """The feedback was sent (the timed steps are over): send what was recorded."""
+        ...
+
+    def abort(self) -> None:
+        """The monitor closed during the metered step."""
+        ...
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for work the recorder runs in the background."""
+        ...
 
 
 class FeedbackSink(Protocol):
@@ -158,6 +188,7 @@ class StepMonitor:
         warmup: int = 2,
         notes: Callable[[], str] | None = None,
         group: RankGroup | None = None,
+        recorder: StepRecorder | None = None,
     ) -> None:
         if steps < warmup + 2:
             raise ValueError(
@@ -171,6 +202,7 @@ class StepMonitor:
         self.steps = steps
         self.warmup = warmup
         self.group = group  # the job's process group: feedback is the job's, sent by rank 0 (issue 20)
+        self.recorder = recorder
         self.measured = Measured()
         self._notes = notes
         self._meter = DevicePeakMeter(device)
@@ -201,6 +233,8 @@ class StepMonitor:
             c = self.activations.store.counters
             c.host_bytes_peak = c.host_bytes_live
         self._meter.start(device_state_tensors(self.model, self.manager), (args, kwargs))
+        if self.recorder is not None:
+            self.recorder.start()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.measured.sent is not None:
@@ -213,6 +247,8 @@ class StepMonitor:
             self._metering = False
             self.measured.peak_device_bytes = self._meter.stop()
             self.measured.peak_host_bytes = self._host_bytes()
+            if self.recorder is not None:
+                self.recorder.finish(self._meter.window)
         elif step > self.meter_step and self._last is not None:
             self.measured.iteration_s.append(now - self._last)
         self.measured.steps += 1
@@ -247,6 +283,8 @@ class StepMonitor:
                 )
                 return fb
         self.measured.sent = fb
+        if self.recorder is not None:
+            self.recorder.publish()
         if self.sink is None:
             return fb
         if isinstance(self.sink, ServiceSink):
@@ -273,12 +311,16 @@ class StepMonitor:
         """Wait (at most `timeout_s`) for a feedback post in flight, e.g. before reading the report."""
         if self._sender is not None:
             self._sender.join(timeout_s)
+        if self.recorder is not None:
+            self.recorder.wait(timeout_s)
 
     def close(self) -> None:
         self.wait_sent()
         if self._metering:
             self._metering = False
             self._meter.stop()
+            if self.recorder is not None:
+                self.recorder.abort()
         self._remove_hooks()
 
     def _remove_hooks(self) -> None:

@@ -70,6 +70,9 @@ class DevicePeakMeter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._tracker: StorageTracker | None = None
+        self.window: StorageTracker | None = (
+            None  # the last window's tracker (CPU): its records are the step's
+        )
 
     @property
     def running(self) -> bool:
@@ -100,4 +103,5 @@ class DevicePeakMeter:
         assert tracker is not None, "stop() without start()"
         self._tracker = None
         tracker.__exit__(None, None, None)
+        self.window = tracker
         return int(tracker.peak_bytes)

@@ -15,7 +15,8 @@ from the same solver in-process (the embedded default, and the fallback when the
 slow; see `agent/planning.py`). Then, in order: every check that can fail (plan, activation modes,
 optimizer, layout) before the model is touched; the model-state runtime (chunks, offload, host
 optimizer: `apply_plan`); the activation modes (`runtime/activations.py`); a step monitor that sends
-feedback after `feedback_steps` steps (`feedback.py`).
+feedback after `feedback_steps` steps (`feedback.py`) and whose metered step becomes the plan's managed
+allocation when the plan has none (`allocator/managed_step.py`).
 
 Why one module over 400 lines: it is the one call a user makes, read in order (plan, apply, measure, report)
 with its undo `unwrap`; the steps' work is in `planning.py`, `runtime/` and `feedback.py`.
@@ -24,12 +25,14 @@ with its undo `unwrap`; the steps' work is in `planning.py`, `runtime/` and `fee
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agent.allocator.install import attach_managed_allocation, install_planned_first, planned_cuda_device
+from agent.allocator.managed import has_managed_allocation
+from agent.allocator.managed_step import ManagedStepRecorder
 from agent.allocator.select import MODES, select
 from agent.applied import Wrapped, apply_plan, target_device, unwrap
 from agent.batch_guard import BatchShapeGuard, batch_shape
@@ -198,6 +201,8 @@ def _wrap(
         reuse=reuse,
         clips_gradients=clips_gradients,
     )
+    # the monitor's metered step records the plan's managed iteration (single process, PyTorch's allocator)
+    metered = bool(feedback_steps) and allocation == "caching" and group is None
     selection: AllocatorSelection | None = None
     cuda = planned_cuda_device(model, options) if allocation == "planned" else None
     if cuda is not None and group is not None:
@@ -254,6 +259,7 @@ def _wrap(
                 loss_fn=loss_fn,
                 options=options,
                 arena=allocation == "planned",
+                metered=metered,
             )
         except BaseException as exc:
             if group is not None:  # the other ranks wait for the plan: tell them why none comes
@@ -298,6 +304,13 @@ def _wrap(
             else local
         )
         strip = plan.policy.mode_strip()
+        recorder = (
+            ManagedStepRecorder(
+                model, wrapped.runtime, wrapped.runtime.ctx.device, source, on_placed=_adopt_into(wrapped)
+            )
+            if metered and source.origin != "given" and not has_managed_allocation(plan)
+            else None
+        )
         wrapped.monitor = StepMonitor(
             model,
             wrapped.optimizer,
@@ -308,8 +321,20 @@ def _wrap(
             steps=feedback_steps,
             notes=lambda: f"memplan agent; plan origin {source.origin}; modes {strip}",
             group=group,
+            recorder=recorder,
         )
     return wrapped
+
+
+def _adopt_into(wrapped: Wrapped) -> Callable[[PlanSource], None]:
+    """Where the managed step's placement goes (from its background thread): the wrapped job's plan and
+    source, whose allocation it replaces (the policy applied is the same plan's)."""
+
+    def adopt(placed: PlanSource) -> None:
+        wrapped.source = placed
+        wrapped.plan = placed.plan
+
+    return adopt
 
 
 def _select_allocator(

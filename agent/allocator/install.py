@@ -25,7 +25,6 @@ initialisation and the install call (tests/agent/allocator/test_install_order.py
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -36,9 +35,9 @@ import torch
 from agent.allocator import cuda as cuda_allocator
 from agent.allocator.core import MatchRules
 from agent.allocator.cuda import check_can_install, installed
-from agent.allocator.managed import has_managed_allocation, with_managed_allocation
+from agent.allocator.managed import has_managed_allocation, record_managed_trace
 from agent.allocator.plan_subprocess import obtain_plan_in_subprocess
-from agent.allocator.publish import publish_managed_allocation
+from agent.allocator.publish import place_and_publish
 from agent.allocator.select import AllocatorSelection, plan_key, select
 from agent.planning import PlanSource, obtain_plan
 from client.contract import Plan
@@ -107,11 +106,10 @@ def install_planned_first(
             **obtain_kwargs,
         )
     if not has_managed_allocation(source.plan):
-        managed = with_managed_allocation(
+        events = record_managed_trace(
             model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options
         )
-        source = dataclasses.replace(source, plan=managed)
-        publish(source)
+        source = place_and_publish(source, events)
     a = source.plan.allocation
     assert a is not None and a.events is not None
     if handle is not None:
@@ -136,20 +134,25 @@ def attach_managed_allocation(
     loss_fn: Any,
     options: RuntimeOptions | None,
     arena: bool,
+    metered: bool = False,
 ) -> PlanSource:
     """Give a plan from the service, its history or the in-process solver the allocation of its managed
     iteration (unless it has one) and send it to the service, so the plan's record shows that plan's arena.
     Best effort: a failure is logged and the plan keeps the placement of the profiled iteration (the training
     job goes on).
 
-    Only where it is cheap or needed: a job that trains on the CPU (the recording's own device), or one that
-    asked for the planned arena (`arena`). A CUDA job with PyTorch's caching allocator is not recorded: it
-    would pay a host copy of its model and optimizer and three CPU iterations for a chart (its plan's record
-    keeps the profiled iteration's arena, labelled so). Nor is a multi-rank plan with sharded chunks (issue
-    20): the recording runs one process, which cannot hold a chunk sharded across the job's ranks."""
+    Recorded here, on a CPU copy of the job, only where it is needed before the job runs or cheap and no
+    step of the job will be metered: the planned arena (`arena`) places the runtime's buffers from it; a job
+    that trains on the CPU with no feedback monitor. With `metered` (a feedback monitor will meter a step
+    of the job on PyTorch's allocator) nothing is recorded here: that step is the managed iteration, and
+    `agent.allocator.managed_step` records, places and sends it (CPU or CUDA), with no copy of the model.
+    A CUDA job on the caching allocator with no monitor is not recorded: it would pay a host copy of its
+    model and optimizer and three CPU iterations for a chart (its plan's record keeps the profiled
+    iteration's arena, labelled so). Nor is a multi-rank plan with sharded chunks (issue 20): the recording
+    runs one process, which cannot hold a chunk sharded across the job's ranks."""
     if has_managed_allocation(source.plan) or source.origin == "given":
         return source
-    if not arena and planned_cuda_device(model, options) is not None:
+    if not arena and (metered or planned_cuda_device(model, options) is not None):
         return source
     policy = source.plan.policy
     if policy is not None and any(c.sharded for c in policy.chunks):
@@ -163,9 +166,10 @@ def attach_managed_allocation(
     if sample_batch is None:
         return source
     try:
-        managed = with_managed_allocation(
+        events = record_managed_trace(
             model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options, arena=arena
         )
+        return place_and_publish(source, events)
     except Exception as exc:  # noqa: BLE001 - an extra the job does not need must not stop it
         log.warning(
             "memplan: the managed iteration could not be recorded (%s: %s); the plan keeps the allocation "
@@ -174,15 +178,6 @@ def attach_managed_allocation(
             exc,
         )
         return source
-    source = dataclasses.replace(source, plan=managed)
-    publish(source)
-    return source
-
-
-def publish(source: PlanSource) -> None:
-    """Send the plan's managed allocation to the service that made it (best effort)."""
-    if source.server and source.plan_id and source.origin in ("service", "history"):
-        publish_managed_allocation(source.server, source.plan_id, source.plan)
 
 
 def plan_with_allocation(
@@ -203,10 +198,12 @@ def plan_with_allocation(
     source = obtain_plan(
         model, optimizer, sample_batch, loss_fn=loss_fn, options=options, blocks=blocks, **obtain_kwargs
     )
+    if not has_managed_allocation(source.plan):
+        events = record_managed_trace(
+            model, optimizer, source.plan, sample_batch, loss_fn=loss_fn, options=options
+        )
+        source = place_and_publish(source, events)
     plan = source.plan
-    if not has_managed_allocation(plan):
-        plan = with_managed_allocation(model, optimizer, plan, sample_batch, loss_fn=loss_fn, options=options)
-        publish(dataclasses.replace(source, plan=plan))
     if path is not None:
         Path(path).write_text(plan.model_dump_json())
     return plan

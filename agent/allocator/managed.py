@@ -20,7 +20,9 @@ CUDA allocator needs.
 
 Costs: a second copy of the model and its optimizer in host memory while recording, and two CPU
 iterations. The copy is on the CPU whatever device the job trains on, so recording never touches CUDA
-(the planned allocator has to be installed before CUDA is initialised).
+(the planned allocator has to be installed before CUDA is initialised). Where the feedback monitor meters a
+step of the job itself, `wrap` records that step instead and copies nothing (`agent.allocator.managed_step`,
+issue 16); both hand their events to `agent.allocator.publish.place_and_publish`.
 
 Not verified on a GPU (none where this was written): that the CUDA iteration makes its allocations in the
 order the CPU iteration does. Kernels that allocate differently on CUDA (cuBLAS workspaces, SDPA's

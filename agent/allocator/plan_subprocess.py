@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agent.allocator.managed import has_managed_allocation, with_managed_allocation
-from agent.allocator.publish import publish_managed_allocation
+from agent.allocator.managed import has_managed_allocation, record_managed_trace
+from agent.allocator.publish import place_and_publish
 from agent.planning import PlanSource, obtain_plan
 from client.contract import Plan
 
@@ -133,13 +133,12 @@ def _child(job: Path, out: Path) -> None:
         options=payload["options"],
         **payload["kwargs"],
     )
-    plan = source.plan
-    if not has_managed_allocation(plan):
-        plan = with_managed_allocation(
-            model, optimizer, plan, batch, loss_fn=payload["loss_fn"], options=payload["options"]
+    if not has_managed_allocation(source.plan):
+        events = record_managed_trace(
+            model, optimizer, source.plan, batch, loss_fn=payload["loss_fn"], options=payload["options"]
         )
-        if source.server and source.plan_id:
-            publish_managed_allocation(source.server, source.plan_id, plan)
+        source = place_and_publish(source, events)
+    plan = source.plan
     out.write_text(
         json.dumps(
             {

@@ -3,14 +3,25 @@
 Best effort, like feedback: the training job never fails because the service is down or refuses; the
 reason is logged once. The service places the events itself (`PUT /v1/plans/{id}/allocation`), with the
 same planner and validator as the agent's in-process placement.
+
+`place_and_publish` is the one path from a managed iteration's events to the plan's record, whoever
+recorded them: the CPU copy of the job at `wrap` (`agent.allocator.managed.record_managed_trace`), or the
+job's own metered step, on the CPU from the storage tracker or on CUDA from the caching allocator's
+memory-history snapshot (`agent.allocator.managed_step`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
-from client.contract import Plan
+from agent.allocator.managed import MANAGED_ALLOCATION_TIME_LIMIT_S, plan_managed_allocation
+from client.contract import AllocationTrace, Plan
 from client.sdk import Client
+
+if TYPE_CHECKING:
+    from agent.planning import PlanSource
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +52,22 @@ def publish_managed_allocation(
         return False
     log.info("memplan: plan %s now carries the allocation of its managed iteration", plan_id[:12])
     return True
+
+
+def publish(source: PlanSource) -> None:
+    """Send the plan's managed allocation to the service that made it (best effort)."""
+    if source.server and source.plan_id and source.origin in ("service", "history"):
+        publish_managed_allocation(source.server, source.plan_id, source.plan)
+
+
+def place_and_publish(
+    source: PlanSource, events: AllocationTrace, *, time_limit_s: float = MANAGED_ALLOCATION_TIME_LIMIT_S
+) -> PlanSource:
+    """`source` with its plan's allocation replaced by the placement of `events` (one iteration run under
+    the plan; placed with the service's planner and validator), sent to the service that made the plan.
+    Raises what the placement raises (an invalid trace); the service's failures are only logged."""
+    placed = dataclasses.replace(
+        source, plan=plan_managed_allocation(source.plan, events, time_limit_s=time_limit_s)
+    )
+    publish(placed)
+    return placed

@@ -13,6 +13,11 @@ count at pack time), so a later reuse of the same address is not confused with t
 `skip_actions=` (drop segment events from the history) exists only in newer PyTorch; older versions
 allowed by pyproject's torch floor record them too, and `records` ignores them either way.
 
+The conversion from a snapshot to records is plain functions over the snapshot's dictionaries
+(`snapshot_trace`, `state_records`, `history_records`), shared by the profiler's tracked iteration and by
+the feedback's recording of the managed iteration (`agent.allocator.managed_step`), and tested on CPU
+with snapshots in `torch.cuda.memory._snapshot`'s documented layout.
+
 Written against the PyTorch 2.x API; the development machine has no GPU, so this path was not run there.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +33,7 @@ import torch
 
 from agent.allocator.device_memory import check_history_available
 from agent.profiler.storage_tracker import StorageRecord
+from agent.profiler.tensors import storage_key
 from client.contract import AllocationCategory, Phase
 
 _COUNT_KEY = "allocation.all.allocated"
@@ -96,10 +103,14 @@ class CudaAllocatorHistory:
                 torch.cuda.synchronize(self.device)
                 snap = torch.cuda.memory._snapshot(self.device)
                 index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                traces = snap.get("device_traces", [])
-                self.entries = list(traces[index]) if index < len(traces) else []
+                self.entries = snapshot_trace(snap, index)
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
+
+    @property
+    def overflowed(self) -> bool:
+        """The history's ring buffer filled: its oldest entries were overwritten, the window is incomplete."""
+        return len(self.entries) >= self.max_entries
 
     def mark_saved(self, tensor: torch.Tensor) -> None:
         count = int(torch.cuda.memory_stats(self.device).get(_COUNT_KEY, 0)) - self._count_base
@@ -112,40 +123,106 @@ class CudaAllocatorHistory:
         mark_counts: list[int],
         mark_blocks: list[tuple[int | None, Phase]],
     ) -> tuple[list[StorageRecord], int, dict[int, list[tuple[int, int]]]]:
-        """Records of the window's allocations, numbered after `first_event`/`first_sid`.
+        """Records of the window's allocations, numbered after `first_event`/`first_sid` (`window_records`)."""
+        return window_records(self.entries, first_event, first_sid, mark_counts, mark_blocks, self.saved)
 
-        Returns the records, the next free event index, and per address the (allocation number, sid)
-        pairs in order, for matching gradients and saved tensors to records.
-        """
-        records: list[StorageRecord] = []
-        live: dict[int, StorageRecord] = {}
-        by_addr: dict[int, list[tuple[int, int]]] = {}
-        event = first_event
-        n_alloc = 0
-        for e in self.entries:
-            action = e.get("action")
-            if action == "alloc":
-                k = bisect.bisect_right(mark_counts, n_alloc) - 1
-                block, phase = mark_blocks[k] if k >= 0 else (None, Phase.forward)
-                sid = first_sid + len(records)
-                rec = StorageRecord(sid, int(e["size"]), event, block, phase)
-                records.append(rec)
-                live[int(e["addr"])] = rec
-                by_addr.setdefault(int(e["addr"]), []).append((n_alloc, sid))
+
+def snapshot_trace(snapshot: Mapping[str, Any], index: int) -> list[dict[str, Any]]:
+    """Device `index`'s history in a `torch.cuda.memory._snapshot()` (its `device_traces[index]`, the
+    `TraceEntry` dictionaries in the order the allocator acted); empty when the snapshot has none."""
+    traces = snapshot.get("device_traces", [])
+    return [dict(e) for e in traces[index]] if 0 <= index < len(traces) else []
+
+
+def window_records(
+    entries: Sequence[Mapping[str, Any]],
+    first_event: int,
+    first_sid: int,
+    mark_counts: Sequence[int] = (),
+    mark_blocks: Sequence[tuple[int | None, Phase]] = (),
+    saved: Sequence[tuple[int, int]] = (),
+) -> tuple[list[StorageRecord], int, dict[int, list[tuple[int, int]]]]:
+    """Records of a window's `alloc` entries, numbered after `first_event`/`first_sid`.
+
+    An `alloc` is a record (its requested `size`); the `free_completed` at the same address is its free
+    (a `free_completed` of an address allocated before the window is not an event of it); segment, `oom`
+    and `snapshot` entries are not allocations of a tensor. Without marks every record is (no block,
+    forward). Returns the records, the next free event index, and per address the (allocation number, sid)
+    pairs in order, for matching gradients and saved tensors (`saved`: (address, allocations so far)) to
+    records."""
+    records: list[StorageRecord] = []
+    live: dict[int, StorageRecord] = {}
+    by_addr: dict[int, list[tuple[int, int]]] = {}
+    event = first_event
+    n_alloc = 0
+    for e in entries:
+        action = e.get("action")
+        if action == "alloc":
+            k = bisect.bisect_right(mark_counts, n_alloc) - 1
+            block, phase = mark_blocks[k] if k >= 0 else (None, Phase.forward)
+            sid = first_sid + len(records)
+            rec = StorageRecord(sid, int(e["size"]), event, block, phase)
+            records.append(rec)
+            live[int(e["addr"])] = rec
+            by_addr.setdefault(int(e["addr"]), []).append((n_alloc, sid))
+            event += 1
+            n_alloc += 1
+        elif action == "free_completed":
+            addr = int(e["addr"])
+            if addr in live:
+                live.pop(addr).free_event = event
                 event += 1
-                n_alloc += 1
-            elif action == "free_completed":
-                addr = int(e["addr"])
-                if addr in live:
-                    live.pop(addr).free_event = event
-                    event += 1
-        for addr, count in self.saved:
-            pairs = by_addr.get(addr, [])
-            # `count` allocations had happened when it was saved: it is the latest one at `addr` numbered below it
-            i = bisect.bisect_right(pairs, (count - 1, 2**62)) - 1
-            if i >= 0:
-                records[pairs[i][1] - first_sid].saved_for_backward = True
-        return records, event, by_addr
+    for addr, count in saved:
+        pairs = by_addr.get(addr, [])
+        # `count` allocations had happened when it was saved: it is the latest one at `addr` numbered below it
+        i = bisect.bisect_right(pairs, (count - 1, 2**62)) - 1
+        if i >= 0:
+            records[pairs[i][1] - first_sid].saved_for_backward = True
+    return records, event, by_addr
+
+
+def state_records(
+    state: Iterable[tuple[torch.Tensor, AllocationCategory, int | None]],
+) -> list[StorageRecord]:
+    """Records of the device storages alive before the window (model state: parameters, buffers, optimizer
+    state, gradients kept across steps), one per storage, at events 0..n-1 and never freed in it."""
+    records: list[StorageRecord] = []
+    seen: set[tuple[str, int]] = set()
+    for t, cat, blk in state:
+        key = storage_key(t)
+        nbytes = int(t.untyped_storage().nbytes())
+        if key in seen or nbytes == 0:
+            continue
+        seen.add(key)
+        records.append(StorageRecord(len(records), nbytes, len(records), blk, Phase.forward, cat))
+    return records
+
+
+def history_records(
+    state: list[StorageRecord],
+    entries: Sequence[Mapping[str, Any]],
+    grad_addrs: Mapping[int, int | None],
+    *,
+    mark_counts: Sequence[int] = (),
+    mark_blocks: Sequence[tuple[int | None, Phase]] = (),
+    saved: Sequence[tuple[int, int]] = (),
+) -> tuple[list[StorageRecord], int, set[int], dict[int, int | None]]:
+    """The window's records after the state's (`state_records`), with the gradients found: `grad_addrs`
+    maps the address of each parameter's `.grad` at the end of the window to its block; the last
+    allocation at that address is that gradient. Returns records, number of events, gradient sids and
+    their blocks (what `build_allocation_trace` takes)."""
+    window, n_events, by_addr = window_records(
+        entries, len(state), len(state), mark_counts, mark_blocks, saved
+    )
+    grad_sids: set[int] = set()
+    grad_blocks: dict[int, int | None] = {}
+    for addr, blk in grad_addrs.items():
+        pairs = by_addr.get(addr)
+        if pairs:
+            sid = pairs[-1][1]
+            grad_sids.add(sid)
+            grad_blocks[sid] = blk
+    return state + window, n_events, grad_sids, grad_blocks
 
 
 def existing_record(

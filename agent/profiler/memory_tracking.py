@@ -15,7 +15,7 @@ from torch import nn
 from agent.profiler.allocation_trace import AllocationTraceTooLarge, build_allocation_trace
 from agent.profiler.block_detection import RepeatedBlocks
 from agent.profiler.block_marks import BlockTracker, Gauge, segments, transient_peaks
-from agent.profiler.cuda_history import CudaAllocatorHistory, CudaGauge
+from agent.profiler.cuda_history import CudaAllocatorHistory, CudaGauge, history_records, state_records
 from agent.profiler.device_clock import DeviceClock
 from agent.profiler.hooks import BlockHooks
 from agent.profiler.optimizer_probe import state_tensors
@@ -142,24 +142,11 @@ def _cuda_records(
     grad_keys: dict[tuple[str, int], int],
 ) -> tuple[list[StorageRecord], int, set[int], dict[int, int | None]]:
     """Pre-existing model state first, then the allocator's events of the window (see cuda_history)."""
-    records: list[StorageRecord] = []
-    seen: set[tuple[str, int]] = set()
-    for t, cat, blk in long_lived:
-        key = storage_key(t)
-        nbytes = int(t.untyped_storage().nbytes())
-        if key in seen or nbytes == 0:
-            continue
-        seen.add(key)
-        records.append(StorageRecord(len(records), nbytes, len(records), blk, Phase.forward, cat))
-    window, n_events, by_addr = history.records(
-        len(records), len(records), gauge.mark_counts, [(m.block, m.phase) for m in block_tracker.marks]
+    return history_records(
+        state_records(long_lived),
+        history.entries,
+        {addr: blk for (_, addr), blk in grad_keys.items()},
+        mark_counts=gauge.mark_counts,
+        mark_blocks=[(m.block, m.phase) for m in block_tracker.marks],
+        saved=history.saved,
     )
-    grad_sids: set[int] = set()
-    grad_blocks: dict[int, int | None] = {}
-    for (_, addr), blk in grad_keys.items():
-        pairs = by_addr.get(addr)
-        if pairs:
-            sid = pairs[-1][1]
-            grad_sids.add(sid)
-            grad_blocks[sid] = blk
-    return records + window, n_events, grad_sids, grad_blocks

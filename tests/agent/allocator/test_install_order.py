@@ -110,9 +110,7 @@ def test_cuda_already_initialised_is_refused_before_any_work(
     model, batch, plan = job
     cuda = CudaObserver(monkeypatch, initialised=True)
     recorded: list[bool] = []
-    monkeypatch.setattr(
-        "agent.allocator.install.with_managed_allocation", lambda *a, **k: recorded.append(True)
-    )
+    monkeypatch.setattr("agent.allocator.install.record_managed_trace", lambda *a, **k: recorded.append(True))
     with pytest.raises(AllocatorSwitchError, match="before the first CUDA allocation"):
         agent.wrap(
             model, adamw(model), plan=plan, sample_batch=batch, allocation="planned", feedback_steps=None

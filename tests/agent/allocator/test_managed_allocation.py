@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from rich.console import Console
+from typer.testing import CliRunner
 
 from agent.allocator.managed import has_managed_allocation, with_managed_allocation
 from agent.planning import solve_embedded
@@ -156,6 +157,52 @@ def test_end_to_end_the_service_stores_the_managed_allocation_and_shows_it(
         assert again.plan.allocation == stored.allocation
     finally:
         unwrap(again)
+
+
+def test_a_cpu_jobs_metered_step_gives_its_plan_the_managed_allocation(
+    job: dict[str, Any], service: str
+) -> None:
+    """Issue 16: no copy of the job at wrap when a feedback monitor meters a step: that real step of the job is
+    recorded, placed and sent through the shared path (`place_and_publish`, as the CUDA job's history is), and
+    `memplan plans get` and the plan page then show the arena of this plan."""
+    from memplan.cli import app
+
+    run = _wrapped(job, server=service, feedback_steps=5)
+    try:
+        assert run.source.origin == "service" and run.source.plan_id is not None
+        plan_id = run.source.plan_id
+        assert not has_managed_allocation(run.plan)  # nothing recorded at wrap: no copy of the job
+        assert run.monitor is not None and run.monitor.recorder is not None
+        recorder = run.monitor.recorder
+        for step in range(5):
+            loss = run.model(**job["batch"]).loss
+            loss.backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+            if step == run.monitor.meter_step:
+                # recorded at the metered step; placed and sent only with the feedback, so the placement's CPU
+                # time is in none of the timed steps
+                assert recorder.events is not None and not recorder.sending
+        run.monitor.wait_sent(60.0)
+        assert recorder.sending
+        assert recorder.failure is None
+        _check_managed(run.plan, checkpoint=False)
+        assert run.source.plan.allocation == run.plan.allocation
+        # the placed events are the metered step's: its measured peak is the arena's live-bytes bound
+        a, measured = run.plan.allocation, run.monitor.measured.peak_device_bytes
+        assert a is not None and measured is not None
+        assert abs(measured - a.lower_bound_bytes) <= 0.02 * a.lower_bound_bytes, (
+            measured,
+            a.lower_bound_bytes,
+        )
+    finally:
+        unwrap(run)
+    got = CliRunner().invoke(app, ["plans", "get", plan_id, "--server", service], catch_exceptions=False)
+    assert got.exit_code == 0, got.output
+    text = " ".join(got.output.split())  # the console wraps at its width: compare words
+    assert "this plan's iteration: arena" in text and "un-managed" not in text
+    page = httpx.get(f"{service}/ui/plans/{plan_id}", timeout=30).text
+    assert "arena of this plan" in page and "arena of the profiled iteration" not in page
 
 
 def test_a_cached_copy_of_the_plan_is_not_answered_304_once_the_allocation_changed(

@@ -2,7 +2,8 @@
 
 The recording runs a CPU copy of the job: cheap for a job that trains on the CPU, needed for the planned
 arena, and too costly for a CUDA job with PyTorch's caching allocator (a host copy of its model and
-optimizer, and CPU iterations, for a chart). The CUDA case is decided from `RuntimeOptions.device`, which
+optimizer, and CPU iterations, for a chart). Where a feedback monitor meters a step of the job (`metered`),
+that step is recorded instead (`agent.allocator.managed_step`) and nothing is copied. The CUDA case is decided from `RuntimeOptions.device`, which
 names the device without initialising CUDA, so it is checked here on the CPU.
 """
 
@@ -59,3 +60,21 @@ def test_a_plan_with_sharded_chunks_is_not_recorded_in_one_process(caplog: pytes
     assert got is source
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert "sharded across 2 ranks is not recorded" in caplog.records[0].getMessage()
+
+
+def test_a_job_whose_metered_step_is_recorded_is_not_copied() -> None:
+    model, opt, batch, source = _job()
+    for options in (None, RuntimeOptions(device="cuda:0")):
+        got = attach_managed_allocation(
+            source, model, opt, batch, loss_fn=None, options=options, arena=False, metered=True
+        )
+        assert got is source
+    assert not torch.cuda.is_initialized()
+
+
+def test_the_planned_arena_is_recorded_before_the_job_runs_even_when_a_step_is_metered() -> None:
+    model, opt, batch, source = _job()
+    got = attach_managed_allocation(
+        source, model, opt, batch, loss_fn=None, options=None, arena=True, metered=True
+    )
+    assert has_managed_allocation(got.plan)
