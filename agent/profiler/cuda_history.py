@@ -223,9 +223,3 @@ def history_records(
             grad_sids.add(sid)
             grad_blocks[sid] = blk
     return state + window, n_events, grad_sids, grad_blocks
-
-
-def existing_record(
-    sid: int, event: int, nbytes: int, category: AllocationCategory, block: int | None
-) -> StorageRecord:
-    return StorageRecord(sid, nbytes, event, block, Phase.forward, category)
