@@ -57,10 +57,18 @@ def rss_bytes() -> int:
 
 
 def launch(
-    job: RankJob, world: int, spec: dict[str, Any], *, timeout_s: float = 600.0
+    job: RankJob,
+    world: int,
+    spec: dict[str, Any],
+    *,
+    timeout_s: float = 600.0,
+    start_method: str = "spawn",
 ) -> list[dict[str, Any]]:
     """Run `job` on `world` fresh ranks; rank r's result at index r. A rank that failed, or was ended because
-    another failed, has {"skipped": why} (the first failure's reason is in its own row)."""
+    another failed, has {"skipped": why} (the first failure's reason is in its own row). `timeout_s` bounds
+    every collective (a rank left waiting fails instead of hanging). `start_method="fork"` is for tests on
+    the CPU only (the ranks start with the parent's imports: seconds instead of ~10 s each on a loaded
+    2-core machine); benchmarks spawn, so that no rank inherits the parent's state."""
     with tempfile.TemporaryDirectory(prefix="memplan-ranks-") as tmp:
         error: str | None = None
         try:
@@ -69,7 +77,7 @@ def launch(
                 args=(world, free_port(), job, spec, tmp, timeout_s),
                 nprocs=world,
                 join=True,
-                start_method="spawn",
+                start_method=start_method,
             )
         except Exception as exc:  # noqa: BLE001 - a failed rank is a result of the benchmark, not a crash
             error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
