@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import resource
 import socket
 import tempfile
 import traceback
@@ -44,10 +43,29 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def max_rss_bytes() -> int:
-    """This process's peak resident set so far (Linux reports KiB): the host peak on CPU, where the
-    "device" is host memory too (it counts the interpreter, torch and the reference model as well)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+def reset_peak_rss() -> bool:
+    """Restart this process's resident-set high-water mark (`VmHWM`; Linux >= 4.0: "5" to clear_refs), so
+    that `peak_rss_bytes` covers a window (the training steps), not what came before (rank 0's profile and
+    hardware probe, whose buffers are freed). False where the kernel does not allow it. (It also resets what
+    `getrusage`'s ru_maxrss reports, which is why no lifetime peak is offered beside it.)"""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's resident-set high-water mark since the last `reset_peak_rss` (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def rss_bytes() -> int:

@@ -45,8 +45,9 @@ gloo on the CPU) training the same global batch (`--batch` rows, split evenly: e
   size). `wrap_s` is the time of the wrap call (profile, hardware probe, solve, broadcast).
 Per strategy: tokens/s = global tokens / the slowest rank's median iteration, the peak device bytes of every
 rank (`max_memory_allocated` minus the bytes at the window's start on CUDA; the storage tracker on CPU, where
-the process's peak resident set, `max_rss_bytes`, is also given per rank: the host peak, interpreter and
-libraries included). A rank that fails (out of memory under the limit, or an error) makes the strategy's
+the process's resident-set peak over the training steps, `peak_rss_bytes`, is also given per rank: the
+host peak, interpreter, libraries and the CPU reference model included; `rss_before_bytes` is the resident
+set before the strategy's model copy was made). A rank that fails (out of memory under the limit, or an error) makes the strategy's
 row say why; the other ranks are ended with it.
 
 Targets (issue 7, one GPU): cpsat >= 1.4x fsdp2_offload tokens/s on a model that needs offload, and
@@ -79,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _ranks import launch, max_rss_bytes, rss_bytes
+from _ranks import launch, peak_rss_bytes, reset_peak_rss, rss_bytes
 from _results import Run, save
 from torch import nn
 
@@ -120,6 +121,7 @@ def _timed_loop(
     meter = DevicePeakMeter(device)
     times: list[float] = []
     peak: int | None = None
+    reset_peak_rss()  # the host's peak over the steps (`--world-size` rows report it)
     for i in range(steps + 3):
         metered = i == 2 and meter_state is not None
         if metered:
@@ -403,6 +405,7 @@ def run_memplan(model: nn.Module, batch: Any, steps: int, device: torch.device, 
             feedback_path=Path(tmp) / "feedback.jsonl",
         )
         wrap_s = time.perf_counter() - t0
+        reset_peak_rss()  # the steps' host peak, not rank 0's profile and hardware probe
         try:
             times = []
             for i in range(steps + 3):
@@ -476,7 +479,12 @@ def run_rank(rank: int, world: int, device: torch.device, spec: dict[str, Any]) 
         row["window_peak_device_bytes"] = row.get("peak_device_bytes")
         row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device) - start
         row["peak_metric"] = "max_memory_allocated minus the bytes allocated at the window's start"
-    return {"rank": rank, **row, "rss_before_bytes": rss_before, "max_rss_bytes": max_rss_bytes()}
+    return {
+        "rank": rank,
+        **row,
+        "rss_before_bytes": rss_before,
+        "peak_rss_bytes": peak_rss_bytes(),  # over the training steps (reset before them)
+    }
 
 
 PLAN_FIELDS = (
@@ -514,7 +522,7 @@ def combine_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "iteration_s_per_rank": [r["iteration_s"] for r in ranks],
             "peak_device_bytes": None if None in peaks else max(peaks),
             "peak_device_bytes_per_rank": peaks,
-            "max_rss_bytes_per_rank": [r.get("max_rss_bytes") for r in ranks],
+            "peak_rss_bytes_per_rank": [r.get("peak_rss_bytes") for r in ranks],
             "ranks": ranks,
         }
     )
@@ -653,8 +661,8 @@ def row_notes(r: dict[str, Any]) -> str:
             )
     if "peak_device_bytes_per_rank" in r:
         notes.append(f"per rank: peak {_mib(r['peak_device_bytes_per_rank'])} MiB")
-        if r["ranks"] and r["ranks"][0].get("max_rss_bytes") is not None:
-            notes.append(f"max RSS {_mib(r['max_rss_bytes_per_rank'])} MiB")
+        if r["ranks"] and r["ranks"][0].get("peak_rss_bytes") is not None:
+            notes.append(f"RSS peak over the steps {_mib(r['peak_rss_bytes_per_rank'])} MiB")
     return "; ".join(notes)
 
 
