@@ -335,6 +335,8 @@ def main() -> None:
             else ""
         )
         + f" of {trials[0]['rows'] if trials else 0}"
+        + f"; peak more than 2% over the prediction in {sum(t['peak_above_2pct'] for t in trials)} of "
+        + f"{sum(t['rows'] for t in trials)} {'rank-rows' if args.world_size > 1 else 'rows'} (every trial)"
     )
     load = os.getloadavg()
     print(
