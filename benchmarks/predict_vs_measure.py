@@ -496,7 +496,7 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, An
                     "kind": kind,
                     "layers": layers,
                     "rank": rank,
-                    **wrapped_row(model, batch, int(box[0] * fraction), fraction, spec, device),
+                    **wrapped_row(model, batch, int(box[0] * fraction), fraction, spec, device, rank == 0),
                 }
                 rows.append(row)
     return {"rank": rank, "rows": rows}
@@ -509,9 +509,12 @@ def wrapped_row(
     fraction: float,
     spec: dict[str, Any],
     device: torch.device,
+    keep_plan: bool = False,
 ) -> dict[str, Any]:
     """One fraction on this rank: plain timing, `agent.wrap` under the group with the limit, `--steps` steps
-    under wrap's monitor, plain timing; this rank's measured figures against the plan's (one rank's)."""
+    under wrap's monitor, plain timing; this rank's measured figures against the plan's (one rank's).
+    `keep_plan` (rank 0): the row also holds the whole plan (`plan`, the contract's JSON), so an outlier can
+    be replayed exactly with `agent.wrap(plan=Plan.model_validate(row["plan"]))`."""
     import agent
     from agent.planning import PlanInfeasibleError
     from agent.runtime import RuntimeOptions
@@ -594,6 +597,8 @@ def wrapped_row(
     if trace_iteration:
         row["load_drift"] = plain_now / trace_iteration - 1.0
         row["drift_after"] = plain_after / trace_iteration - 1.0
+    if keep_plan:
+        row["plan"] = plan.model_dump(mode="json")
     return row
 
 

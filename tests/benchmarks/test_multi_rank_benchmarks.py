@@ -11,6 +11,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from client.contract import Plan
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -119,3 +121,37 @@ def test_the_trials_are_combined_per_configuration_and_rank(pvm: ModuleType) -> 
     summary = combined["summary"]
     assert summary["rows"] == 2 and summary["iteration_within_10pct"] == 1 and summary["peak_above_2pct"] == 1
     assert summary["worst_iteration_row"] == "llama-4L at 0.5 rank 1: +21.0%"
+
+
+def test_predict_vs_measure_ranks_stay_in_step_past_a_fraction_with_no_plan(pvm: ModuleType) -> None:
+    """A fraction with no feasible plan is a row on every rank (rank 0's reason), and the next fraction still
+    runs on both ranks: no rank is left waiting in a collective the other skipped."""
+    spec = {
+        "device_type": "cpu",
+        "kinds": ["llama"],
+        "layers": [1],
+        "fractions": [0.01, 3.0],  # 3x the un-managed peak: the tiny model fits with the headroom
+        "hidden": 32,
+        "seq": 16,
+        "batch": 4,
+        "steps": 4,
+        "plain_steps": 1,
+        "threads": 1,
+    }
+    results = pvm.launch(pvm.measure_rank, 2, spec, timeout_s=120, start_method="fork")
+    assert [r.get("rank") for r in results] == [0, 1], results
+    rows = [r["rows"] for r in results]
+    assert [[row["fraction"] for row in rs] for rs in rows] == [[0.01, 3.0], [0.01, 3.0]]
+    assert "PlanInfeasibleError" in rows[0][0]["error"]
+    assert rows[1][0]["error"].startswith("RuntimeError: memplan: rank 0 could not obtain the plan")
+    for rs in rows:
+        assert rs[0]["status"] == "no plan"
+        measured = rs[1]
+        assert measured["rank"] in (0, 1) and measured["plan_world_size"] == rows[0][1]["plan_world_size"]
+        assert measured["measured_peak_device_bytes"] > 0 and measured["steps_timed"] >= 1
+        assert measured["peak_error"] <= 0.02
+    # rank 0's row holds the plan it solved and broadcast (an outlier can be replayed); rank 1's does not
+    plan = Plan.model_validate(rows[0][1]["plan"])
+    assert plan.predictions is not None
+    assert plan.predictions.peak_device_bytes == rows[1][1]["predicted_peak_device_bytes"]
+    assert "plan" not in rows[1][1]
