@@ -34,9 +34,24 @@ afresh) and reports each trial's summary and, per configuration, the median iter
 and the worst peak error of any trial. On a quiet 2-core VM two plain runs of the same model in one process
 differ by up to ~8%; one trial samples that once per row, the median of three samples it three times.
 
+`--world-size N` (N > 1; issue 20): the job runs on N fresh ranks (`benchmarks/_ranks.py`: spawned
+processes, gloo on the CPU, NCCL with rank r on `cuda:r`), each trial one launch, the global `--batch` split
+evenly over the ranks. Per configuration rank 0 profiles once (`agent.profile`, its own rows of the batch)
+for the limit (a fraction of that un-managed peak, broadcast; this profile is also the process's warm-up,
+so `--no-warmup` changes nothing here), then per fraction every rank calls `agent.wrap(model, optimizer,
+sample_batch=<its rows>, device_memory=limit)` under the group: rank 0 profiles and solves (in-process:
+MEMPLAN_SERVER is ignored) and broadcasts the plan, every rank applies it and trains `--steps` steps under
+wrap's own monitor. Each rank's row compares ITS measured peak (the monitor's meter on that rank) and ITS
+median iteration with the plan's predictions, which are one rank's: a row per (configuration, rank).
+Plain iterations before and after (the drift) run on every rank at once, un-wrapped and without
+communication, against the trace's iteration (measured by rank 0 while the other ranks waited). Whatever
+the plan says is run: replicated chunks today (a single-rank trace), sharded offloaded chunks once the
+trace is multi-rank and the planner shards (each row records `sharded_chunks` and `plan_world_size`).
+A fraction with no feasible plan is a row with the solver's reason, on every rank.
+
 Usage: .venv/bin/python benchmarks/predict_vs_measure.py [--hidden 128] [--seq 128] [--batch 4]
        [--layers 4 12 24] [--fractions 0.45 0.7 1.0] [--steps 20] [--plain-steps 5] [--kinds gpt2 llama]
-       [--library-defaults qwen2 gemma2] [--device cpu|cuda] [--trials N]
+       [--library-defaults qwen2 gemma2] [--device cpu|cuda] [--trials N] [--world-size N]
 Prints a table and writes benchmarks/results/predict_vs_measure-<UTC timestamp>.json (and the
 -latest pointer). Each row records its plan's offloaded
 chunks (`offloaded_chunks`, with `chunk_size_bytes`, `n_buffers` and `modes`), so an outlier can be re-run.
@@ -47,16 +62,20 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _ranks import launch
 from _results import Run, save
 
 RESULTS = Path(__file__).resolve().parent / "results" / "predict_vs_measure.json"
 DEFAULTS_SUFFIX = "-dflt"  # a `--library-defaults` family's rows: "qwen2-dflt"
+NO_PLAN_FROM_RANK_0 = "memplan: rank 0 could not obtain the plan"  # what wrap raises on the other ranks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -240,8 +259,19 @@ def main() -> None:
         help="repeat every configuration (fresh build, profile, plan, run) and also report per "
         "configuration the median iteration error and the worst peak error",
     )
+    ap.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks (N > 1: each trial launches N ranks that train through agent.wrap under one group; "
+        "gloo on the CPU, NCCL with rank r on cuda:r; the global --batch split evenly)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if args.world_size < 1:
+        ap.error(f"--world-size: must be at least 1, got {args.world_size}")
+    if args.batch % args.world_size:
+        ap.error(f"--batch: {args.batch} rows do not split evenly over --world-size {args.world_size}")
 
     import agent
     from agent.testing.model_zoo import build, sample_batch
@@ -249,6 +279,9 @@ def main() -> None:
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.world_size > 1:
+        # the parent only launches the ranks and prints: it neither profiles nor touches CUDA
+        args.warmup = False
     if args.warmup:
         # one-time costs of a process (first use of the profiler's dispatch tracker, allocator growth, thread
         # pools) would otherwise land in the first configuration's trace: profile it once and throw that away
@@ -267,15 +300,21 @@ def main() -> None:
         release(device)
     rows: list[dict[str, Any]] = []
     run = Run("predict_vs_measure", args)
+    distributed = args.world_size > 1
     header = (
-        f"{'model':<16} {'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} {'meas ms':>9} {'err':>7} "
-        f"{'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}  offloaded chunks"
+        f"{'model':<16} {'rank ' if distributed else ''}{'lim':>5} {'modes':<26} {'off':>5} {'pred ms':>9} "
+        f"{'meas ms':>9} {'err':>7} {'drift':>7} {'after':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}  "
+        "offloaded chunks"
     )
+    kinds = [*args.kinds, *(f"{f}{DEFAULTS_SUFFIX}" for f in args.library_defaults)]
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"trial {trial + 1} of {args.trials}")
-        print(header)
-        for kind in [*args.kinds, *(f"{f}{DEFAULTS_SUFFIX}" for f in args.library_defaults)]:
+        print(header, flush=True)
+        if distributed:
+            rows += measure_trial_on_ranks(kinds, args, device, trial)
+            continue
+        for kind in kinds:
             for layers in args.layers:
                 rows += measure_model(kind, layers, args, device, trial)
     trials = [summarize([r for r in rows if r["trial"] == t]) for t in range(args.trials)]
@@ -296,6 +335,13 @@ def main() -> None:
             else ""
         )
         + f" of {trials[0]['rows'] if trials else 0}"
+        + f"; peak more than 2% over the prediction in {sum(t['peak_above_2pct'] for t in trials)} of "
+        + f"{sum(t['rows'] for t in trials)} {'rank-rows' if args.world_size > 1 else 'rows'} (every trial)"
+    )
+    load = os.getloadavg()
+    print(
+        f"load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in run.load_before)}, "
+        f"after {'/'.join(f'{x:.2f}' for x in load)}"
     )
     save(
         args.out,
@@ -315,16 +361,9 @@ def measure_model(
 ) -> list[dict[str, Any]]:
     """Profile one model (a fresh build and trace), then one row per device-memory fraction."""
     import agent
-    from agent.testing.model_zoo import build, sample_batch
+    from agent.testing.model_zoo import sample_batch
 
-    if kind.endswith(DEFAULTS_SUFFIX):
-        from agent.testing.model_zoo import build_with_library_defaults
-
-        model, cfg = build_with_library_defaults(
-            kind.removesuffix(DEFAULTS_SUFFIX), layers, args.hidden, vocab=1000, seq=max(args.seq, 128)
-        )  # the reference stays on the CPU
-    else:
-        model, cfg = build(kind, layers, args.hidden, seq=max(args.seq, 128))
+    model, cfg = build_model(kind, layers, args.hidden, args.seq)  # the reference stays on the CPU
     batch = sample_batch(cfg, args.batch, args.seq, device=device)
     release(device)
     probe = copy.deepcopy(model).to(device)
@@ -348,22 +387,219 @@ def measure_model(
             **run_row(model, batch, trace, fraction, args.steps, device, args.plain_steps),
         }
         rows.append(row)
-        name = f"{kind}-{layers}L"
-        if "modes" not in row:
-            print(
-                f"{name:<16} {fraction:>5.2f} {row['status']}: fits from {row.get('min_device_memory_bytes')}"
-            )
-            continue
-        mib = 2**20
-        print(
-            f"{name:<16} {fraction:>5.2f} {row['modes']:<26} {row['offloaded']:>2}/{row['chunks']:<2} "
-            f"{row['predicted_iteration_s'] * 1e3:>9.1f} {row['measured_iteration_s'] * 1e3:>9.1f} "
-            f"{row['iteration_error']:>+7.1%} {row['load_drift']:>+7.1%} {row['drift_after']:>+7.1%} "
-            f"{row['predicted_peak_device_bytes'] / mib:>9.2f} {row['measured_peak_device_bytes'] / mib:>9.2f} "
-            f"{row['peak_error']:>+7.2%}  {_ranges(row['offloaded_chunks'])}",
-            flush=True,
-        )
+        print_row(row)
     return rows
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return f"{'-':>7}" if x is None else f"{x:>+7.{digits}%}"
+
+
+def print_row(row: dict[str, Any]) -> None:
+    """One row of the table (a rank column when the row is one rank's)."""
+    name = f"{row['kind']}-{row['layers']}L"
+    rank = f"{row['rank']:>4} " if "rank" in row else ""
+    fraction = row["fraction"]
+    if "modes" not in row:
+        why = row.get("error") or f"fits from {row.get('min_device_memory_bytes')}"
+        print(f"{name:<16} {rank}{fraction:>5.2f} {row['status']}: {why}", flush=True)
+        return
+    mib = 2**20
+    print(
+        f"{name:<16} {rank}{fraction:>5.2f} {row['modes']:<26} {row['offloaded']:>2}/{row['chunks']:<2} "
+        f"{row['predicted_iteration_s'] * 1e3:>9.1f} {row['measured_iteration_s'] * 1e3:>9.1f} "
+        f"{row['iteration_error']:>+7.1%} {_pct(row.get('load_drift'))} {_pct(row.get('drift_after'))} "
+        f"{row['predicted_peak_device_bytes'] / mib:>9.2f} {row['measured_peak_device_bytes'] / mib:>9.2f} "
+        f"{row['peak_error']:>+7.2%}  {_ranges(row['offloaded_chunks'])}"
+        + (f" ({row['sharded_chunks']} sharded)" if row.get("sharded_chunks") else ""),
+        flush=True,
+    )
+
+
+# ------------------------------------------------------------------------------------------ N ranks (issue 20)
+def measure_trial_on_ranks(
+    kinds: list[str], args: argparse.Namespace, device: torch.device, trial: int
+) -> list[dict[str, Any]]:
+    """One trial on `--world-size` fresh ranks: every configuration, every fraction, a row per rank."""
+    spec = {
+        "device_type": device.type,
+        "kinds": kinds,
+        "layers": args.layers,
+        "fractions": args.fractions,
+        "hidden": args.hidden,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "plain_steps": args.plain_steps,
+        "threads": args.threads,
+    }
+    results = launch(measure_rank, args.world_size, spec)
+    failed = [r for r in results if "skipped" in r]
+    if failed:
+        print(f"trial {trial + 1}: " + "; ".join(r["skipped"] for r in failed), flush=True)
+        return [{"trial": trial, "failed": r["skipped"]} for r in failed]
+    rows = []
+    # rank-major from the ranks; printed and kept configuration-major, ranks side by side
+    for i in range(len(results[0]["rows"])):
+        for res in results:
+            row = {"trial": trial, **res["rows"][i]}
+            rows.append(row)
+            print_row(row)
+    return rows
+
+
+def build_model(kind: str, layers: int, hidden: int, seq: int) -> tuple[torch.nn.Module, Any]:
+    """A zoo model, or a family at its library defaults (`qwen2-dflt`); random weights, the same on every rank."""
+    from agent.testing.model_zoo import build, build_with_library_defaults
+
+    if kind.endswith(DEFAULTS_SUFFIX):
+        return build_with_library_defaults(
+            kind.removesuffix(DEFAULTS_SUFFIX), layers, hidden, vocab=1000, seq=max(seq, 128)
+        )
+    return build(kind, layers, hidden, seq=max(seq, 128))
+
+
+def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """Every configuration of one trial on this rank (`_ranks.launch`); every rank runs the same sequence of
+    collectives (the limit's broadcast, then wrap's plan broadcast and the runtime's gradient averaging)."""
+    import torch.distributed as dist
+
+    import agent
+    from agent.testing.model_zoo import sample_batch
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    os.environ.pop("MEMPLAN_SERVER", None)  # rank 0 solves in-process, as the single-process rows are
+    rows: list[dict[str, Any]] = []
+    for kind in spec["kinds"]:
+        for layers in spec["layers"]:
+            model, cfg = build_model(kind, layers, spec["hidden"], spec["seq"])  # stays on the CPU
+            full = sample_batch(cfg, spec["batch"], spec["seq"], device=device)
+            b = spec["batch"] // world
+            batch = {k: v[rank * b : (rank + 1) * b] for k, v in full.items()}
+            release(device)
+            box: list[Any] = [None]
+            if rank == 0:
+                probe = copy.deepcopy(model).to(device)
+                trace = agent.profile(
+                    probe,
+                    batch,
+                    optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
+                    allocation_trace=False,
+                )
+                box = [int(trace.measurements.peak_device_bytes)]
+                del probe
+                release(device)
+            dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+            for fraction in spec["fractions"]:
+                row = {
+                    "kind": kind,
+                    "layers": layers,
+                    "rank": rank,
+                    **wrapped_row(model, batch, int(box[0] * fraction), fraction, spec, device, rank == 0),
+                }
+                rows.append(row)
+    return {"rank": rank, "rows": rows}
+
+
+def wrapped_row(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    limit: int,
+    fraction: float,
+    spec: dict[str, Any],
+    device: torch.device,
+    keep_plan: bool = False,
+) -> dict[str, Any]:
+    """One fraction on this rank: plain timing, `agent.wrap` under the group with the limit, `--steps` steps
+    under wrap's monitor, plain timing; this rank's measured figures against the plan's (one rank's).
+    `keep_plan` (rank 0): the row also holds the whole plan (`plan`, the contract's JSON), so an outlier can
+    be replayed exactly with `agent.wrap(plan=Plan.model_validate(row["plan"]))`."""
+    import agent
+    from agent.planning import PlanInfeasibleError
+    from agent.runtime import RuntimeOptions
+    from agent.wrapping import unwrap
+
+    steps = spec["steps"]
+    row: dict[str, Any] = {"fraction": fraction, "limit_bytes": limit}
+    plain_now = plain_iteration_s(model, batch, device, spec["plain_steps"])
+    at_start = foreign_device_bytes(device, batch)
+    m = copy.deepcopy(model)  # on the CPU: wrap places it on `device`
+    with tempfile.TemporaryDirectory(prefix="memplan-bench-") as tmp:
+        t0 = time.perf_counter()
+        try:
+            run = agent.wrap(
+                m,
+                torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
+                sample_batch=batch,
+                device_memory=limit,
+                options=RuntimeOptions(device=device),
+                feedback_steps=steps,
+                feedback_path=Path(tmp) / "feedback.jsonl",
+            )
+        except RuntimeError as exc:
+            # no plan (rank 0: PlanInfeasibleError; the others: rank 0's reason, broadcast): every rank
+            # raises here, before any other collective, so the ranks stay in step. Anything else is a failure.
+            if not (isinstance(exc, PlanInfeasibleError) or str(exc).startswith(NO_PLAN_FROM_RANK_0)):
+                raise
+            return {**row, "status": "no plan", "error": f"{type(exc).__name__}: {exc}"[:300]}
+        wrap_s = time.perf_counter() - t0
+        try:
+            for _ in range(steps):
+                run.model(**batch).loss.backward()
+                run.optimizer.step()
+                run.optimizer.zero_grad()
+            assert run.monitor is not None
+            measured = run.monitor.measured  # this rank's own figures (the report's are the job's maxima)
+            rep = run.report()
+        finally:
+            unwrap(run)
+    plan, source = run.plan, run.source
+    del run, m
+    release(device)
+    plain_after = plain_iteration_s(model, batch, device, spec["plain_steps"])
+    p, pred = plan.policy, plan.predictions
+    assert p is not None and pred is not None and measured.peak_device_bytes is not None
+    measured_iteration = statistics.median(measured.iteration_s)
+    measured_peak = measured.peak_device_bytes - at_start
+    trace = source.trace if source is not None else None
+    trace_iteration = trace.measurements.iteration_s if trace is not None else None
+    row.update(
+        {
+            "status": plan.solver.status.value,
+            "wrap_s": wrap_s,
+            "plan_origin": source.origin if source is not None else None,
+            "plan_world_size": p.world_size,
+            "trace_world_size": trace.hardware.world_size if trace is not None else None,
+            "sharded_chunks": len(p.sharded_chunks),
+            "modes": p.mode_strip(),
+            "chunks": len(p.chunks),
+            "offloaded": sum(c.placement.value == "offloaded" for c in p.chunks),
+            "offloaded_chunks": [c.index for c in p.chunks if c.placement.value == "offloaded"],
+            "chunk_size_bytes": p.chunk_size_bytes,
+            "n_buffers": p.n_buffers,
+            "predicted_iteration_s": pred.iteration_s,
+            "measured_iteration_s": measured_iteration,
+            "iteration_error": measured_iteration / pred.iteration_s - 1.0,
+            "job_iteration_s": rep.measured.iteration_s if rep.measured is not None else None,
+            "predicted_peak_device_bytes": pred.peak_device_bytes,
+            "measured_peak_device_bytes": measured_peak,
+            "device_bytes_at_start": at_start,
+            "peak_error": measured_peak / pred.peak_device_bytes - 1.0,
+            "predicted_peak_host_bytes": pred.peak_host_bytes,
+            "measured_peak_host_bytes": measured.peak_host_bytes,
+            "plain_now_s": plain_now,
+            "plain_after_s": plain_after,
+            "trace_iteration_s": trace_iteration,
+            "steps_timed": len(measured.iteration_s),
+        }
+    )
+    if trace_iteration:
+        row["load_drift"] = plain_now / trace_iteration - 1.0
+        row["drift_after"] = plain_after / trace_iteration - 1.0
+    if keep_plan:
+        row["plan"] = plan.model_dump(mode="json")
+    return row
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -380,7 +616,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         else None,
         "iteration_error_max_abs": max((abs(r["iteration_error"]) for r in done), default=None),
         "worst_iteration_row": (
-            lambda r: f"{r['kind']}-{r['layers']}L at {r['fraction']}: {r['iteration_error']:+.1%}"
+            lambda r: (
+                f"{r['kind']}-{r['layers']}L at {r['fraction']}"
+                + (f" rank {r['rank']}" if "rank" in r else "")
+                + f": {r['iteration_error']:+.1%}"
+            )
         )(max(done, key=lambda r: abs(r["iteration_error"])))
         if done
         else None,
@@ -411,19 +651,21 @@ def summary_line(summary: dict[str, Any]) -> str:
 def combine_trials(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One row per configuration over the trials: the median iteration error (each trial a fresh build,
     profile, plan and run, so the machine's speed between a profile and its run is sampled `trials` times)
-    and the worst peak error (the OOM-safety target is held to every trial)."""
-    by_config: dict[tuple[str, int, float], list[dict[str, Any]]] = {}
+    and the worst peak error (the OOM-safety target is held to every trial). A multi-rank run's rows are
+    per rank: each rank is a configuration of its own (its peak is held to the target on its own)."""
+    by_config: dict[tuple[str, int, float, int | None], list[dict[str, Any]]] = {}
     for r in rows:
         if "peak_error" in r:
-            by_config.setdefault((r["kind"], r["layers"], r["fraction"]), []).append(r)
+            by_config.setdefault((r["kind"], r["layers"], r["fraction"], r.get("rank")), []).append(r)
     combined = []
-    for (kind, layers, fraction), rs in by_config.items():
+    for (kind, layers, fraction, rank), rs in by_config.items():
         worst_peak = max((r["peak_error"] for r in rs), key=abs)
         combined.append(
             {
                 "kind": kind,
                 "layers": layers,
                 "fraction": fraction,
+                **({} if rank is None else {"rank": rank}),
                 "trials": len(rs),
                 "iteration_error": statistics.median(r["iteration_error"] for r in rs),
                 "iteration_errors": [r["iteration_error"] for r in rs],

@@ -29,6 +29,27 @@ Ratios are printed only when both sides fit. The parent process never touches CU
 model that fits the limit (plain/ckpt_all: measured peak within the limit; plans: solver feasible and
 measured peak within the limit; FSDP2: ran without running out of memory).
 
+`--world-size N` (N > 1; issue 20) compares data-parallel strategies instead, each on N fresh ranks
+(`torch.multiprocessing` spawn, `benchmarks/_ranks.py`; NCCL with rank r on `cuda:r` when the device is CUDA,
+gloo on the CPU) training the same global batch (`--batch` rows, split evenly: each rank its own rows):
+- ddp: plain PyTorch under `DistributedDataParallel`, everything on the device (it sets the limit, as plain
+  does above; `fits` says whether its per-rank peak is within it);
+- fsdp2_offload: FSDP2 (`fully_shard` per block and at the root on a 1-D device mesh of the N ranks) with
+  `CPUOffloadPolicy` (pinned on CUDA; `pin_memory=False` on the CPU, where there is no accelerator to pin for
+  and the "offload" is a copy within host memory: it exercises the path, it measures no offload). No
+  `MixedPrecisionPolicy`: the model is cast to `--dtype` for every strategy, as in the single-process mode;
+- memplan: `agent.wrap(model, optimizer, sample_batch=..., device_memory=limit)` under the group: rank 0
+  profiles the job and solves the plan (in-process: MEMPLAN_SERVER is ignored) and broadcasts it, and every
+  rank applies it. Whatever the plan says is run: replicated chunks today; sharded offloaded chunks once the
+  trace is multi-rank and the planner shards (the row says how many chunks are sharded and the plan's world
+  size). `wrap_s` is the time of the wrap call (profile, hardware probe, solve, broadcast).
+Per strategy: tokens/s = global tokens / the slowest rank's median iteration, the peak device bytes of every
+rank (`max_memory_allocated` minus the bytes at the window's start on CUDA; the storage tracker on CPU, where
+the process's resident-set peak over the training steps, `peak_rss_bytes`, is also given per rank: the
+host peak, interpreter, libraries and the CPU reference model included; `rss_before_bytes` is the resident
+set before the strategy's model copy was made). A rank that fails (out of memory under the limit, or an error) makes the strategy's
+row say why; the other ranks are ended with it.
+
 Targets (issue 7, one GPU): cpsat >= 1.4x fsdp2_offload tokens/s on a model that needs offload, and
 cpsat >= protrain. On CPU this runs at small scale to exercise every path; CPU figures do not speak to
 the GPU targets (copies and compute share the same cores and memory).
@@ -38,7 +59,7 @@ On a GPU use a model that needs offload at a realistic size, e.g. a 1-3B llama a
 
 Usage: .venv/bin/python benchmarks/train_throughput.py [--kind llama] [--layers 8] [--hidden 128] [--seq 128]
        [--batch 4] [--steps 6] [--fraction 0.45] [--device-memory BYTES] [--sweep 4 8 16] [--device cpu|cuda[:N]]
-       [--dtype fp32|bf16] [--threads N]
+       [--dtype fp32|bf16] [--threads N] [--world-size N]
 Prints a table and writes benchmarks/results/train_throughput-<UTC timestamp>.json (pointer: train_throughput-latest.json).
 """
 
@@ -59,11 +80,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _ranks import launch, peak_rss_bytes, reset_peak_rss, rss_bytes
 from _results import Run, save
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_throughput.json"
 STRATEGIES = ("plain", "ckpt_all", "fsdp2_offload", "fsdp2_offload_ckpt", "protrain", "cpsat")
+DISTRIBUTED_STRATEGIES = ("ddp", "fsdp2_offload", "memplan")  # --world-size N > 1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -98,6 +121,7 @@ def _timed_loop(
     meter = DevicePeakMeter(device)
     times: list[float] = []
     peak: int | None = None
+    reset_peak_rss()  # the host's peak over the steps (`--world-size` rows report it)
     for i in range(steps + 3):
         metered = i == 2 and meter_state is not None
         if metered:
@@ -160,37 +184,57 @@ def run_plain(
 def run_fsdp2_offload(
     model: nn.Module, batch: Any, steps: int, device: torch.device, ckpt_all: bool = False
 ) -> dict[str, Any]:
-    """FSDP2 with CPUOffloadPolicy on one GPU (optionally every block checkpointed). Written for CUDA; not
-    run in the CPU-only sessions that wrote it."""
-    if device.type != "cuda":
-        return {"skipped": "FSDP2 CPUOffloadPolicy needs a CUDA device; no GPU here"}
+    """FSDP2 with CPUOffloadPolicy (optionally every block checkpointed) on the ranks of the process group
+    already initialised (`--world-size`), else on one GPU in a group of its own. The single-GPU and NCCL
+    paths were written for CUDA and not run in the CPU-only sessions that wrote them; on the CPU it runs in a
+    multi-rank gloo group only (a device mesh on "cpu", `pin_memory=False`: nothing to pin for)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from agent.profiler.block_detection import detect_blocks
 
+    if device.type != "cuda" and not dist.is_initialized():
+        return {"skipped": "FSDP2 CPUOffloadPolicy needs a CUDA device (on the CPU: --world-size N, gloo)"}
     created = False
-    torch.cuda.set_device(device)
     if not dist.is_initialized():
+        torch.cuda.set_device(device)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
         created = True
     try:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         # fully_shard moves the module to the mesh's device; CPUOffloadPolicy then keeps the sharded parameters,
-        # gradients and optimizer step in pinned host memory and copies them in for each block's compute
+        # gradients and optimizer step in (pinned) host memory and copies them in for each block's compute
         m = copy.deepcopy(model).to(device)
         if ckpt_all:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         for block in detect_blocks(m).modules:
-            fully_shard(block, offload_policy=CPUOffloadPolicy())
-        fully_shard(m, offload_policy=CPUOffloadPolicy())
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(m, mesh=mesh, offload_policy=policy)
         opt = host_adamw(m.parameters())
-        it, _ = _timed_loop(m, opt, batch, steps, device, None)
-        return {"iteration_s": it}
+        # on CUDA run_worker / run_rank read max_memory_allocated; on the CPU the storage tracker meters one
+        # step, starting from this rank's shards (DTensors' local tensors) and optimizer state
+        meter = _sharded_state(m, opt) if device.type == "cpu" else None
+        it, peak = _timed_loop(m, opt, batch, steps, device, meter)
+        return {"iteration_s": it} if peak is None else {"iteration_s": it, "peak_device_bytes": peak}
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def _sharded_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], list[Any]]:
+    """`_plain_state` for FSDP2: the local shard of every DTensor parameter and optimizer state tensor."""
+    from torch.distributed.tensor import DTensor
+
+    plain = _plain_state(model, opt)
+
+    def state() -> list[Any]:
+        return [(t.to_local() if isinstance(t, DTensor) else t, cat) for t, cat in plain()]
+
+    return state
 
 
 def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, plan: Any) -> dict[str, Any]:
@@ -319,6 +363,211 @@ def in_fresh_process(spec: dict[str, Any]) -> dict[str, Any]:
         return row
 
 
+# ------------------------------------------------------------------------------------------ N ranks (issue 20)
+def split_batch(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s rows of the global batch: the same global batch as one process trains, split evenly."""
+    rows = next(iter(batch.values())).shape[0]
+    if rows % world:
+        raise ValueError(f"batch: {rows} rows do not split evenly over {world} ranks")
+    b = rows // world
+    return {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
+
+
+def run_ddp(model: nn.Module, batch: Any, steps: int, device: torch.device) -> dict[str, Any]:
+    """Plain PyTorch under DistributedDataParallel: every rank holds everything, gradients all-reduced."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    m = copy.deepcopy(model).to(device)
+    ddp = DistributedDataParallel(m, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
+    it, peak = _timed_loop(ddp, opt, batch, steps, device, _plain_state(m, opt))
+    return {"iteration_s": it, "peak_device_bytes": peak}
+
+
+def run_memplan(model: nn.Module, batch: Any, steps: int, device: torch.device, limit: int) -> dict[str, Any]:
+    """`agent.wrap` under the process group with the device limit: rank 0 profiles and solves, every rank
+    applies the plan it broadcasts (whatever it says: replicated or sharded chunks)."""
+    import agent
+    from agent.runtime import RuntimeOptions
+    from agent.wrapping import unwrap
+
+    os.environ.pop("MEMPLAN_SERVER", None)  # solved in-process, as the single-process rows are
+    m = copy.deepcopy(model)  # on the CPU: wrap places it on `device`
+    with tempfile.TemporaryDirectory(prefix="memplan-bench-") as tmp:
+        t0 = time.perf_counter()
+        run = agent.wrap(
+            m,
+            torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
+            sample_batch=batch,
+            device_memory=limit,
+            options=RuntimeOptions(device=device),
+            feedback_steps=steps + 3,
+            feedback_path=Path(tmp) / "feedback.jsonl",
+        )
+        wrap_s = time.perf_counter() - t0
+        reset_peak_rss()  # the steps' host peak, not rank 0's profile and hardware probe
+        try:
+            times = []
+            for i in range(steps + 3):
+                t0 = time.perf_counter()
+                run.model(**batch).loss.backward()
+                run.optimizer.step()
+                run.optimizer.zero_grad()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i > 2:
+                    times.append(time.perf_counter() - t0)
+            assert run.monitor is not None
+            measured = run.monitor.measured  # this rank's own figures (the report's are the job's maxima)
+        finally:
+            unwrap(run)
+    plan = run.plan
+    assert plan.policy is not None and plan.predictions is not None
+    return {
+        "iteration_s": statistics.median(times),
+        "peak_device_bytes": measured.peak_device_bytes,
+        "peak_host_bytes": measured.peak_host_bytes,
+        "wrap_s": wrap_s,
+        "plan_origin": run.source.origin if run.source is not None else None,
+        "predicted_peak_device_bytes": plan.predictions.peak_device_bytes,
+        "predicted_peak_host_bytes": plan.predictions.peak_host_bytes,
+        "predicted_iteration_s": plan.predictions.iteration_s,
+        "plan_world_size": plan.policy.world_size,
+        "modes": plan.policy.mode_strip(),
+        "offloaded_chunks": sum(c.placement.value == "offloaded" for c in plan.policy.chunks),
+        "sharded_chunks": len(plan.policy.sharded_chunks),
+        "chunks": len(plan.policy.chunks),
+        "n_buffers": plan.policy.n_buffers,
+    }
+
+
+def run_rank(rank: int, world: int, device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """One strategy on one rank of a fresh group (`_ranks.launch`): the model built on the CPU with the same
+    seed on every rank, this rank's rows of the global batch, the limit set on CUDA as `run_worker` does."""
+    from agent.testing.model_zoo import build, sample_batch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    limit = spec.get("limit_bytes")
+    if device.type == "cuda":
+        if spec["dtype"] == "fp32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        if limit:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    model, cfg = build(spec["kind"], spec["layers"], spec["hidden"], seq=max(spec["seq"], 128))
+    model = model.to(DTYPES[spec["dtype"]])
+    batch = split_batch(sample_batch(cfg, spec["batch"], spec["seq"], device=device), rank, world)
+    gc.collect()
+    start = 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    rss_before = rss_bytes()
+    strategy, steps = spec["strategy"], spec["steps"]
+    if strategy == "ddp":
+        row = run_ddp(model, batch, steps, device)
+    elif strategy == "fsdp2_offload":
+        row = run_fsdp2_offload(model, batch, steps, device)
+    elif strategy == "memplan":
+        row = run_memplan(model, batch, steps, device, int(limit or 0))
+    else:
+        raise ValueError(f"strategy: {strategy!r} is not one of {DISTRIBUTED_STRATEGIES}")
+    if device.type == "cuda" and "iteration_s" in row:
+        row["window_peak_device_bytes"] = row.get("peak_device_bytes")
+        row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device) - start
+        row["peak_metric"] = "max_memory_allocated minus the bytes allocated at the window's start"
+    return {
+        "rank": rank,
+        **row,
+        "rss_before_bytes": rss_before,
+        "peak_rss_bytes": peak_rss_bytes(),  # over the training steps (reset before them)
+    }
+
+
+PLAN_FIELDS = (
+    "plan_origin",
+    "predicted_peak_device_bytes",
+    "predicted_peak_host_bytes",
+    "predicted_iteration_s",
+    "plan_world_size",
+    "modes",
+    "offloaded_chunks",
+    "sharded_chunks",
+    "chunks",
+    "n_buffers",
+    "wrap_s",
+)
+
+
+def combine_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One strategy's row from its ranks' rows: the slowest rank's iteration (the ranks step together), every
+    rank's peak and the largest, the plan's fields from rank 0; or why it did not run (the first rank that
+    said why, rather than a rank ended because another failed)."""
+    failed = [r for r in ranks if "skipped" in r]
+    if failed:
+        first = next((r for r in failed if "ended without a result" not in r["skipped"]), failed[0])
+        return {
+            "skipped": first["skipped"],
+            "out_of_memory": any(r.get("out_of_memory") for r in ranks),
+            "ranks": ranks,
+        }
+    peaks = [r.get("peak_device_bytes") for r in ranks]
+    row: dict[str, Any] = {k: ranks[0][k] for k in PLAN_FIELDS if k in ranks[0]}
+    row.update(
+        {
+            "iteration_s": max(r["iteration_s"] for r in ranks),
+            "iteration_s_per_rank": [r["iteration_s"] for r in ranks],
+            "peak_device_bytes": None if None in peaks else max(peaks),
+            "peak_device_bytes_per_rank": peaks,
+            "peak_rss_bytes_per_rank": [r.get("peak_rss_bytes") for r in ranks],
+            "ranks": ranks,
+        }
+    )
+    return row
+
+
+def compare_distributed(
+    kind: str, layers: int, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    """ddp, fsdp2_offload and memplan, each on `--world-size` fresh ranks, the same global batch."""
+    world = args.world_size
+    base = {
+        "kind": kind,
+        "layers": layers,
+        "hidden": args.hidden,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "device_type": device.type,
+        "dtype": args.dtype,
+        "threads": args.threads,
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    rows["ddp"] = combine_ranks(
+        launch(run_rank, world, {**base, "strategy": "ddp", "limit_bytes": args.device_memory})
+    )
+    limit = args.device_memory or int((rows["ddp"].get("peak_device_bytes") or 0) * args.fraction)
+    for name in ("fsdp2_offload", "memplan"):
+        rows[name] = combine_ranks(launch(run_rank, world, {**base, "strategy": name, "limit_bytes": limit}))
+    tokens = args.batch * args.seq  # the global batch: every rank trains batch / world rows of it
+    for r in rows.values():
+        if "iteration_s" in r:
+            r["tokens_per_s"] = tokens / r["iteration_s"]
+            peak = r.get("peak_device_bytes")
+            r["fits"] = peak is not None and peak <= limit
+    return {
+        "kind": kind,
+        "layers": layers,
+        "world_size": world,
+        "limit_bytes": limit,
+        "tokens_per_iteration": tokens,
+        "strategies": rows,
+    }
+
+
 def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from client.contract import Constraints, Trace
     from planner_service.solver import solve
@@ -374,22 +623,47 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
     }
 
 
-def ratio_lines(strategies: dict[str, dict[str, Any]]) -> list[str]:
-    """`cpsat / other: N.NNx` for each comparison where both sides ran and fit the limit, else why not."""
+def ratio_lines(
+    strategies: dict[str, dict[str, Any]],
+    ours: str = "cpsat",
+    others: tuple[str, ...] = ("protrain", "fsdp2_offload", "fsdp2_offload_ckpt"),
+) -> list[str]:
+    """`ours / other: N.NNx` for each comparison where both sides ran and fit the limit, else why not."""
     out = []
-    c = strategies["cpsat"]
-    for other in ("protrain", "fsdp2_offload", "fsdp2_offload_ckpt"):
+    c = strategies[ours]
+    for other in others:
         o = strategies[other]
         if c.get("fits") and o.get("fits"):
-            out.append(f"cpsat / {other}: {c['tokens_per_s'] / o['tokens_per_s']:.2f}x")
+            out.append(f"{ours} / {other}: {c['tokens_per_s'] / o['tokens_per_s']:.2f}x")
         else:
             why = [
                 f"{n} {'did not fit' if 'iteration_s' in r else 'did not run'}"
-                for n, r in (("cpsat", c), (other, o))
+                for n, r in ((ours, c), (other, o))
                 if not r.get("fits")
             ]
-            out.append(f"cpsat / {other}: no ratio ({', '.join(why)})")
+            out.append(f"{ours} / {other}: no ratio ({', '.join(why)})")
     return out
+
+
+def _mib(xs: list[Any]) -> str:
+    return "/".join("-" if x is None else f"{x / 2**20:.1f}" for x in xs)
+
+
+def row_notes(r: dict[str, Any]) -> str:
+    """The notes column: the plan (memplan rows) and, for a multi-rank row, every rank's peaks."""
+    notes = []
+    if "modes" in r:
+        notes.append(f"modes {r['modes']}, {r['offloaded_chunks']}/{r['chunks']} offloaded")
+        if "sharded_chunks" in r:
+            notes.append(
+                f"{r['sharded_chunks']} sharded (plan world size {r['plan_world_size']}), "
+                f"predicted peak {r['predicted_peak_device_bytes'] / 2**20:.1f} MiB, wrap {r['wrap_s']:.1f} s"
+            )
+    if "peak_device_bytes_per_rank" in r:
+        notes.append(f"per rank: peak {_mib(r['peak_device_bytes_per_rank'])} MiB")
+        if r["ranks"] and r["ranks"][0].get("peak_rss_bytes") is not None:
+            notes.append(f"RSS peak over the steps {_mib(r['peak_rss_bytes_per_rank'])} MiB")
+    return "; ".join(notes)
 
 
 def main() -> None:
@@ -413,10 +687,21 @@ def main() -> None:
     )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda:0 when CUDA is available)")
+    ap.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks (N > 1: ddp, fsdp2_offload and memplan on N spawned ranks, the same global --batch "
+        "split evenly; gloo on the CPU, NCCL with rank r on cuda:r)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.world_size < 1:
+        ap.error(f"--world-size: must be at least 1, got {args.world_size}")
+    if args.batch % args.world_size:
+        ap.error(f"--batch: {args.batch} rows do not split evenly over --world-size {args.world_size}")
     if args.worker:
         row = run_worker(json.loads(Path(args.worker).read_text()))
         Path(args.worker_out).write_text(json.dumps(row, default=str))
@@ -431,33 +716,49 @@ def main() -> None:
     run = Run("train_throughput", args)
     depths = args.sweep or [args.layers]
     results = []
+    distributed = args.world_size > 1
+    strategies = DISTRIBUTED_STRATEGIES if distributed else STRATEGIES
     for layers in depths:
-        res = compare(args.kind, layers, args, device)
+        res = (compare_distributed if distributed else compare)(args.kind, layers, args, device)
         results.append(res)
+        ranks = (
+            f"{args.world_size} ranks ({'nccl' if device.type == 'cuda' else 'gloo'}), "
+            if distributed
+            else ""
+        )
         print(
-            f"{args.kind}-{layers}L, limit {res['limit_bytes'] / 2**20:.1f} MiB, {res['tokens_per_iteration']} tokens/iteration"
+            f"{args.kind}-{layers}L, {ranks}limit {res['limit_bytes'] / 2**20:.1f} MiB"
+            f"{' per rank' if distributed else ''}, {res['tokens_per_iteration']} tokens/iteration"
         )
         print(f"  {'strategy':<18} {'tokens/s':>10} {'peak MiB':>9} {'fits':>5}  notes")
-        for name in STRATEGIES:
+        for name in strategies:
             r = res["strategies"][name]
             if "skipped" in r:
                 print(f"  {name:<18} {'-':>10} {'-':>9} {'-':>5}  not run: {r['skipped']}")
                 continue
             peak = r.get("peak_device_bytes")
-            notes = (
-                f"modes {r['modes']}, {r['offloaded_chunks']}/{r['chunks']} offloaded" if "modes" in r else ""
-            )
             print(
-                f"  {name:<18} {r['tokens_per_s']:>10.0f} {(peak or 0) / 2**20:>9.2f} {str(r['fits']):>5}  {notes}"
+                f"  {name:<18} {r['tokens_per_s']:>10.0f} {(peak or 0) / 2**20:>9.2f} {str(r['fits']):>5}  "
+                f"{row_notes(r)}"
             )
-        for line in ratio_lines(res["strategies"]):
+        lines = (
+            ratio_lines(res["strategies"], "memplan", ("fsdp2_offload", "ddp"))
+            if distributed
+            else ratio_lines(res["strategies"])
+        )
+        for line in lines:
             print(f"  {line}")
     largest: dict[str, int | None] = {}
     if args.sweep:
-        for name in STRATEGIES:
+        for name in strategies:
             ok = [res["layers"] for res in results if res["strategies"][name].get("fits")]
             largest[name] = max(ok) if ok else None
         print("largest model that fits the limit (layers):", largest)
+    load = os.getloadavg()
+    print(
+        f"load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in run.load_before)}, "
+        f"after {'/'.join(f'{x:.2f}' for x in load)}"
+    )
     save(args.out, run.document(device, results=results, largest_layers_that_fit=largest))
 
 
