@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
+from agent.runtime.process_group import all_gather_single, reduce_scatter_single
 from client.contract import (
     CollectiveBackend,
     CollectiveCopyOverlap,
@@ -162,12 +163,12 @@ def measure_curves(
     for size in sorted(set(sizes)):
         out, shard, n = _all_gather(size, group, device, world)
         t = _median_time(
-            functools.partial(dist.all_gather_into_tensor, out, shard, group=group), group, device, repeats
+            functools.partial(all_gather_single, out, shard, group=group), group, device, repeats
         )
         gather.append(CollectiveSample(size_bytes=n, bytes_per_s=n / t))
         whole, part, nbytes = _reduce_buffers(size, device, world)
         t = _median_time(
-            functools.partial(dist.reduce_scatter_tensor, part, whole, group=group), group, device, repeats
+            functools.partial(reduce_scatter_single, part, whole, group=group), group, device, repeats
         )
         reduce.append(CollectiveSample(size_bytes=nbytes, bytes_per_s=nbytes / t))
     return _unique(gather), _unique(reduce)
@@ -194,12 +195,12 @@ def measure_overlap(
         out, shard, coll_bytes = _all_gather(size_bytes, group, device, world)
 
         def start() -> dist.Work | None:
-            return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+            return all_gather_single(out, shard, group=group, async_op=True)
     else:
         whole, part, coll_bytes = _reduce_buffers(size_bytes, device, world)
 
         def start() -> dist.Work | None:
-            return dist.reduce_scatter_tensor(part, whole, group=group, async_op=True)
+            return reduce_scatter_single(part, whole, group=group, async_op=True)
 
     # a separate device buffer for the copy: on a CPU "device" both ends are host memory (a memcpy)
     dev_buf = torch.empty(size_bytes, dtype=torch.uint8, device=device)

@@ -59,7 +59,7 @@ class RankGroup:
             _on_backend_device(full, self.device, write_back=False) as src,
             _on_backend_device(output, self.device) as dst,
         ):
-            _reduce_scatter(dst, src, group=self.group)
+            reduce_scatter_single(dst, src, group=self.group)
             dst.div_(self.world_size)
 
     def all_gather(self, full: torch.Tensor, own: torch.Tensor) -> None:
@@ -69,7 +69,7 @@ class RankGroup:
             _on_backend_device(own, self.device, write_back=False) as src,
             _on_backend_device(full, self.device) as dst,
         ):
-            _all_gather(dst, src, group=self.group)
+            all_gather_single(dst, src, group=self.group)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's Python object, in rank order (pickled: `torch.distributed.all_gather_object`)."""
@@ -92,8 +92,8 @@ class RankGroup:
 
 
 # torch 2.13 names them `*_single` (the `*_tensor` names are deprecated); older ones have only the latter
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _on_backend_device:
