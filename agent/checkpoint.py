@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from agent.runtime.chunks import ChunkState, views
-from agent.runtime.optimizer import MASTER_KEY
 from agent.runtime.stepper import ChunkStepper
 
 if TYPE_CHECKING:
@@ -232,14 +231,6 @@ def load_full(directory: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor
     name) and `optimizer.load_state_dict(o)` (torch's format, indices in the user's optimizer order) continue
     the training. Every file is read and checked before anything is returned: a missing, unreadable or
     inconsistent file raises `CheckpointError` naming it."""
-    model, optimizer, _ = _assemble(directory)
-    return model, optimizer
-
-
-def _assemble(
-    directory: str | os.PathLike[str],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[torch.Tensor]]:
-    """`load_full`'s state dicts, and the saved master values of the optimizer's parameters in its order."""
     root = Path(directory)
     meta_path = root / META
     meta = _read(meta_path, "metadata")
@@ -316,20 +307,20 @@ def _assemble(
             st[k] = full.view(shape)
         if st:
             state[idx] = st
-    masters = [values[name].view(params[name]["shape"]) for name in meta["param_names"]]
-    return model, {"state": state, "param_groups": meta["param_groups"]}, masters
+    return model, {"state": state, "param_groups": meta["param_groups"]}
 
 
 def load_sharded(wrapped: Wrapped, directory: str | os.PathLike[str]) -> None:
     """Load a sharded checkpoint (saved at any world size) into a model wrapped at this job's world size. Call
     it on every rank. Each rank reads every file and builds the whole state dicts (`load_full`), then goes
     through the wrapped model's and optimizer's `load_state_dict`, which keep this rank's shard: simple and
-    exact, at the cost of every rank reading (and briefly holding) the whole checkpoint. Everything is read and
-    checked against the wrapped model and optimizer before any of it is loaded: a bad file leaves them as
-    they were."""
+    exact, at the cost of every rank reading (and briefly holding) the whole checkpoint. In mixed precision
+    the fp32 masters are set from the saved fp32 values (not from the model's bf16 compute copy). Everything
+    is read and checked against the wrapped model and optimizer before any of it is loaded: a bad file
+    leaves them as they were."""
     if wrapped.unwrapped:
         raise CheckpointError("load_sharded: the model was unwrapped; load into it with plain PyTorch")
-    model_sd, optim_sd, masters = _assemble(directory)
+    model_sd, optim_sd = load_full(directory)
     current = wrapped.model.state_dict()
     if current.keys() != model_sd.keys():
         missing = sorted(current.keys() - model_sd.keys())[:5]
@@ -350,9 +341,23 @@ def load_sharded(wrapped: Wrapped, directory: str | os.PathLike[str]) -> None:
             f"{directory}: the saved optimizer's param groups hold {[len(g['params']) for g in saved]} "
             f"parameters, this optimizer's {[len(g['params']) for g in groups]}"
         )
-    if any(st.mixed for st in wrapped.runtime.states):
-        # the model's load goes through the narrower compute copy: the exact fp32 masters ride along
-        for idx, st in optim_sd["state"].items():
-            st[MASTER_KEY] = masters[idx]
     wrapped.model.load_state_dict(model_sd)
-    wrapped.optimizer.load_state_dict(optim_sd)
+    _load_masters(wrapped, model_sd)
+    wrapped.optimizer.load_state_dict(optim_sd)  # then rebuilds the compute copies from the masters
+
+
+@torch.no_grad()
+def _load_masters(wrapped: Wrapped, model_sd: dict[str, torch.Tensor]) -> None:
+    """Mixed precision: the model's `load_state_dict` went through the narrower compute copy, so set every
+    fp32 master (this rank's piece of it) from the saved full-precision value."""
+    runtime = wrapped.runtime
+    if not any(st.mixed for st in runtime.states):
+        return
+    done: set[int] = set()
+    for key, value in wrapped.model.state_dict(keep_vars=True).items():
+        entry = runtime.layout.entry(value)
+        if entry is None or id(entry.param) in done or not runtime.states[entry.chunk].mixed:
+            continue
+        done.add(id(entry.param))
+        stepper = runtime.steppers[entry.chunk]
+        stepper.load_master(stepper.state.spec.entries.index(entry), model_sd[key])

@@ -142,12 +142,29 @@ def save_job(rank: int, world: int, case: CkptCase) -> dict[str, Any]:
 
 
 def load_job(rank: int, world: int, case: CkptCase) -> dict[str, Any]:
-    model = make_model(case.kind)
-    wrapped = agent.wrap(model, adamw(model), plan=sharded_plan(model, world, "all"), feedback_steps=None)
+    model = make_model(case.kind, tied=case.tied)
+    dtype = torch.bfloat16 if case.bf16 else torch.float32
+    wrapped = agent.wrap(
+        model,
+        adamw(model),
+        plan=sharded_plan(model, world, case.offload, dtype),
+        options=RuntimeOptions(compute_dtype=dtype),
+        feedback_steps=None,
+    )
     agent.checkpoint.load_sharded(wrapped, case.directory)
+    result: dict[str, Any] = {"sharded_chunks": sum(st.shard is not None for st in wrapped.runtime.states)}
+    if case.bf16:  # every rank's fp32 master shards, gathered, against the saved fp32 values
+        gathered = wrapped.optimizer.state_dict()  # a collective
+        saved, _ = agent.checkpoint.load_full(case.directory)
+        order = {id(p): n for n, p in model.named_parameters()}
+        user = [order[id(p)] for g in wrapped.optimizer.param_groups for p in g["params"]]
+        result["masters_vs_saved"] = [
+            float((st[MASTER_KEY] - saved[user[i]]).abs().max()) for i, st in gathered["state"].items()
+        ]
     data = [continuation(s, rank, world) for s in range(AFTER)]
     no_clip: Callable[[float], torch.Tensor] = lambda m: torch.zeros(())  # noqa: E731
-    losses, _ = train(wrapped.model, wrapped.optimizer, data, LoopCase(steps=AFTER), wrapped.no_sync, no_clip)
-    sharded = sum(st.shard is not None for st in wrapped.runtime.states)
+    result["losses"], _ = train(
+        wrapped.model, wrapped.optimizer, data, LoopCase(steps=AFTER), wrapped.no_sync, no_clip
+    )
     dist.barrier()
-    return {"losses": losses, "sharded_chunks": sharded}
+    return result

@@ -156,3 +156,8 @@ def test_bf16_compute_saves_the_fp32_master_shards_and_tied_weights_under_both_n
     assert plain.head.weight is plain.embed.weight and torch.equal(
         plain.head.weight, model_sd["embed.weight"]
     )
+    # memplan in bf16 at 4 ranks: its fp32 master shards are the saved fp32 values, not the bf16 compute copy's
+    (tmp_path / "load").mkdir()
+    loaded = spawn("load", case, 4, tmp_path / "load")
+    for r in loaded:
+        assert r["sharded_chunks"] > 0 and r["masters_vs_saved"] and max(r["masters_vs_saved"]) == 0.0
