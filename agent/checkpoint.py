@@ -70,6 +70,9 @@ def save_sharded(wrapped: Wrapped, directory: str | os.PathLike[str]) -> None:
         save_id = group.broadcast_object(save_id)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    # the model's state dict on every rank, not only where it is saved: its hook (`_before_state_dict`)
+    # evicts the resident chunks, which every rank should do alike
+    model_state = wrapped.model.state_dict(keep_vars=True)
     steppers = runtime.steppers
     pieces = [
         p
@@ -90,7 +93,7 @@ def save_sharded(wrapped: Wrapped, directory: str | os.PathLike[str]) -> None:
     )
     _barrier(group)
     if rank == 0:
-        _atomic_save(_meta(wrapped, save_id, world), out / META)
+        _atomic_save(_meta(wrapped, model_state, save_id, world), out / META)
     _barrier(group)
 
 
@@ -160,7 +163,7 @@ def _is_flat(v: Any, n: int) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == n
 
 
-def _meta(wrapped: Wrapped, save_id: str, world: int) -> dict[str, Any]:
+def _meta(wrapped: Wrapped, model_state: dict[str, Any], save_id: str, world: int) -> dict[str, Any]:
     runtime = wrapped.runtime
     layout = runtime.layout
     optimizer = wrapped.optimizer
@@ -177,7 +180,7 @@ def _meta(wrapped: Wrapped, save_id: str, world: int) -> dict[str, Any]:
     aliases: dict[str, str] = {}
     others: dict[str, torch.Tensor] = {}
     keys: list[str] = []
-    for key, value in wrapped.model.state_dict(keep_vars=True).items():
+    for key, value in model_state.items():
         keys.append(key)
         entry = layout.entry(value)
         if entry is not None:

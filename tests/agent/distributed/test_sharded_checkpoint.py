@@ -161,3 +161,21 @@ def test_bf16_compute_saves_the_fp32_master_shards_and_tied_weights_under_both_n
     loaded = spawn("load", case, 4, tmp_path / "load")
     for r in loaded:
         assert r["sharded_chunks"] > 0 and r["masters_vs_saved"] and max(r["masters_vs_saved"]) == 0.0
+
+
+def test_one_process_saves_after_the_step_only_and_loads_back(tmp_path: Path) -> None:
+    model = make_model("mlp")
+    plan = manual_plan(model, chunk_size_bytes=1 << 14, offload="all", n_buffers=2)
+    wrapped = agent.wrap(model, adamw(model), plan=plan, feedback_steps=None)
+    x = continuation(0, 0, 1)
+    wrapped.model(input_ids=x, labels=x).loss.backward()
+    # the host optimizer has stepped speculatively during backward: not a state to save
+    with pytest.raises(CheckpointError, match="between backward and optimizer.step"):
+        agent.checkpoint.save_sharded(wrapped, tmp_path / "ckpt")
+    wrapped.optimizer.step()
+    wrapped.optimizer.zero_grad()
+    agent.checkpoint.save_sharded(wrapped, tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.pt", "rank0.pt"]
+    model_sd, optim_sd = load_full(tmp_path / "ckpt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in model_sd.items())
+    assert state_rel_diff(optim_sd, wrapped.optimizer.state_dict()) == 0.0
