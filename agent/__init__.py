@@ -3,7 +3,8 @@
 `agent.profile(...)` measures a training iteration and returns a wire-contract Trace;
 `agent.wrap(...)` applies a plan to a model and optimizer, `agent.unwrap(...)` gives them back;
 `agent.plan_with_allocation(...)` saves a plan with its managed allocation and `agent.install_allocator(...)`
-installs the planned CUDA allocator from it (first thing in a training script).
+installs the planned CUDA allocator from it (first thing in a training script); `agent.checkpoint` saves
+and loads sharded checkpoints of a wrapped model.
 The functions live in `agent.profiler` and `agent.wrapping` (no submodule shares a name with a function,
 so `agent.wrap` is the function whatever was imported before). They load on first use, so importing
 `agent` stays cheap (no torch import).
@@ -30,7 +31,12 @@ _LAZY = {
 }
 
 
+_SUBMODULES = {"checkpoint"}  # `agent.checkpoint.save_sharded(...)` after a bare `import agent`
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"agent.{name}")  # the import binds it in globals() too
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'agent' has no attribute {name!r}")

@@ -293,9 +293,13 @@ class ChunkStepper:
                 if k == "step":
                     st[k] = _step_tensor(v, r.tensor, self.impl_kwargs)
                 elif isinstance(v, torch.Tensor) and v.numel() == entries[r.entries[0]].numel:
-                    st[k] = torch.cat([states[j][k].reshape(-1) for j in r.entries]).to(
-                        r.tensor.device, r.tensor.dtype
-                    )
+                    # each entry's state at its offset in the run: alignment padding between parameters
+                    # (narrow dtypes) stays zero, and the state is as long as the run's master
+                    flat = torch.zeros(r.end - r.start, dtype=r.tensor.dtype, device=r.tensor.device)
+                    for j in r.entries:
+                        e = entries[j]
+                        flat[e.offset - r.start : e.end - r.start].copy_(states[j][k].reshape(-1))
+                    st[k] = flat
                 else:
                     st[k] = v
             self.inner.state[r.tensor] = st

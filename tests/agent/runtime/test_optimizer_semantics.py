@@ -22,7 +22,7 @@ from runtime_helpers import (
     train,
 )
 
-from agent.runtime import RuntimeOptions
+from agent.runtime import RuntimeOptions, manual_plan
 from agent.wrapping import Wrapped, unwrap, wrap
 
 TOL = 1e-5
@@ -251,3 +251,38 @@ def test_model_zero_grad_resets_offloaded_gradients_like_optimizer_zero_grad() -
     assert max_rel_diff(got, ref) <= TOL
     unwrap(w)
     assert "zero_grad" not in vars(model)
+
+
+def test_loaded_state_of_parameters_with_alignment_padding_between_them_keeps_each_at_its_offset() -> None:
+    """bf16 compute: a 37-element bias takes 80 bytes of its chunk (16-byte slots), so a run of parameters
+    stepped as one flat tensor has padding inside. Before the fix `load_state_dict` concatenated the loaded
+    states back to back: a run's moments came out shorter than its master (shifted values, and the fused
+    kernel wrote past their end: heap corruption at 4 ranks in the sharded-checkpoint tests)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(20, 37), torch.nn.Linear(37, 5))
+    plain = copy.deepcopy(base)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for p in plain.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    model = copy.deepcopy(base)
+    plan = manual_plan(
+        model, chunk_size_bytes=1 << 14, offload="all", n_buffers=1, compute_dtype=torch.bfloat16
+    )
+    w = wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        plan=plan,
+        options=RuntimeOptions(compute_dtype=torch.bfloat16),
+        feedback_steps=None,
+    )
+    w.optimizer.load_state_dict(copy.deepcopy(saved))
+    got = w.optimizer.state_dict()["state"]
+    for i, st in saved["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[i][k], st[k]), (i, k)
+    stepper = w.runtime.steppers[0]
+    assert stepper.inner is not None
+    for r in stepper.runs:
+        assert all(v.numel() == r.tensor.numel() for v in stepper.inner.state[r.tensor].values() if v.dim())
