@@ -25,12 +25,17 @@ with its undo `unwrap`; the steps' work is in `planning.py`, `runtime/` and `fee
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agent.allocator.install import attach_managed_allocation, install_planned_first, planned_cuda_device
+from agent.allocator.install import (
+    attach_managed_allocation,
+    install_planned_first,
+    load_plan,
+    planned_cuda_device,
+)
 from agent.allocator.managed import has_managed_allocation
 from agent.allocator.managed_step import ManagedStepRecorder
 from agent.allocator.select import MODES, select
@@ -75,7 +80,7 @@ def wrap(
     device_memory: int | float | str | None = None,
     host_memory: int | float | str | None = None,
     blocks: Sequence[nn.Module] | None = None,
-    plan: Plan | None = None,
+    plan: Plan | str | Path | Mapping[str, Any] | None = None,
     options: RuntimeOptions | None = None,
     loss_fn: Any = None,
     feedback_steps: int | None = DEFAULT_FEEDBACK_STEPS,
@@ -89,6 +94,7 @@ def wrap(
 ) -> Wrapped:
     """Plan (unless `plan` is given), apply model-state and activation policies, and measure.
 
+    `plan`: a Plan, a path to its JSON (`memplan plans solve -o`) or a dict of it.
     `sample_batch`: one batch as the model takes it (needed without `plan`, to profile); `max_batch`: the
     largest batch you will train on (rows and sequence length), profiled and planned for instead of
     `sample_batch`; a larger batch at run time warns once (CPU) or raises BatchShapeError before the forward
@@ -137,6 +143,7 @@ def wrap(
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)
     check_supported(optimizer)
+    given = load_plan(plan) if plan is not None else None  # a path or dict too; an error names `plan`
 
     group = resolve(process_group)
     cache_off = KVCacheOff(model)  # training never uses the KV cache; unwrap restores the user's setting
@@ -145,7 +152,7 @@ def wrap(
             model,
             optimizer,
             cache_off,
-            plan=plan,
+            plan=given,
             sample_batch=max_batch if max_batch is not None else sample_batch,
             server=server,
             device_memory=device_bytes,

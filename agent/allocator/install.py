@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import ValidationError
 
 from agent.allocator import cuda as cuda_allocator
 from agent.allocator.core import MatchRules
@@ -209,23 +211,42 @@ def plan_with_allocation(
     return plan
 
 
-def load_plan(plan: Plan | str | Path) -> Plan:
-    """A Plan, or one read from a JSON file (a Plan, or a plan record whose `plan` field is one)."""
+def load_plan(plan: Plan | str | Path | Mapping[str, Any]) -> Plan:
+    """A Plan, one read from a JSON file (a Plan, or a plan record whose `plan` field is one, as `memplan plans
+    solve -o` and `plan_with_allocation(path=)` write), or one from a dict of the plan's JSON. Anything else,
+    or a document that is no plan, is one ValueError (TypeError for another type) naming `plan`."""
 
     if isinstance(plan, Plan):
         return plan
-    path = Path(plan)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"plan: cannot read a plan from {path} ({type(exc).__name__}: {exc})") from exc
+    if isinstance(plan, Mapping):
+        where, data = "the dict given", dict(plan)
+    elif isinstance(plan, (str, Path)):
+        path = Path(plan)
+        where = str(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"plan: cannot read a plan from {path} ({type(exc).__name__}: {exc})") from exc
+    else:
+        raise TypeError(
+            f"plan: must be a Plan, a path to a plan's JSON or a dict of it, got {type(plan).__name__}"
+        )
     if isinstance(data, dict) and "plan" in data and "trace_hash" not in data:
         data = data["plan"]
-    return Plan.model_validate(data)
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = errors[0]
+        loc = ".".join(str(x) for x in first["loc"]) or "<root>"
+        kind = " (it looks like a trace)" if isinstance(data, dict) and "measurements" in data else ""
+        raise ValueError(
+            f"plan: {where} is not a plan{kind}: {len(errors)} invalid field(s), first {loc}: {first['msg']}"
+        ) from None
 
 
 def install_allocator(
-    plan: Plan | str | Path, *, device: int = 0, debug: bool = False, **rules: Any
+    plan: Plan | str | Path | Mapping[str, Any], *, device: int = 0, debug: bool = False, **rules: Any
 ) -> CudaPlannedAllocator:
     """Make the planned allocator PyTorch's CUDA allocator, from a plan that carries its managed allocation
     (`plan_with_allocation`). Call it first thing in the training script, before any CUDA tensor exists.
