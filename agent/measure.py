@@ -6,8 +6,11 @@ runtime's persistent chunks, their gradients, fp32 masters and optimizer state, 
 offloaded chunks, the model's buffers) is registered up front, the batch is external (not counted), and
 everything the iteration allocates is counted while it lives. Host memory is not device memory: the
 runtime's host copies (offloaded chunks) are allocated before the window and not registered, and swap
-buffers are allocated with dispatch modes switched off (see `runtime/swap.py`). So the figure compares
-with the trace's `peak_device_bytes` and with the plan's `predictions.peak_device_bytes`.
+buffers are allocated with dispatch modes switched off (see `runtime/swap.py`), the host worker's inline
+work (CPU device) runs with them off (`runtime/host_worker.py`), and a collective writing into a host tensor
+(gradient averaging, a sharded chunk's reduce-scatter and all-gathers) is not an allocation (the tracker
+skips outputs on the op's own arguments' storages). So the figure compares with the trace's
+`peak_device_bytes` and with the plan's `predictions.peak_device_bytes`.
 
 CUDA: the peak allocated bytes over the iteration (what the profiler reports on CUDA); it counts every
 tensor on the device, so it needs no registration. Read through `agent.allocator.device_memory`: PyTorch's

@@ -116,26 +116,27 @@ class StorageTracker(TorchDispatchMode):
             # new allocations; only the other outputs can be.
             aliasing = tuple(r.alias_info is not None for r in func._schema.returns)
             self._aliasing[func] = aliasing
+        inputs = _Inputs(args, kwargs)
         if isinstance(out, torch.Tensor):
             if not (aliasing and aliasing[0]):
-                self._maybe_new(out)
+                self._maybe_new(out, inputs)
         elif isinstance(out, (tuple, list)):
             for i, t in enumerate(out):
                 if i < len(aliasing) and aliasing[i]:
                     continue
                 if isinstance(t, torch.Tensor):
-                    self._maybe_new(t)
+                    self._maybe_new(t, inputs)
                 elif isinstance(t, (tuple, list)):  # e.g. Tensor[] returns
                     for u in t:
                         if isinstance(u, torch.Tensor):
-                            self._maybe_new(u)
+                            self._maybe_new(u, inputs)
         return out
 
-    def _maybe_new(self, t: torch.Tensor) -> None:
+    def _maybe_new(self, t: torch.Tensor, inputs: _Inputs) -> None:
         if not _has_storage(t):
             return
         st = t.untyped_storage()
-        if st._cdata in self._ids or st.nbytes() == 0:
+        if st._cdata in self._ids or st.nbytes() == 0 or st._cdata in inputs.storages():
             return
         block_tracker = self.block_tracker
         self._track(
@@ -183,6 +184,42 @@ class StorageTracker(TorchDispatchMode):
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()
+
+
+class _Inputs:
+    """The storages of an op's tensor arguments, looked up only when an output's storage is unknown.
+
+    An output on the storage of one of the op's own arguments is that argument, not an allocation, whatever
+    the schema says. The schemas of torch.distributed's collectives (`c10d::allreduce_`, `_allgather_base_`,
+    `_reduce_scatter_base_`, `broadcast_`, ...) return their in/out arguments with no alias annotation; read as
+    allocations, every collective on a tensor the window did not register (an offloaded chunk's host gradient,
+    staging buffer, exposed gradient, compute copy: host memory) added that tensor's bytes to the device
+    figure for the rest of the window (issue 20: multi-rank peaks 7-35% over the plan on CPU)."""
+
+    __slots__ = ("_args", "_kwargs", "_storages")
+
+    def __init__(self, args: Any, kwargs: Any) -> None:
+        self._args = args
+        self._kwargs = kwargs
+        self._storages: set[int] | None = None
+
+    def storages(self) -> set[int]:
+        if self._storages is None:
+            found: set[int] = set()
+            _collect_storages(self._args, found)
+            if self._kwargs:
+                _collect_storages(tuple(self._kwargs.values()), found)
+            self._storages = found
+        return self._storages
+
+
+def _collect_storages(values: Any, found: set[int]) -> None:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if _has_storage(v):
+                found.add(v.untyped_storage()._cdata)
+        elif isinstance(v, (tuple, list)):  # Tensor[] and Tensor[][] arguments
+            _collect_storages(v, found)
 
 
 def _has_storage(t: torch.Tensor) -> bool:

@@ -9,6 +9,12 @@ already done. There the "device" compute and the host work use the same cores: a
 idle hardware to overlap with, only the GIL and the cores to contend for (measured on 2 cores: llama-24L
 with every chunk offloaded spent ~7 ms more per iteration with the thread than inline). Inline is also what
 the cost model assumes for a CPU device (no copy/compute overlap: host steps serial with compute).
+Inline work runs with torch's dispatch modes switched off, as the thread's does (modes are thread-local):
+it is host work on host memory, and on CPU the device-memory meter (`agent.measure`, a TorchDispatchMode on
+the training thread) would otherwise count its temporaries as device memory (issue 20: a sharded chunk's
+all-gathers copy this rank's shard first, which the plan rightly does not count as device memory).
+`modes_see_inline_work=True` keeps the modes on (the CUDA-semantics checker's simulation is a dispatch mode
+that must see the host jobs).
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 
 class HostWorker:
-    def __init__(self, *, inline: bool = False) -> None:
+    def __init__(self, *, inline: bool = False, modes_see_inline_work: bool = False) -> None:
         self.inline = inline
+        self.modes_see_inline_work = modes_see_inline_work
         self._pool = (
             None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="memplan-host-optimizer")
         )
@@ -30,7 +39,11 @@ class HostWorker:
             return self._pool.submit(fn, *args)
         done: Future[None] = Future()
         try:
-            fn(*args)
+            if self.modes_see_inline_work:
+                fn(*args)
+            else:
+                with _disable_current_modes():
+                    fn(*args)
         except Exception as e:  # surfaces when the training thread waits on the chunk, as with the thread
             done.set_exception(e)
         else:

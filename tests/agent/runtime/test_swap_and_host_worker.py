@@ -71,3 +71,24 @@ def test_threaded_host_worker_keeps_submission_order():
         f.result()
     assert ran == list(range(20))
     worker.shutdown()
+
+
+def test_inline_host_work_is_host_memory_the_device_meter_does_not_count():
+    # on a CPU device the host worker runs inline on the training thread, under the meter's dispatch mode
+    # (`agent.measure`): its temporaries (a sharded chunk's shard copy before an all-gather, issue 20) are
+    # host memory, as they are when the worker is a thread the mode does not see
+    from agent.profiler.storage_tracker import StorageTracker  # local import: the meter's tracker
+
+    worker = HostWorker(inline=True)
+    kept: list[torch.Tensor] = []
+    tracker = StorageTracker()
+    with tracker:
+        worker.submit(lambda: kept.append(torch.ones(4096))).result()
+        on_device = torch.ones(1024)
+    assert [r.nbytes for r in tracker.records] == [on_device.nbytes]
+    assert kept[0].sum().item() == 4096.0
+    seen = HostWorker(inline=True, modes_see_inline_work=True)  # the CUDA-semantics checker's simulation
+    tracker = StorageTracker()
+    with tracker:
+        seen.submit(lambda: kept.append(torch.ones(4096))).result()
+    assert [r.nbytes for r in tracker.records] == [4096 * 4]

@@ -590,7 +590,7 @@ def _plug_runtime(stack: contextlib.ExitStack, sim: SimulatedCuda) -> None:
         """The host worker, inline (one thread for the dispatch mode to see), its jobs marked as host work."""
 
         def __init__(self, *, inline: bool = False) -> None:
-            super().__init__(inline=True)
+            super().__init__(inline=True, modes_see_inline_work=True)
 
         def submit(self, fn: Callable[..., None], *args: Any) -> Any:
             def as_host_job(*a: Any) -> None:
