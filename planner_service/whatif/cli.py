@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from client import Client
 from client.cli.common import ServerOpt, TokenOpt, server_url
+from client.cli.files import TRACE, WrongFile, read_as
 from client.contract import CatalogEntry, HardwareCatalog, OptimizerKind, SweepPoint, SweepRequest, Trace
 from client.errors import MemplanError
 from client.units import format_bytes, parse_bytes
@@ -58,8 +60,17 @@ def register(app: typer.Typer) -> None:
 
 
 def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[red]{message}[/]")
+    err_console.print(f"[red]{escape(message)}[/]")
     return typer.Exit(2)
+
+
+def _read_trace(path: Path, option: str) -> Trace:
+    """The Trace in `path`; else exit 2 saying what the file is instead (not JSON, a plan, which fields are
+    invalid), in the words `memplan plans solve` and `traces upload` use for the same file."""
+    try:
+        return read_as(path, Trace, TRACE)
+    except WrongFile as exc:
+        raise _fail(f"{option}: {exc}") from None
 
 
 def _catalog(files: list[Path] | None) -> dict:
@@ -289,12 +300,7 @@ def whatif(
             )
         if seq_n is not None or batch_n is not None:
             raise _fail("--seq/--batch: a measured trace keeps its own workload; re-profile to change it")
-        try:
-            measured = Trace.model_validate_json(trace.read_text())
-        except OSError as exc:
-            raise _fail(f"--trace {trace}: cannot read ({exc.strerror or exc})") from None
-        except ValueError as exc:
-            raise _fail(f"--trace {trace}: not a valid Trace: {str(exc).splitlines()[0]}") from None
+        measured = _read_trace(trace, "--trace")
         try:
             src = entry(cat, source) if source is not None else source_entry(measured, cat)
         except CatalogError as exc:
@@ -525,12 +531,7 @@ def _calibrations(
 
     traces = []
     for f in files:
-        try:
-            traces.append(Trace.model_validate_json(f.read_text()))
-        except OSError as exc:
-            raise _fail(f"--calibrate-with {f}: cannot read ({exc.strerror or exc})") from None
-        except ValueError as exc:
-            raise _fail(f"--calibrate-with {f}: not a valid Trace: {str(exc).splitlines()[0]}") from None
+        traces.append(_read_trace(f, "--calibrate-with"))
     out: dict[str, Calibration] = {}
     for e in entries:
         try:

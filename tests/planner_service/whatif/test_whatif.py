@@ -245,3 +245,30 @@ def test_retarget_from_the_command_line(measured: Trace, tmp_path: Path) -> None
     assert out.returncode == 2 and "--from" in out.stderr
     with pytest.raises(CatalogError, match="CPU trace"):
         source_entry(measured, load_catalog(use_env=False))
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("not json", "is not JSON"),
+        ('{"foo": 1}', "a JSON object with fields foo, not a Trace"),
+        ('{"trace_hash": "x", "solver": {}, "constraints": {}}', "is a Plan (made by"),
+        ('{"hardware": {}, "model": {}, "workload": {}, "measurements": {}}', "invalid fields:\n  hardware."),
+    ],
+    ids=["not-json", "other-json", "a-plan", "broken-trace"],
+)
+@pytest.mark.parametrize("option", ["--trace", "--calibrate-with"])
+def test_a_file_that_is_no_trace_is_named_for_what_it_is(
+    tmp_path: Path, llama_7b: Path, option: str, content: str, message: str
+) -> None:
+    """Defect: `--trace`/`--calibrate-with` answered only "not a valid Trace: 1 validation error for Trace"
+    (the first line of pydantic's report): not which field, nor that the file was not JSON or was a plan,
+    as `memplan plans solve` and `traces upload` say for the same file."""
+    bad = tmp_path / "file.json"
+    bad.write_text(content)
+    workload = (
+        ["--config", str(llama_7b), "--batch", "1", "--seq", "8"] if option == "--calibrate-with" else []
+    )
+    out = _memplan("whatif", *workload, option, str(bad), "--hardware", "a100-80gb-sxm")
+    assert out.returncode == 2, out.stderr
+    assert f"{option}: {bad}" in out.stderr and message in out.stderr, out.stderr
