@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 from agent.runtime.options import RuntimeOptions, job_workload
 from agent.service_call import ServiceBudget, classify
 from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, Workload
+from client.errors import AuthenticationError, NotFoundError, PermissionDeniedError
 from client.sdk import Client
 
 if TYPE_CHECKING:
@@ -334,7 +336,8 @@ def _service_failure(exc: Exception, url: str | None, what: str) -> str:
 
     Down or busy (connection, timeout, budget, 5xx, 429): a warning. Any other answer (a 4xx: the service
     rejected the agent's request; a response that does not validate): an ERROR with the reason, since it
-    is a defect on one side or the other, but the job still gets a plan in-process."""
+    is a defect on one side or the other (unless it is the user's setting: `_setting_to_fix`), but the job still
+    gets a plan in-process."""
     kind = classify(exc)
     if kind is None:
         raise exc
@@ -342,6 +345,14 @@ def _service_failure(exc: Exception, url: str | None, what: str) -> str:
     if kind == "down":
         log.warning(
             "memplan: service %s unavailable during %s (%s); solving in-process instead", url, what, reason
+        )
+    elif (advice := _setting_to_fix(exc, url)) is not None:
+        log.error(
+            "memplan: service %s refused the agent's %s (%s): %s; solving in-process instead",
+            url,
+            what,
+            reason,
+            advice,
         )
     else:
         log.error(
@@ -352,3 +363,21 @@ def _service_failure(exc: Exception, url: str | None, what: str) -> str:
             reason,
         )
     return reason
+
+
+def _setting_to_fix(exc: Exception, url: str | None) -> str | None:
+    """What the user should change when a 4xx comes from their settings, not from a defect: a missing or
+    wrong token (401/403), or a URL that is not the service's root (a 404 no memplan route gave: memplan's
+    own 404s name the plan or trace, a route miss says only "Not Found" or is some other server's page)."""
+    if isinstance(exc, (AuthenticationError, PermissionDeniedError)):
+        return (
+            "set MEMPLAN_TOKEN to a token of the service's project (`memplan tokens create --project NAME` "
+            "on the service's host)"
+        )
+    if isinstance(exc, NotFoundError) and not (
+        isinstance(exc.body, dict) and str(exc.body.get("error", "")).lower() not in ("", "not found")
+    ):
+        parts = urlsplit(url or "")
+        root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+        return f"no memplan API at {url}; give the service's root URL (e.g. {root})"
+    return None

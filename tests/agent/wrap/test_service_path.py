@@ -268,3 +268,42 @@ def test_a_bug_in_the_agent_is_raised_not_reported_as_the_service_being_down(
     with pytest.raises(TypeError, match="a bug in the agent's fingerprint"):
         agent.wrap(model, torch.optim.AdamW(model.parameters()), sample_batch=job[1], server=service)
     assert model.config.use_cache is True  # the failed wrap gave the cache setting back
+
+
+def test_a_missing_token_is_told_as_such_not_as_a_defect_to_report(
+    tmp_path: Any,
+    job: tuple[nn.Module, dict[str, torch.Tensor]],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: against a service with auth on (docker compose's), an agent without MEMPLAN_TOKEN logged
+    "rejected the agent's history look-up (AuthenticationError: 401: ...); this is a defect, please report
+    it": the fix is the user's setting, which the message did not name."""
+    from planner_service.settings import Settings
+
+    monkeypatch.delenv("MEMPLAN_TOKEN", raising=False)
+    caplog.set_level(logging.WARNING, logger="agent")
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'auth.db'}", workers=1, auth=True)
+    with EmbeddedServer(settings) as url:
+        box = wrap_in_thread(job, url, limit_s=90)
+    assert box["wrapped"].source.origin == "fallback"
+    said = [r.getMessage() for r in caplog.records if "solving in-process" in r.getMessage()]
+    assert len(said) == 1 and "MEMPLAN_TOKEN" in said[0] and "401" in said[0], said
+    assert "defect" not in said[0], said
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/ui/plans"])
+def test_a_url_that_is_not_the_services_root_is_told_as_such_not_as_a_defect_to_report(
+    service: str,
+    job: tuple[nn.Module, dict[str, torch.Tensor]],
+    suffix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Defect: `server="http://host:8000/v1"` (the API's paths start with /v1) got every request answered 404
+    and logged "this is a defect, please report it" instead of saying the URL is not the service's root."""
+    caplog.set_level(logging.WARNING, logger="agent")
+    box = wrap_in_thread(job, service + suffix, limit_s=90)
+    assert box["wrapped"].source.origin == "fallback"
+    said = [r.getMessage() for r in caplog.records if "solving in-process" in r.getMessage()]
+    assert len(said) == 1 and "defect" not in said[0], said
+    assert f"no memplan API at {service + suffix}" in said[0] and f"e.g. {service}" in said[0], said
