@@ -24,7 +24,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from torch import nn
@@ -37,7 +36,7 @@ from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 from agent.runtime.options import RuntimeOptions, job_workload
 from agent.service_call import ServiceBudget, classify
 from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, Workload
-from client.errors import AuthenticationError, NotFoundError, PermissionDeniedError
+from client.errors import AuthenticationError, NotFoundError, PermissionDeniedError, service_root
 from client.sdk import Client
 
 if TYPE_CHECKING:
@@ -368,16 +367,12 @@ def _service_failure(exc: Exception, url: str | None, what: str) -> str:
 def _setting_to_fix(exc: Exception, url: str | None) -> str | None:
     """What the user should change when a 4xx comes from their settings, not from a defect: a missing or
     wrong token (401/403), or a URL that is not the service's root (a 404 no memplan route gave: memplan's
-    own 404s name the plan or trace, a route miss says only "Not Found" or is some other server's page)."""
+    own 404s name the plan or trace: `NotFoundError.no_such_route`)."""
     if isinstance(exc, (AuthenticationError, PermissionDeniedError)):
         return (
             "set MEMPLAN_TOKEN to a token of the service's project (`memplan tokens create --project NAME` "
             "on the service's host)"
         )
-    if isinstance(exc, NotFoundError) and not (
-        isinstance(exc.body, dict) and str(exc.body.get("error", "")).lower() not in ("", "not found")
-    ):
-        parts = urlsplit(url or "")
-        root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
-        return f"no memplan API at {url}; give the service's root URL (e.g. {root})"
+    if isinstance(exc, NotFoundError) and exc.no_such_route:
+        return f"no memplan API at {url}; give the service's root URL (e.g. {service_root(url or '')})"
     return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
     "APIConnectionError",
@@ -20,6 +21,7 @@ __all__ = [
     "ServiceUnavailableError",
     "UnprocessableEntityError",
     "error_for_status",
+    "service_root",
 ]
 
 
@@ -56,7 +58,21 @@ class AuthenticationError(APIStatusError): ...
 class PermissionDeniedError(APIStatusError): ...
 
 
-class NotFoundError(APIStatusError): ...
+class NotFoundError(APIStatusError):
+    @property
+    def no_such_route(self) -> bool:
+        """The 404 is for the path itself, not for a plan or trace: the base URL is not the memplan service's
+        root (e.g. it ends in /v1, or is another server). memplan's own 404s name what is missing; a route
+        miss says only "Not Found", and another server's page is not memplan's JSON."""
+        return not (
+            isinstance(self.body, dict) and str(self.body.get("error", "")).lower() not in ("", "not found")
+        )
+
+
+def service_root(url: str) -> str:
+    """`scheme://host:port` of `url`: what to pass as the service URL when `url` has a path."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
 
 
 class ConflictError(APIStatusError): ...

@@ -6,12 +6,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel
+from rich.markup import escape
 from rich.table import Table
 
 from client.cli.common import ServerOpt, TokenOpt, bytes_option, console, err_console, server_url, write_json
@@ -32,7 +34,7 @@ from client.cli.render import (
     traces_table,
 )
 from client.contract import Constraints, PlanRecord, PlanStatus, Trace, TraceSummary
-from client.errors import MemplanError
+from client.errors import APIConnectionError, MemplanError, NotFoundError, service_root
 from client.sdk import Client
 
 traces_app = typer.Typer(no_args_is_help=True, help="Upload and browse traces.")
@@ -56,9 +58,22 @@ def _client(server: str | None, token: str | None) -> Client:
     return Client(server_url(server), token=token)
 
 
-def _fail(exc: Exception) -> typer.Exit:
-    err_console.print(f"[red]error[/]: {exc}", highlight=False)
+def _fail(exc: Exception, server: str | None = None) -> typer.Exit:
+    """Exit 1 with `exc` on stderr; for a call to the service, what to change when the URL is the fault.
+    `server`: the --server given (None: MEMPLAN_SERVER)."""
+    err_console.print(f"[red]error[/]: {escape(str(exc))}{_url_hint(exc, server)}", highlight=False)
     return typer.Exit(1)
+
+
+def _url_hint(exc: Exception, server: str | None) -> str:
+    if not isinstance(exc, (APIConnectionError, NotFoundError)):
+        return ""
+    url = server or os.environ.get("MEMPLAN_SERVER", "")
+    if isinstance(exc, APIConnectionError):
+        return f" (server {url}, from --server or MEMPLAN_SERVER)"
+    if exc.no_such_route:
+        return f"; no memplan API at {url}: give the service's root URL (e.g. {service_root(url)})"
+    return ""
 
 
 def _print_json(rows: Sequence[BaseModel]) -> None:
@@ -81,7 +96,7 @@ def traces_upload(
         with _client(server, token) as c:
             created = c.upload_trace(trace)
     except MemplanError as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, server) from exc
     console.print(
         f"{created.id}  ({'new' if created.created else 'already stored'}, sha256 {created.content_hash[:12]})"
     )
@@ -99,7 +114,7 @@ def traces_get(
         with _client(server, token) as c:
             record = c.get_trace(resolve_trace_id(c, trace_id))
     except (MemplanError, LookupFailed) as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, server) from exc
     if output:
         write_json(output, record.trace.model_dump_json(indent=1))
         console.print(f"wrote {output}")
@@ -170,7 +185,7 @@ def traces_list(
             )
             said = "; ".join(x for x in (said, _group_said(group)) if x)
     except (MemplanError, LookupFailed) as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, server) from exc
     if as_json:
         _print_json(rows)
     else:
@@ -200,7 +215,7 @@ def plans_request(
             if wait:
                 record = c.wait_for_plan(record.id)
     except (MemplanError, LookupFailed) as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, server) from exc
     if wait:
         _show(record)
 
@@ -230,7 +245,7 @@ def plans_get(
             full = resolve_plan_id(c, plan_id)
             record = c.wait_for_plan(full) if wait else c.get_plan(full)
     except (MemplanError, LookupFailed) as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, server) from exc
     _show(record)
     if output and record.plan is not None:
         write_json(output, record.plan.model_dump_json(indent=1))
@@ -298,7 +313,7 @@ def plans_list(
                 )
             said = "; ".join(x for x in (said, _group_said(group)) if x)
     except (MemplanError, LookupFailed) as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, server) from exc
     if as_json:
         _print_json(rows)
     else:
@@ -318,7 +333,7 @@ def _catalogue(
         with _client(server, token) as c:
             rows = fetch(c)
     except MemplanError as exc:
-        raise _fail(exc) from exc
+        raise _fail(exc, server) from exc
     if as_json:
         _print_json(rows)
     else:

@@ -222,3 +222,21 @@ def test_cli_reports_bad_input_without_a_traceback(served_sqlite: dict[str, str]
     assert res.returncode == 2 and "8 parsecs" in res.stdout + res.stderr
     res = _memplan("plans", "get", "missing", env=served, check=False)
     assert res.returncode == 1 and "404" in res.stdout + res.stderr
+
+
+def test_a_wrong_or_unreachable_server_url_is_named_with_what_to_fix(served_sqlite: dict[str, str]) -> None:
+    """Defect: `MEMPLAN_SERVER=http://host:8000/v1` (the API's paths start with /v1) answered every command
+    with "error: 404: Not Found", and an unreachable one with "error: GET /v1/plans: [Errno 111] Connection
+    refused": neither named the URL used nor what to change."""
+    root = served_sqlite["MEMPLAN_SERVER"]
+    for args in (("plans", "list"), ("models",), ("traces", "get", "abc")):
+        res = _memplan(*args, env={**served_sqlite, "MEMPLAN_SERVER": root + "/v1"}, check=False)
+        assert res.returncode == 1, res.stderr
+        assert f"no memplan API at {root}/v1" in res.stderr and f"e.g. {root}" in res.stderr, res.stderr
+    down = f"http://127.0.0.1:{free_port()}"
+    res = _memplan("plans", "list", env={**served_sqlite, "MEMPLAN_SERVER": down}, check=False)
+    assert res.returncode == 1 and f"server {down}" in res.stderr and "MEMPLAN_SERVER" in res.stderr, (
+        res.stderr
+    )
+    res = _memplan("plans", "get", "missing", env=served_sqlite, check=False)
+    assert "no memplan API" not in res.stderr  # a plan that is not there is not a wrong URL
