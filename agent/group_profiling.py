@@ -10,7 +10,9 @@ Now every rank profiles its own model on its own batch at the same time, through
 (`planning.profile_job`), so each measures the machine as loaded by the job itself:
 1. rank 0, having found no plan in the service's history, broadcasts `ProfileEveryRank` in the place of the plan
    the other ranks wait for (a history hit is broadcast as the plan, and nobody profiles);
-2. every rank profiles; the profiler issues no collective (the collectives were measured before, on every rank,
+2. every rank measures its hardware where it has not yet (cached per process), then every rank profiles, all
+   starting together (the exchange of step 3 after the hardware, so no rank profiles beside another's copy
+   bandwidth probe, or alone while the others wait); the profiler issues no collective (the collectives were measured before, on every rank,
    by `collectives.probe_for_planning`; the runtime probes inside profiling run one process with no group);
 3. every rank gathers every rank's outcome (its profiled iteration, or its error): a failure on any rank is then
    known to all, and every rank raises `RankProfilingError` naming the ranks and their errors, with no further
@@ -56,31 +58,33 @@ class GroupTrace:
     slowest_rank: int
 
 
-def profile_on_every_rank(group: RankGroup, run: Callable[[], Trace]) -> GroupTrace | None:
+def profile_on_every_rank(
+    group: RankGroup, run: Callable[[], Trace], prepare: Callable[[], object] | None = None
+) -> GroupTrace | None:
     """Profile this rank's model (`run`) together with every other rank; the job's trace on rank 0, None on the
     others. Rank 0 calls it instead of profiling alone, which first tells the waiting ranks to profile; the
-    others call it when they receive `ProfileEveryRank`. Raises `RankProfilingError` on every rank when any
-    rank's `run` raised."""
+    others call it when they receive `ProfileEveryRank`. `prepare`: what each rank does before the ranks start
+    profiling together (the hardware probe, cached per process: rank 0 has it from the history look-up, and a
+    rank that has none measures it here, not while the others profile). Raises `RankProfilingError` on every
+    rank when any rank's `prepare` or `run` raised."""
     if group.is_main:
         group.broadcast_object(ProfileEveryRank())
-    started = time.perf_counter()
-    trace: Trace | None = None
     failure: Exception | None = None
     try:
-        trace = run()
-        outcome: float | str = trace.measurements.iteration_s
+        if prepare is not None:
+            prepare()
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
         failure = exc
-        outcome = f"{type(exc).__name__}: {exc}"
-    outcomes = group.all_gather_object(outcome)
-    failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, str)}
-    if failed:
-        why = "; ".join(f"rank {r}: {o}" for r, o in failed.items())
-        raise RankProfilingError(
-            f"memplan: profiling the job failed on {len(failed)} of {group.world_size} ranks ({why})"
-        ) from failure
+    _exchange(group, None, failure)  # also the start line: every rank is ready, all profile at once
+    started = time.perf_counter()
+    trace: Trace | None = None
+    try:
+        trace = run()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        failure = exc
+    outcomes = _exchange(group, trace.measurements.iteration_s if trace is not None else None, failure)
     assert trace is not None
-    times = tuple(float(o) for o in outcomes)
+    times = tuple(float(o or 0.0) for o in outcomes)
     slowest = max(range(group.world_size), key=lambda r: (times[r], -r))
     log.info(
         "memplan: rank %d profiled its model in %.2f s (iteration %.4f s); ranks' iterations %s s, the job's "
@@ -98,3 +102,17 @@ def profile_on_every_rank(group: RankGroup, run: Callable[[], Trace]) -> GroupTr
         return None
     assert job_trace is not None
     return GroupTrace(trace=job_trace, iteration_s=times, slowest_rank=slowest)
+
+
+def _exchange(group: RankGroup, outcome: float | None, failure: Exception | None) -> list[float | None]:
+    """Every rank's outcome of one step (this rank's `outcome`, or its `failure`), rank order; raises
+    `RankProfilingError` on every rank when any rank failed."""
+    mine: float | str | None = f"{type(failure).__name__}: {failure}" if failure is not None else outcome
+    outcomes = group.all_gather_object(mine)
+    failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, str)}
+    if failed:
+        why = "; ".join(f"rank {r}: {o}" for r, o in failed.items())
+        raise RankProfilingError(
+            f"memplan: profiling the job failed on {len(failed)} of {group.world_size} ranks ({why})"
+        ) from failure
+    return outcomes

@@ -40,7 +40,7 @@ from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_p
 from agent.group_profiling import ProfileEveryRank, RankProfilingError, profile_on_every_rank
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import MoveGuard, byte_size, check_not_compiled
-from agent.planning import PlanSource, obtain_plan, profile_job
+from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
 from agent.runtime.optimizer import check_supported
@@ -223,6 +223,7 @@ def _wrap(
         # the plan is solved once, by rank 0, from a trace every rank profiles at once (issue 20)
         source = _receive_plan(
             group,
+            lambda: job_hardware(model, device_memory, distributed),
             lambda: profile_job(
                 model,
                 optimizer,
@@ -339,13 +340,15 @@ def _wrap(
     return wrapped
 
 
-def _receive_plan(group: RankGroup, profile: Callable[[], Trace]) -> PlanSource:
+def _receive_plan(
+    group: RankGroup, hardware: Callable[[], object], profile: Callable[[], Trace]
+) -> PlanSource:
     """On a rank other than 0: the plan rank 0 obtains for the job, profiling this rank's model with every
     other rank when rank 0 asks (`group_profiling`: no plan in the history). Raises when rank 0 could not
     obtain one, or `RankProfilingError` (on every rank) when profiling failed on any rank."""
     received = group.broadcast_object(None)
     if isinstance(received, ProfileEveryRank):
-        profile_on_every_rank(group, profile)
+        profile_on_every_rank(group, profile, prepare=hardware)
         received = group.broadcast_object(None)
     if isinstance(received, str):
         raise RuntimeError(f"memplan: rank 0 could not obtain the plan: {received}")
