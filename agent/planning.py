@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import agent
+from agent.group_profiling import profile_on_every_rank
 from agent.profiler import parameters  # module attribute: tests replace parameters.fingerprint
 from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.optimizer_probe import optimizer_kind
@@ -40,6 +41,7 @@ from client.errors import AuthenticationError, NotFoundError, PermissionDeniedEr
 from client.sdk import Client
 
 if TYPE_CHECKING:
+    from agent.runtime.process_group import RankGroup
     from client.contract import Distributed, Hardware
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,9 @@ class PlanSource:
     trace: Trace | None = None
     server: str | None = None
     message: str = ""
+    profiled_iteration_s: tuple[float, ...] = ()
+    """Each rank's profiled iteration (s), rank order (one entry for a single process; empty: not profiled,
+    a plan given or from history). Under a group the trace is the slowest of them (`group_profiling`)."""
 
 
 def server_url(server: str | None) -> str | None:
@@ -92,6 +97,61 @@ def workload_key(
         clips_gradients=clips_gradients,
     )
     return w.key
+
+
+def _require_batch(sample_batch: Any) -> None:
+    if sample_batch is None:
+        raise ValueError(
+            "sample_batch: needed to profile the job when no plan= is given (one batch of the "
+            "training data, as the model takes it)"
+        )
+
+
+def _planning_device(model: nn.Module) -> torch.device:
+    """Where the job is profiled and planned: its parameters' device, or the current CUDA device for a
+    CPU model on a machine with one (the runtime places it there)."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("model: has no parameters")
+    dev = params[0].device
+    if dev.type == "cpu" and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def job_hardware(model: nn.Module, device_memory: int | None, distributed: Distributed | None) -> Hardware:
+    """The hardware the job is planned for, as one rank of its group sees it (cached per process)."""
+    return in_group(probe_hardware(_planning_device(model), device_memory), distributed)
+
+
+def profile_job(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sample_batch: Any,
+    *,
+    loss_fn: Any,
+    blocks: Sequence[nn.Module] | None,
+    device_memory: int | None,
+    distributed: Distributed | None,
+) -> Trace:
+    """`agent.profile` of the job as `obtain_plan` plans it; under a group every rank runs this on its own
+    model and batch (`group_profiling.profile_on_every_rank`)."""
+    _require_batch(sample_batch)
+    dev = _planning_device(model)
+    # The profiler needs the optimizer's parameters on the profiled device; a CPU model planned for CUDA
+    # is profiled with a fresh AdamW there (the profiler moves the model and back).
+    same_device = next(model.parameters()).device == dev
+    return agent.profile(
+        model,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer if same_device else None,
+        device=dev,
+        blocks=blocks,
+        device_memory_limit=device_memory,
+        hardware=job_hardware(model, device_memory, distributed),
+        distributed=distributed,
+    )
 
 
 def _constraints(
@@ -198,6 +258,7 @@ def obtain_plan(
     clips_gradients: bool = False,
     blocks: Sequence[nn.Module] | None = None,
     distributed: Distributed | None = None,
+    group: RankGroup | None = None,
 ) -> PlanSource:
     """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError.
 
@@ -205,21 +266,13 @@ def obtain_plan(
     service may take together (profiling and in-process solving are not counted). `distributed`: the job's
     process group as every rank measured it (`collectives.probe_for_planning`): the history look-up then
     asks for plans of this world size (the hardware key names it) and the profiled trace carries the group,
-    so the plan is solved for every rank of the job."""
+    so the plan is solved for every rank of the job. `group` (with `distributed`, on rank 0): the profiling is the group's (`group_profiling`): unless the
+    history has the plan, every rank profiles its own model and batch at once (the others from
+    `wrapping`'s wait for the plan), and the trace solved is the slowest rank's."""
 
-    if sample_batch is None:
-        raise ValueError(
-            "sample_batch: needed to profile the job when no plan= is given (one batch of the "
-            "training data, as the model takes it)"
-        )
+    _require_batch(sample_batch)
     url = server_url(server)
-    params = list(model.parameters())
-    if not params:
-        raise ValueError("model: has no parameters")
-    dev = params[0].device
-    if dev.type == "cpu" and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    hw = in_group(probe_hardware(dev, device_memory), distributed)
+    hw = job_hardware(model, device_memory, distributed)
     constraints = _constraints(hw, device_memory, host_memory, time_limit_s)
 
     client: Client | None = None
@@ -257,20 +310,24 @@ def obtain_plan(
                     message=f"reused plan {plan_id[:12]} from {url} history",
                 )
 
-        # The profiler needs the optimizer's parameters on the profiled device; a CPU model planned for CUDA
-        # is profiled with a fresh AdamW there (the profiler moves the model and back).
-        same_device = params[0].device == dev
-        trace = agent.profile(
-            model,
-            sample_batch,
-            loss_fn=loss_fn,
-            optimizer=optimizer if same_device else None,
-            device=dev,
-            blocks=blocks,
-            device_memory_limit=device_memory,
-            hardware=hw,
-            distributed=distributed,
-        )
+        def run() -> Trace:
+            return profile_job(
+                model,
+                optimizer,
+                sample_batch,
+                loss_fn=loss_fn,
+                blocks=blocks,
+                device_memory=device_memory,
+                distributed=distributed,
+            )
+
+        if group is None:
+            trace = run()
+            profiled_s: tuple[float, ...] = (trace.measurements.iteration_s,)
+        else:  # every rank profiles its own model at once; the job's trace is the slowest rank's
+            job = profile_on_every_rank(group, run, prepare=lambda: hw)  # rank 0 measured it above
+            assert job is not None  # rank 0 (the only rank that obtains the plan) holds the job's trace
+            trace, profiled_s = job.trace, job.iteration_s
         # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions
         trace = trace.model_copy(
             update={"workload": job_workload(trace.workload, options, clips_gradients=clips_gradients)}
@@ -288,6 +345,7 @@ def obtain_plan(
                         "service",
                         plan_id=record.id,
                         trace=trace,
+                        profiled_iteration_s=profiled_s,
                         server=url,
                         message=f"plan {record.id[:12]} from {url}" + (" (reused)" if record.reused else ""),
                     )
@@ -306,6 +364,7 @@ def obtain_plan(
                 plan,
                 "fallback",
                 trace=trace,
+                profiled_iteration_s=profiled_s,
                 server=url,
                 message=f"solved in-process (service {url}: {reason})",
             )
@@ -315,10 +374,17 @@ def obtain_plan(
                 plan,
                 "fallback",
                 trace=trace,
+                profiled_iteration_s=profiled_s,
                 server=url,
                 message=f"solved in-process (service {url}: {down})",
             )
-        return PlanSource(plan, "embedded", trace=trace, message="solved in-process (embedded)")
+        return PlanSource(
+            plan,
+            "embedded",
+            trace=trace,
+            profiled_iteration_s=profiled_s,
+            message="solved in-process (embedded)",
+        )
     finally:
         if client is not None:
             client.close()

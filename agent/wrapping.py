@@ -42,9 +42,10 @@ from agent.allocator.select import MODES, select
 from agent.applied import Wrapped, apply_plan, target_device, unwrap
 from agent.batch_guard import BatchShapeGuard, batch_shape
 from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
+from agent.group_profiling import ProfileEveryRank, RankProfilingError, profile_on_every_rank
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import MoveGuard, byte_size, check_not_compiled
-from agent.planning import PlanSource, obtain_plan
+from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
 from agent.runtime.optimizer import check_supported
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from agent.allocator.select import AllocatorSelection
     from agent.feedback import StepMonitor
     from agent.runtime.process_group import RankGroup
-    from client.contract import Plan
+    from client.contract import Plan, Trace
 
 
 __all__ = ["DEFAULT_FEEDBACK_STEPS", "Wrapped", "apply_plan", "target_device", "unwrap", "wrap"]
@@ -114,8 +115,10 @@ def wrap(
     overlapped host steps (clipping works either way; this only informs the prediction).
     `process_group`: the `torch.distributed` group the job trains in (default: the default group when
     torch.distributed is initialised with more than one rank). Under a group, every rank first measures the
-    group's collectives when rank 0 will profile (`collectives.probe_for_planning`), rank 0 obtains a plan
-    for the whole group (its trace carries the world size and the collectives) and broadcasts it, rank 0's
+    group's collectives when the job will be profiled (`collectives.probe_for_planning`); unless the
+    service's history has the plan, every rank profiles its own model on its own batch at once and the
+    slowest rank's trace (it carries the world size and the collectives) is the job's (`group_profiling`);
+    rank 0 obtains a plan for the whole group and broadcasts it, rank 0's
     parameters and buffers are broadcast (as DDP does), gradients are averaged
     across the ranks after every backward outside `wrapped.no_sync()`, and feedback is the slowest rank's
     time and the largest rank's peaks, sent by rank 0. Call `wrap` on every rank. See
@@ -217,18 +220,27 @@ def _wrap(
             "allocation: 'planned' on CUDA is single-process only for now (the planned allocator is installed "
             "before CUDA starts, from a plan each rank would need before any collective); use 'caching'"
         )
-    # a plan rank 0 profiles for is the job's: every rank measures the group for its trace first (issue 20)
+    # a plan profiled for is the job's: every rank measures the group for its trace first (issue 20)
     distributed = (
         probe_for_planning(group, model if plan is None and sample_batch is not None else None)
         if group is not None
         else None
     )
     if group is not None and not group.is_main:
-        # the plan is solved (and the model profiled) once, by rank 0 (issue 20)
-        received = group.broadcast_object(None)
-        if isinstance(received, str):
-            raise RuntimeError(f"memplan: rank 0 could not obtain the plan: {received}")
-        source = received
+        # the plan is solved once, by rank 0, from a trace every rank profiles at once (issue 20)
+        source = _receive_plan(
+            group,
+            lambda: job_hardware(model, device_memory, distributed),
+            lambda: profile_job(
+                model,
+                optimizer,
+                sample_batch,
+                loss_fn=loss_fn,
+                blocks=blocks,
+                device_memory=device_memory,
+                distributed=distributed,
+            ),
+        )
     elif cuda is not None:
         # Level 2 on CUDA: the allocator goes in before anything here initialises CUDA (agent/allocator/install.py)
         source, selection = install_planned_first(
@@ -255,6 +267,7 @@ def _wrap(
                 blocks=blocks,
                 options=options,
                 distributed=distributed,
+                group=group,
                 **obtain_kwargs,
             )
             log.info("memplan: %s", source.message)
@@ -269,7 +282,8 @@ def _wrap(
                 metered=metered,
             )
         except BaseException as exc:
-            if group is not None:  # the other ranks wait for the plan: tell them why none comes
+            # the other ranks wait for the plan: tell them why none comes (a failed profile they know of)
+            if group is not None and not isinstance(exc, RankProfilingError):
                 group.broadcast_object(f"{type(exc).__name__}: {exc}")
             raise
     if group is not None and group.is_main:
@@ -331,6 +345,22 @@ def _wrap(
             recorder=recorder,
         )
     return wrapped
+
+
+def _receive_plan(
+    group: RankGroup, hardware: Callable[[], object], profile: Callable[[], Trace]
+) -> PlanSource:
+    """On a rank other than 0: the plan rank 0 obtains for the job, profiling this rank's model with every
+    other rank when rank 0 asks (`group_profiling`: no plan in the history). Raises when rank 0 could not
+    obtain one, or `RankProfilingError` (on every rank) when profiling failed on any rank."""
+    received = group.broadcast_object(None)
+    if isinstance(received, ProfileEveryRank):
+        profile_on_every_rank(group, profile, prepare=hardware)
+        received = group.broadcast_object(None)
+    if isinstance(received, str):
+        raise RuntimeError(f"memplan: rank 0 could not obtain the plan: {received}")
+    assert isinstance(received, PlanSource), type(received)
+    return received
 
 
 def _adopt_into(wrapped: Wrapped) -> Callable[[PlanSource], None]:

@@ -39,12 +39,13 @@ processes, gloo on the CPU, NCCL with rank r on `cuda:r`), each trial one launch
 evenly over the ranks. Per configuration rank 0 profiles once (`agent.profile`, its own rows of the batch)
 for the limit (a fraction of that un-managed peak, broadcast; this profile is also the process's warm-up,
 so `--no-warmup` changes nothing here), then per fraction every rank calls `agent.wrap(model, optimizer,
-sample_batch=<its rows>, device_memory=limit)` under the group: rank 0 profiles and solves (in-process:
-MEMPLAN_SERVER is ignored) and broadcasts the plan, every rank applies it and trains `--steps` steps under
+sample_batch=<its rows>, device_memory=limit)` under the group: every rank profiles its own rows at once, rank 0
+solves the slowest rank's trace (in-process: MEMPLAN_SERVER is ignored; each row records every rank's
+`profiled_iteration_s`) and broadcasts the plan, every rank applies it and trains `--steps` steps under
 wrap's own monitor. Each rank's row compares ITS measured peak (the monitor's meter on that rank) and ITS
 median iteration with the plan's predictions, which are one rank's: a row per (configuration, rank).
 Plain iterations before and after (the drift) run on every rank at once, un-wrapped and without
-communication, against the trace's iteration (measured by rank 0 while the other ranks waited). Whatever
+communication, against the trace's iteration (the slowest rank's, all ranks profiling at once). Whatever
 the plan says is run: replicated chunks today (a single-rank trace), sharded offloaded chunks once the
 trace is multi-rank and the planner shards (each row records `sharded_chunks` and `plan_world_size`).
 A fraction with no feasible plan is a row with the solver's reason, on every rank.
@@ -591,6 +592,7 @@ def wrapped_row(
             "plain_now_s": plain_now,
             "plain_after_s": plain_after,
             "trace_iteration_s": trace_iteration,
+            "profiled_iteration_s": list(source.profiled_iteration_s) if source is not None else [],
             "steps_timed": len(measured.iteration_s),
         }
     )

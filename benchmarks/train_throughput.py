@@ -385,8 +385,8 @@ def run_ddp(model: nn.Module, batch: Any, steps: int, device: torch.device) -> d
 
 
 def run_memplan(model: nn.Module, batch: Any, steps: int, device: torch.device, limit: int) -> dict[str, Any]:
-    """`agent.wrap` under the process group with the device limit: rank 0 profiles and solves, every rank
-    applies the plan it broadcasts (whatever it says: replicated or sharded chunks)."""
+    """`agent.wrap` under the process group with the device limit: every rank profiles, rank 0 solves, every
+    rank applies the plan it broadcasts (whatever it says: replicated or sharded chunks)."""
     import agent
     from agent.runtime import RuntimeOptions
     from agent.wrapping import unwrap

@@ -22,7 +22,8 @@ PyTorch API and was not run on the development machine (no GPU there).
 Planning a multi-rank job (`probe_for_planning`): under a process group `agent.wrap` obtains the plan once, on
 rank 0 (history, the service, or profiling and solving in-process), and broadcasts it. That plan is the job's,
 not rank 0's alone: it may shard offloaded chunks across the ranks and it times the collectives that sharding
-and the gradient average add, so rank 0's trace must carry the group. The probe is a collective: every rank
+and the gradient average add, so the job's trace must carry the group (every rank profiles at once and the
+slowest rank's trace is the job's: `agent/group_profiling.py`). The probe is a collective: every rank
 calls it with the same sizes, or none does. Only rank 0 knows whether it will profile (a plan given to wrap,
 or no sample batch, needs no probe), so rank 0 decides and broadcasts the decision together with the sizes
 (`ProbeSettings`, scaled to the model so that a small model's probe stays short); every rank then probes or

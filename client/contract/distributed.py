@@ -1,6 +1,6 @@
 """Distributed jobs: the process group a trace was measured in, its interconnect and its collectives (issue 20).
 
-A multi-rank job is profiled once, by rank 0, on its own process group: `Hardware.distributed` says the world
+A multi-rank job is profiled on its own process group (every rank at once; the trace is the slowest rank's): `Hardware.distributed` says the world
 size, how many ranks share a node (and so the node's host RAM) and what the collectives measured on that group
 achieve. A single-process trace leaves it out (and keeps its content hash and hardware key).
 

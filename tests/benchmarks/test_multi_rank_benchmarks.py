@@ -55,7 +55,7 @@ def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused(
 
 
 def test_memplan_runs_on_two_gloo_ranks_each_with_its_rows_of_the_global_batch(tt: ModuleType) -> None:
-    """Two ranks wrap under one group: rank 0 profiles and solves, both apply the same plan. Forked, not
+    """Two ranks wrap under one group: both profile, rank 0 solves, both apply the same plan. Forked, not
     spawned as the benchmark's ranks are (the same entry and job; a spawned rank re-imports torch,
     transformers and the agent: ~25 s for two on the loaded CI box)."""
     spec = {
@@ -150,6 +150,8 @@ def test_predict_vs_measure_ranks_stay_in_step_past_a_fraction_with_no_plan(pvm:
         assert measured["rank"] in (0, 1) and measured["plan_world_size"] == rows[0][1]["plan_world_size"]
         assert measured["measured_peak_device_bytes"] > 0 and measured["steps_timed"] >= 1
         assert measured["peak_error"] <= 0.02
+        times = measured["profiled_iteration_s"]  # every rank profiled; the trace is the slowest rank's
+        assert len(times) == 2 and min(times) > 0 and measured["trace_iteration_s"] == max(times)
     # rank 0's row holds the plan it solved and broadcast (an outlier can be replayed); rank 1's does not
     plan = Plan.model_validate(rows[0][1]["plan"])
     assert plan.predictions is not None

@@ -47,7 +47,7 @@ class Case:
     save: str | None = None  # rank 0 writes the full state dicts (model, optimizer; both variants) here
     load: str | None = None  # both variants start from this checkpoint (saved at any world size)
     feedback: str | None = None  # wrap's monitor sends feedback after 4 steps to this local file
-    solve: bool = False  # no plan given: rank 0 profiles and solves in-process, the others receive the plan
+    solve: bool = False  # no plan given: every rank profiles, rank 0 solves in-process, the others receive it
     server: str | None = None  # with solve: rank 0 asks this planner service for the plan
     device_memory: int | None = None  # with solve: the device memory to plan for (default: the device's)
     explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
@@ -185,6 +185,8 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         "all" if case.offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
     )
     data = batches(case.steps, rank)
+    forwards = [0]  # forwards of this rank's model inside wrap: the profiler's (a plan from history: none)
+    counting = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     wrapped = agent.wrap(
         model,
         opt,
@@ -196,6 +198,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         server=case.server,
         device_memory=case.device_memory,
     )
+    counting.remove()
     ref_losses, ref_norms = train(
         ddp,
         ref_opt,
@@ -221,13 +224,14 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         "grad_reductions": wrapped.runtime.counters.grad_reductions,
         "offloaded_chunks": sum(st.offloaded for st in wrapped.runtime.states),
         "persistent_chunks": sum(not st.offloaded for st in wrapped.runtime.states),
+        "forwards_in_wrap": forwards[0],
     }
     assert wrapped.source is not None
     result["plan"] = wrapped.plan.model_dump_json()
     result["plan_origin"] = wrapped.source.origin
     trace = (
         wrapped.source.trace
-    )  # the trace rank 0 profiled (and uploaded, from a service), sent with the plan
+    )  # the job's trace (the slowest rank's; uploaded, from a service), sent with the plan
     result["trace_hardware"] = trace.hardware.model_dump_json() if trace is not None else None
     if wrapped.monitor is not None:
         m = wrapped.monitor.measured

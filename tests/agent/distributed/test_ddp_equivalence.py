@@ -71,7 +71,7 @@ def test_gradient_accumulation_trains_as_ddp(tmp_path: Path, no_sync: bool) -> N
 
 
 def test_hugging_face_llama_at_library_defaults_planned_by_rank_0_trains_as_ddp(tmp_path: Path) -> None:
-    # no plan given: rank 0 profiles and solves in-process, rank 1 receives the same plan
+    # no plan given: both ranks profile, rank 0 solves in-process, rank 1 receives the same plan
     results = spawn(Case(kind="hf-llama", steps=3, clip=1.0, solve=True), 2, tmp_path)
     check(results, clipped=True)
     assert results[0]["plan"] == results[1]["plan"]

@@ -1,5 +1,5 @@
 """`agent.wrap` under a process group plans for the group (issue 20): every rank measures the group's
-collectives, rank 0 profiles a trace that carries them (world size 2, measured all-gather and reduce-scatter),
+collectives, every rank profiles and the job's trace (the slowest rank's) carries them (world size 2, measured all-gather and reduce-scatter),
 the planner (in-process or the service) solves a 2-rank plan, and every rank receives the same plan.
 
 Before this, rank 0 profiled a single-rank trace: the plan said world size 1 (no sharding, no collective in its
@@ -37,7 +37,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def planned_for_two_ranks(results: list[dict[str, Any]]) -> Plan:
-    """(a) the trace rank 0 profiled says world size 2 with measured collectives, (b) every rank holds the
+    """(a) the job's trace says world size 2 with measured collectives, (b) every rank holds the
     same plan, (c) the plan is a 2-rank plan; returns the plan."""
     hw = Hardware.model_validate_json(results[0]["trace_hardware"])
     d = hw.distributed
@@ -72,8 +72,9 @@ def test_the_service_gets_the_two_rank_trace_and_history_keeps_it_apart(service:
     results = spawn(Case(kind="gpt2", steps=2, solve=True, server=service), 2, tmp_path / "first")
     plan = planned_for_two_ranks(results)
     assert results[0]["plan_origin"] == "service"
+    assert all(res["forwards_in_wrap"] > 0 for res in results)  # every rank profiled
     check(results)
-    # the trace the service stored is the one rank 0 profiled: world size 2, with the collectives
+    # the trace the service stored is the job's: world size 2, with the collectives
     with Client(service) as client:
         summaries = list(client.list_traces(world_size=2))
         assert len(summaries) == 1 and summaries[0].hardware_key.endswith(":w2r2")
@@ -85,6 +86,7 @@ def test_the_service_gets_the_two_rank_trace_and_history_keeps_it_apart(service:
     (tmp_path / "again").mkdir()
     again = spawn(Case(kind="gpt2", steps=2, solve=True, server=service), 2, tmp_path / "again")
     assert [res["plan_origin"] for res in again] == ["history", "history"]
+    assert [res["forwards_in_wrap"] for res in again] == [0, 0]  # a history hit: no rank profiles
     assert again[0]["plan"] == again[1]["plan"]
     assert Plan.model_validate_json(again[0]["plan"]).policy == plan.policy  # the allocation is the job's own
 

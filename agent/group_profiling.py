@@ -1,0 +1,118 @@
+"""Profiling a multi-rank job on every rank at once (issue 20).
+
+Under a process group `agent.wrap` obtains one plan for the job on rank 0 and broadcasts it. The trace it solves
+used to be rank 0's alone, profiled while the other ranks waited for the plan: on a node whose ranks share
+resources (CPU cores for gloo jobs; PCIe and host-memory bandwidth, and the cores that run host optimizers, on
+GPUs) that trace measured an idle machine, and the job, whose ranks all train at once, ran about twice as slow
+as predicted (docs/BENCHMARKS.md, "Multi-rank: 2 gloo ranks through agent.wrap").
+
+Now every rank profiles its own model on its own batch at the same time, through the same code
+(`planning.profile_job`), so each measures the machine as loaded by the job itself:
+1. rank 0, having found no plan in the service's history, broadcasts `ProfileEveryRank` in the place of the plan
+   the other ranks wait for (a history hit is broadcast as the plan, and nobody profiles);
+2. every rank measures its hardware where it has not yet (cached per process), then every rank profiles, all
+   starting together (the exchange of step 3 after the hardware, so no rank profiles beside another's copy
+   bandwidth probe, or alone while the others wait); the profiler issues no collective (the collectives were measured before, on every rank,
+   by `collectives.probe_for_planning`; the runtime probes inside profiling run one process with no group);
+3. every rank gathers every rank's outcome (its profiled iteration, or its error): a failure on any rank is then
+   known to all, and every rank raises `RankProfilingError` naming the ranks and their errors, with no further
+   collective (rank 0 does not broadcast it again: no rank waits for it);
+4. the job's trace is the slowest rank's (largest profiled iteration; the lowest rank on a tie), sent to rank 0
+   when it is another rank's. A data-parallel step ends when its slowest rank's does (the gradient average
+   waits for it), so the slowest rank's iteration is the job's; its trace is taken whole, not block by block
+   (a per-block maximum would mix samples of different iterations and add up every block's noise, and the
+   trace's blocks, probes and memory stay one measurement). Rank 0 then solves it or sends it to the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.runtime.process_group import RankGroup
+    from client.contract import Trace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfileEveryRank:
+    """Rank 0's word to the ranks waiting for the plan: there is none yet; profile now, every rank at once."""
+
+
+class RankProfilingError(RuntimeError):
+    """Profiling failed on one rank or more; every rank of the group raises it (each learnt it from the
+    exchange of outcomes), so it is not broadcast again."""
+
+
+@dataclass(frozen=True)
+class GroupTrace:
+    """The job's trace (the slowest rank's) and every rank's profiled iteration, rank order."""
+
+    trace: Trace
+    iteration_s: tuple[float, ...]
+    slowest_rank: int
+
+
+def profile_on_every_rank(
+    group: RankGroup, run: Callable[[], Trace], prepare: Callable[[], object] | None = None
+) -> GroupTrace | None:
+    """Profile this rank's model (`run`) together with every other rank; the job's trace on rank 0, None on the
+    others. Rank 0 calls it instead of profiling alone, which first tells the waiting ranks to profile; the
+    others call it when they receive `ProfileEveryRank`. `prepare`: what each rank does before the ranks start
+    profiling together (the hardware probe, cached per process: rank 0 has it from the history look-up, and a
+    rank that has none measures it here, not while the others profile). Raises `RankProfilingError` on every
+    rank when any rank's `prepare` or `run` raised."""
+    if group.is_main:
+        group.broadcast_object(ProfileEveryRank())
+    failure: Exception | None = None
+    try:
+        if prepare is not None:
+            prepare()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        failure = exc
+    _exchange(group, None, failure)  # also the start line: every rank is ready, all profile at once
+    started = time.perf_counter()
+    trace: Trace | None = None
+    try:
+        trace = run()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        failure = exc
+    outcomes = _exchange(group, trace.measurements.iteration_s if trace is not None else None, failure)
+    assert trace is not None
+    times = tuple(float(o or 0.0) for o in outcomes)
+    slowest = max(range(group.world_size), key=lambda r: (times[r], -r))
+    log.info(
+        "memplan: rank %d profiled its model in %.2f s (iteration %.4f s); ranks' iterations %s s, the job's "
+        "trace is rank %d's",
+        group.rank,
+        time.perf_counter() - started,
+        trace.measurements.iteration_s,
+        ", ".join(f"{t:.4f}" for t in times),
+        slowest,
+    )
+    job_trace: Trace | None = trace
+    if slowest != 0:  # rank 0 solves (or uploads) the job's trace: the slowest rank sends it
+        job_trace = group.broadcast_object(trace if group.rank == slowest else None, src=slowest)
+    if not group.is_main:
+        return None
+    assert job_trace is not None
+    return GroupTrace(trace=job_trace, iteration_s=times, slowest_rank=slowest)
+
+
+def _exchange(group: RankGroup, outcome: float | None, failure: Exception | None) -> list[float | None]:
+    """Every rank's outcome of one step (this rank's `outcome`, or its `failure`), rank order; raises
+    `RankProfilingError` on every rank when any rank failed."""
+    mine: float | str | None = f"{type(failure).__name__}: {failure}" if failure is not None else outcome
+    outcomes = group.all_gather_object(mine)
+    failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, str)}
+    if failed:
+        why = "; ".join(f"rank {r}: {o}" for r, o in failed.items())
+        raise RankProfilingError(
+            f"memplan: profiling the job failed on {len(failed)} of {group.world_size} ranks ({why})"
+        ) from failure
+    return outcomes
