@@ -183,3 +183,28 @@ def layout_from_chunks(trace: Trace, chunk_size_bytes: int, chunk_parameters: li
         current = owner.get(b, current)
         chunk_of_block.append(current)
     return ChunkGrid(chunk_size_bytes, tuple(chunks), tuple(ranges), tuple(used), tuple(chunk_of_block))
+
+
+def module_of(name: str) -> str:
+    """The module path owning parameter `name` ("" for a parameter of the root module)."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def co_needed_chunks(trace: Trace, layout: ChunkGrid) -> tuple[tuple[int, ...], ...]:
+    """Sets of chunks that one module needs resident at once, where a module spans more than one chunk.
+
+    The runtime uploads every offloaded chunk holding one of a module's own parameters before the module
+    runs, and refuses a plan where a module needs more offloaded chunks than there are buffers
+    (`agent.runtime.layout.ChunkLayout.from_policy`). Chunks are cut between blocks, so a module spans two
+    chunks only through a tied parameter: a masked LM's decoder whose weight is the word embedding (the
+    first chunk) and whose bias lives in the last. A module's parameters are the names one component below
+    its path, aliases included. Every solver keeps, for each set here, its offloaded chunks within
+    `n_buffers` (`PolicyInstance.min_buffers`). Sorted and distinct; empty for models without such modules.
+    """
+    params = trace.model.parameters
+    chunks_of: dict[str, set[int]] = {}
+    for c, (start, stop) in enumerate(layout.param_ranges):
+        for p in params[start:stop]:
+            for name in (p.name, *p.aliases):
+                chunks_of.setdefault(module_of(name), set()).add(c)
+    return tuple(sorted({tuple(sorted(cs)) for cs in chunks_of.values() if len(cs) > 1}))

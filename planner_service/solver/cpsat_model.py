@@ -9,7 +9,8 @@ Decision variables
   mode[b] in {keep, checkpoint, swap}  (booleans keep/ckpt/swap, exactly one; prologue/epilogue fixed keep)
   off[c]  chunk c offloaded (else persistent)
   res[c]  offloaded chunk c still in a buffer after forward (allowed iff fewer than n_buffers offloaded after it)
-  nbuf    number of device buffers, 0..#offloaded, >= 1 when anything is offloaded
+  nbuf    number of device buffers, 0..#offloaded, >= 1 when anything is offloaded, and >= the offloaded
+          chunks of every co-needed set (`PolicyInstance.co_needed`: a module spanning chunks)
   nbuf1   nbuf == 1 (one buffer: no prefetch between two offloaded chunks)
 Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank jobs"):
   sh[c]   offloaded chunk c sharded across the ranks (sh[c] <= off[c]: a persistent chunk is never sharded);
@@ -119,6 +120,8 @@ def _add_placement(pm: PolicyModel) -> None:
             m.add(pm.sh[c] <= pm.off[c])
     buf = pm.off
     m.add(pm.nbuf <= sum(buf))
+    for cs in pm.inst.co_needed:  # a module spanning chunks needs its offloaded ones in buffers at once
+        m.add(sum(buf[c] for c in cs) <= pm.nbuf)
     # after[c] = number of buffered chunks after c (a chain keeps the model linear in C, not quadratic)
     after: LinearExpr = 0
     for c in range(C - 1, -1, -1):

@@ -92,14 +92,16 @@ def policy_of(trace: Trace, layout: ChunkGrid, decision: Decision) -> Policy:
 
 
 def _tightest_decision(inst: PolicyInstance) -> Decision:
-    """The hint when ProTrain found nothing: every chunk offloaded through one buffer, every block checkpointed.
+    """The hint when ProTrain found nothing: every chunk offloaded through the fewest buffers the runtime accepts
+    (one, unless a module spans chunks), every block checkpointed.
 
     Not necessarily feasible (CP-SAT treats a hint as a starting direction); it is the corner of the decision
     space with the least device memory short of swapping.
     """
+    offloaded = (True,) * inst.n_chunks
     return Decision(
-        offloaded=(True,) * inst.n_chunks,
-        n_buffers=1 if inst.n_chunks else 0,
+        offloaded=offloaded,
+        n_buffers=inst.min_buffers(offloaded),
         modes=tuple(Mode.checkpoint if inst.optimisable[b] else Mode.keep for b in range(inst.n_blocks)),
     )
 

@@ -33,7 +33,7 @@ from client.contract import (
     offloaded_chunk_pinned_bytes,
 )
 from planner_service.solver.bandwidth import transfer_ns
-from planner_service.solver.chunk_grid import ChunkGrid
+from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks
 from planner_service.solver.sharding import multi_rank_fields
 
 DEFAULT_ALPHA = 0.10
@@ -180,6 +180,16 @@ class PolicyInstance:
     # how much of the shorter of (collectives, copies) in one window hides behind the longer, in 1/1000:
     # 1000 fully concurrent, 0 serialised (`CollectiveCurves.copy_overlap`; see cost_model)
     collective_overlap_permille: int = 1000
+    # chunks one module needs resident at once (`chunk_grid.co_needed_chunks`): the offloaded ones of each set
+    # must fit in the buffers together, or the runtime refuses the plan; empty: no module spans two chunks
+    co_needed: tuple[tuple[int, ...], ...] = field(default=())
+
+    def min_buffers(self, offloaded: tuple[bool, ...]) -> int:
+        """Fewest buffers the runtime accepts for these offloaded chunks: 1 when any is offloaded, and for
+        every co-needed set (a module spanning chunks) as many as its offloaded chunks; 0 when none is."""
+        if not any(offloaded):
+            return 0
+        return max([1, *(sum(offloaded[c] for c in cs) for cs in self.co_needed)])
 
     def state_bytes(self, c: int) -> int:
         """Model-state bytes of chunk c (on the device when persistent, on the host when offloaded)."""
@@ -331,6 +341,7 @@ def build_instance(
         swap_in_duplex_ns=duplex.get("swap_in_duplex_ns", ()),
         upload_duplex_ns=duplex.get("upload_duplex_ns", ()),
         grad_offload_duplex_ns=duplex.get("grad_offload_duplex_ns", ()),
+        co_needed=co_needed_chunks(trace, layout),
     )
     if trace.hardware.world_size == 1:
         return inst
@@ -376,6 +387,13 @@ class Decision:
             raise ValueError(f"modes: {len(self.modes)} entries for {inst.n_blocks} blocks")
         if any(self.offloaded) and self.n_buffers < 1:
             raise ValueError("n_buffers: offloaded chunks need at least one buffer")
+        for cs in inst.co_needed:
+            needed = [c for c in cs if self.offloaded[c]]
+            if len(needed) > self.n_buffers:
+                raise ValueError(
+                    f"n_buffers: a module needs the offloaded chunks {needed} resident at once, more than the "
+                    f"{self.n_buffers} buffer(s) (the runtime refuses this plan): add buffers or keep one persistent"
+                )
         if self.sharded:
             if not inst.sharded_job:
                 raise ValueError("sharded: a single-rank job shards nothing")

@@ -1,7 +1,8 @@
 """ProTrain's baseline search: exhaustive over its four knobs, scored by the shared cost model.
 
 Knobs (arXiv 2406.08334, Sec. 3.4): n_persist (a prefix of chunks stays on the device), n_buffer (device
-buffers for the offloaded rest), n_swap and n_checkpoint (repeated blocks, laid out from the first block:
+buffers for the offloaded rest, at least `PolicyInstance.min_buffers`: the runtime's floor when a module spans
+chunks), n_swap and n_checkpoint (repeated blocks, laid out from the first block:
 swap and checkpoint blocks interleaved early, unoptimised blocks last; the prologue and epilogue are kept).
 In a multi-rank job (issue 20) the offloaded chunks are sharded (ZeRO-Offload style: each rank steps its share
 of their host states) and the persistent prefix is replicated (the runtime shards offloaded chunks only); every
@@ -120,17 +121,18 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
         offloaded = tuple([False] * n_persist + [True] * n_off)
         shards = offloaded if sharded else ()  # the offloaded chunks, all sharded
         n_buf = n_off
+        need = inst.min_buffers(offloaded)  # a module spanning offloaded chunks needs them in buffers at once
         dev_opt = sum(inst.device_optim_ns[:n_persist])
         if prune_bound and best is not None and n_buf:
             # more buffers are never slower, so keeping every block with the most buffers that fit bounds
             # every (n_buffer, n_swap, n_checkpoint) of this n_persist from below
             nb_max = min(
-                n_buf, max(1, (inst.usable_device_bytes - persist_bytes) // max(inst.buffer_bytes, 1))
+                n_buf, max(need, (inst.usable_device_bytes - persist_bytes) // max(inst.buffer_bytes, 1))
             )
             evaluated += 1
             if int(timer(offloaded, nb_max, keep_row, shards)[0]) >= best[0]:
                 continue
-        for nb in range(1, n_buf + 1) if n_buf else (0,):
+        for nb in range(need, n_buf + 1) if n_buf else (0,):
             static = persist_bytes + nb * inst.buffer_bytes
             pinned_chunks = pinned_prefix[C] - pinned_prefix[n_persist]
             host_chunks = host_prefix[C] - host_prefix[n_persist]

@@ -54,7 +54,7 @@ def brute_force(inst: PolicyInstance) -> int | None:
     for off in itertools.product((False, True), repeat=C):
         for sh in shardings(off):
             n_buf = sum(off)
-            for nb in range(1, n_buf + 1) if n_buf else (0,):
+            for nb in range(inst.min_buffers(off), n_buf + 1) if n_buf else (0,):
                 dev = sum(inst.state_bytes(c) for c in range(C) if not off[c])
                 host = sum(
                     inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c) for c in range(C) if off[c]

@@ -61,7 +61,7 @@ def brute_force(inst: PolicyInstance) -> int | None:
     best: int | None = None
     for off in itertools.product((False, True), repeat=inst.n_chunks):
         n_off = sum(off)
-        for nb in range(1, n_off + 1) if n_off else (0,):
+        for nb in range(inst.min_buffers(off), n_off + 1) if n_off else (0,):  # the runtime's floor
             persist = sum(inst.state_bytes(c) for c in range(inst.n_chunks) if not off[c])
             static = persist + nb * inst.buffer_bytes
             # host: states + the runtime's host extras within the host limit; the pinned part (the runtime's
