@@ -3,9 +3,9 @@
 The order is first use during a real forward (module forward pre-hooks, see `hooks.py`): a parameter
 belongs to the block running when its owning module is first called. A tied parameter (GPT-2's `lm_head`
 shares `transformer.wte.weight`) appears once, under the name `named_parameters()` gives it, with its
-other names in `aliases`; it is placed where it is first used. Parameters never used in the forward are
-appended at the end, in registration order, mapped to the block that owns them by module path
-(outside every repeated block: the epilogue).
+other names in `aliases`; it is placed where it is first used. Parameters no module call reaches in the forward
+are mapped to the block that owns them by module path (outside every repeated block: the epilogue) and
+listed at the end of that block's parameters, in registration order.
 """
 
 from __future__ import annotations
@@ -71,6 +71,11 @@ def order_parameters(
                 p, name, path, block_of_path(path, None), tuple(n for n in names[id(p)] if n != name)
             )
         )
+    # A parameter that no module call reaches (read as a tensor by its block's code: Jamba's Mamba mixer
+    # passes `conv1d.weight` and `dt_proj` to a kernel function) was appended above after the epilogue;
+    # the stable sort moves it to the end of its block's run, keeping every block contiguous as the
+    # contract asks. Already-ordered lists are unchanged (first use never goes back to an earlier block).
+    out.sort(key=lambda o: o.block)
     return out
 
 

@@ -19,8 +19,9 @@ Parameters, gradients, optimizer state and RNG are restored afterwards; every ho
 allocator history is removed or turned off on return and on error.
 
 Models larger than the device: `max_blocks=k` profiles the prologue, the first k repeated blocks and the
-epilogue only (the block list is truncated while profiling) and copies the last profiled block's figures
-to the other, identical blocks; the trace says so (`measurements.extrapolated`, `profiled_blocks`).
+epilogue only (the block list is truncated while profiling) and copies to each other block the figures of
+the last profiled block of its kind (same parameter signature; `extrapolation.py` says why the profiled
+prefix covers every kind); the trace says so (`measurements.extrapolated`, `profiled_blocks`).
 
 Why one module over 400 lines: `profile` and `_measure` are the session's steps in the order above, read top
 to bottom; the steps' work is in `runtime_costs.py`, `memory_tracking.py`, `extrapolation.py` and the probes.
@@ -46,7 +47,7 @@ from agent.profiler.block_detection import RepeatedBlocks, detect_blocks, edge_n
 from agent.profiler.block_marks import BlockTracker, seconds_by_block, segments
 from agent.profiler.collectives import probe_for_planning
 from agent.profiler.device_clock import DeviceClock
-from agent.profiler.extrapolation import blocks_that_fit, extrapolate, truncated
+from agent.profiler.extrapolation import block_kinds, blocks_that_fit, covering_prefix, extrapolate, truncated
 from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.hooks import BlockHooks
 from agent.profiler.memory_tracking import track_memory
@@ -141,6 +142,11 @@ def profile(
         raise ValueError(f"max_blocks: must be at least 1, got {max_blocks}")
     if max_blocks is None:
         max_blocks = blocks_that_fit(model, repeated_all, dev, device_memory_limit)
+    elif max_blocks < len(repeated_all) and max_blocks < (need := covering_prefix(block_kinds(repeated_all))):
+        raise ValueError(
+            f"max_blocks: {max_blocks} profiles no block of the kind (parameter names, shapes, dtypes) that "
+            f"{repeated_all.names[need - 1]!r} starts; the blocks differ, so profile at least {need}"
+        )
     n_profiled = len(repeated_all) if max_blocks is None else min(max_blocks, len(repeated_all))
     full_fingerprint = fingerprint(model)
     all_params_named = dict(model.named_parameters())
