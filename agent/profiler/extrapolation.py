@@ -89,9 +89,11 @@ def extrapolate(
         new_blocks.append(rb.model_copy(update={"block": j}))
     new_blocks.append(blocks[epilogue_old].model_copy(update={"block": n + 1}))
     extra = n - k
-    rep_bytes = sum(o.param.numel() * o.param.element_size() for o in rep_params)
+    # a frozen parameter holds its values only; a trained one its gradient and optimizer state too
+    trained = sum(o.param.numel() * o.param.element_size() for o in rep_params if o.param.requires_grad)
+    frozen = sum(o.param.numel() * o.param.element_size() for o in rep_params if not o.param.requires_grad)
     iteration_s += extra * (rb.forward_s + rb.backward_s)
-    peak += extra * (rb.activation_bytes + int(rep_bytes * model_state_bytes_per_byte))
+    peak += extra * (rb.activation_bytes + frozen + int(trained * model_state_bytes_per_byte))
     return head + middle + tail, new_blocks, iteration_s, peak
 
 
@@ -102,7 +104,8 @@ def blocks_that_fit(
 
     Capacity: `device_memory_limit` if given, and on CUDA the free device memory when the model is not on
     the device yet. Model states are estimated at parameter + gradient + two fp32 Adam moments per element
-    and must stay within half the capacity (the other half is left for activations); as many blocks as
+    of a trainable parameter (`requires_grad`), the parameter alone for a frozen one, and must stay within
+    half the capacity (the other half is left for activations); as many blocks as
     fit that budget are profiled (at least one) and the rest extrapolated.
     """
     capacity = limit
@@ -114,7 +117,9 @@ def blocks_that_fit(
         return None
 
     def state_bytes(ps: Iterator[nn.Parameter] | list[nn.Parameter]) -> int:
-        return sum(p.numel() * (2 * p.element_size() + 8) for p in ps)
+        return sum(
+            p.numel() * ((2 * p.element_size() + 8) if p.requires_grad else p.element_size()) for p in ps
+        )
 
     total = state_bytes(params)
     budget = capacity // 2
