@@ -169,7 +169,7 @@ def allocate(
         else:
             state.params = ctx.device_empty(n, compute_dtype)
             # the gradient area holds the chunk's trainable parameters only, each in its aligned slot (none
-            # for a chunk of frozen parameters): what the plan counts (`chunk_state_bytes`). A gradient
+            # for a chunk of frozen parameters): what the plan counts (`chunk_model_state_bytes`). A gradient
             # arriving for a frozen one after all widens it to the whole chunk (`GradientFlow.receive`).
             state.grad_offsets, size = gradient_offsets(spec.entries, n, compute_dtype)
             if size:

@@ -9,7 +9,10 @@ Model-state accounting (what the runtime must match; see docs/architecture/solve
 - element size `elt` of the compute copy: 4 bytes for fp32, 2 for bf16/fp16; a chunk of `S` bytes holds S/elt elements.
 - persistent chunk on device: U + (U/elt) * (grad + optimizer state + master) bytes, U = the chunk's used
   bytes (the runtime allocates each chunk's compute copy, gradient, master and optimizer state at its used
-  size; `chunk_state_bytes_of`). Policy-1.1 and earlier counted the full chunk size S here, which
+  size; `chunk_state_bytes_of`). Frozen parameters (`ParameterInfo.trainable` False) have neither gradient
+  nor optimizer state: those two count over the chunk's trainable slots T only, U + (U/elt) * master +
+  (T/elt) * (grad + optimizer state) (`chunk_model_state_bytes`; the runtime's gradient area holds the
+  trainable parameters only, `agent.runtime.chunks.gradient_offsets`), and so does the optimizer's time. Policy-1.1 and earlier counted the full chunk size S here, which
   over-predicted the peak by the padding of every persistent chunk.
 - offloaded chunk: the same bytes on host memory (compute-dtype copy to upload from, fp32 master if
   mixed precision, optimizer state, gradient landing area); on device only the shared buffers. Of these,
@@ -252,7 +255,7 @@ def trained_bytes(params: list[ParameterInfo], layout: ChunkGrid) -> list[int]:
     ]
 
 
-def chunk_state_bytes(w: Workload, used: int, trained: int) -> int:
+def chunk_model_state_bytes(w: Workload, used: int, trained: int) -> int:
     """Model-state bytes of a chunk of `used` bytes, `trained` of them trainable parameters' slots: the
     compute copy and (mixed precision) the fp32 master whole, gradient and optimizer state for the trainable
     slots only (a persistent chunk's gradient area holds its trainable parameters only,
@@ -266,9 +269,9 @@ def chunk_state_bytes(w: Workload, used: int, trained: int) -> int:
 
 
 def chunk_host_extra_bytes(w: Workload, used: int, trained: int) -> int:
-    """Host bytes of an offloaded chunk beyond `chunk_state_bytes` (`host_extra_bytes_per_element`): the
+    """Host bytes of an offloaded chunk beyond `chunk_model_state_bytes` (`host_extra_bytes_per_element`): the
     undo backup for its trainable elements only, and the gradient of its frozen elements (an offloaded
-    chunk's host gradient is the whole chunk's; `chunk_state_bytes` counted the trainable slots' only)."""
+    chunk's host gradient is the whole chunk's; `chunk_model_state_bytes` counted the trainable slots' only)."""
     elt = element_bytes(w.precision)
     undo = w.undo_backup_bytes_per_param
     frozen_grad = (used // elt - trained // elt) * w.gradient_bytes_per_param
@@ -353,7 +356,7 @@ def build_instance(
         host_optim_ns=tuple(ns(t / m.optimizer.host_bytes_per_s) for t in trained),
         chunk_state_bytes=S + (S // elt) * state_per_elt,
         chunk_state_bytes_of=tuple(
-            chunk_state_bytes(w, u, t) for u, t in zip(layout.used_bytes, trained, strict=True)
+            chunk_model_state_bytes(w, u, t) for u, t in zip(layout.used_bytes, trained, strict=True)
         ),
         host_extra_bytes_of=tuple(
             chunk_host_extra_bytes(w, u, t) for u, t in zip(layout.used_bytes, trained, strict=True)

@@ -1,6 +1,6 @@
 """Frozen parameters under the chunk runtime: a persistent chunk's gradient area holds its trainable
 parameters only (none for a chunk of frozen ones), which is what the planner counts for it
-(`planner_service.solver.instance.chunk_state_bytes`), and training matches plain PyTorch."""
+(`planner_service.solver.instance.chunk_model_state_bytes`), and training matches plain PyTorch."""
 
 from __future__ import annotations
 
