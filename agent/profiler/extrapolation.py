@@ -161,16 +161,20 @@ def extrapolate(
     new_blocks.append(blocks[epilogue_old].model_copy(update={"block": n + 1}))
     for r, copied in sorted(copies.items()):
         rb = blocks[r + 1]
-        rep_bytes = sum(o.param.numel() * o.param.element_size() for o in ordered if o.block == r + 1)
+        rep_params = [o.param for o in ordered if o.block == r + 1]
+        # a frozen parameter holds its values only; a trained one its gradient and optimizer state too
+        trained = sum(p.numel() * p.element_size() for p in rep_params if p.requires_grad)
+        frozen = sum(p.numel() * p.element_size() for p in rep_params if not p.requires_grad)
         extra = len(copied)
         iteration_s += extra * (rb.forward_s + rb.backward_s)
-        peak += extra * (rb.activation_bytes + int(rep_bytes * model_state_bytes_per_byte))
+        peak += extra * (rb.activation_bytes + frozen + int(trained * model_state_bytes_per_byte))
     return head + middle + tail, new_blocks, iteration_s, peak
 
 
 def _state_bytes(ps: Iterable[nn.Parameter]) -> int:
-    """Parameter + gradient + two fp32 Adam moments per element."""
-    return sum(p.numel() * (2 * p.element_size() + 8) for p in ps)
+    """Parameter + gradient + two fp32 Adam moments per element of a trainable parameter; the parameter alone
+    for a frozen one."""
+    return sum(p.numel() * ((2 * p.element_size() + 8) if p.requires_grad else p.element_size()) for p in ps)
 
 
 def blocks_that_fit(
@@ -180,9 +184,10 @@ def blocks_that_fit(
 
     Capacity: `device_memory_limit` if given, and on CUDA the free device memory when the model is not on
     the device yet. Model states are estimated at parameter + gradient + two fp32 Adam moments per element
-    and must stay within half the capacity (the other half is left for activations); as many blocks as
-    fit that budget are profiled (at least one, and at least the covering prefix when blocks are of
-    several kinds: `profiled_prefix`) and the rest extrapolated.
+    of a trainable parameter (`requires_grad`), the parameter alone for a frozen one, and must stay within
+    half the capacity (the other half is left for activations); as many blocks as fit that budget are
+    profiled (at least one, and at least the covering prefix when blocks are of several kinds:
+    `profiled_prefix`) and the rest extrapolated.
     """
     capacity = limit
     free: int | None = None

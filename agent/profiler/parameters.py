@@ -11,7 +11,7 @@ listed at the end of that block's parameters, in registration order.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from torch import nn
@@ -79,7 +79,10 @@ def order_parameters(
     return out
 
 
-def parameter_infos(ordered: Sequence[OrderedParameter]) -> list[ParameterInfo]:
+def parameter_infos(ordered: Sequence[OrderedParameter], held: Set[int] | None = None) -> list[ParameterInfo]:
+    """The trace's parameter rows. `held`: ids of the parameters the job's optimizer holds (None: every
+    parameter that requires a gradient is stepped); a parameter trains when it requires a gradient and the
+    optimizer holds it, else it is frozen (no gradient, no optimizer state: the planner counts neither)."""
     return [
         ParameterInfo(
             name=o.name,
@@ -89,6 +92,7 @@ def parameter_infos(ordered: Sequence[OrderedParameter]) -> list[ParameterInfo]:
             numel=o.param.numel(),
             bytes=o.param.numel() * o.param.element_size(),
             aliases=list(o.aliases),
+            trainable=o.param.requires_grad and (held is None or id(o.param) in held),
         )
         for o in ordered
     ]

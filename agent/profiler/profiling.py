@@ -166,6 +166,9 @@ def profile(
             else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         )
         kind = optimizer_kind(opt)
+        # the parameters the user's optimizer steps (the default one, made over a truncated model, says nothing
+        # of the unprofiled blocks: then requires_grad alone says which train)
+        held = {id(p) for g in opt.param_groups for p in g["params"]} if optimizer is not None else None
         batch = move_batch(sample_batch, dev)
         with preserved_training_state(model, optimizer), KVCacheOff(model):  # training never uses the cache
             result = _measure(model, batch, loss_fn, opt, dev, repeated, allocation_trace, repeats, hw)
@@ -188,7 +191,7 @@ def profile(
         )
         alloc = None  # the trace of a truncated iteration would not be the real one's
 
-    infos = parameter_infos(ordered)
+    infos = parameter_infos(ordered, held)
     n_blocks = len(repeated_all) + 2
     per_block = [0] * n_blocks
     paths: list[list[str]] = [[] for _ in range(n_blocks)]

@@ -1,7 +1,7 @@
 """Chunk storage: the flat buffers a chunk's parameters, master copy and gradients live in.
 
 A persistent chunk owns device memory: compute copy (parameters are views into it), gradient (the
-parameters' `.grad` are views into it) and, in mixed precision, an fp32 master. An offloaded chunk owns
+parameters' `.grad` are views into it; none while every parameter of the chunk is frozen) and, in mixed precision, an fp32 master. An offloaded chunk owns
 host memory: compute copy (the upload source; parameters point here while the chunk is not resident),
 fp32 master (the same tensor as the compute copy in fp32 training), fp32 gradient, and a staging buffer
 for gradient copies that must be added rather than written. Optimizer state is held by the chunk's
@@ -25,6 +25,7 @@ import torch
 from agent.runtime.device import DeviceContext, Event
 from agent.runtime.layout import ChunkSpec, ParamEntry
 from agent.runtime.shards import Shard
+from client.contract import parameter_slot_bytes
 
 
 def views(flat: torch.Tensor, entries: list[ParamEntry]) -> list[torch.Tensor]:
@@ -52,6 +53,8 @@ class ChunkState:
     # persistent (device)
     params: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    # per entry: its element offset in `grad` (None: no gradient slot, a frozen parameter; `gradient_offsets`)
+    grad_offsets: list[int | None] = field(default_factory=list)
     # both: fp32 master (device for persistent, host for offloaded); equals params/host_params in fp32
     master: torch.Tensor | None = None
     # offloaded (host)
@@ -101,6 +104,36 @@ class ChunkState:
             self.host_work = None
 
 
+def gradient_offsets(entries: list[ParamEntry], n: int, dtype: torch.dtype) -> tuple[list[int | None], int]:
+    """Each entry's element offset in a persistent chunk's gradient area (None for a frozen parameter, one
+    without `requires_grad`) and the area's size in elements. Every parameter trains: the chunk's own
+    offsets and `n` elements. Otherwise the trainable parameters' aligned slots packed in order
+    (`client.contract.parameter_slot_bytes`, as the plan counts them), so consecutive trainable parameters
+    keep their distance and a stepper run over them reads one contiguous slice."""
+    if all(e.param.requires_grad for e in entries):
+        return [e.offset for e in entries], n
+    esize = torch.empty((), dtype=dtype).element_size()
+    out: list[int | None] = []
+    size = 0
+    for e in entries:
+        if e.param.requires_grad:
+            out.append(size)
+            size += parameter_slot_bytes(e.numel, esize) // esize
+        else:
+            out.append(None)
+    return out, size
+
+
+def grad_views(state: ChunkState) -> list[torch.Tensor | None]:
+    """Per-parameter views of a persistent chunk's gradient area; None for a parameter without a slot."""
+    flat = state.grad
+    assert flat is not None
+    return [
+        None if o is None else flat[o : o + e.numel].view(e.shape)
+        for e, o in zip(state.spec.entries, state.grad_offsets, strict=True)
+    ]
+
+
 def allocate(
     spec: ChunkSpec,
     ctx: DeviceContext,
@@ -135,7 +168,12 @@ def allocate(
             target = state.master
         else:
             state.params = ctx.device_empty(n, compute_dtype)
-            state.grad = ctx.device_empty(n, compute_dtype).zero_()
+            # the gradient area holds the chunk's trainable parameters only, each in its aligned slot (none
+            # for a chunk of frozen parameters): what the plan counts (`chunk_model_state_bytes`). A gradient
+            # arriving for a frozen one after all widens it to the whole chunk (`GradientFlow.receive`).
+            state.grad_offsets, size = gradient_offsets(spec.entries, n, compute_dtype)
+            if size:
+                state.grad = ctx.device_empty(size, compute_dtype).zero_()
             state.master = ctx.device_empty(n, torch.float32) if mixed else state.params
             target = state.master
         if n != sum(e.numel for e in spec.entries):
@@ -149,8 +187,8 @@ def allocate(
             own = target[shard.start : shard.end]
             state.master = own.clone() if mixed else own
         bind(state.host_params if spec.offloaded else state.params, spec.entries)  # type: ignore[arg-type]
-        if not spec.offloaded:
-            for e, g in zip(spec.entries, views(state.grad, spec.entries), strict=True):  # type: ignore[arg-type]
+        if state.grad is not None:
+            for e, g in zip(spec.entries, grad_views(state), strict=True):
                 e.param.grad = g if e.param.requires_grad else None
     return state
 

@@ -22,6 +22,7 @@ import torch
 from agent.runtime.accounting import Counters
 from agent.runtime.buffers import Slot
 from agent.runtime.chunks import ChunkState, ViewCache, stage_for
+from agent.runtime.chunks import grad_views as chunk_grad_views
 from agent.runtime.device import DeviceContext, Event, element_size
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
@@ -52,6 +53,7 @@ class GradientFlow:
         self.compute_dtype = compute_dtype
         self.counters = counters
         self.views = views
+        self._grad_views: dict[int, tuple[torch.Tensor | None, list[torch.Tensor | None]]] = {}
         self.timing = timing
         self.residency = residency
         self.host_steps = host_steps
@@ -70,7 +72,11 @@ class GradientFlow:
         st = self.states[c]
         e = st.spec.entries[j]
         if not st.offloaded:
-            view = self.grad_views(st)[j]
+            view = self.grad_views(st)[j] if st.grad is not None else None
+            if view is None:
+                self._widen(st)
+                view = self.grad_views(st)[j]
+                assert view is not None
             if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad), or the user's
                 view.copy_(param.grad)
                 param.grad = view
@@ -255,9 +261,25 @@ class GradientFlow:
                 self.group.average_(st.grad)
                 self.counters.grad_reductions += 1
 
-    def grad_views(self, st: ChunkState) -> list[torch.Tensor]:
-        """The persistent chunk's per-parameter gradient views (made once: its gradient buffer never moves)."""
-        return self.views.get(ViewCache.GRAD, st, st.grad)
+    def grad_views(self, st: ChunkState) -> list[torch.Tensor | None]:
+        """The persistent chunk's per-parameter gradient views, None outside its gradient area (frozen
+        parameters; see `chunks.gradient_span`). Made once per gradient area (it moves only when widened)."""
+        cached = self._grad_views.get(st.index)
+        if cached is None or cached[0] is not st.grad:
+            cached = self._grad_views[st.index] = (st.grad, chunk_grad_views(st))
+        return cached[1]
+
+    def _widen(self, st: ChunkState) -> None:
+        """A gradient arrived for a parameter without a slot in the chunk's gradient area (frozen when the
+        runtime was applied): the area becomes the whole chunk's, beyond what the plan counted."""
+        old_views = self.grad_views(st) if st.grad is not None else [None] * len(st.spec.entries)
+        st.grad = self.ctx.device_empty(st.numel, self.compute_dtype).zero_()
+        st.grad_offsets = [e.offset for e in st.spec.entries]
+        for e, was, now in zip(st.spec.entries, old_views, self.grad_views(st), strict=True):
+            if was is not None and now is not None:
+                now.copy_(was)
+                if e.param.grad is was:
+                    e.param.grad = now
 
     # ==================================================================== gradients the user sees
     def expose(self) -> None:
@@ -323,11 +345,12 @@ class GradientFlow:
         the user replaced by another tensor is copied in, one set to None is not stepped (as in torch)."""
         gv = self.grad_views(st)
         for j in sorted(st.touched):
-            g = st.spec.entries[j].param.grad
+            g, view = st.spec.entries[j].param.grad, gv[j]
             if g is None:
                 st.touched.discard(j)
-            elif g is not gv[j]:
-                gv[j].copy_(g)
+            elif g is not view:
+                assert view is not None  # a touched parameter's gradient arrived in the area (`receive`)
+                view.copy_(g)
                 st.spec.entries[j].param.grad = gv[j]
 
     def retract(self) -> None:
@@ -365,10 +388,11 @@ class GradientFlow:
                     for e in st.spec.entries:
                         e.param.grad = None
                     continue
-                assert st.grad is not None
+                if st.grad is None:
+                    continue  # frozen parameters only: no gradient area, no `.grad`
                 st.grad.zero_()
                 for e, g in zip(st.spec.entries, self.grad_views(st), strict=True):
-                    if e.param.requires_grad and e.param.grad is not g:
+                    if g is not None and e.param.requires_grad and e.param.grad is not g:
                         e.param.grad = g
                 continue
             assert self.host_steps is not None

@@ -416,7 +416,7 @@ class ModelStateManager:
             assert st.grad is not None and st.params is not None and st.master is not None
             self.gradients.sync_persistent(st)
             grad = st.grad.float() if st.mixed else st.grad
-            steppers[st.index].step(hypers, grad, st.touched)
+            steppers[st.index].step(hypers, grad, st.touched, grad_offsets=st.grad_offsets)
             if st.mixed:
                 st.params.copy_(st.master)
             self.counters.device_steps += 1

@@ -8,7 +8,7 @@ entries are the parameters' pieces inside the shard (`chunks.clipped_entries`), 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,9 +163,17 @@ class ChunkStepper:
             self.runs = new_runs
             self._rebuild(states)
 
-    def step(self, hypers: list[dict[str, Any]], grad: torch.Tensor, touched: set[int]) -> None:
-        """One optimizer step from the chunk's flat gradient `grad` (fp32, same layout as the master),
-        with the given hyper-parameters (a snapshot of the outer groups). Parameters not in `touched`
+    def step(
+        self,
+        hypers: list[dict[str, Any]],
+        grad: torch.Tensor,
+        touched: set[int],
+        *,
+        grad_offsets: Sequence[int | None] | None = None,
+    ) -> None:
+        """One optimizer step from the chunk's flat gradient `grad` (fp32, same layout as the master, or with
+        `grad_offsets` each entry's offset in `grad`: a persistent chunk's gradient area holds its trainable
+        parameters only, consecutive ones at their distance in the master), with the given hyper-parameters (a snapshot of the outer groups). Parameters not in `touched`
         have no gradient this step and are skipped, as torch skips parameters whose grad is None."""
         if self.inner is None:
             return
@@ -178,7 +186,12 @@ class ChunkStepper:
         any_grad = False
         for r in self.runs:
             has = r.entries[0] in touched
-            r.tensor.grad = grad[r.start : r.end] if has else None
+            lo = r.start
+            if has and grad_offsets is not None:
+                first = grad_offsets[r.entries[0]]
+                assert first is not None  # a touched entry has a gradient slot
+                lo = first
+            r.tensor.grad = grad[lo : lo + r.end - r.start] if has else None
             any_grad |= has
         if any_grad:
             self.inner.step()

@@ -9,7 +9,10 @@ Model-state accounting (what the runtime must match; see docs/architecture/solve
 - element size `elt` of the compute copy: 4 bytes for fp32, 2 for bf16/fp16; a chunk of `S` bytes holds S/elt elements.
 - persistent chunk on device: U + (U/elt) * (grad + optimizer state + master) bytes, U = the chunk's used
   bytes (the runtime allocates each chunk's compute copy, gradient, master and optimizer state at its used
-  size; `chunk_state_bytes_of`). Policy-1.1 and earlier counted the full chunk size S here, which
+  size; `chunk_state_bytes_of`). Frozen parameters (`ParameterInfo.trainable` False) have neither gradient
+  nor optimizer state: those two count over the chunk's trainable slots T only, U + (U/elt) * master +
+  (T/elt) * (grad + optimizer state) (`chunk_model_state_bytes`; the runtime's gradient area holds the
+  trainable parameters only, `agent.runtime.chunks.gradient_offsets`), and so does the optimizer's time. Policy-1.1 and earlier counted the full chunk size S here, which
   over-predicted the peak by the padding of every persistent chunk.
 - offloaded chunk: the same bytes on host memory (compute-dtype copy to upload from, fp32 master if
   mixed precision, optimizer state, gradient landing area); on device only the shared buffers. Of these,
@@ -27,13 +30,14 @@ from client.contract import (
     BlockKind,
     Constraints,
     DeviceType,
+    ParameterInfo,
     Precision,
     Trace,
     Workload,
     offloaded_chunk_pinned_bytes,
 )
 from planner_service.solver.bandwidth import transfer_ns
-from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks
+from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks, slot_bytes
 from planner_service.solver.sharding import multi_rank_fields
 
 DEFAULT_ALPHA = 0.10
@@ -250,6 +254,40 @@ def host_extra_bytes_per_element(w: Workload) -> int:
     return max(0, host_grad - w.gradient_bytes_per_param) + elt + staging + w.undo_backup_bytes_per_param
 
 
+def trained_bytes(params: list[ParameterInfo], layout: ChunkGrid) -> list[int]:
+    """Per chunk: bytes of its trainable parameters' slots (`used_bytes` when every parameter trains, 0 for
+    a chunk of frozen parameters)."""
+    return [
+        u
+        if all(params[i].trainable for i in range(a, b))
+        else sum(slot_bytes(params[i]) for i in range(a, b) if params[i].trainable)
+        for u, (a, b) in zip(layout.used_bytes, layout.param_ranges, strict=True)
+    ]
+
+
+def chunk_model_state_bytes(w: Workload, used: int, trained: int) -> int:
+    """Model-state bytes of a chunk of `used` bytes, `trained` of them trainable parameters' slots: the
+    compute copy and (mixed precision) the fp32 master whole, gradient and optimizer state for the trainable
+    slots only (a persistent chunk's gradient area holds its trainable parameters only,
+    `agent.runtime.chunks.gradient_offsets`; its steppers hold state for what the optimizer steps)."""
+    elt = element_bytes(w.precision)
+    return (
+        used
+        + (used // elt) * w.master_bytes_per_param
+        + (trained // elt) * (w.gradient_bytes_per_param + w.optimizer_state_bytes_per_param)
+    )
+
+
+def chunk_host_extra_bytes(w: Workload, used: int, trained: int) -> int:
+    """Host bytes of an offloaded chunk beyond `chunk_model_state_bytes` (`host_extra_bytes_per_element`): the
+    undo backup for its trainable elements only, and the gradient of its frozen elements (an offloaded
+    chunk's host gradient is the whole chunk's; `chunk_model_state_bytes` counted the trainable slots' only)."""
+    elt = element_bytes(w.precision)
+    undo = w.undo_backup_bytes_per_param
+    frozen_grad = (used // elt - trained // elt) * w.gradient_bytes_per_param
+    return (used // elt) * (host_extra_bytes_per_element(w) - undo) + (trained // elt) * undo + frozen_grad
+
+
 def build_instance(
     trace: Trace, layout: ChunkGrid, constraints: Constraints, params: CostParams | None = None
 ) -> PolicyInstance:
@@ -267,7 +305,10 @@ def build_instance(
     meas = m.blocks
     params_list = trace.model.parameters
     numels = [sum(params_list[i].numel for i in range(a, b)) for a, b in layout.param_ranges]
-    grad_bytes = [n * w.gradient_bytes_per_param for n in numels]
+    # bytes of each chunk's trainable parameters (their slots, as `used_bytes` counts them): frozen ones have
+    # no optimizer state and are never stepped; a chunk with none has no gradient (see the module docstring)
+    trained = trained_bytes(params_list, layout)
+    grad_bytes = [n * w.gradient_bytes_per_param if t else 0 for n, t in zip(numels, trained, strict=True)]
     host_limit = constraints.host_memory_bytes or trace.hardware.host_memory_bytes
     pinned = constraints.pinned_memory_bytes or trace.hardware.pinned_memory_limit_bytes
     serial = params.copy_overlap is False
@@ -321,11 +362,15 @@ def build_instance(
         swap_in_ns=tuple(swap_in),
         upload_ns=tuple(upload),
         grad_offload_ns=tuple(grad_offload),
-        device_optim_ns=tuple(ns(u / m.optimizer.device_bytes_per_s) for u in layout.used_bytes),
-        host_optim_ns=tuple(ns(u / m.optimizer.host_bytes_per_s) for u in layout.used_bytes),
+        device_optim_ns=tuple(ns(t / m.optimizer.device_bytes_per_s) for t in trained),
+        host_optim_ns=tuple(ns(t / m.optimizer.host_bytes_per_s) for t in trained),
         chunk_state_bytes=S + (S // elt) * state_per_elt,
-        chunk_state_bytes_of=tuple(u + (u // elt) * state_per_elt for u in layout.used_bytes),
-        host_extra_bytes_of=tuple((u // elt) * host_extra_per_elt for u in layout.used_bytes),
+        chunk_state_bytes_of=tuple(
+            chunk_model_state_bytes(w, u, t) for u, t in zip(layout.used_bytes, trained, strict=True)
+        ),
+        host_extra_bytes_of=tuple(
+            chunk_host_extra_bytes(w, u, t) for u, t in zip(layout.used_bytes, trained, strict=True)
+        ),
         pinned_bytes_of=tuple(
             offloaded_chunk_pinned_bytes(u, separate_master=w.master_bytes_per_param > 0)
             for u in layout.used_bytes
