@@ -125,6 +125,7 @@ from typing import Any
 import numpy as np
 
 from client.contract import ActivationMode, Constraints, Placement, Policy, Predictions, TimelinePoint, Trace
+from client.contract.common import MAX_NAME_CHARS
 from planner_service.solver.chunk_grid import layout_from_chunks
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
 from planner_service.solver.sharding import PERMILLE
@@ -325,13 +326,19 @@ def activation_peak(inst: PolicyInstance, modes: tuple[Mode, ...]) -> int:
 def device_timeline(inst: PolicyInstance, d: Decision, static_bytes: int) -> list[TimelinePoint]:
     """Predicted device bytes at every step: forward blocks in order, backward in reverse, then the optimizer."""
     fwd, bwd = activation_steps(inst, d.modes)
-    name = lambda b: inst.block_names[b] if inst.block_names else str(b)  # noqa: E731
+
+    def label(phase: str, b: int) -> str:
+        # a block's name may already be the contract's longest (an epilogue of many modules, e.g. T5's
+        # decoder): the label keeps the phase and cuts the name to fit, ending in "..."
+        text = f"{phase} {inst.block_names[b] if inst.block_names else b}"
+        return text if len(text) <= MAX_NAME_CHARS else text[: MAX_NAME_CHARS - 3] + "..."
+
     points = [
-        TimelinePoint(label=f"fwd {name(b)}", phase="forward", device_bytes=static_bytes + x)
+        TimelinePoint(label=label("fwd", b), phase="forward", device_bytes=static_bytes + x)
         for b, x in enumerate(fwd)
     ]
     points += [
-        TimelinePoint(label=f"bwd {name(b)}", phase="backward", device_bytes=static_bytes + bwd[b])
+        TimelinePoint(label=label("bwd", b), phase="backward", device_bytes=static_bytes + bwd[b])
         for b in range(len(bwd) - 1, -1, -1)
     ]
     points.append(TimelinePoint(label="optimizer", phase="optimizer", device_bytes=static_bytes))
