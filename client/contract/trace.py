@@ -229,7 +229,7 @@ class ParameterInfo(ContractModel):
     bytes: Bytes = Field(description="numel * element size of `dtype`")
     aliases: list[Name] = Field(default_factory=list, description="other names of a shared (tied) parameter")
     # Left out of the JSON when True (the default), so traces of all-trainable jobs keep their content hashes.
-    trainable: bool = Field(
+    trainable: Bool = Field(
         default=True,
         exclude_if=lambda v: v is True,
         description="the job trains it (`requires_grad` and held by the optimizer); a frozen parameter has no "

@@ -39,6 +39,18 @@ def test_negative_size_is_rejected_naming_the_field() -> None:
     assert any(f.startswith("model.parameters.0.bytes") for f in _error_fields(raw))
 
 
+def test_trainable_is_a_strict_boolean_left_out_at_its_default() -> None:
+    """Defect found by the OpenAPI fuzzer: `trainable: 0` was accepted (lax bool) where the schema says
+    boolean; every other flag of the contract is strict."""
+    raw = _raw()
+    raw["model"]["parameters"][0]["trainable"] = 0
+    assert any(f.startswith("model.parameters.0.trainable") for f in _error_fields(raw))
+    raw["model"]["parameters"][0]["trainable"] = False
+    frozen = Trace.model_validate(raw)
+    assert frozen.model.parameters[0].trainable is False
+    assert b'"trainable"' not in Trace.model_validate(_raw()).canonical_json()
+
+
 def test_nan_and_infinity_are_rejected() -> None:
     for bad in (math.nan, math.inf):
         raw = _raw()
