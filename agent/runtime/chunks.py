@@ -220,7 +220,6 @@ class ViewCache:
     the cost of binding parameters to a buffer or of re-pointing `.grad`."""
 
     HOST = -1  # the chunk's host compute copy (a buffer slot is its index, >= 0)
-    GRAD = -2  # a persistent chunk's gradient area
     USER_GRAD = -3  # an offloaded chunk's exposed `.grad` (user_grad)
 
     def __init__(self) -> None:
