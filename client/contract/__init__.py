@@ -17,6 +17,7 @@ from client.contract.api import (
 from client.contract.chunk_bytes import (
     PARAMETER_ALIGN_BYTES,
     SHARD_ALIGN_ELEMENTS,
+    compute_copy_shared,
     offloaded_chunk_pinned_bytes,
     parameter_slot_bytes,
     shard_elements,

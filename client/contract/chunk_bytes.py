@@ -22,6 +22,12 @@ Shards (issue 20). A chunk sharded over N ranks is cut into N shards of `shard_e
 up to `SHARD_ALIGN_ELEMENTS`, so a shard starts 16-byte aligned in fp32), the flat chunk zero padded to N
 shards. Each rank pins the whole compute copy (N shards), its shard's staging buffer and, without a separate
 master, its shard's host gradient, each buffer rounded up to 16 bytes as the host arena places it.
+
+Node-shared compute copy (issue 20, session 8). Where every rank of the job runs on one node
+(`compute_copy_shared`), the ranks keep ONE compute copy per sharded chunk in node-shared memory instead of one
+each: rank r writes its stepped shard into it, and every rank uploads from it. A rank's share of that copy is
+one shard (N shards over N ranks), so `sharded_chunk_pinned_bytes(..., shared_compute=True)` counts one
+shard's bytes for it in place of the whole copy.
 """
 
 from __future__ import annotations
@@ -57,12 +63,25 @@ def shard_elements(elements: int, world_size: int) -> int:
     return -(-s // SHARD_ALIGN_ELEMENTS) * SHARD_ALIGN_ELEMENTS
 
 
+def compute_copy_shared(world_size: int, ranks_per_node: int) -> bool:
+    """Whether the sharded chunks' compute copies are node-shared (one per node, not one per rank): a job of
+    several ranks, all on one node. Several nodes keep one copy per rank, all-gathered after each step."""
+    return world_size > 1 and ranks_per_node == world_size
+
+
 def sharded_chunk_pinned_bytes(
-    used_elements: int, world_size: int, element_bytes: int, *, separate_master: bool
+    used_elements: int,
+    world_size: int,
+    element_bytes: int,
+    *,
+    separate_master: bool,
+    shared_compute: bool = False,
 ) -> int:
-    """Pinned host bytes one rank keeps for an offloaded chunk of `used_elements` sharded over `world_size`."""
+    """Pinned host bytes one rank keeps for an offloaded chunk of `used_elements` sharded over `world_size`.
+    `shared_compute`: the compute copy is node-shared (`compute_copy_shared`), and this rank's share of it is
+    one shard."""
     shard = shard_elements(used_elements, world_size) * element_bytes
-    whole = _aligned(world_size * shard)
+    whole = _aligned(shard) if shared_compute else _aligned(world_size * shard)
     return whole + _aligned(shard) * (1 if separate_master else 2)
 
 
