@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from agent.testing.loops import train_with_clipping
 from agent.testing.model_zoo import DEFAULTS_FAMILIES, build_with_library_defaults, sample_batch
 
 pytestmark = pytest.mark.slow
@@ -33,16 +34,7 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> list[float]:
-    torch.manual_seed(0)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_with_clipping(model, opt, batch, steps=STEPS, max_norm=MAX_GRAD_NORM)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from agent.testing.loops import train_with_clipping
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 
 pytestmark = pytest.mark.slow
@@ -30,16 +31,7 @@ def adamw_over_trainable(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> list[float]:
-    torch.manual_seed(0)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_with_clipping(model, opt, batch, steps=STEPS, max_norm=1.0)
 
 
 def test_a_mostly_frozen_model_fits_within_2_percent_of_plain_pytorchs_peak() -> None:

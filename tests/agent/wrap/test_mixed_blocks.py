@@ -14,6 +14,7 @@ import torch
 import transformers
 from torch import nn
 
+from agent.testing.loops import train_with_clipping
 from agent.testing.model_zoo import sample_batch
 
 pytestmark = pytest.mark.slow
@@ -60,16 +61,7 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> list[float]:
-    torch.manual_seed(0)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_with_clipping(model, opt, batch, steps=STEPS, max_norm=1.0)
 
 
 @pytest.mark.parametrize("make", [jamba, rwkv], ids=["jamba-blocks-given", "rwkv"])
