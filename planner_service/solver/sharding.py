@@ -115,7 +115,9 @@ def multi_rank_fields(
         # the compute copy (whole, or the rank's share of the node's); the shard's staging buffer and, without a
         # separate master, its host gradient
         shard_pinned_bytes_of=tuple(
-            sharded_chunk_pinned_bytes(u // elt, n, elt, separate_master=separate_master, shared_compute=shared)
+            sharded_chunk_pinned_bytes(
+                u // elt, n, elt, separate_master=separate_master, shared_compute=shared
+            )
             for u in layout.used_bytes
         ),
         collective_overlap_permille=collective_overlap_permille(trace),
