@@ -61,7 +61,8 @@ def collective_overlap_permille(trace: Trace) -> int:
 
 def barrier_ns(curves: CollectiveCurves) -> int:
     """One barrier across the group: the smallest all-gather sample's measured time (the probe times no barrier;
-    that sample is the group's most latency-bound measured collective, an upper bound of a barrier's latency)."""
+    that sample is the group's most latency-bound measured collective, so likely more than a barrier takes:
+    cautious)."""
     s = curves.all_gather[0]
     return round(s.size_bytes / s.bytes_per_s * 1e9)
 
