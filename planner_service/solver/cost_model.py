@@ -73,8 +73,10 @@ Multi-rank jobs (issue 20; world size N > 1, R ranks per node; constants in `sha
 is one rank's; all ranks run the same plan on equal shards, so one rank's time is the job's. ZeRO-Offload
 style ("ZeRO-2 on the host"): only an offloaded chunk may be sharded (`Decision.check` refuses a persistent
 one, as the runtime does). Per chunk c:
-  sh[c]  sharded (offloaded only): compute copy and exposed `.grad` whole on every rank's host, the rest of
-         its host state (host gradient, master, optimizer state, staging, undo backup) 1/N per rank
+  sh[c]  sharded (offloaded only): exposed `.grad` whole on every rank's host; the compute copy (the upload
+         source) node-shared when all ranks are on one node (`PolicyInstance.compute_copy_shared`: one copy
+         per node, a rank's share is 1/N of it) or whole on every rank (several nodes); the rest of its host
+         state (host gradient, master, optimizer state, staging, undo backup) 1/N per rank
          (s = ceil(elements / N) rounded up to 4 elements); else replicated (whole on every rank)
   up(c)  = o[c] * H2D of the WHOLE chunk, sharded or not (it is uploaded from the full host copy), so the
          forward windows, residency and the one-buffer rule are the single-process ones (no collectives)
@@ -82,7 +84,10 @@ one, as the runtime does). Per chunk c:
   gout(c)= o[c] * D2H of the rank's gradient shard (sharded) or of the whole gradient (replicated)
   step(c)= o[c] * host step of the shard (sharded) or of the whole chunk; persistent chunks step whole on
          the device
-  ag(c)  = sh[c] * all-gather of the compute copy (N * s elements) on the host after the chunk's step
+  ag(c)  = sh[c] * all-gather of the private compute copy (N * s elements) on the host at step() (several
+         nodes); 0 when the copy is node-shared (each rank wrote its stepped shard into the one copy)
+  bar    = one barrier at step() when the copy is node-shared and any chunk is sharded (`step_barrier_ns`:
+         the sharded chunks' next uploads wait on it); else 0
 Collectives on the device (the gradient reductions) run on their own stream beside the copy engines and
 compute. With overlap factor f (the least measured `CollectiveCopyOverlap.factor`, in 1/1000; 0 when not
 measured) a backward window with compute X, copies h2d/d2h, collectives `comm` and a dependency chain `chain`
@@ -99,18 +104,21 @@ Backward window c: comm = red(c+1), h2d = need[c-1] * up(c-1) + swap-in of windo
 Host worker: an offloaded chunk's gradient arrives at done(c) + red(c) + gout(c); the FIFO worker then
   steps it:
     T_host_end = max over c of (done(c) + o[c] * (red(c) + gout(c)) + sum_{c' <= c} step(c'))
-  At optimizer.step(), after every step settled, the sharded chunks' compute copies are all-gathered (ag(c),
-  at the measured all-gather rate), in chunk order, as the runtime queues them (unconditionally: no rank's
-  own validation decides a collective); when clipping redoes the speculative steps they come first:
-    T_after = sum ag(c) (+ sum step(c) when redone), added after max(T_bwd + T_dev_opt, T_host_end).
-  So the gathers never hide behind backward (gathering each chunk right after its speculative step, and
-  again only where a rank-agreed validation failed, would hide them: not built).
+  At optimizer.step(), after every step settled, the host worker runs the step's collectives (unconditionally:
+  no rank's own validation decides a collective); when clipping redoes the speculative steps they come first.
+  Several nodes: the sharded chunks' private compute copies are all-gathered (ag(c), at the measured
+  all-gather rate), in chunk order, as the runtime queues them. One node: no gathers; one barrier (bar):
+    T_after = sum ag(c) + bar (+ sum step(c) when redone), added after max(T_bwd + T_dev_opt, T_host_end).
+  So neither the gathers nor the barrier hide behind backward (gathering each chunk right after its
+  speculative step, and again only where a rank-agreed validation failed, would hide them: not built).
   Serial (CPU): T_host_end = T_bwd + T_dev_opt + gout(0) + sum of the FIFO's work.
 Memory of one rank: device as one process (persistent chunks whole + n_buffers buffers); host = offloaded
-  chunks (sharded: 2 * N * s * elt + s * the rest per element; replicated: whole) + swapped activations.
-  Host RAM is the node's: R * host <= host limit. The pinned limit is one rank's (process's): a sharded
-  chunk pins its full compute copy, its shard's staging buffer and, without a separate fp32 master, its
-  shard's host gradient.
+  chunks (sharded: N * s * elt [.grad] + N * s * elt [private compute copy] or s * elt [its share of the
+  node-shared one] + s * the rest per element; replicated: whole) + swapped activations.
+  Host RAM is the node's: R * host <= host limit (node-shared copies: R * s * elt = the one copy per node).
+  The pinned limit is one rank's (process's): a sharded chunk pins its compute copy (whole, or its share of
+  the node's), its shard's staging buffer and, without a separate fp32 master, its shard's host gradient
+  (`client.contract.sharded_chunk_pinned_bytes`).
 At N = 1 every term reduces to the single-process formulas above (a test holds plans and costs fixed).
 
 Why one module over 400 lines: the time and memory terms of a policy are one formula, term by term the one
@@ -148,7 +156,7 @@ class Cost:
     host_optim_ns: int  # total host optimizer work
     host_end_ns: int  # host optimizer finish, from the start of backward
     host_redo_ns: (
-        int  # at optimizer.step(), after backward: steps redone (clipping), then sharded chunks' all-gathers
+        int  # at optimizer.step(), after backward: steps redone (clipping), then all-gathers or the barrier
     )
     forward_compute_ns: int
     backward_compute_ns: int
@@ -163,8 +171,9 @@ class Cost:
     fits_device: bool
     fits_host: bool
     # multi-rank jobs (zero at world size 1): collective work on the device during backward (gradient
-    # reductions), on the host after the host steps (all-gathers of sharded chunks' compute copies), and the
-    # node's host bytes (host_bytes is one rank's; ranks_per_node ranks share the node)
+    # reductions), on the host after the host steps (all-gathers of sharded chunks' private compute copies, or
+    # the one barrier of node-shared ones), and the node's host bytes (host_bytes is one rank's;
+    # ranks_per_node ranks share the node)
     backward_collective_ns: int = 0
     host_collective_ns: int = 0
     host_node_bytes: int = 0
@@ -221,10 +230,11 @@ class ChunkTerms:
     ]  # D2H of the gradient (the rank's shard when sharded) when offloaded, else 0
     device_optim: tuple[int, ...]
     host_optim: tuple[int, ...]  # the host step (of the rank's shard when sharded) when offloaded, else 0
-    host_gather: tuple[int, ...]  # all-gather of a sharded chunk's compute copy after its host step, else 0
+    host_gather: tuple[int, ...]  # all-gather of a sharded chunk's private compute copy at step(), else 0
     device_bytes: tuple[int, ...]  # model-state bytes on one rank's device
     host_bytes: tuple[int, ...]  # host bytes of one rank
     pinned_bytes: tuple[int, ...]
+    step_barrier: int = 0  # the barrier at step() (node-shared compute copies, any chunk sharded), else 0
 
 
 def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
@@ -249,7 +259,8 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
     sh = d.sharded_chunks(inst)  # only offloaded chunks (Decision.check)
     # a persistent chunk is replicated: whole on every rank, its gradient all-reduced, stepped on the device;
     # an offloaded chunk is uploaded whole, and sharded (the rank's shard of its gradient copied out, stepped,
-    # then the compute copy all-gathered on the host) or replicated (whole everywhere)
+    # then at step() its private compute copy all-gathered, or one barrier for all node-shared ones) or
+    # replicated (whole everywhere)
     return ChunkTerms(
         upload=upload,
         reduce=tuple(inst.reduce_scatter_ns[c] if sh[c] else inst.all_reduce_ns[c] for c in range(C)),
@@ -270,17 +281,19 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             (inst.shard_pinned_bytes_of[c] if sh[c] else inst.pinned_bytes(c)) if o[c] else 0
             for c in range(C)
         ),
+        step_barrier=inst.step_barrier_ns if any(sh) else 0,
     )
 
 
 def host_queue(inst: PolicyInstance, k: ChunkTerms) -> tuple[tuple[int, ...], int]:
     """Per chunk, the host worker's FIFO work after the chunk's gradient arrives (its step), and the work at
-    optimizer.step() after every step settled: the sharded chunks' compute-copy all-gathers (the runtime
-    queues them there, in chunk order, so no rank's own validation decides a collective), after the steps
-    redone when clipping changed the gradients."""
+    optimizer.step() after every step settled: the sharded chunks' private compute-copy all-gathers (the
+    runtime queues them there, in chunk order, so no rank's own validation decides a collective) or the one
+    barrier of node-shared copies, after the steps redone when clipping changed the gradients."""
+    collectives = sum(k.host_gather) + k.step_barrier
     if inst.redo_host_steps:
-        return k.host_optim, sum(k.host_optim) + sum(k.host_gather)
-    return k.host_optim, sum(k.host_gather)
+        return k.host_optim, sum(k.host_optim) + collectives
+    return k.host_optim, collectives
 
 
 def residency(offloaded: tuple[bool, ...], n_buffers: int) -> list[bool]:
@@ -472,7 +485,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         fits_device=peak <= inst.usable_device_bytes,
         fits_host=fits_host,
         backward_collective_ns=bwd_comm,
-        host_collective_ns=sum(k.host_gather),
+        host_collective_ns=sum(k.host_gather) + k.step_barrier,
         host_node_bytes=node_host,
     )
 
@@ -522,6 +535,7 @@ def _sharded_breakdown(inst: PolicyInstance, decision: Decision, cost: Cost) -> 
         "backward_collective_s": cost.backward_collective_ns / 1e9,
         "host_collective_s": cost.host_collective_ns / 1e9,
         "collective_copy_overlap": inst.collective_overlap_permille / PERMILLE,
+        "compute_copy_shared": 1.0 if inst.compute_copy_shared else 0.0,
         "host_node_bytes": float(cost.host_node_bytes),
     }
 

@@ -16,6 +16,8 @@ Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank job
   sh[c]   offloaded chunk c sharded across the ranks (sh[c] <= off[c]: a persistent chunk is never sharded);
           off[c] - sh[c] is an offloaded replicated chunk, 1 - sh[c] one whose gradient is all-reduced.
           Uploads, residency and buffers are the single-process ones (a sharded chunk is uploaded whole).
+  any_sh  some chunk is sharded (any_sh >= sh[c]): node-shared compute copies pay one barrier per step
+          (`PolicyInstance.step_barrier_ns`; only when that is non-zero)
 At world size 1 none of these exist and the model is the single-process one, row for row.
 """
 
@@ -368,7 +370,8 @@ def _add_window_sharded(
 def _add_time_sharded(pm: PolicyModel) -> None:
     """`_add_time` for a multi-rank job: the cost model's "Multi-rank jobs" windows, row for row. Forward,
     uploads and the one-buffer rule are the single-process rows (a sharded chunk is uploaded whole); backward
-    windows add the gradient reductions; the host worker adds the sharded chunks' all-gathers."""
+    windows add the gradient reductions; step() adds the sharded chunks' all-gathers (private compute copies)
+    or one barrier (node-shared ones)."""
     m, inst = pm.model, pm.inst
     C, W = inst.n_chunks, max(inst.n_chunks, 1)
     U, G, H = inst.upload_ns, inst.grad_offload_ns, inst.host_optim_ns
@@ -396,6 +399,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         + sum(gout_max) * 2
         + sum(inst.device_optim_ns)
         + sum(work_max) * 2
+        + inst.step_barrier_ns
     )
     ok = lambda c: 0 <= c < C  # noqa: E731
     rep = [pm.off[c] - pm.sh[c] for c in range(C)]  # offloaded and replicated (0/1: sh <= off)
@@ -433,15 +437,21 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     bwd = head + sum(tb) + tail
 
     # optimizer: persistent chunks step whole on the device; the host worker (FIFO) steps an offloaded
-    # chunk's shard (sharded) or the whole chunk; at optimizer.step() the sharded chunks' compute copies are
-    # all-gathered, after the steps clipping redoes (cost_model.host_queue)
+    # chunk's shard (sharded) or the whole chunk; at optimizer.step() the sharded chunks' private compute
+    # copies are all-gathered (several nodes) or one barrier runs (node-shared copies, any chunk sharded),
+    # after the steps clipping redoes (cost_model.host_queue)
     dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
     step = [Hs[c] * pm.sh[c] + H[c] * rep[c] for c in range(C)]
-    gather = [AG[c] * pm.sh[c] for c in range(C)]
+    gather: LinearExpr = sum(AG[c] * pm.sh[c] for c in range(C))
+    if inst.step_barrier_ns:
+        any_sh = m.new_bool_var("any_sharded")
+        for c in range(C):
+            m.add(any_sh >= pm.sh[c])
+        gather = gather + inst.step_barrier_ns * any_sh
     if inst.redo_host_steps:
-        work, redo = step, sum(step) + sum(gather)
+        work, redo = step, sum(step) + gather
     else:
-        work, redo = step, sum(gather)
+        work, redo = step, gather
     if not overlap:
         host_work = sum(work) + (_total(gout(0)) if C else 0)
         pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")

@@ -172,13 +172,21 @@ class PolicyInstance:
     # chunks are sharded; a sharded chunk is uploaded whole (`upload_ns`), as a replicated one.
     world_size: int = 1
     ranks_per_node: int = 1  # ranks sharing the node's host RAM: the host limit is per node
-    # all-gather of a sharded chunk's compute copy on the host after its host step (N * shard elements)
+    # the ranks keep ONE node-shared compute copy per sharded chunk (all on one node:
+    # `client.contract.compute_copy_shared`), not a private whole copy each
+    compute_copy_shared: bool = False
+    # all-gather of a sharded chunk's private compute copy on the host at step() (N * shard elements); 0 for
+    # every chunk when the copy is node-shared
     gather_ns: tuple[int, ...] = field(default=())
+    # node-shared copies: the one barrier per step on the host worker, after every chunk's host step, that the
+    # sharded chunks' next uploads wait on (charged once when any chunk is sharded); 0 with private copies
+    step_barrier_ns: int = 0
     reduce_scatter_ns: tuple[int, ...] = field(default=())  # reduce-scatter of a sharded chunk's gradient
     all_reduce_ns: tuple[int, ...] = field(default=())  # a replicated chunk's gradient all-reduce
     shard_grad_offload_ns: tuple[int, ...] = field(default=())  # D2H of one rank's gradient shard
     shard_host_optim_ns: tuple[int, ...] = field(default=())  # host step of one rank's shard
-    # one rank's host bytes of a sharded offloaded chunk: compute copy and exposed .grad whole, the rest a shard
+    # one rank's host bytes of a sharded offloaded chunk: the exposed .grad whole, the compute copy whole (private)
+    # or one shard (the rank's share of the node-shared copy), the rest a shard
     shard_host_bytes_of: tuple[int, ...] = field(default=())
     shard_pinned_bytes_of: tuple[int, ...] = field(default=())  # the pinned part of `shard_host_bytes_of`
     # how much of the shorter of (collectives, copies) in one window hides behind the longer, in 1/1000:

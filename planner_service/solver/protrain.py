@@ -6,7 +6,8 @@ chunks), n_swap and n_checkpoint (repeated blocks, laid out from the first block
 swap and checkpoint blocks interleaved early, unoptimised blocks last; the prologue and epilogue are kept).
 In a multi-rank job (issue 20) the offloaded chunks are sharded (ZeRO-Offload style: each rank steps its share
 of their host states) and the persistent prefix is replicated (the runtime shards offloaded chunks only); every
-setting is timed by the same multi-rank cost model.
+setting is timed and sized by the same multi-rank cost model (one node: node-shared compute copies, one
+barrier per step; several nodes: private copies all-gathered at step(); `sharding.py`).
 
 The search is exhaustive in effect, with two exact pruning rules (each switchable for ablation):
 - `prune_memory`: knob settings whose peak device or host bytes exceed the limits are skipped without

@@ -5,27 +5,42 @@ The design (docs/architecture/solver.md, "Multi-rank jobs"): ZeRO-Offload style,
 all-reduced), because the runtime refuses a persistent sharded chunk. For a sharded offloaded chunk of n used
 elements in a job of N ranks, each rank owns s = ceil(n / N) rounded up to 4 elements (16-byte alignment in
 fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the runtime lays it out:
-- host, REPLICATED (N * s elements): the compute copy (the upload source) and the exposed `.grad` (the
-  averaged full gradient), each in the compute dtype;
+- host, WHOLE on every rank (N * s elements, compute dtype): the exposed `.grad` (the averaged full gradient);
+- host, the compute copy (the upload source, compute dtype): where every rank runs on one node
+  (`client.contract.compute_copy_shared`), ONE node-shared copy per chunk that rank r writes its stepped shard
+  into and every rank uploads from, so a rank's share of it is one shard (s elements: N shards over the N
+  ranks of the node); with several nodes a private whole copy per rank (N * s elements);
 - host, SHARDED (s elements): everything else per element (`host_extra_bytes_per_element` and the trace's
   gradient, optimizer state and master bytes): host gradient, fp32 master, optimizer state, gradient staging,
   undo backup;
+- pinned: `client.contract.sharded_chunk_pinned_bytes` (its `shared_compute` as above);
 - device: unchanged (the chunk is uploaded whole from the full compute copy into a buffer);
 - time: the whole chunk's upload (as a replicated chunk), a reduce-scatter of the gradient after the chunk's
-  backward and a D2H copy of the rank's shard only, the host step of the shard, and one all-gather of the
-  compute copy (N * s elements) on the host worker after that step.
+  backward and a D2H copy of the rank's shard only, the host step of the shard, and at optimizer.step():
+  several nodes: one all-gather of the compute copy (N * s elements) per sharded chunk (`gather_ns`); one node:
+  no gather (the ranks wrote their shards into the shared copy) but ONE barrier per step, on the host worker
+  after every chunk's host step, that each sharded chunk's next upload waits on (`step_barrier_ns`, charged
+  once when any chunk is sharded; `gather_ns` is 0 for every chunk).
 
 Collective times come from the trace's measured curves (`CollectiveCurves`, algorithm bandwidth of the
-whole tensor). Copies of a shard are its bytes over the host<->device curves, plus the runtime's measured
-per-copy overhead as for a whole chunk (serial devices only: `instance.build_instance` adds it). Times are
-integer ns, as everywhere.
+whole tensor). The trace measures no barrier: its time is the smallest all-gather sample's measured time
+(`barrier_ns`), a latency-bound collective on the same group, which over-counts a barrier by that sample's
+bytes over the link (cautious). Copies of a shard are its bytes over the host<->device curves, plus the
+runtime's measured per-copy overhead as for a whole chunk (serial devices only: `instance.build_instance`
+adds it). Times are integer ns, as everywhere.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from client.contract import Trace, shard_elements, sharded_chunk_pinned_bytes
+from client.contract import (
+    CollectiveCurves,
+    Trace,
+    compute_copy_shared,
+    shard_elements,
+    sharded_chunk_pinned_bytes,
+)
 from planner_service.solver.bandwidth import transfer_ns
 
 if TYPE_CHECKING:
@@ -42,6 +57,14 @@ def collective_overlap_permille(trace: Trace) -> int:
     if d is None or d.collectives is None or not d.collectives.copy_overlap:
         return 0
     return round(PERMILLE * min(o.factor for o in d.collectives.copy_overlap))
+
+
+def barrier_ns(curves: CollectiveCurves) -> int:
+    """One barrier across the group: the smallest all-gather sample's measured time (the probe times no barrier;
+    that sample is the group's most latency-bound measured collective, so likely more than a barrier takes:
+    cautious)."""
+    s = curves.all_gather[0]
+    return round(s.size_bytes / s.bytes_per_s * 1e9)
 
 
 def multi_rank_fields(
@@ -70,12 +93,18 @@ def multi_rank_fields(
     shards = [shard_elements(u // elt, n) for u in layout.used_bytes]
     # the runtime's measured per-copy cost (serial devices: build_instance added it to the whole copy)
     grad_rest = [t - transfer_ns(bw.d2h_pinned, g) for t, g in zip(grad_offload_ns, grad_bytes, strict=True)]
-    # replicated per element: the compute copy and the exposed .grad (compute dtype each); sharded: the rest
+    # whole per element: the exposed .grad and the compute copy (compute dtype each); sharded: the rest
     rest_per_elt = host_bytes_per_elt - 2 * elt
+    # one node: the compute copy is node-shared, a rank's share is one shard; several: a private whole copy
+    shared = compute_copy_shared(n, d.ranks_per_node)
+    copy_shards = 1 if shared else n
     return dict(
         world_size=n,
         ranks_per_node=d.ranks_per_node,
-        gather_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
+        compute_copy_shared=shared,
+        # several nodes: each sharded chunk's compute copy all-gathered at step(); one node: one barrier instead
+        gather_ns=(0,) * len(shards) if shared else tuple(transfer_ns(ag, n * s * elt) for s in shards),
+        step_barrier_ns=barrier_ns(d.collectives) if shared else 0,
         reduce_scatter_ns=tuple(transfer_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
         all_reduce_ns=tuple(transfer_ns(rs, g) + transfer_ns(ag, g) for g in grad_bytes),
         shard_grad_offload_ns=tuple(
@@ -83,10 +112,13 @@ def multi_rank_fields(
             for s, r in zip(shards, grad_rest, strict=True)
         ),
         shard_host_optim_ns=tuple(ns(s * elt / opt.host_bytes_per_s) for s in shards),
-        shard_host_bytes_of=tuple(n * s * 2 * elt + s * rest_per_elt for s in shards),
-        # the whole compute copy; the shard's staging buffer and, without a separate master, its host gradient
+        shard_host_bytes_of=tuple(n * s * elt + copy_shards * s * elt + s * rest_per_elt for s in shards),
+        # the compute copy (whole, or the rank's share of the node's); the shard's staging buffer and, without a
+        # separate master, its host gradient
         shard_pinned_bytes_of=tuple(
-            sharded_chunk_pinned_bytes(u // elt, n, elt, separate_master=separate_master)
+            sharded_chunk_pinned_bytes(
+                u // elt, n, elt, separate_master=separate_master, shared_compute=shared
+            )
             for u in layout.used_bytes
         ),
         collective_overlap_permille=collective_overlap_permille(trace),

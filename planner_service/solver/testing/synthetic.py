@@ -353,13 +353,15 @@ def synthetic_distributed(
     collective_bytes_per_s: float = MODELLED_COLLECTIVE_BYTES_PER_S,
     overlap_factor: float = 1.0,
     flat: bool = False,
+    flat_sample_bytes: int = 1,
 ) -> Distributed:
     """A modelled process group: `flat` gives one sample per curve (the same rate at every size, for
-    hand-computed tests); otherwise latency-limited curves like `_curve`. `overlap_factor` sets the measured
+    hand-computed tests; its size `flat_sample_bytes` sets the barrier the planner reads off it,
+    `sharding.barrier_ns`); otherwise latency-limited curves like `_curve`. `overlap_factor` sets the measured
     overlap of each collective with the copy beside it (all-gather with H2D, reduce-scatter with D2H)."""
     rpn = ranks_per_node or world_size
     if flat:
-        curve = [CollectiveSample(size_bytes=1, bytes_per_s=collective_bytes_per_s)]
+        curve = [CollectiveSample(size_bytes=flat_sample_bytes, bytes_per_s=collective_bytes_per_s)]
     else:
         curve = [
             CollectiveSample(size_bytes=s.size_bytes, bytes_per_s=s.bytes_per_s)

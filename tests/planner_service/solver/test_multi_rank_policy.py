@@ -2,14 +2,17 @@
 
 The model is ZeRO-Offload style (docs/architecture/solver.md, "Multi-rank jobs"): only offloaded chunks may be
 sharded; a sharded chunk is uploaded whole, its gradient reduce-scattered and its shard copied out and stepped
-on the host, then its compute copy all-gathered on the host. CP-SAT finds exactly the brute-force optimum over
-placements, sharding of the offloaded chunks, buffers and modes at world sizes 2 and 4 (overlapped and serial
-copies, measured overlap factors 0, 0.5 and 1, with and without clipping's redone host steps and a pinned
-limit); the vectorised timer agrees with the reference cost model; hand-computed figures pin the formulas.
+on the host; at step() its private compute copy is all-gathered (several nodes), or, where every rank is on one
+node and the ranks share one compute copy per chunk, one barrier runs instead. CP-SAT finds exactly the
+brute-force optimum over placements, sharding of the offloaded chunks, buffers and modes at world sizes 2 and 4
+(one node and several, overlapped and serial copies, measured overlap factors 0, 0.5 and 1, with and without
+clipping's redone host steps and a pinned limit); the vectorised timer agrees with the reference cost model;
+hand-computed figures pin the formulas.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -17,10 +20,11 @@ import numpy as np
 import pytest
 
 from client.contract import Constraints, Trace, Workload
-from planner_service.solver.chunk_grid import candidate_layouts
-from planner_service.solver.cost_model import activation_peak, evaluate_decision, iteration_ns_batch
+from planner_service.solver.chunk_grid import candidate_layouts, pack
+from planner_service.solver.cost_model import Cost, activation_peak, evaluate_decision, iteration_ns_batch
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
+from planner_service.solver.protrain import search
 from planner_service.solver.testing.synthetic import synthetic_distributed, with_distributed
 from tests.planner_service.solver.test_policy_bruteforce import limits_between_extremes, random_trace
 
@@ -86,10 +90,16 @@ def _multi_rank(rng: np.random.Generator, world: int, per_node: int, overlap: fl
     base = random_trace(rng, n_blocks=n_blocks)
     # collectives between 0.3x and 3x the copy rate: sometimes hidden, sometimes the bottleneck
     rate = float(rng.uniform(0.3, 3.0)) * base.hardware.bandwidth.h2d_pinned[0].bytes_per_s
+    # the flat curve's one sample at 4 MiB: a one-node job's barrier (that sample's time) is about a chunk's gather
     trace = with_distributed(
         base,
         synthetic_distributed(
-            world, per_node, collective_bytes_per_s=rate, overlap_factor=overlap, flat=True
+            world,
+            per_node,
+            collective_bytes_per_s=rate,
+            overlap_factor=overlap,
+            flat=True,
+            flat_sample_bytes=4 * MiB,
         ),
     )
     cons = limits_between_extremes(rng, trace)
@@ -106,6 +116,8 @@ CASES = [  # (seed, world size, ranks per node, overlap factor, copies overlap c
     (1, 2, 1, 0.5, True, True, False),
     (0, 2, 2, 1.0, False, True, True),
     (6, 4, 2, 0.0, False, False, False),
+    (7, 4, 1, 0.5, True, True, True),
+    (7, 4, 4, 0.0, False, True, False),
 ]
 
 
@@ -126,6 +138,9 @@ def test_cpsat_optimum_equals_brute_force_at_world_sizes_2_and_4(  # noqa: PLR09
             continue
         inst = build_instance(trace, lay, cons, params)
         assert inst.world_size == world and inst.ranks_per_node == per_node
+        # one node: node-shared compute copies, one barrier per step; several nodes: all-gathers
+        assert inst.compute_copy_shared == (per_node == world)
+        assert (inst.step_barrier_ns > 0) == inst.compute_copy_shared == (not any(inst.gather_ns))
         assert inst.redo_host_steps == clip
         expected = brute_force(inst)
         got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
@@ -171,8 +186,14 @@ MB = 10**6
 ms = 10**6  # ns
 
 
-def _hand(
-    rate: float = 50e9, overlap: float = 1.0, world: int = 2, per_node: int = 2, n_blocks: int = 2, **kw
+def _hand(  # noqa: PLR0913
+    rate: float = 50e9,
+    overlap: float = 1.0,
+    world: int = 2,
+    per_node: int = 2,
+    n_blocks: int = 2,
+    sample_bytes: int = 1,
+    **kw,
 ):  # type: ignore[no-untyped-def]
     from planner_service.solver.testing.synthetic import BlockSpec, hand_trace
 
@@ -185,15 +206,18 @@ def _hand(
         trace = with_distributed(
             trace,
             synthetic_distributed(
-                world, per_node, collective_bytes_per_s=rate, overlap_factor=overlap, flat=True
+                world,
+                per_node,
+                collective_bytes_per_s=rate,
+                overlap_factor=overlap,
+                flat=True,
+                flat_sample_bytes=sample_bytes,
             ),
         )
     return trace
 
 
 def _inst(trace, **cons):  # type: ignore[no-untyped-def]
-    from planner_service.solver.chunk_grid import pack
-
     layout = pack(trace, 128 * MiB)
     assert layout.n_chunks == len(trace.model.blocks)
     return build_instance(
@@ -205,7 +229,8 @@ KEEP = (Mode.keep, Mode.keep)
 
 
 def test_instance_constants_are_the_hand_computed_shards_and_collectives() -> None:
-    inst = _inst(_hand())
+    inst = _inst(_hand(per_node=1))  # two nodes: each rank keeps a private compute copy
+    assert not inst.compute_copy_shared and inst.step_barrier_ns == 0
     assert inst.gather_ns == (2 * ms, 2 * ms)  # the 100 MB compute copy all-gathered at 50 GB/s
     assert inst.reduce_scatter_ns == (2 * ms, 2 * ms)  # 100 MB of fp32 gradient
     assert inst.all_reduce_ns == (4 * ms, 4 * ms)  # reduce-scatter + all-gather
@@ -229,11 +254,12 @@ def test_a_shard_is_a_multiple_of_4_elements_of_the_padded_chunk() -> None:
     assert shard_elements(10, 4) == 4  # ceil(10 / 4) = 3, aligned to 4: the last shard is padding only
     assert shard_elements(16, 4) == 4 and shard_elements(17, 4) == 8 and shard_elements(8, 2) == 4
     # 12 + 4 = 16-byte (fp32) fragments of 100 MB + 4 bytes of parameters over 3 ranks
-    trace = _hand(world=3, per_node=3)
-    inst = _inst(trace)
     s = shard_elements(25_000_000, 3)
     assert s == 8_333_336
-    assert inst.shard_host_bytes_of[0] == 3 * s * 8 + s * 16
+    # three nodes: the .grad and a private compute copy whole (3 s elements of 4 bytes each), the rest a shard
+    assert _inst(_hand(world=3, per_node=1)).shard_host_bytes_of[0] == 3 * s * 8 + s * 16
+    # one node: the .grad whole, the rank's share of the node's one compute copy (one shard), the rest a shard
+    assert _inst(_hand(world=3, per_node=3)).shard_host_bytes_of[0] == 3 * s * 4 + s * 4 + s * 16
 
 
 def test_mixed_precision_shard_bytes_follow_what_the_runtime_keeps_per_rank() -> None:
@@ -300,7 +326,7 @@ def test_slow_collectives_are_exposed_where_compute_cannot_hide_them() -> None:
 
 
 def test_offloaded_shards_with_one_buffer_and_the_host_queue() -> None:
-    inst = _inst(_hand())
+    inst = _inst(_hand(per_node=1))  # two nodes: private compute copies, all-gathered at step()
     cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (True, True)))
     # forward: upload chunk 0 whole (10 ms), no gather; one buffer: chunk 1's upload waits for window 0's
     # compute (10 + 10)
@@ -315,34 +341,39 @@ def test_offloaded_shards_with_one_buffer_and_the_host_queue() -> None:
     assert cost.host_redo_ns == 4 * ms
     assert cost.iteration_ns == 40 * ms + 137 * ms + 4 * ms
     assert cost.host_optim_ns == 100 * ms and cost.host_collective_ns == 4 * ms
-    # two 400 MB sharded chunks (see the instance test) on each of 2 ranks; 200 MB pinned each
-    assert cost.host_bytes == 800 * MB and cost.host_node_bytes == 1600 * MB and cost.pinned_bytes == 400 * MB
+    # two 400 MB sharded chunks (see the instance test) on each rank, one rank per node; 200 MB pinned each
+    assert cost.host_bytes == 800 * MB and cost.host_node_bytes == 800 * MB and cost.pinned_bytes == 400 * MB
     assert cost.static_device_bytes == 2 * 128 * MiB  # one full buffer (compute copy + gradient)
 
 
-def test_clipping_redoes_the_shard_steps_and_then_gathers() -> None:
-    inst = _inst(_clipping(_hand()))
+@pytest.mark.parametrize(("per_node", "collectives"), [(1, 4 * ms), (2, 20_000)])
+def test_clipping_redoes_the_shard_steps_and_then_gathers(per_node: int, collectives: int) -> None:
+    inst = _inst(_clipping(_hand(per_node=per_node, sample_bytes=MB)))
     assert inst.redo_host_steps
     cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (True, True)))
     # during backward the worker only steps (speculatively): chunk 1 at 37 + 50, chunk 0 after it at 137 ms
     assert cost.host_end_ns == 137 * ms
-    # at optimizer.step() both shard steps are redone, then both compute copies all-gathered
-    assert cost.host_redo_ns == 100 * ms + 4 * ms
-    assert cost.iteration_ns == 40 * ms + 137 * ms + 104 * ms
-    # the undo backup (12 bytes per element: master + Adam state) is a shard's too
-    assert inst.shard_host_bytes_of[0] == 400 * MB + 12 * 12_500_000
+    # at optimizer.step() both shard steps are redone, then (two nodes) both compute copies all-gathered, or
+    # (one node, a shared compute copy) one barrier: the 1 MB all-gather sample's 20 us
+    assert cost.host_redo_ns == 100 * ms + collectives
+    assert cost.iteration_ns == 40 * ms + 137 * ms + 100 * ms + collectives
+    # the undo backup (12 bytes per element: master + Adam state) is a shard's too (beside 400 MB with a
+    # private compute copy, 350 MB with a share of the node's: see the instance tests)
+    assert inst.shard_host_bytes_of[0] == (400 if per_node == 1 else 350) * MB + 12 * 12_500_000
 
 
-def test_on_a_serial_device_every_collective_adds() -> None:
-    inst = _inst(_hand(device_type="cpu"))  # type: ignore[arg-type]
+@pytest.mark.parametrize(("per_node", "collectives"), [(1, 2 * ms), (2, 20_000)])
+def test_on_a_serial_device_every_collective_adds(per_node: int, collectives: int) -> None:
+    inst = _inst(_hand(per_node=per_node, sample_bytes=MB, device_type="cpu"))  # type: ignore[arg-type]
     assert not inst.copy_overlap
     cost = evaluate_decision(inst, Decision((False, True), 1, KEEP, (False, True)))
     # forward: window 0 then uploads chunk 1 (10 ms) after compute
     assert cost.forward_ns == 10 * ms + 10 * ms + 10 * ms
     # backward: window 1; window 0 + chunk 1's reduce-scatter (2) and shard copy (5); chunk 0's all-reduce (4)
     assert cost.backward_ns == 20 * ms + 27 * ms + 4 * ms
-    # then the device step of chunk 0 (1 ms), the shard step (50) and the gather (2), serially
-    assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 52 * ms
+    # then the device step of chunk 0 (1 ms), the shard step (50) and the gather (2 ms, two nodes) or the
+    # barrier (20 us, one node), serially
+    assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 50 * ms + collectives
 
 
 @pytest.mark.parametrize(("overlap", "window_ms"), [(1.0, 20.0), (0.5, 22.5), (0.0, 25.0)])
@@ -368,6 +399,76 @@ def test_host_memory_is_the_nodes_shared_by_its_ranks() -> None:
     got = solve_layout(two_per_node, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
     assert got.decision is not None and got.cost is not None and got.cost.host_node_bytes <= limit
     assert not all(got.decision.offloaded)
+
+
+def test_one_node_shares_the_compute_copy_where_two_nodes_keep_one_per_rank() -> None:
+    # the same model and world size 2: both ranks on one node (a node-shared compute copy per sharded chunk,
+    # one barrier per step) or one rank on each of two nodes (a private copy each, all-gathered at step())
+    one = _inst(_hand(per_node=2, sample_bytes=MB))
+    two = _inst(_hand(per_node=1, sample_bytes=MB))
+    assert one.compute_copy_shared and not two.compute_copy_shared
+    n, s, copy = 2, 12_500_000, 100 * MB  # ranks, shard elements, a chunk's whole fp32 compute copy
+    # per rank: the .grad whole (100 MB) + the compute copy whole (100 MB) or the rank's share (50 MB) + 16
+    # bytes per shard element; pinned: the copy (whole or the share) + staging and host gradient shards
+    assert two.shard_host_bytes_of == (400 * MB, 400 * MB) and one.shard_host_bytes_of == (350 * MB, 350 * MB)
+    assert two.shard_host_bytes_of[0] - one.shard_host_bytes_of[0] == (n - 1) * s * 4 == copy * (n - 1) // n
+    assert two.shard_pinned_bytes_of == (200 * MB, 200 * MB)
+    assert one.shard_pinned_bytes_of == (150 * MB, 150 * MB)
+    # time: no all-gather on the shared path, one barrier instead (the 1 MB all-gather sample at 50 GB/s)
+    assert two.gather_ns == (2 * ms, 2 * ms) and two.step_barrier_ns == 0
+    assert one.gather_ns == (0, 0) and one.step_barrier_ns == 20_000
+    d = Decision((True, True), 1, KEEP, (True, True))
+    a, b = evaluate_decision(one, d), evaluate_decision(two, d)
+    # forward, backward and the host steps are the same; at step() two gathers (4 ms) or one barrier (20 us)
+    assert (a.forward_ns, a.backward_ns, a.host_end_ns) == (b.forward_ns, b.backward_ns, b.host_end_ns)
+    assert (a.host_redo_ns, a.host_collective_ns) == (20_000, 20_000)
+    assert (b.host_redo_ns, b.host_collective_ns) == (4 * ms, 4 * ms)
+    assert b.iteration_ns - a.iteration_ns == 4 * ms - 20_000
+    # node host: the one-node job holds 2 x 700 MB; with a private copy per rank it would hold 2 x 800 MB: the
+    # node saves (N - 1)/N of its ranks' compute copies (2 ranks x 2 chunks x 100 MB)
+    assert (a.host_bytes, a.host_node_bytes) == (700 * MB, 1400 * MB)
+    assert (b.host_bytes, b.host_node_bytes) == (800 * MB, 800 * MB)
+    assert n * b.host_bytes - a.host_node_bytes == (n - 1) * (n * 2 * copy) // n
+    assert (a.pinned_bytes, b.pinned_bytes) == (300 * MB, 400 * MB)
+    # one barrier per step however many chunks are sharded, none when none is
+    assert evaluate_decision(one, Decision((True, True), 1, KEEP, (True, False))).host_redo_ns == 20_000
+    assert evaluate_decision(one, Decision((True, True), 1, KEEP, (False, False))).host_redo_ns == 0
+    assert evaluate_decision(one, Decision((False, False), 0, KEEP, (False, False))).host_collective_ns == 0
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "protrain"])
+def test_sharing_the_compute_copy_fits_a_node_host_limit_that_private_copies_do_not(solver: str) -> None:
+    # a 600 MB device holds neither chunk's 400 MB of states beside a buffer (2 x 128 MiB): both are offloaded.
+    # Sharded on one node they take 2 x 700 MB of the node's host (see above), with a private compute copy per
+    # rank 2 x 800 MB; replicated, 600 MB a chunk per rank. The node has 1500 MB.
+    trace = _hand(per_node=2, sample_bytes=MB)
+    cons = Constraints(device_memory_bytes=600 * MB, host_memory_bytes=1500 * MB)
+    shared = build_instance(trace, pack(trace, 128 * MiB), cons, CostParams(alpha=0.0))
+    two_nodes = build_instance(
+        _hand(per_node=1, sample_bytes=MB), pack(trace, 128 * MiB), cons, CostParams(alpha=0.0)
+    )
+    # the same node as the planner modelled it before the copy was shared: a private whole copy per rank
+    private = dataclasses.replace(
+        shared,
+        compute_copy_shared=False,
+        gather_ns=two_nodes.gather_ns,
+        step_barrier_ns=0,
+        shard_host_bytes_of=two_nodes.shard_host_bytes_of,
+        shard_pinned_bytes_of=two_nodes.shard_pinned_bytes_of,
+    )
+
+    def solve(inst: PolicyInstance) -> tuple[Decision | None, Cost | None]:
+        if solver == "protrain":
+            r = search(inst)
+            return r.decision, r.cost
+        got = solve_layout(inst, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
+        return got.decision, got.cost
+
+    d, cost = solve(shared)
+    assert d is not None and cost is not None and cost.fits
+    assert d.offloaded == (True, True) and d.sharded_chunks(shared) == (True, True)
+    assert cost.host_node_bytes == 1400 * MB <= cons.host_memory_bytes  # type: ignore[operator]
+    assert solve(private) == (None, None)
 
 
 def test_a_single_rank_trace_rejects_a_sharding() -> None:
