@@ -17,6 +17,8 @@ same device copies, written straightforwardly and not run on a GPU yet.
 
 from __future__ import annotations
 
+import socket
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +79,10 @@ class RankGroup:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def barrier(self) -> None:
+        """Every rank reached this point (`torch.distributed.barrier`; on NCCL it also waits for the device)."""
+        dist.barrier(group=self.group)
+
     def max(self, values: list[float]) -> list[float]:
         """The element-wise maximum of `values` over the ranks (the slowest rank's time, the largest peak)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -89,6 +95,35 @@ class RankGroup:
         global_src = dist.get_global_rank(self.group, src) if self.group else src
         dist.broadcast_object_list(box, src=global_src, group=self.group, device=self.device)
         return box[0]
+
+
+class UnevenNodesError(RuntimeError):
+    """The ranks of a group are spread unevenly over their hosts."""
+
+
+def busiest_host_ranks(hosts: list[str]) -> int:
+    """Ranks on the busiest of the ranks' `hosts` (one host name per rank); it must divide the world size."""
+    counts = Counter(hosts)
+    busiest = max(counts.values())
+    if len(hosts) % busiest:
+        raise UnevenNodesError(
+            f"ranks_per_node: hosts run uneven numbers of ranks ({dict(counts)}); memplan plans for nodes with "
+            "equal ranks"
+        )
+    return busiest
+
+
+def host_name() -> str:
+    """This process's host, as the ranks compare them (ranks with the same name share a node's memory)."""
+    return socket.gethostname()
+
+
+def ranks_per_node(group: Any) -> int:
+    """Ranks on the busiest host of `group` (a `dist.ProcessGroup`, None: the default group); a collective
+    (host names gathered from every rank)."""
+    names: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, host_name(), group=group)
+    return busiest_host_ranks([str(n) for n in names])
 
 
 # torch 2.13 names them `*_single` (the `*_tensor` names are deprecated); older ones have only the latter

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ class ShardCase:
     load: str | None = None  # both variants start from this checkpoint (memplan's, saved at any world size)
     bf16: bool = False  # memplan computes in bf16 with an fp32 master (DDP stays fp32)
     unwrap: bool = False  # end with agent.unwrap: the trained model and optimizer state back in plain PyTorch
+    share: bool = True  # RuntimeOptions.share_compute_copy (the node-shared compute copy)
+    shm_dirs: list[str] | None = None  # per rank: RuntimeOptions.shared_memory_dir (default /dev/shm)
 
 
 class TokenMLP(nn.Module):
@@ -97,6 +100,43 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
         dist.destroy_process_group()
 
 
+class _Records(logging.Handler):
+    """The messages of the warnings logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _sharing(runtime: Any, case: ShardCase) -> dict[str, Any]:
+    """Right after wrap: whether the compute copies are node-shared, the inode of the mapping this process has
+    of the segment (from /proc/self/maps: the file is deleted, the mapping stays), what the CUDA registration
+    would cover, whether every sharded chunk's compute copy lies inside it, and what is left in the directory."""
+    shared = runtime.shared
+    out: dict[str, Any] = {"shared": shared is not None, "shm_left": None, "maps": []}
+    directory = case.shm_dirs[dist.get_rank()] if case.shm_dirs else None
+    if directory is not None and os.path.isdir(directory):
+        out["shm_left"] = sorted(os.listdir(directory))
+    if shared is None:
+        return out
+    ptr, nbytes = shared.registration()
+    inside = all(
+        ptr <= st.host_params.data_ptr() and st.host_params.data_ptr() + st.host_params.nbytes <= ptr + nbytes
+        for st in runtime.states
+        if st.shard is not None
+    )
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= ptr < hi:  # the mapping holding the segment: (start, end, inode, path)
+            out["maps"] = [lo - ptr, hi - ptr, int(fields[4]), fields[5] if len(fields) > 5 else ""]
+    out.update(registration=[nbytes, shared.nbytes], chunks_inside=inside)
+    return out
+
+
 def state_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Largest relative difference between two plain-PyTorch optimizer state dicts' tensors (same keys)."""
     assert a["state"].keys() == b["state"].keys(), (sorted(a["state"]), sorted(b["state"]))
@@ -130,13 +170,17 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
     ddp = DistributedDataParallel(ref_model)
     data = batches(case.steps, rank)
     dtype = torch.bfloat16 if case.bf16 else torch.float32
+    shm = {"shared_memory_dir": case.shm_dirs[rank]} if case.shm_dirs else {}
+    warned = _Records()
+    logging.getLogger("agent.runtime.node_shared").addHandler(warned)
     wrapped = agent.wrap(
         model,
         opt,
         plan=sharded_plan(model, world, case.offload, dtype),
-        options=RuntimeOptions(compute_dtype=dtype),
+        options=RuntimeOptions(compute_dtype=dtype, share_compute_copy=case.share, **shm),
         feedback_steps=None,
     )
+    sharing = _sharing(wrapped.runtime, case)
     loop = LoopCase(steps=case.steps, clip=case.clip, micro=case.micro, no_sync=case.no_sync)
     ref_losses, ref_norms = train(
         ddp, ref_opt, data, loop, ddp.no_sync, lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m)
@@ -170,6 +214,11 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "persistent_chunks": sum(not st.offloaded for st in states),
         "grad_reductions": runtime.counters.grad_reductions,
         "param_gathers": runtime.counters.param_gathers,
+        "compute_barriers": runtime.counters.compute_barriers,
+        "warnings": warned.messages,
+        **sharing,
+        "node_shared_bytes": report.node_shared_host_bytes,
+        "pinned_host_bytes": report.pinned_host_bytes,
         "host_step_redos": runtime.counters.host_step_redos,
         "chunk_numel": [st.numel for st in sharded],
         "shard_numel": [st.shard.size for st in sharded],  # type: ignore[union-attr]
