@@ -101,7 +101,9 @@ class NodeSharedCopy:
         self.world_size = 1  # set by `open_node_shared`: the ranks sharing it
         self._mapping: mmap.mmap | None = mapping
         with _disable_current_modes():  # host memory, no kernel's output (as the host arena's)
-            self.memory: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=segment.total)
+            self.memory: torch.Tensor | None = torch.frombuffer(
+                mapping, dtype=torch.uint8, count=segment.total
+            )
         self.registered = False
 
     @property
@@ -142,7 +144,9 @@ class NodeSharedCopy:
         if self.registered and self.memory is not None:
             err = int(torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr()))
             if err != 0:
-                log.warning("memplan: cudaHostUnregister of the node-shared compute copy failed (cudaError %d)", err)
+                log.warning(
+                    "memplan: cudaHostUnregister of the node-shared compute copy failed (cudaError %d)", err
+                )
             self.registered = False
         self.memory = None
         self._mapping = None
@@ -226,7 +230,9 @@ def open_node_shared(
             error = f"rank {group.rank}: {e}"
     errors = [e for e in group.all_gather_object(error) if e is not None]
     if group.rank == creator and name is not None:
-        os.unlink(os.path.join(directory, name))  # every rank mapped it (or gave up): nothing stays in the directory
+        os.unlink(
+            os.path.join(directory, name)
+        )  # every rank mapped it (or gave up): nothing stays in the directory
     if errors:
         if shared is not None:
             shared.release()
