@@ -20,9 +20,9 @@ from agent.report import WrapReport
 from agent.runtime.arena import runtime_arena_context
 from agent.runtime.device import DeviceContext
 from agent.runtime.host_arena import host_arena_for
-from agent.runtime.node_shared import NodeSharing, open_node_shared
 from agent.runtime.layout import ChunkLayout, check_world
 from agent.runtime.manager import ModelStateManager
+from agent.runtime.node_shared import NodeSharing, open_node_shared
 from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
 from agent.runtime.options import RuntimeOptions
 
