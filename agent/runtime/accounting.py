@@ -89,7 +89,9 @@ class RuntimeReport:
             f"{'buffer' if self.n_buffers == 1 else 'buffers'} of "
             f"{self.chunk_size_bytes / 2**20:.1f} MiB), {self.compute_dtype} on {self.device}; "
             f"device {m.device_bytes / gib:.3f} GiB, host {m.host_bytes / gib:.3f} GiB "
-            f"(pinned {m.pinned_host_bytes / gib:.3f} GiB); uploads {self.counters.uploads}, "
+            f"(pinned {m.pinned_host_bytes / gib:.3f} GiB"
+            + (f"; node-shared {m.node_shared_host_bytes / gib:.3f} GiB" if m.node_shared_host_bytes else "")
+            + f"); uploads {self.counters.uploads}, "
             f"resident hits {self.counters.resident_hits}, host optimizer {self.host_optimizer}"
         )
 
