@@ -211,28 +211,33 @@ def open_node_shared(
     name: str | None = None
     mapping: mmap.mmap | None = None
     error: str | None = None
+    shared: NodeSharedCopy | None = None
+    # any failure must reach the agreement below (caught broadly): a rank that raised here would leave the
+    # others waiting in the collective
     if group.rank == creator:
         try:
             name, mapping = _create(directory, segment.total)
-        except OSError as e:
+        except Exception as e:
             error = f"rank {group.rank} could not create {segment.total} bytes in {directory}: {e}"
     name = group.all_gather_object(name)[creator]
     if group.rank != creator and name is not None:
         try:
             mapping = _open(directory, name, segment.total)
-        except (OSError, NodeSharedError) as e:
+        except Exception as e:
             error = f"rank {group.rank} could not open {os.path.join(directory, name)}: {e}"
-    shared = NodeSharedCopy(mapping, segment, layout.compute_dtype, name) if mapping is not None else None
-    if shared is not None and device.type == "cuda" and error is None:
+    if mapping is not None and name is not None:
         try:
-            shared.register_cuda()
-        except NodeSharedError as e:
-            error = f"rank {group.rank}: {e}"
+            shared = NodeSharedCopy(mapping, segment, layout.compute_dtype, name)
+            if device.type == "cuda" and error is None:
+                shared.register_cuda()
+        except Exception as e:
+            error = f"rank {group.rank} could not map or page-lock it: {e}"
     errors = [e for e in group.all_gather_object(error) if e is not None]
     if group.rank == creator and name is not None:
-        os.unlink(
-            os.path.join(directory, name)
-        )  # every rank mapped it (or gave up): nothing stays in the directory
+        try:  # every rank mapped it (or gave up): nothing stays in the directory
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            log.warning("memplan: the node-shared compute copy %s was removed by someone else", name)
     if errors:
         if shared is not None:
             shared.release()

@@ -59,6 +59,7 @@ def test_persistent_and_sharded_chunks_train_as_ddp_on_four_ranks_holding_a_quar
     results = spawn(ShardCase(kind="mlp", offload="alternate", steps=4), world, tmp_path)
     assert results[0]["persistent_chunks"] > 0
     check(results)
+    assert all(res["shared"] for res in results)  # one machine: the node-shared compute copy (the default)
     # host memory of the sharded chunks per rank: master, host gradient, staging and optimizer state are
     # one shard (a quarter, padded to 4 elements); the compute copy and the exposed gradient stay whole
     chunk_numel = results[0]["chunk_numel"]
