@@ -26,7 +26,8 @@ from sharded_jobs import ShardCase, TokenMLP, run_then_kill, sharded_plan, spawn
 from agent.runtime import ChunkLayout
 from agent.runtime.host_arena import chunk_region_bytes, planned_chunk_bytes
 from agent.runtime.node_shared import SegmentLayout
-from client.contract import PARAMETER_ALIGN_BYTES, sharded_chunk_pinned_bytes
+from agent.runtime.process_group import UnevenNodesError, busiest_host_ranks
+from client.contract import PARAMETER_ALIGN_BYTES, compute_copy_shared, sharded_chunk_pinned_bytes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -174,3 +175,12 @@ def test_segment_layout_and_arena_accounting_follow_the_contract() -> None:
         assert chunk_region_bytes(layout, separate_master=master) == planned_chunk_bytes(
             layout, separate_master=master
         )
+
+
+def test_ranks_share_a_copy_only_when_all_are_on_one_host() -> None:
+    """The decision `open_node_shared` takes from the ranks' host names (several nodes: private copies)."""
+    assert busiest_host_ranks(["a", "a"]) == 2 and compute_copy_shared(2, busiest_host_ranks(["a", "a"]))
+    two_nodes = busiest_host_ranks(["a", "a", "b", "b"])
+    assert two_nodes == 2 and not compute_copy_shared(4, two_nodes)
+    with pytest.raises(UnevenNodesError, match="uneven"):
+        busiest_host_ranks(["a", "a", "b"])
