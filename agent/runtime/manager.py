@@ -444,9 +444,8 @@ class ModelStateManager:
             st.wait_host()
             changed = self.gradients.reconcile(st)
             self.host_steps.settle(st, hypers, grad_changed=changed)
-        self.host_steps.publish_shards(
-            self.states
-        )  # sharded chunks: every rank's stepped shard, same on every rank
+        # sharded chunks: every rank's stepped shard (all-gathers, or one barrier), the same on every rank
+        self.host_steps.publish_shards(self.states)
         if not self.options.async_step:
             for st in self.states:  # parameters are final when step() returns, as in plain PyTorch
                 st.wait_host()
