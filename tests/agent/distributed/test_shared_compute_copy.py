@@ -104,6 +104,23 @@ def test_shared_and_private_compute_copies_train_as_ddp_and_alike_and_the_ranks_
     assert os.listdir(shm) == []
 
 
+def test_four_ranks_with_persistent_chunks_share_one_copy_and_train_as_with_private_copies(
+    tmp_path: Path,
+) -> None:
+    world = 4
+    case = ShardCase(kind="mlp", offload="alternate", steps=3)
+    shared = spawn(case, world, out(tmp_path, "shared"))
+    private = spawn(ShardCase(**{**case.__dict__, "share": False}), world, out(tmp_path, "private"))
+    for results in (shared, private):
+        as_ddp(results)
+    assert all(r["shared"] for r in shared) and not any(r["shared"] for r in private)
+    assert len({r["digest"] for r in shared + private}) == 1
+    for s, p in zip(shared, private, strict=True):
+        whole = sum(world * n * 4 for n in s["shard_numel"])
+        assert p["host_report"]["parameters"] - s["host_report"]["parameters"] == whole - whole // world
+        assert s["param_gathers"] == 0 and p["param_gathers"] > 0
+
+
 def test_bf16_with_fp32_master_shards_trains_alike_shared_or_not(shm: Path, tmp_path: Path) -> None:
     """Mixed precision smoke: the fp32 master is a shard of its own; each rank casts it into its shard of the
     node-shared copy. Shared and private give the same model to the bit, near fp32 DDP's, also after unwrap."""
