@@ -22,6 +22,7 @@ from agent.runtime.device import DeviceContext
 from agent.runtime.host_arena import host_arena_for
 from agent.runtime.layout import ChunkLayout, check_world
 from agent.runtime.manager import ModelStateManager
+from agent.runtime.node_shared import NodeSharing, open_node_shared
 from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
 from agent.runtime.options import RuntimeOptions
 
@@ -181,10 +182,19 @@ def apply_plan(
     check_parameters(optimizer, layout)  # every check before the model is touched
     user_state = optimizer.state_dict() if optimizer.state else None
     ctx = runtime_arena_context(device, layout) if arena else DeviceContext(device)
-    ctx.host_arena = host_arena_for(plan, layout, device, fp32_master=opts.fp32_master)  # pinned: one arena
+    # sharded chunks on one node: their compute copies in node-shared memory (a collective; None: private)
+    sharing = open_node_shared(layout, group, opts, device) if group is not None else NodeSharing(None, False)
+    ctx.host_arena = host_arena_for(  # pinned: one arena (without the node-shared copies)
+        plan,
+        layout,
+        device,
+        fp32_master=opts.fp32_master,
+        shared_compute=sharing.copy is not None,
+        plan_shares=sharing.planned,
+    )
     if group is not None:
         broadcast_model(model, group)
-    manager = ModelStateManager(model, layout, ctx, opts, group)
+    manager = ModelStateManager(model, layout, ctx, opts, group, sharing.copy)
     wrapped_opt = ChunkedOptimizer(optimizer, layout, manager)
     manager.attach_optimizer(wrapped_opt)
     if user_state is not None:

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import socket
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -47,7 +45,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
-from agent.runtime.process_group import all_gather_single, reduce_scatter_single
+from agent.runtime.process_group import UnevenNodesError, all_gather_single, reduce_scatter_single
+from agent.runtime.process_group import ranks_per_node as node_ranks
 from client.contract import (
     CollectiveBackend,
     CollectiveCopyOverlap,
@@ -243,16 +242,10 @@ def measure_overlap(
 
 def ranks_per_node(group: dist.ProcessGroup | None) -> int:
     """Ranks on the busiest host (host names gathered from every rank); must divide the world size."""
-    world = dist.get_world_size(group)
-    names: list[str | None] = [None] * world
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    busiest = max(Counter(names).values())
-    if world % busiest:
-        raise CollectiveProbeError(
-            f"ranks_per_node: hosts run uneven numbers of ranks ({dict(Counter(names))}); "
-            "memplan plans for nodes with equal ranks"
-        )
-    return busiest
+    try:
+        return node_ranks(group)
+    except UnevenNodesError as e:
+        raise CollectiveProbeError(str(e)) from e
 
 
 def interconnect(group: dist.ProcessGroup | None, device: torch.device, per_node: int) -> Interconnect:

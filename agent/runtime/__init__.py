@@ -5,8 +5,9 @@ Modules, each with one job: `layout` (plan -> parameter offsets, checked against
 `device` (streams and events; no-ops on CPU), `host_worker` (host optimizer thread), `optimizer`
 (the user's optimizer) with `stepper` (one per chunk), `manager` (hooks, lifecycle; wires `residency`,
 `gradients`, `saved_tensors`, `host_steps`), `phase`, `timing` (the timing hook), `accounting` (bytes held),
-`manual` (hand-built plans), `activations` (per-block keep/checkpoint/swap) with `swap` (saved tensors
-to host memory and back, one block ahead).
+`manual` (hand-built plans), `node_shared` (sharded chunks' compute copies shared by the ranks of a node),
+`activations` (per-block keep/checkpoint/swap) with `swap` (saved tensors to host memory and back, one block
+ahead).
 """
 
 from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from agent.runtime.buffers import BufferPool
     from agent.runtime.chunks import ChunkState
     from agent.runtime.device import DeviceContext
+    from agent.runtime.node_shared import NodeSharedCopy
     from agent.runtime.stepper import ChunkStepper
 
 
@@ -21,11 +22,16 @@ class MemoryReport:
 
     `pinned_host_bytes`: with a host arena (`host_arena.py`) its size plus any chunk buffer that went
     around it (on CPU the same figure, though nothing is page-locked there); without one, the host buffers
-    that report `is_pinned()`."""
+    that report `is_pinned()`; plus this rank's share of the node-shared compute copy.
+
+    Node-shared compute copy (`node_shared.py`): `host["parameters"]` counts this rank's share of it (one shard
+    per sharded chunk: the node holds it once for all its ranks, so the ranks' figures add up to the node's
+    bytes); `node_shared_host_bytes` is the whole segment, which every rank of the node maps."""
 
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     pinned_host_bytes: int = 0
+    node_shared_host_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -58,7 +64,8 @@ class Counters:
     device_steps: int = 0
     iterations: int = 0  # completed backward passes
     grad_reductions: int = 0  # chunk gradients averaged (or reduce-scattered) across the job's ranks
-    param_gathers: int = 0  # sharded chunks' compute copies all-gathered after their host step
+    param_gathers: int = 0  # sharded chunks' private compute copies all-gathered after their host step
+    compute_barriers: int = 0  # barriers that publish node-shared compute copies (step, undo, load, wrap)
 
 
 @dataclass
@@ -82,7 +89,9 @@ class RuntimeReport:
             f"{'buffer' if self.n_buffers == 1 else 'buffers'} of "
             f"{self.chunk_size_bytes / 2**20:.1f} MiB), {self.compute_dtype} on {self.device}; "
             f"device {m.device_bytes / gib:.3f} GiB, host {m.host_bytes / gib:.3f} GiB "
-            f"(pinned {m.pinned_host_bytes / gib:.3f} GiB); uploads {self.counters.uploads}, "
+            f"(pinned {m.pinned_host_bytes / gib:.3f} GiB"
+            + (f"; node-shared {m.node_shared_host_bytes / gib:.3f} GiB" if m.node_shared_host_bytes else "")
+            + f"); uploads {self.counters.uploads}, "
             f"resident hits {self.counters.resident_hits}, host optimizer {self.host_optimizer}"
         )
 
@@ -92,8 +101,10 @@ def measure_memory(
     steppers: Sequence[ChunkStepper],
     pool: BufferPool | None,
     ctx: DeviceContext,
+    shared: NodeSharedCopy | None = None,
 ) -> MemoryReport:
-    """The bytes the chunks, their optimizer state and the buffer pool hold now, by side and category."""
+    """The bytes the chunks, their optimizer state and the buffer pool hold now, by side and category
+    (`shared`: the node-shared compute copy, of which a rank holds its share)."""
     rep = MemoryReport()
     dev, host = rep.device, rep.host
 
@@ -105,6 +116,9 @@ def measure_memory(
         arena is not None
     ):  # one page-locked allocation, whatever is sliced from it now (and what went around it)
         rep.pinned_host_bytes = arena.pinned_bytes
+    if shared is not None:
+        rep.node_shared_host_bytes = shared.nbytes
+        rep.pinned_host_bytes += shared.share_bytes  # page-locked on CUDA (every rank registers its mapping)
     seen: set[int] = set()
     for st in states:
         side = host if st.offloaded else dev
@@ -116,6 +130,10 @@ def measure_memory(
             "gradient_exposed": st.user_grad,  # the `.grad` offloaded parameters show after backward
             "undo_backup": st.backup_master,  # speculative host steps: master before the step
         }
+        if st.node_shared:  # views of one segment: this rank's share, counted above for pinned
+            assert st.shard is not None and st.host_params is not None
+            add(host, "parameters", st.shard.size * st.host_params.element_size())
+            del tensors["parameters"]
         for key, t in tensors.items():
             if t is None or t.untyped_storage().data_ptr() in seen:
                 continue

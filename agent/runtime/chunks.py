@@ -10,7 +10,8 @@ slices of the runtime's one host arena when it has one (`host_arena.py`, via `De
 
 A sharded offloaded chunk (issue 20, `shards.py`) keeps the compute copy (zero padded to world_size shards)
 and the exposed gradient whole, and the fp32 master, host gradient and staging buffer for its own shard only
-(in fp32 training the master is the shard's slice of the compute copy).
+(in fp32 training the master is the shard's slice of the compute copy). Where the compute copy is node-shared
+(`node_shared.py`) it is a view of the node's segment, and this rank writes only its shard of it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ChunkState:
     spec: ChunkSpec
     mixed: bool  # a separate fp32 master exists (compute dtype narrower than fp32, fp32_master)
     shard: Shard | None = None  # this rank's shard of a sharded offloaded chunk (master, host_grad, stage)
+    node_shared: bool = False  # host_params is a view of the node-shared segment (this rank writes its shard)
     # persistent (device)
     params: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -141,18 +143,25 @@ def allocate(
     *,
     fp32_master: bool = True,
     shard: Shard | None = None,
+    shared: torch.Tensor | None = None,
 ) -> ChunkState:
     """Allocate a chunk's memory on its side and copy the parameters' current values into it. Without an
     fp32 master (`fp32_master` False, narrow compute dtype) the compute copy is the master and the host
-    gradient has the compute dtype. `shard`: this rank's shard of a sharded offloaded chunk."""
+    gradient has the compute dtype. `shard`: this rank's shard of a sharded offloaded chunk. `shared`: its
+    compute copy in the node-shared segment (N*s elements), of which this rank writes its shard only (the
+    whole chunk is built in a temporary first); the caller makes every rank wait for all shards
+    (a barrier) before anything reads it."""
     n = spec.used_numel
     mixed = compute_dtype != torch.float32 and fp32_master
     master_dtype = torch.float32 if mixed else compute_dtype
-    state = ChunkState(spec=spec, mixed=mixed, shard=shard)
+    state = ChunkState(spec=spec, mixed=mixed, shard=shard, node_shared=shared is not None)
     with torch.no_grad():
         if spec.offloaded and shard is not None:
-            state.host_params = ctx.host_empty(shard.total, compute_dtype, pinned=True)
-            state.host_params.zero_()  # the padding past the last parameter: zeros on every rank
+            if shared is not None:
+                state.host_params = torch.zeros(shard.total, dtype=compute_dtype)  # private until the end
+            else:
+                state.host_params = ctx.host_empty(shard.total, compute_dtype, pinned=True)
+                state.host_params.zero_()  # the padding past the last parameter: zeros on every rank
             full_master = torch.empty(shard.total, dtype=torch.float32) if mixed else state.host_params
             state.host_grad = ctx.host_empty(shard.size, master_dtype, pinned=not mixed)
             state.stage = ctx.host_empty(shard.size, compute_dtype, pinned=True)
@@ -186,6 +195,12 @@ def allocate(
             # the shard's master: a slice of the compute copy (fp32), or its own fp32 copy (mixed precision)
             own = target[shard.start : shard.end]
             state.master = own.clone() if mixed else own
+            if shared is not None:
+                assert state.host_params is not None and shared.numel() == shard.total
+                shared[shard.start : shard.end].copy_(state.host_params[shard.start : shard.end])
+                state.host_params = shared
+                if not mixed:
+                    state.master = shared[shard.start : shard.end]
         bind(state.host_params if spec.offloaded else state.params, spec.entries)  # type: ignore[arg-type]
         if state.grad is not None:
             for e, g in zip(spec.entries, grad_views(state), strict=True):

@@ -13,7 +13,8 @@ needs it locked); the same slicing runs, so CI exercises the code path.
 * chunk region (`take`): the offloaded chunks' pinned buffers (upload source, gradient staging, and the
   host gradient without a separate fp32 master), handed out in request order by a bump pointer. They live
   as long as the runtime, and the region is sized by `client.contract.offloaded_chunk_pinned_bytes` from
-  the same layout, so every planned request fits; a request beyond the region (a layout the plan did not
+  the same layout (sharded chunks: `sharded_chunk_pinned_bytes`, less the compute copies a node shares,
+  which live in its segment: `node_shared.py`, `chunk_region_bytes`), so every planned request fits; a request beyond the region (a layout the plan did not
   describe) is answered with `None`, the caller allocates it the old way and it is counted in `stats`.
   Each buffer is a tensor with a storage of its own aliasing arena bytes (the runtime and its accounting
   recognise buffers by `untyped_storage().data_ptr()`, as for the device arena in `arena.py`).
@@ -256,55 +257,97 @@ class HostArena:
             self.stats.registered = False
 
 
-def chunk_region_bytes(layout: ChunkLayout, *, separate_master: bool) -> int:
-    """Pinned bytes of the layout's offloaded chunks, as the planner counts them (contract function)."""
+def planned_chunk_bytes(layout: ChunkLayout, *, separate_master: bool, shared_compute: bool = False) -> int:
+    """Pinned bytes of the layout's offloaded chunks per rank, as the planner counts them (contract functions).
+    `shared_compute`: the sharded chunks' compute copies are node-shared, and a rank's share is one shard."""
     esize = torch.empty((), dtype=layout.compute_dtype).element_size()
     total = 0
     for c in layout.offloaded:
-        if c.sharded:  # issue 20: the whole compute copy, this rank's shard of the rest
+        if c.sharded:  # issue 20: the whole compute copy (or its share), this rank's shard of the rest
             total += sharded_chunk_pinned_bytes(
-                c.used_numel, layout.world_size, esize, separate_master=separate_master
+                c.used_numel,
+                layout.world_size,
+                esize,
+                separate_master=separate_master,
+                shared_compute=shared_compute,
             )
         else:
             total += offloaded_chunk_pinned_bytes(c.used_numel * esize, separate_master=separate_master)
     return total
 
 
-def plan_host_arena_bytes(plan: Plan, layout: ChunkLayout, *, separate_master: bool) -> tuple[int, int]:
-    """(chunk region, swap region) bytes for `plan` applied as `layout`.
+def chunk_region_bytes(layout: ChunkLayout, *, separate_master: bool, shared_compute: bool = False) -> int:
+    """Bytes of the arena's chunk region: what the planner counts (`planned_chunk_bytes`) less the shares of
+    node-shared compute copies, which live in the node's segment (`node_shared.py`), not in the arena."""
+    planned = planned_chunk_bytes(layout, separate_master=separate_master, shared_compute=shared_compute)
+    if not shared_compute:
+        return planned
+    esize = torch.empty((), dtype=layout.compute_dtype).element_size()
+    shares = sum(_round_up(c.shard_numel * esize) for c in layout.offloaded if c.sharded)
+    return planned - shares
 
-    The swap region is the plan's swapped activations: `Predictions.pinned_host_bytes` less the chunk region
-    (the planner counts chunks with the same function, so the arena is the plan's pinned figure exactly);
-    0 without that figure or without a swapped block."""
-    chunks = chunk_region_bytes(layout, separate_master=separate_master)
+
+def plan_host_arena_bytes(
+    plan: Plan,
+    layout: ChunkLayout,
+    *,
+    separate_master: bool,
+    shared_compute: bool = False,
+    plan_shares: bool | None = None,
+) -> tuple[int, int]:
+    """(chunk region, swap region) bytes for `plan` applied as `layout` (`shared_compute`: the sharded chunks'
+    compute copies are node-shared; the chunk region then holds the rest of their pinned buffers;
+    `plan_shares`: the plan counted them shared, `client.contract.compute_copy_shared` for the job; default
+    `shared_compute`).
+
+    The swap region is the plan's swapped activations: `Predictions.pinned_host_bytes` less the chunks' pinned
+    bytes as the planner counts them (`planned_chunk_bytes`, the same functions), so the arena and this rank's
+    share of the node-shared copy are the plan's pinned figure exactly; 0 without that figure or without a
+    swapped block. Where the plan counted a shared copy and the runtime could not share it (`node_shared.py`
+    warns), the arena holds the whole private copies on top."""
+    chunks = chunk_region_bytes(layout, separate_master=separate_master, shared_compute=shared_compute)
     policy = plan.policy
     swaps = policy is not None and any(b.mode == ActivationMode.swap for b in policy.blocks)
     pinned = plan.predictions.pinned_host_bytes if plan.predictions is not None else None
     if not swaps or pinned is None:
         return chunks, 0
-    if pinned < chunks:
+    planned = planned_chunk_bytes(
+        layout,
+        separate_master=separate_master,
+        shared_compute=shared_compute if plan_shares is None else plan_shares,
+    )
+    if pinned < planned:
         log.warning(
             "memplan: host arena: the plan counts %d pinned bytes, fewer than its offloaded chunks' %d here "
             "(solved for another precision or master setting?); no swap region",
             pinned,
-            chunks,
+            planned,
         )
         return chunks, 0
-    return chunks, pinned - chunks
+    return chunks, pinned - planned
 
 
 def host_arena_for(
-    plan: Plan, layout: ChunkLayout, device: torch.device, *, fp32_master: bool = True
+    plan: Plan,
+    layout: ChunkLayout,
+    device: torch.device,
+    *,
+    fp32_master: bool = True,
+    shared_compute: bool = False,
+    plan_shares: bool | None = None,
 ) -> HostArena | None:
     """The host arena `plan` needs on `device` (what `agent.wrap` makes); None where this PyTorch cannot alias
-    arena bytes (pinned buffers are then PyTorch's own, as before). `fp32_master`: `RuntimeOptions.fp32_master`."""
+    arena bytes (pinned buffers are then PyTorch's own, as before). `fp32_master`: `RuntimeOptions.fp32_master`.
+    `shared_compute`, `plan_shares`: as `plan_host_arena_bytes`."""
     if not supported():
         log.warning(
             "memplan: this PyTorch cannot alias host arena bytes; pinned buffers are allocated one by one"
         )
         return None
     separate_master = layout.compute_dtype != torch.float32 and fp32_master
-    chunks, swap = plan_host_arena_bytes(plan, layout, separate_master=separate_master)
+    chunks, swap = plan_host_arena_bytes(
+        plan, layout, separate_master=separate_master, shared_compute=shared_compute, plan_shares=plan_shares
+    )
     return HostArena(chunks, swap, device)
 
 

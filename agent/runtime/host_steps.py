@@ -7,13 +7,18 @@ hyper-parameters) and restores and redoes the ones that fail (SuperOffload's spe
 with a backup instead of an arithmetic rollback: see docs/architecture/runtime.md).
 
 A sharded chunk (issue 20) steps this rank's shard; filling its `.grad` all-gathers the shards' host gradients,
-and after `optimizer.step()` settled every chunk, the compute copies of the sharded chunks the optimizer steps
-are all-gathered, in chunk order on every rank (`gather_params`), whatever each rank decided for its own shard.
+and after `optimizer.step()` settled every chunk, every rank's stepped shard reaches every rank
+(`publish_shards`), whatever each rank decided for its own shard: private compute copies are all-gathered, in
+chunk order on every rank; a node-shared compute copy (`node_shared.py`) already holds every rank's shard once
+each rank wrote its own, so one barrier on the host worker (after every step task) is all it takes, and every
+sharded chunk's next upload waits for it. Undoing a speculative step of a node-shared chunk rewrites this
+rank's shard, so it too ends with a barrier.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +59,7 @@ class HostSteps:
         self.backwards = 0
         self.accumulation = 1
         self.group: RankGroup | None = None  # the job's process group: sharded chunks' collectives
+        self.shared = False  # the sharded chunks' compute copies are node-shared (`node_shared.py`)
 
     def speculating(self) -> bool:
         """Step offloaded chunks during this backward: overlapping, and (with gradient accumulation) this is
@@ -116,7 +122,8 @@ class HostSteps:
 
     def _refresh_compute(self, st: ChunkState) -> None:
         """The compute copy (upload source) from the stepped master: in mixed precision a cast copy; in a sharded
-        chunk this rank's shard only (`gather_params` brings the other ranks' shards after `optimizer.step()`)."""
+        chunk this rank's shard only (`publish_shards` brings the other ranks' shards after `optimizer.step()`; in a
+        node-shared copy other ranks read the shard only after the barrier that follows)."""
         assert st.host_params is not None and st.master is not None
         if not st.mixed:
             return  # the master is the compute copy (or its shard)
@@ -141,20 +148,50 @@ class HostSteps:
             assert self.group is not None
             self.group.all_gather(st.user_grad, st.host_grad.to(self.compute_dtype, copy=True))
 
-    def gather_params(self, states: list[ChunkState]) -> None:
-        """At `optimizer.step()`, after every chunk's step was queued: queue the all-gather of each sharded
-        chunk's compute copy (every rank's stepped shard), in chunk order, for every sharded chunk the optimizer
-        steps: unconditional, so no rank's own validation decision changes the collectives. The next upload
-        of the chunk waits for it (`ChunkResidency.upload` waits on the chunk's host work)."""
+    def publish_shards(self, states: list[ChunkState]) -> None:
+        """At `optimizer.step()`, after every chunk's step was queued: make every rank's stepped shard of each
+        sharded chunk the optimizer steps visible to this rank's next upload of it, the same collectives on every
+        rank whatever each decided for its own shard. Private copies: one all-gather per chunk, in chunk order
+        (`_gather_params`). Node-shared: ONE barrier after every step task of this rank (the host worker runs
+        them in order), so once it returns every rank finished writing its shards; every sharded chunk's next
+        upload waits for it (`ChunkResidency.upload` waits on the chunk's host work)."""
         assert self.optimizer is not None
+        stepped = [
+            st for st in states if st.shard is not None and self.optimizer.steppers[st.index].steps_chunk
+        ]
+        if not stepped:
+            return
+        if not self.shared:
+            for st in stepped:
+                st.host_work = self.worker.submit(self._gather_params, st)
+                self.counters.param_gathers += 1
+            return
+        for st in stepped:
+            # a buffer filled before the step holds the old values of other ranks' shards (settle evicts the
+            # chunks it steps; this also covers a chunk this rank did not step and another did)
+            self.residency.evict_chunk(st)
+        self._queue_barrier(stepped)
+
+    def _queue_barrier(self, states: list[ChunkState]) -> None:
+        """Queue a barrier on the host worker after the host work queued so far; the chunks' next uploads wait
+        for it (and it re-raises an error of their earlier host work)."""
+        before = [st.host_work for st in states]
+        done = self.worker.submit(self._barrier, before)
         for st in states:
-            if st.shard is None or not self.optimizer.steppers[st.index].steps_chunk:
-                continue
-            st.host_work = self.worker.submit(self._gather_params, st)
-            self.counters.param_gathers += 1
+            st.host_work = done
+        self.counters.compute_barriers += 1
+
+    def _barrier(self, before: list[Future[None] | None]) -> None:
+        """Host worker: every rank's host work queued before this point has finished (the node-shared copy is
+        written); then the errors of the host work it replaces as the chunks' last task."""
+        assert self.group is not None
+        self.group.barrier()
+        for f in before:
+            if f is not None:
+                f.result()  # done: the worker ran it before this task
 
     def _gather_params(self, st: ChunkState) -> None:
-        """Host worker: every rank's shard of the compute copy into the whole compute copy."""
+        """Host worker: every rank's shard of the private compute copy into the whole compute copy."""
         assert st.shard is not None and st.host_params is not None and self.group is not None
         own = st.host_params[st.shard.start : st.shard.end].clone()
         self.group.all_gather(st.host_params, own)
@@ -179,6 +216,10 @@ class HostSteps:
         self.residency.evict_chunk(st)  # its buffer may hold the stepped values: upload the restored ones
         st.wait_host()
         st.host_work = self.worker.submit(self._restore, st)
+        if st.node_shared:
+            # this rank rewrote its shard of the node's copy: no rank may upload it before that finished (every
+            # rank undoes the same chunks: the same graph, the same speculation decisions)
+            self._queue_barrier([st])
         st.stepped = False
         st.spec_hypers = None
         st.user_grad_filled = False

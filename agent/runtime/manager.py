@@ -38,6 +38,7 @@ from agent.runtime.gradients import GradientFlow
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
 from agent.runtime.layout import ChunkLayout, check_world
+from agent.runtime.node_shared import NodeSharedCopy
 from agent.runtime.optimizer import ChunkedOptimizer
 from agent.runtime.options import RuntimeOptions
 from agent.runtime.phase import Phase, TrainingState
@@ -62,6 +63,7 @@ class ModelStateManager:
         ctx: DeviceContext,
         options: RuntimeOptions,
         group: RankGroup | None = None,
+        shared: NodeSharedCopy | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -75,6 +77,8 @@ class ModelStateManager:
         self.phase = Phase()
         self._original = {id(e.param): (e.param.dtype, e.param.device) for e in layout.by_param.values()}
         check_world(layout, group.world_size if group is not None else 1)
+        # the sharded chunks' node-shared compute copies (`node_shared.py`; None: private copies per rank)
+        self.shared = shared
         self.states: list[ChunkState] = [
             allocate(
                 spec,
@@ -84,9 +88,14 @@ class ModelStateManager:
                 shard=Shard(group.rank, group.world_size, spec.shard_numel)
                 if spec.sharded and group is not None
                 else None,
+                shared=shared.chunk(spec.index) if shared is not None and spec.sharded else None,
             )
             for spec in layout.chunks
         ]
+        if shared is not None:
+            assert group is not None
+            group.barrier()  # every rank wrote its shards of the node's copy before any rank reads one
+            self.counters.compute_barriers += 1
         self._pos = {id(e.param): (e.chunk, j) for spec in layout.chunks for j, e in enumerate(spec.entries)}
         self.has_offload = bool(layout.offloaded)
         self.schedule = AccessSchedule([c.index for c in layout.offloaded])
@@ -104,6 +113,7 @@ class ModelStateManager:
                 ctx, options, self.counters, self.worker, self.residency, layout.compute_dtype
             )
             self.host_steps.group = group
+            self.host_steps.shared = shared is not None
             self.saved = SavedTensorRebinder(
                 self.residency, ctx, layout.compute_dtype, self.phase, self._ensure_backward, self.timing
             )
@@ -228,6 +238,9 @@ class ModelStateManager:
                     e.param.grad = None
         if self.worker is not None:
             self.worker.shutdown()
+        if self.shared is not None:
+            self.shared.release()  # the parameters hold private copies now
+            self.shared = None
         self.states = []
         if self.optimizer is not None:
             self.optimizer.steppers = []
@@ -235,8 +248,9 @@ class ModelStateManager:
         self._views.clear()
 
     def _whole_master(self, st: ChunkState) -> torch.Tensor:
-        """A sharded chunk's whole master: the compute copy (fp32), or every rank's fp32 master shard gathered
-        (mixed precision; a collective, called for the sharded chunks in chunk order on every rank)."""
+        """A sharded chunk's whole master: the compute copy (fp32; complete after `publish_shards`, also when
+        node-shared), or every rank's fp32 master shard gathered (mixed precision; a collective, called for the
+        sharded chunks in chunk order on every rank)."""
         assert st.shard is not None and st.host_params is not None and st.master is not None
         if not st.mixed:
             return st.host_params
@@ -430,7 +444,8 @@ class ModelStateManager:
             st.wait_host()
             changed = self.gradients.reconcile(st)
             self.host_steps.settle(st, hypers, grad_changed=changed)
-        self.host_steps.gather_params(self.states)  # sharded chunks: every rank's stepped shard, chunk order
+        # sharded chunks: every rank's stepped shard (all-gathers, or one barrier), the same on every rank
+        self.host_steps.publish_shards(self.states)
         if not self.options.async_step:
             for st in self.states:  # parameters are final when step() returns, as in plain PyTorch
                 st.wait_host()
@@ -455,22 +470,29 @@ class ModelStateManager:
 
     @torch.no_grad()
     def refresh_compute_from_master(self) -> None:
-        """After masters were loaded: rebuild the compute copies (mixed precision) and drop stale buffers."""
+        """After masters were loaded: rebuild the compute copies (mixed precision) and drop stale buffers. A
+        sharded chunk: this rank's loaded shard into the compute copy, then every rank's: an all-gather per chunk
+        in chunk order (private copies), or one barrier (node-shared: each rank wrote its shard in place, and no
+        rank may read the copy before every rank did)."""
         self.evict_all()
         for st in self.states:
             if st.shard is not None:
-                # this rank's loaded shard into the compute copy, then every rank's (a collective, chunk order)
                 assert st.host_params is not None and st.master is not None and self.group is not None
                 own = st.host_params[st.shard.start : st.shard.end]
                 if st.mixed:  # (in fp32 the master is `own` itself)
                     own.copy_(st.master)
-                self.group.all_gather(st.host_params, own.clone())
+                if not st.node_shared:
+                    self.group.all_gather(st.host_params, own.clone())
                 continue
             if not st.mixed:
                 continue
             target = st.host_params if st.offloaded else st.params
             assert target is not None and st.master is not None
             target.copy_(st.master)
+        if self.shared is not None:
+            assert self.group is not None
+            self.group.barrier()
+            self.counters.compute_barriers += 1
 
     def clip_grad_norm_(
         self, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -509,7 +531,7 @@ class ModelStateManager:
 
     # ================================================================================= accounting
     def memory_report(self) -> MemoryReport:
-        return measure_memory(self.states, self.steppers, self.pool, self.ctx)
+        return measure_memory(self.states, self.steppers, self.pool, self.ctx, self.shared)
 
     def report(self, host_optimizer: str) -> RuntimeReport:
         self.synchronize()

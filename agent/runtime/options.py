@@ -46,6 +46,12 @@ class RuntimeOptions:
         forward; but until `wrapped.synchronize()` (or a state dict, clip, report) offloaded
         parameters read directly may be mid-update.
     measure_uploads: on CUDA, time every upload with events (for the benchmark's hidden-upload figure).
+    share_compute_copy: with sharded chunks and every rank on one node, keep the sharded chunks' compute copies
+        once per node in shared memory (`node_shared.py`) instead of once per rank, and replace their
+        all-gather after each optimizer step by a barrier (default True). False: a private copy per rank,
+        all-gathered (what several nodes always do). Sharing needs it on every rank.
+    shared_memory_dir: the directory the node-shared segment is created in, a tmpfs every rank of the node
+        sees (default /dev/shm). It is reserved up front and unlinked as soon as every rank mapped it.
     """
 
     device: torch.device | str | None = None
@@ -55,6 +61,8 @@ class RuntimeOptions:
     fp32_master: bool = True
     async_step: bool = False
     measure_uploads: bool = False
+    share_compute_copy: bool = True
+    shared_memory_dir: str = "/dev/shm"
 
 
 def job_workload(

@@ -10,13 +10,16 @@ persistent chunks); a host tensor on a backend that cannot reduce host memory (N
 copy (`_on_backend_device`): correct, not fast, and not yet run on a GPU.
 
 Sharded offloaded chunks (issue 20) use reduce-scatter (the gradient: each rank receives the mean of its own
-shard) and all-gather (the compute copy after the host step, the exposed gradient, the optimizer state of a
-full state dict). On gloo these take host tensors as they are (what the tests run); on NCCL they go through the
+shard), all-gather (a private compute copy after the host step, the exposed gradient, the optimizer state of a
+full state dict) and barriers (a node-shared compute copy, `node_shared.py`: every rank wrote its shard).
+`ranks_per_node` counts the ranks on the busiest host from their host names. On gloo these take host tensors as they are (what the tests run); on NCCL they go through the
 same device copies, written straightforwardly and not run on a GPU yet.
 """
 
 from __future__ import annotations
 
+import socket
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +80,10 @@ class RankGroup:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def barrier(self) -> None:
+        """Every rank reached this point (`torch.distributed.barrier`; on NCCL it also waits for the device)."""
+        dist.barrier(group=self.group)
+
     def max(self, values: list[float]) -> list[float]:
         """The element-wise maximum of `values` over the ranks (the slowest rank's time, the largest peak)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -89,6 +96,35 @@ class RankGroup:
         global_src = dist.get_global_rank(self.group, src) if self.group else src
         dist.broadcast_object_list(box, src=global_src, group=self.group, device=self.device)
         return box[0]
+
+
+class UnevenNodesError(RuntimeError):
+    """The ranks of a group are spread unevenly over their hosts."""
+
+
+def busiest_host_ranks(hosts: list[str]) -> int:
+    """Ranks on the busiest of the ranks' `hosts` (one host name per rank); it must divide the world size."""
+    counts = Counter(hosts)
+    busiest = max(counts.values())
+    if len(hosts) % busiest:
+        raise UnevenNodesError(
+            f"ranks_per_node: hosts run uneven numbers of ranks ({dict(counts)}); memplan plans for nodes with "
+            "equal ranks"
+        )
+    return busiest
+
+
+def host_name() -> str:
+    """This process's host, as the ranks compare them (ranks with the same name share a node's memory)."""
+    return socket.gethostname()
+
+
+def ranks_per_node(group: Any) -> int:
+    """Ranks on the busiest host of `group` (a `dist.ProcessGroup`, None: the default group); a collective
+    (host names gathered from every rank)."""
+    names: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, host_name(), group=group)
+    return busiest_host_ranks([str(n) for n in names])
 
 
 # torch 2.13 names them `*_single` (the `*_tensor` names are deprecated); older ones have only the latter

@@ -142,8 +142,9 @@ class ChunkResidency:
         assert slot is not None and st.host_params is not None
         if slot.chunk is not None:
             self.evict(slot)
-        # the host step must have finished writing the upload source (a sharded chunk: and the all-gather of
-        # every rank's stepped shard into it, queued after the step at optimizer.step())
+        # the host step must have finished writing the upload source (a sharded chunk: and every rank's stepped
+        # shard must be in it: the all-gather into a private copy, or the barrier after which every rank has
+        # written its shard of a node-shared copy, queued after the steps at optimizer.step())
         st.wait_host()
         n = st.numel
         stream = self.ctx.upload_stream

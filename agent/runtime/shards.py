@@ -5,7 +5,8 @@ A chunk marked `sharded` in a job of N ranks is cut into N equal shards of `s` e
 padded element count divided by N, rounded up to a multiple of 4 elements (16 bytes in fp32, so every shard
 starts aligned), and the flat chunk is zero padded to N*s. Rank r owns elements [r*s, (r+1)*s): it keeps the
 master, host gradient, staging buffer and optimizer state of that range only (the last shards may cover
-padding only). The compute copy and the gradient users see stay whole on every rank.
+padding only). The compute copy and the gradient users see stay whole on every rank (the compute copy once per
+node where the ranks share it: `node_shared.py`).
 """
 
 from __future__ import annotations

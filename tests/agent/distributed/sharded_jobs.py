@@ -9,8 +9,13 @@ batches, and writes what it measured to `<out>/rank<r>.json`. The loop, data and
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import logging
 import os
+import resource
+import signal
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,9 @@ class ShardCase:
     load: str | None = None  # both variants start from this checkpoint (memplan's, saved at any world size)
     bf16: bool = False  # memplan computes in bf16 with an fp32 master (DDP stays fp32)
     unwrap: bool = False  # end with agent.unwrap: the trained model and optimizer state back in plain PyTorch
+    share: bool = True  # RuntimeOptions.share_compute_copy (the node-shared compute copy)
+    shm_dirs: list[str] | None = None  # per rank: RuntimeOptions.shared_memory_dir (default /dev/shm)
+    fsize_limit: int | None = None  # rank 0 wraps under this RLIMIT_FSIZE (its posix_fallocate then fails)
 
 
 class TokenMLP(nn.Module):
@@ -97,6 +105,111 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
         dist.destroy_process_group()
 
 
+def digest(model: nn.Module) -> str:
+    """The parameters' bytes, hashed: equal digests are models equal to the bit."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_then_kill(victim: int, world: int, directory: str, out: Path) -> list[int | None]:
+    """`world` forked ranks wrap a TokenMLP with sharded chunks (node-shared in `directory`) and train a step;
+    then rank `victim` is killed (SIGKILL), and another rank, once it is gone, writes what `directory` holds and
+    whether its parameters (the node-shared copy) still read back to `<out>/after_kill.json`. The exit codes."""
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [
+        ctx.Process(target=_kill_entry, args=(r, world, port, victim, directory, str(out)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    return [p.exitcode for p in procs]
+
+
+def _kill_entry(rank: int, world: int, port: int, victim: int, directory: str, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = TokenMLP()
+    opt = adamw(model)
+    options = RuntimeOptions(shared_memory_dir=directory)
+    wrapped = agent.wrap(
+        model, opt, plan=sharded_plan(model, world, "all"), options=options, feedback_steps=None
+    )
+    x = batches(1, rank)[0]
+    wrapped.model(input_ids=x, labels=x).loss.backward()
+    wrapped.optimizer.step()
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    dist.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == (victim + 1) % world:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _alive(pids[victim]):
+            time.sleep(0.05)
+        result = {
+            "victim_gone": not _alive(pids[victim]),
+            "shared": wrapped.runtime.shared is not None,
+            "left": sorted(os.listdir(directory)),
+            "params_finite": all(bool(p.detach().isfinite().all()) for p in wrapped.model.parameters()),
+        }
+        (Path(out) / "after_kill.json").write_text(json.dumps(result))
+    os._exit(0)  # a peer is dead: no collective (destroy_process_group) can finish
+
+
+def _alive(pid: int | None) -> bool:
+    """The process runs (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+class _Records(logging.Handler):
+    """The messages of the warnings logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _sharing(runtime: Any, case: ShardCase) -> dict[str, Any]:
+    """Right after wrap: whether the compute copies are node-shared, the inode of the mapping this process has
+    of the segment (from /proc/self/maps: the file is deleted, the mapping stays), what the CUDA registration
+    would cover, whether every sharded chunk's compute copy lies inside it, and what is left in the directory."""
+    shared = runtime.shared
+    out: dict[str, Any] = {"shared": shared is not None, "shm_left": None, "maps": []}
+    directory = case.shm_dirs[dist.get_rank()] if case.shm_dirs else None
+    if directory is not None and os.path.isdir(directory):
+        out["shm_left"] = sorted(os.listdir(directory))
+    if shared is None:
+        return out
+    ptr, nbytes = shared.registration()
+    inside = all(
+        ptr <= st.host_params.data_ptr() and st.host_params.data_ptr() + st.host_params.nbytes <= ptr + nbytes
+        for st in runtime.states
+        if st.shard is not None
+    )
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= ptr < hi:  # the mapping holding the segment: (start, end, inode, path)
+            out["maps"] = [lo - ptr, hi - ptr, int(fields[4]), fields[5] if len(fields) > 5 else ""]
+    out.update(registration=[nbytes, shared.nbytes], chunks_inside=inside)
+    return out
+
+
 def state_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Largest relative difference between two plain-PyTorch optimizer state dicts' tensors (same keys)."""
     assert a["state"].keys() == b["state"].keys(), (sorted(a["state"]), sorted(b["state"]))
@@ -130,13 +243,26 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
     ddp = DistributedDataParallel(ref_model)
     data = batches(case.steps, rank)
     dtype = torch.bfloat16 if case.bf16 else torch.float32
-    wrapped = agent.wrap(
-        model,
-        opt,
-        plan=sharded_plan(model, world, case.offload, dtype),
-        options=RuntimeOptions(compute_dtype=dtype),
-        feedback_steps=None,
-    )
+    shm = {"shared_memory_dir": case.shm_dirs[rank]} if case.shm_dirs else {}
+    warned = _Records()
+    logging.getLogger("agent.runtime.node_shared").addHandler(warned)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if (
+        case.fsize_limit is not None and rank == 0
+    ):  # a real failure: the kernel refuses the reservation (EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (case.fsize_limit, limit[1]))
+    try:
+        wrapped = agent.wrap(
+            model,
+            opt,
+            plan=sharded_plan(model, world, case.offload, dtype),
+            options=RuntimeOptions(compute_dtype=dtype, share_compute_copy=case.share, **shm),
+            feedback_steps=None,
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    sharing = _sharing(wrapped.runtime, case)
     loop = LoopCase(steps=case.steps, clip=case.clip, micro=case.micro, no_sync=case.no_sync)
     ref_losses, ref_norms = train(
         ddp, ref_opt, data, loop, ddp.no_sync, lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m)
@@ -166,10 +292,16 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "norms": norms,
         "param_rel_diff": rel_diff(wrapped.model, ref_model),
         "checksum": checksum(wrapped.model),
+        "digest": digest(wrapped.model),
         "sharded_chunks": len(sharded),
         "persistent_chunks": sum(not st.offloaded for st in states),
         "grad_reductions": runtime.counters.grad_reductions,
         "param_gathers": runtime.counters.param_gathers,
+        "compute_barriers": runtime.counters.compute_barriers,
+        "warnings": warned.messages,
+        **sharing,
+        "node_shared_bytes": report.node_shared_host_bytes,
+        "pinned_host_bytes": report.pinned_host_bytes,
         "host_step_redos": runtime.counters.host_step_redos,
         "chunk_numel": [st.numel for st in sharded],
         "shard_numel": [st.shard.size for st in sharded],  # type: ignore[union-attr]
