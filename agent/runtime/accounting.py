@@ -59,6 +59,10 @@ class Counters:
     iterations: int = 0  # completed backward passes
     grad_reductions: int = 0  # chunk gradients averaged (or reduce-scattered) across the job's ranks
     param_gathers: int = 0  # sharded chunks' compute copies all-gathered after their host step
+    # sharded chunks' gradient reduce-scatters: one per chunk per synchronising backward (more where a chunk is
+    # flushed in parts), none inside no_sync(); and their `.grad` all-gathers (none inside no_sync())
+    reduce_scatters: int = 0
+    grad_gathers: int = 0
 
 
 @dataclass

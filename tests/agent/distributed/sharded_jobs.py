@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import agent
 from agent.runtime import RuntimeOptions, manual_plan
-from client.contract import Placement, Plan
+from client.contract import Chunk, Placement, Plan, parameter_slot_bytes
 
 
 @dataclass
@@ -35,11 +35,14 @@ class ShardCase:
     steps: int = 4
     clip: float | None = None
     micro: int = 1
+    batch: int = 4  # rows per step (split into `micro` micro-batches)
     no_sync: bool = False
     save: str | None = None  # every rank gathers the full state dicts; rank 0 writes them here
     load: str | None = None  # both variants start from this checkpoint (memplan's, saved at any world size)
     bf16: bool = False  # memplan computes in bf16 with an fp32 master (DDP stays fp32)
     unwrap: bool = False  # end with agent.unwrap: the trained model and optimizer state back in plain PyTorch
+    replicated: bool = False  # every second offloaded chunk stays replicated (not sharded)
+    tight: bool = False  # small chunks out of execution order: chunks flushed in parts in one backward
 
 
 class TokenMLP(nn.Module):
@@ -60,15 +63,53 @@ class TokenMLP(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
-def sharded_plan(model: nn.Module, world: int, offload: str, dtype: torch.dtype = torch.float32) -> Plan:
-    """A hand-built plan for `world` ranks with every offloaded chunk sharded."""
+# TokenMLP's parameters in chunks of modules far apart in backward (head's bias with the embedding, down's weight
+# with up's bias, up's weight with down's bias): with two buffers, the chunk of head's bias and the embedding is
+# evicted with head's gradient pending while down and up run, and flushed again once the embedding's arrives
+TIGHT_CHUNKS = [
+    ["head.bias", "embed.weight"],
+    ["down.weight", "up.bias"],
+    ["head.weight"],
+    ["up.weight", "down.bias"],
+]
+
+
+def sharded_plan(
+    model: nn.Module,
+    world: int,
+    offload: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    replicated: bool = False,
+    tight: bool = False,
+) -> Plan:
+    """A hand-built plan for `world` ranks with every offloaded chunk sharded (`replicated`: every second one)."""
     sizes = [p.numel() * dtype.itemsize for p in model.parameters()]
     chunk = -(-max(max(sizes), -(-sum(sizes) // 5)) // 64) * 64 + 48  # 48: chunks end off a shard boundary
     rule: Any = "all" if offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=rule, n_buffers=2, compute_dtype=dtype)
     assert plan.policy is not None
+    if tight:  # every chunk offloaded, parameters grouped out of execution order (TokenMLP's names)
+        params = dict(model.named_parameters())
+        slots = [
+            sum(parameter_slot_bytes(params[n].numel(), dtype.itemsize) for n in g) for g in TIGHT_CHUNKS
+        ]
+        tight_chunks = [
+            Chunk(index=i, placement=Placement.offloaded, parameters=g, blocks=[], used_bytes=b)
+            for i, (g, b) in enumerate(zip(TIGHT_CHUNKS, slots, strict=True))
+        ]
+        policy = plan.policy.model_copy(update={"chunks": tight_chunks, "chunk_size_bytes": max(slots) + 48})
+        plan = plan.model_copy(update={"policy": policy})
+        assert plan.policy is not None
+    offloaded = [c.index for c in plan.policy.chunks if c.placement == Placement.offloaded]
     chunks = [
-        c.model_copy(update={"sharded": c.placement == Placement.offloaded}) for c in plan.policy.chunks
+        c.model_copy(
+            update={
+                "sharded": c.placement == Placement.offloaded
+                and not (replicated and offloaded.index(c.index) % 2 == 1)
+            }
+        )
+        for c in plan.policy.chunks
     ]
     policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
     return plan.model_copy(update={"policy": policy})
@@ -95,6 +136,32 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+# counters read after every backward (their increase in it)
+PER_BACKWARD = ("reduce_scatters", "grad_gathers", "grad_reductions", "param_gathers", "grad_flushes")
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    """Every parameter's `.grad` (zeros for None) as one fp32 vector, in `model.parameters()` order."""
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+            for p in model.parameters()
+        ]
+    )
+
+
+def grad_rel_diffs(
+    grads: list[torch.Tensor], ref: list[torch.Tensor], synced: list[bool]
+) -> dict[str, float]:
+    """The largest ||grad - DDP's|| / ||DDP's|| after no_sync backwards ("local") and after the others."""
+    out = {"local": 0.0, "synced": 0.0}
+    for g, r, s in zip(grads, ref, synced, strict=True):
+        d = ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-12)).item()
+        key = "synced" if s else "local"
+        out[key] = max(out[key], d)
+    return out
 
 
 def state_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -128,20 +195,38 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
             m.load_state_dict(ckpt["model"])
             o.load_state_dict(ckpt["optimizer"])  # plain PyTorch, and memplan's wrap keeps it
     ddp = DistributedDataParallel(ref_model)
-    data = batches(case.steps, rank)
+    data = batches(case.steps, rank, case.batch)
     dtype = torch.bfloat16 if case.bf16 else torch.float32
     wrapped = agent.wrap(
         model,
         opt,
-        plan=sharded_plan(model, world, case.offload, dtype),
+        plan=sharded_plan(model, world, case.offload, dtype, replicated=case.replicated, tight=case.tight),
         options=RuntimeOptions(compute_dtype=dtype),
         feedback_steps=None,
     )
     loop = LoopCase(steps=case.steps, clip=case.clip, micro=case.micro, no_sync=case.no_sync)
+    ref_grads: list[torch.Tensor] = []
     ref_losses, ref_norms = train(
-        ddp, ref_opt, data, loop, ddp.no_sync, lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m)
+        ddp,
+        ref_opt,
+        data,
+        loop,
+        ddp.no_sync,
+        lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m),
+        lambda synced: ref_grads.append(flat_grads(ref_model)),
     )
     params = list(wrapped.model.parameters())
+    runtime = wrapped.runtime
+    grads: list[torch.Tensor] = []
+    backwards: list[dict[str, Any]] = []
+    seen = {k: 0 for k in PER_BACKWARD}
+
+    def after_backward(synced: bool) -> None:
+        grads.append(flat_grads(wrapped.model))  # `.grad` as the user sees it: DDP's after this backward
+        now = {k: getattr(runtime.counters, k) for k in PER_BACKWARD}
+        backwards.append({"synced": synced, **{k: now[k] - seen[k] for k in PER_BACKWARD}})
+        seen.update(now)
+
     losses, norms = train(
         wrapped.model,
         wrapped.optimizer,
@@ -149,8 +234,8 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         loop,
         wrapped.no_sync,
         lambda m: torch.nn.utils.clip_grad_norm_(params, m),  # torch's own, on the wrapped model's .grad
+        after_backward,
     )
-    runtime = wrapped.runtime
     states = runtime.states
     sharded = [st for st in states if st.shard is not None]
     report = runtime.memory_report()
@@ -167,6 +252,9 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "param_rel_diff": rel_diff(wrapped.model, ref_model),
         "checksum": checksum(wrapped.model),
         "sharded_chunks": len(sharded),
+        "replicated_offloaded_chunks": sum(st.offloaded and st.shard is None for st in states),
+        "backwards": backwards,
+        "grad_rel_diff": grad_rel_diffs(grads, ref_grads, [b["synced"] for b in backwards]),
         "persistent_chunks": sum(not st.offloaded for st in states),
         "grad_reductions": runtime.counters.grad_reductions,
         "param_gathers": runtime.counters.param_gathers,
