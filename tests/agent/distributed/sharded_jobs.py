@@ -8,6 +8,7 @@ batches, and writes what it measured to `<out>/rank<r>.json`. The loop, data and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_jobs import VOCAB, adamw, batches, build_model, checksum, free_port, rel_diff, train
+from ddp_jobs import VOCAB, TwoPaths, adamw, batches, build_model, checksum, free_port, rel_diff, train
 from ddp_jobs import Case as LoopCase
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -43,6 +44,7 @@ class ShardCase:
     unwrap: bool = False  # end with agent.unwrap: the trained model and optimizer state back in plain PyTorch
     replicated: bool = False  # every second offloaded chunk stays replicated (not sharded)
     tight: bool = False  # small chunks out of execution order: chunks flushed in parts in one backward
+    job: str = "ddp"  # "ddp": compare_sharded_with_ddp; "edges": accumulation_edge_cases
 
 
 class TokenMLP(nn.Module):
@@ -132,7 +134,8 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = compare_sharded_with_ddp(rank, world, ShardCase(**case))
+        c = ShardCase(**case)
+        result = (compare_sharded_with_ddp if c.job == "ddp" else accumulation_edge_cases)(rank, world, c)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -280,5 +283,92 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         result["unwrapped_rel_diff"] = rel_diff(plain_model, ref_model)
         result["unwrapped_dtype"] = str(next(plain_model.parameters()).dtype)
         result["unwrapped_opt_rel_diff"] = state_rel_diff(opt.state_dict(), ref_opt.state_dict())
+    dist.barrier()
+    return result
+
+
+def accumulation_edge_cases(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
+    """no_sync() around the edges, every offloaded chunk sharded, against plain PyTorch averaging `.grad` by hand
+    where DDP would (an all-reduce of every `.grad` after each synchronising backward: DDP's arithmetic, and
+    defined where DDP's own needs find_unused_parameters): a no_sync backward dropped by zero_grad, a chunk
+    used only in the no_sync micro-step, no_sync after a synchronising backward without zero_grad,
+    zero_grad(set_to_none=False) first, and optimizer.step() refused after a no_sync backward."""
+    torch.manual_seed(0)
+    model = TwoPaths()
+    ref = copy.deepcopy(model)
+    ref_opt, opt = adamw(ref), adamw(model)
+    wrapped = agent.wrap(model, opt, plan=sharded_plan(model, world, "all"), feedback_steps=None)
+    runtime = wrapped.runtime
+    data = iter(batches(16, rank))
+    worst = {"local": 0.0, "synced": 0.0}
+    no_sync_collectives = 0
+    refused = ""
+
+    def backward(*, synced: bool, use_first: bool = True) -> None:
+        nonlocal no_sync_collectives
+        x = next(data)
+        before = runtime.counters.reduce_scatters + runtime.counters.grad_gathers
+        model.use_first = ref.use_first = use_first
+        ref(x, x).loss.backward()
+        with contextlib.nullcontext() if synced else wrapped.no_sync():
+            wrapped.model(x, x).loss.backward()
+        if synced:
+            for p in ref.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+        else:
+            no_sync_collectives += runtime.counters.reduce_scatters + runtime.counters.grad_gathers - before
+        g, r = flat_grads(wrapped.model), flat_grads(ref)
+        key = "synced" if synced else "local"
+        worst[key] = max(worst[key], ((g - r).norm() / r.norm().clamp_min(1e-12)).item())
+
+    def step(*, clip: float | None = None) -> None:
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(wrapped.model.parameters()), clip)
+            torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip)
+        wrapped.optimizer.step()
+        ref_opt.step()
+        wrapped.optimizer.zero_grad()
+        ref_opt.zero_grad()
+
+    # a no_sync backward dropped by zero_grad: nothing of it reaches a later step
+    backward(synced=False)
+    wrapped.optimizer.zero_grad()
+    ref_opt.zero_grad()
+    # `first` gets gradients in the no_sync micro-step only: reduce-scattered from its local sum at the end
+    backward(synced=False)
+    before = (runtime.counters.reduce_scatters, runtime.counters.grad_flushes)
+    backward(synced=True, use_first=False)
+    straggler = (runtime.counters.reduce_scatters - before[0], runtime.counters.grad_flushes - before[1])
+    step()
+    # no_sync after a synchronising backward without zero_grad: `.grad` is the average plus the local sum
+    backward(synced=True)
+    backward(synced=False)
+    backward(synced=True)
+    step()
+    # zero_grad(set_to_none=False) first, then accumulation and clipping
+    wrapped.optimizer.zero_grad(set_to_none=False)
+    ref_opt.zero_grad(set_to_none=False)
+    backward(synced=False)
+    backward(synced=True)
+    step(clip=0.05)
+    # optimizer.step() after a no_sync backward alone is refused; a synchronising backward then steps
+    backward(synced=False)
+    try:
+        wrapped.optimizer.step()
+    except RuntimeError as exc:
+        refused = str(exc)
+    backward(synced=True)
+    step()
+    result = {
+        "grad_rel_diff": worst,
+        "param_rel_diff": rel_diff(wrapped.model, ref),
+        "checksum": checksum(wrapped.model),
+        "no_sync_collectives": no_sync_collectives,
+        "straggler_backward": {"reduce_scatters": straggler[0], "grad_flushes": straggler[1]},
+        "sharded_chunks": sum(st.shard is not None for st in runtime.states),
+        "refused": refused,
+    }
     dist.barrier()
     return result
