@@ -210,7 +210,7 @@ class GradientFlow:
         fresh = not st.local and st.flushes == 0
         st.local = True
         st.flushes = 0
-        user = local_grads.whole_user_grad(st, self.compute_dtype)
+        user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
         computed = self.ctx.record()
         stream = self.ctx.offload_stream
         issued: Future[None] | None = None
@@ -523,4 +523,4 @@ class GradientFlow:
                 elif (
                     st.shard is not None
                 ):  # a no_sync flush adds into user_grad: it holds the (zero) gradient
-                    local_grads.whole_user_grad(st, self.compute_dtype).zero_()
+                    local_grads.whole_user_grad(st, self.ctx, self.compute_dtype).zero_()

@@ -133,7 +133,7 @@ class HostSteps:
         for ev in events or []:
             self.ctx.host_wait(ev)
         assert st.host_grad is not None
-        user_grad = whole_user_grad(st, self.compute_dtype)
+        user_grad = whole_user_grad(st, self.ctx, self.compute_dtype)
         if st.shard is None:
             user_grad.copy_(st.host_grad)
         else:

@@ -18,8 +18,10 @@ bf16 where the other path rounds each micro-step's average (the reduce-scatter i
 
 On a CPU device the gradient area is host memory: added directly. On CUDA the copies go through the chunk's
 pinned staging buffer (one shard, `s` elements) in `world_size` pieces, on the host worker and the offload
-stream. THE CUDA FUNCTIONS HERE ARE WRITTEN BUT HAVE NEVER RUN ON A GPU (no GPU where they were written); only
-the CPU path is tested (gloo, `tests/agent/distributed/test_sharded_chunks.py`).
+stream. THE CUDA FUNCTIONS HERE ARE WRITTEN BUT HAVE NEVER RUN ON A GPU (no GPU where they were written). What
+ran: the CPU path (gloo, `tests/agent/distributed/test_sharded_chunks.py`), and these CUDA functions on CPU under
+the stream-ordering checker (a test double simulating streams and events, 2 ranks): no ordering violation, and
+the same parameters as the CPU path to the bit; taking out either host wait below makes the checker fail.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ from __future__ import annotations
 import torch
 
 from agent.runtime.chunks import ChunkState
+from agent.runtime.device import DeviceContext
 
 
-def whole_user_grad(st: ChunkState, dtype: torch.dtype) -> torch.Tensor:
-    """The chunk's `user_grad` (host, `dtype`, the whole zero-padded chunk for a sharded one), made on first use."""
+def whole_user_grad(st: ChunkState, ctx: DeviceContext, dtype: torch.dtype) -> torch.Tensor:
+    """The chunk's `user_grad` (host, pageable, `dtype`, the whole zero-padded chunk for a sharded one), made on
+    first use."""
     if st.user_grad is None:
-        assert st.host_grad is not None
         n = st.shard.total if st.shard is not None else st.numel
-        st.user_grad = torch.empty(n, dtype=dtype, device=st.host_grad.device)
+        st.user_grad = ctx.host_empty(n, dtype, pinned=False)
     return st.user_grad
 
 

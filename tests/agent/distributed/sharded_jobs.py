@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 import agent
 from agent.runtime import RuntimeOptions, manual_plan
 from client.contract import Chunk, Placement, Plan, parameter_slot_bytes
+from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulated_cuda
 
 
 @dataclass
@@ -44,7 +45,9 @@ class ShardCase:
     unwrap: bool = False  # end with agent.unwrap: the trained model and optimizer state back in plain PyTorch
     replicated: bool = False  # every second offloaded chunk stays replicated (not sharded)
     tight: bool = False  # small chunks out of execution order: chunks flushed in parts in one backward
-    job: str = "ddp"  # "ddp": compare_sharded_with_ddp; "edges": accumulation_edge_cases
+    job: str = (
+        "ddp"  # "ddp": compare_sharded_with_ddp; "edges": accumulation_edge_cases; "streams": cuda_paths
+    )
 
 
 class TokenMLP(nn.Module):
@@ -135,7 +138,10 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         c = ShardCase(**case)
-        result = (compare_sharded_with_ddp if c.job == "ddp" else accumulation_edge_cases)(rank, world, c)
+        job = {"ddp": compare_sharded_with_ddp, "edges": accumulation_edge_cases, "streams": cuda_paths}[
+            c.job
+        ]
+        result = job(rank, world, c)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -372,3 +378,46 @@ def accumulation_edge_cases(rank: int, world: int, case: ShardCase) -> dict[str,
     }
     dist.barrier()
     return result
+
+
+def cuda_paths(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
+    """The runtime's CUDA code paths for sharded chunks (reduce-scatters and no_sync's piecewise copies through the
+    pinned stage, issued by the host worker) run on CPU under the stream-ordering checker (a test double: no GPU
+    runs here), training `case` as the CPU path does; the result is each run's parameters' checksum and what the
+    checker found."""
+
+    def run() -> float:
+        torch.manual_seed(0)
+        model = TokenMLP()
+        dtype = torch.bfloat16 if case.bf16 else torch.float32
+        plan = sharded_plan(model, world, case.offload, dtype, tight=case.tight)
+        wrapped = agent.wrap(
+            model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=dtype), feedback_steps=None
+        )
+        loop = LoopCase(steps=case.steps, micro=case.micro, no_sync=case.no_sync)
+        train(
+            wrapped.model,
+            wrapped.optimizer,
+            batches(case.steps, rank),
+            loop,
+            wrapped.no_sync,
+            lambda m: torch.tensor(0.0),
+        )
+        wrapped.synchronize()
+        return checksum(wrapped.model)
+
+    cpu = run()
+    with simulated_cuda("caching") as sim:
+        simulated = run()
+    try:
+        sim.check()
+        found = ""
+    except StreamOrderError as exc:
+        found = str(exc)
+    dist.barrier()
+    return {
+        "cpu": cpu,
+        "simulated": simulated,
+        "violations": found,
+        "offload_kernels": sim.kernels_on("offload stream"),
+    }

@@ -183,3 +183,17 @@ def test_full_checkpoint_saved_at_two_ranks_loads_in_plain_pytorch_and_at_four_r
     check(loaded)
     for res in loaded:
         assert res["opt_state_rel_diff"] <= TOL, res["opt_state_rel_diff"]
+
+
+@pytest.mark.cuda_semantics
+def test_the_cuda_paths_of_no_sync_accumulation_are_stream_ordered_and_compute_as_the_cpu_path(
+    tmp_path: Path,
+) -> None:
+    """The CUDA code (never run on a GPU) under the stream-ordering checker, 2 ranks: no_sync's whole-area copies to
+    `user_grad` and the add before the reduce-scatter, piecewise through the pinned stage on the host worker,
+    with chunks flushed in parts. The checker found the missing host waits when they were taken out."""
+    case = ShardCase(kind="mlp", offload="all", steps=3, micro=2, no_sync=True, tight=True, job="streams")
+    for res in spawn(case, 2, tmp_path):
+        assert res["violations"] == ""
+        assert res["offload_kernels"] > 0
+        assert res["simulated"] == res["cpu"]
