@@ -383,41 +383,37 @@ def accumulation_edge_cases(rank: int, world: int, case: ShardCase) -> dict[str,
 def cuda_paths(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
     """The runtime's CUDA code paths for sharded chunks (reduce-scatters and no_sync's piecewise copies through the
     pinned stage, issued by the host worker) run on CPU under the stream-ordering checker (a test double: no GPU
-    runs here), training `case` as the CPU path does; the result is each run's parameters' checksum and what the
-    checker found."""
+    runs here), training `case` in fp32 and in bf16 with fp32 masters as the CPU path does; per dtype, each run's
+    parameters' checksum and what the checker found."""
 
-    def run() -> float:
+    def run(dtype: torch.dtype) -> float:
         torch.manual_seed(0)
         model = TokenMLP()
-        dtype = torch.bfloat16 if case.bf16 else torch.float32
         plan = sharded_plan(model, world, case.offload, dtype, tight=case.tight)
         wrapped = agent.wrap(
             model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=dtype), feedback_steps=None
         )
         loop = LoopCase(steps=case.steps, micro=case.micro, no_sync=case.no_sync)
-        train(
-            wrapped.model,
-            wrapped.optimizer,
-            batches(case.steps, rank),
-            loop,
-            wrapped.no_sync,
-            lambda m: torch.tensor(0.0),
-        )
+        data = batches(case.steps, rank)
+        train(wrapped.model, wrapped.optimizer, data, loop, wrapped.no_sync, lambda m: torch.tensor(0.0))
         wrapped.synchronize()
         return checksum(wrapped.model)
 
-    cpu = run()
-    with simulated_cuda("caching") as sim:
-        simulated = run()
-    try:
-        sim.check()
-        found = ""
-    except StreamOrderError as exc:
-        found = str(exc)
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = run(dtype)
+        with simulated_cuda("caching") as sim:
+            simulated = run(dtype)
+        try:
+            sim.check()
+            found = ""
+        except StreamOrderError as exc:
+            found = str(exc)
+        out[str(dtype)] = {
+            "cpu": cpu,
+            "simulated": simulated,
+            "violations": found,
+            "offload_kernels": sim.kernels_on("offload stream"),
+        }
     dist.barrier()
-    return {
-        "cpu": cpu,
-        "simulated": simulated,
-        "violations": found,
-        "offload_kernels": sim.kernels_on("offload stream"),
-    }
+    return out

@@ -189,11 +189,14 @@ def test_full_checkpoint_saved_at_two_ranks_loads_in_plain_pytorch_and_at_four_r
 def test_the_cuda_paths_of_no_sync_accumulation_are_stream_ordered_and_compute_as_the_cpu_path(
     tmp_path: Path,
 ) -> None:
-    """The CUDA code (never run on a GPU) under the stream-ordering checker, 2 ranks: no_sync's whole-area copies to
-    `user_grad` and the add before the reduce-scatter, piecewise through the pinned stage on the host worker,
-    with chunks flushed in parts. The checker found the missing host waits when they were taken out."""
+    """The CUDA code (never run on a GPU) under the stream-ordering checker, 2 ranks, fp32 and bf16 with fp32
+    masters: no_sync's whole-area copies to `user_grad` and the add before the reduce-scatter, piecewise through
+    the pinned stage on the host worker, with chunks flushed in parts. The checker found the missing host waits
+    when they were taken out."""
     case = ShardCase(kind="mlp", offload="all", steps=3, micro=2, no_sync=True, tight=True, job="streams")
-    for res in spawn(case, 2, tmp_path):
-        assert res["violations"] == ""
-        assert res["offload_kernels"] > 0
-        assert res["simulated"] == res["cpu"]
+    for by_dtype in spawn(case, 2, tmp_path):
+        assert sorted(by_dtype) == ["torch.bfloat16", "torch.float32"]
+        for res in by_dtype.values():
+            assert res["violations"] == ""
+            assert res["offload_kernels"] > 0
+            assert res["simulated"] == res["cpu"]
