@@ -520,7 +520,6 @@ class GradientFlow:
                 if st.exposed:  # `.grad` stays, zeroed, as in plain PyTorch
                     assert st.user_grad is not None
                     st.user_grad.zero_()
-                elif (
-                    st.shard is not None
-                ):  # a no_sync flush adds into user_grad: it holds the (zero) gradient
+                elif st.shard is not None:
+                    # a no_sync flush adds into user_grad (flushes > 0): it must hold the (zero) gradient too
                     local_grads.whole_user_grad(st, self.ctx, self.compute_dtype).zero_()
