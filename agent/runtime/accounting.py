@@ -66,6 +66,10 @@ class Counters:
     grad_reductions: int = 0  # chunk gradients averaged (or reduce-scattered) across the job's ranks
     param_gathers: int = 0  # sharded chunks' private compute copies all-gathered after their host step
     compute_barriers: int = 0  # barriers that publish node-shared compute copies (step, undo, load, wrap)
+    # sharded chunks' gradient reduce-scatters: one per chunk per synchronising backward (more where a chunk is
+    # flushed in parts), none inside no_sync(); and their `.grad` all-gathers (none inside no_sync())
+    reduce_scatters: int = 0
+    grad_gathers: int = 0
 
 
 @dataclass

@@ -73,6 +73,9 @@ class ChunkState:
     touched: set[int] = field(default_factory=set)  # entries with a gradient since zero_grad
     flushes: int = 0  # gradient copies into host_grad since zero_grad (0: the next one overwrites)
     unaveraged: bool = False  # host_grad holds this rank's own gradients not yet averaged across the ranks
+    # a sharded chunk: user_grad holds its whole un-averaged local sum of no_sync() backwards (host_grad is
+    # stale); the next synchronising flush adds it into the gradient area before the reduce-scatter (local_grads)
+    local: bool = False
     complete: bool = False  # all expected grads of this backward have reached the host
     recompute_pins: int = 0  # pins taken by recomputation in backward, held until gradients complete
     stepped: bool = False  # a speculative host step for this chunk ran since the last optimizer.step()

@@ -8,9 +8,13 @@ offloaded parameter gets `.grad`, a host view of its chunk's `user_grad` (`expos
 folded back into the host gradient at `optimizer.step()` (`reconcile`) or before the next training forward
 (`retract`).
 
-A sharded offloaded chunk (issue 20) is reduce-scattered at every flush (also inside `no_sync()`): this rank
+A sharded offloaded chunk (issue 20) is reduce-scattered at every flush of a synchronising backward: this rank
 receives the mean of its own shard only, which goes to the host; its `.grad` is the all-gather of the shards'
-host gradients (`HostSteps.fill_user_grad`), so every rank sees DDP's whole averaged gradient.
+host gradients (`HostSteps.fill_user_grad`), so every rank sees DDP's whole averaged gradient. Inside
+`no_sync()` it issues no collective, as DDP: its flushes add the whole local gradient into `user_grad` on the
+host (`.grad` then shows the local accumulated gradient, as DDP's), and the first flush of the next
+synchronising backward adds that into the device gradient area before its one reduce-scatter (`local_grads.py`;
+the CUDA path of this is written but has not run on a GPU).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from concurrent.futures import Future
 
 import torch
 
+from agent.runtime import local_grads
 from agent.runtime.accounting import Counters
 from agent.runtime.buffers import Slot
 from agent.runtime.chunks import ChunkState, ViewCache, stage_for
@@ -62,6 +67,11 @@ class GradientFlow:
         # the job's process group (issue 20) and whether this backward averages gradients across it
         self.group: RankGroup | None = None
         self.reduce = False
+
+    @property
+    def local(self) -> bool:
+        """This backward keeps gradients local: a job of several ranks, inside `no_sync()`."""
+        return self.group is not None and not self.reduce
 
     # ======================================================================== arriving gradients
     def receive(self, param: torch.Tensor) -> None:
@@ -125,17 +135,25 @@ class GradientFlow:
             self.host_steps.speculating()
             and st.touched
             and not st.stepped
+            and not st.local  # a sharded chunk's local sum inside no_sync(): nothing may step on it
             and self.host_steps.optimizer is not None
         ):
             self.host_steps.submit(st, speculative=True)
 
     @section(FLUSH)
     def flush(self, st: ChunkState, slot: Slot, *, keep: bool = False) -> None:
-        """Copy the chunk's gradient area to the host (overwrite after zero_grad, else add)."""
+        """Copy the chunk's gradient area to the host (overwrite after zero_grad, else add). A sharded chunk:
+        its reduce-scatter (adding its local sum of earlier no_sync backwards first), or inside `no_sync()` its
+        whole area into `user_grad` (`_flush_local`)."""
+        if st.shard is not None and self.local:
+            self._flush_local(st, slot, keep=keep)
+            return
         assert st.host_grad is not None and self.worker is not None
         st.wait_host()  # host work may still read host_grad or the staging buffer
         n = st.numel
-        first = st.flushes == 0
+        local = st.local  # user_grad holds the local sum of no_sync backwards: added once, here
+        st.local = False
+        first = st.flushes == 0  # (0 for a chunk with a local sum: the reduce-scatter moves all of it)
         direct = first and not st.mixed
         target = st.host_grad if direct else stage_for(st, self.ctx, self.compute_dtype)
         computed = self.ctx.record()
@@ -150,11 +168,14 @@ class GradientFlow:
                 # collectives differently on different ranks)
                 copied = torch.cuda.Event()
                 issued = self.worker.submit(
-                    self._reduce_scatter_on_device, st, slot.grad, target, stream, copied
+                    self._reduce_scatter_on_device, st, slot.grad, target, stream, copied, local
                 )
                 slot.issued.append(issued)
                 st.host_work = issued
             elif st.shard is not None:
+                if local:
+                    assert st.user_grad is not None
+                    local_grads.add_to_area(st.user_grad, slot.grad)
                 self._reduce_scatter(st, slot.grad, target)
                 copied = self.ctx.record(stream)
             else:
@@ -179,6 +200,44 @@ class GradientFlow:
         self.counters.grad_flushes += 1
         self.counters.grad_flush_bytes += (st.shard.size if st.shard is not None else n) * self._esize
 
+    def _flush_local(self, st: ChunkState, slot: Slot, *, keep: bool) -> None:
+        """A sharded chunk's flush inside `no_sync()`: no collective. Its whole gradient area (this rank's own,
+        un-averaged) goes into `user_grad`: overwritten after zero_grad, else added (`user_grad` then holds the
+        chunk's whole gradient since zero_grad: the averaged one the last exposure showed, or the local sum).
+        The host gradient is stale until the next synchronising flush overwrites it (`flushes` = 0)."""
+        assert st.shard is not None and self.worker is not None
+        st.wait_host()  # host work may still read user_grad or the staging buffer
+        fresh = not st.local and st.flushes == 0
+        st.local = True
+        st.flushes = 0
+        user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
+        computed = self.ctx.record()
+        stream = self.ctx.offload_stream
+        issued: Future[None] | None = None
+        copied: Event = None
+        with self.ctx.on(stream):
+            self.ctx.wait(computed, stream)
+            if self.ctx.is_cuda:
+                # on the host worker: piecewise through the pinned stage (see local_grads; not run on a GPU yet)
+                copied = torch.cuda.Event()
+                issued = self.worker.submit(
+                    local_grads.accumulate_on_device, st, slot.grad, user, stream, copied, fresh
+                )
+                slot.issued.append(issued)
+                st.host_work = issued
+            else:
+                local_grads.accumulate(user, slot.grad, fresh=fresh)
+        slot.free_after.append(copied)
+        if keep:
+            if issued is not None:
+                issued.result()
+            self.ctx.wait(copied)
+            slot.grad[: st.numel].zero_()
+        st.touched |= st.in_slot
+        st.in_slot.clear()
+        self.counters.grad_flushes += 1
+        self.counters.grad_flush_bytes += st.shard.total * self._esize
+
     def _reduce_scatter(self, st: ChunkState, area: torch.Tensor, target: torch.Tensor) -> None:
         """A sharded chunk's flush: the mean over the ranks of this rank's shard of the buffer's gradient `area`
         (zero padded to world_size shards by the upload) into `target` on the host. On a CPU device the area is
@@ -194,6 +253,7 @@ class GradientFlow:
             self.group.reduce_scatter_mean(shard, full)
             target[: sh.size].copy_(shard, non_blocking=True)  # `shard` was made on this (offload) stream
         self.counters.grad_reductions += 1
+        self.counters.reduce_scatters += 1
 
     def _reduce_scatter_on_device(
         self,
@@ -202,10 +262,14 @@ class GradientFlow:
         target: torch.Tensor,
         stream: torch.cuda.Stream | None,
         copied: torch.cuda.Event,
+        local: bool,
     ) -> None:
         """Host worker (CUDA): the reduce-scatter and the shard's copy to the host on the offload stream (after
-        the compute the flush waited for), then `copied` recorded there."""
+        the compute the flush waited for), then `copied` recorded there. `local`: the local sum of earlier
+        no_sync backwards is added into the area first (written, not run on a GPU yet)."""
         with self.ctx.on(stream):
+            if local:
+                local_grads.add_to_area_on_device(st, area, stream)
             self._reduce_scatter(st, area, target)
             copied.record(stream)
 
@@ -240,12 +304,45 @@ class GradientFlow:
     def average_stragglers(self) -> None:
         """End of a synchronising backward, before `expose`: offloaded chunks holding gradients of earlier
         `no_sync` backwards that this backward did not complete (unused in it) are averaged too, in chunk
-        order, so every rank steps the same gradient."""
+        order, so every rank steps the same gradient (a sharded chunk: its local sum reduce-scattered)."""
         if not self.reduce:
             return
         for st in self.states:
             if st.offloaded and st.unaveraged:
                 self._submit_average(st)
+            elif st.local:
+                assert self.worker is not None
+                st.wait_host()
+                st.local = False
+                st.flushes = 1
+                st.host_work = self.worker.submit(self._reduce_scatter_local, st)
+                self.counters.grad_reductions += 1
+                self.counters.reduce_scatters += 1
+
+    def _reduce_scatter_local(self, st: ChunkState) -> None:
+        """Host worker: a sharded chunk's local sum (`user_grad`, host) reduce-scattered into its host gradient
+        (through the staging buffer in mixed precision: the collective keeps the compute dtype)."""
+        assert st.shard is not None and st.user_grad is not None and st.host_grad is not None
+        assert self.group is not None
+        target = (
+            st.host_grad
+            if st.host_grad.dtype == st.user_grad.dtype
+            else stage_for(st, self.ctx, self.compute_dtype)
+        )
+        self.group.reduce_scatter_mean(target[: st.shard.size], st.user_grad)
+        if target is not st.host_grad:
+            st.host_grad.copy_(target[: st.shard.size])
+
+    def check_synchronised(self) -> None:
+        """`optimizer.step()`: refuse to step a sharded chunk whose gradient is still this rank's local sum."""
+        held = [st.index for st in self.states if st.local]
+        if held:
+            raise RuntimeError(
+                f"optimizer.step(): sharded chunks {held} hold gradients of no_sync() backwards that no "
+                "synchronising backward has reduced yet (each rank owns one shard, so it cannot step its own "
+                "local gradient as DistributedDataParallel would); run the last micro-step's backward outside "
+                "no_sync()"
+            )
 
     def reduce_persistent(self) -> None:
         """End of backward: average every persistent chunk's gradient across the ranks (its parameters'
@@ -290,6 +387,10 @@ class GradientFlow:
         assert self.worker is not None and self.residency is not None and self.host_steps is not None
         for st in self.states:
             if st.offloaded and st.touched and not st.user_grad_filled:
+                if st.shard is not None and self.local:
+                    # no collective inside no_sync(): user_grad holds the local sum, or (not used in this
+                    # backward) what the last exposure showed
+                    continue
                 events = st.pending_events
                 st.pending_events = []
                 st.host_work = self.worker.submit(self.host_steps.fill_user_grad, st, events)
@@ -333,6 +434,8 @@ class GradientFlow:
                 changed = True
             elif g is not gv[j]:
                 gv[j].copy_(g)
+        if st.local:
+            return changed  # user_grad is the local sum itself: the edits are in it, host_grad is stale
         # a sharded chunk: this rank's own shard only (each rank decides for its shard; no collective here)
         seen = st.user_grad if st.shard is None else st.user_grad[st.shard.start : st.shard.end]
         if not torch.equal(seen, st.host_grad.to(seen.dtype)):
@@ -400,6 +503,7 @@ class GradientFlow:
                 self.host_steps.undo(st, why="zero_grad() without optimizer.step()")
             st.flushes = 0
             st.unaveraged = False
+            st.local = False
             st.user_grad_filled = False
             if st.exposed and set_to_none:
                 for e in st.spec.entries:
@@ -416,3 +520,6 @@ class GradientFlow:
                 if st.exposed:  # `.grad` stays, zeroed, as in plain PyTorch
                     assert st.user_grad is not None
                     st.user_grad.zero_()
+                elif st.shard is not None:
+                    # a no_sync flush adds into user_grad (flushes > 0): it must hold the (zero) gradient too
+                    local_grads.whole_user_grad(st, self.ctx, self.compute_dtype).zero_()

@@ -27,6 +27,7 @@ from agent.runtime.accounting import Counters
 from agent.runtime.chunks import ChunkState
 from agent.runtime.device import DeviceContext, Event
 from agent.runtime.host_worker import HostWorker
+from agent.runtime.local_grads import whole_user_grad
 from agent.runtime.options import RuntimeOptions
 from agent.runtime.process_group import RankGroup
 from agent.runtime.residency import ChunkResidency
@@ -139,14 +140,13 @@ class HostSteps:
         for ev in events or []:
             self.ctx.host_wait(ev)
         assert st.host_grad is not None
-        if st.user_grad is None:
-            n = st.shard.total if st.shard is not None else st.numel
-            st.user_grad = torch.empty(n, dtype=self.compute_dtype, device=st.host_grad.device)
+        user_grad = whole_user_grad(st, self.ctx, self.compute_dtype)
         if st.shard is None:
-            st.user_grad.copy_(st.host_grad)
+            user_grad.copy_(st.host_grad)
         else:
             assert self.group is not None
-            self.group.all_gather(st.user_grad, st.host_grad.to(self.compute_dtype, copy=True))
+            self.group.all_gather(user_grad, st.host_grad.to(self.compute_dtype, copy=True))
+            self.counters.grad_gathers += 1
 
     def publish_shards(self, states: list[ChunkState]) -> None:
         """At `optimizer.step()`, after every chunk's step was queued: make every rank's stepped shard of each

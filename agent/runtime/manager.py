@@ -421,6 +421,7 @@ class ModelStateManager:
         self._recover_if_aborted()
         if self.phase.backward:
             raise RuntimeError("optimizer.step(): called during backward")
+        self.gradients.check_synchronised()
         assert self.optimizer is not None
         hypers = self.optimizer.hyper_snapshot()
         steppers = self.optimizer.steppers

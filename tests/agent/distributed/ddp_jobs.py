@@ -108,9 +108,9 @@ def adamw(m: nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def batches(n: int, rank: int) -> list[torch.Tensor]:
+def batches(n: int, rank: int, batch: int = BATCH) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(n)]
 
 
 def train(
@@ -120,8 +120,10 @@ def train(
     case: Case,
     no_sync: Callable[[], contextlib.AbstractContextManager[None]],
     clip: Callable[[float], torch.Tensor],
+    after_backward: Callable[[bool], None] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """The same loop for both variants; the losses and the gradient norms clipping saw."""
+    """The same loop for both variants; the losses and the gradient norms clipping saw. `after_backward` is
+    called after every backward with whether it synchronised (ran outside no_sync)."""
     torch.manual_seed(1234)  # dropout masks identical across variants
     losses, norms = [], []
     for x in data:
@@ -129,9 +131,12 @@ def train(
         parts = x.chunk(case.micro)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            with no_sync() if case.no_sync and not last else contextlib.nullcontext():
+            local = case.no_sync and not last
+            with no_sync() if local else contextlib.nullcontext():
                 loss = model(input_ids=part, labels=part).loss / case.micro
                 loss.backward()
+            if after_backward is not None:
+                after_backward(not local)
             total += loss.item()
         if case.clip is not None:
             norms.append(float(clip(case.clip)))

@@ -8,6 +8,7 @@ batches, and writes what it measured to `<out>/rank<r>.json`. The loop, data and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -23,14 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_jobs import VOCAB, adamw, batches, build_model, checksum, free_port, rel_diff, train
+from ddp_jobs import VOCAB, TwoPaths, adamw, batches, build_model, checksum, free_port, rel_diff, train
 from ddp_jobs import Case as LoopCase
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import agent
 from agent.runtime import RuntimeOptions, manual_plan
-from client.contract import Placement, Plan
+from client.contract import Chunk, Placement, Plan, parameter_slot_bytes
+from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulated_cuda
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ShardCase:
     steps: int = 4
     clip: float | None = None
     micro: int = 1
+    batch: int = 4  # rows per step (split into `micro` micro-batches)
     no_sync: bool = False
     save: str | None = None  # every rank gathers the full state dicts; rank 0 writes them here
     load: str | None = None  # both variants start from this checkpoint (memplan's, saved at any world size)
@@ -48,6 +51,11 @@ class ShardCase:
     share: bool = True  # RuntimeOptions.share_compute_copy (the node-shared compute copy)
     shm_dirs: list[str] | None = None  # per rank: RuntimeOptions.shared_memory_dir (default /dev/shm)
     fsize_limit: int | None = None  # rank 0 wraps under this RLIMIT_FSIZE (its posix_fallocate then fails)
+    replicated: bool = False  # every second offloaded chunk stays replicated (not sharded)
+    tight: bool = False  # small chunks out of execution order: chunks flushed in parts in one backward
+    job: str = (
+        "ddp"  # "ddp": compare_sharded_with_ddp; "edges": accumulation_edge_cases; "streams": cuda_paths
+    )
 
 
 class TokenMLP(nn.Module):
@@ -68,15 +76,53 @@ class TokenMLP(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
-def sharded_plan(model: nn.Module, world: int, offload: str, dtype: torch.dtype = torch.float32) -> Plan:
-    """A hand-built plan for `world` ranks with every offloaded chunk sharded."""
+# TokenMLP's parameters in chunks of modules far apart in backward (head's bias with the embedding, down's weight
+# with up's bias, up's weight with down's bias): with two buffers, the chunk of head's bias and the embedding is
+# evicted with head's gradient pending while down and up run, and flushed again once the embedding's arrives
+TIGHT_CHUNKS = [
+    ["head.bias", "embed.weight"],
+    ["down.weight", "up.bias"],
+    ["head.weight"],
+    ["up.weight", "down.bias"],
+]
+
+
+def sharded_plan(
+    model: nn.Module,
+    world: int,
+    offload: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    replicated: bool = False,
+    tight: bool = False,
+) -> Plan:
+    """A hand-built plan for `world` ranks with every offloaded chunk sharded (`replicated`: every second one)."""
     sizes = [p.numel() * dtype.itemsize for p in model.parameters()]
     chunk = -(-max(max(sizes), -(-sum(sizes) // 5)) // 64) * 64 + 48  # 48: chunks end off a shard boundary
     rule: Any = "all" if offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=rule, n_buffers=2, compute_dtype=dtype)
     assert plan.policy is not None
+    if tight:  # every chunk offloaded, parameters grouped out of execution order (TokenMLP's names)
+        params = dict(model.named_parameters())
+        slots = [
+            sum(parameter_slot_bytes(params[n].numel(), dtype.itemsize) for n in g) for g in TIGHT_CHUNKS
+        ]
+        tight_chunks = [
+            Chunk(index=i, placement=Placement.offloaded, parameters=g, blocks=[], used_bytes=b)
+            for i, (g, b) in enumerate(zip(TIGHT_CHUNKS, slots, strict=True))
+        ]
+        policy = plan.policy.model_copy(update={"chunks": tight_chunks, "chunk_size_bytes": max(slots) + 48})
+        plan = plan.model_copy(update={"policy": policy})
+        assert plan.policy is not None
+    offloaded = [c.index for c in plan.policy.chunks if c.placement == Placement.offloaded]
     chunks = [
-        c.model_copy(update={"sharded": c.placement == Placement.offloaded}) for c in plan.policy.chunks
+        c.model_copy(
+            update={
+                "sharded": c.placement == Placement.offloaded
+                and not (replicated and offloaded.index(c.index) % 2 == 1)
+            }
+        )
+        for c in plan.policy.chunks
     ]
     policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
     return plan.model_copy(update={"policy": policy})
@@ -99,7 +145,11 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = compare_sharded_with_ddp(rank, world, ShardCase(**case))
+        c = ShardCase(**case)
+        job = {"ddp": compare_sharded_with_ddp, "edges": accumulation_edge_cases, "streams": cuda_paths}[
+            c.job
+        ]
+        result = job(rank, world, c)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -210,6 +260,32 @@ def _sharing(runtime: Any, case: ShardCase) -> dict[str, Any]:
     return out
 
 
+# counters read after every backward (their increase in it)
+PER_BACKWARD = ("reduce_scatters", "grad_gathers", "grad_reductions", "param_gathers", "grad_flushes")
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    """Every parameter's `.grad` (zeros for None) as one fp32 vector, in `model.parameters()` order."""
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+            for p in model.parameters()
+        ]
+    )
+
+
+def grad_rel_diffs(
+    grads: list[torch.Tensor], ref: list[torch.Tensor], synced: list[bool]
+) -> dict[str, float]:
+    """The largest ||grad - DDP's|| / ||DDP's|| after no_sync backwards ("local") and after the others."""
+    out = {"local": 0.0, "synced": 0.0}
+    for g, r, s in zip(grads, ref, synced, strict=True):
+        d = ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-12)).item()
+        key = "synced" if s else "local"
+        out[key] = max(out[key], d)
+    return out
+
+
 def state_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Largest relative difference between two plain-PyTorch optimizer state dicts' tensors (same keys)."""
     assert a["state"].keys() == b["state"].keys(), (sorted(a["state"]), sorted(b["state"]))
@@ -241,7 +317,7 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
             m.load_state_dict(ckpt["model"])
             o.load_state_dict(ckpt["optimizer"])  # plain PyTorch, and memplan's wrap keeps it
     ddp = DistributedDataParallel(ref_model)
-    data = batches(case.steps, rank)
+    data = batches(case.steps, rank, case.batch)
     dtype = torch.bfloat16 if case.bf16 else torch.float32
     shm = {"shared_memory_dir": case.shm_dirs[rank]} if case.shm_dirs else {}
     warned = _Records()
@@ -256,7 +332,9 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         wrapped = agent.wrap(
             model,
             opt,
-            plan=sharded_plan(model, world, case.offload, dtype),
+            plan=sharded_plan(
+                model, world, case.offload, dtype, replicated=case.replicated, tight=case.tight
+            ),
             options=RuntimeOptions(compute_dtype=dtype, share_compute_copy=case.share, **shm),
             feedback_steps=None,
         )
@@ -264,10 +342,28 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     sharing = _sharing(wrapped.runtime, case)
     loop = LoopCase(steps=case.steps, clip=case.clip, micro=case.micro, no_sync=case.no_sync)
+    ref_grads: list[torch.Tensor] = []
     ref_losses, ref_norms = train(
-        ddp, ref_opt, data, loop, ddp.no_sync, lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m)
+        ddp,
+        ref_opt,
+        data,
+        loop,
+        ddp.no_sync,
+        lambda m: torch.nn.utils.clip_grad_norm_(ddp.parameters(), m),
+        lambda synced: ref_grads.append(flat_grads(ref_model)),
     )
     params = list(wrapped.model.parameters())
+    runtime = wrapped.runtime
+    grads: list[torch.Tensor] = []
+    backwards: list[dict[str, Any]] = []
+    seen = {k: 0 for k in PER_BACKWARD}
+
+    def after_backward(synced: bool) -> None:
+        grads.append(flat_grads(wrapped.model))  # `.grad` as the user sees it: DDP's after this backward
+        now = {k: getattr(runtime.counters, k) for k in PER_BACKWARD}
+        backwards.append({"synced": synced, **{k: now[k] - seen[k] for k in PER_BACKWARD}})
+        seen.update(now)
+
     losses, norms = train(
         wrapped.model,
         wrapped.optimizer,
@@ -275,8 +371,8 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         loop,
         wrapped.no_sync,
         lambda m: torch.nn.utils.clip_grad_norm_(params, m),  # torch's own, on the wrapped model's .grad
+        after_backward,
     )
-    runtime = wrapped.runtime
     states = runtime.states
     sharded = [st for st in states if st.shard is not None]
     report = runtime.memory_report()
@@ -294,6 +390,9 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "checksum": checksum(wrapped.model),
         "digest": digest(wrapped.model),
         "sharded_chunks": len(sharded),
+        "replicated_offloaded_chunks": sum(st.offloaded and st.shard is None for st in states),
+        "backwards": backwards,
+        "grad_rel_diff": grad_rel_diffs(grads, ref_grads, [b["synced"] for b in backwards]),
         "persistent_chunks": sum(not st.offloaded for st in states),
         "grad_reductions": runtime.counters.grad_reductions,
         "param_gathers": runtime.counters.param_gathers,
@@ -326,3 +425,129 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         result["unwrapped_opt_rel_diff"] = state_rel_diff(opt.state_dict(), ref_opt.state_dict())
     dist.barrier()
     return result
+
+
+def accumulation_edge_cases(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
+    """no_sync() around the edges, every offloaded chunk sharded, against plain PyTorch averaging `.grad` by hand
+    where DDP would (an all-reduce of every `.grad` after each synchronising backward: DDP's arithmetic, and
+    defined where DDP's own needs find_unused_parameters): a no_sync backward dropped by zero_grad, a chunk
+    used only in the no_sync micro-step, no_sync after a synchronising backward without zero_grad,
+    zero_grad(set_to_none=False) first, and optimizer.step() refused after a no_sync backward."""
+    torch.manual_seed(0)
+    model = TwoPaths()
+    ref = copy.deepcopy(model)
+    ref_opt, opt = adamw(ref), adamw(model)
+    wrapped = agent.wrap(model, opt, plan=sharded_plan(model, world, "all"), feedback_steps=None)
+    runtime = wrapped.runtime
+    data = iter(batches(16, rank))
+    worst = {"local": 0.0, "synced": 0.0}
+    no_sync_collectives = 0
+    refused = ""
+
+    def backward(*, synced: bool, use_first: bool = True) -> None:
+        nonlocal no_sync_collectives
+        x = next(data)
+        before = runtime.counters.reduce_scatters + runtime.counters.grad_gathers
+        model.use_first = ref.use_first = use_first
+        ref(x, x).loss.backward()
+        with contextlib.nullcontext() if synced else wrapped.no_sync():
+            wrapped.model(x, x).loss.backward()
+        if synced:
+            for p in ref.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+        else:
+            no_sync_collectives += runtime.counters.reduce_scatters + runtime.counters.grad_gathers - before
+        g, r = flat_grads(wrapped.model), flat_grads(ref)
+        key = "synced" if synced else "local"
+        worst[key] = max(worst[key], ((g - r).norm() / r.norm().clamp_min(1e-12)).item())
+
+    def step(*, clip: float | None = None) -> None:
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(wrapped.model.parameters()), clip)
+            torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip)
+        wrapped.optimizer.step()
+        ref_opt.step()
+        wrapped.optimizer.zero_grad()
+        ref_opt.zero_grad()
+
+    # a no_sync backward dropped by zero_grad: nothing of it reaches a later step
+    backward(synced=False)
+    wrapped.optimizer.zero_grad()
+    ref_opt.zero_grad()
+    # `first` gets gradients in the no_sync micro-step only: reduce-scattered from its local sum at the end
+    backward(synced=False)
+    before = (runtime.counters.reduce_scatters, runtime.counters.grad_flushes)
+    backward(synced=True, use_first=False)
+    straggler = (runtime.counters.reduce_scatters - before[0], runtime.counters.grad_flushes - before[1])
+    step()
+    # no_sync after a synchronising backward without zero_grad: `.grad` is the average plus the local sum
+    backward(synced=True)
+    backward(synced=False)
+    backward(synced=True)
+    step()
+    # zero_grad(set_to_none=False) first, then accumulation and clipping
+    wrapped.optimizer.zero_grad(set_to_none=False)
+    ref_opt.zero_grad(set_to_none=False)
+    backward(synced=False)
+    backward(synced=True)
+    step(clip=0.05)
+    # optimizer.step() after a no_sync backward alone is refused; a synchronising backward then steps
+    backward(synced=False)
+    try:
+        wrapped.optimizer.step()
+    except RuntimeError as exc:
+        refused = str(exc)
+    backward(synced=True)
+    step()
+    result = {
+        "grad_rel_diff": worst,
+        "param_rel_diff": rel_diff(wrapped.model, ref),
+        "checksum": checksum(wrapped.model),
+        "no_sync_collectives": no_sync_collectives,
+        "straggler_backward": {"reduce_scatters": straggler[0], "grad_flushes": straggler[1]},
+        "sharded_chunks": sum(st.shard is not None for st in runtime.states),
+        "refused": refused,
+    }
+    dist.barrier()
+    return result
+
+
+def cuda_paths(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
+    """The runtime's CUDA code paths for sharded chunks (reduce-scatters and no_sync's piecewise copies through the
+    pinned stage, issued by the host worker) run on CPU under the stream-ordering checker (a test double: no GPU
+    runs here), training `case` in fp32 and in bf16 with fp32 masters as the CPU path does; per dtype, each run's
+    parameters' checksum and what the checker found."""
+
+    def run(dtype: torch.dtype) -> float:
+        torch.manual_seed(0)
+        model = TokenMLP()
+        plan = sharded_plan(model, world, case.offload, dtype, tight=case.tight)
+        wrapped = agent.wrap(
+            model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=dtype), feedback_steps=None
+        )
+        loop = LoopCase(steps=case.steps, micro=case.micro, no_sync=case.no_sync)
+        data = batches(case.steps, rank)
+        train(wrapped.model, wrapped.optimizer, data, loop, wrapped.no_sync, lambda m: torch.tensor(0.0))
+        wrapped.synchronize()
+        return checksum(wrapped.model)
+
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = run(dtype)
+        with simulated_cuda("caching") as sim:
+            simulated = run(dtype)
+        try:
+            sim.check()
+            found = ""
+        except StreamOrderError as exc:
+            found = str(exc)
+        out[str(dtype)] = {
+            "cpu": cpu,
+            "simulated": simulated,
+            "violations": found,
+            "offload_kernels": sim.kernels_on("offload stream"),
+        }
+    dist.barrier()
+    return out

@@ -46,20 +46,44 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
     assert len({res["ref_losses"][0] for res in results}) == len(results)
 
 
+def check_no_sync(results: list[dict[str, Any]], *, tol: float = TOL, partial_flushes: bool = False) -> None:
+    """Accumulation inside no_sync(): no collective of a sharded chunk (nor any gradient reduction) in a no_sync
+    backward, one reduce-scatter and one `.grad` all-gather per sharded chunk in the synchronising one (more
+    reduce-scatters only where a chunk was flushed in parts), and `.grad` after every backward is DDP's: the
+    local accumulated gradient after a no_sync one, the average after the others."""
+    for res in results:
+        sharded = res["sharded_chunks"]
+        backwards = res["backwards"]
+        assert any(not b["synced"] for b in backwards) and backwards[-1]["synced"]
+        for b in backwards:
+            if not b["synced"]:
+                assert b["reduce_scatters"] == b["grad_gathers"] == b["grad_reductions"] == 0, b
+                assert b["grad_flushes"] >= sharded, b  # the local gradients went to the host
+            elif partial_flushes:
+                assert b["reduce_scatters"] > sharded and b["grad_gathers"] == sharded, b
+            else:
+                assert b["reduce_scatters"] == b["grad_gathers"] == sharded, b
+        assert res["grad_rel_diff"]["local"] <= tol and res["grad_rel_diff"]["synced"] <= tol, res[
+            "grad_rel_diff"
+        ]
+
+
 def test_sharded_chunks_of_a_hugging_face_llama_train_as_ddp_on_two_ranks(tmp_path: Path) -> None:
     results = spawn(ShardCase(kind="hf-llama", offload="all", steps=4), 2, tmp_path)
     assert results[0]["persistent_chunks"] == 0
     check(results)
 
 
-def test_persistent_and_sharded_chunks_train_as_ddp_on_four_ranks_holding_a_quarter_each(
+def test_persistent_and_sharded_chunks_accumulate_in_no_sync_as_ddp_on_four_ranks_holding_a_quarter_each(
     tmp_path: Path,
 ) -> None:
     world = 4
-    results = spawn(ShardCase(kind="mlp", offload="alternate", steps=4), world, tmp_path)
+    case = ShardCase(kind="mlp", offload="alternate", steps=4, micro=3, batch=6, no_sync=True)
+    results = spawn(case, world, tmp_path)
     assert results[0]["persistent_chunks"] > 0
     check(results)
     assert all(res["shared"] for res in results)  # one machine: the node-shared compute copy (the default)
+    check_no_sync(results)
     # host memory of the sharded chunks per rank: master, host gradient, staging and optimizer state are
     # one shard (a quarter, padded to 4 elements); the compute copy and the exposed gradient stay whole
     chunk_numel = results[0]["chunk_numel"]
@@ -81,12 +105,26 @@ def test_persistent_and_sharded_chunks_train_as_ddp_on_four_ranks_holding_a_quar
     assert 2 * 4 * sum(chunk_numel) * 0.9 <= total_opt <= 2 * 4 * sum(chunk_numel)
 
 
-def test_clipping_every_step_sees_the_global_norm_as_ddp(tmp_path: Path) -> None:
-    # a small max norm: torch's clip_grad_norm_ on the wrapped model's parameters scales every step (the
-    # overlapped host steps of the shards are redone) and sees the whole averaged `.grad` on every rank;
-    # unwrap then gives back DDP's model and optimizer state in plain PyTorch
-    results = spawn(ShardCase(kind="llama", offload="all", steps=4, clip=0.05, unwrap=True), 2, tmp_path)
+def test_clipping_every_step_after_no_sync_accumulation_sees_the_global_norm_as_ddp(tmp_path: Path) -> None:
+    # a small max norm: torch's clip_grad_norm_ on the wrapped model's parameters after the synchronising
+    # backward scales every step (the overlapped host steps of the shards are redone) and sees the whole averaged
+    # `.grad` on every rank; every second offloaded chunk is replicated (its own no_sync path, unchanged); unwrap
+    # then gives back DDP's model and optimizer state in plain PyTorch
+    case = ShardCase(
+        kind="llama",
+        offload="all",
+        steps=4,
+        clip=0.05,
+        unwrap=True,
+        micro=3,
+        batch=6,
+        no_sync=True,
+        replicated=True,
+    )
+    results = spawn(case, 2, tmp_path)
+    assert results[0]["replicated_offloaded_chunks"] > 0
     check(results, clipped=True)
+    check_no_sync(results, partial_flushes=True)  # llama's layers register parameters out of execution order
     for res in results:
         assert res["host_step_redos"] > 0
         assert res["unwrapped_rel_diff"][0] <= TOL and res["unwrapped_opt_rel_diff"] <= TOL
@@ -95,17 +133,46 @@ def test_clipping_every_step_sees_the_global_norm_as_ddp(tmp_path: Path) -> None
 def test_bf16_compute_with_sharded_fp32_masters_trains_alike_on_every_rank(tmp_path: Path) -> None:
     """Smoke test of mixed precision: the fp32 master is a shard (its own tensor); ranks stay identical, losses
     stay near fp32 DDP's, and unwrap gathers every rank's fp32 master into the plain model."""
-    results = spawn(ShardCase(kind="mlp", offload="alternate", steps=3, bf16=True, unwrap=True), 2, tmp_path)
+    case = ShardCase(kind="mlp", offload="alternate", steps=3, bf16=True, unwrap=True, micro=2, no_sync=True)
+    results = spawn(case, 2, tmp_path)
     assert len({round(res["checksum"], 6) for res in results}) == 1
+    check_no_sync(results, tol=2e-2)  # the local sum is in bf16, as DDP's of a bf16 model
     for res in results:
         assert res["sharded_chunks"] > 0 and res["host_report"]["master"] > 0
         assert rel(res["losses"], res["ref_losses"]) <= 2e-2, (res["losses"], res["ref_losses"])
         assert res["unwrapped_dtype"] == "torch.float32" and res["unwrapped_rel_diff"][0] <= 2e-2
 
 
-def test_gradient_accumulation_with_no_sync_trains_as_ddp(tmp_path: Path) -> None:
-    results = spawn(ShardCase(kind="mlp", offload="all", steps=3, micro=2, no_sync=True), 2, tmp_path)
+def test_no_sync_accumulation_with_chunks_flushed_in_parts_trains_as_ddp(tmp_path: Path) -> None:
+    # chunks of modules far apart in backward, two buffers: a chunk is evicted with gradients pending and flushed
+    # again later in the same backward; its local sum is added into the first of those flushes only
+    results = spawn(
+        ShardCase(kind="mlp", offload="all", steps=3, micro=2, no_sync=True, tight=True), 2, tmp_path
+    )
     check(results)
+    check_no_sync(results, partial_flushes=True)
+    for (
+        res
+    ) in results:  # every flush of a synchronising backward is a reduce-scatter (every chunk is sharded)
+        assert all(b["reduce_scatters"] == b["grad_flushes"] for b in res["backwards"] if b["synced"])
+
+
+def test_no_sync_edge_cases_average_as_ddp_would(tmp_path: Path) -> None:
+    """zero_grad after a no_sync backward, a chunk used only in the no_sync micro-step (reduce-scattered from its
+    local sum at the end of the synchronising backward), no_sync after a synchronising backward without
+    zero_grad, zero_grad(set_to_none=False) then accumulation and clipping: `.grad` after every backward and the
+    parameters equal plain PyTorch averaging `.grad` as DDP does; optimizer.step() right after a no_sync backward
+    is refused with an error that says why."""
+    results = spawn(ShardCase(job="edges"), 2, tmp_path)
+    assert results[0]["checksum"] == results[1]["checksum"]
+    for res in results:
+        assert res["grad_rel_diff"]["local"] <= TOL and res["grad_rel_diff"]["synced"] <= TOL, res
+        assert res["param_rel_diff"][0] <= TOL, res["param_rel_diff"]
+        assert res["no_sync_collectives"] == 0
+        # `first`'s chunk got no gradient in the synchronising backward: one reduce-scatter more than flushes
+        straggler = res["straggler_backward"]
+        assert straggler["reduce_scatters"] == res["sharded_chunks"] == straggler["grad_flushes"] + 1
+        assert "no_sync()" in res["refused"] and "synchronising backward" in res["refused"]
 
 
 def test_full_checkpoint_saved_at_two_ranks_loads_in_plain_pytorch_and_at_four_ranks(tmp_path: Path) -> None:
@@ -121,3 +188,20 @@ def test_full_checkpoint_saved_at_two_ranks_loads_in_plain_pytorch_and_at_four_r
     check(loaded)
     for res in loaded:
         assert res["opt_state_rel_diff"] <= TOL, res["opt_state_rel_diff"]
+
+
+@pytest.mark.cuda_semantics
+def test_the_cuda_paths_of_no_sync_accumulation_are_stream_ordered_and_compute_as_the_cpu_path(
+    tmp_path: Path,
+) -> None:
+    """The CUDA code (never run on a GPU) under the stream-ordering checker, 2 ranks, fp32 and bf16 with fp32
+    masters: no_sync's whole-area copies to `user_grad` and the add before the reduce-scatter, piecewise through
+    the pinned stage on the host worker, with chunks flushed in parts. The checker found the missing host waits
+    when they were taken out."""
+    case = ShardCase(kind="mlp", offload="all", steps=3, micro=2, no_sync=True, tight=True, job="streams")
+    for by_dtype in spawn(case, 2, tmp_path):
+        assert sorted(by_dtype) == ["torch.bfloat16", "torch.float32"]
+        for res in by_dtype.values():
+            assert res["violations"] == ""
+            assert res["offload_kernels"] > 0
+            assert res["simulated"] == res["cpu"]

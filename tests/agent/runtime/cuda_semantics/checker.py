@@ -16,7 +16,8 @@ How it works. `simulated_cuda()` is a context manager that, for its duration,
   and the host worker runs inline (one thread, so the dispatch mode below sees its work);
 * records every read and write of every tensor storage through a `TorchDispatchMode` (the operator
   schema says which arguments an op writes), with the stream it was issued on: an op inside a
-  host-worker job, or touching only host storages (`host_empty`, swap buffers, what host ops made), runs on the host;
+  host-worker job (unless it touches device memory: then it is issued on the current stream), or touching only
+  host storages (`host_empty`, swap buffers, what host ops made), runs on the host;
   any other op is a kernel on the current stream. A storage not seen before (a tensor made before the
   simulation, or by `torch.empty`) is device memory, unless a host-worker job touches it first.
 
@@ -49,6 +50,13 @@ pinned blocks is assumed correct (frees of host memory are not checked). The run
 (`agent/runtime/host_arena.py`) is known to the checker: chunk buffers are its views (marked pinned
 host memory), and its swap region is one host storage whose ranges the swap store hands out again, so a
 copy into a reused range that is not ordered after the copies that used it before is a violation.
+Ops a host-worker job issues on device memory (the sharded chunks' collectives and copies, issued inside
+`torch.cuda.stream(...)`) are kernels on the current stream, which inline is the training thread's: the
+runtime's worker functions enter their stream explicitly, as on a GPU they must; a tensor a host-worker
+job allocates is host or device memory by the first op on it (with device memory: a device temporary).
+A device copy `.to(device)` of a host tensor is the tensor itself here (both are CPU tensors). torch's
+`clip_grad_norm_` over offloaded parameters' host `.grad` was seen reported as a compute-stream write of host
+memory (not investigated: its scalar temporaries may count as device memory); the scenarios do not clip.
 """
 
 from __future__ import annotations
@@ -374,6 +382,8 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         c = self.clocks
         if func in _ALLOC_OPS:  # no data access, but the new storage belongs to the current stream (or host)
+            if c.in_host_job:
+                return out  # host or device: the first op on it says (with device memory: a device temporary)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                     c.storage(t, host_op=c.in_host_job, created=True)
@@ -396,9 +406,14 @@ class _Recorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     inputs.append((t, write, f"{func} argument {arg.name!r}"))
         known = [c.kind(t) for t, _, _ in inputs]
-        # the host worker's jobs are host work; elsewhere an op on host buffers only; anything else is a
-        # kernel (a storage not seen before counts as device memory, what torch.empty on CUDA would give)
-        host_op = c.in_host_job or (bool(known) and all(k == "host" for k in known))
+        # the host worker's jobs are host work, but for an op on device memory they issue (a kernel or copy on
+        # the current stream: the sharded chunks' reduce-scatters and copies, issued by the worker inside
+        # `torch.cuda.stream(...)`); elsewhere an op on host buffers only; anything else is a kernel (a storage
+        # not seen before counts as device memory, what torch.empty on CUDA would give)
+        if c.in_host_job:
+            host_op = "device" not in known
+        else:
+            host_op = bool(known) and all(k == "host" for k in known)
         agent = HOST if host_op else c.current()
         c.submit(agent)
         c.vc[agent][agent] += 1
