@@ -200,6 +200,7 @@ def allocate(
             state.master = own.clone() if mixed else own
             if shared is not None:
                 assert state.host_params is not None and shared.numel() == shard.total
+                shared = ctx.host_adopt(shared, pinned=True)  # page-locked on CUDA by `node_shared.py`
                 shared[shard.start : shard.end].copy_(state.host_params[shard.start : shard.end])
                 state.host_params = shared
                 if not mixed:

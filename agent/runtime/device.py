@@ -51,6 +51,11 @@ class DeviceContext:
                 return t
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pinned and self.is_cuda)
 
+    def host_adopt(self, t: torch.Tensor, *, pinned: bool) -> torch.Tensor:
+        """Host memory made outside this context (the node-shared segment of `node_shared.py`, page-locked by
+        it on CUDA): returned as it is. A test double of the context records it as host memory."""
+        return t
+
     def close_host_arena(self) -> None:
         """Unregister the host arena's page-locked memory (the runtime is being detached)."""
         if self.host_arena is not None:
