@@ -174,6 +174,9 @@ class PolicyInstance:
     ranks_per_node: int = 1  # ranks sharing the node's host RAM: the host limit is per node
     # all-gather of a sharded chunk's compute copy on the host after its host step (N * shard elements)
     gather_ns: tuple[int, ...] = field(default=())
+    # all-gather of a sharded chunk's host-gradient shards into its exposed `.grad` (N * shard elements, the
+    # compute dtype), on the host worker before the chunk's host step
+    grad_fill_ns: tuple[int, ...] = field(default=())
     reduce_scatter_ns: tuple[int, ...] = field(default=())  # reduce-scatter of a sharded chunk's gradient
     all_reduce_ns: tuple[int, ...] = field(default=())  # a replicated chunk's gradient all-reduce
     shard_grad_offload_ns: tuple[int, ...] = field(default=())  # D2H of one rank's gradient shard

@@ -12,8 +12,10 @@ fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the r
   undo backup;
 - device: unchanged (the chunk is uploaded whole from the full compute copy into a buffer);
 - time: the whole chunk's upload (as a replicated chunk), a reduce-scatter of the gradient after the chunk's
-  backward and a D2H copy of the rank's shard only, the host step of the shard, and one all-gather of the
-  compute copy (N * s elements) on the host worker after that step.
+  backward and a D2H copy of the rank's shard only, then on the host worker the all-gather of the shards' host
+  gradients into the exposed `.grad` (N * s elements of the compute dtype: `HostSteps.fill_user_grad`, before
+  the speculative step) and the host step of the shard, and one all-gather of the compute copy (N * s elements)
+  on the host worker after that step.
 
 Collective times come from the trace's measured curves (`CollectiveCurves`, algorithm bandwidth of the
 whole tensor). Copies of a shard are its bytes over the host<->device curves, plus the runtime's measured
@@ -76,6 +78,8 @@ def multi_rank_fields(
         world_size=n,
         ranks_per_node=d.ranks_per_node,
         gather_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
+        # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
+        grad_fill_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
         reduce_scatter_ns=tuple(transfer_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
         all_reduce_ns=tuple(transfer_ns(rs, g) + transfer_ns(ag, g) for g in grad_bytes),
         shard_grad_offload_ns=tuple(
