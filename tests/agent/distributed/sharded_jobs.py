@@ -170,6 +170,11 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "persistent_chunks": sum(not st.offloaded for st in states),
         "grad_reductions": runtime.counters.grad_reductions,
         "param_gathers": runtime.counters.param_gathers,
+        "collective_s": [
+            runtime.counters.grad_reduction_s,
+            runtime.counters.grad_fill_s,
+            runtime.counters.param_gather_s,
+        ],
         "host_step_redos": runtime.counters.host_step_redos,
         "chunk_numel": [st.numel for st in sharded],
         "shard_numel": [st.shard.size for st in sharded],  # type: ignore[union-attr]

@@ -32,6 +32,8 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
         if clipped:
             assert res["norms"], "clipping ran"
         assert res["grad_reductions"] > 0 and res["param_gathers"] > 0
+        # every kind of collective is timed (reduce-scatter, the `.grad` all-gather, the compute-copy all-gather)
+        assert all(t > 0 for t in res["collective_s"]), res["collective_s"]
     loss_diff = max(rel(res["losses"], res["ref_losses"]) for res in results)
     param_diff = max(res["param_rel_diff"][0] for res in results)
     print(
