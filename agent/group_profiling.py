@@ -22,6 +22,9 @@ Now every rank profiles its own model on its own batch at the same time, through
    waits for it), so the slowest rank's iteration is the job's; its trace is taken whole, not block by block
    (a per-block maximum would mix samples of different iterations and add up every block's noise, and the
    trace's blocks, probes and memory stay one measurement). Rank 0 then solves it or sends it to the service.
+
+`agent.profile(process_group=...)` (and `memplan profile --process-group`) runs the same steps 2-4 with no plan
+to wait for (every rank called it): nothing is announced, and every rank returns the job's trace.
 """
 
 from __future__ import annotations
@@ -59,15 +62,20 @@ class GroupTrace:
 
 
 def profile_on_every_rank(
-    group: RankGroup, run: Callable[[], Trace], prepare: Callable[[], object] | None = None
+    group: RankGroup,
+    run: Callable[[], Trace],
+    prepare: Callable[[], object] | None = None,
+    *,
+    every_rank: bool = False,
 ) -> GroupTrace | None:
     """Profile this rank's model (`run`) together with every other rank; the job's trace on rank 0, None on the
     others. Rank 0 calls it instead of profiling alone, which first tells the waiting ranks to profile; the
     others call it when they receive `ProfileEveryRank`. `prepare`: what each rank does before the ranks start
     profiling together (the hardware probe, cached per process: rank 0 has it from the history look-up, and a
     rank that has none measures it here, not while the others profile). Raises `RankProfilingError` on every
-    rank when any rank's `prepare` or `run` raised."""
-    if group.is_main:
+    rank when any rank's `prepare` or `run` raised. `every_rank` (`agent.profile(process_group=)`: every rank
+    called it, none waits for a plan): nothing is announced, and every rank gets the job's trace."""
+    if group.is_main and not every_rank:
         group.broadcast_object(ProfileEveryRank())
     failure: Exception | None = None
     try:
@@ -96,9 +104,9 @@ def profile_on_every_rank(
         slowest,
     )
     job_trace: Trace | None = trace
-    if slowest != 0:  # rank 0 solves (or uploads) the job's trace: the slowest rank sends it
+    if slowest != 0 or every_rank:  # rank 0 solves (or uploads) the job's trace: the slowest rank sends it
         job_trace = group.broadcast_object(trace if group.rank == slowest else None, src=slowest)
-    if not group.is_main:
+    if not group.is_main and not every_rank:
         return None
     assert job_trace is not None
     return GroupTrace(trace=job_trace, iteration_s=times, slowest_rank=slowest)

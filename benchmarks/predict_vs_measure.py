@@ -62,11 +62,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import os
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,7 @@ def run_row(
     steps: int,
     device: torch.device,
     plain_steps: int,
+    breakdown: bool = False,
 ) -> dict[str, Any]:
     from agent.runtime import RuntimeOptions
     from agent.wrapping import unwrap, wrap
@@ -159,10 +162,7 @@ def run_row(
         options=RuntimeOptions(device=device),
     )
     try:
-        for _ in range(steps):
-            run.model(**batch).loss.backward()
-            run.optimizer.step()
-            run.optimizer.zero_grad()
+        measured_phases = train_steps(run, batch, steps, breakdown)
         rep = run.report()
     finally:
         unwrap(run)
@@ -201,6 +201,8 @@ def run_row(
             "swap_demand_fetches": rep.swap.demand_fetches if rep.swap else 0,
         }
     )
+    if measured_phases is not None:
+        row["breakdown"] = {**measured_phases, "predicted_ms": predicted_phases(pred)}
     return row
 
 
@@ -266,6 +268,13 @@ def main() -> None:
         default=1,
         help="ranks (N > 1: each trial launches N ranks that train through agent.wrap under one group; "
         "gloo on the CPU, NCCL with rank r on cuda:r; the global --batch split evenly)",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each managed step's phases (forward, backward, step, zero_grad), the runtime's timing "
+        "sections and collectives (counters) per iteration, beside the plan's terms: a row's `breakdown`, "
+        "printed under it (adds a few microseconds per runtime section)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -385,7 +394,7 @@ def measure_model(
             "kind": kind,
             "layers": layers,
             "profile_s": profile_s,
-            **run_row(model, batch, trace, fraction, args.steps, device, args.plain_steps),
+            **run_row(model, batch, trace, fraction, args.steps, device, args.plain_steps, args.breakdown),
         }
         rows.append(row)
         print_row(row)
@@ -415,6 +424,110 @@ def print_row(row: dict[str, Any]) -> None:
         + (f" ({row['sharded_chunks']} sharded)" if row.get("sharded_chunks") else ""),
         flush=True,
     )
+    if "breakdown" in row:
+        print("    " + breakdown_line(row["breakdown"]), flush=True)
+
+
+# ----------------------------------------------------------------------------------- per-phase breakdown (opt-in)
+MOVES = ("upload", "evict", "flush", "swap_out", "swap_in", "swap_prefetch")
+"""Runtime sections summed at every depth (a flush runs inside an evict inside a gradient hook); the entry
+points (`agent.runtime.timing.ENTRY_POINTS`) are summed where torch called them (depth 0)."""
+COUNTER_SECONDS = ("host_step_s", "grad_reduction_s", "grad_fill_s", "param_gather_s")
+
+
+def train_steps(
+    run: Any, batch: dict[str, torch.Tensor], steps: int, breakdown: bool
+) -> dict[str, Any] | None:
+    """`steps` managed training steps; with `breakdown`, per iteration over the steps after the first third (at
+    least 1 warm-up): the median wall time of each phase, the runtime's sections (mean ms) and the seconds and
+    counts of its counters (mean), as measured on this rank."""
+    if not breakdown:
+        for _ in range(steps):
+            run.model(**batch).loss.backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+        return None
+    warm = max(1, steps // 3)
+    sections: defaultdict[str, float] = defaultdict(float)
+
+    def listen(name: str, seconds: float, depth: int) -> None:
+        if depth == 0 or name in MOVES:
+            sections[name] += seconds
+
+    phases: dict[str, list[float]] = {
+        "forward": [],
+        "backward": [],
+        "step": [],
+        "zero_grad": [],
+        "iteration": [],
+    }
+    counters = run.runtime.counters
+    before = dataclasses.replace(counters)
+    handle = None
+    try:
+        for i in range(steps):
+            if i == warm:
+                handle = run.runtime.timing.add_listener(listen)
+                before = dataclasses.replace(counters)
+            t0 = time.perf_counter()
+            loss = run.model(**batch).loss
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            run.optimizer.step()
+            t3 = time.perf_counter()
+            run.optimizer.zero_grad()
+            t4 = time.perf_counter()
+            if i >= warm:
+                for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+                    phases[k].append(v)
+    finally:
+        if handle is not None:
+            handle.remove()
+    n = steps - warm
+    delta = {
+        f.name: getattr(counters, f.name) - getattr(before, f.name) for f in dataclasses.fields(counters)
+    }
+    return {
+        "iterations": n,
+        "measured_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
+        "sections_ms": {k: v / n * 1e3 for k, v in sorted(sections.items())},
+        "counters_ms": {k.removesuffix("_s"): delta[k] / n * 1e3 for k in COUNTER_SECONDS},
+        "counters": {k: v / n for k, v in delta.items() if k not in COUNTER_SECONDS and v},
+    }
+
+
+def predicted_phases(pred: Any) -> dict[str, float]:
+    """The plan's terms in ms, named as the measured ones (multi-rank terms where the plan has them).
+    `backward`: backward and the host work that ends after it (on a CPU the host worker runs inline, inside
+    `loss.backward()`: `.grad` all-gathers, host steps); `step`: the device steps and what optimizer.step()
+    adds (compute-copy all-gathers, steps redone for clipping)."""
+    b = pred.breakdown
+    ms = lambda s: s * 1e3  # noqa: E731
+    return {
+        "iteration": ms(pred.iteration_s),
+        "forward": ms(pred.forward_s),
+        "backward": ms(max(pred.backward_s, b["host_optimizer_end_s"] - pred.device_optimizer_s)),
+        "step": ms(pred.device_optimizer_s + b["host_optimizer_redo_s"]),
+        "host_step": ms(pred.host_optimizer_s),
+        "grad_reduction": ms(b.get("backward_collective_s", 0.0)),
+        "grad_fill": ms(b.get("grad_fill_collective_s", 0.0)),
+        "param_gather": ms(b.get("host_collective_s", 0.0)),
+    }
+
+
+def breakdown_line(bd: dict[str, Any]) -> str:
+    """measured / predicted ms per iteration, phase by phase (see `predicted_phases`)."""
+    m, p, c, sec = bd["measured_ms"], bd["predicted_ms"], bd["counters_ms"], bd["sections_ms"]
+    return (
+        f"ms measured/predicted: iteration {m['iteration']:.1f}/{p['iteration']:.1f}; forward "
+        f"{m['forward']:.1f}/{p['forward']:.1f}; backward with host work {m['backward']:.1f}/{p['backward']:.1f} "
+        f"(gradient reductions {c['grad_reduction']:.1f}/{p['grad_reduction']:.1f}, .grad all-gathers "
+        f"{c['grad_fill']:.1f}/{p['grad_fill']:.1f}, host steps {c['host_step']:.1f}/{p['host_step']:.1f}; "
+        f"flush sections {sec.get('flush', 0.0):.1f}, uploads {sec.get('upload', 0.0):.1f}); step "
+        f"{m['step']:.1f}/{p['step']:.1f} (compute-copy all-gathers {c['param_gather']:.1f}/"
+        f"{p['param_gather']:.1f}); zero_grad {m['zero_grad']:.1f}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ N ranks (issue 20)
@@ -433,6 +546,7 @@ def measure_trial_on_ranks(
         "steps": args.steps,
         "plain_steps": args.plain_steps,
         "threads": args.threads,
+        "breakdown": args.breakdown,
     }
     results = launch(measure_rank, args.world_size, spec)
     failed = [r for r in results if "skipped" in r]
@@ -546,10 +660,7 @@ def wrapped_row(
             return {**row, "status": "no plan", "error": f"{type(exc).__name__}: {exc}"[:300]}
         wrap_s = time.perf_counter() - t0
         try:
-            for _ in range(steps):
-                run.model(**batch).loss.backward()
-                run.optimizer.step()
-                run.optimizer.zero_grad()
+            measured_phases = train_steps(run, batch, steps, spec.get("breakdown", False))
             assert run.monitor is not None
             measured = run.monitor.measured  # this rank's own figures (the report's are the job's maxima)
             rep = run.report()
@@ -599,6 +710,8 @@ def wrapped_row(
     if trace_iteration:
         row["load_drift"] = plain_now / trace_iteration - 1.0
         row["drift_after"] = plain_after / trace_iteration - 1.0
+    if measured_phases is not None:
+        row["breakdown"] = {**measured_phases, "predicted_ms": predicted_phases(pred)}
     if keep_plan:
         row["plan"] = plan.model_dump(mode="json")
     return row

@@ -53,7 +53,8 @@ def profile(
         typer.Option(
             "--process-group",
             help="under torchrun, on every rank: join the launcher's process group (gloo on cpu, nccl on cuda) "
-            "and measure its collectives; rank 0 writes the job's multi-rank trace",
+            "and measure its collectives; every rank profiles at once and rank 0 writes the job's multi-rank "
+            "trace, the slowest rank's",
         ),
     ] = False,
 ) -> None:
@@ -106,7 +107,7 @@ def profile(
             err_console.print(f"[red]profile[/]: {exc}")
             raise typer.Exit(2) from exc
         if process_group and dist.get_rank() != 0:
-            return  # the job's one trace is rank 0's
+            return  # every rank holds the job's one trace (the slowest rank's): rank 0 writes it
         write_json(output, trace.model_dump_json())
         m = trace.measurements
         alloc = trace.allocation_trace

@@ -5,9 +5,13 @@ puts in the one trace it profiles and uploads for the job (`profile(..., distrib
 
 Measured, on the job's group and device:
 - all-gather (`all_gather_into_tensor`) and reduce-scatter (`reduce_scatter_tensor`) at a few whole-tensor
-  sizes: per size one warm-up, then the median of repetitions, each started after a barrier; a collective is
-  as slow as its slowest rank, so the slowest rank's median is kept (all-reduce MAX). The contract's rate is
-  the whole tensor over the time (`CollectiveSample`: algorithm bandwidth).
+  sizes: per size one warm-up, one barrier, then the repetitions one after another, as the runtime issues
+  them (a sharded chunk's reduce-scatter then its `.grad` all-gather; the compute-copy all-gathers at step()
+  in chunk order), timed together (`_consecutive_time`); a collective is as slow as its slowest rank, so the
+  slowest rank's time is kept (all-reduce MAX). (Each repetition after a barrier of its own, as measured
+  before, read 1.5-3x faster on gloo than the same collectives issued one after another: both ranks start
+  together, which a training step never arranges; docs/BENCHMARKS.md, "Where the managed 2-rank iteration
+  goes".) The contract's rate is the whole tensor over the time (`CollectiveSample`: algorithm bandwidth).
 - overlap with host<->device copies: at one size, the collective alone, a copy of the same size alone, and
   both started together (the collective asynchronous, the copy on its own CUDA stream on a GPU; on a CPU the
   gloo worker thread runs the collective while this thread copies), for all-gather beside H2D and
@@ -126,6 +130,22 @@ def _median_time(
     return _slowest(statistics.median(times), group, device)
 
 
+def _consecutive_time(
+    run: Callable[[], object], group: dist.ProcessGroup | None, device: torch.device, repeats: int
+) -> float:
+    """Seconds per call of `repeats` calls issued one after another (after one warm-up call and one barrier),
+    the slowest rank's."""
+    run()  # warm-up: connections, buffers, first touch
+    _sync(device)
+    dist.barrier(group=group)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    _sync(device)
+    return _slowest((time.perf_counter() - t0) / repeats, group, device)
+
+
 def _elements(size_bytes: int, world: int) -> int:
     """Elements (uint8) of a whole tensor of about `size_bytes`, divisible by the world size."""
     return max(world, size_bytes // world * world)
@@ -156,18 +176,18 @@ def measure_curves(
     sizes: tuple[int, ...] = COLLECTIVE_SIZES,
     repeats: int = REPEATS,
 ) -> tuple[list[CollectiveSample], list[CollectiveSample]]:
-    """All-gather and reduce-scatter rates by whole-tensor size (slowest rank's median)."""
+    """All-gather and reduce-scatter rates by whole-tensor size (consecutive calls, the slowest rank's time)."""
     world = dist.get_world_size(group)
     gather: list[CollectiveSample] = []
     reduce: list[CollectiveSample] = []
     for size in sorted(set(sizes)):
         out, shard, n = _all_gather(size, group, device, world)
-        t = _median_time(
+        t = _consecutive_time(
             functools.partial(all_gather_single, out, shard, group=group), group, device, repeats
         )
         gather.append(CollectiveSample(size_bytes=n, bytes_per_s=n / t))
         whole, part, nbytes = _reduce_buffers(size, device, world)
-        t = _median_time(
+        t = _consecutive_time(
             functools.partial(reduce_scatter_single, part, whole, group=group), group, device, repeats
         )
         reduce.append(CollectiveSample(size_bytes=nbytes, bytes_per_s=nbytes / t))

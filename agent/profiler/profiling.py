@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from agent.allocator.device_memory import check_history_available
+from agent.group_profiling import profile_on_every_rank
 from agent.kv_cache import KVCacheOff
 from agent.profiler.block_detection import RepeatedBlocks, detect_blocks, edge_name
 from agent.profiler.block_marks import BlockTracker, seconds_by_block, segments
@@ -122,8 +123,9 @@ def profile(
     collectives, and the plan is a multi-rank one (issue 20). `process_group`: the job's `torch.distributed`
     group, as `agent.wrap` takes it, measured here instead (`collectives.probe_for_planning`, sized to rank 0's
     model): then `profile` is a collective call that every rank of the group makes, each profiling its own
-    model, and rank 0's trace is the job's. Not the default group by itself, unlike `wrap`: a `profile` called
-    on rank 0 alone must not wait for ranks that never join. When the
+    model at the same time (after every rank measured its hardware), and every rank returns the job's trace,
+    the slowest rank's, as `agent.wrap` plans (`agent/group_profiling.py`). Not the default group by itself,
+    unlike `wrap`: a `profile` called on rank 0 alone must not wait for ranks that never join. When the
     model's states would not fit the device (see `extrapolation.blocks_that_fit`), fewer blocks are profiled
     automatically and the rest extrapolated.
     """
@@ -137,6 +139,35 @@ def profile(
     dev = torch.device(device) if device is not None else first.device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    if process_group is not None:
+        group = resolve(process_group)  # a group given: resolved, or ValueError naming it
+        assert group is not None
+        measured = probe_for_planning(group, model)
+        probed: list[Hardware] = []
+
+        def prepare() -> None:  # before the start line: no rank profiles beside another's copy probe
+            probed.append(hardware if hardware is not None else probe_hardware(dev, device_memory_limit))
+
+        def run() -> Trace:
+            return profile(
+                model,
+                sample_batch,
+                loss_fn=loss_fn,
+                optimizer=optimizer,
+                device=dev,
+                blocks=blocks,
+                allocation_trace=allocation_trace,
+                max_blocks=max_blocks,
+                repeats=repeats,
+                hardware=probed[0],
+                device_memory_limit=device_memory_limit,
+                name=name,
+                distributed=measured,
+            )
+
+        job = profile_on_every_rank(group, run, prepare=prepare, every_rank=True)
+        assert job is not None  # every_rank: the job's trace on every rank
+        return job.trace
     repeated_all = detect_blocks(model, blocks)
     if max_blocks is not None and not 1 <= max_blocks:
         raise ValueError(f"max_blocks: must be at least 1, got {max_blocks}")
@@ -151,10 +182,6 @@ def profile(
     full_fingerprint = fingerprint(model)
     all_params_named = dict(model.named_parameters())
 
-    if process_group is not None:
-        group = resolve(process_group)  # a group given: resolved, or ValueError naming it
-        assert group is not None
-        distributed = probe_for_planning(group, model)
     t_hw = time.perf_counter()
     hw = hardware if hardware is not None else probe_hardware(dev, device_memory_limit)
     hw = in_group(hw, distributed)

@@ -55,7 +55,7 @@ class Counters:
     grad_flushes: int = 0
     grad_flush_bytes: int = 0
     host_steps: int = 0
-    host_step_s: float = 0.0
+    host_step_s: float = 0.0  # wall time of the host steps (restore, backup, step, compute-copy refresh)
     speculative_steps: int = 0  # host steps run during backward, before optimizer.step() validated them
     host_step_redos: int = (
         0  # speculative steps redone at optimizer.step() (gradient or hyper-parameters changed)
@@ -70,6 +70,13 @@ class Counters:
     # flushed in parts), none inside no_sync(); and their `.grad` all-gathers (none inside no_sync())
     reduce_scatters: int = 0
     grad_gathers: int = 0
+    # wall time of the job's collectives, by purpose (issue 20; on CUDA the NCCL calls' issue time, not the
+    # transfer): gradient reductions (reduce-scatter, all-reduce), the sharded chunks' `.grad` all-gathers, and
+    # their compute-copy all-gathers after optimizer.step(). On a CPU device each includes the wait for the
+    # slowest rank to arrive (gloo blocks until every rank has joined).
+    grad_reduction_s: float = 0.0
+    grad_fill_s: float = 0.0
+    param_gather_s: float = 0.0
 
 
 @dataclass

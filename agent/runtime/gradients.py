@@ -19,6 +19,7 @@ the CUDA path of this is written but has not run on a GPU).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import torch
@@ -246,12 +247,14 @@ class GradientFlow:
         assert st.shard is not None and self.group is not None
         sh = st.shard
         full = area[: sh.total]
+        t0 = time.perf_counter()
         if not self.ctx.is_cuda:
             self.group.reduce_scatter_mean(target[: sh.size], full)
         else:
             shard = torch.empty(sh.size, dtype=full.dtype, device=full.device)
             self.group.reduce_scatter_mean(shard, full)
             target[: sh.size].copy_(shard, non_blocking=True)  # `shard` was made on this (offload) stream
+        self.counters.grad_reduction_s += time.perf_counter() - t0
         self.counters.grad_reductions += 1
         self.counters.reduce_scatters += 1
 
@@ -299,7 +302,9 @@ class GradientFlow:
         for ev in events:
             self.ctx.host_wait(ev)
         assert st.host_grad is not None and self.group is not None
+        t0 = time.perf_counter()
         self.group.average_(st.host_grad[: st.numel])
+        self.counters.grad_reduction_s += time.perf_counter() - t0
 
     def average_stragglers(self) -> None:
         """End of a synchronising backward, before `expose`: offloaded chunks holding gradients of earlier
@@ -355,7 +360,9 @@ class GradientFlow:
         for st in self.states:
             if not st.offloaded and st.touched:
                 assert st.grad is not None
+                t0 = time.perf_counter()
                 self.group.average_(st.grad)
+                self.counters.grad_reduction_s += time.perf_counter() - t0
                 self.counters.grad_reductions += 1
 
     def grad_views(self, st: ChunkState) -> list[torch.Tensor | None]:

@@ -105,12 +105,13 @@ class HostSteps:
         assert self.optimizer is not None
         for ev in events:
             self.ctx.host_wait(ev)
-        t0 = time.perf_counter()
         assert st.host_grad is not None and st.host_params is not None and st.master is not None
+        if speculative:  # (a redo is never speculative: its `.grad` is what the user left)
+            self.fill_user_grad(st)
+        t0 = time.perf_counter()
         if redo:
             self._restore(st)
         if speculative:
-            self.fill_user_grad(st)
             if backup:
                 if st.backup_master is None:
                     st.backup_master = torch.empty_like(st.master)
@@ -145,7 +146,9 @@ class HostSteps:
             user_grad.copy_(st.host_grad)
         else:
             assert self.group is not None
+            t0 = time.perf_counter()
             self.group.all_gather(user_grad, st.host_grad.to(self.compute_dtype, copy=True))
+            self.counters.grad_fill_s += time.perf_counter() - t0
             self.counters.grad_gathers += 1
 
     def publish_shards(self, states: list[ChunkState]) -> None:
@@ -193,8 +196,10 @@ class HostSteps:
     def _gather_params(self, st: ChunkState) -> None:
         """Host worker: every rank's shard of the private compute copy into the whole compute copy."""
         assert st.shard is not None and st.host_params is not None and self.group is not None
+        t0 = time.perf_counter()
         own = st.host_params[st.shard.start : st.shard.end].clone()
         self.group.all_gather(st.host_params, own)
+        self.counters.param_gather_s += time.perf_counter() - t0
 
     def _restore(self, st: ChunkState) -> None:
         """Host worker: undo the chunk's speculative step (master, compute copy, optimizer state)."""

@@ -84,6 +84,8 @@ one, as the runtime does). Per chunk c:
   gout(c)= o[c] * D2H of the rank's gradient shard (sharded) or of the whole gradient (replicated)
   step(c)= o[c] * host step of the shard (sharded) or of the whole chunk; persistent chunks step whole on
          the device
+  fill(c)= sh[c] * all-gather of the shards' host gradients into the exposed `.grad` (N * s elements, compute
+         dtype), on the host worker right before the chunk's step (the runtime's `fill_user_grad`)
   ag(c)  = sh[c] * all-gather of the private compute copy (N * s elements) on the host at step() (several
          nodes); 0 when the copy is node-shared (each rank wrote its stepped shard into the one copy)
   bar    = one barrier at step() when the copy is node-shared and any chunk is sharded (`step_barrier_ns`:
@@ -102,8 +104,8 @@ Backward window c: comm = red(c+1), h2d = need[c-1] * up(c-1) + swap-in of windo
   T_bwd = need[C-1] * up(C-1) + swap-in of the last window + sum Tb[c] + red(0)
   (chunk 0's reduction has no window after it). The concurrent (duplex) copy rates are not applied.
 Host worker: an offloaded chunk's gradient arrives at done(c) + red(c) + gout(c); the FIFO worker then
-  steps it:
-    T_host_end = max over c of (done(c) + o[c] * (red(c) + gout(c)) + sum_{c' <= c} step(c'))
+  fills its `.grad` and steps it:
+    T_host_end = max over c of (done(c) + o[c] * (red(c) + gout(c)) + sum_{c' <= c} (fill(c') + step(c')))
   At optimizer.step(), after every step settled, the host worker runs the step's collectives (unconditionally:
   no rank's own validation decides a collective); when clipping redoes the speculative steps they come first.
   Several nodes: the sharded chunks' private compute copies are all-gathered (ag(c), at the measured
@@ -231,6 +233,7 @@ class ChunkTerms:
     device_optim: tuple[int, ...]
     host_optim: tuple[int, ...]  # the host step (of the rank's shard when sharded) when offloaded, else 0
     host_gather: tuple[int, ...]  # all-gather of a sharded chunk's private compute copy at step(), else 0
+    grad_fill: tuple[int, ...]  # all-gather of a sharded chunk's `.grad` before its host step, else 0
     device_bytes: tuple[int, ...]  # model-state bytes on one rank's device
     host_bytes: tuple[int, ...]  # host bytes of one rank
     pinned_bytes: tuple[int, ...]
@@ -252,6 +255,7 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             device_optim=device_optim,
             host_optim=tuple(inst.host_optim_ns[c] if o[c] else 0 for c in range(C)),
             host_gather=zero,
+            grad_fill=zero,
             device_bytes=device_bytes,
             host_bytes=tuple(inst.host_bytes(c) if o[c] else 0 for c in range(C)),
             pinned_bytes=tuple(inst.pinned_bytes(c) if o[c] else 0 for c in range(C)),
@@ -273,6 +277,7 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             (inst.shard_host_optim_ns[c] if sh[c] else inst.host_optim_ns[c]) if o[c] else 0 for c in range(C)
         ),
         host_gather=tuple(inst.gather_ns[c] if sh[c] else 0 for c in range(C)),
+        grad_fill=tuple(inst.grad_fill_ns[c] if sh[c] else 0 for c in range(C)),
         device_bytes=device_bytes,
         host_bytes=tuple(
             (inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c)) if o[c] else 0 for c in range(C)
@@ -286,14 +291,16 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
 
 
 def host_queue(inst: PolicyInstance, k: ChunkTerms) -> tuple[tuple[int, ...], int]:
-    """Per chunk, the host worker's FIFO work after the chunk's gradient arrives (its step), and the work at
-    optimizer.step() after every step settled: the sharded chunks' private compute-copy all-gathers (the
-    runtime queues them there, in chunk order, so no rank's own validation decides a collective) or the one
-    barrier of node-shared copies, after the steps redone when clipping changed the gradients."""
+    """Per chunk, the host worker's FIFO work after the chunk's gradient arrives (a sharded chunk's `.grad`
+    all-gather, then its step), and the work at optimizer.step() after every step settled: the sharded chunks'
+    private compute-copy all-gathers (the runtime queues them there, in chunk order, so no rank's own validation
+    decides a collective) or the one barrier of node-shared copies, after the steps redone when clipping changed
+    the gradients (a redo steps the `.grad` the user left: nothing is gathered again)."""
+    work = tuple(h + f for h, f in zip(k.host_optim, k.grad_fill, strict=True))
     collectives = sum(k.host_gather) + k.step_barrier
     if inst.redo_host_steps:
-        return k.host_optim, sum(k.host_optim) + collectives
-    return k.host_optim, collectives
+        return work, sum(k.host_optim) + collectives
+    return work, collectives
 
 
 def residency(offloaded: tuple[bool, ...], n_buffers: int) -> list[bool]:
@@ -534,6 +541,7 @@ def _sharded_breakdown(inst: PolicyInstance, decision: Decision, cost: Cost) -> 
         "sharded_chunks": float(sum(decision.sharded_chunks(inst))),
         "backward_collective_s": cost.backward_collective_ns / 1e9,
         "host_collective_s": cost.host_collective_ns / 1e9,
+        "grad_fill_collective_s": sum(chunk_terms(inst, decision).grad_fill) / 1e9,
         "collective_copy_overlap": inst.collective_overlap_permille / PERMILLE,
         "compute_copy_shared": 1.0 if inst.compute_copy_shared else 0.0,
         "host_node_bytes": float(cost.host_node_bytes),

@@ -375,6 +375,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     m, inst = pm.model, pm.inst
     C, W = inst.n_chunks, max(inst.n_chunks, 1)
     U, G, H = inst.upload_ns, inst.grad_offload_ns, inst.host_optim_ns
+    FILL = inst.grad_fill_ns
     AG, RS, AR, Gs, Hs = (
         inst.gather_ns,
         inst.reduce_scatter_ns,
@@ -387,7 +388,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     F, Bk, REC, SO, SI = _window_terms(pm)
     red_max = [max(r, a) for r, a in zip(RS, AR, strict=True)]
     gout_max = [max(g, s) for g, s in zip(G, Gs, strict=True)]
-    work_max = [max(h, hs + ag) for h, hs, ag in zip(H, Hs, AG, strict=True)]
+    work_max = [max(h, hs + ag + f) for h, hs, ag, f in zip(H, Hs, AG, FILL, strict=True)]
     upper = (
         sum(inst.fwd_ns)
         + sum(inst.bwd_ns)
@@ -436,10 +437,10 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     tail = _total(red(0))
     bwd = head + sum(tb) + tail
 
-    # optimizer: persistent chunks step whole on the device; the host worker (FIFO) steps an offloaded
-    # chunk's shard (sharded) or the whole chunk; at optimizer.step() the sharded chunks' private compute
-    # copies are all-gathered (several nodes) or one barrier runs (node-shared copies, any chunk sharded),
-    # after the steps clipping redoes (cost_model.host_queue)
+    # optimizer: persistent chunks step whole on the device; the host worker (FIFO) all-gathers a sharded
+    # chunk's `.grad` and steps its shard, or steps the whole (replicated) chunk; at optimizer.step() the sharded
+    # chunks' private compute copies are all-gathered (several nodes) or one barrier runs (node-shared copies,
+    # any chunk sharded), after the steps clipping redoes (cost_model.host_queue)
     dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
     step = [Hs[c] * pm.sh[c] + H[c] * rep[c] for c in range(C)]
     gather: LinearExpr = sum(AG[c] * pm.sh[c] for c in range(C))
@@ -448,10 +449,8 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         for c in range(C):
             m.add(any_sh >= pm.sh[c])
         gather = gather + inst.step_barrier_ns * any_sh
-    if inst.redo_host_steps:
-        work, redo = step, sum(step) + gather
-    else:
-        work, redo = step, gather
+    work = [step[c] + FILL[c] * pm.sh[c] for c in range(C)]
+    redo = (sum(step) if inst.redo_host_steps else 0) + gather
     if not overlap:
         host_work = sum(work) + (_total(gout(0)) if C else 0)
         pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")

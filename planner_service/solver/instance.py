@@ -181,6 +181,9 @@ class PolicyInstance:
     # node-shared copies: the one barrier per step on the host worker, after every chunk's host step, that the
     # sharded chunks' next uploads wait on (charged once when any chunk is sharded); 0 with private copies
     step_barrier_ns: int = 0
+    # all-gather of a sharded chunk's host-gradient shards into its exposed `.grad` (N * shard elements, the
+    # compute dtype), on the host worker before the chunk's host step
+    grad_fill_ns: tuple[int, ...] = field(default=())
     reduce_scatter_ns: tuple[int, ...] = field(default=())  # reduce-scatter of a sharded chunk's gradient
     all_reduce_ns: tuple[int, ...] = field(default=())  # a replicated chunk's gradient all-reduce
     shard_grad_offload_ns: tuple[int, ...] = field(default=())  # D2H of one rank's gradient shard

@@ -16,7 +16,9 @@ fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the r
 - pinned: `client.contract.sharded_chunk_pinned_bytes` (its `shared_compute` as above);
 - device: unchanged (the chunk is uploaded whole from the full compute copy into a buffer);
 - time: the whole chunk's upload (as a replicated chunk), a reduce-scatter of the gradient after the chunk's
-  backward and a D2H copy of the rank's shard only, the host step of the shard, and at optimizer.step():
+  backward and a D2H copy of the rank's shard only, then on the host worker the all-gather of the shards' host
+  gradients into the exposed `.grad` (N * s elements of the compute dtype: `HostSteps.fill_user_grad`, before
+  the speculative step: `grad_fill_ns`) and the host step of the shard, and at optimizer.step():
   several nodes: one all-gather of the compute copy (N * s elements) per sharded chunk (`gather_ns`); one node:
   no gather (the ranks wrote their shards into the shared copy) but ONE barrier per step, on the host worker
   after every chunk's host step, that each sharded chunk's next upload waits on (`step_barrier_ns`, charged
@@ -105,6 +107,8 @@ def multi_rank_fields(
         # several nodes: each sharded chunk's compute copy all-gathered at step(); one node: one barrier instead
         gather_ns=(0,) * len(shards) if shared else tuple(transfer_ns(ag, n * s * elt) for s in shards),
         step_barrier_ns=barrier_ns(d.collectives) if shared else 0,
+        # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
+        grad_fill_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
         reduce_scatter_ns=tuple(transfer_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
         all_reduce_ns=tuple(transfer_ns(rs, g) + transfer_ns(ag, g) for g in grad_bytes),
         shard_grad_offload_ns=tuple(

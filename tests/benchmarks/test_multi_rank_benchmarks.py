@@ -137,6 +137,7 @@ def test_predict_vs_measure_ranks_stay_in_step_past_a_fraction_with_no_plan(pvm:
         "steps": 4,
         "plain_steps": 1,
         "threads": 1,
+        "breakdown": True,
     }
     results = pvm.launch(pvm.measure_rank, 2, spec, timeout_s=120, start_method="fork")
     assert [r.get("rank") for r in results] == [0, 1], results
@@ -152,6 +153,17 @@ def test_predict_vs_measure_ranks_stay_in_step_past_a_fraction_with_no_plan(pvm:
         assert measured["peak_error"] <= 0.02
         times = measured["profiled_iteration_s"]  # every rank profiled; the trace is the slowest rank's
         assert len(times) == 2 and min(times) > 0 and measured["trace_iteration_s"] == max(times)
+        # --breakdown: this rank's phases, sections and collective counters beside the plan's terms
+        bd = measured["breakdown"]
+        assert bd["iterations"] == 3  # 4 steps, the first a warm-up
+        phases = ("forward", "backward", "step", "zero_grad", "iteration")
+        assert all(bd["measured_ms"][k] > 0 for k in phases)
+        assert bd["measured_ms"]["iteration"] >= bd["measured_ms"]["forward"]
+        assert set(bd["counters_ms"]) == {"host_step", "grad_reduction", "grad_fill", "param_gather"}
+        assert bd["counters_ms"]["grad_reduction"] > 0  # every gradient is averaged across the 2 ranks
+        assert bd["predicted_ms"]["iteration"] == pytest.approx(measured["predicted_iteration_s"] * 1e3)
+        assert bd["sections_ms"]["root_forward"] > 0
+        assert pvm.breakdown_line(bd).startswith("ms measured/predicted: iteration ")
     # rank 0's row holds the plan it solved and broadcast (an outlier can be replayed); rank 1's does not
     plan = Plan.model_validate(rows[0][1]["plan"])
     assert plan.predictions is not None

@@ -50,6 +50,7 @@ class Case:
     solve: bool = False  # no plan given: every rank profiles, rank 0 solves in-process, the others receive it
     server: str | None = None  # with solve: rank 0 asks this planner service for the plan
     device_memory: int | None = None  # with solve: the device memory to plan for (default: the device's)
+    host_memory: int | None = None  # with solve: the node's host memory to plan for (default: the machine's)
     explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
     no_batch: bool = False  # neither plan nor sample batch: rank 0 cannot plan; each rank's error
     job: str = "ddp"  # "ddp": compare_with_ddp; "unused": unused_in_the_last_micro_step
@@ -202,6 +203,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         process_group=dist.new_group(list(range(world))) if case.explicit_group else None,
         server=case.server,
         device_memory=case.device_memory,
+        host_memory=case.host_memory,
     )
     counting.remove()
     ref_losses, ref_norms = train(

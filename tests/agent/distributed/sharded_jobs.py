@@ -401,6 +401,11 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         **sharing,
         "node_shared_bytes": report.node_shared_host_bytes,
         "pinned_host_bytes": report.pinned_host_bytes,
+        "collective_s": [
+            runtime.counters.grad_reduction_s,
+            runtime.counters.grad_fill_s,
+            runtime.counters.param_gather_s,
+        ],
         "host_step_redos": runtime.counters.host_step_redos,
         "chunk_numel": [st.numel for st in sharded],
         "shard_numel": [st.shard.size for st in sharded],  # type: ignore[union-attr]

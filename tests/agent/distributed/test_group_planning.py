@@ -91,10 +91,14 @@ def test_the_service_gets_the_two_rank_trace_and_history_keeps_it_apart(service:
     assert Plan.model_validate_json(again[0]["plan"]).policy == plan.policy  # the allocation is the job's own
 
 
-def test_a_tight_device_shards_an_offloaded_chunk_and_trains_as_ddp(tmp_path: Path) -> None:
+def test_tight_device_and_host_memory_shard_an_offloaded_chunk_that_trains_as_ddp(tmp_path: Path) -> None:
     # hidden 128: the parameters (1.7 MB) outweigh the activations; 5 MB of device memory makes the solver
-    # offload every chunk and shard one across the two ranks (measured: the same trace solved at 4-8 MB)
-    results = spawn(Case(kind="gpt2", hidden=128, steps=2, solve=True, device_memory=5_000_000), 2, tmp_path)
+    # offload every chunk. On a CPU a replicated offloaded chunk is the faster one (a sharded chunk adds the
+    # all-gather of its `.grad` and of its compute copy, and saves only half of a cheap host step), so a node
+    # host limit makes it shard: replicated, the 2 chunks take 30.0 MB of the node's host memory, one sharded
+    # 23.9 MB (measured on this trace), so 26 MB fits only with a sharded chunk
+    case = Case(kind="gpt2", hidden=128, steps=2, solve=True, device_memory=5_000_000, host_memory=26_000_000)
+    results = spawn(case, 2, tmp_path)
     plan = planned_for_two_ranks(results)
     assert plan.policy is not None and any(c.sharded for c in plan.policy.chunks)
     check(results)

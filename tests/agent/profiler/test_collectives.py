@@ -17,6 +17,8 @@ from agent.testing import model_zoo
 from client.contract import CollectiveBackend, Distributed, Hardware, Trace
 
 KiB = 2**10
+SLOW_ROWS = 32
+"""Rows of rank 1's batch in `profile(process_group=)` (rank 0's: 2): rank 1 profiles the slowest iteration."""
 
 
 def _free_port() -> int:
@@ -50,12 +52,13 @@ def _rank(rank: int, port: int, out: str, hardware_json: str) -> None:
                 distributed=d,
             )
             Path(out, "trace.json").write_text(trace.model_dump_json())
-        # agent.profile(process_group=): every rank calls it, measures the group and profiles its own model
+        # agent.profile(process_group=): every rank calls it, measures the group and profiles its own model;
+        # rank 1's batch is 16x rank 0's, so rank 1 is the slowest
         torch.manual_seed(0)
         model, config = build("gpt2", layers=2, hidden=32, vocab=128, seq=16)
         own = profile(
             model,
-            sample_batch(config, 2, 16),
+            sample_batch(config, SLOW_ROWS if rank == 1 else 2, 16),
             hardware=Hardware.model_validate_json(hardware_json),
             repeats=1,
             allocation_trace=False,
@@ -109,6 +112,10 @@ def test_profile_with_the_group_measures_it_on_every_rank(two_ranks: Path) -> No
     assert groups[0] is not None and groups[0] == groups[1]  # the same figures on both ranks (slowest rank's)
     assert (groups[0].world_size, groups[0].ranks_per_node) == (2, 2)
     assert all(t.hardware.key.endswith(":x2:w2r2") for t in traces)
+    # every rank profiled at once and returns the job's trace: the slowest rank's (rank 1's 32-row batch), as
+    # agent.wrap plans; before, each rank returned its own and rank 0's (the fastest) was written as the job's
+    assert traces[0] == traces[1]
+    assert traces[0].workload.batch_size == SLOW_ROWS
     # sized to the model (rank 0's settings, broadcast): its parameter bytes, not the 128 MiB default
     c = groups[0].collectives
     expected = ProbeSettings.for_model(traces[0].model.parameter_count * 4)

@@ -113,14 +113,18 @@ def _command_rank(rank: int, port: int, out: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def test_profile_command_under_a_launcher_writes_rank_zeros_multi_rank_trace(tmp_path: Path) -> None:
+def test_profile_command_under_a_launcher_writes_the_jobs_multi_rank_trace_on_rank_zero(
+    tmp_path: Path,
+) -> None:
     port = free_port()
     mp.start_processes(_command_rank, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
     trace = Trace.model_validate_json((tmp_path / "trace0.json").read_text())
     d = trace.hardware.distributed
     assert d is not None and (d.world_size, d.ranks_per_node) == (2, 2) and d.collectives is not None
     assert trace.hardware.key.endswith(":x2:w2r2")
-    assert not (tmp_path / "trace1.json").exists()  # one trace for the job: rank 0's
+    assert not (
+        tmp_path / "trace1.json"
+    ).exists()  # one trace for the job (the slowest rank's), written by rank 0
 
 
 def test_profile_command_with_process_group_needs_a_launcher(

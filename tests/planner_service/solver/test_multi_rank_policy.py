@@ -232,6 +232,9 @@ def test_instance_constants_are_the_hand_computed_shards_and_collectives() -> No
     inst = _inst(_hand(per_node=1))  # two nodes: each rank keeps a private compute copy
     assert not inst.compute_copy_shared and inst.step_barrier_ns == 0
     assert inst.gather_ns == (2 * ms, 2 * ms)  # the 100 MB compute copy all-gathered at 50 GB/s
+    # the exposed .grad: the 100 MB (fp32 here) of every rank's averaged gradient shard, all-gathered before
+    # the shard's host step (the runtime's `HostSteps.fill_user_grad`)
+    assert inst.grad_fill_ns == (2 * ms, 2 * ms)
     assert inst.reduce_scatter_ns == (2 * ms, 2 * ms)  # 100 MB of fp32 gradient
     assert inst.all_reduce_ns == (4 * ms, 4 * ms)  # reduce-scatter + all-gather
     assert inst.upload_ns == (10 * ms, 10 * ms)  # a sharded chunk is uploaded whole, as a replicated one
@@ -335,11 +338,12 @@ def test_offloaded_shards_with_one_buffer_and_the_host_queue() -> None:
     # (one buffer: 20 + 10); window 0 hides chunk 1's reduce-scatter (2 ms) and shard copy (5 ms); chunk 0's
     # reduce-scatter is exposed (2 ms)
     assert cost.backward_ns == 30 * ms + 20 * ms + 2 * ms
-    # host: chunk 1's shard arrives at 30 + 2 + 5 ms; the worker steps it (50 ms), then chunk 0's (arrived at
-    # 50 + 7 ms); at optimizer.step() both compute copies are all-gathered (2 ms each), as the runtime queues them
-    assert cost.host_end_ns == 37 * ms + 2 * 50 * ms
+    # host: chunk 1's shard arrives at 30 + 2 + 5 ms; the worker all-gathers its `.grad` (2 ms) and steps it
+    # (50 ms), then chunk 0's (arrived at 50 + 7 ms); at optimizer.step() both compute copies are all-gathered
+    # (2 ms each), as the runtime queues them
+    assert cost.host_end_ns == 37 * ms + 2 * (2 + 50) * ms
     assert cost.host_redo_ns == 4 * ms
-    assert cost.iteration_ns == 40 * ms + 137 * ms + 4 * ms
+    assert cost.iteration_ns == 40 * ms + 141 * ms + 4 * ms
     assert cost.host_optim_ns == 100 * ms and cost.host_collective_ns == 4 * ms
     # two 400 MB sharded chunks (see the instance test) on each rank, one rank per node; 200 MB pinned each
     assert cost.host_bytes == 800 * MB and cost.host_node_bytes == 800 * MB and cost.pinned_bytes == 400 * MB
@@ -351,12 +355,14 @@ def test_clipping_redoes_the_shard_steps_and_then_gathers(per_node: int, collect
     inst = _inst(_clipping(_hand(per_node=per_node, sample_bytes=MB)))
     assert inst.redo_host_steps
     cost = evaluate_decision(inst, Decision((True, True), 1, KEEP, (True, True)))
-    # during backward the worker only steps (speculatively): chunk 1 at 37 + 50, chunk 0 after it at 137 ms
-    assert cost.host_end_ns == 137 * ms
-    # at optimizer.step() both shard steps are redone, then (two nodes) both compute copies all-gathered, or
-    # (one node, a shared compute copy) one barrier: the 1 MB all-gather sample's 20 us
+    # during backward the worker fills `.grad` and steps (speculatively): chunk 1 at 37 + 2 + 50, chunk 0 after
+    # it at 141 ms
+    assert cost.host_end_ns == 141 * ms
+    # at optimizer.step() both shard steps are redone (on the `.grad` the user left: no second fill), then (two
+    # nodes) both compute copies all-gathered, or (one node, a shared compute copy) one barrier: the 1 MB
+    # all-gather sample's 20 us
     assert cost.host_redo_ns == 100 * ms + collectives
-    assert cost.iteration_ns == 40 * ms + 137 * ms + 100 * ms + collectives
+    assert cost.iteration_ns == 40 * ms + 141 * ms + 100 * ms + collectives
     # the undo backup (12 bytes per element: master + Adam state) is a shard's too (beside 400 MB with a
     # private compute copy, 350 MB with a share of the node's: see the instance tests)
     assert inst.shard_host_bytes_of[0] == (400 if per_node == 1 else 350) * MB + 12 * 12_500_000
@@ -371,9 +377,9 @@ def test_on_a_serial_device_every_collective_adds(per_node: int, collectives: in
     assert cost.forward_ns == 10 * ms + 10 * ms + 10 * ms
     # backward: window 1; window 0 + chunk 1's reduce-scatter (2) and shard copy (5); chunk 0's all-reduce (4)
     assert cost.backward_ns == 20 * ms + 27 * ms + 4 * ms
-    # then the device step of chunk 0 (1 ms), the shard step (50) and the gather (2 ms, two nodes) or the
-    # barrier (20 us, one node), serially
-    assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 50 * ms + collectives
+    # then the device step of chunk 0 (1 ms), the `.grad` all-gather (2), the shard step (50) and the gather
+    # (2 ms, two nodes) or the barrier (20 us, one node), serially
+    assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 2 * ms + 50 * ms + collectives
 
 
 @pytest.mark.parametrize(("overlap", "window_ms"), [(1.0, 20.0), (0.5, 22.5), (0.0, 25.0)])
