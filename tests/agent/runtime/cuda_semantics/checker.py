@@ -594,7 +594,9 @@ def _plug_runtime(stack: contextlib.ExitStack, sim: SimulatedCuda) -> None:
             return sim.mark_host(t, pinned=pinned)
 
         def host_adopt(self, t: torch.Tensor, *, pinned: bool) -> torch.Tensor:
-            return sim.mark_host(t, pinned=pinned)  # the node-shared segment: host memory, page-locked on CUDA
+            return sim.mark_host(
+                t, pinned=pinned
+            )  # the node-shared segment: host memory, page-locked on CUDA
 
     def runtime_arena_context(device: torch.device, layout: Any) -> DeviceContext:
         return SimulatedCudaContext(device)
