@@ -432,7 +432,7 @@ def print_row(row: dict[str, Any]) -> None:
 MOVES = ("upload", "evict", "flush", "swap_out", "swap_in", "swap_prefetch")
 """Runtime sections summed at every depth (a flush runs inside an evict inside a gradient hook); the entry
 points (`agent.runtime.timing.ENTRY_POINTS`) are summed where torch called them (depth 0)."""
-COUNTER_SECONDS = ("host_step_s", "grad_reduction_s", "grad_fill_s", "param_gather_s")
+COUNTER_SECONDS = ("host_step_s", "grad_reduction_s", "grad_fill_s", "param_gather_s", "compute_barrier_s")
 
 
 def train_steps(
@@ -501,7 +501,8 @@ def predicted_phases(pred: Any) -> dict[str, float]:
     """The plan's terms in ms, named as the measured ones (multi-rank terms where the plan has them).
     `backward`: backward and the host work that ends after it (on a CPU the host worker runs inline, inside
     `loss.backward()`: `.grad` all-gathers, host steps); `step`: the device steps and what optimizer.step()
-    adds (compute-copy all-gathers, steps redone for clipping)."""
+    adds (private compute-copy all-gathers or the node-shared copies' barrier: `host_collective_s`, measured as
+    `param_gather` + `compute_barrier`; steps redone for clipping)."""
     b = pred.breakdown
     ms = lambda s: s * 1e3  # noqa: E731
     return {
@@ -525,8 +526,8 @@ def breakdown_line(bd: dict[str, Any]) -> str:
         f"(gradient reductions {c['grad_reduction']:.1f}/{p['grad_reduction']:.1f}, .grad all-gathers "
         f"{c['grad_fill']:.1f}/{p['grad_fill']:.1f}, host steps {c['host_step']:.1f}/{p['host_step']:.1f}; "
         f"flush sections {sec.get('flush', 0.0):.1f}, uploads {sec.get('upload', 0.0):.1f}); step "
-        f"{m['step']:.1f}/{p['step']:.1f} (compute-copy all-gathers {c['param_gather']:.1f}/"
-        f"{p['param_gather']:.1f}); zero_grad {m['zero_grad']:.1f}"
+        f"{m['step']:.1f}/{p['step']:.1f} (compute-copy all-gathers or barrier "
+        f"{c['param_gather'] + c['compute_barrier']:.1f}/{p['param_gather']:.1f}); zero_grad {m['zero_grad']:.1f}"
     )
 
 

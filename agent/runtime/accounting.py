@@ -71,12 +71,15 @@ class Counters:
     reduce_scatters: int = 0
     grad_gathers: int = 0
     # wall time of the job's collectives, by purpose (issue 20; on CUDA the NCCL calls' issue time, not the
-    # transfer): gradient reductions (reduce-scatter, all-reduce), the sharded chunks' `.grad` all-gathers, and
-    # their compute-copy all-gathers after optimizer.step(). On a CPU device each includes the wait for the
-    # slowest rank to arrive (gloo blocks until every rank has joined).
+    # transfer): gradient reductions (reduce-scatter, all-reduce), the sharded chunks' `.grad` all-gathers,
+    # their private compute-copy all-gathers after optimizer.step(), and the host worker's barriers that publish
+    # node-shared compute copies (at step() and after an undo; not the ones at wrap and load, on the training
+    # thread). On a CPU device each includes the wait for the slowest rank to arrive (gloo blocks until every
+    # rank has joined).
     grad_reduction_s: float = 0.0
     grad_fill_s: float = 0.0
     param_gather_s: float = 0.0
+    compute_barrier_s: float = 0.0
 
 
 @dataclass

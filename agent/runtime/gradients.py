@@ -334,7 +334,9 @@ class GradientFlow:
             if st.host_grad.dtype == st.user_grad.dtype
             else stage_for(st, self.ctx, self.compute_dtype)
         )
+        t0 = time.perf_counter()
         self.group.reduce_scatter_mean(target[: st.shard.size], st.user_grad)
+        self.counters.grad_reduction_s += time.perf_counter() - t0
         if target is not st.host_grad:
             st.host_grad.copy_(target[: st.shard.size])
 

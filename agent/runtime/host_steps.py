@@ -188,7 +188,9 @@ class HostSteps:
         """Host worker: every rank's host work queued before this point has finished (the node-shared copy is
         written); then the errors of the host work it replaces as the chunks' last task."""
         assert self.group is not None
+        t0 = time.perf_counter()
         self.group.barrier()
+        self.counters.compute_barrier_s += time.perf_counter() - t0
         for f in before:
             if f is not None:
                 f.result()  # done: the worker ran it before this task

@@ -405,6 +405,7 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
             runtime.counters.grad_reduction_s,
             runtime.counters.grad_fill_s,
             runtime.counters.param_gather_s,
+            runtime.counters.compute_barrier_s,
         ],
         "host_step_redos": runtime.counters.host_step_redos,
         "chunk_numel": [st.numel for st in sharded],

@@ -37,9 +37,10 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
         else:
             assert res["param_gathers"] > 0 and res["compute_barriers"] == 0
         # every kind of collective is timed (reduce-scatter, the `.grad` all-gather; private copies: the
-        # compute-copy all-gather)
-        reduction_s, fill_s, gather_s = res["collective_s"]
-        assert reduction_s > 0 and fill_s > 0 and (gather_s > 0) == (not res["shared"]), res["collective_s"]
+        # compute-copy all-gather; node-shared ones: the barrier at step())
+        reduction_s, fill_s, gather_s, barrier_s = res["collective_s"]
+        assert reduction_s > 0 and fill_s > 0, res["collective_s"]
+        assert (gather_s > 0) == (not res["shared"]) and (barrier_s > 0) == res["shared"], res["collective_s"]
     loss_diff = max(rel(res["losses"], res["ref_losses"]) for res in results)
     param_diff = max(res["param_rel_diff"][0] for res in results)
     print(
