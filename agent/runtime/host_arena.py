@@ -14,8 +14,9 @@ needs it locked); the same slicing runs, so CI exercises the code path.
   host gradient without a separate fp32 master), handed out in request order by a bump pointer. They live
   as long as the runtime, and the region is sized by `client.contract.offloaded_chunk_pinned_bytes` from
   the same layout (sharded chunks: `sharded_chunk_pinned_bytes`, less the compute copies a node shares,
-  which live in its segment: `node_shared.py`, `chunk_region_bytes`), so every planned request fits; a request beyond the region (a layout the plan did not
-  describe) is answered with `None`, the caller allocates it the old way and it is counted in `stats`.
+  which live in its segment: `node_shared.py`, `chunk_region_bytes`), so every planned request fits; a
+  request beyond the region (a layout the plan did not describe) is answered with `None`, the caller
+  allocates it the old way and it is counted in `stats`.
   Each buffer is a tensor with a storage of its own aliasing arena bytes (the runtime and its accounting
   recognise buffers by `untyped_storage().data_ptr()`, as for the device arena in `arena.py`).
 * swap region (`swap_take` / `swap_free`): the activation swap store's host copies, which come and go every

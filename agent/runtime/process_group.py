@@ -12,8 +12,9 @@ copy (`_on_backend_device`): correct, not fast, and not yet run on a GPU.
 Sharded offloaded chunks (issue 20) use reduce-scatter (the gradient: each rank receives the mean of its own
 shard), all-gather (a private compute copy after the host step, the exposed gradient, the optimizer state of a
 full state dict) and barriers (a node-shared compute copy, `node_shared.py`: every rank wrote its shard).
-`ranks_per_node` counts the ranks on the busiest host from their host names. On gloo these take host tensors as they are (what the tests run); on NCCL they go through the
-same device copies, written straightforwardly and not run on a GPU yet.
+`ranks_per_node` counts the ranks on the busiest host from their host names. On gloo these take host tensors as
+they are (what the tests run); on NCCL they go through the same device copies, written straightforwardly and
+not run on a GPU yet.
 """
 
 from __future__ import annotations
