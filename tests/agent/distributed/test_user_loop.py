@@ -1,0 +1,54 @@
+"""A DDP user's own loop on two ranks with sharded chunks (the new-user QA pass; `user_loop_jobs.py`).
+
+`test_a_ddp_users_habits_train_as_ddp`: forward without backward, evaluation and `generate` on rank 0 only,
+a no_grad forward inside gradient accumulation, an uneven last batch, tied weights and a frozen block, then
+`agent.unwrap` and plain DDP: every loss and parameter as DDP's within 1e-5 relative.
+`test_optimizer_state_dict_on_rank_0_alone_is_an_error_not_a_hang`: before the arrival check, rank 0 waited in
+the state dict's all-gather for a rank that never came (until gloo's 30-minute timeout, with a message about
+a collective, not about the call); now it raises within `RuntimeOptions.rank_arrival_timeout_s`, naming the
+cause and both fixes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from user_loop_jobs import ARRIVAL_TIMEOUT_S, spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+TOL = 1e-5
+
+
+def rel(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def test_a_ddp_users_habits_train_as_ddp(tmp_path: Path) -> None:
+    assert spawn("habits", 2, tmp_path, 240) == [0, 0]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert res["sharded"] > 0 and res["tied"]
+        assert rel(res["losses"], res["ref_losses"]) <= TOL, (res["losses"], res["ref_losses"])
+        assert res["trained_rel_diff"][0] <= TOL, res["trained_rel_diff"]
+        for ref, plain in res["after_unwrap"]:
+            assert abs(plain - ref) <= TOL * abs(ref), (plain, ref)
+        assert res["after_rel_diff"][0] <= TOL, res["after_rel_diff"]
+        assert res["frozen_unchanged"]
+    evals, generated = results[0]["evals"], results[0]["generated"]
+    assert len(evals) == 5 and all(abs(a - b) <= TOL * abs(a) for a, b in evals), evals
+    assert len(generated) == 2 and generated[0] == generated[1]
+    assert results[1]["evals"] == []
+
+
+def test_optimizer_state_dict_on_rank_0_alone_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    codes = spawn("rank0_state_dict", 2, tmp_path, 120)
+    assert codes == [0, 0], codes  # None: a rank still waiting (the hang), killed
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["every_rank_states"] > 0
+    error = rank0["error"]
+    assert error is not None and "optimizer.state_dict()" in error
+    assert "rank 1" in error and "every rank" in error and "save_sharded" in error
+    assert ARRIVAL_TIMEOUT_S <= rank0["seconds"] <= ARRIVAL_TIMEOUT_S + 10
