@@ -218,8 +218,9 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     """Undo `wrap`: remove the monitor and the activation modes (block modules exactly as before), turn
     the parameters back into ordinary tensors holding their trained values, on their original device and
     dtype, remove every hook, and load the trained optimizer state into the original optimizer (so plain
-    PyTorch training continues exactly). Returns the model."""
+    PyTorch training continues exactly). Returns the model. With sharded chunks a collective: every rank."""
     wrapped._check()
+    wrapped.optimizer.check_every_rank("agent.unwrap(wrapped)", "Call agent.unwrap on every rank.")
     if wrapped.monitor is not None:
         wrapped.monitor.close()
         wrapped.monitor = None
@@ -232,7 +233,7 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     if wrapped.batch_guard is not None:
         wrapped.batch_guard.remove()
         wrapped.batch_guard = None
-    state = wrapped.optimizer.state_dict()
+    state = wrapped.optimizer.gathered_state_dict()
     wrapped.runtime.detach()
     wrapped.runtime.ctx.close_host_arena()  # unregister the page-locked arena (CUDA)
     model = wrapped.model

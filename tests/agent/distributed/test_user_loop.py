@@ -49,6 +49,10 @@ def test_optimizer_state_dict_on_rank_0_alone_is_an_error_not_a_hang(tmp_path: P
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["every_rank_states"] > 0
     error = rank0["error"]
-    assert error is not None and "optimizer.state_dict()" in error
-    assert "rank 1" in error and "every rank" in error and "save_sharded" in error
-    assert ARRIVAL_TIMEOUT_S <= rank0["seconds"] <= ARRIVAL_TIMEOUT_S + 10
+    assert error.startswith("RankArrivalError") and "optimizer.state_dict()" in error, error
+    assert "rank 1 did not" in error and "every rank" in error and "save_sharded" in error
+    assert ARRIVAL_TIMEOUT_S <= rank0["error_seconds"] <= ARRIVAL_TIMEOUT_S + 10
+    # the same for agent.unwrap on rank 0 alone (it gathers the optimizer state too)
+    error = rank0["unwrap_error"]
+    assert error.startswith("RankArrivalError") and "agent.unwrap(wrapped)" in error, error
+    assert ARRIVAL_TIMEOUT_S <= rank0["unwrap_error_seconds"] <= ARRIVAL_TIMEOUT_S + 10
