@@ -3,7 +3,9 @@
 `test_a_ddp_users_habits_train_as_ddp`: forward without backward, evaluation and `generate` on rank 0 only,
 a no_grad forward inside gradient accumulation, an uneven last batch, tied weights and a frozen block, then
 `agent.unwrap` and plain DDP: every loss and parameter as DDP's within 1e-5 relative.
-`test_optimizer_state_dict_on_rank_0_alone_is_an_error_not_a_hang`: before the arrival check, rank 0 waited in
+`test_ddp_around_the_wrapped_model_and_a_rank_0_state_dict_are_errors_not_a_hang`: `DistributedDataParallel(
+wrapped.model)` trained silently wrong before (DDP's reducer on top of memplan's own averaging: parameters 0.33
+relative off DDP's after 4 steps); now DDP's constructor raises. Before the arrival check, rank 0 waited in
 the state dict's all-gather for a rank that never came (until gloo's 30-minute timeout, with a message about
 a collective, not about the call); now it raises within `RuntimeOptions.rank_arrival_timeout_s`, naming the
 cause and both fixes.
@@ -43,10 +45,16 @@ def test_a_ddp_users_habits_train_as_ddp(tmp_path: Path) -> None:
     assert results[1]["evals"] == []
 
 
-def test_optimizer_state_dict_on_rank_0_alone_is_an_error_not_a_hang(tmp_path: Path) -> None:
-    codes = spawn("rank0_state_dict", 2, tmp_path, 120)
+def test_ddp_around_the_wrapped_model_and_a_rank_0_state_dict_are_errors_not_a_hang(tmp_path: Path) -> None:
+    codes = spawn("misuses", 2, tmp_path, 120)
     assert codes == [0, 0], codes  # None: a rank still waiting (the hang), killed
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    for r in range(
+        2
+    ):  # DDP around the wrapped model: refused at construction on every rank, before any collective
+        error = json.loads((tmp_path / f"rank{r}.json").read_text())["ddp_error"]
+        assert error is not None and error.startswith("WrappedModelDDPError"), error
+        assert "averages gradients" in error and "wrapped.model" in error
     assert rank0["every_rank_states"] > 0
     error = rank0["error"]
     assert error.startswith("RankArrivalError") and "optimizer.state_dict()" in error, error

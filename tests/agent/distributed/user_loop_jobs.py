@@ -5,7 +5,8 @@ every offloaded chunk sharded, trained by plain `DistributedDataParallel` (the r
 through the things a DDP user does between steps: a forward without backward, an evaluation under no_grad
 and `generate` on rank 0 only, a no_grad forward in the middle of gradient accumulation, an uneven last
 batch (rank 1 gets fewer rows), then `agent.unwrap` on every rank and plain DDP training of the unwrapped
-model. `rank0_state_dict`: the DDP checkpoint habit, `optimizer.state_dict()` on rank 0 alone.
+model. `misuses`: DDP habits that do not fit: `DistributedDataParallel(wrapped.model)`, and the checkpoint habit,
+`optimizer.state_dict()` (and `agent.unwrap`) on rank 0 alone.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str) -> None:
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
         return
-    result = rank0_state_dict(rank, world)
+    result = misuses(rank, world)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)  # the ranks parted on purpose: no collective (destroy_process_group) can finish
 
@@ -174,8 +175,8 @@ def habits(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def rank0_state_dict(rank: int, world: int) -> dict[str, Any]:
-    """Train a step, then rank 0 alone gathers the optimizer state (the DDP habit) while rank 1 goes on to a
+def misuses(rank: int, world: int) -> dict[str, Any]:
+    """`DistributedDataParallel(wrapped.model)` on every rank; train a step, then rank 0 alone gathers the optimizer state (the DDP habit) while rank 1 goes on to a
     barrier: rank 0 must get an error naming the cause within the arrival timeout, not hang."""
     model = _gpt2()
     opt = adamw(model)
@@ -186,12 +187,17 @@ def rank0_state_dict(rank: int, world: int) -> dict[str, Any]:
         options=RuntimeOptions(rank_arrival_timeout_s=ARRIVAL_TIMEOUT_S),
         feedback_steps=None,
     )
+    try:  # the DDP habit of wrapping the model: memplan averages the gradients already
+        DistributedDataParallel(wrapped.model)
+        ddp_error = None
+    except Exception as exc:  # noqa: BLE001 - the test reads the error
+        ddp_error = f"{type(exc).__name__}: {exc}"
     x = batches(1, rank)[0]
     wrapped.model(input_ids=x, labels=x).loss.backward()
     wrapped.optimizer.step()
     # every rank: the check passes and the gather works
     everyone = wrapped.optimizer.state_dict()
-    result: dict[str, Any] = {"every_rank_states": len(everyone["state"])}
+    result: dict[str, Any] = {"every_rank_states": len(everyone["state"]), "ddp_error": ddp_error}
     if rank == 0:
         for name, call in (
             ("error", wrapped.optimizer.state_dict),
