@@ -2,7 +2,8 @@
 
 `test_a_ddp_users_habits_train_as_ddp`: forward without backward, evaluation and `generate` on rank 0 only,
 a no_grad forward inside gradient accumulation, an uneven last batch, tied weights and a frozen block, then
-`agent.unwrap` and plain DDP: every loss and parameter as DDP's within 1e-5 relative.
+`agent.unwrap` and plain DDP: every loss and parameter as DDP's within 1e-5 relative; nothing left in the
+node-shared copy's directory. (Passed before this pass: it guards what the pass found working.)
 `test_ddp_around_the_wrapped_model_and_a_rank_0_state_dict_are_errors_not_a_hang`: `DistributedDataParallel(
 wrapped.model)` trained silently wrong before (DDP's reducer on top of memplan's own averaging: parameters 0.33
 relative off DDP's after 4 steps); now DDP's constructor raises. Before the arrival check, rank 0 waited in
@@ -14,6 +15,8 @@ cause and both fixes.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,10 +32,13 @@ def rel(a: list[float], b: list[float]) -> float:
 
 
 def test_a_ddp_users_habits_train_as_ddp(tmp_path: Path) -> None:
-    assert spawn("habits", 2, tmp_path, 240) == [0, 0]
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="memplan-test-") as shm:
+        assert spawn("habits", 2, tmp_path, 240, Path(shm)) == [0, 0]
+        assert os.listdir(shm) == []  # the ranks exited: nothing left
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
-        assert res["sharded"] > 0 and res["tied"]
+        assert res["sharded"] > 0 and res["tied"] and res["shared"]
+        assert res["shm_left"] == []  # unlinked once every rank mapped it
         assert rel(res["losses"], res["ref_losses"]) <= TOL, (res["losses"], res["ref_losses"])
         assert res["trained_rel_diff"][0] <= TOL, res["trained_rel_diff"]
         for ref, plain in res["after_unwrap"]:

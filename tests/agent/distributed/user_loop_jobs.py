@@ -35,11 +35,15 @@ from agent.testing.model_zoo import build_with_library_defaults
 ARRIVAL_TIMEOUT_S = 2.0
 
 
-def spawn(job: str, world: int, out: Path, limit_s: float) -> list[int | None]:
-    """Run `job` on `world` forked ranks; the exit codes (None: still running after `limit_s`, then killed)."""
+def spawn(job: str, world: int, out: Path, limit_s: float, shm: Path | None = None) -> list[int | None]:
+    """Run `job` on `world` forked ranks (node-shared copies in `shm`, default /dev/shm); the exit codes (None:
+    still running after `limit_s`, then killed)."""
     port = free_port()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_entry, args=(job, r, world, port, str(out))) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(job, r, world, port, str(out), str(shm or "/dev/shm")))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + limit_s
@@ -54,13 +58,13 @@ def spawn(job: str, world: int, out: Path, limit_s: float) -> list[int | None]:
     return codes
 
 
-def _entry(job: str, rank: int, world: int, port: int, out: str) -> None:
+def _entry(job: str, rank: int, world: int, port: int, out: str, shm: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if job == "habits":
-        result = habits(rank, world)
+        result = habits(rank, world, shm)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
         return
@@ -118,7 +122,7 @@ def _step(
     return total + loss.item()
 
 
-def habits(rank: int, world: int) -> dict[str, Any]:
+def habits(rank: int, world: int, shm: str) -> dict[str, Any]:
     model = _gpt2()
     for p in model.transformer.h[0].parameters():  # type: ignore[union-attr]
         p.requires_grad_(False)
@@ -126,7 +130,14 @@ def habits(rank: int, world: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(ref_model)
     ref_opt = adamw(ref_model)
     opt = adamw(model)
-    wrapped = agent.wrap(model, opt, plan=sharded_plan(model, world, "all"), feedback_steps=None)
+    wrapped = agent.wrap(
+        model,
+        opt,
+        plan=sharded_plan(model, world, "all"),
+        options=RuntimeOptions(shared_memory_dir=shm),
+        feedback_steps=None,
+    )
+    shared = wrapped.runtime.shared is not None
     data = batches(5, rank)
     data[-1] = data[-1][: 2 if rank else 4]  # the uneven last batch
     ref_losses: list[float] = []
@@ -163,6 +174,8 @@ def habits(rank: int, world: int) -> dict[str, Any]:
         after.append([_step(ddp, ref_opt, x, ddp.no_sync), _step(again, opt, x, again.no_sync)])
     return {
         "sharded": sharded,
+        "shared": shared,
+        "shm_left": sorted(os.listdir(shm)),
         "tied": tied,
         "ref_losses": ref_losses,
         "losses": losses,
