@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from agent.batch_guard import BatchShapeGuard
     from agent.feedback import StepMonitor
     from agent.kv_cache import KVCacheOff
-    from agent.model_guards import MoveGuard
+    from agent.model_guards import DDPGuard, MoveGuard
     from agent.planning import PlanSource
     from agent.runtime.accounting import RuntimeReport
     from agent.runtime.activations import ActivationManager
@@ -59,6 +59,7 @@ class Wrapped:
     allocator: AllocatorSelection | None = field(default=None, repr=False)
     kv_cache: KVCacheOff | None = field(default=None, repr=False)
     move_guard: MoveGuard | None = field(default=None, repr=False)
+    ddp_guard: DDPGuard | None = field(default=None, repr=False)
     batch_guard: BatchShapeGuard | None = field(default=None, repr=False)
     unwrapped: bool = False
 
@@ -218,8 +219,9 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     """Undo `wrap`: remove the monitor and the activation modes (block modules exactly as before), turn
     the parameters back into ordinary tensors holding their trained values, on their original device and
     dtype, remove every hook, and load the trained optimizer state into the original optimizer (so plain
-    PyTorch training continues exactly). Returns the model."""
+    PyTorch training continues exactly). Returns the model. With sharded chunks a collective: every rank."""
     wrapped._check()
+    wrapped.optimizer.check_every_rank("agent.unwrap(wrapped)", "Call agent.unwrap on every rank.")
     if wrapped.monitor is not None:
         wrapped.monitor.close()
         wrapped.monitor = None
@@ -232,7 +234,10 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     if wrapped.batch_guard is not None:
         wrapped.batch_guard.remove()
         wrapped.batch_guard = None
-    state = wrapped.optimizer.state_dict()
+    if wrapped.ddp_guard is not None:
+        wrapped.ddp_guard.remove()
+        wrapped.ddp_guard = None
+    state = wrapped.optimizer.gathered_state_dict()
     wrapped.runtime.detach()
     wrapped.runtime.ctx.close_host_arena()  # unregister the page-locked arena (CUDA)
     model = wrapped.model

@@ -25,6 +25,7 @@ import torch
 
 from agent.runtime.chunks import ChunkState
 from agent.runtime.layout import ChunkLayout
+from agent.runtime.options import RuntimeOptions
 from agent.runtime.process_group import RankGroup
 from agent.runtime.stepper import ChunkStepper, hyper_parameters
 
@@ -35,6 +36,7 @@ class ChunkRuntime(Protocol):
 
     layout: ChunkLayout
     group: RankGroup | None
+    options: RuntimeOptions
 
     def step(self) -> None: ...
 
@@ -241,8 +243,24 @@ class ChunkedOptimizer(torch.optim.Optimizer):
                 out[id(e.param)] = st
         return out
 
+    def check_every_rank(self, call: str, fix: str) -> None:
+        """With sharded chunks `call` is a collective: rank 0 checks that every rank reached it
+        (`RankGroup.check_arrival`), so a call made on rank 0 alone is an error naming `fix`, not a hang."""
+        group = self._runtime.group
+        if group is not None and any(c.sharded for c in self._runtime.layout.chunks):
+            group.check_arrival(call, fix, self._runtime.options.rank_arrival_timeout_s)
+
     def state_dict(self) -> dict[str, Any]:
         """Plain-PyTorch format: {"state": {index: {...}}, "param_groups": [...]}, indices in group order."""
+        self.check_every_rank(
+            "optimizer.state_dict()",
+            "Call it on every rank and save on rank 0 (`state = optimizer.state_dict()`, then `if rank == 0: "
+            "torch.save(...)`), or call agent.checkpoint.save_sharded(wrapped, directory) on every rank.",
+        )
+        return self.gathered_state_dict()
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """`state_dict()` without the arrival check (a caller that made its own: `agent.unwrap`)."""
         self._runtime.synchronize()
         sharded = self._gather_sharded()
         state: dict[int, dict[str, Any]] = {}
@@ -265,6 +283,11 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.check_every_rank(
+            "optimizer.load_state_dict()",
+            "Call it on every rank with the same state dict, or agent.checkpoint.load_sharded(wrapped, "
+            "directory) on every rank.",
+        )
         self._runtime.synchronize()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):

@@ -52,6 +52,10 @@ class RuntimeOptions:
         all-gathered (what several nodes always do). Sharing needs it on every rank.
     shared_memory_dir: the directory the node-shared segment is created in, a tmpfs every rank of the node
         sees (default /dev/shm). It is reserved up front and unlinked as soon as every rank mapped it.
+    rank_arrival_timeout_s: with sharded chunks, how long rank 0 waits at a collective the user calls
+        (`optimizer.state_dict()`, `optimizer.load_state_dict()`, `agent.unwrap`) for every other rank to
+        call it too, before raising an error that names the call and its fix (default 60 s). A DDP habit
+        calls the state dict on rank 0 alone; without the check rank 0 would wait for the backend's timeout.
     """
 
     device: torch.device | str | None = None
@@ -63,6 +67,13 @@ class RuntimeOptions:
     measure_uploads: bool = False
     share_compute_copy: bool = True
     shared_memory_dir: str = "/dev/shm"
+    rank_arrival_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.rank_arrival_timeout_s > 0:
+            raise ValueError(
+                f"rank_arrival_timeout_s: must be a positive number of seconds, got {self.rank_arrival_timeout_s}"
+            )
 
 
 def job_workload(

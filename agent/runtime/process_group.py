@@ -22,6 +22,7 @@ from __future__ import annotations
 import socket
 from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -97,6 +98,46 @@ class RankGroup:
         global_src = dist.get_global_rank(self.group, src) if self.group else src
         dist.broadcast_object_list(box, src=global_src, group=self.group, device=self.device)
         return box[0]
+
+    def check_arrival(self, call: str, fix: str, timeout_s: float) -> None:
+        """Before a collective a user calls (a full optimizer state dict, unwrap): every rank marks in the job's
+        store that it reached `call`, and rank 0 waits up to `timeout_s` for the others' marks; a rank missing
+        then raises `RankArrivalError` on rank 0 naming `call` and `fix`, where the collective itself would
+        wait for it until the backend's timeout (30 minutes on gloo). One store write per rank and one wait on
+        rank 0 (milliseconds); the store is the one every backend's group was made with, so NCCL jobs get
+        the same check. The other ranks never wait here: rank 0 is the one a DDP habit leaves alone (`if
+        rank == 0: torch.save(optimizer.state_dict())`), and a rank reaching the call early just waits in the
+        collective, as it would without the check."""
+        whole = self.group if self.group is not None else dist.group.WORLD
+        ranks = ",".join(str(r) for r in dist.get_process_group_ranks(whole))
+        n = _arrivals.get(ranks, 0)
+        keys = [f"memplan/arrival/{ranks}/{n}/{r}" for r in range(self.world_size)]
+        store = dist.distributed_c10d._get_default_store()
+        if self.rank != 0:
+            store.set(keys[self.rank], call)
+            _arrivals[ranks] = n + 1
+            return
+        others = keys[1:]
+        try:
+            store.wait(others, timedelta(seconds=timeout_s))
+        except RuntimeError:  # torch's DistStoreError (the wait timed out) is one
+            missing = [r for r, key in enumerate(keys) if r and not store.check([key])]
+            raise RankArrivalError(
+                f"memplan: {call} is a collective with sharded chunks (each rank holds a shard of the state): rank "
+                f"0 called it, rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                f"within {timeout_s:g} s. {fix} (RuntimeOptions.rank_arrival_timeout_s sets the wait)"
+            ) from None
+        for key in others:
+            store.delete_key(key)
+        _arrivals[ranks] = n + 1
+
+
+_arrivals: dict[str, int] = {}
+"""Per group (its global ranks): how many arrival checks this process passed; the store keys' generation."""
+
+
+class RankArrivalError(RuntimeError):
+    """A rank did not reach a collective the user called on rank 0 (a call made on one rank only)."""
 
 
 class UnevenNodesError(RuntimeError):

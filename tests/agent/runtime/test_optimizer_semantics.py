@@ -286,3 +286,9 @@ def test_loaded_state_of_parameters_with_alignment_padding_between_them_keeps_ea
     assert stepper.inner is not None
     for r in stepper.runs:
         assert all(v.numel() == r.tensor.numel() for v in stepper.inner.state[r.tensor].values() if v.dim())
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0])
+def test_rank_arrival_timeout_must_be_positive(timeout: float) -> None:
+    with pytest.raises(ValueError, match="rank_arrival_timeout_s: must be a positive"):
+        RuntimeOptions(rank_arrival_timeout_s=timeout)
