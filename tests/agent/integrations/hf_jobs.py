@@ -127,8 +127,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "speculative": c.speculative_steps,
             "redos": c.host_step_redos,
             "undos": c.host_step_undos,
+            "reductions": c.grad_reductions,  # chunk gradients averaged across the ranks
+            "backwards": c.iterations,
         }
         assert w.plan.predictions is not None
+        # what the Trainer enters on a non-final accumulation micro-step: Accelerate's no_sync on its model
+        with t.accelerator.no_sync(t.model_wrapped):
+            out["accelerate_no_sync_is_the_runtimes"] = not w.runtime.sync_gradients
         out["predicted_redo_s"] = w.plan.predictions.breakdown.get("host_optimizer_redo_s", 0.0)
     return out
 
