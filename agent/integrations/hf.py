@@ -17,8 +17,8 @@ plain-PyTorch formats) and `resume_from_checkpoint` (loading goes through the ru
 
 Several processes (`torchrun` / `accelerate launch`, `trainer.args.world_size > 1`): call `wrap_trainer` on
 every rank. `agent.wrap` then plans for the whole process group and averages the gradients itself, as
-DistributedDataParallel does, so three hooks on this Trainer and its Accelerator (instance attributes; no
-library class is patched) take DDP's place:
+DistributedDataParallel does, so three hooks on this Trainer, its Accelerator and its model (instance
+attributes; no library class is patched) take DDP's place:
 - `trainer.accelerator.prepare_model` prepares the wrapped model as in evaluation mode: everything Accelerate's
   prepare does (device placement, the mixed-precision forward, `torch.compile`) except the DDP wrap, which
   would average the gradients a second time;
@@ -28,8 +28,10 @@ library class is patched) take DDP's place:
   write (it is a collective with sharded chunks; the Trainer calls it on the writing rank only): the
   checkpoint is the Trainer's own (a full `optimizer.pt`), read back on every rank by `resume_from_checkpoint`.
 The runtime's collectives go on a process group of their own (`torch.distributed.new_group()`, made here on
-every rank unless `process_group=` is given): some run on its host worker thread after `optimizer.step()`
-and must not interleave with the Trainer's gathers (losses, token counts) on the default group.
+every rank unless `process_group=` is given): some run on its host worker thread (during backward; after
+`optimizer.step()` has returned with `RuntimeOptions(async_step=True)`), and collectives that two threads issue
+on one group can pair up differently on different ranks; the Trainer's own (the gathers of token counts and
+losses) stay on the default group.
 Refused with a ValueError naming the setting: FSDP (`args.fsdp` or Accelerate's FSDP config), DeepSpeed
 (`args.deepspeed`), tensor/context/sequence parallelism or sharded data parallelism (`args.parallelism_config`)
 and several GPUs in one process (`args.n_gpu`, DataParallel).
@@ -166,7 +168,8 @@ def keep_accelerate_from_ddp(accelerator: Any, wrapped: Wrapped) -> None:
         )
 
     accelerator.prepare_model = prepare_without_ddp
-    model.no_sync = wrapped.no_sync  # Accelerate: `getattr(model, "no_sync", nullcontext)` under distributed
+    # Accelerate's no_sync: `getattr(model, "no_sync", nullcontext)` under distributed
+    model.no_sync = wrapped.no_sync  # type: ignore[assignment]
 
 
 def save_optimizer_on_every_rank(trainer: Any, wrapped: Wrapped) -> None:
