@@ -2,6 +2,9 @@
 
 Tiny models built from config with the library's defaults; a device limit that makes the planner offload;
 the Trainer's default clipping (here max_grad_norm=0.5, active every step: the logged grad_norm is above it).
+Two ranks (marked `distributed`): the real launcher (`torchrun --standalone`, gloo), two launches in all (the
+plain DDP Trainer, the wrapped one saving a checkpoint, an FSDP-configured one refused; then the resume), at
+max_grad_norm=1.0 (the Trainer's default, active every step there) and 2 accumulation micro-steps.
 """
 
 from __future__ import annotations
@@ -149,7 +152,13 @@ def torchrun(specs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.returncode != 0:  # the ranks' errors first (the launcher's summary comes last)
+        errors = [
+            line
+            for line in proc.stderr.splitlines()
+            if any(k in line for k in ("Error", "error:", "terminate", "what()", "Traceback", "Signal"))
+        ]
+        raise AssertionError("\n".join(errors[:40]) + "\n...\n" + proc.stderr[-3000:])
     lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
     assert len(lines) == 2, proc.stdout[-3000:]
     return [json.loads(line) for line in lines]
