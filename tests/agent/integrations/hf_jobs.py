@@ -164,8 +164,9 @@ if __name__ == "__main__":
     result = [main(s) for s in specs] if isinstance(specs, list) else main(specs)
     sys.stdout.write("\nRESULT " + json.dumps(result) + "\n")
     if torch.distributed.is_initialized():
-        # as a torchrun script should end (torch warns otherwise): after memplan ran, a rank that exits with
-        # the groups alive aborts now and then ("terminate called without an active exception", SIGABRT; on
-        # the loaded 2-core CPU about 1 launch in 5, the plain DDP Trainer 0 in 8; 0 in 10 with this)
+        # as a torchrun script should end (torch warns otherwise). Without it a wrapped job's rank aborted at
+        # exit now and then ("terminate called without an active exception", SIGABRT, after its RESULT):
+        # 4 of 30 launches in one period of load on the shared 2-core CPU, 0 of 38 later (the plain DDP
+        # Trainer 0 of 8); not root-caused. 0 of 10 with these two lines
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
