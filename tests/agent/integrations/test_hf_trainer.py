@@ -4,7 +4,8 @@ Tiny models built from config with the library's defaults; a device limit that m
 the Trainer's default clipping (here max_grad_norm=0.5, active every step: the logged grad_norm is above it).
 Two ranks (marked `distributed`): the real launcher (`torchrun --standalone`, gloo), two launches in all (the
 plain DDP Trainer, the wrapped one saving a checkpoint, an FSDP-configured one refused; then the resume), at
-max_grad_norm=1.0 (the Trainer's default, active every step there) and 2 accumulation micro-steps.
+max_grad_norm=1.0 (the Trainer's default, active every step there) and 2 accumulation micro-steps; the
+wrapped runs apply the device-limit plan with its offloaded chunks sharded over the 2 ranks.
 """
 
 from __future__ import annotations
@@ -174,9 +175,28 @@ TWO_RANKS = {"kind": "llama", "steps": 4, "accumulation": 2, "max_grad_norm": 1.
 
 
 @pytest.fixture(scope="module")
-def two_ranks(limits: dict[str, int], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
-    """One launch of two ranks: the plain Trainer (Accelerate wraps it in DDP), then the wrapped Trainer under
-    a device limit that offloads, both saving a checkpoint at step 2 of 4; then an FSDP-configured Trainer."""
+def two_rank_plan(limits: dict[str, int], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plan `wrap_trainer` makes under the device limit (it offloads), for 2 ranks with every offloaded chunk
+    sharded. Planned in this process: under the group the planner shards an offloaded chunk where the measured
+    all-gather and reduce-scatter make it faster than replicating, which on the shared CPU not every run finds."""
+    from agent.integrations.hf import wrap_trainer
+
+    root = tmp_path_factory.mktemp("plan")
+    t = hf_jobs.trainer("llama", root, steps=1, max_grad_norm=1.0, accumulation=2)
+    plan = wrap_trainer(t, device_memory=limits["llama"], feedback_steps=None).plan
+    assert plan.policy is not None
+    chunks = [c.model_copy(update={"sharded": c.placement.value == "offloaded"}) for c in plan.policy.chunks]
+    policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": 2})
+    path = root / "plan.json"
+    path.write_text(plan.model_copy(update={"policy": policy}).model_dump_json())
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_plan: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """One launch of two ranks: the plain Trainer (Accelerate wraps it in DDP), then the wrapped Trainer with
+    offloaded chunks sharded over the ranks, both saving a checkpoint at step 2 of 4; then an FSDP-configured
+    Trainer."""
     root = tmp_path_factory.mktemp("two_ranks")
     plain = {**TWO_RANKS, "out": str(root / "plain"), "final": str(root / "plain.pt")}
     wrapped = {
@@ -184,7 +204,7 @@ def two_ranks(limits: dict[str, int], tmp_path_factory: pytest.TempPathFactory) 
         "out": str(root / "wrapped"),
         "final": str(root / "wrapped.pt"),
         "wrap": True,
-        "device_memory": limits["llama"],
+        "plan": str(two_rank_plan),
     }
     fsdp = {"kind": "llama", "out": str(root / "fsdp"), "args": {"fsdp": "full_shard"}}
     return root, torchrun([plain, wrapped, fsdp])
@@ -223,7 +243,7 @@ def test_wrapped_trainer_on_two_ranks_trains_like_the_ddp_trainer(two_ranks: tup
 
 @pytest.mark.distributed
 def test_wrapped_trainer_on_two_ranks_saves_a_checkpoint_and_resumes_it_identically(
-    two_ranks: tuple[Path, list[Any]],
+    two_ranks: tuple[Path, list[Any]], two_rank_plan: Path
 ) -> None:
     """The checkpoint at step 2 was written without a hang (`optimizer.state_dict()` is a collective the
     Trainer calls on rank 0 only), as the Trainer's own files; a new launch resumes it with the same plan and
@@ -234,13 +254,12 @@ def test_wrapped_trainer_on_two_ranks_saves_a_checkpoint_and_resumes_it_identica
         p.name for p in checkpoint.iterdir()
     }
     full = results[0][1]
-    (root / "plan.json").write_text(full["plan"])
     resume = {
         **TWO_RANKS,
         "out": str(root / "resumed"),
         "final": str(root / "resumed.pt"),
         "wrap": True,
-        "plan": str(root / "plan.json"),
+        "plan": str(two_rank_plan),
         "resume": str(checkpoint),
     }
     for (resumed,) in torchrun([resume]):
