@@ -15,13 +15,32 @@ parameters, whose gradients are all exposed after backward; the logged `grad_nor
 accumulation, `model.zero_grad()`, checkpoint save (`model.state_dict()` and `optimizer.state_dict()` are the
 plain-PyTorch formats) and `resume_from_checkpoint` (loading goes through the runtime's state-dict hooks).
 
-Accelerate in your own loop needs no helper: wrap first, then prepare what wrap returned:
+Several processes (`torchrun` / `accelerate launch`, `trainer.args.world_size > 1`): call `wrap_trainer` on
+every rank. `agent.wrap` then plans for the whole process group and averages the gradients itself, as
+DistributedDataParallel does, so three hooks on this Trainer, its Accelerator and its model (instance
+attributes; no library class is patched) take DDP's place:
+- `trainer.accelerator.prepare_model` prepares the wrapped model as in evaluation mode: everything Accelerate's
+  prepare does (device placement, the mixed-precision forward, `torch.compile`) except the DDP wrap, which
+  would average the gradients a second time;
+- `model.no_sync` is `wrapped.no_sync`, which Accelerate's `no_sync` looks up under distributed: gradient
+  accumulation keeps the non-final micro-steps' gradients local, as with DDP;
+- `trainer._save_optimizer_and_scheduler` first takes `optimizer.state_dict()` on the ranks that do not
+  write (it is a collective with sharded chunks; the Trainer calls it on the writing rank only): the
+  checkpoint is the Trainer's own (a full `optimizer.pt`), read back on every rank by `resume_from_checkpoint`.
+The runtime's collectives go on a process group of their own (`torch.distributed.new_group()`, made here on
+every rank unless `process_group=` is given): some run on its host worker thread (during backward; after
+`optimizer.step()` has returned with `RuntimeOptions(async_step=True)`), and collectives that two threads issue
+on one group can pair up differently on different ranks; the Trainer's own (the gathers of token counts and
+losses) stay on the default group.
+Refused with a ValueError naming the setting: FSDP (`args.fsdp` or Accelerate's FSDP config), DeepSpeed
+(`args.deepspeed`), tensor/context/sequence parallelism or sharded data parallelism (`args.parallelism_config`)
+and several GPUs in one process (`args.n_gpu`, DataParallel).
+
+Accelerate in your own loop needs no helper in one process: wrap first, then prepare what wrap returned:
 
     wrapped = agent.wrap(model, optimizer, sample_batch=batch, device_memory=...)
     model, optimizer, loader = accelerator.prepare(wrapped.model, wrapped.optimizer, loader)
     ... accelerator.backward(loss); accelerator.clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
-
-Single process only (one device); multi-process data parallelism is not supported by the runtime yet.
 """
 
 from __future__ import annotations
@@ -29,6 +48,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from agent.wrapping import Wrapped, wrap
 
@@ -45,13 +65,15 @@ def sample_batch(trainer: Any) -> Any:
 
 
 def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
-    """Wrap a `transformers.Trainer`'s model and optimizer with memplan; call before `trainer.train()`.
+    """Wrap a `transformers.Trainer`'s model and optimizer with memplan; call before `trainer.train()` (on
+    every rank when the Trainer runs on several processes).
 
-    `wrap_kwargs` go to `agent.wrap` (`device_memory`, `host_memory`, `server`, `plan`, `options`, ...);
-    `sample_batch` defaults to the first batch of the training set. Returns what `agent.wrap` returns; the
-    Trainer keeps using its own `trainer.model` (the same module, now managed) and the wrapped optimizer.
-    Raises ValueError if the Trainer already holds a learning-rate scheduler (it would drive the unwrapped
-    optimizer) or runs on several processes."""
+    `wrap_kwargs` go to `agent.wrap` (`device_memory`, `host_memory`, `server`, `plan`, `options`,
+    `process_group`, ...); `sample_batch` defaults to the first batch of the training set. Returns what
+    `agent.wrap` returns; the Trainer keeps using its own `trainer.model` (the same module, now managed) and the
+    wrapped optimizer. Raises ValueError if the Trainer already holds a learning-rate scheduler (it would drive
+    the unwrapped optimizer) or is configured for a parallelism memplan does not run under (FSDP, DeepSpeed,
+    tensor/context/sequence parallelism, DataParallel)."""
     if getattr(trainer.model, "_memplan_wrapped", False):
         raise RuntimeError("trainer.model: is already wrapped")
     if trainer.lr_scheduler is not None:
@@ -59,18 +81,10 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
             "trainer.lr_scheduler: already built on the unwrapped optimizer; pass only the optimizer "
             "(or none) to the Trainer and let it build the scheduler during train()"
         )
-    if trainer.args.world_size > 1:
-        # the Trainer wraps its model for distributed training itself (Accelerate's prepare: DDP, or FSDP /
-        # DeepSpeed when configured); DDP would average the gradients that memplan's runtime already averages
-        # (issue 20) and does not expect parameters re-pointed between host and device. `agent.wrap` under the
-        # process group does the whole job: use it in a training loop of your own under torchrun
-        raise ValueError(
-            f"trainer.args.world_size: {trainer.args.world_size}; wrap_trainer runs on one process only: on "
-            "several, the Trainer wraps the model in DistributedDataParallel itself (or FSDP / DeepSpeed when "
-            "configured), which would average the gradients a second time. Call agent.wrap on every rank in a "
-            "training loop of your own instead: it plans for the whole process group and averages the "
-            "gradients across the ranks as DistributedDataParallel does"
-        )
+    refuse_unsupported_parallelism(trainer)
+    distributed = trainer.args.world_size > 1
+    if distributed and wrap_kwargs.get("process_group") is None:
+        wrap_kwargs["process_group"] = dist.new_group()  # every rank calls wrap_trainer: a collective
     if trainer.optimizer is None:
         trainer.create_optimizer()
     optimizer = trainer.optimizer
@@ -91,4 +105,81 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
             torch.cuda.set_rng_state_all(cuda_rng)
     trainer.optimizer = wrapped.optimizer
     trainer.model_wrapped = trainer.model
+    if distributed:
+        keep_accelerate_from_ddp(trainer.accelerator, wrapped)
+        save_optimizer_on_every_rank(trainer, wrapped)
     return wrapped
+
+
+def refuse_unsupported_parallelism(trainer: Any) -> None:
+    """A ValueError naming the Trainer setting for a parallelism the runtime does not run under: it manages
+    every parameter whole on every rank (replicated data parallelism, the gradients averaged by the runtime)."""
+    args = trainer.args
+    # the argument, else the Accelerator's state (Accelerate's own config: `accelerate launch --use_fsdp`)
+    for name, configured, engine, why in (
+        ("fsdp", getattr(trainer, "is_fsdp_enabled", False), "FSDP", "would shard the parameters it manages"),
+        (
+            "deepspeed",
+            getattr(trainer, "is_deepspeed_enabled", False),
+            "DeepSpeed",
+            "would own the optimizer and the parameters it manages",
+        ),
+    ):
+        value = getattr(args, name)
+        if value or configured:
+            setting = f"trainer.args.{name}: {value!r}" if value else f"Accelerate's {engine} config: set"
+            raise ValueError(
+                f"{setting}; wrap_trainer runs under plain data parallelism only: memplan offloads and shards "
+                f"the model state itself, {engine} {why}. Drop the {engine} setting and launch the same way "
+                "(torchrun / accelerate launch): the runtime averages the gradients across the ranks"
+            )
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        raise ValueError(
+            "trainer.model: sharded at load time (from_pretrained(distributed_config=...)); wrap_trainer needs "
+            "every parameter whole on every rank: load the model without a distributed_config"
+        )
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and (pc.tp_enabled or pc.cp_enabled or pc.sp_enabled or pc.dp_shard_enabled):
+        raise ValueError(
+            f"trainer.args.parallelism_config: {pc!r}; wrap_trainer runs under replicated data parallelism "
+            "only (no tensor, context or sequence parallelism, no sharded data parallelism)"
+        )
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"trainer.args.n_gpu: {args.n_gpu}; the Trainer would replicate the model over the GPUs of one "
+            "process (DataParallel), which memplan's runtime does not follow. Launch one process per GPU "
+            "(torchrun / accelerate launch), or make one GPU visible"
+        )
+
+
+def keep_accelerate_from_ddp(accelerator: Any, wrapped: Wrapped) -> None:
+    """This Accelerator prepares the wrapped model without DistributedDataParallel (the runtime averages the
+    gradients itself), and Accelerate's `no_sync` finds the runtime's: hooks on these instances only."""
+    model = wrapped.model
+    prepare_model = accelerator.prepare_model  # bound to this accelerator
+
+    def prepare_without_ddp(
+        module: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> Any:
+        # evaluation mode skips exactly the distributed wrap (DDP, FSDP, XLA); placement, the mixed-precision
+        # forward and torch.compile happen as in training
+        return prepare_model(
+            module, device_placement=device_placement, evaluation_mode=evaluation_mode or module is model
+        )
+
+    accelerator.prepare_model = prepare_without_ddp
+    # Accelerate's no_sync: `getattr(model, "no_sync", nullcontext)` under distributed
+    model.no_sync = wrapped.no_sync  # type: ignore[assignment]
+
+
+def save_optimizer_on_every_rank(trainer: Any, wrapped: Wrapped) -> None:
+    """The Trainer's checkpoint saves `optimizer.state_dict()` on the writing rank (`args.should_save`) only;
+    with sharded chunks that call is a collective: the other ranks make it too, just before, and drop it."""
+    save = trainer._save_optimizer_and_scheduler  # bound to this Trainer (or its subclass's override)
+
+    def save_on_every_rank(output_dir: str) -> None:
+        if not trainer.args.should_save:
+            wrapped.optimizer.state_dict()  # the writing rank gathers the same state inside `save`
+        save(output_dir)
+
+    trainer._save_optimizer_and_scheduler = save_on_every_rank
