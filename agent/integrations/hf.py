@@ -27,8 +27,8 @@ attributes; no library class is patched) take DDP's place:
 - `trainer._save_optimizer_and_scheduler` first takes `optimizer.state_dict()` on the ranks that do not
   write (it is a collective with sharded chunks; the Trainer calls it on the writing rank only): the
   checkpoint is the Trainer's own (a full `optimizer.pt`), read back on every rank by `resume_from_checkpoint`.
-The runtime's collectives go on a process group of their own (`torch.distributed.new_group()`, made here on
-every rank unless `process_group=` is given): some run on its host worker thread (during backward; after
+The runtime's collectives go on a process group of their own (`torch.distributed.new_group()`, made by
+`agent.wrap` on every rank unless `process_group=` is given): some run on its host worker thread (during backward; after
 `optimizer.step()` has returned with `RuntimeOptions(async_step=True)`), and collectives that two threads issue
 on one group can pair up differently on different ranks; the Trainer's own (the gathers of token counts and
 losses) stay on the default group.
@@ -48,7 +48,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from agent.wrapping import Wrapped, wrap
 
@@ -83,8 +82,6 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
         )
     refuse_unsupported_parallelism(trainer)
     distributed = trainer.args.world_size > 1
-    if distributed and wrap_kwargs.get("process_group") is None:
-        wrap_kwargs["process_group"] = dist.new_group()  # every rank calls wrap_trainer: a collective
     if trainer.optimizer is None:
         trainer.create_optimizer()
     optimizer = trainer.optimizer

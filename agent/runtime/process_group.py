@@ -196,8 +196,11 @@ class _on_backend_device:
 
 
 def resolve(process_group: Any = None) -> RankGroup | None:
-    """The group `wrap` runs in: `process_group` if given, else the default group when torch.distributed is
-    initialised with more than one rank; None for a single-process job (nothing to synchronise)."""
+    """The group `wrap` runs in: `process_group` if given, else, when torch.distributed is initialised with more
+    than one rank, a new group of every rank (`dist.new_group()`: a collective, and `wrap` runs on every rank),
+    so the runtime's collectives, some issued from its host worker thread (during backward; after `step()` with
+    `async_step`), never pair up with the user's own on the default group in a different order on different
+    ranks; None for a single-process job (nothing to synchronise)."""
     if not dist.is_available() or not dist.is_initialized():
         if process_group is not None:
             raise ValueError("process_group: given, but torch.distributed is not initialised")
@@ -206,6 +209,8 @@ def resolve(process_group: Any = None) -> RankGroup | None:
     world = dist.get_world_size(group)
     if process_group is None and world == 1:
         return None
+    if process_group is None:
+        group = dist.new_group()
     backend = str(dist.get_backend(group))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return RankGroup(group=group, rank=dist.get_rank(group), world_size=world, backend=backend, device=device)

@@ -193,6 +193,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     data = batches(case.steps, rank)
     forwards = [0]  # forwards of this rank's model inside wrap: the profiler's (a plan from history: none)
     counting = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    explicit = dist.new_group(list(range(world))) if case.explicit_group else None
     wrapped = agent.wrap(
         model,
         opt,
@@ -200,7 +201,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         sample_batch={"input_ids": data[0], "labels": data[0]} if case.solve else None,
         feedback_steps=4 if case.feedback else None,
         feedback_path=Path(case.feedback) if case.feedback else None,
-        process_group=dist.new_group(list(range(world))) if case.explicit_group else None,
+        process_group=explicit,
         server=case.server,
         device_memory=case.device_memory,
         host_memory=case.host_memory,
@@ -219,7 +220,10 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     )
     group = wrapped.runtime.group
     assert group is not None and group.world_size == world and group.rank == rank
-    assert (group.group is not None) == case.explicit_group
+    # the runtime's collectives never share a group with the user's: the one given, else one wrap made
+    assert group.group is not None and group.group != dist.group.WORLD
+    if case.explicit_group:
+        assert group.group is explicit
     result: dict[str, Any] = {
         "ref_losses": ref_losses,
         "losses": losses,
