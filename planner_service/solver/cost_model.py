@@ -60,6 +60,7 @@ Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
   forward of b:  static + sum_{b'<b} retained(b') + (act(b) | input(b) if checkpoint) + fwd transient peak(b)
   backward of b: static + sum_{b'<b} retained(b') + act(b) [+ input(b) if checkpoint: one block's
                  recomputed activations] + bwd transient peak(b) + act(b-1) if b-1 is swapped (prefetched)
+                 (the transient includes tied gradients held meanwhile: `held_gradients.py`)
   peak = max over both walks; the plan fits when peak * (1 + alpha) <= device limit.
 Host memory: offloaded chunks' model states + the runtime's host extras (fp32 host gradient when an fp32
 master is stepped, the `.grad` exposed after backward, mixed-precision staging, the undo backup of

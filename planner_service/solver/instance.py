@@ -38,6 +38,7 @@ from client.contract import (
 )
 from planner_service.solver.bandwidth import transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks, slot_bytes
+from planner_service.solver.held_gradients import held_gradient_bytes
 from planner_service.solver.sharding import multi_rank_fields
 
 DEFAULT_ALPHA = 0.10
@@ -127,7 +128,9 @@ class PolicyInstance:
     act_bytes: tuple[int, ...]
     inp_bytes: tuple[int, ...]
     fwd_peak_bytes: tuple[int, ...]
-    bwd_peak_bytes: tuple[int, ...]
+    bwd_peak_bytes: tuple[
+        int, ...
+    ]  # the trace's transient + tied gradients held meanwhile (held_gradients.py)
     swap_out_ns: tuple[int, ...]  # by bandwidth; serial devices: the trace's measured swap_out_s when present
     swap_in_ns: tuple[int, ...]
     # chunks
@@ -368,7 +371,12 @@ def build_instance(
         act_bytes=tuple(x.activation_bytes for x in meas),
         inp_bytes=tuple(x.input_bytes for x in meas),
         fwd_peak_bytes=tuple(x.forward_transient_peak_bytes for x in meas),
-        bwd_peak_bytes=tuple(x.backward_transient_peak_bytes for x in meas),
+        # a tied parameter's gradient from its later use is held during the blocks' backward in between, above
+        # what each block's measured transient counts (`held_gradients.py`)
+        bwd_peak_bytes=tuple(
+            x.backward_transient_peak_bytes + h
+            for x, h in zip(meas, held_gradient_bytes(blocks, params_list), strict=True)
+        ),
         swap_out_ns=tuple(swap_out),
         swap_in_ns=tuple(swap_in),
         upload_ns=tuple(upload),

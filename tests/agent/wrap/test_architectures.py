@@ -27,6 +27,11 @@ FAMILIES = DEFAULTS_FAMILIES  # 24 families: gpt2, llama, mistral, qwen2/3, gemm
 STEPS = 5
 TOL = 1e-5
 LIMIT_FRACTION = 0.7  # of the un-managed peak: the model's states no longer all fit
+# OPT here (vocab 2048, hidden 128) has a tied embedding whose gradient from the lm_head use autograd holds through
+# every block's backward (1 MiB, `planner_service/solver/held_gradients.py`): its smallest plan measures 7,340,040
+# bytes, over 0.7 of the un-managed peak with the margin (the plan chosen at 0.7 before that was counted measured
+# +16.7% over its prediction)
+LIMIT_FRACTION_OF = {"opt": 0.8}
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -81,7 +86,11 @@ def check(family: str, model: nn.Module, config: Any, caplog: pytest.LogCaptureF
 
     caplog.set_level(logging.WARNING, logger="agent")
     wrapped = agent.wrap(
-        model, adamw(model), sample_batch=batch, device_memory=int(peak * LIMIT_FRACTION), feedback_steps=None
+        model,
+        adamw(model),
+        sample_batch=batch,
+        device_memory=int(peak * LIMIT_FRACTION_OF.get(family, LIMIT_FRACTION)),
+        feedback_steps=None,
     )
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert not skipped, f"{family}: a measurement was skipped: {skipped}"
