@@ -5,8 +5,10 @@ plan, refused before training with that smallest limit named.
 
 The tied decoder needs the first chunk (its weight, the word embedding) and the last (its bias) resident at
 once, so offloading both takes two buffers: at these sizes (two 2 MiB chunks) the smallest plan keeps one
-chunk persistent, near 0.87 of the un-managed peak. Below it (0.7) the planner used to plan one buffer, which
-the runtime refused.
+chunk persistent, near 0.98 of the un-managed peak since the plan counts the tied weight's gradient (1 MiB at
+VOCAB x 128 in fp32) that autograd holds from the decoder's backward to the embedding's, i.e. through the whole
+backward (`planner_service/solver/held_gradients.py`; 0.87 before it was counted). Below it (0.7) the planner
+used to plan one buffer, which the runtime refused.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 TOL = 1e-5
-LIMIT_FRACTION = 0.9  # offloads one chunk of two
+LIMIT_FRACTION = 0.99  # offloads one chunk of two (the smallest plan is ~0.98: see above)
 BELOW_SMALLEST_PLAN = 0.7
 VOCAB = 2048
 SIZES: dict[str, Any] = {
