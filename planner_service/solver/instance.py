@@ -128,9 +128,8 @@ class PolicyInstance:
     act_bytes: tuple[int, ...]
     inp_bytes: tuple[int, ...]
     fwd_peak_bytes: tuple[int, ...]
-    bwd_peak_bytes: tuple[
-        int, ...
-    ]  # the trace's transient + tied gradients held meanwhile (held_gradients.py)
+    # the trace's backward transient plus the tied parameters' gradients held meanwhile (held_gradients.py)
+    bwd_peak_bytes: tuple[int, ...]
     swap_out_ns: tuple[int, ...]  # by bandwidth; serial devices: the trace's measured swap_out_s when present
     swap_in_ns: tuple[int, ...]
     # chunks
