@@ -342,7 +342,7 @@ class ActivationManager:
 
     # ------------------------------------------------------------------------------ report
     def mode_strip(self) -> str:
-        return "".join({"keep": "K", "checkpoint": "C", "swap": "S"}[t.mode.value] for t in self.targets)
+        return "".join(t.mode.letter for t in self.targets)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

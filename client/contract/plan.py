@@ -35,6 +35,19 @@ class ActivationMode(StrEnum):
     checkpoint = "checkpoint"
     swap = "swap"
 
+    @property
+    def letter(self) -> str:
+        """The mode's character in a mode strip (`Policy.mode_strip`): K keep, C checkpoint, S swap."""
+        return self.value[0].upper()
+
+    @classmethod
+    def from_letter(cls, letter: str) -> ActivationMode:
+        """The mode a mode strip's character stands for."""
+        for mode in cls:
+            if mode.letter == letter:
+                return mode
+        raise ValueError(f"mode strip: {letter!r} is none of K (keep), C (checkpoint), S (swap)")
+
 
 class SolverStatus(StrEnum):
     optimal = "optimal"
@@ -132,7 +145,7 @@ class Policy(ContractModel):
 
     def mode_strip(self) -> str:
         """One character per block: K keep, C checkpoint, S swap."""
-        return "".join({"keep": "K", "checkpoint": "C", "swap": "S"}[b.mode.value] for b in self.blocks)
+        return "".join(b.mode.letter for b in self.blocks)
 
 
 class BufferOffset(ContractModel):

@@ -37,7 +37,6 @@ WORLD = 2
 ROWS = 2  # per rank
 STEPS = 5
 LOW, HIGH = -0.08, 0.02  # the single-process bounds: at most 8% under, never more than 2% over
-MODES = {"K": ActivationMode.keep, "C": ActivationMode.checkpoint, "S": ActivationMode.swap}
 STRIPS = {"swap": "KSSSKK", "checkpoint": "KCCCCK"}
 
 
@@ -78,7 +77,10 @@ def two_rank_plans(strips: dict[str, str]) -> dict[str, Plan]:
     plans = {}
     for name, strip in strips.items():
         assert len(strip) == len(p.blocks), (strip, p.mode_strip())
-        blocks = [b.model_copy(update={"mode": MODES[m]}) for b, m in zip(p.blocks, strip, strict=True)]
+        blocks = [
+            b.model_copy(update={"mode": ActivationMode.from_letter(m)})
+            for b, m in zip(p.blocks, strip, strict=True)
+        ]
         pol = p.model_copy(update={"chunks": chunks, "blocks": blocks, "n_buffers": 1})
         plans[name] = plan.model_copy(update={"policy": pol, "predictions": evaluate(trace, pol, cons)})
     return plans

@@ -27,7 +27,6 @@ from planner_service.solver.cost_model import evaluate
 pytestmark = pytest.mark.slow
 
 STRIP = "KSSSKK"
-MODES = {"K": ActivationMode.keep, "S": ActivationMode.swap}
 STEPS = 4
 
 
@@ -49,7 +48,10 @@ def test_gpt2_swap_plan_peak_counts_the_tied_lm_head_gradient(tmp_path: Path) ->
     assert plan.policy is not None, plan.solver.message
     p = plan.policy
     chunks = [c.model_copy(update={"placement": Placement.offloaded}) for c in p.chunks]
-    blocks = [b.model_copy(update={"mode": MODES[m]}) for b, m in zip(p.blocks, STRIP, strict=True)]
+    blocks = [
+        b.model_copy(update={"mode": ActivationMode.from_letter(m)})
+        for b, m in zip(p.blocks, STRIP, strict=True)
+    ]
     policy = p.model_copy(update={"chunks": chunks, "blocks": blocks, "n_buffers": 1})
     predictions = evaluate(trace, policy, cons)
     plan = plan.model_copy(update={"policy": policy, "predictions": predictions})

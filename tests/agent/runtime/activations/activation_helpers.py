@@ -11,14 +11,15 @@ from client.contract import ActivationMode, BlockPolicy, Chunk, Placement, Polic
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 128, 16, 2
-MODE = {"K": ActivationMode.keep, "C": ActivationMode.checkpoint, "S": ActivationMode.swap}
 
 
 def policy_for(model: nn.Module, container: str, strip: str) -> Policy:
     """A policy with `strip` (K/C/S per repeated block) and keep for the prologue and epilogue."""
     blocks = [BlockPolicy(block=0, module="prologue[x]", mode=ActivationMode.keep)]
     for i, ch in enumerate(strip):
-        blocks.append(BlockPolicy(block=i + 1, module=f"{container}.{i}", mode=MODE[ch]))
+        blocks.append(
+            BlockPolicy(block=i + 1, module=f"{container}.{i}", mode=ActivationMode.from_letter(ch))
+        )
     blocks.append(BlockPolicy(block=len(strip) + 1, module="epilogue[x]", mode=ActivationMode.keep))
     return Policy(chunk_size_bytes=1, chunks=[], n_buffers=0, blocks=blocks)
 
