@@ -44,28 +44,22 @@ def ids() -> torch.Tensor:
     return torch.randint(2, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def bert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    config = transformers.BertConfig(
-        hidden_size=128, num_hidden_layers=2, max_position_embeddings=64, **SIZES
+def masked_lm(
+    config_class: type[transformers.PretrainedConfig], model_class: Any, max_positions: int
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    config = config_class(
+        hidden_size=128, num_hidden_layers=2, max_position_embeddings=max_positions, **SIZES
     )
     x = ids()
-    return transformers.BertForMaskedLM(config), {
-        "input_ids": x,
-        "attention_mask": torch.ones_like(x),
-        "labels": x,
-    }
+    return model_class(config), {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}
+
+
+def bert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    return masked_lm(transformers.BertConfig, transformers.BertForMaskedLM, 64)
 
 
 def roberta() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    config = transformers.RobertaConfig(
-        hidden_size=128, num_hidden_layers=2, max_position_embeddings=80, **SIZES
-    )
-    x = ids()
-    return transformers.RobertaForMaskedLM(config), {
-        "input_ids": x,
-        "attention_mask": torch.ones_like(x),
-        "labels": x,
-    }
+    return masked_lm(transformers.RobertaConfig, transformers.RobertaForMaskedLM, 80)
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
