@@ -12,6 +12,17 @@ Measured, on the job's group and device:
   before, read 1.5-3x faster on gloo than the same collectives issued one after another: both ranks start
   together, which a training step never arranges; docs/BENCHMARKS.md, "Where the managed 2-rank iteration
   goes".) The contract's rate is the whole tensor over the time (`CollectiveSample`: algorithm bandwidth).
+  On a CPU device (gloo) the curves are instead measured as a training step issues them
+  (`measure_in_step_curves`, session 9): a burst of compute (the same matmuls on every rank), the reduce-scatter,
+  right after it the all-gather (a sharded chunk's gradient, then its `.grad` fill), another burst, the all-reduce
+  (a replicated chunk's gradient average; the `all_reduce` curve); each call's mean time over the repetitions and
+  the ranks, its wait for the later rank included. Why: on a CPU device compute, the gloo threads and the other
+  ranks share the cores, and a collective issued after compute (the ranks arriving apart, the gloo threads
+  woken from idle) took 2-5x what the same collective took back to back on this machine
+  (docs/BENCHMARKS.md, "Where the managed 2-rank iteration goes"); back to back it is the figure of a loop the
+  runtime never runs. A GPU job's collectives run on NCCL's stream beside compute on devices the ranks do not
+  share, so the CUDA branch keeps the back-to-back timing (unmeasured here: no GPU on the development machine)
+  and leaves `all_reduce` empty (the cost model then reads an all-reduce as a reduce-scatter plus an all-gather).
 - overlap with host<->device copies: at one size, the collective alone, a copy of the same size alone, and
   both started together (the collective asynchronous, the copy on its own CUDA stream on a GPU; on a CPU the
   gloo worker thread runs the collective while this thread copies), for all-gather beside H2D and
@@ -76,6 +87,12 @@ SMALLEST_SIZE = 64 * KiB
 """The smallest whole tensor `ProbeSettings.for_model` measures (a model smaller than that is measured there)."""
 PLANNING_REPEATS = 3
 """Repetitions per size when a job is probed to be planned (`agent.wrap`, `agent.profile(process_group=)`)."""
+IN_STEP_REPEATS = 8
+"""Repetitions per size of the in-step sequence on a CPU device (at least; more when `repeats` asks for more):
+its calls vary with the other rank's arrival, so a mean of a few is noisy."""
+IN_STEP_COMPUTE_S = 0.002
+"""The compute burst before each in-step collective, about a small block's backward on a CPU."""
+COMPUTE_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -192,6 +209,86 @@ def measure_curves(
         )
         reduce.append(CollectiveSample(size_bytes=nbytes, bytes_per_s=nbytes / t))
     return _unique(gather), _unique(reduce)
+
+
+class _Compute:
+    """A burst of compute on the device between collectives, as a training step has a block's backward
+    between its chunks' gradient collectives: `count` matmuls of COMPUTE_DIM x COMPUTE_DIM (fp32), the same
+    count on every rank (so a slower rank arrives later, as it does in training)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, target_s: float) -> None:
+        self.a = torch.randn(COMPUTE_DIM, COMPUTE_DIM, device=device)
+        self.b = torch.randn(COMPUTE_DIM, COMPUTE_DIM, device=device)
+        self.count = 1
+        self()  # warm-up
+        t0 = time.perf_counter()
+        self()
+        _sync(device)
+        one = max(time.perf_counter() - t0, 1e-6)
+        # the same work on every rank: the least count of the ranks (each timed its own matmul)
+        c = torch.tensor([max(1, round(target_s / one))], dtype=torch.int64, device=device)
+        dist.all_reduce(c, op=dist.ReduceOp.MIN, group=group)
+        self.count = int(c.item())
+
+    def __call__(self) -> None:
+        for _ in range(self.count):
+            torch.mm(self.a, self.b)
+
+
+def _timed(run: Callable[[], object], device: torch.device) -> float:
+    t0 = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _mean_over_ranks(seconds: list[float], group: dist.ProcessGroup | None, device: torch.device) -> float:
+    """The mean over ranks of each rank's mean seconds per call: what a rank's step pays per call on average
+    (a call's time on a rank includes its wait for the ranks that arrive later)."""
+    t = torch.tensor([statistics.fmean(seconds)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return max(float(t.item()) / dist.get_world_size(group), 1e-9)
+
+
+def measure_in_step_curves(
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    sizes: tuple[int, ...] = COLLECTIVE_SIZES,
+    repeats: int = IN_STEP_REPEATS,
+    compute_s: float = IN_STEP_COMPUTE_S,
+) -> tuple[list[CollectiveSample], list[CollectiveSample], list[CollectiveSample]]:
+    """All-gather, reduce-scatter and all-reduce rates by whole-tensor size as a training step on a CPU device
+    issues them (see `probe_process_group`): per repetition a burst of compute, the reduce-scatter of a sharded
+    chunk's gradient, right after it the all-gather of the shards (its `.grad` fill), another burst, the
+    all-reduce of a replicated chunk's gradient; each call timed on every rank (mean of the repetitions, mean
+    over the ranks). The all-gather is of fp32 shards (the gradient's dtype), `size_bytes` its output."""
+    world = dist.get_world_size(group)
+    compute = _Compute(group, device, compute_s)
+    gather: list[CollectiveSample] = []
+    reduce: list[CollectiveSample] = []
+    allreduce: list[CollectiveSample] = []
+    for size in sorted(set(sizes)):
+        whole, part, nbytes = _reduce_buffers(size, device, world)
+        gathered = torch.empty_like(whole)
+        summed = torch.ones_like(whole)
+        rs = functools.partial(reduce_scatter_single, part, whole, group=group)
+        ag = functools.partial(all_gather_single, gathered, part, group=group)
+        ar = functools.partial(dist.all_reduce, summed, group=group)
+        times: dict[str, list[float]] = {"rs": [], "ag": [], "ar": []}
+        # warm-up: connections, buffers, first touch
+        rs(), ag(), ar()
+        _sync(device)
+        dist.barrier(group=group)
+        for _ in range(repeats):
+            compute()
+            times["rs"].append(_timed(rs, device))
+            times["ag"].append(_timed(ag, device))
+            compute()
+            times["ar"].append(_timed(ar, device))
+        for key, curve in (("rs", reduce), ("ag", gather), ("ar", allreduce)):
+            t = _mean_over_ranks(times[key], group, device)
+            curve.append(CollectiveSample(size_bytes=nbytes, bytes_per_s=nbytes / t))
+    return _unique(gather), _unique(reduce), _unique(allreduce)
 
 
 def _unique(samples: list[CollectiveSample]) -> list[CollectiveSample]:
@@ -316,7 +413,11 @@ def probe_process_group(
     link = interconnect(group, dev, per_node)
     if world == 1:
         return Distributed(world_size=1, ranks_per_node=1, interconnect=link)
-    gather, reduce = measure_curves(group, dev, sizes, repeats)
+    allreduce: list[CollectiveSample] = []
+    if dev.type == "cpu":  # compute and gloo share the cores: timed as a training step issues them
+        gather, reduce, allreduce = measure_in_step_curves(group, dev, sizes, max(repeats, IN_STEP_REPEATS))
+    else:  # a GPU's collectives run on their own stream beside compute (NCCL): back to back (not run here)
+        gather, reduce = measure_curves(group, dev, sizes, repeats)
     overlap = [
         measure_overlap("all_gather", "h2d", group, dev, overlap_size, repeats),
         measure_overlap("reduce_scatter", "d2h", group, dev, overlap_size, repeats),
@@ -325,7 +426,9 @@ def probe_process_group(
         world_size=world,
         ranks_per_node=per_node,
         interconnect=link,
-        collectives=CollectiveCurves(all_gather=gather, reduce_scatter=reduce, copy_overlap=overlap),
+        collectives=CollectiveCurves(
+            all_gather=gather, reduce_scatter=reduce, copy_overlap=overlap, all_reduce=allreduce
+        ),
     )
 
 

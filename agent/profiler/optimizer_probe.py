@@ -6,6 +6,13 @@ Device throughput is the real optimizer's `step()` timed inside the profiler's p
 parameters in `HOST_SAMPLE_TENSORS` tensors (median of 3 steps after one warm-up step). It is a property
 of the host, not of the model (fused kernels stream all tensors in one pass), so it is measured once per
 process and reused.
+
+Host step overhead (`host_step_overhead`): the runtime steps each offloaded chunk with its own call (one flat
+tensor per run of the chunk: `agent/runtime/stepper.py`), and a call costs more than its bytes over the rate
+(dispatch, the kernel's setup, the optimizer's Python): measured as the same fused step on one flat tensor of
+`HOST_SMALL_BYTES`, less those bytes over the rate (median of `HOST_SMALL_REPS` steps). The cost model charges
+each chunk's host step overhead + bytes / rate. On this development machine (AMD EPYC, 2 cores) the small step
+took ~0.08 ms, of which ~0.07 ms is the overhead (docs/BENCHMARKS.md, session 9).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from client.contract import OptimizerKind
 
 HOST_SAMPLE_BYTES = 16 * 2**20
 HOST_SAMPLE_TENSORS = 16
+HOST_SMALL_BYTES = 64 * 2**10
+HOST_SMALL_REPS = 9
 
 _KINDS: dict[str, OptimizerKind] = {
     "AdamW": OptimizerKind.adamw,
@@ -62,6 +71,14 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer, params: list[torch.n
 def host_step_throughput(reps: int = 3) -> float:
     """Parameter bytes per second of a fused (or foreach) AdamW step on host fp32 tensors (cached per process)."""
     return _measure_host_step(HOST_SAMPLE_TENSORS, HOST_SAMPLE_BYTES // HOST_SAMPLE_TENSORS // 4, reps)
+
+
+def host_step_overhead(rate: float | None = None, reps: int = HOST_SMALL_REPS) -> float:
+    """Seconds per host step call beyond its bytes over `rate` (default: `host_step_throughput()`), from a
+    step of one flat `HOST_SMALL_BYTES` tensor (cached per process); never negative."""
+    rate = host_step_throughput() if rate is None else rate
+    small_s = HOST_SMALL_BYTES / _measure_host_step(1, HOST_SMALL_BYTES // 4, reps)
+    return max(0.0, small_s - HOST_SMALL_BYTES / rate)
 
 
 @functools.lru_cache(maxsize=4)

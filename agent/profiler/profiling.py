@@ -53,7 +53,12 @@ from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.hooks import BlockHooks
 from agent.profiler.memory_tracking import track_memory
 from agent.profiler.model_config import hf_config
-from agent.profiler.optimizer_probe import host_step_throughput, optimizer_kind, state_bytes_per_param
+from agent.profiler.optimizer_probe import (
+    host_step_overhead,
+    host_step_throughput,
+    optimizer_kind,
+    state_bytes_per_param,
+)
 from agent.profiler.parameters import (
     OrderedParameter,
     dtype_name,
@@ -286,6 +291,7 @@ def profile(
     )
     t1 = time.perf_counter()
     host_opt = host_step_throughput()
+    host_overhead = host_step_overhead(host_opt)
     t2 = time.perf_counter()
     log.debug(
         "profile stages (s): %s",
@@ -299,7 +305,9 @@ def profile(
     measurements = Measurements(
         blocks=block_meas,
         optimizer=OptimizerMeasurement(
-            device_bytes_per_s=result.device_opt_bytes_per_s, host_bytes_per_s=host_opt
+            device_bytes_per_s=result.device_opt_bytes_per_s,
+            host_bytes_per_s=host_opt,
+            host_step_overhead_s=host_overhead,
         ),
         iteration_s=iteration_s,
         peak_device_bytes=peak,

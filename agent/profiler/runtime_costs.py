@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from agent.profiler.optimizer_probe import host_step_throughput
+from agent.profiler.optimizer_probe import host_step_overhead, host_step_throughput
 from agent.profiler.parameters import OrderedParameter
 from agent.profiler.runtime_probe import RuntimeProbe
 from client.contract import BandwidthSample, Hardware
@@ -40,11 +40,14 @@ def runtime_costs(
             rec[b] = recompute[b] * max(1.0, probe.checkpoint_extra_s / recompute[probed])
     # the probe's chunk is uploaded and released once in its timed run (offload_s, of which upload_s is the
     # upload and the release): the cost model charges each upload's copy by bandwidth plus the measured
-    # rest of an upload and release, and once per chunk its gradient copy by bandwidth and its host step by
-    # throughput plus the measured rest of offload_s
+    # rest of an upload and release, and once per chunk its gradient copy by bandwidth and its host step (per-call overhead plus
+    # bytes over throughput) plus the measured rest of offload_s
     h2d = _copy_s(hw.bandwidth.h2d_pinned, probe.offload_bytes)
     d2h = _copy_s(hw.bandwidth.d2h_pinned, probe.offload_bytes)
-    step = probe.offload_bytes / host_step_throughput() if probe.offload_stepped else 0.0
+    # the chunk's host step as the cost model charges it (one call: overhead + bytes / rate), so that the rest
+    # is not charged twice
+    rate = host_step_throughput()
+    step = host_step_overhead(rate) + probe.offload_bytes / rate if probe.offload_stepped else 0.0
     upload_rest = max(0.0, probe.upload_s - h2d)
     once = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)
     n_params = max(1, probe.offload_params)

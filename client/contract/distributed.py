@@ -7,6 +7,10 @@ achieve. A single-process trace leaves it out (and keeps its content hash and ha
 Collective figures use *algorithm* bandwidth of the whole tensor, the quantity the cost model divides by:
 - all-gather: `size_bytes` is the gathered (output) tensor, N shards of size_bytes / N; time = size / rate.
 - reduce-scatter: `size_bytes` is the full (input) tensor each rank contributes; each rank keeps size / N.
+- all-reduce (optional): `size_bytes` is the whole tensor every rank contributes and receives.
+
+How the agent times them (`agent/profiler/collectives.py`): on a CPU device each call after a burst of compute,
+as a training step issues them (gloo and the compute share the cores); on a GPU back to back.
 """
 
 from __future__ import annotations
@@ -92,10 +96,18 @@ class CollectiveCurves(ContractModel):
         max_length=MAX_OVERLAP_SAMPLES,
         description="collectives measured beside host<->device copies; at most one per (collective, direction)",
     )
+    # Left out of the JSON when empty (traces from before it keep their content hashes).
+    all_reduce: list[CollectiveSample] = Field(
+        default_factory=list,
+        max_length=MAX_BANDWIDTH_SAMPLES,
+        exclude_if=lambda v: not v,
+        description="all-reduce (the gradient average of a replicated chunk), `size_bytes` the whole tensor; "
+        "empty (older traces): the cost model reads it as a reduce-scatter plus an all-gather",
+    )
 
     @model_validator(mode="after")
     def _sorted_unique(self) -> CollectiveCurves:
-        for name in ("all_gather", "reduce_scatter"):
+        for name in ("all_gather", "reduce_scatter", "all_reduce"):
             sizes = [s.size_bytes for s in getattr(self, name)]
             if sizes != sorted(set(sizes)):
                 raise ValueError(f"{name}: samples must be sorted by size_bytes with no repeated size")

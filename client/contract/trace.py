@@ -368,6 +368,14 @@ class OptimizerMeasurement(ContractModel):
     host_bytes_per_s: BytesPerSecond = Field(
         description="fused/foreach optimizer on the host, parameter bytes/s"
     )
+    # Left out of the JSON when 0 (not measured: traces from before it keep their content hashes).
+    host_step_overhead_s: Seconds = Field(
+        default=0.0,
+        exclude_if=lambda v: v == 0.0,
+        description="per-call cost of one host optimizer step (one chunk's), beyond its bytes over "
+        "host_bytes_per_s: the cost model charges each chunk's host step overhead + bytes / rate; 0 = not "
+        "measured (older traces: bytes / rate alone)",
+    )
 
 
 class Measurements(ContractModel):

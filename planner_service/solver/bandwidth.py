@@ -38,3 +38,22 @@ def transfer_ns(curve: Sequence[RateSample], size_bytes: int) -> int:
     if size_bytes <= 0:
         return 0
     return max(1, round(size_bytes / bytes_per_s_at(curve, size_bytes) * 1e9))
+
+
+class HostStepRate(Protocol):
+    """The trace's host optimizer figures (`client.contract.OptimizerMeasurement`)."""
+
+    @property
+    def host_bytes_per_s(self) -> float: ...
+
+    @property
+    def host_step_overhead_s(self) -> float: ...
+
+
+def host_step_ns(optimizer: HostStepRate, stepped_bytes: int) -> int:
+    """Integer nanoseconds of one host optimizer step call over `stepped_bytes` (one chunk, or one rank's shard
+    of it): the measured per-call overhead plus the bytes over the measured rate; 0 when nothing is stepped
+    (a chunk without trained parameters makes no call). A trace without the overhead (0) reads bytes / rate."""
+    if stepped_bytes <= 0:
+        return 0
+    return round((optimizer.host_step_overhead_s + stepped_bytes / optimizer.host_bytes_per_s) * 1e9)

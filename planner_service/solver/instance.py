@@ -36,7 +36,7 @@ from client.contract import (
     Workload,
     offloaded_chunk_pinned_bytes,
 )
-from planner_service.solver.bandwidth import transfer_ns
+from planner_service.solver.bandwidth import host_step_ns, transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks, slot_bytes
 from planner_service.solver.held_gradients import held_gradient_bytes
 from planner_service.solver.sharding import multi_rank_fields
@@ -381,7 +381,8 @@ def build_instance(
         upload_ns=tuple(upload),
         grad_offload_ns=tuple(grad_offload),
         device_optim_ns=tuple(ns(t / m.optimizer.device_bytes_per_s) for t in trained),
-        host_optim_ns=tuple(ns(t / m.optimizer.host_bytes_per_s) for t in trained),
+        # one host step call per chunk with trained bytes: its measured per-call overhead plus bytes over the rate
+        host_optim_ns=tuple(host_step_ns(m.optimizer, t) for t in trained),
         chunk_state_bytes=S + (S // elt) * state_per_elt,
         chunk_state_bytes_of=tuple(
             chunk_model_state_bytes(w, u, t) for u, t in zip(layout.used_bytes, trained, strict=True)

@@ -43,7 +43,7 @@ from client.contract import (
     shard_elements,
     sharded_chunk_pinned_bytes,
 )
-from planner_service.solver.bandwidth import transfer_ns
+from planner_service.solver.bandwidth import host_step_ns, transfer_ns
 
 if TYPE_CHECKING:
     from planner_service.solver.chunk_grid import ChunkGrid
@@ -90,8 +90,7 @@ def multi_rank_fields(
     w = trace.workload
     bw = trace.hardware.bandwidth
     opt = trace.measurements.optimizer
-    ns = lambda s: round(s * 1e9)  # noqa: E731
-    ag, rs = d.collectives.all_gather, d.collectives.reduce_scatter
+    ag, rs, ar = d.collectives.all_gather, d.collectives.reduce_scatter, d.collectives.all_reduce
     shards = [shard_elements(u // elt, n) for u in layout.used_bytes]
     # the runtime's measured per-copy cost (serial devices: build_instance added it to the whole copy)
     grad_rest = [t - transfer_ns(bw.d2h_pinned, g) for t, g in zip(grad_offload_ns, grad_bytes, strict=True)]
@@ -110,12 +109,16 @@ def multi_rank_fields(
         # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
         grad_fill_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
         reduce_scatter_ns=tuple(transfer_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
-        all_reduce_ns=tuple(transfer_ns(rs, g) + transfer_ns(ag, g) for g in grad_bytes),
+        # a replicated chunk's gradient average: the measured all-reduce; older traces (no all-reduce curve) a
+        # reduce-scatter plus an all-gather of the whole gradient
+        all_reduce_ns=tuple(
+            transfer_ns(ar, g) if ar else transfer_ns(rs, g) + transfer_ns(ag, g) for g in grad_bytes
+        ),
         shard_grad_offload_ns=tuple(
             transfer_ns(bw.d2h_pinned, s * w.gradient_bytes_per_param) + r
             for s, r in zip(shards, grad_rest, strict=True)
         ),
-        shard_host_optim_ns=tuple(ns(s * elt / opt.host_bytes_per_s) for s in shards),
+        shard_host_optim_ns=tuple(host_step_ns(opt, s * elt) for s in shards),
         shard_host_bytes_of=tuple(n * s * elt + copy_shards * s * elt + s * rest_per_elt for s in shards),
         # the compute copy (whole, or the rank's share of the node's); the shard's staging buffer and, without a
         # separate master, its host gradient
