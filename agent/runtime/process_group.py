@@ -92,6 +92,19 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [float(v) for v in t.tolist()]
 
+    def union_(self, mask: torch.Tensor) -> None:
+        """`mask` (int32, 0 or 1, the same length on every rank) becomes the element-wise OR over the ranks (in place)."""
+        with _on_backend_device(mask, self.device) as t:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's `row` (1-D, the same length and dtype on every rank) as the rows of a host tensor, in
+        rank order (`world_size` x len(row))."""
+        full = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=self.device)
+        with _on_backend_device(row, self.device, write_back=False) as src:
+            all_gather_single(full, src, group=self.group)
+        return full.view(self.world_size, -1).cpu()
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank `src`'s Python object on every rank (pickled: `torch.distributed.broadcast_object_list`)."""
         box = [obj if self.rank == src else None]
@@ -99,24 +112,29 @@ class RankGroup:
         dist.broadcast_object_list(box, src=global_src, group=self.group, device=self.device)
         return box[0]
 
-    def check_arrival(self, call: str, fix: str, timeout_s: float) -> None:
+    def check_arrival(self, call: str, fix: str, timeout_s: float, forwards: int = 0) -> None:
         """Before a collective a user calls (a full optimizer state dict, unwrap): every rank marks in the job's
-        store that it reached `call`, and rank 0 waits up to `timeout_s` for the others' marks; a rank missing
-        then raises `RankArrivalError` on rank 0 naming `call` and `fix`, where the collective itself would
-        wait for it until the backend's timeout (30 minutes on gloo). One store write per rank and one wait on
-        rank 0 (milliseconds); the store is the one every backend's group was made with, so NCCL jobs get
-        the same check. The other ranks never wait here: rank 0 is the one a DDP habit leaves alone (`if
-        rank == 0: torch.save(optimizer.state_dict())`), and a rank reaching the call early just waits in the
-        collective, as it would without the check."""
+        store that it reached `call`. Rank 0 waits up to `timeout_s` for the others' marks; a rank missing then
+        raises `RankArrivalError` on rank 0 naming `call` and `fix`, where the collective itself would wait for
+        it until the backend's timeout (30 minutes on gloo): the DDP habit `if rank == 0:
+        torch.save(optimizer.state_dict())`. A non-zero rank waits for rank 0's mark without a time limit (rank
+        0 may be busy with its own evaluation), but raises as soon as rank 0 is seen past the call without
+        making it: rank 0 publishes its count of training forwards (`publish_forwards`), and one above this
+        rank's `forwards` means rank 0 went on training (`if rank == 1: ...`, the same habit on another rank,
+        which used to hang). One store write per rank and one wait per rank (milliseconds); the store is the
+        one every backend's group was made with, so NCCL jobs get the same check."""
         whole = self.group if self.group is not None else dist.group.WORLD
         ranks = ",".join(str(r) for r in dist.get_process_group_ranks(whole))
         n = _arrivals.get(ranks, 0)
         keys = [f"memplan/arrival/{ranks}/{n}/{r}" for r in range(self.world_size)]
         store = dist.distributed_c10d._get_default_store()
+        store.set(keys[self.rank], call)
         if self.rank != 0:
-            store.set(keys[self.rank], call)
+            self._wait_for_rank_0(store, keys[0], ranks, call, fix, forwards)
             _arrivals[ranks] = n + 1
             return
+        if n:  # every rank passed the previous call's wait before rank 0 could pass its collective
+            store.delete_key(f"memplan/arrival/{ranks}/{n - 1}/0")
         others = keys[1:]
         try:
             store.wait(others, timedelta(seconds=timeout_s))
@@ -131,6 +149,38 @@ class RankGroup:
             store.delete_key(key)
         _arrivals[ranks] = n + 1
 
+    def _wait_for_rank_0(self, store: Any, key: str, ranks: str, call: str, fix: str, forwards: int) -> None:
+        """A non-zero rank at `call`: wait for rank 0's mark `key`, checking each second whether rank 0 went on
+        to a later training forward instead (then `RankArrivalError`), or its store is gone (it exited)."""
+        progress = _progress_key(ranks)
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=1))
+                return
+            except RuntimeError:  # timed out (DistStoreError), or rank 0's store went away with it
+                try:
+                    ahead = int(store.get(progress)) if store.check([progress]) else 0
+                except RuntimeError:
+                    ahead = forwards + 1  # the store lives in rank 0's process: rank 0 exited
+            if ahead > forwards:
+                raise RankArrivalError(
+                    f"memplan: {call} is a collective with sharded chunks (each rank holds a shard of the state): "
+                    f"rank {self.rank} called it, rank 0 went on without calling it (its training forward "
+                    f"{ahead} > this rank's {forwards}). {fix}"
+                )
+
+    def publish_forwards(self, forwards: int) -> None:
+        """Rank 0, at each training forward: its count, which a non-zero rank waiting in `check_arrival` reads
+        (one store write, rank 0 only)."""
+        if self.rank == 0:
+            whole = self.group if self.group is not None else dist.group.WORLD
+            ranks = ",".join(str(r) for r in dist.get_process_group_ranks(whole))
+            dist.distributed_c10d._get_default_store().set(_progress_key(ranks), str(forwards))
+
+
+def _progress_key(ranks: str) -> str:
+    return f"memplan/forwards/{ranks}"
+
 
 _arrivals: dict[str, int] = {}
 """Per group (its global ranks): how many arrival checks this process passed; the store keys' generation."""
@@ -138,6 +188,11 @@ _arrivals: dict[str, int] = {}
 
 class RankArrivalError(RuntimeError):
     """A rank did not reach a collective the user called on rank 0 (a call made on one rank only)."""
+
+
+class UnusedParametersError(RuntimeError):
+    """The ranks' forwards used different offloaded chunks (data-dependent unused parameters, e.g. an expert
+    that got tokens on some ranks only): their backwards would issue different collectives."""
 
 
 class UnevenNodesError(RuntimeError):
