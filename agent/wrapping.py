@@ -50,7 +50,7 @@ from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
 from agent.runtime.optimizer import check_supported
 from agent.runtime.options import RuntimeOptions
-from agent.runtime.process_group import resolve
+from agent.runtime.process_group import check_same_job, resolve
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -211,6 +211,8 @@ def _wrap(
         reuse=reuse,
         clips_gradients=clips_gradients,
     )
+    if group is not None:  # before anything else collective: a clear error where the ranks' jobs differ
+        check_same_job(group, model, device_memory=device_memory, host_memory=host_memory)
     # the monitor's metered step records the plan's managed iteration (single process, PyTorch's allocator)
     metered = bool(feedback_steps) and allocation == "caching" and group is None
     selection: AllocatorSelection | None = None

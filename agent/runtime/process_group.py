@@ -19,6 +19,7 @@ not run on a GPU yet.
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from collections import Counter
 from dataclasses import dataclass
@@ -193,6 +194,54 @@ class RankArrivalError(RuntimeError):
 class UnusedParametersError(RuntimeError):
     """The ranks' forwards used different offloaded chunks (data-dependent unused parameters, e.g. an expert
     that got tokens on some ranks only): their backwards would issue different collectives."""
+
+
+class JobMismatchError(ValueError):
+    """The ranks called `wrap` with different models (parameters, buffers) or different memory limits."""
+
+
+def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | None) -> None:
+    """At `wrap`, before any profiling or planning: every rank wraps the same model (parameter and buffer names,
+    shapes, dtypes, which parameters train) with the same `limits` (device_memory, host_memory); else every rank
+    raises `JobMismatchError` naming the first difference and the ranks. One `all_gather_object` of a digest
+    (a second one of the whole lists when they differ). Before, a rank 1 model unlike rank 0's failed somewhere
+    later (profiling, or the plan rank 0 solved did not fit it: a `PlanMismatchError` about precision on one rank
+    and a gloo connection reset on the other), and a different `device_memory` on rank 1 was ignored (rank 0's
+    planned the job)."""
+    tensors = [
+        (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()
+    ] + [(name, tuple(b.shape), str(b.dtype), None) for name, b in model.named_buffers()]
+    digest = hashlib.sha256(repr(tensors).encode()).hexdigest()
+    every = group.all_gather_object((digest, limits))
+    if len({d for d, _ in every}) > 1:
+        lists = group.all_gather_object(tensors)
+        raise JobMismatchError(
+            f"memplan: the ranks wrap different models: {_first_difference(lists)}. Every "
+            "rank must wrap the same model with the same trainable parameters (DistributedDataParallel refuses "
+            "it too)"
+        )
+    for field in limits:
+        values = [lim[field] for _, lim in every]
+        if len(set(values)) > 1:
+            said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise JobMismatchError(
+                f"{field}: the ranks gave different values ({said}); rank 0 plans one policy for the whole job: "
+                "pass the same limit on every rank (the smallest device's or node's)"
+            )
+
+
+def _first_difference(lists: list[list[tuple[Any, ...]]]) -> str:
+    def say(t: tuple[Any, ...] | None) -> str:
+        if t is None:
+            return "absent"
+        kind = "buffer" if t[3] is None else "parameter" + ("" if t[3] else " (frozen)")
+        return f"{kind} {t[0]!r} {list(t[1])} {t[2].removeprefix('torch.')}"
+
+    for i in range(max(len(x) for x in lists)):
+        items = [x[i] if i < len(x) else None for x in lists]
+        if len(set(items)) > 1:
+            return "; ".join(f"rank {r}: {say(t)}" for r, t in enumerate(items)) + f" (tensor {i} in order)"
+    return "their parameter lists differ"
 
 
 class UnevenNodesError(RuntimeError):

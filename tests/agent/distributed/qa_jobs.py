@@ -65,7 +65,11 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    jobs: dict[str, Callable[[int, int, str], dict[str, Any]]] = {"routed": routed, "alone": alone}
+    jobs: dict[str, Callable[[int, int, str], dict[str, Any]]] = {
+        "routed": routed,
+        "alone": alone,
+        "unlike": unlike,
+    }
     try:
         result = jobs[job](rank, world, arg)
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
@@ -180,4 +184,25 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
         wrapped.model(input_ids=x, labels=x)["loss"].backward()
         wrapped.optimizer.step()
         wrapped.optimizer.zero_grad()
+    return {"error": None}
+
+
+def unlike(rank: int, world: int, what: str) -> dict[str, Any]:
+    """Rank 1 wraps another job than rank 0: `what` = "frozen" (its head frozen) or "device_memory" (a smaller
+    limit). Every rank must raise the same clear error at wrap."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    if what == "frozen" and rank == 1:
+        model.head.requires_grad_(False)
+    limit = 1 << 30 if what == "device_memory" and rank == 1 else 2 << 30
+    try:
+        agent.wrap(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            plan=manual_plan(model, chunk_size_bytes=4096, offload="all", n_buffers=2),
+            device_memory=limit,
+            feedback_steps=None,
+        )
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
     return {"error": None}

@@ -54,3 +54,28 @@ def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: 
     error = results[1]["error"]
     assert error is not None and error.startswith("RankArrivalError"), error
     assert "rank 1 called it, rank 0 went on without calling it" in error
+
+
+@pytest.mark.parametrize(
+    ("what", "said"),
+    [
+        (
+            "frozen",
+            "rank 0: parameter 'head.weight' [32, 16] float32; rank 1: parameter (frozen) 'head.weight'",
+        ),
+        (
+            "device_memory",
+            "device_memory: the ranks gave different values (rank 0: 2147483648, rank 1: 1073741824)",
+        ),
+    ],
+)
+def test_ranks_wrapping_different_jobs_get_one_clear_error(tmp_path: Path, what: str, said: str) -> None:
+    """Defect: a rank 1 model unlike rank 0's failed later on one rank only (found with a wider llama on rank 1:
+    rank 0 raised a `PlanMismatchError` asking whether the plan was solved for another precision, rank 1 a gloo
+    connection reset), and a different `device_memory` on rank 1 was silently ignored (rank 0 planned the job
+    for its own). Now `wrap` compares the ranks' parameters, buffers and limits first, on every rank."""
+    codes, results = spawn("unlike", 2, tmp_path, 60, what)
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is not None and res["error"].startswith("JobMismatchError"), res
+        assert said in res["error"], res["error"]
