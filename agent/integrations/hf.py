@@ -53,7 +53,6 @@ import torch
 
 from agent.wrapping import Wrapped, wrap
 
-
 log = logging.getLogger(__name__)
 
 LENGTH_SCAN_LIMIT: Final = 10_000
