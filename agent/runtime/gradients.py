@@ -402,8 +402,8 @@ class GradientFlow:
                 st.touched.add(j)
 
     def check_same_use(self) -> None:
-        """End of a synchronising training forward, before its backward issues any collective: the ranks
-        compare, per offloaded chunk, whether this forward used it (its average runs as backward completes it)
+        """Start of a synchronising backward, before it issues any collective: the ranks compare, per
+        offloaded chunk, whether the forward used it (its average runs as backward completes it)
         or it holds gradients of earlier `no_sync()` backwards only (averaged at the end). Where they differ
         (data-dependent unused parameters) the ranks' backwards would issue different collectives, which gloo
         aborts on and NCCL hangs in: every rank raises `UnusedParametersError` instead (the same verdict from
@@ -424,7 +424,7 @@ class GradientFlow:
         if not differ:
             return
         for st in self.states:
-            st.expected.clear()  # this forward's backward will not be taken
+            st.expected.clear()  # this backward is not taken (its first hook raises)
         said = []
         for i in differ[:3]:
             st = offloaded[i]

@@ -71,7 +71,7 @@ class ModelStateManager:
         self.options = options
         # the job's process group (issue 20): gradients are averaged across its ranks after backward
         self.group = group
-        self.training_forwards = 0  # rank 0 publishes it with sharded chunks (`RankGroup.check_arrival`)
+        self.backwards_started = 0  # rank 0 publishes it with sharded chunks (`RankGroup.check_arrival`)
         self._publishes = group is not None and group.rank == 0 and any(c.sharded for c in layout.chunks)
         self.sync_gradients = True  # False inside `no_sync()`
         self.counters = Counters()
@@ -274,10 +274,6 @@ class ModelStateManager:
         if training:
             self.gradients.retract()  # gradients of this forward's backward add to the host gradients
         if torch.is_grad_enabled():
-            self.training_forwards += 1
-            if self._publishes:
-                assert self.group is not None
-                self.group.publish_forwards(self.training_forwards)
             # as DDP decides at forward: this forward's backward averages gradients across the ranks
             # unless it runs inside `no_sync()`
             self.gradients.reduce = self.group is not None and self.sync_gradients
@@ -295,8 +291,6 @@ class ModelStateManager:
             self.saved.exit_root_forward()
         if self.phase.forward:
             self.phase.state = TrainingState.IDLE
-            if torch.is_grad_enabled() and self.gradients.reduce and self.has_offload:
-                self.gradients.check_same_use()  # every rank's backward will average the same chunks
             if torch.is_grad_enabled():
                 # Backward starts in the outermost graph task at the loss, before any re-entrant
                 # (nested) backward a checkpointed block may run: the end-of-backward callback must be
@@ -312,6 +306,14 @@ class ModelStateManager:
     def _ensure_backward(self) -> None:
         if self.phase.backward:
             return
+        self.backwards_started += 1
+        if self._publishes:
+            assert self.group is not None
+            self.group.publish_backwards(self.backwards_started)
+        if self.gradients.reduce and self.has_offload:
+            # before this backward issues any collective (not at forward: a forward with grad enabled on one
+            # rank alone, an evaluation without no_grad, must not wait for the others)
+            self.gradients.check_same_use()
         self.phase.state = TrainingState.BACKWARD
         self.schedule.start(Direction.backward, record=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

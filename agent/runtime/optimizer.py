@@ -37,7 +37,7 @@ class ChunkRuntime(Protocol):
     layout: ChunkLayout
     group: RankGroup | None
     options: RuntimeOptions
-    training_forwards: int  # forwards with grad enabled at the root (`RankGroup.check_arrival`)
+    backwards_started: int  # backward passes begun (`RankGroup.check_arrival`)
 
     def step(self) -> None: ...
 
@@ -250,7 +250,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         group = self._runtime.group
         if group is not None and any(c.sharded for c in self._runtime.layout.chunks):
             group.check_arrival(
-                call, fix, self._runtime.options.rank_arrival_timeout_s, self._runtime.training_forwards
+                call, fix, self._runtime.options.rank_arrival_timeout_s, self._runtime.backwards_started
             )
 
     def state_dict(self) -> dict[str, Any]:

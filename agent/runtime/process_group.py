@@ -113,15 +113,15 @@ class RankGroup:
         dist.broadcast_object_list(box, src=global_src, group=self.group, device=self.device)
         return box[0]
 
-    def check_arrival(self, call: str, fix: str, timeout_s: float, forwards: int = 0) -> None:
+    def check_arrival(self, call: str, fix: str, timeout_s: float, backwards: int = 0) -> None:
         """Before a collective a user calls (a full optimizer state dict, unwrap): every rank marks in the job's
         store that it reached `call`. Rank 0 waits up to `timeout_s` for the others' marks; a rank missing then
         raises `RankArrivalError` on rank 0 naming `call` and `fix`, where the collective itself would wait for
         it until the backend's timeout (30 minutes on gloo): the DDP habit `if rank == 0:
         torch.save(optimizer.state_dict())`. A non-zero rank waits for rank 0's mark without a time limit (rank
         0 may be busy with its own evaluation), but raises as soon as rank 0 is seen past the call without
-        making it: rank 0 publishes its count of training forwards (`publish_forwards`), and one above this
-        rank's `forwards` means rank 0 went on training (`if rank == 1: ...`, the same habit on another rank,
+        making it: rank 0 publishes its count of backward passes begun (`publish_backwards`), and one above
+        this rank's `backwards` means rank 0 went on training (`if rank == 1: ...`, the same habit on another rank,
         which used to hang). One store write per rank and one wait per rank (milliseconds); the store is the
         one every backend's group was made with, so NCCL jobs get the same check."""
         whole = self.group if self.group is not None else dist.group.WORLD
@@ -131,7 +131,7 @@ class RankGroup:
         store = dist.distributed_c10d._get_default_store()
         store.set(keys[self.rank], call)
         if self.rank != 0:
-            self._wait_for_rank_0(store, keys[0], ranks, call, fix, forwards)
+            self._wait_for_rank_0(store, keys[0], ranks, call, fix, backwards)
             _arrivals[ranks] = n + 1
             return
         if n:  # every rank passed the previous call's wait before rank 0 could pass its collective
@@ -150,9 +150,9 @@ class RankGroup:
             store.delete_key(key)
         _arrivals[ranks] = n + 1
 
-    def _wait_for_rank_0(self, store: Any, key: str, ranks: str, call: str, fix: str, forwards: int) -> None:
+    def _wait_for_rank_0(self, store: Any, key: str, ranks: str, call: str, fix: str, backwards: int) -> None:
         """A non-zero rank at `call`: wait for rank 0's mark `key`, checking each second whether rank 0 went on
-        to a later training forward instead (then `RankArrivalError`), or its store is gone (it exited)."""
+        to a later backward instead (then `RankArrivalError`), or its store is gone (it exited)."""
         progress = _progress_key(ranks)
         while True:
             try:
@@ -162,25 +162,25 @@ class RankGroup:
                 try:
                     ahead = int(store.get(progress)) if store.check([progress]) else 0
                 except RuntimeError:
-                    ahead = forwards + 1  # the store lives in rank 0's process: rank 0 exited
-            if ahead > forwards:
+                    ahead = backwards + 1  # the store lives in rank 0's process: rank 0 exited
+            if ahead > backwards:
                 raise RankArrivalError(
                     f"memplan: {call} is a collective with sharded chunks (each rank holds a shard of the state): "
-                    f"rank {self.rank} called it, rank 0 went on without calling it (its training forward "
-                    f"{ahead} > this rank's {forwards}). {fix}"
+                    f"rank {self.rank} called it, rank 0 went on without calling it (it began backward {ahead}, this "
+                    f"rank {backwards}). {fix}"
                 )
 
-    def publish_forwards(self, forwards: int) -> None:
-        """Rank 0, at each training forward: its count, which a non-zero rank waiting in `check_arrival` reads
-        (one store write, rank 0 only)."""
+    def publish_backwards(self, backwards: int) -> None:
+        """Rank 0, as each backward begins: its count, which a non-zero rank waiting in `check_arrival` reads
+        (one store write, rank 0 only; a backward, not a forward: rank 0 may evaluate with grad enabled)."""
         if self.rank == 0:
             whole = self.group if self.group is not None else dist.group.WORLD
             ranks = ",".join(str(r) for r in dist.get_process_group_ranks(whole))
-            dist.distributed_c10d._get_default_store().set(_progress_key(ranks), str(forwards))
+            dist.distributed_c10d._get_default_store().set(_progress_key(ranks), str(backwards))
 
 
 def _progress_key(ranks: str) -> str:
-    return f"memplan/forwards/{ranks}"
+    return f"memplan/backwards/{ranks}"
 
 
 _arrivals: dict[str, int] = {}

@@ -163,8 +163,9 @@ class TinyLM(nn.Module):
 
 
 def alone(rank: int, world: int, call: str) -> dict[str, Any]:
-    """Every offloaded chunk sharded; one step on every rank, then rank 1 alone makes `call` (a collective:
-    "state_dict" or "unwrap") while rank 0 trains on. Rank 1 must raise, not wait for rank 0 forever."""
+    """Every offloaded chunk sharded; one step on every rank (rank 0 first evaluates with grad enabled alone),
+    then rank 1 alone makes `call` (a collective: "state_dict" or "unwrap") while rank 0 trains on. Rank 1
+    must raise, not wait for rank 0 forever."""
     torch.manual_seed(0)
     model = TinyLM()
     wrapped = agent.wrap(
@@ -175,6 +176,8 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
     )
     x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
     for step in range(2):
+        if rank == 0 and step == 0:  # an evaluation without no_grad on rank 0 alone: no collective may wait
+            wrapped.model(input_ids=x, labels=x)
         if rank == 1 and step == 1:
             try:
                 wrapped.optimizer.state_dict() if call == "state_dict" else agent.unwrap(wrapped)

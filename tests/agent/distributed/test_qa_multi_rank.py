@@ -33,8 +33,8 @@ def test_experts_unused_on_one_rank_train_as_ddp_with_find_unused_parameters(tmp
 def test_offloaded_chunks_unused_on_one_rank_are_a_clear_error_on_every_rank(tmp_path: Path) -> None:
     """Defect: the same model with offloaded chunks: a chunk unused on one rank is averaged mid-backward on the
     other, so the ranks' collectives paired wrongly (gloo aborted both processes with "Received data size
-    doesn't match expected size"; NCCL would hang). Now the ranks compare which offloaded chunks this forward
-    used before its backward issues any collective, and every rank raises the same error naming them."""
+    doesn't match expected size"; NCCL would hang). Now, as the backward begins (before any of its collectives), the
+    ranks compare which offloaded chunks the forward used, and every rank raises the same error naming them."""
     codes, results = spawn("routed", 2, tmp_path, 120, "offloaded")
     assert codes == [0, 0], codes
     for res in results:
@@ -47,7 +47,7 @@ def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: 
     """Defect (documented as a limit): `optimizer.state_dict()` or `agent.unwrap` with sharded chunks on a
     non-zero rank alone (`if rank == 1: ...`) waited in the collective until gloo's 30-minute timeout, while
     rank 0 trained on. Now rank 1 waits for rank 0's arrival mark and raises `RankArrivalError` once rank 0
-    is seen at a later training forward (rank 0 publishes its count in the store); rank 0's next collective
+    is seen at a later backward (rank 0 publishes its count in the store); rank 0's next collective
     then fails as rank 1 exits."""
     codes, results = spawn("alone", 2, tmp_path, 120, call)
     assert codes[1] == 0, codes  # None: rank 1 still waiting (the hang), killed
