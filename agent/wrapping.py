@@ -202,6 +202,10 @@ def _wrap(
 ) -> Wrapped:
     """`wrap` after its argument checks, with the KV cache already off."""
 
+    if group is not None:  # before anything else collective: a clear error where the ranks' jobs differ
+        agreed = check_same_job(group, model, device_memory=device_memory, host_memory=host_memory)
+        device_memory, host_memory = agreed["device_memory"], agreed["host_memory"]
+
     obtain_kwargs: dict[str, Any] = dict(
         server=server,
         device_memory=device_memory,
@@ -211,8 +215,6 @@ def _wrap(
         reuse=reuse,
         clips_gradients=clips_gradients,
     )
-    if group is not None:  # before anything else collective: a clear error where the ranks' jobs differ
-        check_same_job(group, model, device_memory=device_memory, host_memory=host_memory)
     # the monitor's metered step records the plan's managed iteration (single process, PyTorch's allocator)
     metered = bool(feedback_steps) and allocation == "caching" and group is None
     selection: AllocatorSelection | None = None

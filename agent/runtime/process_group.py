@@ -20,6 +20,7 @@ not run on a GPU yet.
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 from collections import Counter
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -200,13 +203,14 @@ class JobMismatchError(ValueError):
     """The ranks called `wrap` with different models (parameters, buffers) or different memory limits."""
 
 
-def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | None) -> None:
+def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | None) -> dict[str, int | None]:
     """At `wrap`, before any profiling or planning: every rank wraps the same model (parameter and buffer names,
-    shapes, dtypes, which parameters train) with the same `limits` (device_memory, host_memory); else every rank
-    raises `JobMismatchError` naming the first difference and the ranks. One `all_gather_object` of a digest
+    shapes, dtypes, which parameters train), else every rank raises `JobMismatchError` naming the first
+    difference and the ranks. Returns the `limits` (device_memory, host_memory) the job plans for: the smallest
+    any rank gave (e.g. each rank's free device memory; a JobMismatchError where only some ranks gave one). One `all_gather_object` of a digest
     (a second one of the whole lists when they differ). Before, a rank 1 model unlike rank 0's failed somewhere
     later (profiling, or the plan rank 0 solved did not fit it: a `PlanMismatchError` about precision on one rank
-    and a gloo connection reset on the other), and a different `device_memory` on rank 1 was ignored (rank 0's
+    and a gloo connection reset on the other), and a smaller `device_memory` on rank 1 was ignored (rank 0's
     planned the job)."""
     tensors = [
         (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()
@@ -220,14 +224,19 @@ def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | Non
             "rank must wrap the same model with the same trainable parameters (DistributedDataParallel refuses "
             "it too)"
         )
+    agreed: dict[str, int | None] = {}
     for field in limits:
         values = [lim[field] for _, lim in every]
-        if len(set(values)) > 1:
-            said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        if len(set(values)) > 1 and None in values:
+            said = ", ".join(f"rank {r}: {'not given' if v is None else v}" for r, v in enumerate(values))
             raise JobMismatchError(
-                f"{field}: the ranks gave different values ({said}); rank 0 plans one policy for the whole job: "
-                "pass the same limit on every rank (the smallest device's or node's)"
+                f"{field}: given on some ranks only ({said}); rank 0 plans one policy for the whole job: pass "
+                "it on every rank, or on none (each device's own)"
             )
+        agreed[field] = min(values) if None not in values else None
+        if len(set(values)) > 1:
+            log.info("memplan: %s differs across the ranks (%s); planning for the smallest", field, values)
+    return agreed
 
 
 def _first_difference(lists: list[list[tuple[Any, ...]]]) -> str:

@@ -191,21 +191,28 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
 
 
 def unlike(rank: int, world: int, what: str) -> dict[str, Any]:
-    """Rank 1 wraps another job than rank 0: `what` = "frozen" (its head frozen) or "device_memory" (a smaller
-    limit). Every rank must raise the same clear error at wrap."""
+    """Rank 1 wraps another job than rank 0: `what` = "frozen" (its head frozen), "partial" (device_memory given
+    on rank 1 only) or "smaller" (a smaller device_memory on rank 1, the plan solved in-process: the job's plan
+    must be made for the smallest)."""
     torch.manual_seed(0)
     model = TinyLM()
     if what == "frozen" and rank == 1:
         model.head.requires_grad_(False)
-    limit = 1 << 30 if what == "device_memory" and rank == 1 else 2 << 30
+    limits = {"frozen": (2 << 30, 2 << 30), "partial": (None, 1 << 30), "smaller": (2 << 30, 1 << 30)}[what]
+    x = torch.randint(0, VOCAB, (2, 8))
+    how: dict[str, Any] = (
+        {"sample_batch": {"input_ids": x, "labels": x}, "blocks": list(model.layers)}
+        if what == "smaller"
+        else {"plan": manual_plan(model, chunk_size_bytes=4096, offload="all", n_buffers=2)}
+    )
     try:
-        agent.wrap(
+        wrapped = agent.wrap(
             model,
             torch.optim.AdamW(model.parameters(), lr=1e-2),
-            plan=manual_plan(model, chunk_size_bytes=4096, offload="all", n_buffers=2),
-            device_memory=limit,
+            device_memory=limits[rank],
             feedback_steps=None,
+            **how,
         )
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"error": None}
+    return {"error": None, "planned_device_bytes": wrapped.plan.constraints.device_memory_bytes}

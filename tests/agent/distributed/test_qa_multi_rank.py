@@ -63,19 +63,25 @@ def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: 
             "frozen",
             "rank 0: parameter 'head.weight' [32, 16] float32; rank 1: parameter (frozen) 'head.weight'",
         ),
-        (
-            "device_memory",
-            "device_memory: the ranks gave different values (rank 0: 2147483648, rank 1: 1073741824)",
-        ),
+        ("partial", "device_memory: given on some ranks only (rank 0: not given, rank 1: 1073741824)"),
     ],
 )
 def test_ranks_wrapping_different_jobs_get_one_clear_error(tmp_path: Path, what: str, said: str) -> None:
     """Defect: a rank 1 model unlike rank 0's failed later on one rank only (found with a wider llama on rank 1:
     rank 0 raised a `PlanMismatchError` asking whether the plan was solved for another precision, rank 1 a gloo
-    connection reset), and a different `device_memory` on rank 1 was silently ignored (rank 0 planned the job
-    for its own). Now `wrap` compares the ranks' parameters, buffers and limits first, on every rank."""
+    connection reset). Now `wrap` compares the ranks' parameters, buffers and limits first, on every rank."""
     codes, results = spawn("unlike", 2, tmp_path, 60, what)
     assert codes == [0, 0], codes
     for res in results:
         assert res["error"] is not None and res["error"].startswith("JobMismatchError"), res
         assert said in res["error"], res["error"]
+
+
+def test_the_job_is_planned_for_the_smallest_device_memory_any_rank_gave(tmp_path: Path) -> None:
+    """Defect: `device_memory` smaller on rank 1 than on rank 0 was ignored: rank 0 planned the whole job for its
+    own limit, so rank 1 would run a plan larger than its device."""
+    codes, results = spawn("unlike", 2, tmp_path, 120, "smaller")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res
+        assert res["planned_device_bytes"] == 1 << 30
