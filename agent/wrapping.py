@@ -41,7 +41,7 @@ from agent.allocator.managed_step import ManagedStepRecorder
 from agent.allocator.select import MODES, select
 from agent.applied import Wrapped, apply_plan, target_device, unwrap
 from agent.batch_guard import BatchShapeGuard, batch_shape
-from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
+from agent.feedback import LocalSink, ServiceSink, StepMonitor, check_feedback_steps, local_feedback_path
 from agent.group_profiling import ProfileEveryRank, RankProfilingError, profile_on_every_rank
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import DDPGuard, MoveGuard, byte_size, check_not_compiled
@@ -142,6 +142,7 @@ def wrap(
         raise RuntimeError("model: is already wrapped; unwrap it first")
     if allocation not in MODES:
         raise ValueError(f"allocation: must be one of {', '.join(MODES)}, got {allocation!r}")
+    check_feedback_steps(feedback_steps)
     device_bytes = byte_size("device_memory", device_memory)
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)
