@@ -69,6 +69,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "routed": routed,
         "alone": alone,
         "unlike": unlike,
+        "accelerate": accelerate_loop,
     }
     try:
         result = jobs[job](rank, world, arg)
@@ -216,3 +217,52 @@ def unlike(rank: int, world: int, what: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"error": None, "planned_device_bytes": wrapped.plan.constraints.device_memory_bytes}
+
+
+def accelerate_loop(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """README's Accelerate recipe under several processes: an `Accelerator` in the job's process group, plain
+    (Accelerate puts the model in DDP) and wrapped (every chunk offloaded), two accumulation micro-steps with
+    Accelerate's clipping; `arg` "direct": `accelerator.prepare(wrapped.model, ...)` as the single-process
+    recipe says, else `keep_accelerate_from_ddp(accelerator, wrapped)` first."""
+    from accelerate import (
+        Accelerator,
+    )  # local import: accelerate is a dev dependency, this job alone needs it
+
+    from agent.integrations.hf import keep_accelerate_from_ddp
+
+    # what the launcher sets: Accelerate reads the job's shape from these (the group itself is initialised)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    assert acc.num_processes == world
+    torch.manual_seed(0)
+    base = TinyLM()
+    data = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {"error": None}
+    for variant in ("plain", "wrapped"):
+        model = copy.deepcopy(base)
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if variant == "wrapped":
+            plan = manual_plan(model, chunk_size_bytes=4096, offload="all", n_buffers=2)
+            wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None)
+            if arg != "direct":
+                keep_accelerate_from_ddp(acc, wrapped)
+            model, opt = wrapped.model, wrapped.optimizer
+        try:
+            m, o = acc.prepare(model, opt)
+        except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        losses = []
+        for b in data.chunk(4):
+            with acc.accumulate(m):
+                loss = m(input_ids=b, labels=b)["loss"]
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(m.parameters(), 0.5)
+                o.step()
+                o.zero_grad()
+            losses.append(loss.item())
+        out[variant] = losses
+        acc.free_memory()
+    return out

@@ -85,3 +85,20 @@ def test_the_job_is_planned_for_the_smallest_device_memory_any_rank_gave(tmp_pat
     for res in results:
         assert res["error"] is None, res
         assert res["planned_device_bytes"] == 1 << 30
+
+
+def test_the_accelerate_recipe_under_several_processes_trains_as_accelerate_with_ddp(tmp_path: Path) -> None:
+    """Defect: README's Accelerate recipe (`accelerator.prepare(wrapped.model, wrapped.optimizer, ...)`) under
+    `accelerate launch`/torchrun raised `WrappedModelDDPError` (Accelerate puts the model in DDP) with a message
+    that did not say what to do with Accelerate. The message and README now name
+    `agent.integrations.hf.keep_accelerate_from_ddp(accelerator, wrapped)` (what `wrap_trainer` does), with which
+    the loop logs Accelerate's DDP losses, accumulation and clipping included."""
+    codes, results = spawn("accelerate", 2, tmp_path, 120, "direct")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"].startswith("WrappedModelDDPError") and "keep_accelerate_from_ddp" in res["error"]
+    codes, results = spawn("accelerate", 2, tmp_path, 120, "kept")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["wrapped"], res["plain"], strict=True)) <= TOL
