@@ -71,8 +71,8 @@ class ModelStateManager:
         self.options = options
         # the job's process group (issue 20): gradients are averaged across its ranks after backward
         self.group = group
-        self.backwards_started = 0  # rank 0 publishes it with sharded chunks (`RankGroup.check_arrival`)
-        self._publishes = group is not None and group.rank == 0 and any(c.sharded for c in layout.chunks)
+        self.backwards_started = 0  # rank 0 publishes it (`RankGroup.check_arrival`)
+        self._publishes = group is not None and group.rank == 0
         self.sync_gradients = True  # False inside `no_sync()`
         self.counters = Counters()
         self.timing = RuntimeTiming()  # the timing hook: see `timing.py`

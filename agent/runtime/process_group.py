@@ -145,7 +145,7 @@ class RankGroup:
         except RuntimeError:  # torch's DistStoreError (the wait timed out) is one
             missing = [r for r, key in enumerate(keys) if r and not store.check([key])]
             raise RankArrivalError(
-                f"memplan: {call} is a collective with sharded chunks (each rank holds a shard of the state): rank "
+                f"memplan: {call} is a collective here (every rank takes part; sharded chunks: each holds a shard): rank "
                 f"0 called it, rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
                 f"within {timeout_s:g} s. {fix} (RuntimeOptions.rank_arrival_timeout_s sets the wait)"
             ) from None
@@ -168,7 +168,7 @@ class RankGroup:
                     ahead = backwards + 1  # the store lives in rank 0's process: rank 0 exited
             if ahead > backwards:
                 raise RankArrivalError(
-                    f"memplan: {call} is a collective with sharded chunks (each rank holds a shard of the state): "
+                    f"memplan: {call} is a collective here (every rank takes part; sharded chunks: each holds a shard): "
                     f"rank {self.rank} called it, rank 0 went on without calling it (it began backward {ahead}, this "
                     f"rank {backwards}). {fix}"
                 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import agent
+from agent.checkpoint import save_sharded
 from agent.runtime import RuntimeOptions, manual_plan
 from client.contract import Placement
 
@@ -181,7 +183,12 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
             wrapped.model(input_ids=x, labels=x)
         if rank == 1 and step == 1:
             try:
-                wrapped.optimizer.state_dict() if call == "state_dict" else agent.unwrap(wrapped)
+                if call == "state_dict":
+                    wrapped.optimizer.state_dict()
+                elif call == "unwrap":
+                    agent.unwrap(wrapped)
+                else:
+                    save_sharded(wrapped, tempfile.mkdtemp(prefix="memplan-qa-"))
             except Exception as exc:  # noqa: BLE001 - the test reads what the rank raised
                 return {"error": f"{type(exc).__name__}: {exc}"}
             return {"error": None}

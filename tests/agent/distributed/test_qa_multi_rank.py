@@ -42,10 +42,10 @@ def test_offloaded_chunks_unused_on_one_rank_are_a_clear_error_on_every_rank(tmp
         assert "find_unused_parameters" in res["error"] and "experts" in res["error"]
 
 
-@pytest.mark.parametrize("call", ["state_dict", "unwrap"])
+@pytest.mark.parametrize("call", ["state_dict", "unwrap", "save_sharded"])
 def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: Path, call: str) -> None:
-    """Defect (documented as a limit): `optimizer.state_dict()` or `agent.unwrap` with sharded chunks on a
-    non-zero rank alone (`if rank == 1: ...`) waited in the collective until gloo's 30-minute timeout, while
+    """Defect (documented as a limit): `optimizer.state_dict()`, `agent.unwrap` or
+    `agent.checkpoint.save_sharded` (not checked on any rank before) with sharded chunks on a non-zero rank alone (`if rank == 1: ...`) waited in the collective until gloo's 30-minute timeout, while
     rank 0 trained on. Now rank 1 waits for rank 0's arrival mark and raises `RankArrivalError` once rank 0
     is seen at a later backward (rank 0 publishes its count in the store); rank 0's next collective
     then fails as rank 1 exits."""
