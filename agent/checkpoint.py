@@ -67,6 +67,13 @@ def save_sharded(wrapped: Wrapped, directory: str | os.PathLike[str]) -> None:
         )
     save_id = uuid.uuid4().hex
     if group is not None:
+        # a collective: called on some ranks only (`if rank == 0: save_sharded(...)`) it raises instead of hanging
+        group.check_arrival(
+            "agent.checkpoint.save_sharded(wrapped, directory)",
+            "Call it on every rank: each writes its own shards.",
+            runtime.options.rank_arrival_timeout_s,
+            runtime.backwards_started,
+        )
         save_id = group.broadcast_object(save_id)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

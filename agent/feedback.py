@@ -172,6 +172,22 @@ class Measured:
         )
 
 
+WARMUP_STEPS = 2
+"""Steps the monitor lets pass before it measures (the first steps record access orders, fill caches)."""
+MIN_FEEDBACK_STEPS = WARMUP_STEPS + 2
+"""The fewest `wrap(feedback_steps=...)` the monitor can measure in: warm-up, a metered step, a timed step."""
+
+
+def check_feedback_steps(steps: int | None) -> None:
+    """`wrap`'s argument check (before anything is profiled or wrapped): None or 0 (no monitor), else at least
+    `MIN_FEEDBACK_STEPS`."""
+    if steps and steps < MIN_FEEDBACK_STEPS:
+        raise ValueError(
+            f"feedback_steps: must be at least {MIN_FEEDBACK_STEPS} (warm-up, a metered step, a timed step), "
+            f"got {steps}; None sends no feedback"
+        )
+
+
 class StepMonitor:
     """Measures iteration time and peaks of a wrapped job and sends feedback after `steps` steps."""
 
@@ -185,7 +201,7 @@ class StepMonitor:
         activations: ActivationManager | None,
         sink: FeedbackSink | None,
         steps: int,  # `wrap(feedback_steps=...)`, default `agent.wrapping.DEFAULT_FEEDBACK_STEPS`
-        warmup: int = 2,
+        warmup: int = WARMUP_STEPS,
         notes: Callable[[], str] | None = None,
         group: RankGroup | None = None,
         recorder: StepRecorder | None = None,

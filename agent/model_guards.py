@@ -138,7 +138,9 @@ class _RefuseDDP:
         raise WrappedModelDDPError(
             "DistributedDataParallel(wrapped.model): memplan averages gradients across the ranks itself (as DDP "
             "does, in the process group wrap ran in); train wrapped.model directly, with wrapped.no_sync() for "
-            "accumulation. For DDP, agent.unwrap first"
+            "accumulation. With Accelerate under several processes (its prepare() puts the model in DDP), call "
+            "agent.integrations.hf.keep_accelerate_from_ddp(accelerator, wrapped) before accelerator.prepare(...); "
+            "wrap_trainer does it for the Trainer. For DDP, agent.unwrap first"
         )
 
 

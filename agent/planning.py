@@ -34,6 +34,8 @@ from agent.profiler import parameters  # module attribute: tests replace paramet
 from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.optimizer_probe import optimizer_kind
 from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
+from agent.runtime.activations import ActivationPlanError, block_targets
+from agent.runtime.layout import ChunkLayout, PlanMismatchError
 from agent.runtime.options import RuntimeOptions, job_workload
 from agent.service_call import ServiceBudget, classify
 from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, Workload
@@ -172,6 +174,21 @@ def _usable(plan: Plan | None) -> bool:
     )
 
 
+def misfit(plan: Plan, model: nn.Module, options: RuntimeOptions | None) -> str | None:
+    """Why the service's `plan` cannot be applied to `model` (the `PlanMismatchError` or `ActivationPlanError`
+    `wrap` would raise), else None. A plan from the service or its history is checked before it is used, and one
+    that does not fit is a service failure (in-process solving instead): training never stops because of the
+    service (session 9 QA: a finished plan for another model raised from `wrap`)."""
+    assert plan.policy is not None
+    dtype = (options.compute_dtype if options is not None else None) or next(model.parameters()).dtype
+    try:
+        ChunkLayout.from_policy(plan.policy, model, dtype)
+        block_targets(model, plan.policy)
+    except (PlanMismatchError, ActivationPlanError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def find_in_history(
     client: Client, fingerprint: str, hardware_key: str, workload: str, constraints: Constraints
 ) -> tuple[str, Plan] | None:
@@ -300,7 +317,16 @@ def obtain_plan(
                 client.close()
                 client = None
                 found = None
-            if found is not None:
+            wrong = misfit(found[1], model, options) if found is not None else None
+            if wrong is not None:
+                log.warning(
+                    "memplan: plan %s in %s history does not fit this model (%s); this is a defect, please "
+                    "report it; profiling and solving afresh",
+                    found[0][:12] if found is not None else "",
+                    url,
+                    wrong,
+                )
+            elif found is not None:
                 plan_id, plan = found
                 return PlanSource(
                     plan,
@@ -339,7 +365,15 @@ def obtain_plan(
                     lambda: _request_and_wait(c, trace, constraints, min(wait_s, budget.left())),
                     "upload, request and wait",
                 )
-                if record.status is PlanStatus.done and _usable(record.plan):
+                wrong = (
+                    misfit(record.plan, model, options)
+                    if record.status is PlanStatus.done and record.plan is not None and _usable(record.plan)
+                    else None
+                )
+                if wrong is not None:
+                    reason = f"plan {record.id[:12]} does not fit this model ({wrong}); this is a defect, please report it"
+                    log.warning("memplan: %s from %s; solving in-process instead", reason, url)
+                elif record.status is PlanStatus.done and _usable(record.plan):
                     return PlanSource(
                         record.plan,
                         "service",
@@ -349,12 +383,13 @@ def obtain_plan(
                         server=url,
                         message=f"plan {record.id[:12]} from {url}" + (" (reused)" if record.reused else ""),
                     )
-                if record.status is PlanStatus.infeasible and record.plan is not None:
-                    check_feasible(record.plan, constraints)  # raises with the service's answer
-                reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
-                    f": {record.error}" if record.error else ""
-                )
-                log.warning("memplan: no plan from %s (%s); solving in-process instead", url, reason)
+                else:
+                    if record.status is PlanStatus.infeasible and record.plan is not None:
+                        check_feasible(record.plan, constraints)  # raises with the service's answer
+                    reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
+                        f": {record.error}" if record.error else ""
+                    )
+                    log.warning("memplan: no plan from %s (%s); solving in-process instead", url, reason)
             except PlanInfeasibleError:
                 raise
             except Exception as exc:

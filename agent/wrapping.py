@@ -41,7 +41,7 @@ from agent.allocator.managed_step import ManagedStepRecorder
 from agent.allocator.select import MODES, select
 from agent.applied import Wrapped, apply_plan, target_device, unwrap
 from agent.batch_guard import BatchShapeGuard, batch_shape
-from agent.feedback import LocalSink, ServiceSink, StepMonitor, local_feedback_path
+from agent.feedback import LocalSink, ServiceSink, StepMonitor, check_feedback_steps, local_feedback_path
 from agent.group_profiling import ProfileEveryRank, RankProfilingError, profile_on_every_rank
 from agent.kv_cache import KVCacheOff
 from agent.model_guards import DDPGuard, MoveGuard, byte_size, check_not_compiled
@@ -50,7 +50,7 @@ from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
 from agent.runtime.optimizer import check_supported
 from agent.runtime.options import RuntimeOptions
-from agent.runtime.process_group import resolve
+from agent.runtime.process_group import check_same_job, resolve
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -142,6 +142,7 @@ def wrap(
         raise RuntimeError("model: is already wrapped; unwrap it first")
     if allocation not in MODES:
         raise ValueError(f"allocation: must be one of {', '.join(MODES)}, got {allocation!r}")
+    check_feedback_steps(feedback_steps)
     device_bytes = byte_size("device_memory", device_memory)
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)
@@ -201,6 +202,10 @@ def _wrap(
     group: RankGroup | None = None,
 ) -> Wrapped:
     """`wrap` after its argument checks, with the KV cache already off."""
+
+    if group is not None:  # before anything else collective: a clear error where the ranks' jobs differ
+        agreed = check_same_job(group, model, device_memory=device_memory, host_memory=host_memory)
+        device_memory, host_memory = agreed["device_memory"], agreed["host_memory"]
 
     obtain_kwargs: dict[str, Any] = dict(
         server=server,

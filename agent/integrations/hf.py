@@ -45,22 +45,62 @@ Accelerate in your own loop needs no helper in one process: wrap first, then pre
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
 
 import torch
 
 from agent.wrapping import Wrapped, wrap
 
+log = logging.getLogger(__name__)
+
+LENGTH_SCAN_LIMIT: Final = 10_000
+"""Largest training set whose examples `sample_batch` reads one by one for their lengths (a Hugging Face
+`Dataset` is read as one `input_ids` column at any size)."""
+
 
 def sample_batch(trainer: Any) -> Any:
-    """One training batch as the Trainer feeds it (collated, on the Trainer's device), read by index from the
-    dataset: iterating the Trainer's dataloader would draw its shuffling seed from the global generator."""
+    """The largest training batch the Trainer feeds (collated, on the Trainer's device): its batch size of the
+    examples with the longest `input_ids` (`longest_examples`), which a collator padding to the batch's longest
+    example (the usual one for tokenised text) makes the largest batch; read by index from the dataset
+    (iterating the Trainer's dataloader would draw its shuffling seed from the global generator)."""
     dataset = trainer.train_dataset
     if dataset is None:
         raise ValueError("trainer.train_dataset: is None; wrap_trainer profiles one training batch")
     n = min(trainer.args.per_device_train_batch_size, len(dataset))
-    batch = trainer.data_collator([dataset[i] for i in range(n)])
+    batch = trainer.data_collator([dataset[i] for i in longest_examples(dataset, n)])
     return trainer._prepare_inputs(batch)
+
+
+def longest_examples(dataset: Any, n: int) -> list[int]:
+    """The indices of the `n` examples with the longest `input_ids`, in dataset order (ties: the earlier ones;
+    equal lengths: the first `n`). Before (session 9 QA) the first `n` were profiled, so under a padding collator
+    the plan was made for their length and a later, longer batch raised `BatchShapeError` on a GPU. The first
+    `n` where lengths are not known: examples without `input_ids`, or more than `LENGTH_SCAN_LIMIT` of them in
+    a dataset that is not a Hugging Face `Dataset` (reading each could tokenise the whole set), said in the log;
+    pass `max_batch=` to `wrap_trainer` there."""
+    size = len(dataset)
+    first = list(range(n))
+    lengths: list[int] = []
+    if "input_ids" in (getattr(dataset, "column_names", None) or ()):
+        lengths = [len(ids) for ids in dataset["input_ids"]]  # one column read
+    elif size <= LENGTH_SCAN_LIMIT:
+        for i in range(size):
+            example = dataset[i]
+            ids = example.get("input_ids") if isinstance(example, Mapping) else None
+            if ids is None or not hasattr(ids, "__len__"):
+                return first
+            lengths.append(len(ids))
+    else:
+        log.info(
+            "memplan: wrap_trainer profiles the first %d training examples (%d examples are too many to read "
+            "for their lengths); pass max_batch= with your longest padded batch if later batches are longer",
+            n,
+            size,
+        )
+        return first
+    return sorted(sorted(range(size), key=lambda i: -lengths[i])[:n])
 
 
 def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
@@ -68,7 +108,7 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     every rank when the Trainer runs on several processes).
 
     `wrap_kwargs` go to `agent.wrap` (`device_memory`, `host_memory`, `server`, `plan`, `options`,
-    `process_group`, ...); `sample_batch` defaults to the first batch of the training set. Returns what
+    `process_group`, ...); `sample_batch` defaults to a batch of the training set's longest examples. Returns what
     `agent.wrap` returns; the Trainer keeps using its own `trainer.model` (the same module, now managed) and the
     wrapped optimizer. Raises ValueError if the Trainer already holds a learning-rate scheduler (it would drive
     the unwrapped optimizer) or is configured for a parallelism memplan does not run under (FSDP, DeepSpeed,

@@ -32,7 +32,7 @@ from agent.runtime.chunks import grad_views as chunk_grad_views
 from agent.runtime.device import DeviceContext, Event, element_size
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
-from agent.runtime.process_group import RankGroup
+from agent.runtime.process_group import RankGroup, UnusedParametersError
 from agent.runtime.residency import ChunkResidency
 from agent.runtime.timing import FLUSH, RuntimeTiming, section
 
@@ -359,6 +359,7 @@ class GradientFlow:
         assert self.group is not None
         for st in self.states:
             st.wait_host()  # no collective of the host worker (sharded chunks) in flight: one issuer at a time
+        self._agree_on_persistent()
         for st in self.states:
             if not st.offloaded and st.touched:
                 assert st.grad is not None
@@ -366,6 +367,81 @@ class GradientFlow:
                 self.group.average_(st.grad)
                 self.counters.grad_reduction_s += time.perf_counter() - t0
                 self.counters.grad_reductions += 1
+
+    def _agree_on_persistent(self) -> None:
+        """The ranks average the same persistent gradients: the union of the parameters with a gradient on any
+        rank (one all-reduce of a mask); one without a gradient here joins as zero, as under
+        `DistributedDataParallel(find_unused_parameters=True)` (data-dependent unused parameters: an expert
+        that got no token on this rank). Without it a chunk unused on one rank was left out of that rank's
+        averages, so the ranks' all-reduces paired different chunks, and an unused parameter of a chunk used
+        elsewhere sent its stale gradient of an earlier step."""
+        assert self.group is not None
+        persistent = [st for st in self.states if not st.offloaded and st.grad is not None]
+        if not persistent:
+            return
+        mask = torch.cat(
+            [
+                torch.tensor([j in st.touched for j in range(len(st.spec.entries))], dtype=torch.int32)
+                for st in persistent
+            ]
+        )
+        self.group.union_(mask)
+        at = 0
+        for st in persistent:
+            n = len(st.spec.entries)
+            wanted = {j for j in range(n) if mask[at + j]} - st.touched
+            at += n
+            for j in sorted(wanted):
+                view = self.grad_views(st)[j]
+                if view is None:  # frozen here when wrapped, unfrozen on another rank: no slot to zero
+                    self._widen(st)
+                    view = self.grad_views(st)[j]
+                    assert view is not None
+                view.zero_()
+                st.spec.entries[j].param.grad = view
+                st.touched.add(j)
+
+    def check_same_use(self) -> None:
+        """Start of a synchronising backward, before it issues any collective: the ranks compare, per
+        offloaded chunk, whether the forward used it (its average runs as backward completes it)
+        or it holds gradients of earlier `no_sync()` backwards only (averaged at the end). Where they differ
+        (data-dependent unused parameters) the ranks' backwards would issue different collectives, which gloo
+        aborts on and NCCL hangs in: every rank raises `UnusedParametersError` instead (the same verdict from
+        the same gathered rows). Issued on the host worker, the runtime's one issuer of collectives while its
+        queued work (e.g. `async_step`'s) may still run."""
+        assert self.group is not None and self.worker is not None
+        offloaded = [st for st in self.states if st.offloaded]
+        if not offloaded:
+            return
+        row = torch.tensor(
+            [1 if st.expected else 2 if st.unaveraged or st.local else 0 for st in offloaded],
+            dtype=torch.int32,
+        )
+        gathered: list[torch.Tensor] = []
+        self.worker.submit(lambda: gathered.append(self.group.gather_rows(row))).result()  # type: ignore[union-attr]
+        rows = gathered[0]
+        differ = [i for i in range(len(offloaded)) if len(set(rows[:, i].tolist())) > 1]
+        if not differ:
+            return
+        for st in self.states:
+            st.expected.clear()  # this backward is not taken (its first hook raises)
+        said = []
+        for i in differ[:3]:
+            st = offloaded[i]
+            names = [e.name for e in st.spec.entries]
+            used = [r for r in range(rows.shape[0]) if rows[r, i] == 1]
+            said.append(
+                f"chunk {st.index} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) used on rank"
+                f"{'s' if len(used) != 1 else ''} {', '.join(map(str, used)) or 'none'} only"
+            )
+        raise UnusedParametersError(
+            f"memplan: the ranks' forwards used different offloaded chunks: {'; '.join(said)}"
+            f"{f' (and {len(differ) - 3} more)' if len(differ) > 3 else ''}. Parameters used on some ranks only "
+            "(data-dependent control flow, e.g. an expert without tokens) are supported in persistent chunks "
+            "(averaged as DistributedDataParallel(find_unused_parameters=True) does), not in offloaded ones: "
+            "make every rank run every module (e.g. run each expert on an empty batch), or plan these "
+            "parameters persistent"
+        )
 
     def grad_views(self, st: ChunkState) -> list[torch.Tensor | None]:
         """The persistent chunk's per-parameter gradient views, None outside its gradient area (frozen

@@ -71,6 +71,8 @@ class ModelStateManager:
         self.options = options
         # the job's process group (issue 20): gradients are averaged across its ranks after backward
         self.group = group
+        self.backwards_started = 0  # rank 0 publishes it (`RankGroup.check_arrival`)
+        self._publishes = group is not None and group.rank == 0
         self.sync_gradients = True  # False inside `no_sync()`
         self.counters = Counters()
         self.timing = RuntimeTiming()  # the timing hook: see `timing.py`
@@ -304,6 +306,14 @@ class ModelStateManager:
     def _ensure_backward(self) -> None:
         if self.phase.backward:
             return
+        self.backwards_started += 1
+        if self._publishes:
+            assert self.group is not None
+            self.group.publish_backwards(self.backwards_started)
+        if self.gradients.reduce and self.has_offload:
+            # before this backward issues any collective (not at forward: a forward with grad enabled on one
+            # rank alone, an evaluation without no_grad, must not wait for the others)
+            self.gradients.check_same_use()
         self.phase.state = TrainingState.BACKWARD
         self.schedule.start(Direction.backward, record=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

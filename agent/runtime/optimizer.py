@@ -37,6 +37,7 @@ class ChunkRuntime(Protocol):
     layout: ChunkLayout
     group: RankGroup | None
     options: RuntimeOptions
+    backwards_started: int  # backward passes begun (`RankGroup.check_arrival`)
 
     def step(self) -> None: ...
 
@@ -245,10 +246,12 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     def check_every_rank(self, call: str, fix: str) -> None:
         """With sharded chunks `call` is a collective: rank 0 checks that every rank reached it
-        (`RankGroup.check_arrival`), so a call made on rank 0 alone is an error naming `fix`, not a hang."""
+        (`RankGroup.check_arrival`), so a call made on one rank alone is an error naming `fix`, not a hang."""
         group = self._runtime.group
         if group is not None and any(c.sharded for c in self._runtime.layout.chunks):
-            group.check_arrival(call, fix, self._runtime.options.rank_arrival_timeout_s)
+            group.check_arrival(
+                call, fix, self._runtime.options.rank_arrival_timeout_s, self._runtime.backwards_started
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-PyTorch format: {"state": {index: {...}}, "param_groups": [...]}, indices in group order."""

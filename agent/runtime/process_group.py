@@ -19,6 +19,8 @@ not run on a GPU yet.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import socket
 from collections import Counter
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,19 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [float(v) for v in t.tolist()]
 
+    def union_(self, mask: torch.Tensor) -> None:
+        """`mask` (int32, 0 or 1, the same length on every rank) becomes the element-wise OR over the ranks (in place)."""
+        with _on_backend_device(mask, self.device) as t:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's `row` (1-D, the same length and dtype on every rank) as the rows of a host tensor, in
+        rank order (`world_size` x len(row))."""
+        full = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=self.device)
+        with _on_backend_device(row, self.device, write_back=False) as src:
+            all_gather_single(full, src, group=self.group)
+        return full.view(self.world_size, -1).cpu()
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank `src`'s Python object on every rank (pickled: `torch.distributed.broadcast_object_list`)."""
         box = [obj if self.rank == src else None]
@@ -99,37 +116,74 @@ class RankGroup:
         dist.broadcast_object_list(box, src=global_src, group=self.group, device=self.device)
         return box[0]
 
-    def check_arrival(self, call: str, fix: str, timeout_s: float) -> None:
+    def check_arrival(self, call: str, fix: str, timeout_s: float, backwards: int = 0) -> None:
         """Before a collective a user calls (a full optimizer state dict, unwrap): every rank marks in the job's
-        store that it reached `call`, and rank 0 waits up to `timeout_s` for the others' marks; a rank missing
-        then raises `RankArrivalError` on rank 0 naming `call` and `fix`, where the collective itself would
-        wait for it until the backend's timeout (30 minutes on gloo). One store write per rank and one wait on
-        rank 0 (milliseconds); the store is the one every backend's group was made with, so NCCL jobs get
-        the same check. The other ranks never wait here: rank 0 is the one a DDP habit leaves alone (`if
-        rank == 0: torch.save(optimizer.state_dict())`), and a rank reaching the call early just waits in the
-        collective, as it would without the check."""
+        store that it reached `call`. Rank 0 waits up to `timeout_s` for the others' marks; a rank missing then
+        raises `RankArrivalError` on rank 0 naming `call` and `fix`, where the collective itself would wait for
+        it until the backend's timeout (30 minutes on gloo): the DDP habit `if rank == 0:
+        torch.save(optimizer.state_dict())`. A non-zero rank waits for rank 0's mark without a time limit (rank
+        0 may be busy with its own evaluation), but raises as soon as rank 0 is seen past the call without
+        making it: rank 0 publishes its count of backward passes begun (`publish_backwards`), and one above
+        this rank's `backwards` means rank 0 went on training (`if rank == 1: ...`, the same habit on another rank,
+        which used to hang). One store write per rank and one wait per rank (milliseconds); the store is the
+        one every backend's group was made with, so NCCL jobs get the same check."""
         whole = self.group if self.group is not None else dist.group.WORLD
         ranks = ",".join(str(r) for r in dist.get_process_group_ranks(whole))
         n = _arrivals.get(ranks, 0)
         keys = [f"memplan/arrival/{ranks}/{n}/{r}" for r in range(self.world_size)]
         store = dist.distributed_c10d._get_default_store()
+        store.set(keys[self.rank], call)
         if self.rank != 0:
-            store.set(keys[self.rank], call)
+            self._wait_for_rank_0(store, keys[0], ranks, call, fix, backwards)
             _arrivals[ranks] = n + 1
             return
+        if n:  # every rank passed the previous call's wait before rank 0 could pass its collective
+            store.delete_key(f"memplan/arrival/{ranks}/{n - 1}/0")
         others = keys[1:]
         try:
             store.wait(others, timedelta(seconds=timeout_s))
         except RuntimeError:  # torch's DistStoreError (the wait timed out) is one
             missing = [r for r, key in enumerate(keys) if r and not store.check([key])]
             raise RankArrivalError(
-                f"memplan: {call} is a collective with sharded chunks (each rank holds a shard of the state): rank "
+                f"memplan: {call} is a collective here (every rank takes part; sharded chunks: each holds a shard): rank "
                 f"0 called it, rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
                 f"within {timeout_s:g} s. {fix} (RuntimeOptions.rank_arrival_timeout_s sets the wait)"
             ) from None
         for key in others:
             store.delete_key(key)
         _arrivals[ranks] = n + 1
+
+    def _wait_for_rank_0(self, store: Any, key: str, ranks: str, call: str, fix: str, backwards: int) -> None:
+        """A non-zero rank at `call`: wait for rank 0's mark `key`, checking each second whether rank 0 went on
+        to a later backward instead (then `RankArrivalError`), or its store is gone (it exited)."""
+        progress = _progress_key(ranks)
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=1))
+                return
+            except RuntimeError:  # timed out (DistStoreError), or rank 0's store went away with it
+                try:
+                    ahead = int(store.get(progress)) if store.check([progress]) else 0
+                except RuntimeError:
+                    ahead = backwards + 1  # the store lives in rank 0's process: rank 0 exited
+            if ahead > backwards:
+                raise RankArrivalError(
+                    f"memplan: {call} is a collective here (every rank takes part; sharded chunks: each holds a shard): "
+                    f"rank {self.rank} called it, rank 0 went on without calling it (it began backward {ahead}, this "
+                    f"rank {backwards}). {fix}"
+                )
+
+    def publish_backwards(self, backwards: int) -> None:
+        """Rank 0, as each backward begins: its count, which a non-zero rank waiting in `check_arrival` reads
+        (one store write, rank 0 only; a backward, not a forward: rank 0 may evaluate with grad enabled)."""
+        if self.rank == 0:
+            whole = self.group if self.group is not None else dist.group.WORLD
+            ranks = ",".join(str(r) for r in dist.get_process_group_ranks(whole))
+            dist.distributed_c10d._get_default_store().set(_progress_key(ranks), str(backwards))
+
+
+def _progress_key(ranks: str) -> str:
+    return f"memplan/backwards/{ranks}"
 
 
 _arrivals: dict[str, int] = {}
@@ -138,6 +192,65 @@ _arrivals: dict[str, int] = {}
 
 class RankArrivalError(RuntimeError):
     """A rank did not reach a collective the user called on rank 0 (a call made on one rank only)."""
+
+
+class UnusedParametersError(RuntimeError):
+    """The ranks' forwards used different offloaded chunks (data-dependent unused parameters, e.g. an expert
+    that got tokens on some ranks only): their backwards would issue different collectives."""
+
+
+class JobMismatchError(ValueError):
+    """The ranks called `wrap` with different models (parameters, buffers) or different memory limits."""
+
+
+def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | None) -> dict[str, int | None]:
+    """At `wrap`, before any profiling or planning: every rank wraps the same model (parameter and buffer names,
+    shapes, dtypes, which parameters train), else every rank raises `JobMismatchError` naming the first
+    difference and the ranks. Returns the `limits` (device_memory, host_memory) the job plans for: the smallest
+    any rank gave (e.g. each rank's free device memory; a JobMismatchError where only some ranks gave one). One `all_gather_object` of a digest
+    (a second one of the whole lists when they differ). Before, a rank 1 model unlike rank 0's failed somewhere
+    later (profiling, or the plan rank 0 solved did not fit it: a `PlanMismatchError` about precision on one rank
+    and a gloo connection reset on the other), and a smaller `device_memory` on rank 1 was ignored (rank 0's
+    planned the job)."""
+    tensors = [
+        (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()
+    ] + [(name, tuple(b.shape), str(b.dtype), None) for name, b in model.named_buffers()]
+    digest = hashlib.sha256(repr(tensors).encode()).hexdigest()
+    every = group.all_gather_object((digest, limits))
+    if len({d for d, _ in every}) > 1:
+        lists = group.all_gather_object(tensors)
+        raise JobMismatchError(
+            f"memplan: the ranks wrap different models: {_first_difference(lists)}. Every "
+            "rank must wrap the same model with the same trainable parameters (DistributedDataParallel refuses "
+            "it too)"
+        )
+    agreed: dict[str, int | None] = {}
+    for field in limits:
+        values = [lim[field] for _, lim in every]
+        if len(set(values)) > 1 and None in values:
+            said = ", ".join(f"rank {r}: {'not given' if v is None else v}" for r, v in enumerate(values))
+            raise JobMismatchError(
+                f"{field}: given on some ranks only ({said}); rank 0 plans one policy for the whole job: pass "
+                "it on every rank, or on none (each device's own)"
+            )
+        agreed[field] = min(values) if None not in values else None
+        if len(set(values)) > 1:
+            log.info("memplan: %s differs across the ranks (%s); planning for the smallest", field, values)
+    return agreed
+
+
+def _first_difference(lists: list[list[tuple[Any, ...]]]) -> str:
+    def say(t: tuple[Any, ...] | None) -> str:
+        if t is None:
+            return "absent"
+        kind = "buffer" if t[3] is None else "parameter" + ("" if t[3] else " (frozen)")
+        return f"{kind} {t[0]!r} {list(t[1])} {t[2].removeprefix('torch.')}"
+
+    for i in range(max(len(x) for x in lists)):
+        items = [x[i] if i < len(x) else None for x in lists]
+        if len(set(items)) > 1:
+            return "; ".join(f"rank {r}: {say(t)}" for r, t in enumerate(items)) + f" (tensor {i} in order)"
+    return "their parameter lists differ"
 
 
 class UnevenNodesError(RuntimeError):

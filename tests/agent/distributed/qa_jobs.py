@@ -1,0 +1,275 @@
+"""Jobs of the session-9 QA pass of the multi-rank path (forked ranks, gloo on CPU): each job is a function
+`job(rank, world, arg) -> dict` run on every rank; `spawn` returns each rank's exit code (None: still running
+at the limit, then killed: a hang) and its result.
+
+`routed`: a mixture-of-experts model with one `nn.Module` per expert (as many user and older Hugging Face MoE
+models are built), where an expert that gets no token is not run, so which parameters get a gradient depends
+on each rank's batch. Trained by `DistributedDataParallel(find_unused_parameters=True)` and by `agent.wrap`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ddp_jobs import free_port
+from sharded_jobs import sharded_plan
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import agent
+from agent.checkpoint import save_sharded
+from agent.runtime import RuntimeOptions, manual_plan
+from client.contract import Placement
+
+HIDDEN = 16
+EXPERTS = 4
+VOCAB = 32
+
+
+def spawn(
+    job: str, world: int, out: Path, limit_s: float, arg: str = ""
+) -> tuple[list[int | None], list[Any]]:
+    """Run `job` on `world` forked ranks; the exit codes (None: killed at `limit_s`) and the results."""
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_entry, args=(job, r, world, port, str(out), arg)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit_s
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        codes.append(p.exitcode)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(world):
+        f = out / f"rank{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+    return codes, results
+
+
+def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    jobs: dict[str, Callable[[int, int, str], dict[str, Any]]] = {
+        "routed": routed,
+        "alone": alone,
+        "unlike": unlike,
+        "accelerate": accelerate_loop,
+    }
+    try:
+        result = jobs[job](rank, world, arg)
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # ranks that raised may have parted: no collective (destroy_process_group) is safe
+
+
+class Routed(nn.Module):
+    """Top-1 routing over `EXPERTS` experts, each its own module; an expert without tokens does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = self.router(x).softmax(-1)
+        choice = gates.argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            hit = choice == i
+            if hit.any():
+                out = out.index_put((hit,), expert(x[hit]) * gates[hit][:, i : i + 1])
+        return x + out
+
+
+class RoutedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Routed() for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return {"loss": nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
+
+
+def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
+    """Three steps on batches where rank 1 has one token (one expert per layer runs there) and rank 0 many;
+    `placement`: "persistent" (every chunk) or "offloaded" (every chunk; one expert per chunk)."""
+    torch.manual_seed(0)
+    model = RoutedLM()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(ref, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    chunk = HIDDEN * VOCAB * 4 + 256  # the embedding, the head; experts and routers share chunks
+    rule = Placement.persistent if placement == "persistent" else Placement.offloaded
+    plan = manual_plan(model, chunk_size_bytes=chunk, offload=lambda i, n: rule, n_buffers=2)
+    wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=RuntimeOptions())
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, VOCAB, (1, 1) if rank else (4, 8), generator=g) for _ in range(3)]
+    ref_losses = []
+    for x in data:
+        loss = ddp(input_ids=x, labels=x)["loss"]
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    losses = []
+    for x in data:
+        loss = wrapped.model(input_ids=x, labels=x)["loss"]
+        loss.backward()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+        losses.append(loss.item())
+    refs = dict(ref.named_parameters())
+    diff = max(
+        ((p.detach() - refs[n].detach()).norm() / refs[n].detach().norm().clamp_min(1e-12)).item()
+        for n, p in model.named_parameters()
+    )
+    return {"error": None, "losses": losses, "ref_losses": ref_losses, "param_rel_diff": diff}
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = x + torch.relu(layer(x))
+        return {"loss": nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
+
+
+def alone(rank: int, world: int, call: str) -> dict[str, Any]:
+    """Every offloaded chunk sharded; one step on every rank (rank 0 first evaluates with grad enabled alone),
+    then rank 1 alone makes `call` (a collective: "state_dict" or "unwrap") while rank 0 trains on. Rank 1
+    must raise, not wait for rank 0 forever."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    wrapped = agent.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        plan=sharded_plan(model, world, "all"),
+        feedback_steps=None,
+    )
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        if rank == 0 and step == 0:  # an evaluation without no_grad on rank 0 alone: no collective may wait
+            wrapped.model(input_ids=x, labels=x)
+        if rank == 1 and step == 1:
+            try:
+                if call == "state_dict":
+                    wrapped.optimizer.state_dict()
+                elif call == "unwrap":
+                    agent.unwrap(wrapped)
+                else:
+                    save_sharded(wrapped, tempfile.mkdtemp(prefix="memplan-qa-"))
+            except Exception as exc:  # noqa: BLE001 - the test reads what the rank raised
+                return {"error": f"{type(exc).__name__}: {exc}"}
+            return {"error": None}
+        wrapped.model(input_ids=x, labels=x)["loss"].backward()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+    return {"error": None}
+
+
+def unlike(rank: int, world: int, what: str) -> dict[str, Any]:
+    """Rank 1 wraps another job than rank 0: `what` = "frozen" (its head frozen), "partial" (device_memory given
+    on rank 1 only) or "smaller" (a smaller device_memory on rank 1, the plan solved in-process: the job's plan
+    must be made for the smallest)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    if what == "frozen" and rank == 1:
+        model.head.requires_grad_(False)
+    limits = {"frozen": (2 << 30, 2 << 30), "partial": (None, 1 << 30), "smaller": (2 << 30, 1 << 30)}[what]
+    x = torch.randint(0, VOCAB, (2, 8))
+    how: dict[str, Any] = (
+        {"sample_batch": {"input_ids": x, "labels": x}, "blocks": list(model.layers)}
+        if what == "smaller"
+        else {"plan": manual_plan(model, chunk_size_bytes=4096, offload="all", n_buffers=2)}
+    )
+    try:
+        wrapped = agent.wrap(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            device_memory=limits[rank],
+            feedback_steps=None,
+            **how,
+        )
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None, "planned_device_bytes": wrapped.plan.constraints.device_memory_bytes}
+
+
+def accelerate_loop(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """README's Accelerate recipe under several processes: an `Accelerator` in the job's process group, plain
+    (Accelerate puts the model in DDP) and wrapped (every chunk offloaded), two accumulation micro-steps with
+    Accelerate's clipping; `arg` "direct": `accelerator.prepare(wrapped.model, ...)` as the single-process
+    recipe says, else `keep_accelerate_from_ddp(accelerator, wrapped)` first."""
+    from accelerate import (
+        Accelerator,
+    )  # local import: accelerate is a dev dependency, this job alone needs it
+
+    from agent.integrations.hf import keep_accelerate_from_ddp
+
+    # what the launcher sets: Accelerate reads the job's shape from these (the group itself is initialised)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    assert acc.num_processes == world
+    torch.manual_seed(0)
+    base = TinyLM()
+    data = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {"error": None}
+    for variant in ("plain", "wrapped"):
+        model = copy.deepcopy(base)
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if variant == "wrapped":
+            plan = manual_plan(model, chunk_size_bytes=4096, offload="all", n_buffers=2)
+            wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None)
+            if arg != "direct":
+                keep_accelerate_from_ddp(acc, wrapped)
+            model, opt = wrapped.model, wrapped.optimizer
+        try:
+            m, o = acc.prepare(model, opt)
+        except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        losses = []
+        for b in data.chunk(4):
+            with acc.accumulate(m):
+                loss = m(input_ids=b, labels=b)["loss"]
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(m.parameters(), 0.5)
+                o.step()
+                o.zero_grad()
+            losses.append(loss.item())
+        out[variant] = losses
+        acc.free_memory()
+    return out

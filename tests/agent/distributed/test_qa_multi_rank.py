@@ -1,0 +1,104 @@
+"""Session-9 QA of the multi-rank path: what a DDP user runs that no earlier test covered (forked ranks, gloo).
+
+Each test names the defect it found: the symptom before the fix, and what the fix does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from qa_jobs import spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+TOL = 1e-5
+
+
+def test_experts_unused_on_one_rank_train_as_ddp_with_find_unused_parameters(tmp_path: Path) -> None:
+    """Defect: an expert (its own module) that got no token on rank 1 but did on rank 0 left a persistent chunk
+    out of rank 1's end-of-backward averages: the ranks' all-reduces paired different chunks (gloo aborted the
+    process on a size mismatch; equal sizes would have averaged unrelated gradients silently), and an entry
+    unused on one rank of a chunk used on both contributed its stale gradient of an earlier step. Now the ranks
+    agree on the union of the gradients they hold (one small all-reduce) and average those, a missing one as
+    zero: DistributedDataParallel(find_unused_parameters=True)'s result."""
+    codes, results = spawn("routed", 2, tmp_path, 120, "persistent")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)) <= TOL
+        assert res["param_rel_diff"] <= TOL, res["param_rel_diff"]
+
+
+def test_offloaded_chunks_unused_on_one_rank_are_a_clear_error_on_every_rank(tmp_path: Path) -> None:
+    """Defect: the same model with offloaded chunks: a chunk unused on one rank is averaged mid-backward on the
+    other, so the ranks' collectives paired wrongly (gloo aborted both processes with "Received data size
+    doesn't match expected size"; NCCL would hang). Now, as the backward begins (before any of its collectives), the
+    ranks compare which offloaded chunks the forward used, and every rank raises the same error naming them."""
+    codes, results = spawn("routed", 2, tmp_path, 120, "offloaded")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is not None and res["error"].startswith("UnusedParametersError"), res
+        assert "find_unused_parameters" in res["error"] and "experts" in res["error"]
+
+
+@pytest.mark.parametrize("call", ["state_dict", "unwrap", "save_sharded"])
+def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: Path, call: str) -> None:
+    """Defect (documented as a limit): `optimizer.state_dict()`, `agent.unwrap` or
+    `agent.checkpoint.save_sharded` (not checked on any rank before) with sharded chunks on a non-zero rank alone (`if rank == 1: ...`) waited in the collective until gloo's 30-minute timeout, while
+    rank 0 trained on. Now rank 1 waits for rank 0's arrival mark and raises `RankArrivalError` once rank 0
+    is seen at a later backward (rank 0 publishes its count in the store); rank 0's next collective
+    then fails as rank 1 exits."""
+    codes, results = spawn("alone", 2, tmp_path, 120, call)
+    assert codes[1] == 0, codes  # None: rank 1 still waiting (the hang), killed
+    error = results[1]["error"]
+    assert error is not None and error.startswith("RankArrivalError"), error
+    assert "rank 1 called it, rank 0 went on without calling it" in error
+
+
+@pytest.mark.parametrize(
+    ("what", "said"),
+    [
+        (
+            "frozen",
+            "rank 0: parameter 'head.weight' [32, 16] float32; rank 1: parameter (frozen) 'head.weight'",
+        ),
+        ("partial", "device_memory: given on some ranks only (rank 0: not given, rank 1: 1073741824)"),
+    ],
+)
+def test_ranks_wrapping_different_jobs_get_one_clear_error(tmp_path: Path, what: str, said: str) -> None:
+    """Defect: a rank 1 model unlike rank 0's failed later on one rank only (found with a wider llama on rank 1:
+    rank 0 raised a `PlanMismatchError` asking whether the plan was solved for another precision, rank 1 a gloo
+    connection reset). Now `wrap` compares the ranks' parameters, buffers and limits first, on every rank."""
+    codes, results = spawn("unlike", 2, tmp_path, 60, what)
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is not None and res["error"].startswith("JobMismatchError"), res
+        assert said in res["error"], res["error"]
+
+
+def test_the_job_is_planned_for_the_smallest_device_memory_any_rank_gave(tmp_path: Path) -> None:
+    """Defect: `device_memory` smaller on rank 1 than on rank 0 was ignored: rank 0 planned the whole job for its
+    own limit, so rank 1 would run a plan larger than its device."""
+    codes, results = spawn("unlike", 2, tmp_path, 120, "smaller")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res
+        assert res["planned_device_bytes"] == 1 << 30
+
+
+def test_the_accelerate_recipe_under_several_processes_trains_as_accelerate_with_ddp(tmp_path: Path) -> None:
+    """Defect: README's Accelerate recipe (`accelerator.prepare(wrapped.model, wrapped.optimizer, ...)`) under
+    `accelerate launch`/torchrun raised `WrappedModelDDPError` (Accelerate puts the model in DDP) with a message
+    that did not say what to do with Accelerate. The message and README now name
+    `agent.integrations.hf.keep_accelerate_from_ddp(accelerator, wrapped)` (what `wrap_trainer` does), with which
+    the loop logs Accelerate's DDP losses, accumulation and clipping included."""
+    codes, results = spawn("accelerate", 2, tmp_path, 120, "direct")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"].startswith("WrappedModelDDPError") and "keep_accelerate_from_ddp" in res["error"]
+    codes, results = spawn("accelerate", 2, tmp_path, 120, "kept")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["wrapped"], res["plain"], strict=True)) <= TOL
