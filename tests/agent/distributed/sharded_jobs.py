@@ -38,7 +38,8 @@ from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulat
 @dataclass
 class ShardCase:
     kind: str = "hf-llama"  # "hf-llama" (library defaults), a model_zoo kind, or "mlp" (TokenMLP)
-    offload: str = "all"  # "all", or "alternate" (persistent and sharded offloaded chunks)
+    offload: str = "all"  # "all", "none" (every chunk persistent), or "alternate" (persistent and offloaded)
+    device_shard: bool = False  # persistent chunks sharded too (ZeRO-3 on the device, `device_shards.py`)
     steps: int = 4
     clip: float | None = None
     micro: int = 1
@@ -95,11 +96,17 @@ def sharded_plan(
     *,
     replicated: bool = False,
     tight: bool = False,
+    device_shard: bool = False,
 ) -> Plan:
-    """A hand-built plan for `world` ranks with every offloaded chunk sharded (`replicated`: every second one)."""
+    """A hand-built plan for `world` ranks with every offloaded chunk sharded (`replicated`: every second one;
+    `device_shard`: every persistent chunk too)."""
     sizes = [p.numel() * dtype.itemsize for p in model.parameters()]
     chunk = -(-max(max(sizes), -(-sum(sizes) // 5)) // 64) * 64 + 48  # 48: chunks end off a shard boundary
-    rule: Any = "all" if offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
+    rule: Any = (
+        offload
+        if offload in ("all", "none")
+        else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
+    )
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=rule, n_buffers=2, compute_dtype=dtype)
     assert plan.policy is not None
     if tight:  # every chunk offloaded, parameters grouped out of execution order (TokenMLP's names)
@@ -118,8 +125,11 @@ def sharded_plan(
     chunks = [
         c.model_copy(
             update={
-                "sharded": c.placement == Placement.offloaded
-                and not (replicated and offloaded.index(c.index) % 2 == 1)
+                "sharded": (device_shard and c.placement == Placement.persistent)
+                or (
+                    c.placement == Placement.offloaded
+                    and not (replicated and offloaded.index(c.index) % 2 == 1)
+                )
             }
         )
         for c in plan.policy.chunks
@@ -249,7 +259,7 @@ def _sharing(runtime: Any, case: ShardCase) -> dict[str, Any]:
     inside = all(
         ptr <= st.host_params.data_ptr() and st.host_params.data_ptr() + st.host_params.nbytes <= ptr + nbytes
         for st in runtime.states
-        if st.shard is not None
+        if st.shard is not None and st.offloaded
     )
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
@@ -333,7 +343,13 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
             model,
             opt,
             plan=sharded_plan(
-                model, world, case.offload, dtype, replicated=case.replicated, tight=case.tight
+                model,
+                world,
+                case.offload,
+                dtype,
+                replicated=case.replicated,
+                tight=case.tight,
+                device_shard=case.device_shard,
             ),
             options=RuntimeOptions(compute_dtype=dtype, share_compute_copy=case.share, **shm),
             feedback_steps=None,
@@ -374,13 +390,16 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         after_backward,
     )
     states = runtime.states
-    sharded = [st for st in states if st.shard is not None]
+    sharded = [st for st in states if st.shard is not None and st.offloaded]
+    device_sharded = [st for st in states if st.shard is not None and not st.offloaded]
     report = runtime.memory_report()
     # what a replicated offloaded chunk would hold of the same categories (fp32: master is the compute copy)
     opt_bytes = sum(
         v.nbytes for st in sharded for s in runtime.steppers[st.index].inner.state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() == 1
     )  # fmt: skip
+    whole = runtime.summon_full_params()  # device-sharded chunks: the whole parameters (every rank)
+    whole.__enter__()
     result: dict[str, Any] = {
         "ref_losses": ref_losses,
         "losses": losses,
@@ -390,6 +409,14 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "checksum": checksum(wrapped.model),
         "digest": digest(wrapped.model),
         "sharded_chunks": len(sharded),
+        "device_sharded_chunks": len(device_sharded),
+        "device_shard_gathers": runtime.counters.device_shard_gathers,
+        "device_report": report.device,
+        # per device-sharded chunk: (whole elements N*s, own shard, master shard, gradient area)
+        "device_shard_buffers": [
+            [st.shard.total, st.own.numel(), st.master.numel(), st.grad.numel()]  # type: ignore[union-attr]
+            for st in device_sharded
+        ],
         "replicated_offloaded_chunks": sum(st.offloaded and st.shard is None for st in states),
         "backwards": backwards,
         "grad_rel_diff": grad_rel_diffs(grads, ref_grads, [b["synced"] for b in backwards]),
@@ -417,13 +444,15 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "sharded_opt_state_bytes": opt_bytes,
         "host_report": report.host,
     }
+    whole.__exit__(None, None, None)
     if case.save is not None or case.load is not None:
         state = wrapped.optimizer.state_dict()  # a collective: every rank
         result["opt_state_rel_diff"] = state_rel_diff(state, ref_opt.state_dict())
         plain = adamw(copy.deepcopy(ref_model))
         plain.load_state_dict(state)  # plain PyTorch takes it
+        model_state = wrapped.model.state_dict()  # a collective with device-sharded chunks: every rank
         if case.save is not None and rank == 0:
-            torch.save({"model": wrapped.model.state_dict(), "optimizer": state}, case.save)
+            torch.save({"model": model_state, "optimizer": state}, case.save)
     if case.unwrap:
         plain_model = agent.unwrap(wrapped)  # a collective with sharded chunks: every rank
         result["unwrapped_rel_diff"] = rel_diff(plain_model, ref_model)
