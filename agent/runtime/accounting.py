@@ -74,6 +74,7 @@ class Counters:
     device_shard_gathers: int = 0
     device_shard_gather_bytes: int = 0
     device_shard_releases: int = 0
+    device_shard_prefetches: int = 0  # all-gathers issued ahead of use (the next chunk of the recorded order)
     # wall time of the job's collectives, by purpose (issue 20; on CUDA the NCCL calls' issue time, not the
     # transfer): gradient reductions (reduce-scatter, all-reduce), the sharded chunks' `.grad` all-gathers,
     # their private compute-copy all-gathers after optimizer.step(), and the host worker's barriers that publish

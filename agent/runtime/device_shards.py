@@ -193,7 +193,10 @@ class DeviceShards:
         self.gather(st)
         nxt = self.next_chunk(c)
         if nxt is not None and nxt in self.states:
-            self.issue(self.states[nxt])
+            ahead = self.states[nxt]
+            if not ahead.gathered and nxt not in self._pending:
+                self.issue(ahead)
+                self.counters.device_shard_prefetches += 1
 
     def gather_all(self) -> None:
         """Every device-sharded chunk gathered, in chunk order (a collective: every rank)."""

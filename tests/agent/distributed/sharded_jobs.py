@@ -398,6 +398,7 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         v.nbytes for st in sharded for s in runtime.steppers[st.index].inner.state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() == 1
     )  # fmt: skip
+    peak_gathered = runtime.device_shards.max_gathered_bytes if runtime.device_shards else 0  # training only
     whole = runtime.summon_full_params()  # device-sharded chunks: the whole parameters (every rank)
     whole.__enter__()
     result: dict[str, Any] = {
@@ -411,6 +412,10 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "sharded_chunks": len(sharded),
         "device_sharded_chunks": len(device_sharded),
         "device_shard_gathers": runtime.counters.device_shard_gathers,
+        "device_shard_prefetches": runtime.counters.device_shard_prefetches,
+        # the most bytes of whole copies held at once, against all of them
+        "max_gathered_bytes": peak_gathered,
+        "whole_bytes": sum(st.params.numel() * st.params.element_size() for st in device_sharded),  # type: ignore[union-attr]
         "device_report": report.device,
         # per device-sharded chunk: (whole elements N*s, own shard, master shard, gradient area)
         "device_shard_buffers": [

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from checkpoint_jobs import AFTER, SAVE_WORLD, CkptCase, continuation, make_model
+from checkpoint_jobs import spawn as spawn_ckpt
+from ddp_jobs import adamw
 from sharded_jobs import ShardCase, spawn
+
+from agent.checkpoint import load_full
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -32,7 +38,7 @@ def check(results: list[dict[str, Any]], world: int, *, tol: float = TOL) -> Non
         assert res["grad_rel_diff"]["synced"] <= tol and res["grad_rel_diff"]["local"] <= tol, res[
             "grad_rel_diff"
         ]
-        assert res["device_shard_gathers"] > 0
+        assert res["device_shard_gathers"] > 0 and res["device_shard_prefetches"] > 0
         # per rank on the device: the compute shard and the master shard are 1/N of the chunk, the gradient area
         # whole (N*s), and no whole copy is held after the step (released)
         for total, own, master, grad in res["device_shard_buffers"]:
@@ -60,6 +66,8 @@ def test_device_sharded_chunks_of_a_hugging_face_llama_train_as_ddp_with_clippin
     )
     check(results, 2)
     assert all(r["norms"] for r in results)  # clipping ran
+    for r in results:  # gathered before use and released after: never every whole copy at once in training
+        assert 0 < r["max_gathered_bytes"] < r["whole_bytes"] / 2, (r["max_gathered_bytes"], r["whole_bytes"])
     assert all(r["opt_state_rel_diff"] <= TOL for r in results)
 
 
@@ -80,3 +88,59 @@ def test_device_sharded_and_offloaded_sharded_chunks_accumulate_in_no_sync_as_dd
     check(results, 4)
     assert all(r["sharded_chunks"] > 0 for r in results)
     assert all(r["unwrapped_rel_diff"][0] <= TOL and r["unwrapped_opt_rel_diff"] <= TOL for r in results)
+
+
+def test_a_checkpoint_of_device_sharded_chunks_continues_in_plain_pytorch_and_at_four_ranks_as_ddp(
+    tmp_path: Path,
+) -> None:
+    # save_sharded at 2 ranks (persistent chunks sharded on the device, offloaded ones on the host), then
+    # load_full in one plain-PyTorch process and load_sharded at 4 ranks: both continue as uninterrupted DDP
+    for d in ("out", "load"):
+        (tmp_path / d).mkdir()
+    case = CkptCase(directory=str(tmp_path / "ckpt"), offload="alternate", device_shard=True)
+    saved = spawn_ckpt("save", case, SAVE_WORLD, tmp_path / "out")
+    for res in saved:
+        assert rel(res["losses"], res["ref_before"]) <= TOL
+        assert res["written"] == ["meta.pt", "rank0.pt", "rank1.pt"]
+    assert saved[0]["replicated_pieces"] == 0  # every chunk sharded: no whole parameter in meta.pt
+    assert saved[0]["full_vs_gathered_optimizer"] == 0.0
+    ref_after = [sum(r["ref_after"][s] for r in saved) / len(saved) for s in range(AFTER)]
+    model_sd, optim_sd = load_full(tmp_path / "ckpt")
+    ref = torch.load(tmp_path / "ddp_at_save.pt", weights_only=True)
+    assert max(float((model_sd[k] - v).abs().max()) for k, v in ref["model"].items()) <= 1e-5
+    plain = make_model("hf-llama")
+    opt = adamw(plain)
+    plain.load_state_dict(model_sd)
+    opt.load_state_dict(optim_sd)
+    losses = []
+    for s in range(AFTER):
+        x = continuation(s, 0, 1)
+        loss = plain(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert rel(losses, ref_after) <= TOL, (losses, ref_after)
+    loaded = spawn_ckpt("load", case, 4, tmp_path / "load")
+    assert all(r["sharded_chunks"] > 0 for r in loaded)
+    assert rel([sum(r["losses"][s] for r in loaded) / 4 for s in range(AFTER)], ref_after) <= TOL
+
+
+def test_bf16_device_sharded_tied_weights_save_their_fp32_masters_and_load_at_four_ranks(
+    tmp_path: Path,
+) -> None:
+    # every chunk persistent and sharded on the device, the head tied to the embedding (one parameter, two names)
+    for d in ("out", "load"):
+        (tmp_path / d).mkdir()
+    case = CkptCase(
+        directory=str(tmp_path / "ckpt"), kind="mlp", bf16=True, offload="none", tied=True, device_shard=True
+    )
+    res = spawn_ckpt("save", case, SAVE_WORLD, tmp_path / "out")[0]
+    assert res["model_dtypes"] == ["torch.float32"]
+    assert res["model_vs_masters"] and max(res["model_vs_masters"]) == 0.0 and res["model_off_bf16"] > 0
+    assert res["full_vs_gathered_optimizer"] == 0.0
+    model_sd, _ = load_full(tmp_path / "ckpt")
+    assert torch.equal(model_sd["head.weight"], model_sd["embed.weight"])
+    loaded = spawn_ckpt("load", case, 4, tmp_path / "load")
+    for r in loaded:
+        assert r["sharded_chunks"] > 0 and r["masters_vs_saved"] and max(r["masters_vs_saved"]) == 0.0
