@@ -31,7 +31,6 @@ ZeRO-3 for the parameters, the master and the optimizer state.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -136,10 +135,15 @@ class DeviceShards:
         storage.resize_(st.params.numel() * st.params.element_size())
         full, own, group = st.params, st.own, self.group
 
-        def run() -> Any:
-            return all_gather_single(full, own, group=group.group, async_op=True)
+        if self.worker is None:
+            self._pending[st.index] = all_gather_single(full, own, group=group.group, async_op=True)
+        else:
+            issued: list[Any] = []  # the Work, once the worker issued the all-gather
 
-        self._pending[st.index] = self.worker.submit(run) if self.worker is not None else run()
+            def run() -> None:
+                issued.append(all_gather_single(full, own, group=group.group, async_op=True))
+
+            self._pending[st.index] = (self.worker.submit(run), issued)
         self.counters.device_shard_gathers += 1
         self.counters.device_shard_gather_bytes += st.params.nbytes
         self.max_gathered_bytes = max(self.max_gathered_bytes, self.gathered_bytes())
@@ -163,8 +167,10 @@ class DeviceShards:
         work = self._pending.pop(st.index, None)
         if work is None:
             return
-        if isinstance(work, Future):
-            work = work.result()
+        if isinstance(work, tuple):
+            future, issued = work
+            future.result()
+            work = issued[0]
         work.wait()  # on NCCL: the current (compute) stream waits for the backend's stream
 
     def release(self, st: ChunkState) -> None:

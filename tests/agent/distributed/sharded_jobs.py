@@ -563,7 +563,9 @@ def cuda_paths(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
     def run(dtype: torch.dtype) -> float:
         torch.manual_seed(0)
         model = TokenMLP()
-        plan = sharded_plan(model, world, case.offload, dtype, tight=case.tight)
+        plan = sharded_plan(
+            model, world, case.offload, dtype, tight=case.tight, device_shard=case.device_shard
+        )
         wrapped = agent.wrap(
             model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=dtype), feedback_steps=None
         )
@@ -571,7 +573,8 @@ def cuda_paths(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
         data = batches(case.steps, rank)
         train(wrapped.model, wrapped.optimizer, data, loop, wrapped.no_sync, lambda m: torch.tensor(0.0))
         wrapped.synchronize()
-        return checksum(wrapped.model)
+        with wrapped.runtime.summon_full_params():  # device-sharded chunks: the whole parameters
+            return checksum(wrapped.model)
 
     out: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16):

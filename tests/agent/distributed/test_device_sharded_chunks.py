@@ -144,3 +144,18 @@ def test_bf16_device_sharded_tied_weights_save_their_fp32_masters_and_load_at_fo
     loaded = spawn_ckpt("load", case, 4, tmp_path / "load")
     for r in loaded:
         assert r["sharded_chunks"] > 0 and r["masters_vs_saved"] and max(r["masters_vs_saved"]) == 0.0
+
+
+def test_the_cuda_paths_of_device_sharded_chunks_keep_stream_order_under_the_checker(tmp_path: Path) -> None:
+    """On CUDA the all-gathers of device-sharded chunks go through the host worker (the one issuer of collectives
+    with offloaded chunks) and the compute stream waits for them: run on CPU under the stream-ordering checker (a
+    test double; NO GPU has run this), beside sharded offloaded chunks in no_sync accumulation, fp32 and bf16:
+    no violation, and the parameters equal the CPU path's to the bit."""
+    case = ShardCase(
+        kind="mlp", offload="alternate", device_shard=True, steps=2, micro=2, no_sync=True, job="streams"
+    )
+    for by_dtype in spawn(case, 2, tmp_path):
+        assert sorted(by_dtype) == ["torch.bfloat16", "torch.float32"]
+        for res in by_dtype.values():
+            assert res["violations"] == ""
+            assert res["simulated"] == res["cpu"]
