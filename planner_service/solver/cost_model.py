@@ -72,8 +72,8 @@ that size (issue 19, defect 8).
 
 Multi-rank jobs (issue 20; world size N > 1, R ranks per node; constants in `sharding.py`). Every figure
 is one rank's; all ranks run the same plan on equal shards, so one rank's time is the job's. ZeRO-Offload
-style ("ZeRO-2 on the host"): only an offloaded chunk may be sharded (`Decision.check` refuses a persistent
-one, as the runtime does). Per chunk c:
+style ("ZeRO-2 on the host") for offloaded chunks; a persistent chunk may be sharded on the device (ZeRO-3,
+`agent/runtime/device_shards.py`: dsh[c] below). Per chunk c:
   sh[c]  sharded (offloaded only): exposed `.grad` whole on every rank's host; the compute copy (the upload
          source) node-shared when all ranks are on one node (`PolicyInstance.compute_copy_shared`: one copy
          per node, a rank's share is 1/N of it) or whole on every rank (several nodes); the rest of its host
@@ -91,6 +91,12 @@ one, as the runtime does). Per chunk c:
          nodes); 0 when the copy is node-shared (each rank wrote its stepped shard into the one copy)
   bar    = one barrier at step() when the copy is node-shared and any chunk is sharded (`step_barrier_ns`:
          the sharded chunks' next uploads wait on it); else 0
+  dsh[c] persistent and sharded on the device: device bytes `device_shard_bytes_of` (its shard of compute copy,
+         master and optimizer state, the gradient whole) instead of the chunk's state bytes; red(c) = the
+         all-reduce (as replicated); device step of the shard `shard_device_optim_ns`; its two all-gathers per
+         iteration (forward, backward; prefetched on the backend's stream) exposed by (1 - f), all of them
+         without copy overlap: T_iter += sum dsh[c] * device_gather_exposed_ns(c); static device bytes +=
+         2 * max dsh[c] * device_gather_bytes_of[c] (the gathered copy in use and the next, prefetched)
 Collectives on the device (the gradient reductions) run on their own stream beside the copy engines and
 compute. With overlap factor f (the least measured `CollectiveCopyOverlap.factor`, in 1/1000; 0 when not
 measured) a backward window with compute X, copies h2d/d2h, collectives `comm` and a dependency chain `chain`

@@ -1,8 +1,9 @@
 """The multi-rank constants of a planning instance (issue 20): shards, collectives, per-rank host work.
 
-The design (docs/architecture/solver.md, "Multi-rank jobs"): ZeRO-Offload style, ZeRO-2 on the host. Only an
-*offloaded* chunk may be sharded; a persistent chunk is always replicated (whole on every rank, its gradient
-all-reduced), because the runtime refuses a persistent sharded chunk. For a sharded offloaded chunk of n used
+The design (docs/architecture/solver.md, "Multi-rank jobs"): ZeRO-Offload style, ZeRO-2 on the host, for
+offloaded chunks; a persistent chunk is replicated (whole on every rank, its gradient all-reduced) or sharded on
+the device (ZeRO-3, `agent/runtime/device_shards.py`: `device_shard_bytes_of` etc., at the end of
+`multi_rank_fields`). For a sharded offloaded chunk of n used
 elements in a job of N ranks, each rank owns s = ceil(n / N) rounded up to 4 elements (16-byte alignment in
 fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the runtime lays it out:
 - host, WHOLE on every rank (N * s elements, compute dtype): the exposed `.grad` (the averaged full gradient);
