@@ -585,6 +585,11 @@ def _sharded_breakdown(inst: PolicyInstance, decision: Decision, cost: Cost) -> 
         "collective_copy_overlap": inst.collective_overlap_permille / PERMILLE,
         "compute_copy_shared": 1.0 if inst.compute_copy_shared else 0.0,
         "host_node_bytes": float(cost.host_node_bytes),
+        # persistent chunks sharded on the device (ZeRO-3) and their all-gathers' exposed time
+        "device_sharded_chunks": float(
+            sum(s and not o for s, o in zip(decision.sharded_chunks(inst), decision.offloaded, strict=True))
+        ),
+        "device_gather_exposed_s": cost.device_gather_ns / 1e9,
     }
 
 
