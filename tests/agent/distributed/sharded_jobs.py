@@ -40,6 +40,9 @@ class ShardCase:
     kind: str = "hf-llama"  # "hf-llama" (library defaults), a model_zoo kind, or "mlp" (TokenMLP)
     offload: str = "all"  # "all", "none" (every chunk persistent), or "alternate" (persistent and offloaded)
     device_shard: bool = False  # persistent chunks sharded too (ZeRO-3 on the device, `device_shards.py`)
+    frozen: bool = (
+        False  # "mlp": `up.bias` and `head.weight` frozen (chunks with parameters that get no gradient)
+    )
     steps: int = 4
     clip: float | None = None
     micro: int = 1
@@ -314,6 +317,9 @@ def state_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TokenMLP() if case.kind == "mlp" else build_model(case.kind)
+    if case.frozen:  # TokenMLP: head.weight alone in a (persistent) chunk, up.bias beside trained parameters
+        model.up.bias.requires_grad_(False)  # type: ignore[union-attr]
+        model.head.weight.requires_grad_(False)  # type: ignore[union-attr]
     if rank:  # ranks start apart: both variants take rank 0's model
         with torch.no_grad():
             for p in model.parameters():
@@ -419,7 +425,7 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "device_report": report.device,
         # per device-sharded chunk: (whole elements N*s, own shard, master shard, gradient area)
         "device_shard_buffers": [
-            [st.shard.total, st.own.numel(), st.master.numel(), st.grad.numel()]  # type: ignore[union-attr]
+            [st.shard.total, st.own.numel(), st.master.numel(), 0 if st.grad is None else st.grad.numel()]  # type: ignore[union-attr]
             for st in device_sharded
         ],
         "replicated_offloaded_chunks": sum(st.offloaded and st.shard is None for st in states),
