@@ -135,7 +135,12 @@ class DeviceShards:
         storage.resize_(st.params.numel() * st.params.element_size())
         full, own, group = st.params, st.own, self.group
 
-        if self.worker is None:
+        if full.device.type != group.device.type:
+            # a backend that does not take the device's tensors (gloo with a CUDA device): through copies on the
+            # backend's device, synchronously (`RankGroup.all_gather`); nothing to wait for afterwards
+            group.all_gather(full, own)
+            self._pending[st.index] = _DONE
+        elif self.worker is None:
             self._pending[st.index] = all_gather_single(full, own, group=group.group, async_op=True)
         else:
             issued: list[Any] = []  # the Work, once the worker issued the all-gather
@@ -239,6 +244,16 @@ class DeviceShards:
         out = torch.empty(st.shard.total, dtype=source.dtype, device=source.device)
         self.group.all_gather(out, source.clone())
         return out
+
+
+class _Done:
+    """The Work of an all-gather that already finished (issued synchronously)."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 def pre_backward_hook(outputs: list[torch.Tensor], fn: Callable[[], None]) -> Any:
