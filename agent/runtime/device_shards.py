@@ -10,7 +10,8 @@ optimizer state, which the chunk's stepper steps on the device with the user's i
   the runtime has one, so one thread issues every collective in one order on every rank);
 - `gather`: waits for it and points the parameters at their views of `params`;
 - `release`: points the parameters at zero-stride placeholders (one element per dtype: the right shape, no
-  memory; a read shows zeros, a write fails) and resizes the storage to 0 bytes. Tensors autograd saved in
+  memory; a read shows NaN, so a use outside the owning module's forward is loud, not silently zeros; a write
+  fails) and resizes the storage to 0 bytes. Tensors autograd saved in
   forward (the parameter itself, `weight.t()`) keep the storage object: the pre-backward gather refills the same
   storage before any backward node reads them (what FSDP1 does with its flat parameter).
 
@@ -43,6 +44,13 @@ from agent.runtime.process_group import RankGroup, all_gather_single
 from agent.runtime.schedule import Direction
 
 
+def placeholder(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
+    """A released parameter: one element expanded to `shape` (zero strides, no memory; a write fails), NaN for
+    floating dtypes (zeros otherwise), so a read outside forward/backward poisons what it computes."""
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
+
+
 class DeviceShards:
     """Gathers and releases the device-sharded persistent chunks; one training thread."""
 
@@ -70,8 +78,7 @@ class DeviceShards:
             assert st.params is not None
             self._full_views[st.index] = views(st.params, st.spec.entries)
             self._placeholders[st.index] = [
-                torch.zeros((), dtype=e.param.dtype, device=st.params.device).expand(e.shape)
-                for e in st.spec.entries
+                placeholder(e.param.dtype, st.params.device, e.shape) for e in st.spec.entries
             ]
         self.pins: dict[int, int] = dict.fromkeys(self.states, 0)
         # access order per direction, recorded in the first iteration that runs it; the position in it

@@ -405,6 +405,15 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         if isinstance(v, torch.Tensor) and v.dim() == 1
     )  # fmt: skip
     peak_gathered = runtime.device_shards.max_gathered_bytes if runtime.device_shards else 0  # training only
+    # released after step(): a device-sharded chunk's parameters are NaN placeholders (zero strides; a write fails)
+    released = [e.param for st in device_sharded for e in st.spec.entries]
+    released_nan = all(p.stride() == (0,) * p.dim() and bool(p.isnan().all()) for p in released)
+    try:
+        with torch.no_grad():
+            max(released, key=lambda p: p.numel(), default=torch.ones(2).expand(2)).add_(1.0)
+        released_write_fails = False
+    except RuntimeError:  # more than one element refers to one memory location
+        released_write_fails = True
     whole = runtime.summon_full_params()  # device-sharded chunks: the whole parameters (every rank)
     whole.__enter__()
     result: dict[str, Any] = {
@@ -417,6 +426,8 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "digest": digest(wrapped.model),
         "sharded_chunks": len(sharded),
         "device_sharded_chunks": len(device_sharded),
+        "released_reads_nan": released_nan,
+        "released_write_fails": released_write_fails,
         "device_shard_gathers": runtime.counters.device_shard_gathers,
         "device_shard_prefetches": runtime.counters.device_shard_prefetches,
         # the most bytes of whole copies held at once, against all of them

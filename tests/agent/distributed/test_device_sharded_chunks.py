@@ -32,6 +32,8 @@ def rel(a: list[float], b: list[float]) -> float:
 def check(results: list[dict[str, Any]], world: int, *, tol: float = TOL) -> None:
     for r, res in enumerate(results):
         assert res["device_sharded_chunks"] > 0
+        # outside forward/backward: NaN placeholders (a misuse is loud), writes refused
+        assert res["released_reads_nan"] and res["released_write_fails"]
         assert rel(res["losses"], res["ref_losses"]) <= tol, (r, res["losses"], res["ref_losses"])
         assert res["param_rel_diff"][0] <= tol, (r, res["param_rel_diff"])
         assert rel(res["norms"], res["ref_norms"]) <= tol, (r, res["norms"], res["ref_norms"])
