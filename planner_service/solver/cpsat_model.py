@@ -133,6 +133,8 @@ def _add_placement(pm: PolicyModel) -> None:
                 m.add(o >= pm.sh[c] + pm.off[c] - 1)
                 pm.osh.append(o)
                 pm.dsh.append(pm.sh[c] - o)
+                if not pm.inst.device_shardable(c):  # used outside its owner's forward: never on the device
+                    m.add(pm.sh[c] <= pm.off[c])
         else:  # only offloaded chunks are sharded
             for c in range(C):
                 m.add(pm.sh[c] <= pm.off[c])

@@ -208,6 +208,14 @@ class PolicyInstance:
     # chunks one module needs resident at once (`chunk_grid.co_needed_chunks`): the offloaded ones of each set
     # must fit in the buffers together, or the runtime refuses the plan; empty: no module spans two chunks
     co_needed: tuple[tuple[int, ...], ...] = field(default=())
+    # per chunk: holds a parameter used outside its owning module's forward (`ParameterInfo.used_outside_owner`):
+    # never sharded on the device (its released placeholder would be read); empty: none
+    no_device_shard: tuple[bool, ...] = field(default=())
+
+    def device_shardable(self, c: int) -> bool:
+        """Whether persistent chunk `c` may be sharded on the device (the instance has the terms, and no
+        parameter of it is used outside its owning module's forward)."""
+        return bool(self.device_shard_bytes_of) and not (self.no_device_shard and self.no_device_shard[c])
 
     def min_buffers(self, offloaded: tuple[bool, ...]) -> int:
         """Fewest buffers the runtime accepts for these offloaded chunks: 1 when any is offloaded, and for
@@ -413,6 +421,9 @@ def build_instance(
         upload_duplex_ns=duplex.get("upload_duplex_ns", ()),
         grad_offload_duplex_ns=duplex.get("grad_offload_duplex_ns", ()),
         co_needed=co_needed_chunks(trace, layout),
+        no_device_shard=tuple(
+            any(p.used_outside_owner for p in params_list[a:b]) for a, b in layout.param_ranges
+        ),
     )
     if trace.hardware.world_size == 1:
         return inst
@@ -478,3 +489,9 @@ class Decision:
                 raise ValueError(
                     "sharded: a persistent chunk is sharded, and the instance has no device-shard terms"
                 )
+            for c, (sh, o) in enumerate(zip(self.sharded, self.offloaded, strict=True)):
+                if sh and not o and inst.device_shard_bytes_of and not inst.device_shardable(c):
+                    raise ValueError(
+                        f"sharded[{c}]: a persistent chunk holding a parameter used outside its owning module's "
+                        "forward is sharded on the device (it would read a released placeholder)"
+                    )

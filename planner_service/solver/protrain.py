@@ -129,7 +129,7 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
     gathered = inst.device_gather_bytes_of
     for n_persist, on_device in ((n, dev) for n in range(C, -1, -1) for dev in device_options):
         n_off = C - n_persist
-        if on_device and n_persist == 0:
+        if on_device and (n_persist == 0 or not all(inst.device_shardable(c) for c in range(n_persist))):
             continue
         # chunks 0..n_persist-1 stay (whole, or their shards and two gathered copies), the rest are offloaded
         persist_bytes = (

@@ -608,3 +608,37 @@ def test_with_room_for_everything_communication_is_not_free() -> None:
     assert "world_size" not in one.predictions.breakdown  # type: ignore[union-attr]
     # the same per-rank work plus gradient all-reduces: no faster per iteration than one rank alone
     assert two.predictions.iteration_s >= one.predictions.iteration_s  # type: ignore[union-attr]
+
+
+def _used_outside_owner(trace: Trace, chunk: int) -> Trace:
+    """`trace` with the parameters of `chunk` used outside their owning module's forward (the profiler's flag)."""
+    a, b = pack(trace, 128 * MiB).param_ranges[chunk]
+    params = [
+        p.model_copy(update={"used_outside_owner": a <= i < b}) for i, p in enumerate(trace.model.parameters)
+    ]
+    return trace.model_copy(update={"model": trace.model.model_copy(update={"parameters": params})})
+
+
+def test_a_chunk_holding_a_parameter_used_outside_its_owners_forward_is_never_sharded_on_the_device() -> None:
+    """As above, but chunk 0's parameters are used outside the forward of the module owning them (a parent's
+    `hidden @ self.embed.weight.T`): sharded on the device they would read the released placeholder, so CP-SAT
+    and ProTrain keep chunk 0 replicated (chunk 1 still sharded), the instance refuses a decision sharding it,
+    and under the limit that only both shards fit nothing is feasible."""
+    roomy = Constraints(device_memory_bytes=1400 * MB, host_memory_bytes=10 * MB)
+    layout = _inst(_hand(), host_memory_bytes=10 * MB).layout
+    trace = _used_outside_owner(_hand(), 0)
+    assert trace.model.parameters[0].used_outside_owner and not trace.model.parameters[-1].used_outside_owner
+    free = build_instance(_hand(), layout, roomy, CostParams(alpha=0.0))
+    inst = build_instance(trace, layout, roomy, CostParams(alpha=0.0))
+    assert inst.no_device_shard == (True, False) and free.no_device_shard == (False, False)
+    got = solve_layout(free, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
+    assert got.decision is not None and got.decision.sharded[0] and not got.decision.offloaded[0]  # has teeth
+    got = solve_layout(inst, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
+    assert got.status == "optimal" and got.decision is not None
+    assert got.decision.offloaded == (False, False) and got.decision.sharded == (False, True)
+    pro = search(inst)
+    assert pro.decision is not None and not (pro.decision.sharded and pro.decision.sharded[0])
+    with pytest.raises(
+        ValueError, match=r"sharded\[0\]: a persistent chunk holding a parameter used outside"
+    ):
+        Decision((False, False), 0, KEEP, (True, True)).check(inst)
