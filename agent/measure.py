@@ -49,7 +49,11 @@ def device_state_tensors(
         for st in manager.states:
             if st.offloaded:
                 continue
-            out += [(t, AllocationCategory.param) for t in (st.params, st.master) if t is not None]
+            # a device-sharded chunk (`runtime/device_shards.py`): its own compute shard too; its whole copy
+            # (`params`) is registered at its size now (0 bytes while released): the tracker does not see a
+            # storage resized in place, so the gathered copies are not counted (the runtime counts them:
+            # `DeviceShards.max_gathered_bytes`)
+            out += [(t, AllocationCategory.param) for t in (st.params, st.master, st.own) if t is not None]
             if st.grad is not None:
                 out.append((st.grad, AllocationCategory.grad))
             stepper = manager.steppers[st.index] if manager.steppers else None

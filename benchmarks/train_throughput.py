@@ -419,6 +419,10 @@ def run_memplan(model: nn.Module, batch: Any, steps: int, device: torch.device, 
                     times.append(time.perf_counter() - t0)
             assert run.monitor is not None
             measured = run.monitor.measured  # this rank's own figures (the report's are the job's maxima)
+            # device-sharded chunks: the most bytes of whole copies gathered at once (on the CPU the meter, a
+            # storage tracker, does not see them: they are resized in place, not allocated)
+            shards = run.runtime.device_shards
+            gathered = shards.max_gathered_bytes if shards is not None else 0
         finally:
             unwrap(run)
     plan = run.plan
@@ -427,6 +431,7 @@ def run_memplan(model: nn.Module, batch: Any, steps: int, device: torch.device, 
         "iteration_s": statistics.median(times),
         "peak_device_bytes": measured.peak_device_bytes,
         "peak_host_bytes": measured.peak_host_bytes,
+        "gathered_peak_bytes": gathered,
         "wrap_s": wrap_s,
         "plan_origin": run.source.origin if run.source is not None else None,
         "predicted_peak_device_bytes": plan.predictions.peak_device_bytes,
@@ -436,6 +441,10 @@ def run_memplan(model: nn.Module, batch: Any, steps: int, device: torch.device, 
         "modes": plan.policy.mode_strip(),
         "offloaded_chunks": sum(c.placement.value == "offloaded" for c in plan.policy.chunks),
         "sharded_chunks": len(plan.policy.sharded_chunks),
+        # persistent chunks sharded on the device (ZeRO-3, `agent/runtime/device_shards.py`)
+        "device_sharded_chunks": sum(
+            c.sharded and c.placement.value == "persistent" for c in plan.policy.chunks
+        ),
         "chunks": len(plan.policy.chunks),
         "n_buffers": plan.policy.n_buffers,
     }
@@ -496,8 +505,10 @@ PLAN_FIELDS = (
     "modes",
     "offloaded_chunks",
     "sharded_chunks",
+    "device_sharded_chunks",
     "chunks",
     "n_buffers",
+    "gathered_peak_bytes",
     "wrap_s",
 )
 
@@ -655,8 +666,13 @@ def row_notes(r: dict[str, Any]) -> str:
     if "modes" in r:
         notes.append(f"modes {r['modes']}, {r['offloaded_chunks']}/{r['chunks']} offloaded")
         if "sharded_chunks" in r:
+            if r.get("gathered_peak_bytes"):
+                notes.append(
+                    f"whole copies gathered at most {r['gathered_peak_bytes'] / 2**20:.1f} MiB at once"
+                )
             notes.append(
-                f"{r['sharded_chunks']} sharded (plan world size {r['plan_world_size']}), "
+                f"{r['sharded_chunks']} sharded ({r.get('device_sharded_chunks', 0)} persistent, on the device; "
+                f"plan world size {r['plan_world_size']}), "
                 f"predicted peak {r['predicted_peak_device_bytes'] / 2**20:.1f} MiB, wrap {r['wrap_s']:.1f} s"
             )
     if "peak_device_bytes_per_rank" in r:

@@ -26,7 +26,11 @@ attributes; no library class is patched) take DDP's place:
   accumulation keeps the non-final micro-steps' gradients local, as with DDP;
 - `trainer._save_optimizer_and_scheduler` first takes `optimizer.state_dict()` on the ranks that do not
   write (it is a collective with sharded chunks; the Trainer calls it on the writing rank only): the
-  checkpoint is the Trainer's own (a full `optimizer.pt`), read back on every rank by `resume_from_checkpoint`.
+  checkpoint is the Trainer's own (a full `optimizer.pt`), read back on every rank by `resume_from_checkpoint`;
+- `trainer._save` (the model's save, under `save_model`: every checkpoint, `save_only_model` ones included, and a
+  user's `trainer.save_model()`, which every rank calls) takes `model.state_dict()` on every rank once and hands
+  it to the Trainer's own `_save`, when the plan shards persistent chunks on the device (`model.state_dict()` is
+  then a collective; the Trainer would take it on the writing rank only and the others would never arrive).
 The runtime's collectives go on a process group of their own (`torch.distributed.new_group()`, made by
 `agent.wrap` on every rank unless `process_group=` is given): some run on its host worker thread (during backward; after
 `optimizer.step()` has returned with `RuntimeOptions(async_step=True)`), and collectives that two threads issue
@@ -145,6 +149,7 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     if distributed:
         keep_accelerate_from_ddp(trainer.accelerator, wrapped)
         save_optimizer_on_every_rank(trainer, wrapped)
+        save_model_on_every_rank(trainer, wrapped)
     return wrapped
 
 
@@ -220,3 +225,17 @@ def save_optimizer_on_every_rank(trainer: Any, wrapped: Wrapped) -> None:
         save(output_dir)
 
     trainer._save_optimizer_and_scheduler = save_on_every_rank
+
+
+def save_model_on_every_rank(trainer: Any, wrapped: Wrapped) -> None:
+    """The Trainer's model save (`_save`, which `save_model` calls on every rank) takes `model.state_dict()` on the
+    writing rank only; with device-sharded persistent chunks that call is a collective: every rank takes it once
+    here and hands it to the Trainer's `_save` (which returns at once on the other ranks)."""
+    save = trainer._save  # bound to this Trainer (or its subclass's override)
+
+    def save_on_every_rank(output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        if state_dict is None and wrapped.runtime.device_shards is not None:
+            state_dict = trainer.model.state_dict()  # a collective: gathers every device-sharded chunk
+        save(output_dir, state_dict=state_dict)
+
+    trainer._save = save_on_every_rank

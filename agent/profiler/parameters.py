@@ -79,10 +79,13 @@ def order_parameters(
     return out
 
 
-def parameter_infos(ordered: Sequence[OrderedParameter], held: Set[int] | None = None) -> list[ParameterInfo]:
+def parameter_infos(
+    ordered: Sequence[OrderedParameter], held: Set[int] | None = None, outside: Set[int] = frozenset()
+) -> list[ParameterInfo]:
     """The trace's parameter rows. `held`: ids of the parameters the job's optimizer holds (None: every
     parameter that requires a gradient is stepped); a parameter trains when it requires a gradient and the
-    optimizer holds it, else it is frozen (no gradient, no optimizer state: the planner counts neither)."""
+    optimizer holds it, else it is frozen (no gradient, no optimizer state: the planner counts neither).
+    `outside`: ids of the parameters an op used outside their owning module's forward (`outside_use.py`)."""
     return [
         ParameterInfo(
             name=o.name,
@@ -93,6 +96,7 @@ def parameter_infos(ordered: Sequence[OrderedParameter], held: Set[int] | None =
             bytes=o.param.numel() * o.param.element_size(),
             aliases=list(o.aliases),
             trainable=o.param.requires_grad and (held is None or id(o.param) in held),
+            used_outside_owner=id(o.param) in outside,
         )
         for o in ordered
     ]

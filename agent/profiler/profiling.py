@@ -59,6 +59,7 @@ from agent.profiler.optimizer_probe import (
     optimizer_kind,
     state_bytes_per_param,
 )
+from agent.profiler.outside_use import OutsideUse
 from agent.profiler.parameters import (
     OrderedParameter,
     dtype_name,
@@ -223,7 +224,7 @@ def profile(
         )
         alloc = None  # the trace of a truncated iteration would not be the real one's
 
-    infos = parameter_infos(ordered, held)
+    infos = parameter_infos(ordered, held, result.used_outside_owner)
     n_blocks = len(repeated_all) + 2
     per_block = [0] * n_blocks
     paths: list[list[str]] = [[] for _ in range(n_blocks)]
@@ -337,6 +338,7 @@ class _Result:
     model_state_bytes_per_param_byte: float
     hook_overhead_s: float
     stages: dict[str, float]
+    used_outside_owner: set[int]  # ids of parameters an op used outside their owning module's forward
 
 
 def _measure(
@@ -368,10 +370,12 @@ def _measure(
 
     # 1. warm-up with first-use hooks
     block_tracker = BlockTracker(clock)
-    with BlockHooks(model, repeated, block_tracker, first_use=True) as hooks:
+    # and the parameters an op uses outside their owning module's forward (never sharded on the device)
+    with OutsideUse(model) as outside, BlockHooks(model, repeated, block_tracker, first_use=True) as hooks:
         step.run(block_tracker)
         first_use = list(hooks.param_order)
     res.ordered = order_parameters(model, repeated, first_use)
+    res.used_outside_owner = outside.outside
     stepped = [p for p in model.parameters() if p.grad is not None]
     if not stepped:
         raise ProfilerInputError("loss_fn: the loss reaches no parameter (no gradients after backward)")

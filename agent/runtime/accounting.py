@@ -70,6 +70,11 @@ class Counters:
     # flushed in parts), none inside no_sync(); and their `.grad` all-gathers (none inside no_sync())
     reduce_scatters: int = 0
     grad_gathers: int = 0
+    # device-sharded persistent chunks (`device_shards.py`): all-gathers of a whole copy (and its bytes), releases
+    device_shard_gathers: int = 0
+    device_shard_gather_bytes: int = 0
+    device_shard_releases: int = 0
+    device_shard_prefetches: int = 0  # all-gathers issued ahead of use (the next chunk of the recorded order)
     # wall time of the job's collectives, by purpose (issue 20; on CUDA the NCCL calls' issue time, not the
     # transfer): gradient reductions (reduce-scatter, all-reduce), the sharded chunks' `.grad` all-gathers,
     # their private compute-copy all-gathers after optimizer.step(), and the host worker's barriers that publish
@@ -136,8 +141,12 @@ def measure_memory(
     seen: set[int] = set()
     for st in states:
         side = host if st.offloaded else dev
+        if st.own is not None:  # device-sharded persistent: own shard, and the whole copy while gathered
+            assert st.params is not None
+            add(dev, "parameters", st.own.nbytes)
+            add(dev, "gathered_parameters", st.params.untyped_storage().nbytes())
         tensors = {
-            "parameters": st.host_params if st.offloaded else st.params,
+            "parameters": st.host_params if st.offloaded else (st.params if st.own is None else None),
             "gradients": st.host_grad if st.offloaded else st.grad,
             "master": st.master if st.mixed else None,
             "gradient_staging": st.stage,

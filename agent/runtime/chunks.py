@@ -12,6 +12,11 @@ A sharded offloaded chunk (issue 20, `shards.py`) keeps the compute copy (zero p
 and the exposed gradient whole, and the fp32 master, host gradient and staging buffer for its own shard only
 (in fp32 training the master is the shard's slice of the compute copy). Where the compute copy is node-shared
 (`node_shared.py`) it is a view of the node's segment, and this rank writes only its shard of it.
+
+A device-sharded persistent chunk (issue 20, `device_shards.py`) keeps on the device its own shard of the compute
+copy (`own`), of the fp32 master (mixed precision; in fp32 the master is `own`) and of the optimizer state, and the
+whole gradient area (the parameters' `.grad`, as a replicated persistent chunk); `params` is the whole compute copy
+(N*s elements) whose storage exists only while the chunk is gathered (resized to 0 bytes when released).
 """
 
 from __future__ import annotations
@@ -53,7 +58,11 @@ class ChunkState:
     shard: Shard | None = None  # this rank's shard of a sharded offloaded chunk (master, host_grad, stage)
     node_shared: bool = False  # host_params is a view of the node-shared segment (this rank writes its shard)
     # persistent (device)
-    params: torch.Tensor | None = None
+    params: torch.Tensor | None = (
+        None  # device-sharded: the gathered copy (storage of 0 bytes while released)
+    )
+    own: torch.Tensor | None = None  # device-sharded persistent chunk: this rank's shard of the compute copy
+    gathered: bool = False  # device-sharded: `params` holds every rank's shard and the parameters view it
     grad: torch.Tensor | None = None
     # per entry: its element offset in `grad` (None: no gradient slot, a frozen parameter; `gradient_offsets`)
     grad_offsets: list[int | None] = field(default_factory=list)
@@ -178,6 +187,17 @@ def allocate(
             # the staging buffer up front: the plan counts it for every offloaded chunk (pinned, in the host arena)
             state.stage = ctx.host_empty(n, compute_dtype, pinned=True)
             target = state.master
+        elif shard is not None:  # device-sharded persistent (`device_shards.py`): whole until released
+            state.params = ctx.device_empty(shard.total, compute_dtype).zero_()
+            # the gradient area in the chunk's own layout, zero padded to N*s (the all-reduce moves it whole)
+            state.grad_offsets = [e.offset if e.param.requires_grad else None for e in spec.entries]
+            if any(o is not None for o in state.grad_offsets):
+                state.grad = ctx.device_empty(shard.total, compute_dtype).zero_()
+            target = (
+                torch.zeros(shard.total, dtype=torch.float32, device=state.params.device)
+                if mixed
+                else state.params
+            )
         else:
             state.params = ctx.device_empty(n, compute_dtype)
             # the gradient area holds the chunk's trainable parameters only, each in its aligned slot (none
@@ -194,7 +214,12 @@ def allocate(
             v.copy_(e.param.detach().reshape(e.shape))  # fp32 master from the original values
         if mixed:
             (state.host_params if spec.offloaded else state.params)[: target.numel()].copy_(target)  # type: ignore[index]
-        if shard is not None:
+        if shard is not None and not spec.offloaded:
+            assert state.params is not None
+            state.own = state.params[shard.start : shard.end].clone()
+            state.master = target[shard.start : shard.end].clone() if mixed else state.own
+            state.gathered = True  # until the runtime releases it (`DeviceShards.release`)
+        elif shard is not None:
             # the shard's master: a slice of the compute copy (fp32), or its own fp32 copy (mixed precision)
             own = target[shard.start : shard.end]
             state.master = own.clone() if mixed else own

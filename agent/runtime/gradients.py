@@ -455,7 +455,9 @@ class GradientFlow:
         """A gradient arrived for a parameter without a slot in the chunk's gradient area (frozen when the
         runtime was applied): the area becomes the whole chunk's, beyond what the plan counted."""
         old_views = self.grad_views(st) if st.grad is not None else [None] * len(st.spec.entries)
-        st.grad = self.ctx.device_empty(st.numel, self.compute_dtype).zero_()
+        # a device-sharded chunk's area is zero padded to N*s (the all-reduce and its shard's slice read it whole)
+        size = st.shard.total if st.own is not None and st.shard is not None else st.numel
+        st.grad = self.ctx.device_empty(size, self.compute_dtype).zero_()
         st.grad_offsets = [e.offset for e in st.spec.entries]
         for e, was, now in zip(st.spec.entries, old_views, self.grad_views(st), strict=True):
             if was is not None and now is not None:

@@ -160,7 +160,9 @@ class HostSteps:
         upload waits for it (`ChunkResidency.upload` waits on the chunk's host work)."""
         assert self.optimizer is not None
         stepped = [
-            st for st in states if st.shard is not None and self.optimizer.steppers[st.index].steps_chunk
+            st
+            for st in states
+            if st.offloaded and st.shard is not None and self.optimizer.steppers[st.index].steps_chunk
         ]
         if not stepped:
             return

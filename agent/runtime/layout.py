@@ -45,7 +45,8 @@ class ChunkSpec:
     # elements the chunk's buffers hold, alignment padding included (set by `ChunkLayout.from_policy`);
     # None: the entries are packed back to back (layouts the profiler's probes build) and end at the last one
     padded_numel: int | None = None
-    # sharded offloaded chunk (issue 20): elements each rank owns (see `shards.py`); 0: replicated
+    # sharded chunk (issue 20; offloaded: ZeRO-2 on the host, persistent: on the device, `device_shards.py`):
+    # elements each rank owns (see `shards.py`); 0: replicated
     shard_numel: int = 0
 
     @property
@@ -81,7 +82,9 @@ class ChunkLayout:
         """Elements of each device buffer: a chunk's capacity, or a sharded chunk's zero-padded flat size
         (world_size shards, a few elements past the capacity at most) where that is larger: the gradient
         area is reduce-scattered whole."""
-        return max([self.chunk_numel, *(c.shard_numel * self.world_size for c in self.sharded)])
+        return max(
+            [self.chunk_numel, *(c.shard_numel * self.world_size for c in self.sharded if c.offloaded)]
+        )
 
     @property
     def offloaded(self) -> list[ChunkSpec]:
@@ -98,13 +101,6 @@ class ChunkLayout:
     def from_policy(cls, policy: Policy, model: nn.Module, compute_dtype: torch.dtype) -> ChunkLayout:
         """Check `policy` against `model` and compute every parameter's offset. Raises PlanMismatchError."""
         model_name = type(model).__name__
-        for ci, chunk in enumerate(policy.chunks):
-            if chunk.sharded and chunk.placement == Placement.persistent:
-                raise PlanMismatchError(
-                    f"policy.chunks[{ci}].sharded: persistent sharded chunks: not applied yet (issue 20; the "
-                    "runtime shards offloaded chunks only, persistent chunks stay whole on every rank with their "
-                    "gradient averaged): mark this chunk unsharded, or offload it"
-                )
         named: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
         canonical: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
         esize = compute_dtype.itemsize

@@ -33,6 +33,7 @@ from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport, meas
 from agent.runtime.buffers import BufferPool
 from agent.runtime.chunks import ChunkState, ViewCache, allocate, views
 from agent.runtime.device import DeviceContext, Event, element_size
+from agent.runtime.device_shards import DeviceShards, pre_backward_hook
 from agent.runtime.eager import eager
 from agent.runtime.gradients import GradientFlow
 from agent.runtime.host_steps import HostSteps
@@ -90,7 +91,9 @@ class ModelStateManager:
                 shard=Shard(group.rank, group.world_size, spec.shard_numel)
                 if spec.sharded and group is not None
                 else None,
-                shared=shared.chunk(spec.index) if shared is not None and spec.sharded else None,
+                shared=shared.chunk(spec.index)
+                if shared is not None and spec.sharded and spec.offloaded
+                else None,
             )
             for spec in layout.chunks
         ]
@@ -134,6 +137,11 @@ class ModelStateManager:
         self.gradients.group = group
         if self.residency is not None:
             self.residency.flush = self.gradients.flush
+        # device-sharded persistent chunks (ZeRO-3 on the device, `device_shards.py`): released until used
+        self.device_shards: DeviceShards | None = None
+        if group is not None and any(spec.sharded and not spec.offloaded for spec in layout.chunks):
+            self.device_shards = DeviceShards(self.states, group, ctx, self.counters, self.worker)
+            self.device_shards.release_all()
         self.optimizer: ChunkedOptimizer | None = None
         self._handles: list[RemovableHandle] = []
         self._root_grad = False
@@ -179,6 +187,9 @@ class ModelStateManager:
         # `model.zero_grad()` (what e.g. the Hugging Face Trainer calls) must reset the chunk gradients too:
         # offloaded parameters have no `.grad` for it to clear.
         m.zero_grad = self._model_zero_grad  # type: ignore[method-assign]
+        if self.device_shards is not None:
+            self._handles.append(m.register_state_dict_post_hook(partial(self._after_state_dict)))
+            self._install_device_shard_hooks()
         if not self.has_offload:
             return
         seen: set[int] = set()
@@ -207,6 +218,66 @@ class ModelStateManager:
                     )
                 )
 
+    def _install_device_shard_hooks(self) -> None:
+        """Pre/post forward hooks on each module owning parameters of device-sharded persistent chunks."""
+        ds = self.device_shards
+        assert ds is not None
+        seen: set[int] = set()
+        for module in self.model.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            expected: dict[int, list[int]] = {}
+            for p in module._parameters.values():
+                if p is None or id(p) not in self._pos:
+                    continue
+                c, j = self._pos[id(p)]
+                if c in ds:
+                    expected.setdefault(c, []).append(j)
+            if expected:
+                ordered = sorted(expected)
+                self._handles.append(
+                    module.register_forward_pre_hook(
+                        eager(partial(self._before_sharded_module, ordered, expected))
+                    )
+                )
+                self._handles.append(
+                    module.register_forward_hook(
+                        eager(partial(self._after_sharded_module, ordered)), always_call=True
+                    )
+                )
+
+    @section(timing.MODULE_FORWARD)
+    def _before_sharded_module(
+        self, chunks: list[int], expected: dict[int, list[int]], module: nn.Module, args: Any
+    ) -> None:
+        ds = self.device_shards
+        assert ds is not None
+        for c in chunks:
+            ds.acquire(c)
+            ds.pins[c] += 1
+        if torch.is_grad_enabled() or (self.phase.forward and self._root_grad):
+            for c, js in expected.items():
+                entries = self.states[c].spec.entries
+                self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
+
+    @section(timing.AFTER_MODULE_FORWARD)
+    def _after_sharded_module(self, chunks: list[int], module: nn.Module, args: Any, output: Any) -> None:
+        ds = self.device_shards
+        assert ds is not None
+        if torch.is_grad_enabled():
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:  # gather again before this module's backward (FSDP2's pre-backward hook)
+                pre_backward_hook(outs, eager(partial(self._before_sharded_backward, chunks)))
+        ds.after_module(chunks, backward=self.phase.backward)
+
+    def _before_sharded_backward(self, chunks: list[int]) -> None:
+        self._ensure_backward()
+        ds = self.device_shards
+        assert ds is not None
+        for c in chunks:
+            ds.acquire(c)
+
     def _sync_grad_hooks(self) -> None:
         """Gradient hooks on every parameter that requires grad now (also ones unfrozen after wrap)."""
         for e in self.layout.by_param.values():
@@ -227,6 +298,8 @@ class ModelStateManager:
         """Remove every hook and turn parameters back into ordinary tensors with their trained values."""
         self.synchronize()
         self.evict_all()
+        if self.device_shards is not None:
+            self.device_shards.release_all()
         self.remove_hooks()
         with torch.no_grad():
             for st in self.states:
@@ -253,6 +326,11 @@ class ModelStateManager:
         """A sharded chunk's whole master: the compute copy (fp32; complete after `publish_shards`, also when
         node-shared), or every rank's fp32 master shard gathered (mixed precision; a collective, called for the
         sharded chunks in chunk order on every rank)."""
+        if (
+            st.own is not None
+        ):  # device-sharded persistent: every rank's master shard (fp32: the compute shard)
+            assert self.device_shards is not None and st.master is not None
+            return self.device_shards.whole(st, st.master)
         assert st.shard is not None and st.host_params is not None and st.master is not None
         if not st.mixed:
             return st.host_params
@@ -282,6 +360,8 @@ class ModelStateManager:
         self._root_grad = torch.is_grad_enabled()
         self._sync_grad_hooks()
         self.schedule.start(Direction.forward, record=True)
+        if self.device_shards is not None:
+            self.device_shards.start(Direction.forward)
         if self.saved is not None:
             self.saved.enter_root_forward(training=training)
 
@@ -316,6 +396,8 @@ class ModelStateManager:
             self.gradients.check_same_use()
         self.phase.state = TrainingState.BACKWARD
         self.schedule.start(Direction.backward, record=True)
+        if self.device_shards is not None:
+            self.device_shards.start(Direction.backward)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _recover_if_aborted(self) -> None:
@@ -336,6 +418,9 @@ class ModelStateManager:
                         self.residency.evict_chunk(st)
                 else:
                     self.gradients.complete(st)
+        if self.device_shards is not None:
+            self.device_shards.release_all()
+            self.device_shards.pins = dict.fromkeys(self.device_shards.pins, 0)
         for st in self.states:
             st.expected.clear()
             st.received.clear()
@@ -422,6 +507,20 @@ class ModelStateManager:
     def _on_grad(self, param: torch.Tensor) -> None:
         self._ensure_backward()
         self.gradients.receive(param)
+        ds = self.device_shards
+        if ds is not None and param.grad is not None:
+            c, j = self._pos[id(param)]
+            if c in ds:
+                st = self.states[c]
+                st.received.add(j)
+                # every gradient expected of it arrived: no node reads its parameters any more (a chunk with
+                # frozen parameters stays to the end of backward: a node may still read one)
+                if (
+                    st.expected
+                    and st.expected <= st.received
+                    and all(e.param.requires_grad for e in st.spec.entries)
+                ):
+                    ds.release(st)
 
     @section(timing.STEP)
     @torch.no_grad()
@@ -440,6 +539,13 @@ class ModelStateManager:
                 continue
             assert st.grad is not None and st.params is not None and st.master is not None
             self.gradients.sync_persistent(st)
+            if st.own is not None:  # device-sharded: this rank's shard of the (averaged, whole) gradient
+                assert st.shard is not None and self.device_shards is not None
+                own_grad = st.grad[st.shard.start : st.shard.end]
+                steppers[st.index].step(hypers, own_grad.float() if st.mixed else own_grad, st.touched)
+                self.device_shards.refresh_own_from_master(st)
+                self.counters.device_steps += 1
+                continue
             grad = st.grad.float() if st.mixed else st.grad
             steppers[st.index].step(hypers, grad, st.touched, grad_offsets=st.grad_offsets)
             if st.mixed:
@@ -487,6 +593,12 @@ class ModelStateManager:
         rank may read the copy before every rank did)."""
         self.evict_all()
         for st in self.states:
+            if (
+                st.own is not None
+            ):  # device-sharded persistent: no collective (gathered again at its next use)
+                assert self.device_shards is not None
+                self.device_shards.refresh_own_from_master(st)
+                continue
             if st.shard is not None:
                 assert st.host_params is not None and st.master is not None and self.group is not None
                 own = st.host_params[st.shard.start : st.shard.end]
@@ -525,14 +637,73 @@ class ModelStateManager:
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self.synchronize()
         self.evict_all()  # offloaded parameters now point at their host copies
+        self._gather_device_shards("model.state_dict()")
+
+    def _gather_device_shards(self, call: str) -> None:
+        """Device-sharded chunks gathered for a whole-model read or load: a collective, checked to be made on
+        every rank first (a rank-0-only call is an error naming the fix, not a hang)."""
+        if self.device_shards is None:
+            return
+        assert self.group is not None
+        self.group.check_arrival(
+            call,
+            "Call it on every rank (the model has chunks sharded on the device), or use "
+            "agent.checkpoint.save_sharded(wrapped, directory) on every rank.",
+            self.options.rank_arrival_timeout_s,
+        )
+        self.device_shards.gather_all()
+
+    @contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Inside: the parameters of device-sharded persistent chunks hold their whole values (outside forward
+        and backward they are zero-stride placeholders: see `device_shards.py`), as FSDP's `summon_full_params`.
+        A collective (every rank); read only: writes are discarded at exit (change values with
+        `load_state_dict`). A no-op without device-sharded chunks."""
+        self._recover_if_aborted()
+        if self.phase.backward:
+            raise RuntimeError("summon_full_params(): called during backward")
+        self._gather_device_shards("summon_full_params()")
+        try:
+            yield
+        finally:
+            if self.device_shards is not None:
+                self.device_shards.release_all()
+
+    def _after_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
+        """Values of device-sharded chunks become private copies (tied names share one), then the chunks are
+        released: the returned dict stays valid. With `keep_vars` the values are the parameters themselves."""
+        ds = self.device_shards
+        if ds is None:
+            return
+        storages = {st.params.untyped_storage().data_ptr() for st in ds.states.values() if st.gathered}  # type: ignore[union-attr]
+        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        for key, value in state.items():
+            if isinstance(value, nn.Parameter) or not isinstance(value, torch.Tensor):
+                continue
+            if value.untyped_storage().data_ptr() in storages:
+                k = (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
+                if k not in copies:
+                    copies[k] = value.detach().clone()
+                state[key] = copies[k]
+        if not self.phase.forward and not self.phase.backward:
+            ds.release_all()
 
     def _before_load_state_dict(self, module: nn.Module, *args: Any) -> None:
         self.synchronize()
         self.evict_all()
+        self._gather_device_shards("model.load_state_dict()")
 
     @torch.no_grad()
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         for st in self.states:
+            if st.own is not None:  # device-sharded persistent: every rank loaded the whole chunk
+                assert st.shard is not None and st.params is not None and st.master is not None
+                assert self.device_shards is not None
+                st.own.copy_(st.params[st.shard.start : st.shard.end])
+                if st.mixed:
+                    st.master.copy_(st.own)
+                self.device_shards.release(st)
+                continue
             if st.mixed:
                 source = st.host_params if st.offloaded else st.params
                 assert st.master is not None and source is not None

@@ -82,10 +82,13 @@ class Chunk(ContractModel):
     sharded: Bool = Field(
         default=False,
         exclude_if=lambda v: v is False,
-        description="multi-rank jobs: each rank holds 1/world_size of the chunk's model states (on the "
-        "device when persistent, on the host when offloaded), all-gathers the chunk before its forward and "
-        "its backward, and reduce-scatters its gradient; false: every rank holds the whole chunk (replicated, "
-        "gradient all-reduced on the device; offloaded: then copied to the host and stepped whole)",
+        description="multi-rank jobs: each rank holds 1/world_size of the chunk's state. Persistent (ZeRO-3 on "
+        "the device): its shard of the compute copy, fp32 master and optimizer state on the device, the chunk "
+        "all-gathered into a device copy before its forward and its backward and released after, the gradient "
+        "whole on the device and all-reduced; offloaded (ZeRO-2 on the host): its shard of the host master, "
+        "host gradient and optimizer state, the gradient reduce-scattered; false: every rank holds the whole "
+        "chunk (replicated, gradient all-reduced on the device; offloaded: then copied to the host and stepped "
+        "whole)",
     )
 
 
@@ -131,8 +134,7 @@ class Policy(ContractModel):
                 raise ValueError(f"blocks[{i}].block: is {b.block}, must equal its position {i}")
         if self.n_buffers == 0 and any(c.placement == Placement.offloaded for c in self.chunks):
             raise ValueError("n_buffers: offloaded chunks need at least one buffer")
-        if self.n_buffers == 0 and any(c.sharded for c in self.chunks):
-            raise ValueError("n_buffers: sharded chunks are gathered into buffers: at least one needed")
+
         return self
 
     @property

@@ -235,6 +235,14 @@ class ParameterInfo(ContractModel):
         description="the job trains it (`requires_grad` and held by the optimizer); a frozen parameter has no "
         "gradient and no optimizer state, so the planner counts neither for it",
     )
+    # Left out of the JSON when False (the default): traces without it load, and keep their content hashes.
+    used_outside_owner: Bool = Field(
+        default=False,
+        exclude_if=lambda v: v is False,
+        description="an op in the profiled forward used it while no module owning it was in its forward (a "
+        "parent's `hidden @ self.embed.weight.T`); the planner never shards its chunk on the device, where it "
+        "would read a released placeholder",
+    )
 
 
 class ModelInfo(ContractModel):

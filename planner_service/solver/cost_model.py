@@ -72,8 +72,8 @@ that size (issue 19, defect 8).
 
 Multi-rank jobs (issue 20; world size N > 1, R ranks per node; constants in `sharding.py`). Every figure
 is one rank's; all ranks run the same plan on equal shards, so one rank's time is the job's. ZeRO-Offload
-style ("ZeRO-2 on the host"): only an offloaded chunk may be sharded (`Decision.check` refuses a persistent
-one, as the runtime does). Per chunk c:
+style ("ZeRO-2 on the host") for offloaded chunks; a persistent chunk may be sharded on the device (ZeRO-3,
+`agent/runtime/device_shards.py`: dsh[c] below). Per chunk c:
   sh[c]  sharded (offloaded only): exposed `.grad` whole on every rank's host; the compute copy (the upload
          source) node-shared when all ranks are on one node (`PolicyInstance.compute_copy_shared`: one copy
          per node, a rank's share is 1/N of it) or whole on every rank (several nodes); the rest of its host
@@ -91,6 +91,12 @@ one, as the runtime does). Per chunk c:
          nodes); 0 when the copy is node-shared (each rank wrote its stepped shard into the one copy)
   bar    = one barrier at step() when the copy is node-shared and any chunk is sharded (`step_barrier_ns`:
          the sharded chunks' next uploads wait on it); else 0
+  dsh[c] persistent and sharded on the device: device bytes `device_shard_bytes_of` (its shard of compute copy,
+         master and optimizer state, the gradient whole) instead of the chunk's state bytes; red(c) = the
+         all-reduce (as replicated); device step of the shard `shard_device_optim_ns`; its two all-gathers per
+         iteration (forward, backward; prefetched on the backend's stream) exposed by (1 - f), all of them
+         without copy overlap: T_iter += sum dsh[c] * device_gather_exposed_ns(c); static device bytes +=
+         2 * max dsh[c] * device_gather_bytes_of[c] (the gathered copy in use and the next, prefetched)
 Collectives on the device (the gradient reductions) run on their own stream beside the copy engines and
 compute. With overlap factor f (the least measured `CollectiveCopyOverlap.factor`, in 1/1000; 0 when not
 measured) a backward window with compute X, copies h2d/d2h, collectives `comm` and a dependency chain `chain`
@@ -180,6 +186,8 @@ class Cost:
     backward_collective_ns: int = 0
     host_collective_ns: int = 0
     host_node_bytes: int = 0
+    # device-sharded persistent chunks: their all-gathers' time compute does not hide (in iteration_ns)
+    device_gather_ns: int = 0
 
     @property
     def fits(self) -> bool:
@@ -239,6 +247,28 @@ class ChunkTerms:
     host_bytes: tuple[int, ...]  # host bytes of one rank
     pinned_bytes: tuple[int, ...]
     step_barrier: int = 0  # the barrier at step() (node-shared compute copies, any chunk sharded), else 0
+    # device-sharded persistent chunks (ZeRO-3 on the device): per chunk its exposed all-gather time per iteration
+    # (forward and backward), and the bytes of its whole copy while gathered (0 for every other chunk)
+    device_gather: tuple[int, ...] = ()
+    gathered_bytes: tuple[int, ...] = ()
+
+
+def device_gather_exposed_ns(inst: PolicyInstance, c: int) -> int:
+    """A device-sharded chunk's two all-gathers per iteration (before its forward and before its backward use),
+    prefetched one chunk ahead on the backend's stream: the part of them compute does not hide. Without copy
+    overlap (CPU) all of it; else the (1 - f) share of the measured collective/copy overlap factor f (0, i.e.
+    all of it, when none was measured: cautious)."""
+    both = 2 * inst.device_gather_ns[c]
+    if not inst.copy_overlap:
+        return both
+    return _ceil_div((PERMILLE - inst.collective_overlap_permille) * both, PERMILLE)
+
+
+def gathered_peak_bytes(k: ChunkTerms) -> int:
+    """Device bytes of whole copies of device-sharded chunks held at once: the one in use and the next one,
+    prefetched (twice the largest; a chunk holding a tied parameter used at both ends stays gathered through
+    backward: not counted)."""
+    return 2 * max(k.gathered_bytes, default=0)
 
 
 def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
@@ -261,12 +291,20 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             host_bytes=tuple(inst.host_bytes(c) if o[c] else 0 for c in range(C)),
             pinned_bytes=tuple(inst.pinned_bytes(c) if o[c] else 0 for c in range(C)),
         )
-    sh = d.sharded_chunks(inst)  # only offloaded chunks (Decision.check)
-    # a persistent chunk is replicated: whole on every rank, its gradient all-reduced, stepped on the device;
-    # an offloaded chunk is uploaded whole, and sharded (the rank's shard of its gradient copied out, stepped,
-    # then at step() its private compute copy all-gathered, or one barrier for all node-shared ones) or
-    # replicated (whole everywhere)
+    dsh = d.sharded_chunks(inst)
+    sh = tuple(dsh[c] and o[c] for c in range(C))  # offloaded and sharded (ZeRO-2 on the host)
+    z = tuple(dsh[c] and not o[c] for c in range(C)) if inst.device_shard_bytes_of else (False,) * C
+    # a persistent chunk is replicated (whole on every rank, its gradient all-reduced, stepped on the device) or
+    # sharded on the device (its shard of the steady state, gathered before use, the gradient whole and
+    # all-reduced, the shard stepped); an offloaded chunk is uploaded whole, and sharded (the rank's shard of its
+    # gradient copied out, stepped, then at step() its private compute copy all-gathered, or one barrier for all
+    # node-shared ones) or replicated (whole everywhere)
+    if any(z):
+        device_optim = tuple(inst.shard_device_optim_ns[c] if z[c] else device_optim[c] for c in range(C))
+        device_bytes = tuple(inst.device_shard_bytes_of[c] if z[c] else device_bytes[c] for c in range(C))
     return ChunkTerms(
+        device_gather=tuple(device_gather_exposed_ns(inst, c) if z[c] else 0 for c in range(C)),
+        gathered_bytes=tuple(inst.device_gather_bytes_of[c] if z[c] else 0 for c in range(C)),
         upload=upload,
         reduce=tuple(inst.reduce_scatter_ns[c] if sh[c] else inst.all_reduce_ns[c] for c in range(C)),
         grad_offload=tuple(
@@ -462,9 +500,9 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
         # backward and the device optimizer, on the same cores
         host_end = bwd + dev_opt + (G[0] if C else 0) + sum(work)
-    iteration = fwd + max(bwd + dev_opt, host_end) + redo
+    iteration = fwd + max(bwd + dev_opt, host_end) + redo + sum(k.device_gather)
 
-    static = sum(k.device_bytes) + nb * inst.buffer_bytes
+    static = sum(k.device_bytes) + nb * inst.buffer_bytes + gathered_peak_bytes(k)
     act_peak = activation_peak(inst, d.modes)
     peak = static + act_peak
     swapped = sum(inst.act_bytes[b] for b, m in enumerate(d.modes) if m == Mode.swap)
@@ -495,6 +533,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         backward_collective_ns=bwd_comm,
         host_collective_ns=sum(k.host_gather) + k.step_barrier,
         host_node_bytes=node_host,
+        device_gather_ns=sum(k.device_gather),
     )
 
 
@@ -546,6 +585,11 @@ def _sharded_breakdown(inst: PolicyInstance, decision: Decision, cost: Cost) -> 
         "collective_copy_overlap": inst.collective_overlap_permille / PERMILLE,
         "compute_copy_shared": 1.0 if inst.compute_copy_shared else 0.0,
         "host_node_bytes": float(cost.host_node_bytes),
+        # persistent chunks sharded on the device (ZeRO-3) and their all-gathers' exposed time
+        "device_sharded_chunks": float(
+            sum(s and not o for s, o in zip(decision.sharded_chunks(inst), decision.offloaded, strict=True))
+        ),
+        "device_gather_exposed_s": cost.device_gather_ns / 1e9,
     }
 
 
@@ -768,7 +812,7 @@ class BatchTimer:
             host_end = np.zeros(modes.shape[0], dtype=np.int64)
         if not overlap:
             host_end = bwd + dev_opt + int(G[0]) + int(queue.sum())
-        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end) + redo
+        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end) + redo + sum(k.device_gather)
         return iteration
 
 

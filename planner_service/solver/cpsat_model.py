@@ -13,10 +13,15 @@ Decision variables
           chunks of every co-needed set (`PolicyInstance.co_needed`: a module spanning chunks)
   nbuf1   nbuf == 1 (one buffer: no prefetch between two offloaded chunks)
 Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank jobs"):
-  sh[c]   offloaded chunk c sharded across the ranks (sh[c] <= off[c]: a persistent chunk is never sharded);
-          off[c] - sh[c] is an offloaded replicated chunk, 1 - sh[c] one whose gradient is all-reduced.
-          Uploads, residency and buffers are the single-process ones (a sharded chunk is uploaded whole).
-  any_sh  some chunk is sharded (any_sh >= sh[c]): node-shared compute copies pay one barrier per step
+  sh[c]   chunk c sharded across the ranks. osh[c] = sh[c] AND off[c] (offloaded, ZeRO-2 on the host: the rows
+          below); dsh[c] = sh[c] - osh[c] (persistent, sharded on the device: ZeRO-3, only where the instance has
+          device-shard terms, else sh[c] <= off[c]). off[c] - osh[c] is an offloaded replicated chunk,
+          1 - osh[c] one whose gradient is all-reduced (a device-sharded one too). Uploads, residency and
+          buffers are the single-process ones (a sharded chunk is uploaded whole).
+          dsh[c]: device bytes `device_shard_bytes_of` instead of `state_bytes`, the shard's device step, the
+          exposed all-gathers (`cost_model.device_gather_exposed_ns`) added to the iteration, and twice the
+          largest gathered copy (gmax >= gathered bytes * dsh[c]) added to the static device bytes.
+  any_sh  some chunk is sharded (any_sh >= osh[c]): node-shared compute copies pay one barrier per step
           (`PolicyInstance.step_barrier_ns`; only when that is non-zero)
 At world size 1 none of these exist and the model is the single-process one, row for row.
 """
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from planner_service.solver.cost_model import residency
+from planner_service.solver.cost_model import device_gather_exposed_ns, residency
 from planner_service.solver.instance import Decision, Mode, PolicyInstance
 from planner_service.solver.sharding import PERMILLE
 
@@ -50,7 +55,9 @@ class PolicyModel:
     iteration: cp_model.IntVar | None = None
     peak: cp_model.IntVar | None = None
     pairs: dict[tuple[int, int], cp_model.IntVar] = field(default_factory=dict)
-    sh: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: offloaded and sharded
+    sh: list[cp_model.IntVar] = field(default_factory=list)  # multi-rank only: sharded (either placement)
+    osh: list[LinearExpr] = field(default_factory=list)  # offloaded and sharded
+    dsh: list[LinearExpr] = field(default_factory=list)  # persistent and sharded on the device (else 0)
 
     def decision(self, solver: cp_model.CpSolver) -> Decision:
         assert self.nbuf is not None
@@ -116,10 +123,23 @@ def _add_placement(pm: PolicyModel) -> None:
     pm.nbuf1 = m.new_bool_var("nbuf1")
     m.add(pm.nbuf == 1).only_enforce_if(pm.nbuf1)
     m.add(pm.nbuf != 1).only_enforce_if(~pm.nbuf1)
-    if pm.inst.sharded_job:  # only offloaded chunks are sharded (the runtime refuses a persistent one)
+    if pm.inst.sharded_job:
         pm.sh = [m.new_bool_var(f"sh[{c}]") for c in range(C)]
-        for c in range(C):
-            m.add(pm.sh[c] <= pm.off[c])
+        if pm.inst.device_shard_bytes_of:  # a persistent chunk may be sharded on the device (ZeRO-3)
+            for c in range(C):
+                o = m.new_bool_var(f"osh[{c}]")
+                m.add(o <= pm.sh[c])
+                m.add(o <= pm.off[c])
+                m.add(o >= pm.sh[c] + pm.off[c] - 1)
+                pm.osh.append(o)
+                pm.dsh.append(pm.sh[c] - o)
+                if not pm.inst.device_shardable(c):  # used outside its owner's forward: never on the device
+                    m.add(pm.sh[c] <= pm.off[c])
+        else:  # only offloaded chunks are sharded
+            for c in range(C):
+                m.add(pm.sh[c] <= pm.off[c])
+            pm.osh = list(pm.sh)
+            pm.dsh = [0] * C
     buf = pm.off
     m.add(pm.nbuf <= sum(buf))
     for cs in pm.inst.co_needed:  # a module spanning chunks needs its offloaded ones in buffers at once
@@ -401,9 +421,10 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         + sum(inst.device_optim_ns)
         + sum(work_max) * 2
         + inst.step_barrier_ns
+        + 2 * sum(inst.device_gather_ns)
     )
     ok = lambda c: 0 <= c < C  # noqa: E731
-    rep = [pm.off[c] - pm.sh[c] for c in range(C)]  # offloaded and replicated (0/1: sh <= off)
+    rep = [pm.off[c] - pm.osh[c] for c in range(C)]  # offloaded and replicated (0/1: sh <= off)
 
     def up(c: int) -> Terms:
         return [(U[c], pm.off[c])] if ok(c) else []
@@ -412,10 +433,10 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         return [(U[c], pm.off[c] - pm.res[c])] if ok(c) else []
 
     def red(c: int) -> Terms:  # reduce-scatter when sharded, all-reduce when replicated (persistent too)
-        return [(RS[c], pm.sh[c]), (AR[c], 1 - pm.sh[c])] if ok(c) else []
+        return [(RS[c], pm.osh[c]), (AR[c], 1 - pm.osh[c])] if ok(c) else []
 
     def gout(c: int) -> Terms:  # the rank's gradient shard (sharded) or the whole gradient copied out
-        return [(Gs[c], pm.sh[c]), (G[c], rep[c])] if ok(c) else []
+        return [(Gs[c], pm.osh[c]), (G[c], rep[c])] if ok(c) else []
 
     # forward: the single-process windows
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
@@ -441,20 +462,28 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     # chunk's `.grad` and steps its shard, or steps the whole (replicated) chunk; at optimizer.step() the sharded
     # chunks' private compute copies are all-gathered (several nodes) or one barrier runs (node-shared copies,
     # any chunk sharded), after the steps clipping redoes (cost_model.host_queue)
-    dev_opt = sum(inst.device_optim_ns[c] * (1 - pm.off[c]) for c in range(C))
-    step = [Hs[c] * pm.sh[c] + H[c] * rep[c] for c in range(C)]
-    gather: LinearExpr = sum(AG[c] * pm.sh[c] for c in range(C))
+    SDO = inst.shard_device_optim_ns or inst.device_optim_ns
+    dev_opt = sum(
+        inst.device_optim_ns[c] * (1 - pm.off[c]) - (inst.device_optim_ns[c] - SDO[c]) * pm.dsh[c]
+        for c in range(C)
+    )
+    # device-sharded chunks: their all-gathers' exposed time (cost_model.device_gather_exposed_ns)
+    dgather: LinearExpr = sum(
+        device_gather_exposed_ns(inst, c) * pm.dsh[c] for c in range(C) if inst.device_gather_ns
+    )
+    step = [Hs[c] * pm.osh[c] + H[c] * rep[c] for c in range(C)]
+    gather: LinearExpr = sum(AG[c] * pm.osh[c] for c in range(C))
     if inst.step_barrier_ns:
         any_sh = m.new_bool_var("any_sharded")
         for c in range(C):
-            m.add(any_sh >= pm.sh[c])
+            m.add(any_sh >= pm.osh[c])
         gather = gather + inst.step_barrier_ns * any_sh
-    work = [step[c] + FILL[c] * pm.sh[c] for c in range(C)]
+    work = [step[c] + FILL[c] * pm.osh[c] for c in range(C)]
     redo = (sum(step) if inst.redo_host_steps else 0) + gather
     if not overlap:
         host_work = sum(work) + (_total(gout(0)) if C else 0)
         pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
-        m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo)
+        m.add(pm.iteration == fwd + bwd + dev_opt + host_work + redo + dgather)
         return
     host_end = m.new_int_var(0, upper, "host_end")
     dones = _backward_done(m, head, tb, upper)
@@ -465,13 +494,13 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         queued = q
         # an offloaded chunk's gradient is reduced (scattered when sharded, all-reduced when not), then
         # its shard or the whole of it copied out
-        arrive = (RS[c] + Gs[c]) * pm.sh[c] + (AR[c] + G[c]) * rep[c]
+        arrive = (RS[c] + Gs[c]) * pm.osh[c] + (AR[c] + G[c]) * rep[c]
         m.add(host_end >= dones[c] + arrive + queued)
     after = m.new_int_var(0, upper, "after_forward")
     m.add(after >= bwd + dev_opt)
     m.add(after >= host_end)
     pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
-    m.add(pm.iteration == fwd + after + redo)
+    m.add(pm.iteration == fwd + after + redo + dgather)
 
 
 def _static_device(pm: PolicyModel) -> cp_model.IntVar:
@@ -480,11 +509,21 @@ def _static_device(pm: PolicyModel) -> cp_model.IntVar:
     assert pm.nbuf is not None
     C = inst.n_chunks
     top = sum(inst.state_bytes(c) for c in range(C)) + C * inst.buffer_bytes
+    states: LinearExpr = sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off))
+    if pm.dsh and inst.device_shard_bytes_of:  # device-sharded chunks: their shards, two gathered copies
+        gb = inst.device_gather_bytes_of
+        top += sum(
+            max(0, x - inst.state_bytes(c)) for c, x in enumerate(inst.device_shard_bytes_of)
+        ) + 2 * max(gb)
+        gmax = pm.model.new_int_var(0, max(gb), "gathered_max_bytes")
+        for c in range(C):
+            pm.model.add(gmax >= gb[c] * pm.dsh[c])
+        states = states - sum(
+            (inst.state_bytes(c) - inst.device_shard_bytes_of[c]) * pm.dsh[c] for c in range(C)
+        )
+        states = states + 2 * gmax
     static = pm.model.new_int_var(0, top, "static_device_bytes")
-    pm.model.add(
-        static
-        == sum(inst.state_bytes(c) * (1 - v) for c, v in enumerate(pm.off)) + inst.buffer_bytes * pm.nbuf
-    )
+    pm.model.add(static == states + inst.buffer_bytes * pm.nbuf)
     return static
 
 
@@ -536,7 +575,7 @@ def _add_host_memory(pm: PolicyModel) -> None:
     swapped = sum(inst.act_bytes[b] * pm.swap[b] for b in range(inst.n_blocks))
     if inst.sharded_job:  # one rank's bytes; the node's ranks share its host RAM, each its own pinned limit
         C = inst.n_chunks
-        sh, rep = pm.sh, [pm.off[c] - pm.sh[c] for c in range(C)]
+        sh, rep = pm.osh, [pm.off[c] - pm.osh[c] for c in range(C)]
         host = (
             sum(inst.shard_host_bytes_of[c] * sh[c] + inst.host_bytes(c) * rep[c] for c in range(C)) + swapped
         )

@@ -194,12 +194,28 @@ class PolicyInstance:
     # or one shard (the rank's share of the node-shared copy), the rest a shard
     shard_host_bytes_of: tuple[int, ...] = field(default=())
     shard_pinned_bytes_of: tuple[int, ...] = field(default=())  # the pinned part of `shard_host_bytes_of`
+    # a DEVICE-sharded persistent chunk (ZeRO-3 on the device, `agent/runtime/device_shards.py`), per rank: its
+    # steady device bytes (the shard of compute copy, fp32 master and optimizer state; the gradient area whole,
+    # N * shard elements), the bytes of its whole copy while gathered (N * shard elements, compute dtype), one
+    # all-gather of that copy (twice per iteration: forward and backward) and the device step of its shard
+    device_shard_bytes_of: tuple[int, ...] = field(default=())
+    device_gather_bytes_of: tuple[int, ...] = field(default=())
+    device_gather_ns: tuple[int, ...] = field(default=())
+    shard_device_optim_ns: tuple[int, ...] = field(default=())
     # how much of the shorter of (collectives, copies) in one window hides behind the longer, in 1/1000:
     # 1000 fully concurrent, 0 serialised (`CollectiveCurves.copy_overlap`; see cost_model)
     collective_overlap_permille: int = 1000
     # chunks one module needs resident at once (`chunk_grid.co_needed_chunks`): the offloaded ones of each set
     # must fit in the buffers together, or the runtime refuses the plan; empty: no module spans two chunks
     co_needed: tuple[tuple[int, ...], ...] = field(default=())
+    # per chunk: holds a parameter used outside its owning module's forward (`ParameterInfo.used_outside_owner`):
+    # never sharded on the device (its released placeholder would be read); empty: none
+    no_device_shard: tuple[bool, ...] = field(default=())
+
+    def device_shardable(self, c: int) -> bool:
+        """Whether persistent chunk `c` may be sharded on the device (the instance has the terms, and no
+        parameter of it is used outside its owning module's forward)."""
+        return bool(self.device_shard_bytes_of) and not (self.no_device_shard and self.no_device_shard[c])
 
     def min_buffers(self, offloaded: tuple[bool, ...]) -> int:
         """Fewest buffers the runtime accepts for these offloaded chunks: 1 when any is offloaded, and for
@@ -406,6 +422,9 @@ def build_instance(
         upload_duplex_ns=duplex.get("upload_duplex_ns", ()),
         grad_offload_duplex_ns=duplex.get("grad_offload_duplex_ns", ()),
         co_needed=co_needed_chunks(trace, layout),
+        no_device_shard=tuple(
+            any(p.used_outside_owner for p in params_list[a:b]) for a, b in layout.param_ranges
+        ),
     )
     if trace.hardware.world_size == 1:
         return inst
@@ -419,6 +438,8 @@ def build_instance(
             elt=elt,
             host_bytes_per_elt=elt + state_per_elt + host_extra_per_elt,
             separate_master=w.master_bytes_per_param > 0,
+            device_optim_ns=inst.device_optim_ns,
+            trained_bytes=tuple(trained),
         ),
     )
 
@@ -426,8 +447,8 @@ def build_instance(
 @dataclass(frozen=True)
 class Decision:
     """One point of the decision space: chunk placements, buffer count, per-block modes, and in a multi-rank
-    job which offloaded chunks are sharded (empty: every offloaded one; an offloaded chunk may also be
-    replicated; a persistent chunk never is sharded: the runtime refuses it)."""
+    job which chunks are sharded (empty: every offloaded one; an offloaded chunk may also be replicated; a
+    sharded persistent chunk is sharded on the device: ZeRO-3, `agent/runtime/device_shards.py`)."""
 
     offloaded: tuple[bool, ...]  # per chunk
     n_buffers: int
@@ -463,11 +484,15 @@ class Decision:
                 raise ValueError("sharded: a single-rank job shards nothing")
             if len(self.sharded) != inst.n_chunks:
                 raise ValueError(f"sharded: {len(self.sharded)} entries for {inst.n_chunks} chunks")
-            persistent = [
-                c for c, (sh, o) in enumerate(zip(self.sharded, self.offloaded, strict=True)) if sh and not o
-            ]
-            if persistent:
+            if not inst.device_shard_bytes_of and any(
+                sh and not o for sh, o in zip(self.sharded, self.offloaded, strict=True)
+            ):
                 raise ValueError(
-                    f"sharded: chunks {persistent} are persistent; only offloaded chunks may be sharded "
-                    "(the runtime refuses a persistent sharded chunk)"
+                    "sharded: a persistent chunk is sharded, and the instance has no device-shard terms"
                 )
+            for c, (sh, o) in enumerate(zip(self.sharded, self.offloaded, strict=True)):
+                if sh and not o and inst.device_shard_bytes_of and not inst.device_shardable(c):
+                    raise ValueError(
+                        f"sharded[{c}]: a persistent chunk holding a parameter used outside its owning module's "
+                        "forward is sharded on the device (it would read a released placeholder)"
+                    )

@@ -5,7 +5,9 @@ buffers for the offloaded rest, at least `PolicyInstance.min_buffers`: the runti
 chunks), n_swap and n_checkpoint (repeated blocks, laid out from the first block:
 swap and checkpoint blocks interleaved early, unoptimised blocks last; the prologue and epilogue are kept).
 In a multi-rank job (issue 20) the offloaded chunks are sharded (ZeRO-Offload style: each rank steps its share
-of their host states) and the persistent prefix is replicated (the runtime shards offloaded chunks only); every
+of their host states) and the persistent prefix is tried replicated and, where the instance has the terms,
+sharded on the device (ZeRO-3: `agent/runtime/device_shards.py`; its shards, two gathered copies, the exposed
+all-gathers); every
 setting is timed and sized by the same multi-rank cost model (one node: node-shared compute copies, one
 barrier per step; several nodes: private copies all-gathered at step(); `sharding.py`).
 
@@ -116,14 +118,29 @@ def search(inst: PolicyInstance, *, prune_memory: bool = True, prune_bound: bool
         state_prefix.append(state_prefix[-1] + inst.state_bytes(c))
         host_prefix.append(host_prefix[-1] + host_of[c])
         pinned_prefix.append(pinned_prefix[-1] + pinned_of[c])
-    for n_persist in range(C, -1, -1):
+    # device-sharded persistent prefix (ZeRO-3 on the device, where the instance has its terms): each prefix
+    # length is tried with its persistent chunks replicated and sharded on the device (the same cost model)
+    device_options = (False, True) if sharded and inst.device_shard_bytes_of else (False,)
+    dshard_prefix = [0]
+    for c in range(C):
+        dshard_prefix.append(
+            dshard_prefix[-1] + (inst.device_shard_bytes_of[c] if inst.device_shard_bytes_of else 0)
+        )
+    gathered = inst.device_gather_bytes_of
+    for n_persist, on_device in ((n, dev) for n in range(C, -1, -1) for dev in device_options):
         n_off = C - n_persist
-        persist_bytes = state_prefix[n_persist]  # chunks 0..n_persist-1 stay, the rest are offloaded
+        if on_device and (n_persist == 0 or not all(inst.device_shardable(c) for c in range(n_persist))):
+            continue
+        # chunks 0..n_persist-1 stay (whole, or their shards and two gathered copies), the rest are offloaded
+        persist_bytes = (
+            dshard_prefix[n_persist] + 2 * max(gathered[:n_persist]) if on_device else state_prefix[n_persist]
+        )
         offloaded = tuple([False] * n_persist + [True] * n_off)
-        shards = offloaded if sharded else ()  # the offloaded chunks, all sharded
+        # the offloaded chunks, all sharded (and the persistent ones when sharded on the device)
+        shards = tuple([on_device] * n_persist + [True] * n_off) if sharded else ()
         n_buf = n_off
         need = inst.min_buffers(offloaded)  # a module spanning offloaded chunks needs them in buffers at once
-        dev_opt = sum(inst.device_optim_ns[:n_persist])
+        dev_opt = sum((inst.shard_device_optim_ns if on_device else inst.device_optim_ns)[:n_persist])
         if prune_bound and best is not None and n_buf:
             # more buffers are never slower, so keeping every block with the most buffers that fit bounds
             # every (n_buffer, n_swap, n_checkpoint) of this n_persist from below

@@ -1,8 +1,9 @@
 """The multi-rank constants of a planning instance (issue 20): shards, collectives, per-rank host work.
 
-The design (docs/architecture/solver.md, "Multi-rank jobs"): ZeRO-Offload style, ZeRO-2 on the host. Only an
-*offloaded* chunk may be sharded; a persistent chunk is always replicated (whole on every rank, its gradient
-all-reduced), because the runtime refuses a persistent sharded chunk. For a sharded offloaded chunk of n used
+The design (docs/architecture/solver.md, "Multi-rank jobs"): ZeRO-Offload style, ZeRO-2 on the host, for
+offloaded chunks; a persistent chunk is replicated (whole on every rank, its gradient all-reduced) or sharded on
+the device (ZeRO-3, `agent/runtime/device_shards.py`: `device_shard_bytes_of` etc., at the end of
+`multi_rank_fields`). For a sharded offloaded chunk of n used
 elements in a job of N ranks, each rank owns s = ceil(n / N) rounded up to 4 elements (16-byte alignment in
 fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the runtime lays it out:
 - host, WHOLE on every rank (N * s elements, compute dtype): the exposed `.grad` (the averaged full gradient);
@@ -78,6 +79,8 @@ def multi_rank_fields(
     elt: int,
     host_bytes_per_elt: int,
     separate_master: bool,
+    device_optim_ns: tuple[int, ...] = (),
+    trained_bytes: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """The `PolicyInstance` fields of `trace`'s process group, for an instance built for one rank as if alone
     (its chunks' gradient bytes `grad_bytes` and whole-chunk `grad_offload_ns`, compute element bytes `elt`, all host bytes per element of an
@@ -99,7 +102,21 @@ def multi_rank_fields(
     # one node: the compute copy is node-shared, a rank's share is one shard; several: a private whole copy
     shared = compute_copy_shared(n, d.ranks_per_node)
     copy_shards = 1 if shared else n
+    # a device-sharded persistent chunk (ZeRO-3 on the device): the shard of compute copy, master and optimizer
+    # state (for its trained share), the whole gradient area (N * s, the runtime keeps `.grad` whole on the device)
+    trained = trained_bytes or tuple(layout.used_bytes)
+    device_shard = tuple(
+        s * (elt + w.master_bytes_per_param)
+        + n * s * w.gradient_bytes_per_param
+        + -(-s * w.optimizer_state_bytes_per_param * t // max(u, 1))
+        for s, u, t in zip(shards, layout.used_bytes, trained, strict=True)
+    )
+    dev_opt = device_optim_ns or (0,) * len(shards)
     return dict(
+        device_shard_bytes_of=device_shard,
+        device_gather_bytes_of=tuple(n * s * elt for s in shards),
+        device_gather_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
+        shard_device_optim_ns=tuple(-(-t // n) for t in dev_opt),
         world_size=n,
         ranks_per_node=d.ranks_per_node,
         compute_copy_shared=shared,

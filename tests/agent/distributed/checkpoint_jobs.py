@@ -43,6 +43,7 @@ class CkptCase:
     bf16: bool = False  # memplan computes in bf16 with fp32 masters
     offload: str = "all"  # sharded_jobs.sharded_plan's: "alternate" adds persistent (replicated) chunks
     tied: bool = False  # "mlp": the output head shares the embedding's weight (two state-dict names)
+    device_shard: bool = False  # the persistent chunks sharded on the device too (ZeRO-3, `device_shards.py`)
 
 
 def make_model(kind: str, *, tied: bool = False) -> nn.Module:
@@ -101,7 +102,7 @@ def save_job(rank: int, world: int, case: CkptCase) -> dict[str, Any]:
     wrapped = agent.wrap(
         model,
         adamw(model),
-        plan=sharded_plan(model, world, case.offload, dtype),
+        plan=sharded_plan(model, world, case.offload, dtype, device_shard=case.device_shard),
         options=RuntimeOptions(compute_dtype=dtype),
         feedback_steps=None,
     )
@@ -147,7 +148,7 @@ def load_job(rank: int, world: int, case: CkptCase) -> dict[str, Any]:
     wrapped = agent.wrap(
         model,
         adamw(model),
-        plan=sharded_plan(model, world, case.offload, dtype),
+        plan=sharded_plan(model, world, case.offload, dtype, device_shard=case.device_shard),
         options=RuntimeOptions(compute_dtype=dtype),
         feedback_steps=None,
     )

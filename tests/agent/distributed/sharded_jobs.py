@@ -38,7 +38,11 @@ from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulat
 @dataclass
 class ShardCase:
     kind: str = "hf-llama"  # "hf-llama" (library defaults), a model_zoo kind, or "mlp" (TokenMLP)
-    offload: str = "all"  # "all", or "alternate" (persistent and sharded offloaded chunks)
+    offload: str = "all"  # "all", "none" (every chunk persistent), or "alternate" (persistent and offloaded)
+    device_shard: bool = False  # persistent chunks sharded too (ZeRO-3 on the device, `device_shards.py`)
+    frozen: bool = (
+        False  # "mlp": `up.bias` and `head.weight` frozen (chunks with parameters that get no gradient)
+    )
     steps: int = 4
     clip: float | None = None
     micro: int = 1
@@ -95,11 +99,17 @@ def sharded_plan(
     *,
     replicated: bool = False,
     tight: bool = False,
+    device_shard: bool = False,
 ) -> Plan:
-    """A hand-built plan for `world` ranks with every offloaded chunk sharded (`replicated`: every second one)."""
+    """A hand-built plan for `world` ranks with every offloaded chunk sharded (`replicated`: every second one;
+    `device_shard`: every persistent chunk too)."""
     sizes = [p.numel() * dtype.itemsize for p in model.parameters()]
     chunk = -(-max(max(sizes), -(-sum(sizes) // 5)) // 64) * 64 + 48  # 48: chunks end off a shard boundary
-    rule: Any = "all" if offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
+    rule: Any = (
+        offload
+        if offload in ("all", "none")
+        else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
+    )
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=rule, n_buffers=2, compute_dtype=dtype)
     assert plan.policy is not None
     if tight:  # every chunk offloaded, parameters grouped out of execution order (TokenMLP's names)
@@ -118,8 +128,11 @@ def sharded_plan(
     chunks = [
         c.model_copy(
             update={
-                "sharded": c.placement == Placement.offloaded
-                and not (replicated and offloaded.index(c.index) % 2 == 1)
+                "sharded": (device_shard and c.placement == Placement.persistent)
+                or (
+                    c.placement == Placement.offloaded
+                    and not (replicated and offloaded.index(c.index) % 2 == 1)
+                )
             }
         )
         for c in plan.policy.chunks
@@ -249,7 +262,7 @@ def _sharing(runtime: Any, case: ShardCase) -> dict[str, Any]:
     inside = all(
         ptr <= st.host_params.data_ptr() and st.host_params.data_ptr() + st.host_params.nbytes <= ptr + nbytes
         for st in runtime.states
-        if st.shard is not None
+        if st.shard is not None and st.offloaded
     )
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
@@ -304,6 +317,9 @@ def state_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TokenMLP() if case.kind == "mlp" else build_model(case.kind)
+    if case.frozen:  # TokenMLP: head.weight alone in a (persistent) chunk, up.bias beside trained parameters
+        model.up.bias.requires_grad_(False)  # type: ignore[union-attr]
+        model.head.weight.requires_grad_(False)  # type: ignore[union-attr]
     if rank:  # ranks start apart: both variants take rank 0's model
         with torch.no_grad():
             for p in model.parameters():
@@ -333,7 +349,13 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
             model,
             opt,
             plan=sharded_plan(
-                model, world, case.offload, dtype, replicated=case.replicated, tight=case.tight
+                model,
+                world,
+                case.offload,
+                dtype,
+                replicated=case.replicated,
+                tight=case.tight,
+                device_shard=case.device_shard,
             ),
             options=RuntimeOptions(compute_dtype=dtype, share_compute_copy=case.share, **shm),
             feedback_steps=None,
@@ -374,13 +396,26 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         after_backward,
     )
     states = runtime.states
-    sharded = [st for st in states if st.shard is not None]
+    sharded = [st for st in states if st.shard is not None and st.offloaded]
+    device_sharded = [st for st in states if st.shard is not None and not st.offloaded]
     report = runtime.memory_report()
     # what a replicated offloaded chunk would hold of the same categories (fp32: master is the compute copy)
     opt_bytes = sum(
         v.nbytes for st in sharded for s in runtime.steppers[st.index].inner.state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() == 1
     )  # fmt: skip
+    peak_gathered = runtime.device_shards.max_gathered_bytes if runtime.device_shards else 0  # training only
+    # released after step(): a device-sharded chunk's parameters are NaN placeholders (zero strides; a write fails)
+    released = [e.param for st in device_sharded for e in st.spec.entries]
+    released_nan = all(p.stride() == (0,) * p.dim() and bool(p.isnan().all()) for p in released)
+    try:
+        with torch.no_grad():
+            max(released, key=lambda p: p.numel(), default=torch.ones(2).expand(2)).add_(1.0)
+        released_write_fails = False
+    except RuntimeError:  # more than one element refers to one memory location
+        released_write_fails = True
+    whole = runtime.summon_full_params()  # device-sharded chunks: the whole parameters (every rank)
+    whole.__enter__()
     result: dict[str, Any] = {
         "ref_losses": ref_losses,
         "losses": losses,
@@ -390,6 +425,20 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "checksum": checksum(wrapped.model),
         "digest": digest(wrapped.model),
         "sharded_chunks": len(sharded),
+        "device_sharded_chunks": len(device_sharded),
+        "released_reads_nan": released_nan,
+        "released_write_fails": released_write_fails,
+        "device_shard_gathers": runtime.counters.device_shard_gathers,
+        "device_shard_prefetches": runtime.counters.device_shard_prefetches,
+        # the most bytes of whole copies held at once, against all of them
+        "max_gathered_bytes": peak_gathered,
+        "whole_bytes": sum(st.params.numel() * st.params.element_size() for st in device_sharded),  # type: ignore[union-attr]
+        "device_report": report.device,
+        # per device-sharded chunk: (whole elements N*s, own shard, master shard, gradient area)
+        "device_shard_buffers": [
+            [st.shard.total, st.own.numel(), st.master.numel(), 0 if st.grad is None else st.grad.numel()]  # type: ignore[union-attr]
+            for st in device_sharded
+        ],
         "replicated_offloaded_chunks": sum(st.offloaded and st.shard is None for st in states),
         "backwards": backwards,
         "grad_rel_diff": grad_rel_diffs(grads, ref_grads, [b["synced"] for b in backwards]),
@@ -417,13 +466,15 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
         "sharded_opt_state_bytes": opt_bytes,
         "host_report": report.host,
     }
+    whole.__exit__(None, None, None)
     if case.save is not None or case.load is not None:
         state = wrapped.optimizer.state_dict()  # a collective: every rank
         result["opt_state_rel_diff"] = state_rel_diff(state, ref_opt.state_dict())
         plain = adamw(copy.deepcopy(ref_model))
         plain.load_state_dict(state)  # plain PyTorch takes it
+        model_state = wrapped.model.state_dict()  # a collective with device-sharded chunks: every rank
         if case.save is not None and rank == 0:
-            torch.save({"model": wrapped.model.state_dict(), "optimizer": state}, case.save)
+            torch.save({"model": model_state, "optimizer": state}, case.save)
     if case.unwrap:
         plain_model = agent.unwrap(wrapped)  # a collective with sharded chunks: every rank
         result["unwrapped_rel_diff"] = rel_diff(plain_model, ref_model)
@@ -529,7 +580,9 @@ def cuda_paths(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
     def run(dtype: torch.dtype) -> float:
         torch.manual_seed(0)
         model = TokenMLP()
-        plan = sharded_plan(model, world, case.offload, dtype, tight=case.tight)
+        plan = sharded_plan(
+            model, world, case.offload, dtype, tight=case.tight, device_shard=case.device_shard
+        )
         wrapped = agent.wrap(
             model, adamw(model), plan=plan, options=RuntimeOptions(compute_dtype=dtype), feedback_steps=None
         )
@@ -537,7 +590,8 @@ def cuda_paths(rank: int, world: int, case: ShardCase) -> dict[str, Any]:
         data = batches(case.steps, rank)
         train(wrapped.model, wrapped.optimizer, data, loop, wrapped.no_sync, lambda m: torch.tensor(0.0))
         wrapped.synchronize()
-        return checksum(wrapped.model)
+        with wrapped.runtime.summon_full_params():  # device-sharded chunks: the whole parameters
+            return checksum(wrapped.model)
 
     out: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -51,6 +51,7 @@ def trainer(
     save_steps: int | None = None,
     max_grad_norm: float = 0.5,
     accumulation: int = 1,
+    save_only_model: bool = False,
 ) -> Any:
     import transformers
 
@@ -64,6 +65,7 @@ def trainer(
         save_steps=save_steps or 500,
         max_grad_norm=max_grad_norm,
         gradient_accumulation_steps=accumulation,
+        save_only_model=save_only_model,
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
@@ -94,9 +96,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         save_steps=spec.get("save_steps"),
         max_grad_norm=spec.get("max_grad_norm", 0.5),
         accumulation=spec.get("accumulation", 1),
+        save_only_model=spec.get("save_only_model", False),
     )
     plan_json = None
-    offloaded = sharded = 0
+    offloaded = sharded = device_sharded = 0
     if spec.get("wrap"):
         kw: dict[str, Any] = {"feedback_steps": None}
         if spec.get("plan"):
@@ -111,16 +114,24 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         assert w.plan.policy is not None
         offloaded = sum(c.placement.value == "offloaded" for c in w.plan.policy.chunks)
         sharded = len(w.plan.policy.sharded_chunks)
+        device_sharded = sum(c.sharded and c.placement.value == "persistent" for c in w.plan.policy.chunks)
     t.train(resume_from_checkpoint=spec.get("resume"))
+    if spec.get("save_model"):  # the user's final save, on every rank as the Trainer documents it
+        t.save_model(spec["save_model"])
     out: dict[str, Any] = {
         "history": history(t),
         "plan": plan_json,
         "offloaded": offloaded,
         "sharded": sharded,
+        "device_sharded": device_sharded,
         "world_size": t.args.world_size,
     }
-    if spec.get("final") and t.args.process_index == 0:  # the trained parameters (every rank holds the same)
-        torch.save({k: v.detach().clone() for k, v in t.model.state_dict().items()}, spec["final"])
+    if spec.get(
+        "final"
+    ):  # the trained parameters (every rank holds the same; a collective with device shards)
+        final = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+        if t.args.process_index == 0:
+            torch.save(final, spec["final"])
     if spec.get("wrap"):
         c = w.runtime.counters
         out["counters"] = {
@@ -162,8 +173,16 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
 if __name__ == "__main__":
     specs = json.loads(sys.argv[1])
     result = [main(s) for s in specs] if isinstance(specs, list) else main(specs)
-    sys.stdout.write("\nRESULT " + json.dumps(result) + "\n")
-    if torch.distributed.is_initialized():
+    line = "\nRESULT " + json.dumps(result) + "\n"
+    if not torch.distributed.is_initialized():
+        sys.stdout.write(line)
+    else:
+        # one rank at a time: two ranks' lines longer than a pipe's atomic write (4 KiB) interleave
+        for rank in range(torch.distributed.get_world_size()):
+            if rank == torch.distributed.get_rank():
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            torch.distributed.barrier()
         # as a torchrun script should end (torch warns otherwise). Without it a wrapped job's rank aborted at
         # exit now and then ("terminate called without an active exception", SIGABRT, after its RESULT):
         # 4 of 30 launches in one period of load on the shared 2-core CPU, 0 of 38 later (the plain DDP

@@ -270,6 +270,69 @@ def test_wrapped_trainer_on_two_ranks_saves_a_checkpoint_and_resumes_it_identica
     assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
+@pytest.fixture(scope="module")
+def device_shard_plan(two_rank_plan: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`two_rank_plan` with every chunk sharded and every other one (the first included) persistent whatever the
+    planner chose on the shared CPU: persistent sharded chunks are sharded on the device (ZeRO-3), so
+    `model.state_dict()` is a collective."""
+    from client.contract import Placement, Plan
+
+    plan = Plan.model_validate_json(two_rank_plan.read_text())
+    assert plan.policy is not None
+    chunks = [
+        c.model_copy(
+            update={"sharded": True, "placement": Placement.persistent if i % 2 == 0 else c.placement}
+        )
+        for i, c in enumerate(plan.policy.chunks)
+    ]
+    path = tmp_path_factory.mktemp("device_shard_plan") / "plan.json"
+    path.write_text(
+        plan.model_copy(
+            update={"policy": plan.policy.model_copy(update={"chunks": chunks})}
+        ).model_dump_json()
+    )
+    return path
+
+
+@pytest.mark.distributed
+def test_wrapped_trainer_with_device_sharded_chunks_saves_the_model_on_two_ranks_and_resumes_it_identically(
+    device_shard_plan: Path, tmp_path: Path
+) -> None:
+    """torchrun, 2 ranks, persistent chunks sharded on the device: the Trainer's model saves (a checkpoint,
+    a `save_only_model` checkpoint, the user's final `save_model()`) take `model.state_dict()` on every rank
+    (a collective; the Trainer takes it on the writing rank only, which raised RankArrivalError); the
+    checkpoint resumes to the uninterrupted run's steps 3-4 and parameters exactly, and the saved model files
+    hold the trained parameters."""
+    from safetensors.torch import load_file
+
+    wrapped = {**TWO_RANKS, "wrap": True, "plan": str(device_shard_plan)}
+    full = {**wrapped, "out": str(tmp_path / "full"), "final": str(tmp_path / "full.pt")}
+    full["save_model"] = str(tmp_path / "model")
+    resume = {**wrapped, "out": str(tmp_path / "resumed"), "final": str(tmp_path / "resumed.pt")}
+    resume["resume"] = str(tmp_path / "full" / "checkpoint-2")
+    only_model = {**wrapped, "steps": 2, "out": str(tmp_path / "only_model"), "save_only_model": True}
+    for got_full, got_resumed, got_only in torchrun([full, resume, only_model]):
+        assert (
+            got_full["device_sharded"] > 0
+            and got_resumed["device_sharded"] > 0
+            and got_only["device_sharded"] > 0
+        )
+        assert [h["step"] for h in got_resumed["history"]] == [
+            1,
+            2,
+            3,
+            4,
+        ]  # 1-2 read back from the checkpoint
+        assert_same(got_resumed["history"][2:], got_full["history"][2:], exact=True)
+    ref = torch.load(tmp_path / "full.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert all(torch.equal(resumed[k], ref[k]) for k in ref)
+    saved = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert saved and all(torch.equal(saved[k], ref[k]) for k in saved)
+    only = {p.name for p in (tmp_path / "only_model" / "checkpoint-2").iterdir()}
+    assert "model.safetensors" in only and "optimizer.pt" not in only
+
+
 @pytest.mark.distributed
 def test_wrap_trainer_under_torchrun_refuses_fsdp_naming_the_argument(
     two_ranks: tuple[Path, list[Any]],

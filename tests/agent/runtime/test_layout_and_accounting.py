@@ -37,9 +37,9 @@ def test_plan_naming_an_unknown_parameter_is_refused_with_its_name() -> None:
         wrap(model, adamw(model), plan=edited(plan, 1, parameters=names))
 
 
-def test_plan_with_a_sharded_persistent_chunk_is_refused_by_name_before_the_model_is_touched() -> None:
-    """The runtime shards offloaded chunks only (issue 20): a persistent chunk marked sharded is refused by
-    naming the field, not applied as if replicated."""
+def test_plan_with_a_sharded_persistent_chunk_is_refused_in_one_process_before_the_model_is_touched() -> None:
+    """A persistent chunk marked sharded is applied on the device (issue 20, `device_shards.py`) only at the world
+    size its shards were cut for: in one process it is refused by naming the field, not applied as replicated."""
     model = tiny_model("llama")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = plan_for(model, "none")
@@ -47,7 +47,8 @@ def test_plan_with_a_sharded_persistent_chunk_is_refused_by_name_before_the_mode
     policy = plan.policy.model_copy(update={"world_size": 2})
     sharded = plan.model_copy(update={"policy": policy})
     with pytest.raises(
-        PlanMismatchError, match=r"policy\.chunks\[1\]\.sharded: persistent sharded chunks: not applied yet"
+        PlanMismatchError,
+        match=r"policy\.world_size: is 2, and policy\.chunks\[1\] is sharded.* runs 1 process",
     ):
         wrap(model, adamw(model), plan=edited(sharded, 1, sharded=True))
     assert not getattr(model, "_memplan_wrapped", False)

@@ -31,10 +31,14 @@ from tests.planner_service.solver.test_policy_bruteforce import limits_between_e
 MiB = 2**20
 
 
-def shardings(off: tuple[bool, ...]) -> list[tuple[bool, ...]]:
-    """Every sharding of the offloaded chunks (each sharded or replicated; persistent chunks never sharded)."""
+def shardings(off: tuple[bool, ...], *, device: bool = True) -> list[tuple[bool, ...]]:
+    """Every sharding of the chunks (each sharded or replicated; a persistent one sharded on the device, ZeRO-3,
+    unless `device` is False)."""
     out = []
-    for pick in itertools.product((False, True), repeat=sum(off)):
+    for pick in itertools.product((False, True), repeat=len(off) if device else sum(off)):
+        if device:
+            out.append(tuple(pick))
+            continue
         it = iter(pick)
         out.append(tuple(next(it) if o else False for o in off))
     return out
@@ -59,7 +63,12 @@ def brute_force(inst: PolicyInstance) -> int | None:
         for sh in shardings(off):
             n_buf = sum(off)
             for nb in range(inst.min_buffers(off), n_buf + 1) if n_buf else (0,):
-                dev = sum(inst.state_bytes(c) for c in range(C) if not off[c])
+                dsh = [sh[c] and not off[c] for c in range(C)]
+                dev = sum(
+                    inst.device_shard_bytes_of[c] if dsh[c] else inst.state_bytes(c)
+                    for c in range(C)
+                    if not off[c]
+                ) + 2 * max([inst.device_gather_bytes_of[c] for c in range(C) if dsh[c]], default=0)
                 host = sum(
                     inst.shard_host_bytes_of[c] if sh[c] else inst.host_bytes(c) for c in range(C) if off[c]
                 )
@@ -150,8 +159,8 @@ def test_cpsat_optimum_equals_brute_force_at_world_sizes_2_and_4(  # noqa: PLR09
         assert got.status == "optimal" and got.cost is not None and got.cost.fits
         assert got.cost.iteration_ns == expected
         assert got.decision is not None
-        # CP-SAT never shards a persistent chunk
-        assert all(o or not s for o, s in zip(got.decision.offloaded, got.decision.sharded, strict=True))
+        # the solver's own cost is the cost model's of its decision (persistent chunks may be sharded on the device)
+        assert evaluate_decision(inst, got.decision).iteration_ns == got.cost.iteration_ns
         compared += 1
     assert compared >= 1, "this case compares no optimum: pick limits that leave a layout feasible"
 
@@ -286,23 +295,66 @@ def test_mixed_precision_shard_bytes_follow_what_the_runtime_keeps_per_rank() ->
         assert inst.shard_pinned_bytes_of[c] == 4 * s * 2 + s * 2
 
 
-def test_a_persistent_chunk_is_never_sharded() -> None:
+def test_a_persistent_chunk_sharded_on_the_device_holds_its_shards_and_two_gathered_copies() -> None:
+    """ZeRO-3 on the device (`agent/runtime/device_shards.py`): a persistent chunk sharded across 2 ranks keeps its
+    shard of the compute copy and the optimizer state (fp32, no separate master: 4 + 8 bytes per element of
+    12.5M) and the whole gradient (25M x 4 bytes); the whole copies while gathered (the one in use and the next,
+    prefetched: twice the largest, 2 x 100 MB) are static bytes; it steps its shard on the device, its gradient
+    is all-reduced as a replicated one's, and its two all-gathers per iteration (forward and backward, 100 MB at
+    50 GB/s: 2 ms each) hide behind compute where collectives overlap (factor 1) and add up without overlap."""
     from planner_service.solver.cost_model import evaluate
     from planner_service.solver.entry import policy_of
 
     inst = _inst(_hand())
-    with pytest.raises(
-        ValueError, match=r"sharded: chunks \[0\] are persistent; only offloaded chunks may be"
-    ):
-        evaluate_decision(inst, Decision((False, True), 1, KEEP, (True, True)))
-    # nor through the wire: a policy sharding a persistent chunk does not evaluate
+    assert inst.device_shard_bytes_of == (250 * MB, 250 * MB)
+    assert inst.device_gather_bytes_of == (100 * MB, 100 * MB) and inst.device_gather_ns == (2 * ms, 2 * ms)
+    both = evaluate_decision(inst, Decision((False, False), 0, KEEP, (True, True)))
+    replicated = evaluate_decision(inst, Decision((False, False), 0, KEEP, (False, False)))
+    assert (
+        both.static_device_bytes == 2 * 250 * MB + 2 * 100 * MB < replicated.static_device_bytes == 800 * MB
+    )
+    # one chunk sharded alone saves nothing: its 150 MB are less than the two gathered copies it adds
+    one = evaluate_decision(inst, Decision((False, False), 0, KEEP, (True, False)))
+    assert one.static_device_bytes == 250 * MB + 400 * MB + 200 * MB
+    assert both.device_optim_ns == replicated.device_optim_ns // 2 == 1 * ms
+    assert both.backward_ns == replicated.backward_ns and both.device_gather_ns == 0
+    assert both.iteration_ns == replicated.iteration_ns - 1 * ms
+    serial = build_instance(
+        _hand(),
+        pack(_hand(), 128 * MiB),
+        Constraints(device_memory_bytes=8 * 2**30),
+        CostParams(copy_overlap=False),
+    )
+    assert (
+        evaluate_decision(serial, Decision((False, False), 0, KEEP, (True, True))).device_gather_ns == 8 * ms
+    )
+    # through the wire: a policy with persistent sharded chunks evaluates to the same figures
     trace = _hand()
-    policy = policy_of(trace, inst.layout, Decision((False, True), 1, KEEP, (False, True)))
-    chunks = [policy.chunks[0].model_copy(update={"sharded": True}), policy.chunks[1]]
-    with pytest.raises(ValueError, match="only offloaded chunks may be sharded"):
-        evaluate(
-            trace, policy.model_copy(update={"chunks": chunks}), Constraints(device_memory_bytes=8 * 2**30)
-        )
+    policy = policy_of(trace, inst.layout, Decision((False, False), 0, KEEP, (True, True)))
+    assert all(c.sharded for c in policy.chunks)
+    got = evaluate(trace, policy, Constraints(device_memory_bytes=8 * 2**30))
+    assert got.peak_device_bytes == both.peak_device_bytes
+
+
+def test_cpsat_shards_persistent_chunks_on_the_device_when_device_memory_is_short() -> None:
+    """Host memory too small to offload anything, device memory short of the replicated chunks but enough for
+    their shards: CP-SAT (and ProTrain) shard both persistent chunks on the device; with room, neither needs to
+    (sharding is then only the shard's shorter device step: 1 ms faster)."""
+    limit = 700 * MB + 300 * MB  # the two chunks' shards and gathered copies, and the activations' peak
+    inst = _inst(_hand(), host_memory_bytes=10 * MB)
+    inst = build_instance(
+        _hand(),
+        inst.layout,
+        Constraints(device_memory_bytes=limit, host_memory_bytes=10 * MB),
+        CostParams(alpha=0.0),
+    )
+    got = solve_layout(inst, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
+    assert got.status == "optimal" and got.decision is not None and got.cost is not None
+    assert got.decision.offloaded == (False, False) and got.decision.sharded == (True, True)
+    assert got.cost.static_device_bytes == 700 * MB
+    pro = search(inst)
+    assert pro.decision is not None and pro.decision.sharded == (True, True)
+    assert pro.cost is not None and pro.cost.iteration_ns == got.cost.iteration_ns
 
 
 def test_persistent_chunks_are_replicated_and_all_reduced() -> None:
@@ -527,16 +579,19 @@ def test_sharding_the_offloaded_chunks_divides_host_work_and_host_memory(solver:
         assert plan.policy is not None and plan.predictions is not None, plan.solver.message
         assert plan.policy.world_size == world
         offloaded = [c.index for c in plan.policy.chunks if c.placement.value == "offloaded"]
-        # only offloaded chunks are sharded; here sharding every one of them pays
-        assert plan.policy.sharded_chunks == (offloaded if world > 1 else [])
+        # every offloaded chunk is sharded here (it pays); persistent ones may be sharded on the device (ZeRO-3)
+        assert set(offloaded if world > 1 else []) <= set(plan.policy.sharded_chunks)
+        assert world > 1 or not plan.policy.sharded_chunks
         # the wire policy evaluates back to the plan's predictions (sharding and world size included)
         assert evaluate(trace, plan.policy, cons, None).iteration_s == pytest.approx(
             plan.predictions.iteration_s
         )
-    # one rank of 300 MiB cannot hold the model's states, and sharding does not shrink what a rank's device
-    # holds (persistent chunks stay whole): every world size offloads; each rank steps 1/N of the offloaded
-    # states on its host and keeps 1/N of them there (but the compute copy and .grad whole)
-    assert all(_offloaded_fraction(p.policy) > 0.5 for _, _, p in plans.values())
+    # one rank of 300 MiB cannot hold the model's states: it offloads most of them; several ranks can shard the
+    # persistent chunks on the device (ZeRO-3), which holds more of the model per rank, so they offload less;
+    # each rank steps 1/N of the offloaded states on its host and keeps 1/N of them there (but the compute copy
+    # and .grad whole)
+    frac = {w: _offloaded_fraction(p.policy) for w, (_, _, p) in plans.items()}
+    assert frac[1] > 0.5 and frac[4] <= frac[2] <= frac[1], frac
     t = {w: p.predictions.iteration_s for w, (_, _, p) in plans.items()}  # type: ignore[union-attr]
     host = {w: p.predictions.peak_host_bytes for w, (_, _, p) in plans.items()}  # type: ignore[union-attr]
     assert t[1] > t[2] > t[4]
@@ -553,3 +608,37 @@ def test_with_room_for_everything_communication_is_not_free() -> None:
     assert "world_size" not in one.predictions.breakdown  # type: ignore[union-attr]
     # the same per-rank work plus gradient all-reduces: no faster per iteration than one rank alone
     assert two.predictions.iteration_s >= one.predictions.iteration_s  # type: ignore[union-attr]
+
+
+def _used_outside_owner(trace: Trace, chunk: int) -> Trace:
+    """`trace` with the parameters of `chunk` used outside their owning module's forward (the profiler's flag)."""
+    a, b = pack(trace, 128 * MiB).param_ranges[chunk]
+    params = [
+        p.model_copy(update={"used_outside_owner": a <= i < b}) for i, p in enumerate(trace.model.parameters)
+    ]
+    return trace.model_copy(update={"model": trace.model.model_copy(update={"parameters": params})})
+
+
+def test_a_chunk_holding_a_parameter_used_outside_its_owners_forward_is_never_sharded_on_the_device() -> None:
+    """As above, but chunk 0's parameters are used outside the forward of the module owning them (a parent's
+    `hidden @ self.embed.weight.T`): sharded on the device they would read the released placeholder, so CP-SAT
+    and ProTrain keep chunk 0 replicated (chunk 1 still sharded), the instance refuses a decision sharding it,
+    and under the limit that only both shards fit nothing is feasible."""
+    roomy = Constraints(device_memory_bytes=1400 * MB, host_memory_bytes=10 * MB)
+    layout = _inst(_hand(), host_memory_bytes=10 * MB).layout
+    trace = _used_outside_owner(_hand(), 0)
+    assert trace.model.parameters[0].used_outside_owner and not trace.model.parameters[-1].used_outside_owner
+    free = build_instance(_hand(), layout, roomy, CostParams(alpha=0.0))
+    inst = build_instance(trace, layout, roomy, CostParams(alpha=0.0))
+    assert inst.no_device_shard == (True, False) and free.no_device_shard == (False, False)
+    got = solve_layout(free, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
+    assert got.decision is not None and got.decision.sharded[0] and not got.decision.offloaded[0]  # has teeth
+    got = solve_layout(inst, hint=None, time_limit_s=30, seed=0, gap_limit=0.0)
+    assert got.status == "optimal" and got.decision is not None
+    assert got.decision.offloaded == (False, False) and got.decision.sharded == (False, True)
+    pro = search(inst)
+    assert pro.decision is not None and not (pro.decision.sharded and pro.decision.sharded[0])
+    with pytest.raises(
+        ValueError, match=r"sharded\[0\]: a persistent chunk holding a parameter used outside"
+    ):
+        Decision((False, False), 0, KEEP, (True, True)).check(inst)

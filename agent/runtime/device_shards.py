@@ -1,0 +1,268 @@
+"""Device-sharded persistent chunks (issue 20, ZeRO-3 on the device; docs/architecture/runtime.md "Sharded chunks").
+
+A PERSISTENT chunk with `Chunk.sharded` in a plan for N ranks keeps on the device only this rank's shard (`s`
+elements, `shards.py`) of its compute copy (`ChunkState.own`), of its fp32 master (mixed precision) and of its
+optimizer state, which the chunk's stepper steps on the device with the user's implementation flags. Its
+`params` tensor is the whole compute copy (N*s elements), whose storage exists only while the chunk is GATHERED:
+
+- `issue`: the storage is resized to N*s elements and an all-gather of every rank's `own` into it is started
+  (`async_op`: on NCCL it runs on the backend's stream and overlaps compute; through the host worker on CUDA when
+  the runtime has one, so one thread issues every collective in one order on every rank);
+- `gather`: waits for it and points the parameters at their views of `params`;
+- `release`: points the parameters at zero-stride placeholders (one element per dtype: the right shape, no
+  memory; a read shows NaN, so a use outside the owning module's forward is loud, not silently zeros; a write
+  fails) and resizes the storage to 0 bytes. Tensors autograd saved in
+  forward (the parameter itself, `weight.t()`) keep the storage object: the pre-backward gather refills the same
+  storage before any backward node reads them (what FSDP1 does with its flat parameter).
+
+Forward: a pre-hook on each module owning parameters of such chunks gathers them (and prefetches the next chunk
+of the access order recorded in the first iteration); its post-hook releases a chunk no running module holds and
+the access order does not use next, and registers a pre-backward hook (`register_multi_grad_hook` on the module's
+outputs, as FSDP2) that gathers the chunk again (and prefetches the next of the recorded backward order). A chunk
+is released in backward once every gradient expected of it has arrived (kept to the end of backward when it holds
+frozen parameters: a node may still read one), and at the end of backward.
+
+Gradients: the gradient area stays whole on the device, in the chunk's layout (the parameters' `.grad` view it,
+DDP-exact for `clip_grad_norm_` and `no_sync`, as a replicated persistent chunk's); it is averaged with one
+all-reduce at the end of a synchronising backward (the same bytes as a reduce-scatter into the shard followed by
+the `.grad` fill all-gather), and the stepper reads its own shard's slice. The gradient is therefore NOT sharded:
+ZeRO-3 for the parameters, the master and the optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from agent.runtime.accounting import Counters
+from agent.runtime.chunks import ChunkState, views
+from agent.runtime.device import DeviceContext
+from agent.runtime.host_worker import HostWorker
+from agent.runtime.process_group import RankGroup, all_gather_single
+from agent.runtime.schedule import Direction
+
+
+def placeholder(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
+    """A released parameter: one element expanded to `shape` (zero strides, no memory; a write fails), NaN for
+    floating dtypes (zeros otherwise), so a read outside forward/backward poisons what it computes."""
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
+
+
+class DeviceShards:
+    """Gathers and releases the device-sharded persistent chunks; one training thread."""
+
+    def __init__(
+        self,
+        states: list[ChunkState],
+        group: RankGroup,
+        ctx: DeviceContext,
+        counters: Counters,
+        worker: HostWorker | None,
+    ) -> None:
+        self.states = {st.index: st for st in states if st.shard is not None and not st.offloaded}
+        self.group = group
+        self.ctx = ctx
+        self.counters = counters
+        # on CUDA the host worker issues the offloaded chunks' collectives during backward: ours go through it
+        # too, so every rank issues them in one order (on CPU the worker runs inline)
+        self.worker = worker if worker is not None and ctx.is_cuda else None
+        self._pending: dict[
+            int, Any
+        ] = {}  # chunk -> the Work (or the worker's future of it) of its all-gather
+        self._full_views: dict[int, list[torch.Tensor]] = {}
+        self._placeholders: dict[int, list[torch.Tensor]] = {}
+        for st in self.states.values():
+            assert st.params is not None
+            self._full_views[st.index] = views(st.params, st.spec.entries)
+            self._placeholders[st.index] = [
+                placeholder(e.param.dtype, st.params.device, e.shape) for e in st.spec.entries
+            ]
+        self.pins: dict[int, int] = dict.fromkeys(self.states, 0)
+        # access order per direction, recorded in the first iteration that runs it; the position in it
+        self._order: dict[Direction, list[int]] = {}
+        self._recording: list[int] | None = None
+        self._direction: Direction | None = None
+        self._pos = 0
+        self.max_gathered_bytes = 0  # the most bytes of gathered copies held at once (memory report)
+
+    def __contains__(self, c: int) -> bool:
+        return c in self.states
+
+    def __bool__(self) -> bool:
+        return bool(self.states)
+
+    # ================================================================================ access order
+    def start(self, direction: Direction) -> None:
+        """A forward or a backward begins: record its order the first time, else follow the recorded one."""
+        if self._recording is not None and self._direction is not None:
+            self._order.setdefault(self._direction, self._recording)
+        self._direction = direction
+        self._recording = None if direction in self._order else []
+        self._pos = 0
+
+    def _note(self, c: int) -> None:
+        if self._recording is not None:
+            self._recording.append(c)
+            return
+        order = self._order.get(self._direction) if self._direction is not None else None
+        if order is None:
+            return
+        for i in range(self._pos, len(order)):
+            if order[i] == c:
+                self._pos = i + 1
+                return
+
+    def next_chunk(self, c: int) -> int | None:
+        """The chunk the recorded order uses after `c` (another one; None while recording or at its end)."""
+        order = self._order.get(self._direction) if self._direction is not None else None
+        if self._recording is not None or order is None:
+            return None
+        for i in range(self._pos, len(order)):
+            if order[i] != c:
+                return order[i]
+        return None
+
+    def used_next(self, c: int) -> bool:
+        """The recorded order uses `c` again right now (the next access): keep it gathered."""
+        order = self._order.get(self._direction) if self._direction is not None else None
+        if self._recording is not None or order is None:
+            return False
+        return self._pos < len(order) and order[self._pos] == c
+
+    # ================================================================================ gather/release
+    def issue(self, st: ChunkState) -> None:
+        """Start the all-gather of `st`'s shards into its (re-allocated) whole copy, unless gathered or started."""
+        if st.gathered or st.index in self._pending:
+            return
+        assert st.params is not None and st.own is not None
+        storage = st.params.untyped_storage()
+        storage.resize_(st.params.numel() * st.params.element_size())
+        full, own, group = st.params, st.own, self.group
+
+        if full.device.type != group.device.type:
+            # a backend that does not take the device's tensors (gloo with a CUDA device): through copies on the
+            # backend's device, synchronously (`RankGroup.all_gather`); nothing to wait for afterwards
+            group.all_gather(full, own)
+            self._pending[st.index] = _DONE
+        elif self.worker is None:
+            self._pending[st.index] = all_gather_single(full, own, group=group.group, async_op=True)
+        else:
+            issued: list[Any] = []  # the Work, once the worker issued the all-gather
+
+            def run() -> None:
+                issued.append(all_gather_single(full, own, group=group.group, async_op=True))
+
+            self._pending[st.index] = (self.worker.submit(run), issued)
+        self.counters.device_shard_gathers += 1
+        self.counters.device_shard_gather_bytes += st.params.nbytes
+        self.max_gathered_bytes = max(self.max_gathered_bytes, self.gathered_bytes())
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the whole copies held now (gathered, or an all-gather into them in flight)."""
+        return sum(s.params.untyped_storage().nbytes() for s in self.states.values() if s.params is not None)
+
+    def gather(self, st: ChunkState) -> None:
+        """`st` gathered: every rank's shard in `params`, the parameters pointing at it (waits for the all-gather)."""
+        if st.gathered:
+            return
+        self.issue(st)
+        self._wait(st)
+        with torch.no_grad():
+            for e, v in zip(st.spec.entries, self._full_views[st.index], strict=True):
+                e.param.data = v
+        st.gathered = True
+
+    def _wait(self, st: ChunkState) -> None:
+        work = self._pending.pop(st.index, None)
+        if work is None:
+            return
+        if isinstance(work, tuple):
+            future, issued = work
+            future.result()
+            work = issued[0]
+        work.wait()  # on NCCL: the current (compute) stream waits for the backend's stream
+
+    def release(self, st: ChunkState) -> None:
+        """Free `st`'s whole copy: the parameters point at placeholders, the storage shrinks to 0 bytes."""
+        if not st.gathered and st.index not in self._pending:
+            return
+        self._wait(st)  # an all-gather in flight into the storage (a prefetch never used)
+        assert st.params is not None
+        with torch.no_grad():
+            for e, v in zip(st.spec.entries, self._placeholders[st.index], strict=True):
+                e.param.data = v
+        if not st.params.untyped_storage().resizable():
+            # a user's `.numpy()` of a gathered parameter (numpy then shares the memory) fixes the storage's size:
+            # leave that storage to them, the chunk gets a new one
+            st.params = torch.empty_like(st.params)
+            self._full_views[st.index] = views(st.params, st.spec.entries)
+        # on CUDA the caching allocator reuses the block in stream order after the compute that read it
+        st.params.untyped_storage().resize_(0)
+        st.gathered = False
+        self.counters.device_shard_releases += 1
+
+    def acquire(self, c: int) -> None:
+        """A module is about to use chunk `c` (forward, recomputation or backward): gather it, prefetch the next."""
+        st = self.states[c]
+        self._note(c)
+        self.gather(st)
+        nxt = self.next_chunk(c)
+        if nxt is not None and nxt in self.states:
+            ahead = self.states[nxt]
+            if not ahead.gathered and nxt not in self._pending:
+                self.issue(ahead)
+                self.counters.device_shard_prefetches += 1
+
+    def gather_all(self) -> None:
+        """Every device-sharded chunk gathered, in chunk order (a collective: every rank)."""
+        for c in sorted(self.states):
+            self.gather(self.states[c])
+
+    def release_all(self, keep: Iterable[int] = ()) -> None:
+        kept = set(keep)
+        for c in sorted(self.states):
+            if c not in kept:
+                self.release(self.states[c])
+
+    def after_module(self, chunks: list[int], backward: bool) -> None:
+        """A module using `chunks` finished its forward: release what nothing holds and the order does not use next."""
+        for c in chunks:
+            self.pins[c] = max(0, self.pins[c] - 1)
+        if backward:
+            return  # a recomputation: its chunks stay until their gradients arrived (or backward ends)
+        for c in chunks:
+            if self.pins[c] == 0 and not self.used_next(c):
+                self.release(self.states[c])
+
+    def refresh_own_from_master(self, st: ChunkState) -> None:
+        """After the master changed (a step, a load): this rank's compute shard from it; the whole copy is stale."""
+        assert st.own is not None and st.master is not None
+        if st.mixed:
+            st.own.copy_(st.master)
+        self.release(st)
+
+    def whole(self, st: ChunkState, source: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard of `source` (this rank's fp32 master or compute shard) as one whole tensor (a
+        collective: every rank, chunk order)."""
+        assert st.shard is not None
+        out = torch.empty(st.shard.total, dtype=source.dtype, device=source.device)
+        self.group.all_gather(out, source.clone())
+        return out
+
+
+class _Done:
+    """The Work of an all-gather that already finished (issued synchronously)."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
+
+
+def pre_backward_hook(outputs: list[torch.Tensor], fn: Callable[[], None]) -> Any:
+    """Call `fn` once when the first gradient w.r.t. any of `outputs` is computed (before the module's backward)."""
+    return torch.autograd.graph.register_multi_grad_hook(outputs, lambda _grad: fn(), mode="any")
