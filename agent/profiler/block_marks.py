@@ -22,6 +22,10 @@ class Gauge(Protocol):
         """The peak since the previous call (or since the gauge started), then start a new window."""
         ...
 
+    def take_sub_peak(self) -> int:
+        """As `take_peak`, within a segment (a gradient landing): records no mark of its own."""
+        ...
+
 
 @dataclass(frozen=True)
 class Mark:
@@ -56,7 +60,7 @@ class BlockTracker:
 
     def land(self, nbytes: int) -> None:
         if self.gauge is not None:
-            sub = self.gauge.take_peak()
+            sub = self.gauge.take_sub_peak()
             self._peak = max(self._peak, sub)
             self._net_peak = max(self._net_peak, sub - self.landed_bytes)
         self.landed_bytes += nbytes
