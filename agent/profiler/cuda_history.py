@@ -58,9 +58,14 @@ class CudaGauge:
         return int(torch.cuda.memory_allocated(self.device))
 
     def take_peak(self) -> int:
+        peak = self.take_sub_peak()
+        self.mark_counts.append(self.alloc_count() - self.base_count)
+        return peak
+
+    def take_sub_peak(self) -> int:
+        """The peak since the previous take, then a new window; no mark count (a gradient landing, not a mark)."""
         peak = int(torch.cuda.max_memory_allocated(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.mark_counts.append(self.alloc_count() - self.base_count)
         return peak
 
 

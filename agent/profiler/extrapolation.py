@@ -28,6 +28,7 @@ exact profile be taken; the error then names what the user controls (free device
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -127,7 +128,7 @@ def extrapolate(
     head = [o for o in ordered if o.block <= k]
     placed = {id(o.param) for o in head}
     tail = [
-        OrderedParameter(o.param, o.name, o.module_path, n + 1, o.aliases)
+        OrderedParameter(o.param, o.name, o.module_path, n + 1, o.aliases, o.use_blocks)
         for o in ordered
         if o.block == epilogue_old
     ]
@@ -168,7 +169,20 @@ def extrapolate(
         extra = len(copied)
         iteration_s += extra * (rb.forward_s + rb.backward_s)
         peak += extra * (rb.activation_bytes + frozen + int(trained * model_state_bytes_per_byte))
-    return head + middle + tail, new_blocks, iteration_s, peak
+
+    def uses_in_full_model(used: tuple[int, ...]) -> tuple[int, ...]:
+        # a use in a representative block is a use in every block copying it; the epilogue moves to the end
+        full: set[int] = set()
+        for u in used:
+            full.add(n + 1 if u == epilogue_old else u)
+            full.update(j + 1 for j in copies.get(u - 1, ()) if 1 <= u <= k)
+        return tuple(sorted(full))
+
+    placed_params = [
+        dataclasses.replace(o, use_blocks=uses_in_full_model(o.use_blocks)) if o.use_blocks else o
+        for o in head + middle + tail
+    ]
+    return placed_params, new_blocks, iteration_s, peak
 
 
 def _state_bytes(ps: Iterable[nn.Parameter]) -> int:

@@ -5,7 +5,8 @@
 - gradient hooks on each block's output tensors mark the start of its backward, and on its input tensors
   the end, so backward time and memory are attributed block by block;
 - optionally (`first_use=True`) forward pre-hooks on every module record the order in which parameters
-  are first used, and the block active at that moment;
+  are first used, and the block active at that moment, and every block that calls a module holding each
+  parameter (`param_uses`: a tied parameter's uses under all its names);
 - optionally (`saved_tensors=True`) `torch.autograd.graph.saved_tensors_hooks` count the bytes each block
   saves for backward, and the forward pre-hooks count each block's input bytes. A storage counts once per
   iteration, in the first block that saves it (or takes it as input): tensors every block uses, such as
@@ -58,6 +59,9 @@ class BlockHooks:
         self.param_order: list[
             tuple[nn.Parameter, str, int]
         ] = []  # (parameter, module path, block at first use)
+        self.param_uses: dict[
+            int, set[int]
+        ] = {}  # id(parameter) -> blocks whose forward called a module holding it
         self.activation_bytes = [0] * self.n_blocks
         self.input_bytes = [0] * self.n_blocks
         self.block_inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -146,10 +150,11 @@ class BlockHooks:
 
     def _use_hook(self, path: str, module: nn.Module) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any) -> None:
+            block = self.block_tracker.block if self.block_tracker.block is not None else 0
             for p in module.parameters(recurse=False):
+                self.param_uses.setdefault(id(p), set()).add(block)
                 if id(p) not in self._seen_params:
                     self._seen_params.add(id(p))
-                    block = self.block_tracker.block if self.block_tracker.block is not None else 0
                     self.param_order.append((p, path, block))
 
         return hook

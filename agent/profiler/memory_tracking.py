@@ -5,12 +5,13 @@ the allocation trace."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from agent.profiler.allocation_trace import AllocationTraceTooLarge, build_allocation_trace
 from agent.profiler.block_detection import RepeatedBlocks
@@ -81,9 +82,12 @@ def track_memory(
     if tracker is not None:
         tracker.block_tracker = block_tracker
     grad_keys: dict[tuple[str, int], int] = {}
-    with BlockHooks(
-        model, repeated, block_tracker, saved_tensors=True, excluded_storages=excluded, on_saved=on_saved
-    ) as hooks:
+    with (
+        _gradient_landings(model, block_tracker),
+        BlockHooks(
+            model, repeated, block_tracker, saved_tensors=True, excluded_storages=excluded, on_saved=on_saved
+        ) as hooks,
+    ):
         with tracker if tracker is not None else (history if history is not None else nullcontext()):
             step.run(block_tracker)
             if tracker is not None:
@@ -150,3 +154,24 @@ def _cuda_records(
         mark_blocks=[(m.block, m.phase) for m in block_tracker.marks],
         saved=history.saved,
     )
+
+
+@contextmanager
+def _gradient_landings(model: nn.Module, block_tracker: BlockTracker) -> Iterator[None]:
+    """While open, each gradient that lands in a parameter's `.grad` is told to `block_tracker.land`: it leaves
+    the blocks' transients from then on (the runtime moves it into its chunk's gradient area, which the planner
+    counts as model state). The hooks are removed on exit."""
+
+    def landed(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            block_tracker.land(p.grad.numel() * p.grad.element_size())
+
+    handles: list[RemovableHandle] = []
+    try:
+        handles.extend(
+            p.register_post_accumulate_grad_hook(landed) for p in model.parameters() if p.requires_grad
+        )
+        yield
+    finally:
+        for h in handles:
+            h.remove()

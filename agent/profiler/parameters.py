@@ -6,12 +6,17 @@ shares `transformer.wte.weight`) appears once, under the name `named_parameters(
 other names in `aliases`; it is placed where it is first used. Parameters no module call reaches in the forward
 are mapped to the block that owns them by module path (outside every repeated block: the epilogue) and
 listed at the end of that block's parameters, in registration order.
+
+`use_blocks`: every block whose forward called a module holding the parameter (GPT-2's `wte.weight`: the
+prologue through `transformer.wte` and the epilogue through `lm_head`), kept for a tied parameter and for one
+used by more than one block; the planner counts the gradient autograd holds between the first and the last
+use (`planner_service/solver/held_gradients.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from torch import nn
@@ -27,6 +32,9 @@ class OrderedParameter:
     module_path: str
     block: int
     aliases: tuple[str, ...]
+    # blocks whose forward called a module holding it, ascending (first: `block`); empty unless it is tied
+    # or used by more than one block
+    use_blocks: tuple[int, ...] = ()
 
 
 def dtype_name(dtype: object) -> str:
@@ -34,9 +42,13 @@ def dtype_name(dtype: object) -> str:
 
 
 def order_parameters(
-    model: nn.Module, repeated: RepeatedBlocks, first_use: Sequence[tuple[nn.Parameter, str, int]]
+    model: nn.Module,
+    repeated: RepeatedBlocks,
+    first_use: Sequence[tuple[nn.Parameter, str, int]],
+    uses: Mapping[int, Set[int]] | None = None,
 ) -> list[OrderedParameter]:
-    """All distinct parameters of `model` in execution order with their block (contract indices)."""
+    """All distinct parameters of `model` in execution order with their block (contract indices). `uses`:
+    id(parameter) -> the blocks whose forward called a module holding it (`BlockHooks.param_uses`)."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -49,6 +61,10 @@ def order_parameters(
         inside = repeated.index_of_path(path)
         return inside + 1 if inside is not None else epilogue
 
+    def use_blocks(p: nn.Parameter, aliases: tuple[str, ...]) -> tuple[int, ...]:
+        used = sorted((uses or {}).get(id(p), ()))
+        return tuple(used) if aliases or len(used) > 1 else ()
+
     out: list[OrderedParameter] = []
     seen: set[int] = set()
     for p, path, block in first_use:
@@ -56,10 +72,9 @@ def order_parameters(
             continue
         seen.add(id(p))
         name = canonical[id(p)]
+        aliases = tuple(n for n in names[id(p)] if n != name)
         out.append(
-            OrderedParameter(
-                p, name, path, block_of_path(path, block), tuple(n for n in names[id(p)] if n != name)
-            )
+            OrderedParameter(p, name, path, block_of_path(path, block), aliases, use_blocks(p, aliases))
         )
     for name, p in model.named_parameters():
         if id(p) in seen:
@@ -95,6 +110,7 @@ def parameter_infos(
             numel=o.param.numel(),
             bytes=o.param.numel() * o.param.element_size(),
             aliases=list(o.aliases),
+            use_blocks=list(o.use_blocks),
             trainable=o.param.requires_grad and (held is None or id(o.param) in held),
             used_outside_owner=id(o.param) in outside,
         )

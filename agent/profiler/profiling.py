@@ -374,7 +374,8 @@ def _measure(
     with OutsideUse(model) as outside, BlockHooks(model, repeated, block_tracker, first_use=True) as hooks:
         step.run(block_tracker)
         first_use = list(hooks.param_order)
-    res.ordered = order_parameters(model, repeated, first_use)
+        uses = dict(hooks.param_uses)
+    res.ordered = order_parameters(model, repeated, first_use, uses)
     res.used_outside_owner = outside.outside
     stepped = [p for p in model.parameters() if p.grad is not None]
     if not stepped:

@@ -101,6 +101,9 @@ class StorageTracker(TorchDispatchMode):
         peak, self._peak = self._peak, self._live
         return peak
 
+    def take_sub_peak(self) -> int:
+        return self.take_peak()
+
     @property
     def peak_bytes(self) -> int:
         return self._overall_peak

@@ -243,6 +243,17 @@ class ParameterInfo(ContractModel):
         "parent's `hidden @ self.embed.weight.T`); the planner never shards its chunk on the device, where it "
         "would read a released placeholder",
     )
+    # Left out of the JSON when empty (the default), so traces without it keep their content hashes; traces
+    # from before session 9 lack it, and the planner then falls back to the aliases' module paths.
+    use_blocks: list[Int] = Field(
+        default_factory=list,
+        max_length=MAX_BLOCKS,
+        exclude_if=lambda v: not v,
+        description="the blocks whose forward calls a module holding this parameter (under any of its names), "
+        "ascending, the first being `block`; recorded for a tied parameter (one with `aliases`) and for one used "
+        "by more than one block, empty otherwise. Autograd holds the gradient of a later use until the first "
+        "use's backward, so the planner counts it in the backward peaks of the blocks in between",
+    )
 
 
 class ModelInfo(ContractModel):
@@ -279,6 +290,17 @@ class ModelInfo(ContractModel):
                 raise ValueError(f"parameters[{i}].name: {p.name!r} appears twice")
             seen.add(p.name)
             per_block[p.block] += p.bytes
+            if p.use_blocks:
+                uses = p.use_blocks
+                if uses[0] != p.block or any(a >= b for a, b in zip(uses, uses[1:], strict=False)):
+                    raise ValueError(
+                        f"parameters[{i}].use_blocks: {uses} must be ascending and distinct and start with "
+                        f"its block {p.block}"
+                    )
+                if uses[-1] >= len(self.blocks):
+                    raise ValueError(
+                        f"parameters[{i}].use_blocks: {uses[-1]} names no block (there are {len(self.blocks)})"
+                    )
         for i, b in enumerate(self.blocks):
             if b.parameter_bytes != per_block[i]:
                 raise ValueError(

@@ -7,6 +7,12 @@ the first use's block that gradient is live on the device beside everything the 
 The profiler measures a block's backward transient above the bytes live when its backward starts, so the
 held gradient is in no block's transient; `held_gradient_bytes` gives it per block and the instance adds it
 to the backward peaks (`PolicyInstance.bwd_peak_bytes`).
+
+Which blocks use a parameter: `ParameterInfo.use_blocks`, recorded by the profiler from the modules it hooks
+(every block whose forward called a module holding it, under any name). A trace without it (made before the
+field existed, or by a producer that does not fill it) falls back to the aliases' module paths looked up in
+the block names (`block_of_module`); a grouped block's name may be cut to the name limit, and a path it no
+longer lists maps to the last block, which counts the gradient in more blocks, never fewer.
 """
 
 from __future__ import annotations
@@ -34,17 +40,26 @@ def block_of_module(blocks: list[BlockInfo], module: str) -> int:
     return len(blocks) - 1
 
 
-def held_gradient_bytes(blocks: list[BlockInfo], parameters: list[ParameterInfo]) -> tuple[int, ...]:
-    """Per block: bytes of tied parameters' gradients held by autograd during the block's backward.
+def last_use(blocks: list[BlockInfo], param: ParameterInfo) -> int:
+    """The last block whose forward uses `param`: its recorded `use_blocks`, else (an older trace) the block
+    of its aliases' modules, else its own block."""
+    if param.use_blocks:
+        return param.use_blocks[-1]
+    if param.aliases:
+        return max(param.block, *(block_of_module(blocks, module_of(alias)) for alias in param.aliases))
+    return param.block
 
-    A trainable parameter first used by block `p` and, through an alias, by a later block `q` holds a
-    gradient of its own bytes from `q`'s backward until `p`'s backward ends: blocks `p..q-1` (block `q`
-    produces it inside its own measured transient)."""
+
+def held_gradient_bytes(blocks: list[BlockInfo], parameters: list[ParameterInfo]) -> tuple[int, ...]:
+    """Per block: bytes of tied or shared parameters' gradients held by autograd during the block's backward.
+
+    A trainable parameter first used by block `p` and again by a later block `q` (through an alias, or the
+    same module called again) holds a gradient of its own bytes from `q`'s backward until `p`'s backward
+    ends: blocks `p..q-1` (block `q` produces it inside its own measured transient)."""
     held = [0] * len(blocks)
     for param in parameters:
-        if not param.aliases or not param.trainable:
+        if not param.trainable:
             continue
-        last = max(block_of_module(blocks, module_of(alias)) for alias in param.aliases)
-        for b in range(param.block, last):
+        for b in range(param.block, last_use(blocks, param)):
             held[b] += param.bytes
     return tuple(held)

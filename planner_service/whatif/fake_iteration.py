@@ -122,6 +122,9 @@ class _Mark:
     phase: Phase
     live: int
     peak_before: int
+    # the same less the gradients landed in `.grad` by then (agent/profiler/block_marks.py `Mark`)
+    net_live: int = 0
+    net_peak_before: int = 0
 
 
 class _Cursor:
@@ -130,18 +133,32 @@ class _Cursor:
         self.block: int | None = None
         self.phase = Phase.forward
         self.marks: list[_Mark] = []
+        self.landed = 0
+        self._peak = 0
+        self._net_peak = 0
+
+    def land(self, nbytes: int) -> None:
+        """A gradient landed in its parameter's `.grad` (agent/profiler/block_marks.py `BlockTracker.land`)."""
+        sub = self.tracker.take_peak()
+        self._peak = max(self._peak, sub)
+        self._net_peak = max(self._net_peak, sub - self.landed)
+        self.landed += nbytes
 
     def move(self, block: int | None, phase: Phase) -> None:
-        peak = self.tracker.take_peak()
+        sub = self.tracker.take_peak()
+        peak, net_peak = max(self._peak, sub), max(self._net_peak, sub - self.landed)
+        self._peak = self._net_peak = 0
         self.block, self.phase = block, phase
-        self.marks.append(_Mark(block, phase, self.tracker.live, peak))
+        live = self.tracker.live
+        self.marks.append(_Mark(block, phase, live, peak, max(0, live - self.landed), max(0, net_peak)))
 
 
 def _transients(marks: list[_Mark], n_blocks: int, phase: Phase) -> list[int]:
-    """Per block: its peak in `phase` above the higher of the live levels where its run starts and ends
-    (agent/profiler/block_marks.py `transient_peaks`, over the same segments)."""
+    """Per block: its peak in `phase` above the live level where its run starts (backward) or the higher of
+    the levels where it starts and ends (forward), net of landed gradients (agent/profiler/block_marks.py
+    `transient_peaks`, over the same segments)."""
     segs = [
-        (a.block, a.phase, a.live, b.live, max(b.peak_before, a.live, b.live))
+        (a.block, a.phase, a.net_live, b.net_live, max(b.net_peak_before, a.net_live, b.net_live))
         for a, b in zip(marks, marks[1:], strict=False)
     ]
     out = [0] * n_blocks
@@ -155,7 +172,7 @@ def _transients(marks: list[_Mark], n_blocks: int, phase: Phase) -> list[int]:
         while j + 1 < len(segs) and segs[j + 1][0] == block and segs[j + 1][1] == phase:
             j += 1
             peak = max(peak, segs[j][4])
-        out[block] = max(out[block], peak - max(start, segs[j][3]))
+        out[block] = max(out[block], peak - (start if phase == Phase.backward else max(start, segs[j][3])))
         i = j + 1
     return out
 
@@ -548,7 +565,16 @@ def run_iteration(
         tracker.register_existing(t)
     cursor = tracker.cursor
     hooks = _Hooks(model, repeated, cursor, excluded)
+
+    def landed(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            cursor.land(p.grad.numel() * p.grad.element_size())
+
+    landing: list[Any] = []
     try:
+        landing.extend(
+            p.register_post_accumulate_grad_hook(landed) for p in model.parameters() if p.requires_grad
+        )
         with (
             _UnpackedSequences(mode),
             mode,
@@ -567,6 +593,8 @@ def run_iteration(
             live_after = tracker.live
     finally:
         tracker.close()
+        for h in landing:
+            h.remove()
     params = _ordered_parameters(model, repeated, hooks.first_use)
     hooks.inputs[0] = hooks._unique_bytes(list(batch.values()), set())  # the prologue's input: the batch
     marks = cursor.marks

@@ -51,6 +51,26 @@ def test_trainable_is_a_strict_boolean_left_out_at_its_default() -> None:
     assert b'"trainable"' not in Trace.model_validate(_raw()).canonical_json()
 
 
+def test_use_blocks_start_at_the_first_use_ascend_name_real_blocks_and_are_left_out_when_empty() -> None:
+    """`ParameterInfo.use_blocks` (session 9): optional and additive; a trace without it loads unchanged."""
+    raw = _raw()
+    first = raw["model"]["parameters"][0]
+    assert "use_blocks" not in first
+    last = len(raw["model"]["blocks"]) - 1
+    first["use_blocks"] = [first["block"], last]
+    assert Trace.model_validate(raw).model.parameters[0].use_blocks == [first["block"], last]
+    for bad, says in (
+        ([first["block"] + 1, last], "start with"),
+        ([first["block"], last, last], "ascending"),
+        ([first["block"], last + 1], "names no block"),
+    ):
+        first["use_blocks"] = bad
+        assert any("parameters[0].use_blocks" in f and says in f for f in _error_fields(raw)), bad
+    first["use_blocks"] = []
+    assert b'"use_blocks"' not in Trace.model_validate(raw).canonical_json()
+    assert Trace.model_validate(raw).content_hash() == Trace.model_validate(_raw()).content_hash()
+
+
 def test_nan_and_infinity_are_rejected() -> None:
     for bad in (math.nan, math.inf):
         raw = _raw()
