@@ -44,7 +44,10 @@ from planner_service.solver.instance import (
 # 1.1: no copy/compute overlap on a CPU device (CostParams.copy_overlap)
 # 1.2: on a CPU device, the runtime costs the profiler measures (swap, chunk runtime) replace/add to copy times
 # 1.3: when the un-managed iteration fits the limit, the plan manages nothing (`_everything_fits`), and says so
-SOLVER_VERSION = "policy-1.3"
+# 1.4: persistent chunks may be sharded on the device (ZeRO-3); per-call host-step overhead; in-step collective
+#      curves and the all-reduce curve (CPU); backward transients net of landed gradients; held tied gradients by
+#      `ParameterInfo.use_blocks`
+SOLVER_VERSION = "policy-1.4"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {
