@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from agent.runtime import manual_plan
+import agent
+from agent.runtime import RuntimeOptions, manual_plan
 from agent.testing.model_zoo import build
+from agent.wrapping import unwrap
 from client.contract import Placement, Plan
 
 VOCAB = 128
@@ -113,3 +116,28 @@ def param_rel_diff(m1: nn.Module, m2: nn.Module) -> tuple[float, str]:
         if d > worst:
             worst, name = d, n
     return worst, name
+
+
+def measured_peak(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], plan: Plan, *, steps: int, tmp_path: Path
+) -> int:
+    """The device peak the monitor measured over `steps` iterations of a copy of `model` wrapped under `plan`
+    on the CPU (fused AdamW), unwrapped after."""
+    m = copy.deepcopy(model)
+    w = agent.wrap(
+        m,
+        torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
+        plan=plan,
+        options=RuntimeOptions(device=torch.device("cpu")),
+        feedback_steps=steps,
+        feedback_path=tmp_path / "feedback.jsonl",
+    )
+    try:
+        for _ in range(steps):
+            w.model(**batch).loss.backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+        assert w.monitor is not None and w.monitor.measured.peak_device_bytes is not None
+        return w.monitor.measured.peak_device_bytes
+    finally:
+        unwrap(w)

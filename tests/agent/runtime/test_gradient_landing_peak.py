@@ -22,12 +22,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from runtime_helpers import measured_peak
 from torch import nn
 
 import agent
-from agent.runtime import RuntimeOptions
 from agent.testing.model_zoo import library_default_config, sample_batch
-from agent.wrapping import unwrap
 from client.contract import Constraints
 from planner_service.solver import solve
 
@@ -70,24 +69,9 @@ def measured_and_predicted(model: nn.Module, batch: dict[str, Any], tmp_path: Pa
     plan = solve(trace, Constraints(device_memory_bytes=limit, time_limit_s=5.0))
     assert plan.policy is not None and plan.predictions is not None, plan.solver.message
     assert any(c.placement.value == "offloaded" for c in plan.policy.chunks)
-    m = copy.deepcopy(model)
-    w = agent.wrap(
-        m,
-        torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
-        plan=plan,
-        options=RuntimeOptions(device=torch.device("cpu")),
-        feedback_steps=STEPS,
-        feedback_path=tmp_path / "feedback.jsonl",
-    )
-    try:
-        for _ in range(STEPS):
-            w.model(**batch).loss.backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-        assert w.monitor is not None and w.monitor.measured.peak_device_bytes is not None
-        return w.monitor.measured.peak_device_bytes, plan.predictions.peak_device_bytes
-    finally:
-        unwrap(w)
+    return measured_peak(
+        model, batch, plan, steps=STEPS, tmp_path=tmp_path
+    ), plan.predictions.peak_device_bytes
 
 
 @pytest.mark.parametrize("case", ["llama", "llama-tied", "t5"])

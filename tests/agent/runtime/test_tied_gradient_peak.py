@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from runtime_helpers import measured_peak
 
 import agent
-from agent.runtime import RuntimeOptions
 from agent.testing.model_zoo import build, sample_batch
-from agent.wrapping import unwrap
 from client.contract import ActivationMode, Constraints, Placement
 from planner_service.solver import solve
 from planner_service.solver.cost_model import evaluate
@@ -56,24 +55,7 @@ def test_gpt2_swap_plan_peak_counts_the_tied_lm_head_gradient(tmp_path: Path) ->
     predictions = evaluate(trace, policy, cons)
     plan = plan.model_copy(update={"policy": policy, "predictions": predictions})
 
-    m = copy.deepcopy(model)
-    w = agent.wrap(
-        m,
-        torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
-        plan=plan,
-        options=RuntimeOptions(device=torch.device("cpu")),
-        feedback_steps=STEPS,
-        feedback_path=tmp_path / "feedback.jsonl",
-    )
-    try:
-        for _ in range(STEPS):
-            w.model(**batch).loss.backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-        assert w.monitor is not None
-        measured = w.monitor.measured.peak_device_bytes
-    finally:
-        unwrap(w)
+    measured = measured_peak(model, batch, plan, steps=STEPS, tmp_path=tmp_path)
     predicted = predictions.peak_device_bytes
     assert measured <= predicted * 1.02, (measured, predicted, measured / predicted - 1)
     assert measured >= predicted * 0.92, (measured, predicted, measured / predicted - 1)
