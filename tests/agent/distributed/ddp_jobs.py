@@ -11,6 +11,7 @@ import contextlib
 import copy
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,6 +63,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def join_ranks(procs: list[Any], limit_s: float) -> list[int | None]:
+    """Wait for the started rank processes `limit_s` in all; their exit codes (None: still running at the
+    deadline, then killed)."""
+    deadline = time.monotonic() + limit_s
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        codes.append(p.exitcode)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes
 
 
 def spawn(case: Case, world: int, out: Path) -> list[dict[str, Any]]:

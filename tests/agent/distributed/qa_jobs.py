@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_jobs import free_port
+from ddp_jobs import free_port, join_ranks
 from sharded_jobs import sharded_plan
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -46,15 +45,7 @@ def spawn(
     procs = [ctx.Process(target=_entry, args=(job, r, world, port, str(out), arg)) for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + limit_s
-    codes: list[int | None] = []
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        codes.append(p.exitcode)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    codes = join_ranks(procs, limit_s)
     results = []
     for r in range(world):
         f = out / f"rank{r}.json"

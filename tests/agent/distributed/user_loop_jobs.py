@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_jobs import VOCAB, adamw, batches, free_port
+from ddp_jobs import VOCAB, adamw, batches, free_port, join_ranks
 from sharded_jobs import sharded_plan
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -46,15 +46,7 @@ def spawn(job: str, world: int, out: Path, limit_s: float, shm: Path | None = No
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + limit_s
-    codes: list[int | None] = []
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        codes.append(p.exitcode)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    codes = join_ranks(procs, limit_s)
     return codes
 
 
