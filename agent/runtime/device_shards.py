@@ -40,7 +40,7 @@ from agent.runtime.accounting import Counters
 from agent.runtime.chunks import ChunkState, views
 from agent.runtime.device import DeviceContext
 from agent.runtime.host_worker import HostWorker
-from agent.runtime.process_group import RankGroup, all_gather_single
+from agent.runtime.process_group import RankGroup, UnusedParametersError, all_gather_single
 from agent.runtime.schedule import Direction
 
 
@@ -69,6 +69,7 @@ class DeviceShards:
         # on CUDA the host worker issues the offloaded chunks' collectives during backward: ours go through it
         # too, so every rank issues them in one order (on CPU the worker runs inline)
         self.worker = worker if worker is not None and ctx.is_cuda else None
+        self._issuer = worker  # the runtime's one issuer of collectives (inline on CPU): the agreements' too
         self._pending: dict[
             int, Any
         ] = {}  # chunk -> the Work (or the worker's future of it) of its all-gather
@@ -87,6 +88,10 @@ class DeviceShards:
         self._direction: Direction | None = None
         self._pos = 0
         self.max_gathered_bytes = 0  # the most bytes of gathered copies held at once (memory report)
+        self._disagreed = False  # an `agree` raised on every rank; its forward/backward has not ended yet
+        # `agree`: this rank's (chunk, direction) and every rank's, on the backend's device
+        self._agree_row = torch.zeros(2, dtype=torch.int32, device=group.device)
+        self._agree_rows = torch.zeros(2 * group.world_size, dtype=torch.int32, device=group.device)
 
     def __contains__(self, c: int) -> bool:
         return c in self.states
@@ -100,6 +105,7 @@ class DeviceShards:
         if self._recording is not None and self._direction is not None:
             self._order.setdefault(self._direction, self._recording)
         self._direction = direction
+        self._disagreed = False
         self._recording = None if direction in self._order else []
         self._pos = 0
 
@@ -133,10 +139,67 @@ class DeviceShards:
         return self._pos < len(order) and order[self._pos] == c
 
     # ================================================================================ gather/release
+    def agree(self, c: int, direction: Direction | None = None) -> None:
+        """Before an all-gather of chunk `c` (or, `c` = -1, as a forward or backward ends): the ranks compare what
+        they are about to do (one all-gather of two int32 per rank, the same size whatever each rank does, so a
+        difference cannot pair collectives of other sizes). Gathers are issued from module hooks: a rank that
+        did not run a module (data-dependent control flow: an expert without tokens there) would otherwise pair
+        its next all-gather with another rank's gather of a different chunk (gloo aborts on the size mismatch;
+        equal sizes would mix chunks silently). Where they differ every rank raises `UnusedParametersError`
+        (the same verdict from the same gathered rows), before any mismatched collective."""
+        if self.group.world_size == 1:
+            return
+        step = direction if direction is not None else self._direction
+        row, out = self._agree_row, self._agree_rows  # kept: no allocation per gather
+        row[0], row[1] = c, 0 if step is None else 1 + list(Direction).index(step)
+
+        def run() -> None:
+            all_gather_single(out, row, group=self.group.group)
+
+        if self._issuer is None:
+            run()
+        else:
+            self._issuer.submit(run).result()
+        flat = out.tolist()
+        rows = [flat[i : i + 2] for i in range(0, len(flat), 2)]
+        if all(r == rows[0] for r in rows):
+            return
+        self._disagreed = True
+        for d in self.states.values():
+            d.expected.clear()  # this forward/backward is not completed (a hook raises)
+
+        def say(r: list[int]) -> str:
+            when = "outside forward/backward" if r[1] == 0 else list(Direction)[r[1] - 1].name
+            if r[0] < 0:
+                return f"ended its {when}"
+            names = [e.name for e in self.states[r[0]].spec.entries]
+            return (
+                f"gathered chunk {r[0]} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in {when}"
+            )
+
+        raise UnusedParametersError(
+            "memplan: the ranks ran different modules of device-sharded persistent chunks (gathered from module "
+            f"hooks): {'; '.join(f'rank {i} {say(r)}' for i, r in enumerate(rows))}. Parameters used on some "
+            "ranks only (data-dependent control flow, e.g. an expert without tokens) are supported in replicated "
+            "persistent chunks (averaged as DistributedDataParallel(find_unused_parameters=True) does), not in "
+            "sharded ones: make every rank run every module (e.g. run each expert on an empty batch), or plan "
+            "these parameters in unsharded persistent chunks"
+        )
+
+    def agree_end(self) -> None:
+        """A forward or backward ends (`agree` with no chunk), unless an agreement of it already failed on every
+        rank (its error is propagating: the root's always-called post-hook must not add another)."""
+        if self._disagreed:
+            self._disagreed = False
+            return
+        self.agree(-1)
+
     def issue(self, st: ChunkState) -> None:
-        """Start the all-gather of `st`'s shards into its (re-allocated) whole copy, unless gathered or started."""
+        """Start the all-gather of `st`'s shards into its (re-allocated) whole copy, unless gathered or started;
+        the ranks agree first (`agree`)."""
         if st.gathered or st.index in self._pending:
             return
+        self.agree(st.index)
         assert st.params is not None and st.own is not None
         storage = st.params.untyped_storage()
         storage.resize_(st.params.numel() * st.params.element_size())

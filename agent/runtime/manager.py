@@ -370,6 +370,9 @@ class ModelStateManager:
         if self.saved is not None:
             self.saved.exit_root_forward()
         if self.phase.forward:
+            if self.device_shards is not None:
+                # every rank ends the forward's gathers here: one that skipped the last module another ran raises
+                self.device_shards.agree_end()
             self.phase.state = TrainingState.IDLE
             if torch.is_grad_enabled():
                 # Backward starts in the outermost graph task at the loss, before any re-entrant
@@ -408,6 +411,8 @@ class ModelStateManager:
 
     @section(timing.END_BACKWARD)
     def _end_backward(self, *, aborted: bool = False) -> None:
+        if self.device_shards is not None and not aborted:
+            self.device_shards.agree_end()  # as at the end of forward, before this backward's reductions
         for st in self.states:
             if st.offloaded and (st.in_slot or (st.received and not st.complete)):
                 if aborted:  # keep the partial gradients (as torch keeps partial .grad), step nothing

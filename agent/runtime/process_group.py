@@ -195,8 +195,9 @@ class RankArrivalError(RuntimeError):
 
 
 class UnusedParametersError(RuntimeError):
-    """The ranks' forwards used different offloaded chunks (data-dependent unused parameters, e.g. an expert
-    that got tokens on some ranks only): their backwards would issue different collectives."""
+    """The ranks' forwards used different offloaded chunks, or ran different modules of device-sharded
+    persistent chunks (data-dependent unused parameters, e.g. an expert that got tokens on some ranks only):
+    they would issue different collectives."""
 
 
 class JobMismatchError(ValueError):

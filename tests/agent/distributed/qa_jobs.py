@@ -107,7 +107,8 @@ class RoutedLM(nn.Module):
 
 def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     """Three steps on batches where rank 1 has one token (one expert per layer runs there) and rank 0 many;
-    `placement`: "persistent" (every chunk) or "offloaded" (every chunk; one expert per chunk)."""
+    `placement`: "persistent" (every chunk), "device-sharded" (every chunk persistent and sharded on the device)
+    or "offloaded" (every chunk; one expert per chunk)."""
     torch.manual_seed(0)
     model = RoutedLM()
     ref = copy.deepcopy(model)
@@ -115,8 +116,13 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     chunk = HIDDEN * VOCAB * 4 + 256  # the embedding, the head; experts and routers share chunks
-    rule = Placement.persistent if placement == "persistent" else Placement.offloaded
+    rule = Placement.offloaded if placement == "offloaded" else Placement.persistent
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=lambda i, n: rule, n_buffers=2)
+    if placement == "device-sharded":  # every chunk persistent and sharded on the device (ZeRO-3)
+        assert plan.policy is not None
+        chunks = [c.model_copy(update={"sharded": True}) for c in plan.policy.chunks]
+        policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
+        plan = plan.model_copy(update={"policy": policy})
     wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=RuntimeOptions())
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, VOCAB, (1, 1) if rank else (4, 8), generator=g) for _ in range(3)]

@@ -42,6 +42,22 @@ def test_offloaded_chunks_unused_on_one_rank_are_a_clear_error_on_every_rank(tmp
         assert "find_unused_parameters" in res["error"] and "experts" in res["error"]
 
 
+def test_device_sharded_chunks_unused_on_one_rank_are_a_clear_error_on_every_rank(tmp_path: Path) -> None:
+    """Defect (two features of session 9 meeting): the same model with every chunk persistent and sharded on the
+    device (ZeRO-3). Their all-gathers are issued from module hooks, so rank 1, which ran no module of an
+    expert's chunk, paired its next all-gather with rank 0's gather of that chunk: gloo aborted the process
+    ("Received data size doesn't match expected size"; equal sizes would have mixed chunks silently). Now the
+    ranks agree on each gather (and on the end of each forward and backward) first, and every rank raises the
+    same error naming the chunks, before any mismatched collective."""
+    codes, results = spawn("routed", 2, tmp_path, 120, "device-sharded")
+    assert codes == [0, 0], codes
+    errors = {res["error"] for res in results}
+    assert len(errors) == 1, errors  # the same verdict on every rank
+    error = errors.pop()
+    assert error is not None and error.startswith("UnusedParametersError"), error
+    assert "device-sharded" in error and "gathered chunk" in error and "experts" in error, error
+
+
 @pytest.mark.parametrize("call", ["state_dict", "unwrap", "save_sharded"])
 def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: Path, call: str) -> None:
     """Defect (documented as a limit): `optimizer.state_dict()`, `agent.unwrap` or
