@@ -143,6 +143,10 @@ class _Storage:
     alloc_agent: int
     recorded: set[int] = field(default_factory=set)
     accesses: list[Access] = field(default_factory=list)
+    # the storage object seen at this address (torch keeps one Python object per live storage); a storage resized
+    # in place (`untyped_storage().resize_`, the device-sharded chunks' gather and release) moves to new bytes
+    # without dying, so its finalizer never frees the old address: `Clocks._entry` notices the mismatch
+    owner: Any = None
 
 
 class Clocks:
@@ -188,36 +192,48 @@ class Clocks:
         self.merge(self.vc[HOST], vc)
 
     # ------------------------------------------------------------------ storages
+    def _entry(self, st: torch.UntypedStorage) -> _Storage | None:
+        """The entry of the storage `st` is now, by its address; an entry left there by another storage object
+        (one that was resized in place and moved, or died unseen) is that storage's bytes freed: checked as a
+        free, then forgotten."""
+        key = st.data_ptr()
+        info = self.storages.get(key)
+        if info is not None and info.owner is not None and info.owner() is not st:
+            self._freed(key, info)
+            return None
+        return info
+
     def storage(self, t: torch.Tensor, *, host_op: bool, created: bool) -> tuple[int, _Storage]:
         st = t.untyped_storage()
         key = st.data_ptr()
-        info = self.storages.get(key)
+        info = self._entry(st)
         if info is None:
             host = host_op
             info = _Storage(
                 st.nbytes(), host=host, pinned=False, alloc_agent=HOST if host else self.current()
             )
+            info.owner = weakref.ref(st)
             self.storages[key] = info
             weakref.finalize(st, self._freed, key, info)
         return key, info
 
     def mark_host(self, t: torch.Tensor, *, pinned: bool) -> None:
         st = t.untyped_storage()
-        info = self.storages.get(st.data_ptr())
+        info = self._entry(st)
         if info is None:
             info = self.storages[st.data_ptr()] = _Storage(
-                st.nbytes(), host=True, pinned=pinned, alloc_agent=HOST
+                st.nbytes(), host=True, pinned=pinned, alloc_agent=HOST, owner=weakref.ref(st)
             )
             weakref.finalize(st, self._freed, st.data_ptr(), info)
         info.host, info.pinned, info.alloc_agent = True, pinned, HOST
 
     def kind(self, t: torch.Tensor) -> str:
         """ "host", "device", or "unknown" (not seen yet: a factory op's result, or made before the simulation)."""
-        info = self.storages.get(t.untyped_storage().data_ptr())
+        info = self._entry(t.untyped_storage())
         return "unknown" if info is None else "host" if info.host else "device"
 
     def is_host(self, t: torch.Tensor) -> bool:
-        info = self.storages.get(t.untyped_storage().data_ptr())
+        info = self._entry(t.untyped_storage())
         return info is not None and info.host
 
     def record_stream(self, t: torch.Tensor, agent: int) -> None:
