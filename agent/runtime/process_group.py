@@ -137,8 +137,6 @@ class RankGroup:
             self._wait_for_rank_0(store, keys[0], ranks, call, fix, backwards)
             _arrivals[ranks] = n + 1
             return
-        if n:  # every rank passed the previous call's wait before rank 0 could pass its collective
-            store.delete_key(f"memplan/arrival/{ranks}/{n - 1}/0")
         others = keys[1:]
         try:
             store.wait(others, timedelta(seconds=timeout_s))
@@ -151,6 +149,12 @@ class RankGroup:
             ) from None
         for key in others:
             store.delete_key(key)
+        if (
+            n
+        ):  # every other rank marked this call, so each passed its wait for rank 0's mark of the previous one
+            # (deleting it on entry raced: a call with no collective after its check let rank 0 reach the next
+            # call and delete the mark before a slow rank had seen it, which then waited forever)
+            store.delete_key(f"memplan/arrival/{ranks}/{n - 1}/0")
         _arrivals[ranks] = n + 1
 
     def _wait_for_rank_0(self, store: Any, key: str, ranks: str, call: str, fix: str, backwards: int) -> None:
