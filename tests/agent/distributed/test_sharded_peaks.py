@@ -122,6 +122,19 @@ def _rank(rank: int, world: int, port: int, plans: dict[str, str], out: str) -> 
         dist.destroy_process_group()
 
 
+def rank_peaks(plans: dict[str, Plan], tmp_path: Path) -> list[dict[str, int]]:
+    """Train every plan on WORLD forked gloo ranks; each rank's measured peaks, by plan name (and, per plan,
+    `<name>/gathered`: the most device-shard whole copies held at once)."""
+    mp.start_processes(
+        _rank,
+        args=(WORLD, free_port(), {k: v.model_dump_json() for k, v in plans.items()}, str(tmp_path)),
+        nprocs=WORLD,
+        join=True,
+        start_method="fork",
+    )
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
 def test_measured_peak_per_rank_is_within_bounds_of_the_sharded_plan_with_swap_and_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -131,16 +144,8 @@ def test_measured_peak_per_rank_is_within_bounds_of_the_sharded_plan_with_swap_a
         assert len(plan.policy.sharded_chunks) == len(plan.policy.chunks) - 1 > 0
     assert plans["swap"].policy.mode_strip().count("S") >= 2  # type: ignore[union-attr]
     assert plans["checkpoint"].policy.mode_strip().count("C") >= 2  # type: ignore[union-attr]
-    mp.start_processes(
-        _rank,
-        args=(WORLD, free_port(), {k: v.model_dump_json() for k, v in plans.items()}, str(tmp_path)),
-        nprocs=WORLD,
-        join=True,
-        start_method="fork",
-    )
     errors = {}
-    for r in range(WORLD):
-        peaks = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, peaks in enumerate(rank_peaks(plans, tmp_path)):
         for name, plan in plans.items():
             assert plan.predictions is not None
             errors[(r, name)] = peaks[name] / plan.predictions.peak_device_bytes - 1.0
@@ -158,16 +163,8 @@ def test_measured_peak_per_rank_is_within_bounds_of_a_plan_sharding_every_chunk_
     for plan in plans.values():
         assert plan.policy is not None and len(plan.policy.sharded_chunks) == len(plan.policy.chunks) > 1
         assert not any(c.placement == Placement.offloaded for c in plan.policy.chunks)
-    mp.start_processes(
-        _rank,
-        args=(WORLD, free_port(), {k: v.model_dump_json() for k, v in plans.items()}, str(tmp_path)),
-        nprocs=WORLD,
-        join=True,
-        start_method="fork",
-    )
     errors = {}
-    for r in range(WORLD):
-        peaks = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, peaks in enumerate(rank_peaks(plans, tmp_path)):
         for name, plan in plans.items():
             assert plan.predictions is not None
             # the CPU meter (a storage tracker) sees a storage's size when it is created: the whole copies, resized
