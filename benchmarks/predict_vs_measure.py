@@ -432,7 +432,14 @@ def print_row(row: dict[str, Any]) -> None:
 MOVES = ("upload", "evict", "flush", "swap_out", "swap_in", "swap_prefetch")
 """Runtime sections summed at every depth (a flush runs inside an evict inside a gradient hook); the entry
 points (`agent.runtime.timing.ENTRY_POINTS`) are summed where torch called them (depth 0)."""
-COUNTER_SECONDS = ("host_step_s", "grad_reduction_s", "grad_fill_s", "param_gather_s", "compute_barrier_s")
+COUNTER_SECONDS = (
+    "host_step_s",
+    "grad_reduction_s",
+    "grad_fill_s",
+    "param_gather_s",
+    "compute_barrier_s",
+    "control_s",
+)
 
 
 def train_steps(
@@ -508,12 +515,17 @@ def predicted_phases(pred: Any) -> dict[str, float]:
     return {
         "iteration": ms(pred.iteration_s),
         "forward": ms(pred.forward_s),
-        "backward": ms(max(pred.backward_s, b["host_optimizer_end_s"] - pred.device_optimizer_s)),
+        # the control checks run at backward's start and end (inside it)
+        "backward": ms(
+            max(pred.backward_s, b["host_optimizer_end_s"] - pred.device_optimizer_s)
+            + b.get("control_collective_s", 0.0)
+        ),
         "step": ms(pred.device_optimizer_s + b["host_optimizer_redo_s"]),
         "host_step": ms(pred.host_optimizer_s),
         "grad_reduction": ms(b.get("backward_collective_s", 0.0)),
         "grad_fill": ms(b.get("grad_fill_collective_s", 0.0)),
         "param_gather": ms(b.get("host_collective_s", 0.0)),
+        "control": ms(b.get("control_collective_s", 0.0)),
     }
 
 
@@ -524,7 +536,8 @@ def breakdown_line(bd: dict[str, Any]) -> str:
         f"ms measured/predicted: iteration {m['iteration']:.1f}/{p['iteration']:.1f}; forward "
         f"{m['forward']:.1f}/{p['forward']:.1f}; backward with host work {m['backward']:.1f}/{p['backward']:.1f} "
         f"(gradient reductions {c['grad_reduction']:.1f}/{p['grad_reduction']:.1f}, .grad all-gathers "
-        f"{c['grad_fill']:.1f}/{p['grad_fill']:.1f}, host steps {c['host_step']:.1f}/{p['host_step']:.1f}; "
+        f"{c['grad_fill']:.1f}/{p['grad_fill']:.1f}, host steps {c['host_step']:.1f}/{p['host_step']:.1f}, "
+        f"control checks {c.get('control', 0.0):.1f}/{p.get('control', 0.0):.1f}; "
         f"flush sections {sec.get('flush', 0.0):.1f}, uploads {sec.get('upload', 0.0):.1f}); step "
         f"{m['step']:.1f}/{p['step']:.1f} (compute-copy all-gathers or barrier "
         f"{c['param_gather'] + c['compute_barrier']:.1f}/{p['param_gather']:.1f}); zero_grad {m['zero_grad']:.1f}"

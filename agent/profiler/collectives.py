@@ -27,6 +27,11 @@ Measured, on the job's group and device:
   both started together (the collective asynchronous, the copy on its own CUDA stream on a GPU; on a CPU the
   gloo worker thread runs the collective while this thread copies), for all-gather beside H2D and
   reduce-scatter beside D2H, the two pairs the runtime overlaps (prefetch, gradient offload).
+- control checks (`control_s`): one tiny all-gather (two int32 per rank) read on the host, as the runtime's
+  per-iteration checks issue it (the same-use check at a backward's start, the persistent union at its end, the
+  device-shard agreements; the barrier at step()): after a compute burst on a CPU device, back to back on a GPU.
+  On this 2-core VM one such call took 0.5-2.5 ms after compute, against nothing in the cost model before
+  (docs/BENCHMARKS.md, "Session 10").
 - ranks per node: ranks whose host name is rank 0's (the busiest host when hosts differ); the interconnect
   names the backend, and the links as far as the process can tell (peer access between CUDA devices; one
   host: shared memory or loopback).
@@ -291,6 +296,47 @@ def measure_in_step_curves(
     return _unique(gather), _unique(reduce), _unique(allreduce)
 
 
+CONTROL_ELEMENTS = 2
+"""int32 elements per rank of the tiny all-gather timed as a control check (the device-shard agreement's row; the
+same-use check's row is one element per offloaded chunk: latency-bound either way)."""
+
+
+def _control_gather(group: dist.ProcessGroup | None, device: torch.device) -> Callable[[], object]:
+    """One control check as the runtime issues it (`RankGroup.gather_rows`): an all-gather of a tiny int32 row,
+    then its rows read on the host (on CUDA the read waits for the device, as the runtime's check does)."""
+    world = dist.get_world_size(group)
+    row = torch.zeros(CONTROL_ELEMENTS, dtype=torch.int32, device=device)
+    full = torch.empty(world * CONTROL_ELEMENTS, dtype=torch.int32, device=device)
+
+    def run() -> object:
+        all_gather_single(full, row, group=group)
+        return full.tolist()
+
+    return run
+
+
+def measure_control_s(
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    repeats: int = IN_STEP_REPEATS,
+    compute: Callable[[], None] | None = None,
+) -> float:
+    """Seconds of one control check (`CollectiveCurves.control_s`): with `compute` (a CPU device) each call
+    after a burst of it, as a backward's start and end come after compute (the mean over repetitions and over
+    the ranks: a call's time on a rank includes its wait for the ranks that arrive later); without, calls back
+    to back (the slowest rank's)."""
+    run = _control_gather(group, device)
+    if compute is None:
+        return _consecutive_time(run, group, device, repeats)
+    run()  # warm-up
+    dist.barrier(group=group)
+    times: list[float] = []
+    for _ in range(repeats):
+        compute()
+        times.append(_timed(run, device))
+    return _mean_over_ranks(times, group, device)
+
+
 def _unique(samples: list[CollectiveSample]) -> list[CollectiveSample]:
     """Sorted by size, one sample per size (tiny sizes rounded to the world size can coincide)."""
     by_size = {s.size_bytes: s for s in samples}
@@ -415,9 +461,12 @@ def probe_process_group(
         return Distributed(world_size=1, ranks_per_node=1, interconnect=link)
     allreduce: list[CollectiveSample] = []
     if dev.type == "cpu":  # compute and gloo share the cores: timed as a training step issues them
-        gather, reduce, allreduce = measure_in_step_curves(group, dev, sizes, max(repeats, IN_STEP_REPEATS))
+        in_step = max(repeats, IN_STEP_REPEATS)
+        gather, reduce, allreduce = measure_in_step_curves(group, dev, sizes, in_step)
+        control = measure_control_s(group, dev, in_step, _Compute(group, dev, IN_STEP_COMPUTE_S))
     else:  # a GPU's collectives run on their own stream beside compute (NCCL): back to back (not run here)
         gather, reduce = measure_curves(group, dev, sizes, repeats)
+        control = measure_control_s(group, dev, max(repeats, IN_STEP_REPEATS))
     overlap = [
         measure_overlap("all_gather", "h2d", group, dev, overlap_size, repeats),
         measure_overlap("reduce_scatter", "d2h", group, dev, overlap_size, repeats),
@@ -427,7 +476,11 @@ def probe_process_group(
         ranks_per_node=per_node,
         interconnect=link,
         collectives=CollectiveCurves(
-            all_gather=gather, reduce_scatter=reduce, copy_overlap=overlap, all_reduce=allreduce
+            all_gather=gather,
+            reduce_scatter=reduce,
+            copy_overlap=overlap,
+            all_reduce=allreduce,
+            control_s=max(control, 1e-9),
         ),
     )
 

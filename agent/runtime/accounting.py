@@ -85,6 +85,10 @@ class Counters:
     grad_fill_s: float = 0.0
     param_gather_s: float = 0.0
     compute_barrier_s: float = 0.0
+    # the control checks: tiny synchronous collectives that keep the ranks' collectives paired (the same-use
+    # check at a backward's start, the persistent union at its end, the device-shard agreements)
+    control_s: float = 0.0
+    control_checks: int = 0
 
 
 @dataclass

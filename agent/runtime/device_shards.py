@@ -31,6 +31,7 @@ ZeRO-3 for the parameters, the master and the optimizer state.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -156,11 +157,14 @@ class DeviceShards:
         def run() -> None:
             all_gather_single(out, row, group=self.group.group)
 
+        t0 = time.perf_counter()
         if self._issuer is None:
             run()
         else:
             self._issuer.submit(run).result()
         flat = out.tolist()
+        self.counters.control_s += time.perf_counter() - t0
+        self.counters.control_checks += 1
         rows = [flat[i : i + 2] for i in range(0, len(flat), 2)]
         if all(r == rows[0] for r in rows):
             return

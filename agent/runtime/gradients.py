@@ -385,7 +385,10 @@ class GradientFlow:
                 for st in persistent
             ]
         )
+        t0 = time.perf_counter()
         self.group.union_(mask)
+        self.counters.control_s += time.perf_counter() - t0
+        self.counters.control_checks += 1
         at = 0
         for st in persistent:
             n = len(st.spec.entries)
@@ -418,7 +421,10 @@ class GradientFlow:
             dtype=torch.int32,
         )
         gathered: list[torch.Tensor] = []
+        t0 = time.perf_counter()
         self.worker.submit(lambda: gathered.append(self.group.gather_rows(row))).result()  # type: ignore[union-attr]
+        self.counters.control_s += time.perf_counter() - t0
+        self.counters.control_checks += 1
         rows = gathered[0]
         differ = [i for i in range(len(offloaded)) if len(set(rows[:, i].tolist())) > 1]
         if not differ:

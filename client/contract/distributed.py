@@ -8,6 +8,7 @@ Collective figures use *algorithm* bandwidth of the whole tensor, the quantity t
 - all-gather: `size_bytes` is the gathered (output) tensor, N shards of size_bytes / N; time = size / rate.
 - reduce-scatter: `size_bytes` is the full (input) tensor each rank contributes; each rank keeps size / N.
 - all-reduce (optional): `size_bytes` is the whole tensor every rank contributes and receives.
+- control (optional): the seconds of one tiny collective, the latency the runtime's per-iteration checks pay.
 
 How the agent times them (`agent/profiler/collectives.py`): on a CPU device each call after a burst of compute,
 as a training step issues them (gloo and the compute share the cores); on a GPU back to back.
@@ -103,6 +104,15 @@ class CollectiveCurves(ContractModel):
         exclude_if=lambda v: not v,
         description="all-reduce (the gradient average of a replicated chunk), `size_bytes` the whole tensor; "
         "empty (older traces): the cost model reads it as a reduce-scatter plus an all-gather",
+    )
+    # Left out of the JSON when 0 (traces from before it keep their content hashes).
+    control_s: Seconds = Field(
+        default=0.0,
+        exclude_if=lambda v: v == 0.0,
+        description="one tiny collective (an all-gather of two int32 per rank), timed as the runtime's control "
+        "checks issue them: the same-use check at each backward's start, the persistent chunks' union at its "
+        "end, the device-shard agreements, the barrier at step(); mean seconds per call; 0 = not measured "
+        "(older traces: the cost model reads the smallest all-gather sample's time instead)",
     )
 
     @model_validator(mode="after")

@@ -128,6 +128,10 @@ Memory of one rank: device as one process (persistent chunks whole + n_buffers b
   The pinned limit is one rank's (process's): a sharded chunk pins its compute copy (whole, or its share of
   the node's), its shard's staging buffer and, without a separate fp32 master, its shard's host gradient
   (`client.contract.sharded_chunk_pinned_bytes`).
+Control checks (every multi-rank iteration, `control_checks_ns`): the runtime's tiny synchronous collectives,
+  each the trace's `control_ns`, added to the iteration (no window hides them: each blocks its issuing thread):
+    T_iter += ctl * ([any chunk offloaded] + [any chunk persistent] + [any dsh] * (2 + 2 * sum dsh[c]))
+  (the same-use check at backward's start, the persistent union at its end, the device-shard agreements).
 At N = 1 every term reduces to the single-process formulas above (a test holds plans and costs fixed).
 
 Why one module over 400 lines: the time and memory terms of a policy are one formula, term by term the one
@@ -188,6 +192,8 @@ class Cost:
     host_node_bytes: int = 0
     # device-sharded persistent chunks: their all-gathers' time compute does not hide (in iteration_ns)
     device_gather_ns: int = 0
+    # the runtime's control checks (tiny synchronous collectives, `control_checks_ns`; in iteration_ns)
+    control_ns: int = 0
 
     @property
     def fits(self) -> bool:
@@ -247,6 +253,7 @@ class ChunkTerms:
     host_bytes: tuple[int, ...]  # host bytes of one rank
     pinned_bytes: tuple[int, ...]
     step_barrier: int = 0  # the barrier at step() (node-shared compute copies, any chunk sharded), else 0
+    control: int = 0  # the runtime's control checks per iteration (`control_checks_ns`; 0 at N = 1)
     # device-sharded persistent chunks (ZeRO-3 on the device): per chunk its exposed all-gather time per iteration
     # (forward and backward), and the bytes of its whole copy while gathered (0 for every other chunk)
     device_gather: tuple[int, ...] = ()
@@ -262,6 +269,22 @@ def device_gather_exposed_ns(inst: PolicyInstance, c: int) -> int:
     if not inst.copy_overlap:
         return both
     return _ceil_div((PERMILLE - inst.collective_overlap_permille) * both, PERMILLE)
+
+
+def control_checks_ns(
+    inst: PolicyInstance, offloaded: tuple[bool, ...], device_sharded: tuple[bool, ...]
+) -> int:
+    """The runtime's control checks of one multi-rank iteration, each one tiny synchronous collective
+    (`inst.control_ns`): the same-use check at backward's start when any chunk is offloaded
+    (`GradientFlow.check_same_use`), the persistent chunks' union at backward's end when any chunk is persistent
+    (`_agree_on_persistent`; a persistent chunk without trained parameters skips it: counted, cautious), and
+    with device-sharded chunks an agreement before each of their two all-gathers per iteration plus one at the
+    end of forward and one at the end of backward (`DeviceShards.agree`). 0 at world size 1."""
+    if not inst.control_ns:
+        return 0
+    n_dsh = sum(device_sharded)
+    checks = int(any(offloaded)) + int(not all(offloaded)) + (2 * n_dsh + 2 if n_dsh else 0)
+    return checks * inst.control_ns
 
 
 def gathered_peak_bytes(k: ChunkTerms) -> int:
@@ -326,6 +349,7 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             for c in range(C)
         ),
         step_barrier=inst.step_barrier_ns if any(sh) else 0,
+        control=control_checks_ns(inst, o, z),
     )
 
 
@@ -500,7 +524,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
         # backward and the device optimizer, on the same cores
         host_end = bwd + dev_opt + (G[0] if C else 0) + sum(work)
-    iteration = fwd + max(bwd + dev_opt, host_end) + redo + sum(k.device_gather)
+    iteration = fwd + max(bwd + dev_opt, host_end) + redo + sum(k.device_gather) + k.control
 
     static = sum(k.device_bytes) + nb * inst.buffer_bytes + gathered_peak_bytes(k)
     act_peak = activation_peak(inst, d.modes)
@@ -534,6 +558,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         host_collective_ns=sum(k.host_gather) + k.step_barrier,
         host_node_bytes=node_host,
         device_gather_ns=sum(k.device_gather),
+        control_ns=k.control,
     )
 
 
@@ -590,6 +615,8 @@ def _sharded_breakdown(inst: PolicyInstance, decision: Decision, cost: Cost) -> 
             sum(s and not o for s, o in zip(decision.sharded_chunks(inst), decision.offloaded, strict=True))
         ),
         "device_gather_exposed_s": cost.device_gather_ns / 1e9,
+        # the runtime's control checks (tiny synchronous collectives) per iteration
+        "control_collective_s": cost.control_ns / 1e9,
     }
 
 
@@ -812,7 +839,9 @@ class BatchTimer:
             host_end = np.zeros(modes.shape[0], dtype=np.int64)
         if not overlap:
             host_end = bwd + dev_opt + int(G[0]) + int(queue.sum())
-        iteration: np.ndarray = fwd + np.maximum(bwd + dev_opt, host_end) + redo + sum(k.device_gather)
+        iteration: np.ndarray = (
+            fwd + np.maximum(bwd + dev_opt, host_end) + redo + sum(k.device_gather) + k.control
+        )
         return iteration
 
 

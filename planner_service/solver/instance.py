@@ -183,6 +183,9 @@ class PolicyInstance:
     # node-shared copies: the one barrier per step on the host worker, after every chunk's host step, that the
     # sharded chunks' next uploads wait on (charged once when any chunk is sharded); 0 with private copies
     step_barrier_ns: int = 0
+    # one of the runtime's control checks per iteration (a tiny synchronous collective: the same-use check, the
+    # persistent union, the device-shard agreements; `cost_model.control_checks_ns` counts them); 0 at N = 1
+    control_ns: int = 0
     # all-gather of a sharded chunk's host-gradient shards into its exposed `.grad` (N * shard elements, the
     # compute dtype), on the host worker before the chunk's host step
     grad_fill_ns: tuple[int, ...] = field(default=())

@@ -25,10 +25,15 @@ fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the r
   after every chunk's host step, that each sharded chunk's next upload waits on (`step_barrier_ns`, charged
   once when any chunk is sharded; `gather_ns` is 0 for every chunk).
 
+Control checks: every multi-rank iteration pays the runtime's tiny synchronous collectives (`control_ns`
+each; `cost_model.control_checks_ns` counts them): the same-use check at backward's start when any chunk is
+offloaded, the persistent chunks' union at backward's end when any chunk is persistent, and for device-sharded
+chunks an agreement before each of their two all-gathers plus one at the end of forward and of backward.
+
 Collective times come from the trace's measured curves (`CollectiveCurves`, algorithm bandwidth of the
-whole tensor). The trace measures no barrier: its time is the smallest all-gather sample's measured time
-(`barrier_ns`), a latency-bound collective on the same group, which over-counts a barrier by that sample's
-bytes over the link (cautious). Copies of a shard are its bytes over the host<->device curves, plus the
+whole tensor). A barrier or a control check is one tiny collective: the measured `control_s`, or in traces
+from before it the smallest all-gather sample's measured time (`control_ns`), a latency-bound collective on
+the same group, which over-counts it by that sample's bytes over the link (cautious). Copies of a shard are its bytes over the host<->device curves, plus the
 runtime's measured per-copy overhead as for a whole chunk (serial devices only: `instance.build_instance`
 adds it). Times are integer ns, as everywhere.
 """
@@ -62,12 +67,20 @@ def collective_overlap_permille(trace: Trace) -> int:
     return round(PERMILLE * min(o.factor for o in d.collectives.copy_overlap))
 
 
-def barrier_ns(curves: CollectiveCurves) -> int:
-    """One barrier across the group: the smallest all-gather sample's measured time (the probe times no barrier;
-    that sample is the group's most latency-bound measured collective, so likely more than a barrier takes:
-    cautious)."""
+def control_ns(curves: CollectiveCurves) -> int:
+    """One tiny latency-bound collective on the group (a control check, a barrier): the measured
+    `control_s` (a tiny all-gather timed as the runtime issues its checks); older traces, which did not measure
+    it, the smallest all-gather sample's time (the group's most latency-bound measured collective, so likely
+    more than a tiny one takes: cautious)."""
+    if curves.control_s > 0:
+        return max(1, round(curves.control_s * 1e9))
     s = curves.all_gather[0]
     return round(s.size_bytes / s.bytes_per_s * 1e9)
+
+
+def barrier_ns(curves: CollectiveCurves) -> int:
+    """One barrier across the group: a tiny collective (`control_ns`; the probe times no barrier itself)."""
+    return control_ns(curves)
 
 
 def multi_rank_fields(
@@ -123,6 +136,7 @@ def multi_rank_fields(
         # several nodes: each sharded chunk's compute copy all-gathered at step(); one node: one barrier instead
         gather_ns=(0,) * len(shards) if shared else tuple(transfer_ns(ag, n * s * elt) for s in shards),
         step_barrier_ns=barrier_ns(d.collectives) if shared else 0,
+        control_ns=control_ns(d.collectives),
         # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
         grad_fill_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
         reduce_scatter_ns=tuple(transfer_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),

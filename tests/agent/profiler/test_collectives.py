@@ -92,6 +92,9 @@ def test_every_rank_gets_the_same_measured_group(two_ranks: Path) -> None:
     assert [s.size_bytes for s in c.all_gather] == [4 * KiB, 64 * KiB]
     assert [s.size_bytes for s in c.reduce_scatter] == [4 * KiB, 64 * KiB]
     assert all(0 < s.bytes_per_s < 1e13 for s in c.all_gather + c.reduce_scatter)
+    # one control check (a tiny all-gather read on the host, after a compute burst on the CPU): a latency,
+    # measured, so the cost model does not fall back to the smallest all-gather sample
+    assert 0 < c.control_s < 1.0
     pairs = {(o.collective, o.direction) for o in c.copy_overlap}
     assert pairs == {("all_gather", "h2d"), ("reduce_scatter", "d2h")}
     for o in c.copy_overlap:

@@ -414,7 +414,10 @@ def test_clipping_redoes_the_shard_steps_and_then_gathers(per_node: int, collect
     # nodes) both compute copies all-gathered, or (one node, a shared compute copy) one barrier: the 1 MB
     # all-gather sample's 20 us
     assert cost.host_redo_ns == 100 * ms + collectives
-    assert cost.iteration_ns == 40 * ms + 141 * ms + 100 * ms + collectives
+    # and one control check (the same-use check at backward's start: every chunk offloaded, none persistent):
+    # the trace measured no `control_s`, so the 1 MB all-gather sample's 20 us
+    assert cost.control_ns == 20_000
+    assert cost.iteration_ns == 40 * ms + 141 * ms + 100 * ms + collectives + 20_000
     # the undo backup (12 bytes per element: master + Adam state) is a shard's too (beside 400 MB with a
     # private compute copy, 350 MB with a share of the node's: see the instance tests)
     assert inst.shard_host_bytes_of[0] == (400 if per_node == 1 else 350) * MB + 12 * 12_500_000
@@ -430,8 +433,10 @@ def test_on_a_serial_device_every_collective_adds(per_node: int, collectives: in
     # backward: window 1; window 0 + chunk 1's reduce-scatter (2) and shard copy (5); chunk 0's all-reduce (4)
     assert cost.backward_ns == 20 * ms + 27 * ms + 4 * ms
     # then the device step of chunk 0 (1 ms), the `.grad` all-gather (2), the shard step (50) and the gather
-    # (2 ms, two nodes) or the barrier (20 us, one node), serially
-    assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 2 * ms + 50 * ms + collectives
+    # (2 ms, two nodes) or the barrier (20 us, one node), serially; and two control checks (a chunk offloaded:
+    # the same-use check; one persistent: the union of its gradients), 20 us each
+    assert cost.control_ns == 2 * 20_000
+    assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 2 * ms + 50 * ms + collectives + 40_000
 
 
 @pytest.mark.parametrize(("overlap", "window_ms"), [(1.0, 20.0), (0.5, 22.5), (0.0, 25.0)])
