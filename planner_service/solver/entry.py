@@ -47,7 +47,9 @@ from planner_service.solver.instance import (
 # 1.4: persistent chunks may be sharded on the device (ZeRO-3); per-call host-step overhead; in-step collective
 #      curves and the all-reduce curve (CPU); backward transients net of landed gradients; held tied gradients by
 #      `ParameterInfo.use_blocks`
-SOLVER_VERSION = "policy-1.4"
+# 1.5: multi-rank jobs pay the runtime's control checks (`CollectiveCurves.control_s`); on a CPU device the
+#      runtime probe's offload overhead includes optimizer.step()'s settling of a speculative step
+SOLVER_VERSION = "policy-1.5"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {
