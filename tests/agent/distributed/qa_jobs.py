@@ -231,8 +231,16 @@ def accelerate_loop(rank: int, world: int, arg: str) -> dict[str, Any]:
     from accelerate import (
         Accelerator,
     )  # local import: accelerate is a dev dependency, this job alone needs it
+    from accelerate.state import (
+        AcceleratorState,
+    )  # local import: accelerate is a dev dependency, this job alone needs it
 
     from agent.integrations.hf import keep_accelerate_from_ddp
+
+    # a forked rank inherits the parent's process-wide Accelerate state: a single-process one when an earlier
+    # test in the same pytest process built an Accelerator (the Trainer tests do), which then ignores this
+    # job's group (num_processes 1). Start from none, as a launched process does.
+    AcceleratorState._reset_state(reset_partial_state=True)
 
     # what the launcher sets: Accelerate reads the job's shape from these (the group itself is initialised)
     os.environ.update(
