@@ -1,4 +1,5 @@
-"""Copy (or collective) time by transfer size, read off a measured bandwidth curve (log-size interpolation)."""
+"""Copy time by transfer size, read off a measured bandwidth curve (rate linear in log size: `transfer_ns`), and a
+collective's time off its measured curve (time linear in size: `collective_ns`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,34 @@ def transfer_ns(curve: Sequence[RateSample], size_bytes: int) -> int:
     if size_bytes <= 0:
         return 0
     return max(1, round(size_bytes / bytes_per_s_at(curve, size_bytes) * 1e9))
+
+
+def collective_ns(curve: Sequence[RateSample], size_bytes: int) -> int:
+    """Integer nanoseconds of one collective on a tensor of `size_bytes` (0 for nothing), read off its measured
+    curve as a time: linear in size between samples, the smallest sample's time below it (a collective costs at
+    least its latency), the largest sample's rate beyond it.
+
+    Why not `transfer_ns` (rate linear in log size, right for copies): a collective's time is a latency plus
+    bytes over a bandwidth, t = L + s / B, which is linear in s, so linear interpolation of time between two
+    samples is exact for it, while interpolating the rate underestimates just above a latency-bound sample. With
+    L = 2 ms and B = 1.5 GB/s (a 2-rank gloo all-reduce on the 2-core CPU VM), samples at 256 KiB and 4 MiB, a
+    512 KiB all-reduce read 1.70 ms off the rate (true 2.35 ms), which made every CPU multi-rank plan's gradient
+    reductions 30-40% short of what the runtime measured (docs/BENCHMARKS.md, session 10)."""
+    if size_bytes <= 0:
+        return 0
+    if not curve:
+        raise ValueError("collective curve: needs at least one sample")
+    sizes = [s.size_bytes for s in curve]
+    first, last = curve[0], curve[-1]
+    if size_bytes <= sizes[0]:
+        return max(1, round(first.size_bytes / first.bytes_per_s * 1e9))
+    if size_bytes >= sizes[-1]:
+        return max(1, round(size_bytes / last.bytes_per_s * 1e9))
+    i = bisect.bisect_right(sizes, size_bytes)
+    lo, hi = curve[i - 1], curve[i]
+    t_lo, t_hi = lo.size_bytes / lo.bytes_per_s, hi.size_bytes / hi.bytes_per_s
+    w = (size_bytes - lo.size_bytes) / (hi.size_bytes - lo.size_bytes)
+    return max(1, round((t_lo + w * (t_hi - t_lo)) * 1e9))
 
 
 class HostStepRate(Protocol):

@@ -31,7 +31,8 @@ offloaded, the persistent chunks' union at backward's end when any chunk is pers
 chunks an agreement before each of their two all-gathers plus one at the end of forward and of backward.
 
 Collective times come from the trace's measured curves (`CollectiveCurves`, algorithm bandwidth of the
-whole tensor). A barrier or a control check is one tiny collective: the measured `control_s`, or in traces
+whole tensor), read as times (`bandwidth.collective_ns`: linear in size between samples, at least the smallest
+sample's time). A barrier or a control check is one tiny collective: the measured `control_s`, or in traces
 from before it the smallest all-gather sample's measured time (`control_ns`), a latency-bound collective on
 the same group, which over-counts it by that sample's bytes over the link (cautious). Copies of a shard are its bytes over the host<->device curves, plus the
 runtime's measured per-copy overhead as for a whole chunk (serial devices only: `instance.build_instance`
@@ -49,7 +50,7 @@ from client.contract import (
     shard_elements,
     sharded_chunk_pinned_bytes,
 )
-from planner_service.solver.bandwidth import host_step_ns, transfer_ns
+from planner_service.solver.bandwidth import collective_ns, host_step_ns, transfer_ns
 
 if TYPE_CHECKING:
     from planner_service.solver.chunk_grid import ChunkGrid
@@ -128,22 +129,22 @@ def multi_rank_fields(
     return dict(
         device_shard_bytes_of=device_shard,
         device_gather_bytes_of=tuple(n * s * elt for s in shards),
-        device_gather_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
+        device_gather_ns=tuple(collective_ns(ag, n * s * elt) for s in shards),
         shard_device_optim_ns=tuple(-(-t // n) for t in dev_opt),
         world_size=n,
         ranks_per_node=d.ranks_per_node,
         compute_copy_shared=shared,
         # several nodes: each sharded chunk's compute copy all-gathered at step(); one node: one barrier instead
-        gather_ns=(0,) * len(shards) if shared else tuple(transfer_ns(ag, n * s * elt) for s in shards),
+        gather_ns=(0,) * len(shards) if shared else tuple(collective_ns(ag, n * s * elt) for s in shards),
         step_barrier_ns=barrier_ns(d.collectives) if shared else 0,
         control_ns=control_ns(d.collectives),
         # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
-        grad_fill_ns=tuple(transfer_ns(ag, n * s * elt) for s in shards),
-        reduce_scatter_ns=tuple(transfer_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
+        grad_fill_ns=tuple(collective_ns(ag, n * s * elt) for s in shards),
+        reduce_scatter_ns=tuple(collective_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
         # a replicated chunk's gradient average: the measured all-reduce; older traces (no all-reduce curve) a
         # reduce-scatter plus an all-gather of the whole gradient
         all_reduce_ns=tuple(
-            transfer_ns(ar, g) if ar else transfer_ns(rs, g) + transfer_ns(ag, g) for g in grad_bytes
+            collective_ns(ar, g) if ar else collective_ns(rs, g) + collective_ns(ag, g) for g in grad_bytes
         ),
         shard_grad_offload_ns=tuple(
             transfer_ns(bw.d2h_pinned, s * w.gradient_bytes_per_param) + r
