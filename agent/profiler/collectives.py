@@ -92,11 +92,14 @@ SMALLEST_SIZE = 64 * KiB
 """The smallest whole tensor `ProbeSettings.for_model` measures (a model smaller than that is measured there)."""
 PLANNING_REPEATS = 3
 """Repetitions per size when a job is probed to be planned (`agent.wrap`, `agent.profile(process_group=)`)."""
-IN_STEP_REPEATS = 8
+IN_STEP_REPEATS = 16
 """Repetitions per size of the in-step sequence on a CPU device (at least; more when `repeats` asks for more):
-its calls vary with the other rank's arrival, so a mean of a few is noisy."""
-IN_STEP_COMPUTE_S = 0.002
-"""The compute burst before each in-step collective, about a small block's backward on a CPU."""
+its calls vary with the other rank's arrival and take a heavy-tailed time (on the 2-core VM a 512 KiB all-reduce
+took ~0.5 or ~2.5 ms, by turns), so the mean of a few is noisy (8 before session 10)."""
+IN_STEP_COMPUTE_S = 0.005
+"""The compute burst before each in-step collective, about one block's backward on a CPU (the benchmark's 4-layer
+models: 5-7 ms; 2 ms before session 10, after which a 512 KiB all-reduce read 1.1-2.0 ms where the managed run's
+took 2.3-3.4 ms, and 2.7-3.3 ms after 5 ms bursts: docs/BENCHMARKS.md, session 10)."""
 COMPUTE_DIM = 128
 
 
