@@ -99,7 +99,7 @@ took ~0.5 or ~2.5 ms, by turns), so the mean of a few is noisy (8 before session
 IN_STEP_COMPUTE_S = 0.005
 """The compute burst before each in-step collective, about one block's backward on a CPU (the benchmark's 4-layer
 models: 5-7 ms; 2 ms before session 10, after which a 512 KiB all-reduce read 1.1-2.0 ms where the managed run's
-took 2.3-3.4 ms, and 2.7-3.3 ms after 5 ms bursts: docs/BENCHMARKS.md, session 10)."""
+took 2.3-3.4 ms, and 1.9-3.8 ms after 5-6 ms bursts: docs/BENCHMARKS.md, session 10)."""
 COMPUTE_DIM = 128
 
 
