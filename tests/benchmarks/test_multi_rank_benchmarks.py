@@ -165,8 +165,12 @@ def test_predict_vs_measure_ranks_stay_in_step_past_a_fraction_with_no_plan(pvm:
             "grad_fill",
             "param_gather",
             "compute_barrier",
+            "control",
         }
         assert bd["counters_ms"]["grad_reduction"] > 0  # every gradient is averaged across the 2 ranks
+        # the runtime's control checks (a same-use check or a persistent union every backward) are timed, and the
+        # plan prices them (session 10)
+        assert bd["counters_ms"]["control"] > 0 and bd["predicted_ms"]["control"] > 0
         assert bd["predicted_ms"]["iteration"] == pytest.approx(measured["predicted_iteration_s"] * 1e3)
         assert bd["sections_ms"]["root_forward"] > 0
         assert pvm.breakdown_line(bd).startswith("ms measured/predicted: iteration ")
