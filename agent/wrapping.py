@@ -307,15 +307,46 @@ def _wrap(
     wrapped.source = source
     wrapped.allocator = selection
     wrapped.kv_cache = cache_off
-    if selection is not None:
-        selection.attach(model)
     try:
-        wrapped.activations = apply_activation_policy(
-            model, plan.policy, wrapped.runtime.ctx.device, wrapped.runtime
+        _finish(
+            wrapped,
+            model,
+            plan,
+            source,
+            selection,
+            sample_batch,
+            feedback_steps,
+            feedback_path,
+            metered,
+            group,
         )
     except BaseException:
+        # nothing half-wrapped: the model comes back as it was (parameters ordinary tensors, hooks off), so the
+        # caller can fix the cause and wrap it again (with several ranks a collective: every rank failed alike)
         unwrap(wrapped)
         raise
+    return wrapped
+
+
+def _finish(  # noqa: PLR0913
+    wrapped: Wrapped,
+    model: nn.Module,
+    plan: Plan,
+    source: PlanSource,
+    selection: AllocatorSelection | None,
+    sample_batch: Any,
+    feedback_steps: int | None,
+    feedback_path: Path | None,
+    metered: bool,
+    group: RankGroup | None,
+) -> None:
+    """`wrap` after the plan is applied: the allocator, activation modes, guards and the step monitor."""
+    assert plan.policy is not None
+    if selection is not None:
+        selection.attach(model)
+    wrapped.activations = apply_activation_policy(
+        model, plan.policy, wrapped.runtime.ctx.device, wrapped.runtime
+    )
     wrapped.move_guard = MoveGuard(model, wrapped.runtime.ctx.device, next(model.parameters()).dtype)
     wrapped.ddp_guard = DDPGuard(model)
     planned_shape = batch_shape(sample_batch) if sample_batch is not None else None
@@ -350,7 +381,6 @@ def _wrap(
             group=group,
             recorder=recorder,
         )
-    return wrapped
 
 
 def _receive_plan(
