@@ -79,11 +79,6 @@ def control_ns(curves: CollectiveCurves) -> int:
     return round(s.size_bytes / s.bytes_per_s * 1e9)
 
 
-def barrier_ns(curves: CollectiveCurves) -> int:
-    """One barrier across the group: a tiny collective (`control_ns`; the probe times no barrier itself)."""
-    return control_ns(curves)
-
-
 def multi_rank_fields(
     trace: Trace,
     layout: ChunkGrid,
@@ -136,7 +131,8 @@ def multi_rank_fields(
         compute_copy_shared=shared,
         # several nodes: each sharded chunk's compute copy all-gathered at step(); one node: one barrier instead
         gather_ns=(0,) * len(shards) if shared else tuple(collective_ns(ag, n * s * elt) for s in shards),
-        step_barrier_ns=barrier_ns(d.collectives) if shared else 0,
+        # a barrier is one tiny collective, as a control check is (the probe times no barrier itself)
+        step_barrier_ns=control_ns(d.collectives) if shared else 0,
         control_ns=control_ns(d.collectives),
         # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
         grad_fill_ns=tuple(collective_ns(ag, n * s * elt) for s in shards),

@@ -357,7 +357,7 @@ def synthetic_distributed(
 ) -> Distributed:
     """A modelled process group: `flat` gives one sample per curve (the same rate at every size, for
     hand-computed tests; its size `flat_sample_bytes` sets the barrier the planner reads off it,
-    `sharding.barrier_ns`); otherwise latency-limited curves like `_curve`. `overlap_factor` sets the measured
+    `sharding.control_ns`); otherwise latency-limited curves like `_curve`. `overlap_factor` sets the measured
     overlap of each collective with the copy beside it (all-gather with H2D, reduce-scatter with D2H)."""
     rpn = ranks_per_node or world_size
     if flat:

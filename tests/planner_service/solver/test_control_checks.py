@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from client.contract import Trace
+from client.contract import Constraints, Trace
 from planner_service.solver.chunk_grid import candidate_layouts
 from planner_service.solver.cost_model import (
     control_checks_ns,
@@ -26,7 +26,7 @@ from planner_service.solver.cost_model import (
 )
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.instance import CostParams, Decision, Mode, build_instance
-from planner_service.solver.sharding import barrier_ns, control_ns
+from planner_service.solver.sharding import control_ns
 from planner_service.solver.testing.synthetic import synthetic_distributed, synthetic_trace, with_distributed
 from tests.planner_service.solver.test_multi_rank_policy import _hand, _inst, _multi_rank, brute_force
 
@@ -51,7 +51,7 @@ def test_an_old_trace_without_control_s_loads_keeps_its_hash_and_reads_the_small
     curves = loaded.hardware.distributed.collectives  # type: ignore[union-attr]
     assert curves is not None and curves.control_s == 0.0
     smallest = curves.all_gather[0]
-    assert control_ns(curves) == barrier_ns(curves) == round(smallest.size_bytes / smallest.bytes_per_s * 1e9)
+    assert control_ns(curves) == round(smallest.size_bytes / smallest.bytes_per_s * 1e9)
     measured = _with_control(trace, 1.5e-3)
     assert (
         json.loads(measured.model_dump_json())["hardware"]["distributed"]["collectives"]["control_s"]
@@ -60,7 +60,11 @@ def test_an_old_trace_without_control_s_loads_keeps_its_hash_and_reads_the_small
     assert measured.content_hash() != trace.content_hash()
     # measured: the control checks and the step barrier read it
     curves = measured.hardware.distributed.collectives  # type: ignore[union-attr]
-    assert curves is not None and control_ns(curves) == barrier_ns(curves) == 1_500_000
+    assert curves is not None and control_ns(curves) == 1_500_000
+    # and a one-node job's step barrier (a tiny collective too) reads it
+    layout = candidate_layouts(measured, 1)[0]
+    inst = build_instance(measured, layout, Constraints(device_memory_bytes=80 * 2**30))
+    assert inst.compute_copy_shared and inst.step_barrier_ns == inst.control_ns == 1_500_000
 
 
 @pytest.mark.parametrize(
