@@ -264,6 +264,7 @@ def measure_in_step_curves(
     sizes: tuple[int, ...] = COLLECTIVE_SIZES,
     repeats: int = IN_STEP_REPEATS,
     compute_s: float = IN_STEP_COMPUTE_S,
+    compute: _Compute | None = None,
 ) -> tuple[list[CollectiveSample], list[CollectiveSample], list[CollectiveSample]]:
     """All-gather, reduce-scatter and all-reduce rates by whole-tensor size as a training step on a CPU device
     issues them (see `probe_process_group`): per repetition a burst of compute, the reduce-scatter of a sharded
@@ -271,7 +272,7 @@ def measure_in_step_curves(
     all-reduce of a replicated chunk's gradient; each call timed on every rank (mean of the repetitions, mean
     over the ranks). The all-gather is of fp32 shards (the gradient's dtype), `size_bytes` its output."""
     world = dist.get_world_size(group)
-    compute = _Compute(group, device, compute_s)
+    compute = compute or _Compute(group, device, compute_s)  # (a collective: its count is agreed)
     gather: list[CollectiveSample] = []
     reduce: list[CollectiveSample] = []
     allreduce: list[CollectiveSample] = []
@@ -465,8 +466,11 @@ def probe_process_group(
     allreduce: list[CollectiveSample] = []
     if dev.type == "cpu":  # compute and gloo share the cores: timed as a training step issues them
         in_step = max(repeats, IN_STEP_REPEATS)
-        gather, reduce, allreduce = measure_in_step_curves(group, dev, sizes, in_step)
-        control = measure_control_s(group, dev, in_step, _Compute(group, dev, IN_STEP_COMPUTE_S))
+        burst = _Compute(
+            group, dev, IN_STEP_COMPUTE_S
+        )  # calibrated once for the curves and the control check
+        gather, reduce, allreduce = measure_in_step_curves(group, dev, sizes, in_step, compute=burst)
+        control = measure_control_s(group, dev, in_step, burst)
     else:  # a GPU's collectives run on their own stream beside compute (NCCL): back to back (not run here)
         gather, reduce = measure_curves(group, dev, sizes, repeats)
         control = measure_control_s(group, dev, max(repeats, IN_STEP_REPEATS))
