@@ -308,18 +308,7 @@ def _wrap(
     wrapped.allocator = selection
     wrapped.kv_cache = cache_off
     try:
-        _finish(
-            wrapped,
-            model,
-            plan,
-            source,
-            selection,
-            sample_batch,
-            feedback_steps,
-            feedback_path,
-            metered,
-            group,
-        )
+        _finish(wrapped, sample_batch, feedback_steps, feedback_path, metered, group)
     except BaseException:
         # nothing half-wrapped: the model comes back as it was (parameters ordinary tensors, hooks off), so the
         # caller can fix the cause and wrap it again (with several ranks a collective: every rank failed alike)
@@ -328,12 +317,8 @@ def _wrap(
     return wrapped
 
 
-def _finish(  # noqa: PLR0913
+def _finish(
     wrapped: Wrapped,
-    model: nn.Module,
-    plan: Plan,
-    source: PlanSource,
-    selection: AllocatorSelection | None,
     sample_batch: Any,
     feedback_steps: int | None,
     feedback_path: Path | None,
@@ -341,7 +326,9 @@ def _finish(  # noqa: PLR0913
     group: RankGroup | None,
 ) -> None:
     """`wrap` after the plan is applied: the allocator, activation modes, guards and the step monitor."""
-    assert plan.policy is not None
+    model, plan, selection = wrapped.model, wrapped.plan, wrapped.allocator
+    source = wrapped.source
+    assert plan.policy is not None and source is not None
     if selection is not None:
         selection.attach(model)
     wrapped.activations = apply_activation_policy(
