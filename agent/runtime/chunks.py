@@ -80,6 +80,10 @@ class ChunkState:
     received: set[int] = field(default_factory=set)  # entries whose grad arrived in this backward
     in_slot: set[int] = field(default_factory=set)  # received entries whose grad is still in the device slot
     touched: set[int] = field(default_factory=set)  # entries with a gradient since zero_grad
+    # entries this backward's forward used on some ranks only (`GradientFlow.check_same_use`): every rank counts
+    # them touched when the chunk completes (a gradient it did not get joins as zero), as DDP's
+    # find_unused_parameters=True gives a locally unused, globally used parameter the averaged gradient
+    joined: set[int] = field(default_factory=set)
     flushes: int = 0  # gradient copies into host_grad since zero_grad (0: the next one overwrites)
     unaveraged: bool = False  # host_grad holds this rank's own gradients not yet averaged across the ranks
     # a sharded chunk: user_grad holds its whole un-averaged local sum of no_sync() backwards (host_grad is

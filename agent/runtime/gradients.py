@@ -130,6 +130,9 @@ class GradientFlow:
             elif st.in_slot:
                 self.flush(st, slot, keep=True)
         st.complete = True
+        if st.joined:
+            st.touched |= st.joined  # (zero where no gradient arrived here: the area is zeroed at upload)
+            st.joined.clear()
         if self.reduce and st.unaveraged:
             self._submit_average(st)
         if (
@@ -410,16 +413,25 @@ class GradientFlow:
         or it holds gradients of earlier `no_sync()` backwards only (averaged at the end). Where they differ
         (data-dependent unused parameters) the ranks' backwards would issue different collectives, which gloo
         aborts on and NCCL hangs in: every rank raises `UnusedParametersError` instead (the same verdict from
-        the same gathered rows). Issued on the host worker, the runtime's one issuer of collectives while its
+        the same gathered rows). The same rows carry which entries of each chunk have a gradient to contribute
+        (used by this forward or holding one since zero_grad): an entry with one on some ranks only (an expert
+        that got no token here, in a chunk every rank used) is counted
+        touched on every rank when its chunk completes (`ChunkState.joined`), so every rank steps it with the
+        averaged gradient and shows it as `.grad`, as `DistributedDataParallel(find_unused_parameters=True)`
+        does. (Before session 11 a rank stepped only the entries it got gradients for: the ranks' parameters
+        drifted apart silently.) Issued on the host worker, the runtime's one issuer of collectives while its
         queued work (e.g. `async_step`'s) may still run."""
         assert self.group is not None and self.worker is not None
         offloaded = [st for st in self.states if st.offloaded]
         if not offloaded:
             return
-        row = torch.tensor(
-            [1 if st.expected else 2 if st.unaveraged or st.local else 0 for st in offloaded],
-            dtype=torch.int32,
-        )
+        codes = [1 if st.expected else 2 if st.unaveraged or st.local else 0 for st in offloaded]
+        # per entry: a gradient to contribute (used by this forward, or held since zero_grad: earlier no_sync
+        # backwards' local gradient, or an averaged one being accumulated into)
+        entries = [
+            int(j in st.expected or j in st.touched) for st in offloaded for j in range(len(st.spec.entries))
+        ]
+        row = torch.tensor(codes + entries, dtype=torch.int32)
         gathered: list[torch.Tensor] = []
         t0 = time.perf_counter()
         self.worker.submit(lambda: gathered.append(self.group.gather_rows(row))).result()  # type: ignore[union-attr]
@@ -428,6 +440,12 @@ class GradientFlow:
         rows = gathered[0]
         differ = [i for i in range(len(offloaded)) if len(set(rows[:, i].tolist())) > 1]
         if not differ:
+            used = rows[:, len(offloaded) :].sum(dim=0).tolist()  # ranks whose forward used each entry
+            at = 0
+            for st in offloaded:
+                n = len(st.spec.entries)
+                st.joined = {j for j in range(n) if 0 < used[at + j] < self.group.world_size}
+                at += n
             return
         for st in self.states:
             st.expected.clear()  # this backward is not taken (its first hook raises)
@@ -443,10 +461,11 @@ class GradientFlow:
         raise UnusedParametersError(
             f"memplan: the ranks' forwards used different offloaded chunks: {'; '.join(said)}"
             f"{f' (and {len(differ) - 3} more)' if len(differ) > 3 else ''}. Parameters used on some ranks only "
-            "(data-dependent control flow, e.g. an expert without tokens) are supported in persistent chunks "
-            "(averaged as DistributedDataParallel(find_unused_parameters=True) does), not in offloaded ones: "
-            "make every rank run every module (e.g. run each expert on an empty batch), or plan these "
-            "parameters persistent"
+            "(data-dependent control flow, e.g. an expert without tokens) are averaged as "
+            "DistributedDataParallel(find_unused_parameters=True) does in persistent chunks, and in offloaded "
+            "chunks that every rank's forward used, but not in an offloaded chunk that some ranks did not use "
+            "at all: make every rank run every module (e.g. run each expert on an empty batch), plan these "
+            "parameters persistent, or use a larger chunk size (so a chunk holds more than the skipped modules)"
         )
 
     def grad_views(self, st: ChunkState) -> list[torch.Tensor | None]:

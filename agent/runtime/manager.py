@@ -428,6 +428,7 @@ class ModelStateManager:
             self.device_shards.pins = dict.fromkeys(self.device_shards.pins, 0)
         for st in self.states:
             st.expected.clear()
+            st.joined.clear()
             st.received.clear()
             st.complete = False
             st.recompute_pins = 0

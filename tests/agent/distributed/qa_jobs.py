@@ -9,6 +9,7 @@ on each rank's batch. Trained by `DistributedDataParallel(find_unused_parameters
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -107,8 +108,13 @@ class RoutedLM(nn.Module):
 
 def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     """Three steps on batches where rank 1 has one token (one expert per layer runs there) and rank 0 many;
-    `placement`: "persistent" (every chunk), "device-sharded" (every chunk persistent and sharded on the device)
-    or "offloaded" (every chunk; one expert per chunk)."""
+    `placement`: "persistent" (every chunk), "device-sharded" (every chunk persistent and sharded on the device),
+    "offloaded" (every chunk; one expert per chunk), or "offloaded-layers" and "sharded-layers" (every chunk
+    offloaded, replicated or sharded on the host; a layer's router and experts in one chunk, so every rank uses
+    every chunk and an expert without tokens leaves some of a used chunk's parameters without a gradient); with
+    "+accumulate", two micro-steps per step, the first inside no_sync()."""
+    placement, _, extra = placement.partition("+")
+    accumulate = extra == "accumulate"
     torch.manual_seed(0)
     model = RoutedLM()
     ref = copy.deepcopy(model)
@@ -116,8 +122,16 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     chunk = HIDDEN * VOCAB * 4 + 256  # the embedding, the head; experts and routers share chunks
-    rule = Placement.offloaded if placement == "offloaded" else Placement.persistent
+    layers = placement.endswith("-layers")
+    if layers:  # a layer's router and experts (1,156 parameters) in one chunk
+        chunk = 1200 * 4
+    rule = Placement.offloaded if placement.startswith("offloaded") or layers else Placement.persistent
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=lambda i, n: rule, n_buffers=2)
+    if placement == "sharded-layers":  # sharded on the host (ZeRO-2 style)
+        assert plan.policy is not None
+        chunks = [c.model_copy(update={"sharded": True}) for c in plan.policy.chunks]
+        policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
+        plan = plan.model_copy(update={"policy": policy})
     if placement == "device-sharded":  # every chunk persistent and sharded on the device (ZeRO-3)
         assert plan.policy is not None
         chunks = [c.model_copy(update={"sharded": True}) for c in plan.policy.chunks]
@@ -125,20 +139,26 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
         plan = plan.model_copy(update={"policy": policy})
     wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=RuntimeOptions())
     g = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, VOCAB, (1, 1) if rank else (4, 8), generator=g) for _ in range(3)]
+    # `micro` micro-steps per step, all but the last inside no_sync() (gradient accumulation)
+    micro = 2 if accumulate else 1
+    data = [torch.randint(0, VOCAB, (1, 1) if rank else (4, 8), generator=g) for _ in range(3 * micro)]
     ref_losses = []
-    for x in data:
-        loss = ddp(input_ids=x, labels=x)["loss"]
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    for i, x in enumerate(data):
+        with ddp.no_sync() if (i + 1) % micro else contextlib.nullcontext():
+            loss = ddp(input_ids=x, labels=x)["loss"]
+            loss.backward()
+        if (i + 1) % micro == 0:
+            ref_opt.step()
+            ref_opt.zero_grad()
         ref_losses.append(loss.item())
     losses = []
-    for x in data:
-        loss = wrapped.model(input_ids=x, labels=x)["loss"]
-        loss.backward()
-        wrapped.optimizer.step()
-        wrapped.optimizer.zero_grad()
+    for i, x in enumerate(data):
+        with wrapped.no_sync() if (i + 1) % micro else contextlib.nullcontext():
+            loss = wrapped.model(input_ids=x, labels=x)["loss"]
+            loss.backward()
+        if (i + 1) % micro == 0:
+            wrapped.optimizer.step()
+            wrapped.optimizer.zero_grad()
         losses.append(loss.item())
     refs = dict(ref.named_parameters())
     diff = max(
