@@ -101,6 +101,9 @@ IN_STEP_COMPUTE_S = 0.005
 models: 5-7 ms; 2 ms before session 10, after which a 512 KiB all-reduce read 1.1-2.0 ms where the managed run's
 took 2.3-3.4 ms, and 1.9-3.8 ms after 5-6 ms bursts: docs/BENCHMARKS.md, session 10)."""
 COMPUTE_DIM = 128
+CALIBRATION_START = 8
+CALIBRATION_TIMINGS = 3
+CALIBRATION_MAX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -222,21 +225,28 @@ def measure_curves(
 class _Compute:
     """A burst of compute on the device between collectives, as a training step has a block's backward
     between its chunks' gradient collectives: `count` matmuls of COMPUTE_DIM x COMPUTE_DIM (fp32), the same
-    count on every rank (so a slower rank arrives later, as it does in training)."""
+    count on every rank (so a slower rank arrives later, as it does in training).
+
+    Calibrated on bursts of many matmuls (the least of CALIBRATION_TIMINGS timings, from a count that takes
+    at least a quarter of the target), every rank at once; the ranks' mean time per matmul sets the count.
+    Until session 11 one matmul was timed alone (count 1), which reads its first-call and dispatch overhead
+    (~100-150 us where a matmul in a run of 1,000 takes ~56 us on the development VM) and took the least
+    count of the ranks: bursts meant as 5 ms took 1-2.5 ms."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, target_s: float) -> None:
         self.a = torch.randn(COMPUTE_DIM, COMPUTE_DIM, device=device)
         self.b = torch.randn(COMPUTE_DIM, COMPUTE_DIM, device=device)
-        self.count = 1
+        self.count = CALIBRATION_START
         self()  # warm-up
-        t0 = time.perf_counter()
-        self()
-        _sync(device)
-        one = max(time.perf_counter() - t0, 1e-6)
-        # the same work on every rank: the least count of the ranks (each timed its own matmul)
-        c = torch.tensor([max(1, round(target_s / one))], dtype=torch.int64, device=device)
-        dist.all_reduce(c, op=dist.ReduceOp.MIN, group=group)
-        self.count = int(c.item())
+        while True:
+            best = min(_timed(self, device) for _ in range(CALIBRATION_TIMINGS))
+            if best >= target_s / 4 or self.count >= CALIBRATION_MAX:
+                break
+            self.count *= 4
+        per = torch.tensor([max(best, 1e-9) / self.count], dtype=torch.float64, device=device)
+        dist.all_reduce(per, group=group)  # the same work on every rank: the ranks' mean time per matmul
+        mean_per = float(per.item()) / dist.get_world_size(group)
+        self.count = max(1, min(CALIBRATION_MAX, round(target_s / mean_per)))
 
     def __call__(self) -> None:
         for _ in range(self.count):
