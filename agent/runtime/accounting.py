@@ -89,6 +89,9 @@ class Counters:
     # check at a backward's start, the persistent union at its end, the device-shard agreements)
     control_s: float = 0.0
     control_checks: int = 0
+    # synchronising backwards whose reductions waited for their end: the ranks' forwards used different
+    # offloaded chunks (`GradientFlow.check_same_use`); each is slower than planned (no overlap, no speculation)
+    deferred_backwards: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ the CUDA path of this is written but has not run on a GPU).
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 
@@ -32,9 +33,11 @@ from agent.runtime.chunks import grad_views as chunk_grad_views
 from agent.runtime.device import DeviceContext, Event, element_size
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
-from agent.runtime.process_group import RankGroup, UnusedParametersError
+from agent.runtime.process_group import RankGroup
 from agent.runtime.residency import ChunkResidency
 from agent.runtime.timing import FLUSH, RuntimeTiming, section
+
+log = logging.getLogger(__name__)
 
 
 class GradientFlow:
@@ -68,6 +71,10 @@ class GradientFlow:
         # the job's process group (issue 20) and whether this backward averages gradients across it
         self.group: RankGroup | None = None
         self.reduce = False
+        # this synchronising backward's reductions wait for its end (`check_same_use`: the ranks' forwards used
+        # different offloaded chunks); the chunks every rank then reduces, in chunk order
+        self.deferred = False
+        self._deferred_chunks: list[int] = []
 
     @property
     def local(self) -> bool:
@@ -140,6 +147,7 @@ class GradientFlow:
             and st.touched
             and not st.stepped
             and not st.local  # a sharded chunk's local sum inside no_sync(): nothing may step on it
+            and not self.deferred  # its gradient is averaged at the end of this backward
             and self.host_steps.optimizer is not None
         ):
             self.host_steps.submit(st, speculative=True)
@@ -411,14 +419,17 @@ class GradientFlow:
         """Start of a synchronising backward, before it issues any collective: the ranks compare, per
         offloaded chunk, whether the forward used it (its average runs as backward completes it)
         or it holds gradients of earlier `no_sync()` backwards only (averaged at the end). Where they differ
-        (data-dependent unused parameters) the ranks' backwards would issue different collectives, which gloo
-        aborts on and NCCL hangs in: every rank raises `UnusedParametersError` instead (the same verdict from
-        the same gathered rows). The same rows carry which entries of each chunk have a gradient to contribute
+        (data-dependent unused parameters: layer drop, an expert alone in its chunk without tokens) the ranks'
+        backwards would issue different collectives, which gloo aborts on and NCCL hangs in: this backward is
+        deferred instead (the same verdict on every rank from the same gathered rows): no collective and no
+        speculative step until its end, where every rank reduces, in chunk order, every chunk any rank holds a
+        gradient of, a missing one as zero (`join_deferred`), as `DistributedDataParallel(
+        find_unused_parameters=True)` averages a locally unused parameter. (Until session 11 every rank raised
+        `UnusedParametersError`.) The same rows carry which entries of each chunk have a gradient to contribute
         (used by this forward or holding one since zero_grad): an entry with one on some ranks only (an expert
-        that got no token here, in a chunk every rank used) is counted
-        touched on every rank when its chunk completes (`ChunkState.joined`), so every rank steps it with the
-        averaged gradient and shows it as `.grad`, as `DistributedDataParallel(find_unused_parameters=True)`
-        does. (Before session 11 a rank stepped only the entries it got gradients for: the ranks' parameters
+        that got no token here, in a chunk every rank used) is counted touched on every rank when its chunk
+        completes (`ChunkState.joined`), so every rank steps it with the averaged gradient and shows it as
+        `.grad`. (Before session 11 a rank stepped only the entries it got gradients for: the ranks' parameters
         drifted apart silently.) Issued on the host worker, the runtime's one issuer of collectives while its
         queued work (e.g. `async_step`'s) may still run."""
         assert self.group is not None and self.worker is not None
@@ -439,34 +450,56 @@ class GradientFlow:
         self.counters.control_checks += 1
         rows = gathered[0]
         differ = [i for i in range(len(offloaded)) if len(set(rows[:, i].tolist())) > 1]
+        used = rows[:, len(offloaded) :].sum(dim=0).tolist()  # ranks holding a gradient of each entry
+        at = 0
+        for st in offloaded:
+            n = len(st.spec.entries)
+            st.joined = {j for j in range(n) if 0 < used[at + j] < self.group.world_size}
+            at += n
         if not differ:
-            used = rows[:, len(offloaded) :].sum(dim=0).tolist()  # ranks whose forward used each entry
-            at = 0
-            for st in offloaded:
-                n = len(st.spec.entries)
-                st.joined = {j for j in range(n) if 0 < used[at + j] < self.group.world_size}
-                at += n
             return
-        for st in self.states:
-            st.expected.clear()  # this backward is not taken (its first hook raises)
-        said = []
-        for i in differ[:3]:
-            st = offloaded[i]
-            names = [e.name for e in st.spec.entries]
-            used = [r for r in range(rows.shape[0]) if rows[r, i] == 1]
-            said.append(
-                f"chunk {st.index} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) used on rank"
-                f"{'s' if len(used) != 1 else ''} {', '.join(map(str, used)) or 'none'} only"
-            )
-        raise UnusedParametersError(
-            f"memplan: the ranks' forwards used different offloaded chunks: {'; '.join(said)}"
-            f"{f' (and {len(differ) - 3} more)' if len(differ) > 3 else ''}. Parameters used on some ranks only "
-            "(data-dependent control flow, e.g. an expert without tokens) are averaged as "
-            "DistributedDataParallel(find_unused_parameters=True) does in persistent chunks, and in offloaded "
-            "chunks that every rank's forward used, but not in an offloaded chunk that some ranks did not use "
-            "at all: make every rank run every module (e.g. run each expert on an empty batch), plan these "
-            "parameters persistent, or use a larger chunk size (so a chunk holds more than the skipped modules)"
+        # Some ranks' forwards skipped a whole offloaded chunk (layer drop, an expert alone in its chunk): this
+        # backward's reductions would pair differently on the ranks. It runs as inside no_sync() (no collective
+        # until its end, no speculative step), then every rank reduces, in chunk order, every chunk any rank holds
+        # a gradient of, a missing one as zero (`join_deferred`, `average_stragglers`).
+        self.deferred = True
+        self.reduce = False
+        self._deferred_chunks = [st.index for i, st in enumerate(offloaded) if rows[:, i].any()]
+        self.counters.deferred_backwards += 1
+        log.debug(
+            "memplan: the ranks' forwards used different offloaded chunks (%s): this backward's reductions wait "
+            "for its end",
+            ", ".join(str(offloaded[i].index) for i in differ),
         )
+
+    def join_deferred(self) -> None:
+        """End of a deferred backward (`check_same_use`), before `average_stragglers`: a chunk some other rank
+        holds a gradient of and this one does not joins with zeros (a replicated chunk's host gradient, a sharded
+        chunk's local sum; an averaged gradient being accumulated into stays, as averaging it again is exact), and
+        every chunk's entries held on some ranks count as touched; then this backward reduces again."""
+        if not self.deferred:
+            return
+        self.deferred = False
+        self.reduce = True
+        for c in self._deferred_chunks:
+            st = self.states[c]
+            st.wait_host()
+            st.touched |= st.joined
+            st.joined.clear()
+            if st.shard is not None:
+                if not st.local:
+                    user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
+                    if st.flushes == 0:
+                        user.zero_()
+                    st.local = True
+                    st.flushes = 0
+            elif not st.unaveraged:
+                assert st.host_grad is not None
+                if st.flushes == 0:
+                    st.host_grad.zero_()
+                    st.flushes = 1
+                st.unaveraged = True
+        self._deferred_chunks = []
 
     def grad_views(self, st: ChunkState) -> list[torch.Tensor | None]:
         """The persistent chunk's per-parameter gradient views, None outside its gradient area (frozen

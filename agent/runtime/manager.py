@@ -428,7 +428,6 @@ class ModelStateManager:
             self.device_shards.pins = dict.fromkeys(self.device_shards.pins, 0)
         for st in self.states:
             st.expected.clear()
-            st.joined.clear()
             st.received.clear()
             st.complete = False
             st.recompute_pins = 0
@@ -438,10 +437,15 @@ class ModelStateManager:
         self.schedule.finish_recording()
         self.phase.state = TrainingState.IDLE
         self.counters.iterations += 1
+        if aborted:
+            self.gradients.deferred = False  # (its local gradients are reduced by the next synchronising one)
         if not aborted and self.host_steps is not None:
             self.host_steps.backwards += 1
+            self.gradients.join_deferred()  # (reads `joined` of the chunks this rank did not complete)
             self.gradients.average_stragglers()
             self.gradients.expose()
+        for st in self.states:
+            st.joined.clear()  # (a chunk this backward did not complete: no later backward merges them)
         if not aborted:
             # after `expose`: every offloaded chunk's reduction (host worker) has finished, so collectives
             # are issued in the same order on every rank

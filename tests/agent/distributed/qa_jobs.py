@@ -109,9 +109,10 @@ class RoutedLM(nn.Module):
 def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     """Three steps on batches where rank 1 has one token (one expert per layer runs there) and rank 0 many;
     `placement`: "persistent" (every chunk), "device-sharded" (every chunk persistent and sharded on the device),
-    "offloaded" (every chunk; one expert per chunk), or "offloaded-layers" and "sharded-layers" (every chunk
-    offloaded, replicated or sharded on the host; a layer's router and experts in one chunk, so every rank uses
-    every chunk and an expert without tokens leaves some of a used chunk's parameters without a gradient); with
+    "offloaded" and "sharded" (every chunk offloaded, replicated or sharded on the host; one expert per chunk, so a
+    rank's forward skips the chunk of an expert without tokens), or "offloaded-layers" and "sharded-layers" (the
+    same with a layer's router and experts in one chunk, so every rank uses every chunk and an expert without
+    tokens leaves some of a used chunk's parameters without a gradient); with
     "+accumulate", two micro-steps per step, the first inside no_sync()."""
     placement, _, extra = placement.partition("+")
     accumulate = extra == "accumulate"
@@ -125,9 +126,10 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     layers = placement.endswith("-layers")
     if layers:  # a layer's router and experts (1,156 parameters) in one chunk
         chunk = 1200 * 4
-    rule = Placement.offloaded if placement.startswith("offloaded") or layers else Placement.persistent
+    host = placement.startswith(("offloaded", "sharded"))
+    rule = Placement.offloaded if host else Placement.persistent
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=lambda i, n: rule, n_buffers=2)
-    if placement == "sharded-layers":  # sharded on the host (ZeRO-2 style)
+    if placement.startswith("sharded"):  # offloaded and sharded on the host (ZeRO-2 style)
         assert plan.policy is not None
         chunks = [c.model_copy(update={"sharded": True}) for c in plan.policy.chunks]
         policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
@@ -165,7 +167,13 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
         ((p.detach() - refs[n].detach()).norm() / refs[n].detach().norm().clamp_min(1e-12)).item()
         for n, p in model.named_parameters()
     )
-    return {"error": None, "losses": losses, "ref_losses": ref_losses, "param_rel_diff": diff}
+    return {
+        "error": None,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_rel_diff": diff,
+        "deferred_backwards": wrapped.runtime.counters.deferred_backwards,
+    }
 
 
 class TinyLM(nn.Module):
