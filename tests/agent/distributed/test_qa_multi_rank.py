@@ -6,6 +6,7 @@ Each test names the defect it found: the symptom before the fix, and what the fi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from qa_jobs import spawn
@@ -15,6 +16,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TOL = 1e-5
 
 
+def _routed_trains_as_ddp(tmp_path: Path, placement: str) -> list[dict[str, Any]]:
+    """The routed job (`qa_jobs.routed`) on 2 ranks: every rank's losses and parameters equal
+    DistributedDataParallel(find_unused_parameters=True)'s within TOL; the ranks' results."""
+    codes, results = spawn("routed", 2, tmp_path, 120, placement)
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)) <= TOL
+        assert res["param_rel_diff"] <= TOL, res["param_rel_diff"]
+    return results
+
+
 def test_experts_unused_on_one_rank_train_as_ddp_with_find_unused_parameters(tmp_path: Path) -> None:
     """Defect: an expert (its own module) that got no token on rank 1 but did on rank 0 left a persistent chunk
     out of rank 1's end-of-backward averages: the ranks' all-reduces paired different chunks (gloo aborted the
@@ -22,12 +35,7 @@ def test_experts_unused_on_one_rank_train_as_ddp_with_find_unused_parameters(tmp
     unused on one rank of a chunk used on both contributed its stale gradient of an earlier step. Now the ranks
     agree on the union of the gradients they hold (one small all-reduce) and average those, a missing one as
     zero: DistributedDataParallel(find_unused_parameters=True)'s result."""
-    codes, results = spawn("routed", 2, tmp_path, 120, "persistent")
-    assert codes == [0, 0], codes
-    for res in results:
-        assert res["error"] is None, res.get("trace")
-        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)) <= TOL
-        assert res["param_rel_diff"] <= TOL, res["param_rel_diff"]
+    _routed_trains_as_ddp(tmp_path, "persistent")
 
 
 @pytest.mark.parametrize(
@@ -45,12 +53,8 @@ def test_experts_unused_on_one_rank_in_offloaded_chunks_train_as_ddp_with_find_u
     rank only was dropped the same way). Now the same-use check at backward's start also compares, per entry,
     which ranks hold a gradient to contribute; an entry held on some ranks only is counted on every rank (a
     missing gradient as zero), as DistributedDataParallel(find_unused_parameters=True) does."""
-    codes, results = spawn("routed", 2, tmp_path, 120, placement)
-    assert codes == [0, 0], codes
-    for res in results:
-        assert res["error"] is None, res.get("trace")
-        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)) <= TOL
-        assert res["param_rel_diff"] <= TOL, res["param_rel_diff"]
+    results = _routed_trains_as_ddp(tmp_path, placement)
+    assert results[0]["deferred_backwards"] == 0, results[0]  # every rank used every chunk
 
 
 @pytest.mark.parametrize("placement", ["offloaded", "sharded", "offloaded+accumulate", "sharded+accumulate"])
@@ -65,12 +69,7 @@ def test_offloaded_chunks_unused_on_one_rank_train_as_ddp_with_find_unused_param
     where every rank reduces every chunk any rank holds a gradient of, in chunk order, a missing one as zero:
     DistributedDataParallel(find_unused_parameters=True)'s result, for replicated and host-sharded chunks,
     with and without gradient accumulation."""
-    codes, results = spawn("routed", 2, tmp_path, 120, placement)
-    assert codes == [0, 0], codes
-    for res in results:
-        assert res["error"] is None, res.get("trace")
-        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)) <= TOL
-        assert res["param_rel_diff"] <= TOL, res["param_rel_diff"]
+    results = _routed_trains_as_ddp(tmp_path, placement)
     assert results[0]["deferred_backwards"] > 0, results[0]  # the case this test is about did occur
 
 
