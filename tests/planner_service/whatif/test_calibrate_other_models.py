@@ -152,7 +152,9 @@ def test_service_whatif_and_sweep_points_are_calibrated_by_another_models_trace(
         # whatif` checks the blocks; docs/BENCHMARKS.md records it): asserted here it failed on a VM whose timings
         # drifted 30-40% (session 11: 15.5% calibrated against 7.5%), so it is printed, not asserted.
         entry = cpu_entry(cpu_hardware)
-        cal = calibrate([sample_of(b, config_from_dict(config))], entry, "fp32")
+        sample = sample_of(b, config_from_dict(config))
+        assert sample is not None
+        cal = calibrate([sample], entry, "fp32")
         assert after.calibration_residual == pytest.approx(cal.residual, rel=1e-6)
         it = iterate(config_from_dict(config), ModelledWorkload(BATCH, SEQ, "fp32", a.workload.optimizer))
         moved = _block_seconds(trace_on(it, entry, calibration=cal)) - _block_seconds(trace_on(it, entry))
