@@ -24,6 +24,7 @@ from agent.testing.model_zoo import build_with_library_defaults
 from client import Client
 from client.contract import Hardware, HardwareCatalog, SweepRequest, Trace, WhatIfRequest
 from planner_service.embedded import EmbeddedServer
+from planner_service.whatif import roofline
 from planner_service.whatif.architecture import config_from_dict
 from planner_service.whatif.calibrate import calibrate, sample_of, samples_from_config
 from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
@@ -93,7 +94,10 @@ def test_another_models_trace_lowers_the_error_of_a_whatif(
         f"\nA={a.model.name} from B={b.model.name}: block-time error uncalibrated {uncalibrated:.1%}, "
         f"calibrated {calibrated:.1%} (B's fit residual {cal.residual:.1%}, estimates {cal.estimate_residual:.1%})"
     )
-    assert calibrated < uncalibrated
+    # whether the fit lowers A's error on these two real profiles depends on the machine holding still between
+    # them: printed, not asserted (session 11: on a VM drifting 30-40% it went 39% -> 54% once in four runs, with
+    # B's own fit residual 60%); the mechanics are checked exactly below and in
+    # `test_a_device_uniformly_slower_than_the_estimates_scales_another_models_whatif_by_that_factor`
     assert calibrated_trace.modelled is not None and calibrated_trace.modelled.calibration_models == [
         b.model.name
     ]
@@ -104,6 +108,39 @@ def test_another_models_trace_lowers_the_error_of_a_whatif(
     bare = b.model_copy(update={"model": b.model.model_copy(update={"config": None})})
     with pytest.raises(ValueError, match=r"measured\[0\].*records no config"):
         samples_from_config(asked, [bare], entry)
+
+
+def test_a_device_uniformly_slower_than_the_estimates_scales_another_models_whatif_by_that_factor(
+    traces: tuple[Trace, Trace], cpu_hardware: Hardware
+) -> None:
+    """The calibration's mechanics without the machine's noise: B's real trace with every block's measured time
+    replaced by k times its roofline estimate (a device k times slower than the figures, in every op) fits with
+    no residual, and A's calibrated what-if blocks are k times its uncalibrated ones."""
+    b, a = traces
+    entry = cpu_entry(cpu_hardware)
+    k = 2.5
+    own = sample_of(b)
+    assert own is not None
+    rec = own.modelled.record
+    blocks = [
+        bm.model_copy(
+            update={
+                "forward_s": k
+                * roofline.block_seconds(rec.forward[i], entry, "fp32", roofline.DEFAULT_EFFICIENCY),
+                "backward_s": k
+                * roofline.block_seconds(rec.backward[i], entry, "fp32", roofline.DEFAULT_EFFICIENCY),
+            }
+        )
+        for i, bm in enumerate(b.measurements.blocks)
+    ]
+    slow = b.model_copy(update={"measurements": b.measurements.model_copy(update={"blocks": blocks})})
+    sample = sample_of(slow)
+    assert sample is not None
+    cal = calibrate([sample], entry, "fp32")
+    assert cal.fitted and cal.residual is not None and cal.residual < 1e-6, cal.describe()
+    it = iterate(config_from_dict(a.model.config), ModelledWorkload(BATCH, SEQ, "fp32", a.workload.optimizer))
+    ratio = _block_seconds(trace_on(it, entry, calibration=cal)) / _block_seconds(trace_on(it, entry))
+    assert ratio == pytest.approx(k, rel=1e-3)
 
 
 @pytest.fixture
