@@ -137,9 +137,7 @@ class GradientFlow:
             elif st.in_slot:
                 self.flush(st, slot, keep=True)
         st.complete = True
-        if st.joined:
-            st.touched |= st.joined  # (zero where no gradient arrived here: the area is zeroed at upload)
-            st.joined.clear()
+        st.touched |= st.joined  # (zero where no gradient arrived here: the area is zeroed at upload)
         if self.reduce and st.unaveraged:
             self._submit_average(st)
         if (
@@ -485,7 +483,6 @@ class GradientFlow:
             st = self.states[c]
             st.wait_host()
             st.touched |= st.joined
-            st.joined.clear()
             if st.shard is not None:
                 if not st.local:
                     user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)

@@ -445,7 +445,7 @@ class ModelStateManager:
             self.gradients.average_stragglers()
             self.gradients.expose()
         for st in self.states:
-            st.joined.clear()  # (a chunk this backward did not complete: no later backward merges them)
+            st.joined.clear()  # `check_same_use` sets them for one backward (merged at complete, join_deferred)
         if not aborted:
             # after `expose`: every offloaded chunk's reduction (host worker) has finished, so collectives
             # are issued in the same order on every rank
