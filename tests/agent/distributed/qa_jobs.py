@@ -106,6 +106,26 @@ class RoutedLM(nn.Module):
         return {"loss": nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
 
 
+def _train(
+    model: Callable[..., dict[str, torch.Tensor]],
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]],
+    optimizer: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    micro: int,
+) -> list[float]:
+    """Each batch's loss; a step after every `micro` batches, the backwards before it inside `no_sync()`."""
+    losses = []
+    for i, x in enumerate(data):
+        with no_sync() if (i + 1) % micro else contextlib.nullcontext():
+            loss = model(input_ids=x, labels=x)["loss"]
+            loss.backward()
+        if (i + 1) % micro == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     """Three steps on batches where rank 1 has one token (one expert per layer runs there) and rank 0 many;
     `placement`: "persistent" (every chunk), "device-sharded" (every chunk persistent and sharded on the device),
@@ -129,12 +149,9 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     host = placement.startswith(("offloaded", "sharded"))
     rule = Placement.offloaded if host else Placement.persistent
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=lambda i, n: rule, n_buffers=2)
-    if placement.startswith("sharded"):  # offloaded and sharded on the host (ZeRO-2 style)
-        assert plan.policy is not None
-        chunks = [c.model_copy(update={"sharded": True}) for c in plan.policy.chunks]
-        policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
-        plan = plan.model_copy(update={"policy": policy})
-    if placement == "device-sharded":  # every chunk persistent and sharded on the device (ZeRO-3)
+    # "sharded": offloaded and sharded on the host (ZeRO-2 style); "device-sharded": persistent and sharded on
+    # the device (ZeRO-3)
+    if placement.startswith("sharded") or placement == "device-sharded":
         assert plan.policy is not None
         chunks = [c.model_copy(update={"sharded": True}) for c in plan.policy.chunks]
         policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
@@ -144,24 +161,8 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     # `micro` micro-steps per step, all but the last inside no_sync() (gradient accumulation)
     micro = 2 if accumulate else 1
     data = [torch.randint(0, VOCAB, (1, 1) if rank else (4, 8), generator=g) for _ in range(3 * micro)]
-    ref_losses = []
-    for i, x in enumerate(data):
-        with ddp.no_sync() if (i + 1) % micro else contextlib.nullcontext():
-            loss = ddp(input_ids=x, labels=x)["loss"]
-            loss.backward()
-        if (i + 1) % micro == 0:
-            ref_opt.step()
-            ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    losses = []
-    for i, x in enumerate(data):
-        with wrapped.no_sync() if (i + 1) % micro else contextlib.nullcontext():
-            loss = wrapped.model(input_ids=x, labels=x)["loss"]
-            loss.backward()
-        if (i + 1) % micro == 0:
-            wrapped.optimizer.step()
-            wrapped.optimizer.zero_grad()
-        losses.append(loss.item())
+    ref_losses = _train(ddp, ddp.no_sync, ref_opt, data, micro)
+    losses = _train(wrapped.model, wrapped.no_sync, wrapped.optimizer, data, micro)
     refs = dict(ref.named_parameters())
     diff = max(
         ((p.detach() - refs[n].detach()).norm() / refs[n].detach().norm().clamp_min(1e-12)).item()
