@@ -121,21 +121,26 @@ def multi_rank_fields(
         for s, u, t in zip(shards, layout.used_bytes, trained, strict=True)
     )
     dev_opt = device_optim_ns or (0,) * len(shards)
+    # one all-gather of a chunk's N shards in the compute dtype: the device-sharded gather, the private compute
+    # copy's gather at step(), the exposed .grad's fill
+    gathered = tuple(n * s * elt for s in shards)
+    gather = tuple(collective_ns(ag, b) for b in gathered)
+    control = control_ns(d.collectives)
     return dict(
         device_shard_bytes_of=device_shard,
-        device_gather_bytes_of=tuple(n * s * elt for s in shards),
-        device_gather_ns=tuple(collective_ns(ag, n * s * elt) for s in shards),
+        device_gather_bytes_of=gathered,
+        device_gather_ns=gather,
         shard_device_optim_ns=tuple(-(-t // n) for t in dev_opt),
         world_size=n,
         ranks_per_node=d.ranks_per_node,
         compute_copy_shared=shared,
         # several nodes: each sharded chunk's compute copy all-gathered at step(); one node: one barrier instead
-        gather_ns=(0,) * len(shards) if shared else tuple(collective_ns(ag, n * s * elt) for s in shards),
+        gather_ns=(0,) * len(shards) if shared else gather,
         # a barrier is one tiny collective, as a control check is (the probe times no barrier itself)
-        step_barrier_ns=control_ns(d.collectives) if shared else 0,
-        control_ns=control_ns(d.collectives),
+        step_barrier_ns=control if shared else 0,
+        control_ns=control,
         # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
-        grad_fill_ns=tuple(collective_ns(ag, n * s * elt) for s in shards),
+        grad_fill_ns=gather,
         reduce_scatter_ns=tuple(collective_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
         # a replicated chunk's gradient average: the measured all-reduce; older traces (no all-reduce curve) a
         # reduce-scatter plus an all-gather of the whole gradient
