@@ -49,7 +49,9 @@ def runtime_costs(
     rate = host_step_throughput()
     step = host_step_overhead(rate) + probe.offload_bytes / rate if probe.offload_stepped else 0.0
     upload_rest = max(0.0, probe.upload_s - h2d)
-    once = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)
+    # plus what the offloaded block costs outside the runtime's entry points (CPU: autograd calling the
+    # hooks, kernels after the chunk's copies and host step)
+    once = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step) + probe.offload_outside_s
     n_params = max(1, probe.offload_params)
     counts = [0] * n
     for (

@@ -152,6 +152,53 @@ def test_runtime_costs_are_measured_through_the_runtime(gpt2_trace: Trace) -> No
         assert edge.offload_overhead_s >= 0
 
 
+def test_the_offloaded_blocks_cost_outside_the_runtimes_hooks_is_charged_per_parameter_tensor(
+    gpt2_trace: Trace,
+) -> None:
+    # what the offloaded block costs outside the runtime's entry points (CPU: autograd calling the hooks,
+    # kernels after the chunk's copies and host step) joins the chunk's once-per-iteration cost, spread over
+    # the blocks by parameter tensors as the rest of it
+    import dataclasses
+
+    import torch
+
+    from agent.profiler.parameters import OrderedParameter
+    from agent.profiler.runtime_costs import runtime_costs
+    from agent.profiler.runtime_probe import RuntimeProbe
+
+    probe = RuntimeProbe(
+        plain_s=0.01,
+        checkpoint_s=0.012,
+        swap_out_s=0.001,
+        swap_in_s=0.001,
+        offload_s=0.004,
+        offload_params=4,
+        offload_bytes=4096,
+        offload_stepped=True,
+        upload_s=0.0005,
+    )
+    counts = [1, 4, 4, 2]  # parameter tensors per block
+    ordered = [
+        OrderedParameter(
+            param=torch.nn.Parameter(torch.zeros(1)),
+            name=f"p{b}.{i}",
+            module_path=f"m{b}",
+            block=b,
+            aliases=(f"p{b}.{i}",),
+        )
+        for b, n in enumerate(counts)
+        for i in range(n)
+    ]
+    act, rec = [0, 100, 100, 0], [0.0, 0.002, 0.002, 0.0]
+    hw = gpt2_trace.hardware
+    *_, offload, upload = runtime_costs(probe, 1, act, rec, ordered, hw)
+    outside = dataclasses.replace(probe, offload_outside_s=0.003)
+    *_, offload_out, upload_out = runtime_costs(outside, 1, act, rec, ordered, hw)
+    assert upload_out == upload  # an upload's cost is not the outside cost
+    for b, n in enumerate(counts):
+        assert offload_out[b] - offload[b] == pytest.approx(0.003 / 4 * n, rel=1e-9), b
+
+
 def test_runtime_probe_runs_each_mode_and_leaves_the_block_as_it_was() -> None:
     import torch
 
@@ -170,6 +217,7 @@ def test_runtime_probe_runs_each_mode_and_leaves_the_block_as_it_was() -> None:
     assert probe.swap_out_s > 0 and probe.swap_in_s > 0
     assert probe.offload_stepped  # the user's optimizer class stepped the probed chunk on the host
     assert probe.offload_s > probe.upload_s > 0
+    assert probe.offload_outside_s >= 0  # measured (a CPU device: wall clock), never negative
     assert probe.offload_params == 4 and probe.offload_bytes == sum(w.numel() * 4 for w in weights)
     # parameters (values and storages), gradients, hooks and the optimizer as before
     for p, w, ptr in zip(block.parameters(), weights, storages, strict=True):
