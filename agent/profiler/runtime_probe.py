@@ -77,7 +77,6 @@ from agent.runtime.timing import (
 )
 from client.contract import Placement
 
-
 OFFLOAD_RUNS = 3  # timed runs of the offloaded block after its warm-up (the fastest is kept)
 
 
