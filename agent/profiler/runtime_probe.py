@@ -29,7 +29,8 @@ same code the runtime uses:
   entry points and another 2.4-4.0 ms outside them (`aten::mm` ~13% slower; MmBackward0's and
   AccumulateGrad's own time ~10x with the hooks), which no figure charged before (session 12). On CUDA the
   block runs are device time, where a kernel waiting on an upload's event would charge the copy a second
-  time (the bandwidth model charges it): not measured there (0.0), unverified without a GPU.
+  time (the bandwidth model charges it), and the cost model reads the chunk costs on a CPU device only: not
+  measured there (0.0).
 
 The entry points are timed directly (rather than as a difference of two block runs), which keeps their
 small figures out of the noise of the block's compute; the outside cost can only be a difference, taken
