@@ -40,10 +40,7 @@ def run_migrations_online() -> None:
 
 def _run(connection: object) -> None:
     context.configure(
-        connection=connection,
-        target_metadata=target_metadata,
-        compare_type=True,
-        render_as_batch=True,
+        connection=connection, target_metadata=target_metadata, compare_type=True, render_as_batch=True,
         include_name=include_name,
     )
     with context.begin_transaction():

@@ -31,22 +31,19 @@ def _headline(result: Any) -> dict[str, Any] | None:
         return None
     predictions = result.get("predictions")
     if isinstance(predictions, dict):
-        predictions = {
-            k: v for k, v in predictions.items() if k not in ("device_memory_timeline", "breakdown")
-        }
+        predictions = {k: v for k, v in predictions.items() if k not in ("device_memory_timeline", "breakdown")}
     return {"predictions": predictions, "solver": result.get("solver")}
 
 
 def upgrade() -> None:
     with op.batch_alter_table("plan", schema=None) as batch_op:
         batch_op.add_column(sa.Column("headline", sa.JSON(), nullable=True))
-    plan = sa.table(
-        "plan", sa.column("id", sa.String), sa.column("result", sa.JSON), sa.column("headline", sa.JSON)
-    )
+    plan = sa.table("plan", sa.column("id", sa.String), sa.column("result", sa.JSON),
+                    sa.column("headline", sa.JSON))
     conn = op.get_bind()
     ids = [row.id for row in conn.execute(sa.select(plan.c.id).where(plan.c.result.isnot(None)))]
     for i in range(0, len(ids), 100):  # a hundred plans (megabytes each) at a time
-        rows = conn.execute(sa.select(plan.c.id, plan.c.result).where(plan.c.id.in_(ids[i : i + 100]))).all()
+        rows = conn.execute(sa.select(plan.c.id, plan.c.result).where(plan.c.id.in_(ids[i:i + 100]))).all()
         for row in rows:
             conn.execute(plan.update().where(plan.c.id == row.id).values(headline=_headline(row.result)))
 

@@ -30,14 +30,9 @@ depends_on: str | Sequence[str] | None = None
 
 READ_LIMIT = 256 * 2**20  # inflate a stored trace at most this far (the service's default upload limit)
 
-trace = sa.table(
-    "trace",
-    sa.column("id", sa.String),
-    sa.column("project_id", sa.String),
-    sa.column("model_fingerprint", sa.String),
-    sa.column("hardware_key", sa.String),
-    sa.column("payload_gzip", sa.LargeBinary),
-)
+trace = sa.table("trace", sa.column("id", sa.String), sa.column("project_id", sa.String),
+                 sa.column("model_fingerprint", sa.String), sa.column("hardware_key", sa.String),
+                 sa.column("payload_gzip", sa.LargeBinary))
 MODEL_COLUMNS = ("name", "architecture", "parameter_count", "created_at")
 HARDWARE_COLUMNS = ("device_type", "device_name", "device_memory_bytes", "device_count", "created_at")
 
@@ -77,43 +72,25 @@ def _hardware_facts(doc: dict[str, Any], shared: dict[str, Any]) -> dict[str, An
 def _create_tables(per_project: bool) -> None:
     """model and hardware as of this revision (per_project) or the one before."""
     for name, key, columns in (
-        (
-            "model",
-            "fingerprint",
-            [
-                sa.Column("fingerprint", sa.String(length=512), nullable=False),
-                sa.Column("name", sa.String(length=512), nullable=False),
-                sa.Column("architecture", sa.String(length=512), nullable=False),
-                sa.Column("parameter_count", sa.BigInteger(), nullable=False),
-            ],
-        ),
-        (
-            "hardware",
-            "key",
-            [
-                sa.Column("key", sa.String(length=600), nullable=False),
-                sa.Column("device_type", sa.String(length=16), nullable=False),
-                sa.Column("device_name", sa.String(length=512), nullable=False),
-                sa.Column("device_memory_bytes", sa.BigInteger(), nullable=False),
-                sa.Column("device_count", sa.Integer(), nullable=False),
-            ],
-        ),
+        ("model", "fingerprint", [
+            sa.Column("fingerprint", sa.String(length=512), nullable=False),
+            sa.Column("name", sa.String(length=512), nullable=False),
+            sa.Column("architecture", sa.String(length=512), nullable=False),
+            sa.Column("parameter_count", sa.BigInteger(), nullable=False)]),
+        ("hardware", "key", [
+            sa.Column("key", sa.String(length=600), nullable=False),
+            sa.Column("device_type", sa.String(length=16), nullable=False),
+            sa.Column("device_name", sa.String(length=512), nullable=False),
+            sa.Column("device_memory_bytes", sa.BigInteger(), nullable=False),
+            sa.Column("device_count", sa.Integer(), nullable=False)]),
     ):
         created = sa.Column("created_at", sa.DateTime(timezone=True), nullable=False)
         if per_project:
             op.create_table(
-                name,
-                sa.Column("project_id", sa.String(length=64), nullable=False),
-                *columns,
-                created,
-                sa.ForeignKeyConstraint(
-                    ["project_id"],
-                    ["project.id"],
-                    name=op.f(f"fk_{name}_project_id_project"),
-                    ondelete="CASCADE",
-                ),
-                sa.PrimaryKeyConstraint("project_id", key, name=op.f(f"pk_{name}")),
-            )
+                name, sa.Column("project_id", sa.String(length=64), nullable=False), *columns, created,
+                sa.ForeignKeyConstraint(["project_id"], ["project.id"], name=op.f(f"fk_{name}_project_id_project"),
+                                        ondelete="CASCADE"),
+                sa.PrimaryKeyConstraint("project_id", key, name=op.f(f"pk_{name}")))
         else:
             op.create_table(name, *columns, created, sa.PrimaryKeyConstraint(key, name=op.f(f"pk_{name}")))
 
@@ -122,25 +99,12 @@ def _tables(per_project: bool) -> tuple[sa.TableClause, sa.TableClause]:
     def extra() -> list[sa.ColumnClause[Any]]:
         return [sa.column("project_id", sa.String)] if per_project else []
 
-    model = sa.table(
-        "model",
-        *extra(),
-        sa.column("fingerprint", sa.String),
-        sa.column("name", sa.String),
-        sa.column("architecture", sa.String),
-        sa.column("parameter_count", sa.BigInteger),
-        sa.column("created_at", sa.DateTime(timezone=True)),
-    )
-    hardware = sa.table(
-        "hardware",
-        *extra(),
-        sa.column("key", sa.String),
-        sa.column("device_type", sa.String),
-        sa.column("device_name", sa.String),
-        sa.column("device_memory_bytes", sa.BigInteger),
-        sa.column("device_count", sa.Integer),
-        sa.column("created_at", sa.DateTime(timezone=True)),
-    )
+    model = sa.table("model", *extra(), sa.column("fingerprint", sa.String), sa.column("name", sa.String),
+                     sa.column("architecture", sa.String), sa.column("parameter_count", sa.BigInteger),
+                     sa.column("created_at", sa.DateTime(timezone=True)))
+    hardware = sa.table("hardware", *extra(), sa.column("key", sa.String), sa.column("device_type", sa.String),
+                        sa.column("device_name", sa.String), sa.column("device_memory_bytes", sa.BigInteger),
+                        sa.column("device_count", sa.Integer), sa.column("created_at", sa.DateTime(timezone=True)))
     return model, hardware
 
 
@@ -149,16 +113,10 @@ def upgrade() -> None:
     old_model, old_hardware = _tables(per_project=False)
     models = {r.fingerprint: dict(r._mapping) for r in conn.execute(sa.select(old_model))}
     hardware = {r.key: dict(r._mapping) for r in conn.execute(sa.select(old_hardware))}
-    model_pairs = conn.execute(
-        sa.select(trace.c.project_id, trace.c.model_fingerprint, sa.func.max(trace.c.id)).group_by(
-            trace.c.project_id, trace.c.model_fingerprint
-        )
-    ).all()
-    hardware_pairs = conn.execute(
-        sa.select(trace.c.project_id, trace.c.hardware_key, sa.func.max(trace.c.id)).group_by(
-            trace.c.project_id, trace.c.hardware_key
-        )
-    ).all()
+    model_pairs = conn.execute(sa.select(trace.c.project_id, trace.c.model_fingerprint, sa.func.max(trace.c.id))
+                               .group_by(trace.c.project_id, trace.c.model_fingerprint)).all()
+    hardware_pairs = conn.execute(sa.select(trace.c.project_id, trace.c.hardware_key, sa.func.max(trace.c.id))
+                                  .group_by(trace.c.project_id, trace.c.hardware_key)).all()
     with op.batch_alter_table("trace", schema=None) as batch_op:
         batch_op.drop_constraint("fk_trace_model_fingerprint_model", type_="foreignkey")
         batch_op.drop_constraint("fk_trace_hardware_key_hardware", type_="foreignkey")
@@ -174,30 +132,16 @@ def upgrade() -> None:
         return facts[trace_id]
 
     for project_id, fingerprint, trace_id in model_pairs:
-        conn.execute(
-            new_model.insert().values(
-                project_id=project_id, **_model_facts(stored(trace_id), models[fingerprint])
-            )
-        )
+        conn.execute(new_model.insert().values(project_id=project_id,
+                                               **_model_facts(stored(trace_id), models[fingerprint])))
     for project_id, key, trace_id in hardware_pairs:
-        conn.execute(
-            new_hardware.insert().values(
-                project_id=project_id, **_hardware_facts(stored(trace_id), hardware[key])
-            )
-        )
+        conn.execute(new_hardware.insert().values(project_id=project_id,
+                                                  **_hardware_facts(stored(trace_id), hardware[key])))
     with op.batch_alter_table("trace", schema=None) as batch_op:
-        batch_op.create_foreign_key(
-            op.f("fk_trace_project_id_model"),
-            "model",
-            ["project_id", "model_fingerprint"],
-            ["project_id", "fingerprint"],
-        )
-        batch_op.create_foreign_key(
-            op.f("fk_trace_project_id_hardware"),
-            "hardware",
-            ["project_id", "hardware_key"],
-            ["project_id", "key"],
-        )
+        batch_op.create_foreign_key(op.f("fk_trace_project_id_model"), "model", ["project_id", "model_fingerprint"],
+                                    ["project_id", "fingerprint"])
+        batch_op.create_foreign_key(op.f("fk_trace_project_id_hardware"), "hardware", ["project_id", "hardware_key"],
+                                    ["project_id", "key"])
 
 
 def downgrade() -> None:
@@ -224,9 +168,6 @@ def downgrade() -> None:
     if hardware:
         conn.execute(old_hardware.insert(), list(hardware.values()))
     with op.batch_alter_table("trace", schema=None) as batch_op:
-        batch_op.create_foreign_key(
-            op.f("fk_trace_model_fingerprint_model"), "model", ["model_fingerprint"], ["fingerprint"]
-        )
-        batch_op.create_foreign_key(
-            op.f("fk_trace_hardware_key_hardware"), "hardware", ["hardware_key"], ["key"]
-        )
+        batch_op.create_foreign_key(op.f("fk_trace_model_fingerprint_model"), "model", ["model_fingerprint"],
+                                    ["fingerprint"])
+        batch_op.create_foreign_key(op.f("fk_trace_hardware_key_hardware"), "hardware", ["hardware_key"], ["key"])

@@ -53,10 +53,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name == "postgresql":
-        op.execute(
-            "DROP TABLE IF EXISTS procrastinate_events, procrastinate_periodic_defers, procrastinate_jobs, "
-            "procrastinate_workers CASCADE"
-        )
+        op.execute("DROP TABLE IF EXISTS procrastinate_events, procrastinate_periodic_defers, procrastinate_jobs, "
+                   "procrastinate_workers CASCADE")
         op.execute("""
             DO $$ DECLARE f record; BEGIN
                 FOR f IN SELECT p.oid::regprocedure AS sig FROM pg_proc p
@@ -65,10 +63,8 @@ def downgrade() -> None:
                 LOOP EXECUTE 'DROP FUNCTION ' || f.sig || ' CASCADE'; END LOOP;
             END $$
         """)
-        op.execute(
-            "DROP TYPE IF EXISTS procrastinate_job_to_defer_v1, procrastinate_job_event_type, "
-            "procrastinate_job_status CASCADE"
-        )
+        op.execute("DROP TYPE IF EXISTS procrastinate_job_to_defer_v1, procrastinate_job_event_type, "
+                   "procrastinate_job_status CASCADE")
     with op.batch_alter_table("plan") as batch:
         batch.add_column(sa.Column("lease_owner", sa.String(length=128), nullable=True))
         batch.add_column(sa.Column("lease_expires_at", sa.DateTime(timezone=True), nullable=True))

@@ -20,9 +20,7 @@ def upgrade() -> None:
     op.create_table(
         "sweep",
         sa.Column("id", sa.String(32), primary_key=True),
-        sa.Column(
-            "project_id", sa.String(64), sa.ForeignKey("project.id", ondelete="CASCADE"), nullable=False
-        ),
+        sa.Column("project_id", sa.String(64), sa.ForeignKey("project.id", ondelete="CASCADE"), nullable=False),
         sa.Column("request", sa.JSON(), nullable=False),
         sa.Column("points", sa.JSON(), nullable=False),
         sa.Column("n_points", sa.Integer(), nullable=False),
