@@ -217,9 +217,8 @@ def probe_block(
         # the chunk runtime hooks the module while it is installed: its runs come after the others
         offload = _OffloadedChunk(module, params, device, optimizer)
         offload.run(block, plain)  # warm-up
-        runs: list[
-            tuple[float, float, float, float]
-        ] = []  # (fwd + bwd, in entry points, of which fwd+bwd, moves)
+        # per timed run: forward + backward, time in the entry points, of it inside forward + backward, moves
+        runs: list[tuple[float, float, float, float]] = []
         for _ in range(OFFLOAD_RUNS):
             offload.reset()
             t = offload.run(block, plain)
