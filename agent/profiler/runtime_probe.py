@@ -51,7 +51,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -105,6 +105,15 @@ class RuntimeProbe:
     def checkpoint_extra_s(self) -> float:
         """What checkpointing adds to the block's forward + backward (its recompute, machinery included)."""
         return max(0.0, self.checkpoint_s - self.plain_s)
+
+
+class _OffloadRun(NamedTuple):
+    """One timed run of the offloaded block (seconds)."""
+
+    block_s: float  # its forward + backward
+    resident_s: float  # in the runtime's entry points (the settling step() and zero_grad included)
+    resident_fb_s: float  # of those, inside the forward + backward
+    move_s: float  # one upload and one release (`_OffloadedChunk.move_s`)
 
 
 class _NotProbed(Exception):
@@ -217,17 +226,11 @@ def probe_block(
         # the chunk runtime hooks the module while it is installed: its runs come after the others
         offload = _OffloadedChunk(module, params, device, optimizer)
         offload.run(block, plain)  # warm-up
-        # per timed run: forward + backward, time in the entry points, of it inside forward + backward, moves
-        runs: list[tuple[float, float, float, float]] = []
+        runs: list[_OffloadRun] = []
         for _ in range(OFFLOAD_RUNS):
             offload.reset()
-            t = offload.run(block, plain)
-            runs.append((sum(t), offload.resident_s(), offload.resident_fb_s(), offload.move_s()))
-        fastest = min(runs, key=lambda r: r[1])
-        resident, reupload = fastest[1], fastest[3]
-        outside = 0.0
-        if not clock.cuda:
-            outside = max(0.0, min(r[0] - r[2] for r in runs) - min(sum(t) for t in plain_t))
+            block_s = sum(offload.run(block, plain))
+            runs.append(_OffloadRun(block_s, offload.resident_s(), offload.resident_fb_s(), offload.move_s()))
     except _NotProbed:
         return None
     finally:
@@ -239,6 +242,12 @@ def probe_block(
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
 
+    fastest = min(runs, key=lambda r: r.resident_s)
+    plain_s = min(sum(t) for t in plain_t)
+    outside = 0.0
+    if not clock.cuda:
+        outside = max(0.0, min(r.block_s - r.resident_fb_s for r in runs) - plain_s)
+
     # the fastest of the rounds: other work on the machine only ever adds time
     def best(xs: list[tuple[float, float]], i: int) -> float:
         return min(x[i] for x in xs)
@@ -248,12 +257,12 @@ def probe_block(
     swap_out = max(best(swap_direct, 0), best(swap_t, 0) - best(plain_t, 0))
     swap_in = max(best(swap_direct, 1), best(swap_t, 1) - best(plain_t, 1))
     return RuntimeProbe(
-        plain_s=min(sum(t) for t in plain_t),
+        plain_s=plain_s,
         checkpoint_s=min(ckpt_s),
         swap_out_s=swap_out,
         swap_in_s=swap_in,
-        offload_s=resident,
-        upload_s=reupload,
+        offload_s=fastest.resident_s,
+        upload_s=fastest.move_s,
         offload_outside_s=outside,
         offload_params=len(params),
         offload_bytes=sum(p.numel() * p.element_size() for p in params),
