@@ -38,7 +38,7 @@ BATCH = 4
 class Case:
     """One multi-process comparison: model, plan, loop options, and checkpoint files."""
 
-    kind: str = "gpt2"  # a model_zoo kind, or "hf-llama" (Hugging Face llama at the library's defaults)
+    kind: str = "gpt2"  # a model_zoo kind, or "hf-<family>" (a Hugging Face family, library defaults)
     hidden: int = 32  # model_zoo kinds: the hidden size (larger: parameters outweigh activations)
     offload: str = "all"  # "all": every chunk offloaded; "alternate": persistent and offloaded chunks
     steps: int = 4
@@ -108,8 +108,9 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
 
 
 def build_model(kind: str, hidden: int = 32) -> nn.Module:
-    if kind == "hf-llama":
-        model, _ = build_with_library_defaults("llama", layers=2, hidden=64, vocab=VOCAB, seq=32, seed=0)
+    # "hf-<family>": a Hugging Face family at the library's defaults ("hf-llama", "hf-gemma2", ...)
+    if kind.startswith("hf-"):
+        model, _ = build_with_library_defaults(kind[3:], layers=2, hidden=64, vocab=VOCAB, seq=32, seed=0)
     else:
         model, _ = build(kind, layers=2, hidden=hidden, vocab=VOCAB, seq=32, seed=0)
     return model

@@ -37,7 +37,7 @@ from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulat
 
 @dataclass
 class ShardCase:
-    kind: str = "hf-llama"  # "hf-llama" (library defaults), a model_zoo kind, or "mlp" (TokenMLP)
+    kind: str = "hf-llama"  # "hf-<family>" (library defaults), a model_zoo kind, or "mlp" (TokenMLP)
     offload: str = "all"  # "all", "none" (every chunk persistent), or "alternate" (persistent and offloaded)
     device_shard: bool = False  # persistent chunks sharded too (ZeRO-3 on the device, `device_shards.py`)
     frozen: bool = (
