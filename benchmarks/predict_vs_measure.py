@@ -46,13 +46,15 @@ wrap's own monitor. Each rank's row compares ITS measured peak (the monitor's me
 median iteration with the plan's predictions, which are one rank's: a row per (configuration, rank).
 Plain iterations before and after (the drift) run on every rank at once, un-wrapped and without
 communication, against the trace's iteration (the slowest rank's, all ranks profiling at once). Whatever
-the plan says is run: replicated chunks today (a single-rank trace), sharded offloaded chunks once the
-trace is multi-rank and the planner shards (each row records `sharded_chunks` and `plan_world_size`).
+the plan says is run: on a CPU the solver replicates offloaded chunks while the node's host memory has room
+(there a replicated chunk is the faster one); `--host-fraction F` limits the node's host memory to F times
+what the ranks' replicated chunks would hold, so that it must shard them across the ranks (each row records
+`sharded_chunks`, `plan_world_size` and `host_limit_bytes`).
 A fraction with no feasible plan is a row with the solver's reason, on every rank.
 
 Usage: .venv/bin/python benchmarks/predict_vs_measure.py [--hidden 128] [--seq 128] [--batch 4]
        [--layers 4 12 24] [--fractions 0.45 0.7 1.0] [--steps 20] [--plain-steps 5] [--kinds gpt2 llama]
-       [--library-defaults qwen2 gemma2] [--device cpu|cuda] [--trials N] [--world-size N]
+       [--library-defaults qwen2 gemma2] [--device cpu|cuda] [--trials N] [--world-size N [--host-fraction F]]
 Prints a table and writes benchmarks/results/predict_vs_measure-<UTC timestamp>.json (and the
 -latest pointer). Each row records its plan's offloaded
 chunks (`offloaded_chunks`, with `chunk_size_bytes`, `n_buffers` and `modes`), so an outlier can be re-run.
@@ -276,12 +278,23 @@ def main() -> None:
         "sections and collectives (counters) per iteration, beside the plan's terms: a row's `breakdown`, "
         "printed under it (adds a few microseconds per runtime section)",
     )
+    ap.add_argument(
+        "--host-fraction",
+        type=float,
+        default=None,
+        help="--world-size N > 1: limit each row's node host memory to this fraction of N times the host bytes a "
+        "single-process plan of the same trace and device limit predicts (what N ranks of replicated chunks "
+        "hold): below ~1 the solver must shard offloaded chunks across the ranks (on a CPU it replicates them "
+        "when the host has room, as they are faster there). Default: the machine's host memory",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if args.world_size < 1:
         ap.error(f"--world-size: must be at least 1, got {args.world_size}")
     if args.batch % args.world_size:
         ap.error(f"--batch: {args.batch} rows do not split evenly over --world-size {args.world_size}")
+    if args.host_fraction is not None and (args.world_size < 2 or not args.host_fraction > 0):
+        ap.error(f"--host-fraction: needs --world-size > 1 and a positive fraction, got {args.host_fraction}")
 
     import agent
     from agent.testing.model_zoo import build, sample_batch
@@ -456,10 +469,15 @@ def train_steps(
         return None
     warm = max(1, steps // 3)
     sections: defaultdict[str, float] = defaultdict(float)
+    by_phase: dict[str, defaultdict[str, float]] = {
+        p: defaultdict(float) for p in ("forward", "backward", "step", "zero_grad")
+    }
+    phase = ["forward"]  # the phase the loop is in (a section is charged to the phase it ends in)
 
     def listen(name: str, seconds: float, depth: int) -> None:
         if depth == 0 or name in MOVES:
             sections[name] += seconds
+            by_phase[phase[0]][name] += seconds
 
     phases: dict[str, list[float]] = {
         "forward": [],
@@ -476,13 +494,17 @@ def train_steps(
             if i == warm:
                 handle = run.runtime.timing.add_listener(listen)
                 before = dataclasses.replace(counters)
+            phase[0] = "forward"
             t0 = time.perf_counter()
             loss = run.model(**batch).loss
             t1 = time.perf_counter()
+            phase[0] = "backward"
             loss.backward()
             t2 = time.perf_counter()
+            phase[0] = "step"
             run.optimizer.step()
             t3 = time.perf_counter()
+            phase[0] = "zero_grad"
             run.optimizer.zero_grad()
             t4 = time.perf_counter()
             if i >= warm:
@@ -499,6 +521,10 @@ def train_steps(
         "iterations": n,
         "measured_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
         "sections_ms": {k: v / n * 1e3 for k, v in sorted(sections.items())},
+        # the same sections by the phase of the loop they ended in (host-worker sections: the phase they ended in)
+        "sections_by_phase_ms": {
+            p: {k: v / n * 1e3 for k, v in sorted(secs.items())} for p, secs in by_phase.items() if secs
+        },
         "counters_ms": {k.removesuffix("_s"): delta[k] / n * 1e3 for k in COUNTER_SECONDS},
         "counters": {k: v / n for k, v in delta.items() if k not in COUNTER_SECONDS and v},
     }
@@ -561,6 +587,7 @@ def measure_trial_on_ranks(
         "plain_steps": args.plain_steps,
         "threads": args.threads,
         "breakdown": args.breakdown,
+        "host_fraction": args.host_fraction,
     }
     results = launch(measure_rank, args.world_size, spec)
     failed = [r for r in results if "skipped" in r]
@@ -616,19 +643,45 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, An
                     optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
                     allocation_trace=False,
                 )
-                box = [int(trace.measurements.peak_device_bytes)]
+                peak = int(trace.measurements.peak_device_bytes)
+                box = [(peak, host_limits(trace, peak, spec["fractions"], world, spec.get("host_fraction")))]
                 del probe
                 release(device)
             dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+            peak, hosts = box[0]
             for fraction in spec["fractions"]:
                 row = {
                     "kind": kind,
                     "layers": layers,
                     "rank": rank,
-                    **wrapped_row(model, batch, int(box[0] * fraction), fraction, spec, device, rank == 0),
+                    **wrapped_row(
+                        model, batch, int(peak * fraction), fraction, spec, device, rank == 0, hosts[fraction]
+                    ),
                 }
                 rows.append(row)
     return {"rank": rank, "rows": rows}
+
+
+def host_limits(
+    trace: Any, peak: int, fractions: list[float], world: int, host_fraction: float | None
+) -> dict[float, int | None]:
+    """Per device fraction, the node host limit of `--host-fraction` (None: none set, no single-process plan
+    fits that device limit, or its plan holds nothing on the host): `host_fraction` x `world` x the host bytes the single-process plan of `trace` (one
+    rank's, profiled alone) predicts under the same device limit, i.e. what `world` ranks of replicated chunks
+    would hold on the node."""
+    from agent.planning import solve_embedded
+    from client.contract import Constraints
+
+    out: dict[float, int | None] = {}
+    for fraction in fractions:
+        out[fraction] = None
+        if host_fraction is None:
+            continue
+        plan = solve_embedded(trace, Constraints(device_memory_bytes=int(peak * fraction)))
+        # (no host bytes: every chunk persistent, nothing to shard; the machine's host memory)
+        if plan.predictions is not None and plan.predictions.peak_host_bytes > 0:
+            out[fraction] = int(host_fraction * world * plan.predictions.peak_host_bytes)
+    return out
 
 
 def wrapped_row(
@@ -639,6 +692,7 @@ def wrapped_row(
     spec: dict[str, Any],
     device: torch.device,
     keep_plan: bool = False,
+    host_limit: int | None = None,
 ) -> dict[str, Any]:
     """One fraction on this rank: plain timing, `agent.wrap` under the group with the limit, `--steps` steps
     under wrap's monitor, plain timing; this rank's measured figures against the plan's (one rank's).
@@ -650,7 +704,7 @@ def wrapped_row(
     from agent.wrapping import unwrap
 
     steps = spec["steps"]
-    row: dict[str, Any] = {"fraction": fraction, "limit_bytes": limit}
+    row: dict[str, Any] = {"fraction": fraction, "limit_bytes": limit, "host_limit_bytes": host_limit}
     plain_now = plain_iteration_s(model, batch, device, spec["plain_steps"])
     at_start = foreign_device_bytes(device, batch)
     m = copy.deepcopy(model)  # on the CPU: wrap places it on `device`
@@ -662,6 +716,7 @@ def wrapped_row(
                 torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
                 sample_batch=batch,
                 device_memory=limit,
+                host_memory=host_limit,
                 options=RuntimeOptions(device=device),
                 feedback_steps=steps,
                 feedback_path=Path(tmp) / "feedback.jsonl",

@@ -173,9 +173,50 @@ def test_predict_vs_measure_ranks_stay_in_step_past_a_fraction_with_no_plan(pvm:
         assert bd["counters_ms"]["control"] > 0 and bd["predicted_ms"]["control"] > 0
         assert bd["predicted_ms"]["iteration"] == pytest.approx(measured["predicted_iteration_s"] * 1e3)
         assert bd["sections_ms"]["root_forward"] > 0
+        # the same sections by the loop's phase they ended in: forward's hooks in forward, the step in step()
+        by_phase = bd["sections_by_phase_ms"]
+        assert set(by_phase) <= {"forward", "backward", "step", "zero_grad"}
+        assert by_phase["forward"]["root_forward"] == pytest.approx(bd["sections_ms"]["root_forward"])
+        assert "root_forward" not in by_phase.get("backward", {})
+        assert sum(v for secs in by_phase.values() for v in secs.values()) == pytest.approx(
+            sum(bd["sections_ms"].values())
+        )
+        assert measured["host_limit_bytes"] is None  # no --host-fraction: the machine's host memory
         assert pvm.breakdown_line(bd).startswith("ms measured/predicted: iteration ")
     # rank 0's row holds the plan it solved and broadcast (an outlier can be replayed); rank 1's does not
     plan = Plan.model_validate(rows[0][1]["plan"])
     assert plan.predictions is not None
     assert plan.predictions.peak_device_bytes == rows[1][1]["predicted_peak_device_bytes"]
     assert "plan" not in rows[1][1]
+
+
+def test_host_fraction_needs_several_ranks_and_a_positive_fraction(
+    pvm: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for argv in (["--host-fraction", "0.7"], ["--world-size", "2", "--host-fraction", "0"]):
+        monkeypatch.setattr(sys, "argv", ["predict_vs_measure", *argv, "--out", str(tmp_path / "r.json")])
+        with pytest.raises(SystemExit) as exc:
+            pvm.main()
+        assert exc.value.code == 2
+        assert "--host-fraction: needs --world-size > 1 and a positive fraction" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_host_limits_are_the_fraction_of_what_the_ranks_replicated_chunks_would_hold(pvm: ModuleType) -> None:
+    """`--host-fraction F`: per device fraction, F x world x the single-process plan's predicted host bytes
+    (None without F, for a device limit no plan fits, and for a plan that holds nothing on the host)."""
+    import agent
+    from agent.planning import solve_embedded
+    from agent.testing.model_zoo import sample_batch
+    from client.contract import Constraints
+
+    model, cfg = pvm.build_model("llama", 4, 128, 128)  # the benchmark's 4-layer llama, library defaults
+    trace = agent.profile(model, sample_batch(cfg, 2, 128), allocation_trace=False)
+    peak = trace.measurements.peak_device_bytes
+    limits = pvm.host_limits(trace, peak, [0.0001, 0.45, 3.0], 2, 0.75)
+    assert limits[0.0001] is None  # nothing fits a device of a few bytes
+    assert limits[3.0] is None  # everything fits on the device: nothing on the host to shard
+    plan = solve_embedded(trace, Constraints(device_memory_bytes=int(peak * 0.45)))
+    assert plan.predictions is not None
+    assert limits[0.45] == int(0.75 * 2 * plan.predictions.peak_host_bytes) > 0
+    assert pvm.host_limits(trace, peak, [0.45], 2, None) == {0.45: None}
