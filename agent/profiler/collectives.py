@@ -31,7 +31,11 @@ Measured, on the job's group and device:
   per-iteration checks issue it (the same-use check at a backward's start, the persistent union at its end, the
   device-shard agreements; the barrier at step()): after a compute burst on a CPU device, back to back on a GPU.
   On this 2-core VM one such call took 0.5-2.5 ms after compute, against nothing in the cost model before
-  (docs/BENCHMARKS.md, "Session 10").
+  (docs/BENCHMARKS.md, "Session 10"). On a CPU device also `phase_control_s`: the same call after a burst of
+  PHASE_BURSTS in-step bursts (~20 ms, a training phase's compute), what the checks at a phase's end pay: the
+  wait for the later rank grows with the compute before the call and levels off (2 ranks on the 2-core VM,
+  means of 16 after bursts of 2, 5, 10, 20, 40 ms: ~1.6, ~1.3, ~2.5, ~2.9, ~2.4 ms; session 13), and the
+  checks at backward's start measured 0.6-3.6 ms above the 5 ms figure in the benchmark's rows.
 - ranks per node: ranks whose host name is rank 0's (the busiest host when hosts differ); the interconnect
   names the backend, and the links as far as the process can tell (peer access between CUDA devices; one
   host: shared memory or loopback).
@@ -100,6 +104,9 @@ IN_STEP_COMPUTE_S = 0.005
 """The compute burst before each in-step collective, about one block's backward on a CPU (the benchmark's 4-layer
 models: 5-7 ms; 2 ms before session 10, after which a 512 KiB all-reduce read 1.1-2.0 ms where the managed run's
 took 2.3-3.4 ms, and 1.9-3.8 ms after 5-6 ms bursts: docs/BENCHMARKS.md, session 10)."""
+PHASE_BURSTS = 4
+"""In-step bursts before each call of the phase-end control check (`phase_control_s`): ~20 ms of compute, past
+where the wait for the later rank levels off on the 2-core VM (session 13)."""
 COMPUTE_DIM = 128
 CALIBRATION_START = 8
 CALIBRATION_TIMINGS = 3
@@ -481,9 +488,16 @@ def probe_process_group(
         )  # calibrated once for the curves and the control check
         gather, reduce, allreduce = measure_in_step_curves(group, dev, sizes, in_step, compute=burst)
         control = measure_control_s(group, dev, in_step, burst)
+
+        def phase() -> None:
+            for _ in range(PHASE_BURSTS):
+                burst()
+
+        phase_control = measure_control_s(group, dev, in_step, phase)
     else:  # a GPU's collectives run on their own stream beside compute (NCCL): back to back (not run here)
         gather, reduce = measure_curves(group, dev, sizes, repeats)
         control = measure_control_s(group, dev, max(repeats, IN_STEP_REPEATS))
+        phase_control = 0.0  # not measured on a GPU: `control_s` (back to back) prices every check
     overlap = [
         measure_overlap("all_gather", "h2d", group, dev, overlap_size, repeats),
         measure_overlap("reduce_scatter", "d2h", group, dev, overlap_size, repeats),
@@ -498,6 +512,7 @@ def probe_process_group(
             copy_overlap=overlap,
             all_reduce=allreduce,
             control_s=max(control, 1e-9),
+            phase_control_s=max(phase_control, 1e-9) if phase_control else 0.0,
         ),
     )
 

@@ -114,6 +114,16 @@ class CollectiveCurves(ContractModel):
         "end, the device-shard agreements, the barrier at step(); mean seconds per call; 0 = not measured "
         "(older traces: the cost model reads the smallest all-gather sample's time instead)",
     )
+    # Left out of the JSON when 0 (traces from before it keep their content hashes).
+    phase_control_s: Seconds = Field(
+        default=0.0,
+        exclude_if=lambda v: v == 0.0,
+        description="the same tiny collective timed after a compute span as long as a training phase (forward or "
+        "backward) on a CPU device, where its time includes the wait for the rank that arrives later, which grows "
+        "with the compute before it: what the checks at a phase's end pay (the same-use check at backward's start, "
+        "the persistent union at its end, the device-shard agreements at the ends of forward and backward); 0 = not "
+        "measured (a GPU, older traces: `control_s` prices them)",
+    )
 
     @model_validator(mode="after")
     def _sorted_unique(self) -> CollectiveCurves:

@@ -129,9 +129,12 @@ Memory of one rank: device as one process (persistent chunks whole + n_buffers b
   the node's), its shard's staging buffer and, without a separate fp32 master, its shard's host gradient
   (`client.contract.sharded_chunk_pinned_bytes`).
 Control checks (every multi-rank iteration, `control_checks_ns`): the runtime's tiny synchronous collectives,
-  each the trace's `control_ns`, added to the iteration (no window hides them: each blocks its issuing thread):
-    T_iter += ctl * ([any chunk offloaded] + [any chunk persistent] + [any dsh] * (2 + 2 * sum dsh[c]))
-  (the same-use check at backward's start, the persistent union at its end, the device-shard agreements).
+  added to the iteration (no window hides them: each blocks its issuing thread). Those at a phase's end cost
+  `phase_control_ns` (pctl: measured after a phase's worth of compute, the ranks' skew over it included), the
+  device-shard agreements before each all-gather `control_ns` (ctl):
+    T_iter += pctl * ([any chunk offloaded] + [any chunk persistent] + 2 * [any dsh]) + ctl * 2 * sum dsh[c]
+  (the same-use check at backward's start, the persistent union at its end, the device-shard agreements at the
+  ends of forward and backward; the agreements before a device-sharded chunk's two all-gathers).
 At N = 1 every term reduces to the single-process formulas above (a test holds plans and costs fixed).
 
 Why one module over 400 lines: the time and memory terms of a policy are one formula, term by term the one
@@ -274,17 +277,18 @@ def device_gather_exposed_ns(inst: PolicyInstance, c: int) -> int:
 def control_checks_ns(
     inst: PolicyInstance, offloaded: tuple[bool, ...], device_sharded: tuple[bool, ...]
 ) -> int:
-    """The runtime's control checks of one multi-rank iteration, each one tiny synchronous collective
-    (`inst.control_ns`): the same-use check at backward's start when any chunk is offloaded
-    (`GradientFlow.check_same_use`), the persistent chunks' union at backward's end when any chunk is persistent
-    (`_agree_on_persistent`; a persistent chunk without trained parameters skips it: counted, cautious), and
-    with device-sharded chunks an agreement before each of their two all-gathers per iteration plus one at the
-    end of forward and one at the end of backward (`DeviceShards.agree`). 0 at world size 1."""
+    """The runtime's control checks of one multi-rank iteration, each one tiny synchronous collective. At a
+    phase's end (`inst.phase_control_ns`, else `inst.control_ns`): the same-use check at backward's start when
+    any chunk is offloaded (`GradientFlow.check_same_use`), the persistent chunks' union at backward's end when
+    any chunk is persistent (`_agree_on_persistent`; a persistent chunk without trained parameters skips it:
+    counted, cautious), and with device-sharded chunks one agreement at the end of forward and one at the end
+    of backward (`DeviceShards.agree`); and an agreement before each of a device-sharded chunk's two all-gathers
+    per iteration (`inst.control_ns`). 0 at world size 1."""
     if not inst.control_ns:
         return 0
     n_dsh = sum(device_sharded)
-    checks = int(any(offloaded)) + int(not all(offloaded)) + (2 * n_dsh + 2 if n_dsh else 0)
-    return checks * inst.control_ns
+    at_phase_end = int(any(offloaded)) + int(not all(offloaded)) + (2 if n_dsh else 0)
+    return at_phase_end * (inst.phase_control_ns or inst.control_ns) + 2 * n_dsh * inst.control_ns
 
 
 def gathered_peak_bytes(k: ChunkTerms) -> int:

@@ -24,7 +24,8 @@ Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank job
   any_sh  some chunk is sharded (any_sh >= osh[c]): node-shared compute copies pay one barrier per step
           (`PolicyInstance.step_barrier_ns`; only when that is non-zero)
   any_off, any_per, any_dsh  some chunk offloaded / persistent / device-sharded (each pinned to its maximum
-          both ways): the runtime's control checks, `control_ns` each (`cost_model.control_checks_ns`)
+          both ways): the runtime's control checks at a phase's end, `phase_control_ns` each, and the
+          device-shard agreements before each all-gather, `control_ns` each (`cost_model.control_checks_ns`)
 At world size 1 none of these exist and the model is the single-process one, row for row.
 """
 
@@ -424,7 +425,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         + sum(work_max) * 2
         + inst.step_barrier_ns
         + 2 * sum(inst.device_gather_ns)
-        + inst.control_ns * (2 + 2 * C + 2)
+        + max(inst.control_ns, inst.phase_control_ns) * (2 + 2 * C + 2)
     )
     ok = lambda c: 0 <= c < C  # noqa: E731
     rep = [pm.off[c] - pm.osh[c] for c in range(C)]  # offloaded and replicated (0/1: sh <= off)
@@ -507,28 +508,31 @@ def _add_time_sharded(pm: PolicyModel) -> None:
 
 
 def _control_checks(pm: PolicyModel) -> LinearExpr:
-    """`cost_model.control_checks_ns` as rows: one check when any chunk is offloaded (any_off = max off[c]), one
-    when any is persistent (any_per = max (1 - off[c])), and with device-sharded chunks 2 per such chunk plus 2
-    (any_dsh = max dsh[c]); each indicator pinned to its maximum both ways, so it is exact under every
+    """`cost_model.control_checks_ns` as rows: at a phase's end (`phase_control_ns`, else `control_ns`) one
+    check when any chunk is offloaded (any_off = max off[c]), one when any is persistent (any_per = max
+    (1 - off[c])) and 2 with device-sharded chunks (any_dsh = max dsh[c]); `control_ns` for 2 per
+    device-sharded chunk; each indicator pinned to its maximum both ways, so it is exact under every
     objective."""
     m, inst = pm.model, pm.inst
     ctl, C = inst.control_ns, inst.n_chunks
     if not ctl or not C:
         return 0
+    pctl = inst.phase_control_ns or ctl
     any_off = m.new_bool_var("any_offloaded")
     any_per = m.new_bool_var("any_persistent")
     m.add_max_equality(any_off, pm.off)
     for c in range(C):
         m.add(any_per >= 1 - pm.off[c])
     m.add(any_per <= sum(1 - pm.off[c] for c in range(C)))
-    checks: LinearExpr = any_off + any_per
-    if inst.device_shard_bytes_of:  # pm.dsh holds expressions (sh - osh)
-        any_dsh = m.new_bool_var("any_device_sharded")
-        for c in range(C):
-            m.add(any_dsh >= pm.dsh[c])
-        m.add(any_dsh <= sum(pm.dsh))
-        checks = checks + 2 * any_dsh + 2 * sum(pm.dsh)
-    return ctl * checks
+    at_phase_end: LinearExpr = any_off + any_per
+    if not inst.device_shard_bytes_of:
+        return pctl * at_phase_end
+    # pm.dsh holds expressions (sh - osh)
+    any_dsh = m.new_bool_var("any_device_sharded")
+    for c in range(C):
+        m.add(any_dsh >= pm.dsh[c])
+    m.add(any_dsh <= sum(pm.dsh))
+    return pctl * (at_phase_end + 2 * any_dsh) + ctl * 2 * sum(pm.dsh)
 
 
 def _static_device(pm: PolicyModel) -> cp_model.IntVar:

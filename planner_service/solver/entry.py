@@ -49,7 +49,9 @@ from planner_service.solver.instance import (
 #      `ParameterInfo.use_blocks`
 # 1.5: multi-rank jobs pay the runtime's control checks (`CollectiveCurves.control_s`); on a CPU device the
 #      runtime probe's offload overhead includes optimizer.step()'s settling of a speculative step
-SOLVER_VERSION = "policy-1.5"
+# 1.6: the control checks at a phase's end cost the trace's `CollectiveCurves.phase_control_s` (on a CPU device:
+#      after a phase's worth of compute, the ranks' skew over it included)
+SOLVER_VERSION = "policy-1.6"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {

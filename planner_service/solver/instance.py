@@ -186,6 +186,10 @@ class PolicyInstance:
     # one of the runtime's control checks per iteration (a tiny synchronous collective: the same-use check, the
     # persistent union, the device-shard agreements; `cost_model.control_checks_ns` counts them); 0 at N = 1
     control_ns: int = 0
+    # one control check at a phase's end (after forward's or backward's compute: the same-use check, the persistent
+    # union, the device-shard agreements at the ends of forward and backward), whose wait for the later rank grows
+    # with the compute before it: the trace's `phase_control_s`; `control_ns` where it was not measured
+    phase_control_ns: int = 0
     # all-gather of a sharded chunk's host-gradient shards into its exposed `.grad` (N * shard elements, the
     # compute dtype), on the host worker before the chunk's host step
     grad_fill_ns: tuple[int, ...] = field(default=())

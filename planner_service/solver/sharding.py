@@ -25,10 +25,13 @@ fp32) of a zero-padded flat chunk of N * s elements (`shard_elements`), as the r
   after every chunk's host step, that each sharded chunk's next upload waits on (`step_barrier_ns`, charged
   once when any chunk is sharded; `gather_ns` is 0 for every chunk).
 
-Control checks: every multi-rank iteration pays the runtime's tiny synchronous collectives (`control_ns`
-each; `cost_model.control_checks_ns` counts them): the same-use check at backward's start when any chunk is
-offloaded, the persistent chunks' union at backward's end when any chunk is persistent, and for device-sharded
-chunks an agreement before each of their two all-gathers plus one at the end of forward and of backward.
+Control checks: every multi-rank iteration pays the runtime's tiny synchronous collectives
+(`cost_model.control_checks_ns` counts them): at a phase's end (`phase_control_ns` each: the trace's
+`phase_control_s`, measured on a CPU device after a phase's worth of compute, whose wait for the later rank
+grows with that compute; `control_ns` where not measured) the same-use check at backward's start when any chunk
+is offloaded, the persistent chunks' union at backward's end when any chunk is persistent, and with
+device-sharded chunks one agreement at the end of forward and one at the end of backward; and for
+device-sharded chunks an agreement before each of their two all-gathers (`control_ns` each).
 
 Collective times come from the trace's measured curves (`CollectiveCurves`, algorithm bandwidth of the
 whole tensor), read as times (`bandwidth.collective_ns`: linear in size between samples, at least the smallest
@@ -77,6 +80,14 @@ def control_ns(curves: CollectiveCurves) -> int:
         return max(1, round(curves.control_s * 1e9))
     s = curves.all_gather[0]
     return round(s.size_bytes / s.bytes_per_s * 1e9)
+
+
+def phase_control_ns(curves: CollectiveCurves) -> int:
+    """One control check at a phase's end: the measured `phase_control_s` (a CPU device: after a phase's worth
+    of compute), else `control_ns` (a GPU, older traces)."""
+    if curves.phase_control_s > 0:
+        return max(1, round(curves.phase_control_s * 1e9))
+    return control_ns(curves)
 
 
 def multi_rank_fields(
@@ -139,6 +150,7 @@ def multi_rank_fields(
         # a barrier is one tiny collective, as a control check is (the probe times no barrier itself)
         step_barrier_ns=control if shared else 0,
         control_ns=control,
+        phase_control_ns=phase_control_ns(d.collectives),
         # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
         grad_fill_ns=gather,
         reduce_scatter_ns=tuple(collective_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),

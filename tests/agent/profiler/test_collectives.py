@@ -95,6 +95,8 @@ def test_every_rank_gets_the_same_measured_group(two_ranks: Path) -> None:
     # one control check (a tiny all-gather read on the host, after a compute burst on the CPU): a latency,
     # measured, so the cost model does not fall back to the smallest all-gather sample
     assert 0 < c.control_s < 1.0
+    # and the same call after a phase's worth of compute (4 bursts): what the checks at a phase's end pay
+    assert 0 < c.phase_control_s < 1.0
     pairs = {(o.collective, o.direction) for o in c.copy_overlap}
     assert pairs == {("all_gather", "h2d"), ("reduce_scatter", "d2h")}
     for o in c.copy_overlap:

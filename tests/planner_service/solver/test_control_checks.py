@@ -26,7 +26,7 @@ from planner_service.solver.cost_model import (
 )
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.instance import CostParams, Decision, Mode, build_instance
-from planner_service.solver.sharding import control_ns
+from planner_service.solver.sharding import control_ns, phase_control_ns
 from planner_service.solver.testing.synthetic import synthetic_distributed, synthetic_trace, with_distributed
 from tests.planner_service.solver.test_multi_rank_policy import _hand, _inst, _multi_rank, brute_force
 
@@ -34,10 +34,10 @@ ms = 10**6  # ns
 KEEP = (Mode.keep, Mode.keep)
 
 
-def _with_control(trace: Trace, control_s: float) -> Trace:
+def _with_control(trace: Trace, control_s: float, phase_control_s: float = 0.0) -> Trace:
     d = trace.hardware.distributed
     assert d is not None and d.collectives is not None
-    curves = d.collectives.model_copy(update={"control_s": control_s})
+    curves = d.collectives.model_copy(update={"control_s": control_s, "phase_control_s": phase_control_s})
     hw = trace.hardware.model_copy(update={"distributed": d.model_copy(update={"collectives": curves})})
     return Trace.model_validate_json(trace.model_copy(update={"hardware": hw}).model_dump_json())
 
@@ -120,22 +120,23 @@ def test_a_single_rank_job_pays_no_control_checks() -> None:
 @pytest.mark.parametrize(
     ("seed", "world", "per_node", "overlap"), [(0, 2, 2, 1.0), (1, 2, 2, 0.0), (3, 4, 2, 0.5)]
 )
-@pytest.mark.parametrize("control_s", [2e-4, 5e-2])
+@pytest.mark.parametrize(("control_s", "phase_control_s"), [(2e-4, 0.0), (5e-2, 0.0), (2e-4, 3e-2)])
 def test_cpsat_optimum_with_control_checks_equals_brute_force(
-    seed: int, world: int, per_node: int, overlap: float, control_s: float
+    seed: int, world: int, per_node: int, overlap: float, control_s: float, phase_control_s: float
 ) -> None:
     # latencies from a fraction of a window to several windows: mixing offloaded and persistent chunks costs
     # one check more than offloading all or none, device sharding more again (the solver must see it as the
     # runtime pays it). The random instances of test_multi_rank_policy's brute-force cases, with the checks.
     rng = np.random.default_rng(7000 + seed)
     trace, cons = _multi_rank(rng, world, per_node, overlap, n_blocks=int(rng.integers(3, 6)))
-    trace = _with_control(trace, control_s)
+    trace = _with_control(trace, control_s, phase_control_s)
     compared = 0
     for lay in candidate_layouts(trace):
         if 4**lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) > 20_000:
             continue
         inst = build_instance(trace, lay, cons, CostParams(alpha=0.05))
         assert inst.control_ns == round(control_s * 1e9)
+        assert inst.phase_control_ns == round((phase_control_s or control_s) * 1e9)
         expected = brute_force(inst)
         got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
         if expected is None:
@@ -159,3 +160,50 @@ def test_constraints_are_unchanged_by_the_term() -> None:
         cb.pinned_bytes,
     )
     assert ca.fits == cb.fits and cb.control_ns == 2 * 10**6
+
+
+@pytest.mark.parametrize(
+    ("offloaded", "sharded", "at_phase_end", "before_gathers"),
+    [
+        ((True, True), (False, False), 1, 0),  # the same-use check at backward's start
+        ((False, False), (False, False), 1, 0),  # the persistent union at its end
+        ((True, False), (False, False), 2, 0),
+        # chunk 1 device-sharded: the union and the agreements at forward's and backward's ends at a phase's end,
+        # the agreements before its 2 all-gathers after a chunk's compute
+        ((True, False), (True, True), 1 + 1 + 2, 2),
+        ((False, False), (True, True), 1 + 2, 2 * 2),
+    ],
+)
+def test_the_checks_at_a_phase_end_pay_the_phase_figure_and_the_others_the_plain_one(
+    offloaded: tuple[bool, bool], sharded: tuple[bool, bool], at_phase_end: int, before_gathers: int
+) -> None:
+    # session 13: the wait for the later rank grows with the compute before the call (2 gloo ranks on the 2-core
+    # VM: ~1.3 ms after 5 ms bursts, ~2.5-2.9 ms after 10-20 ms), so a check at a phase's end costs more than an
+    # agreement between two chunks' all-gathers
+    plain = _inst(_with_control(_hand(per_node=2), 2e-3))
+    inst = _inst(_with_control(_hand(per_node=2), 2e-3, 5e-3))
+    assert plain.phase_control_ns == plain.control_ns == 2 * ms  # not measured: the plain figure
+    assert (inst.control_ns, inst.phase_control_ns) == (2 * ms, 5 * ms)
+    d = Decision(offloaded, int(sum(offloaded)), KEEP, sharded)
+    before, after = evaluate_decision(plain, d), evaluate_decision(inst, d)
+    assert after.control_ns == at_phase_end * 5 * ms + before_gathers * 2 * ms
+    assert after.iteration_ns - before.iteration_ns == at_phase_end * 3 * ms
+    # the step barrier stays a plain tiny collective
+    assert after.host_collective_ns == before.host_collective_ns
+    assert (
+        int(iteration_ns_batch(inst, offloaded, d.n_buffers, np.array([KEEP]), sharded)[0])
+        == after.iteration_ns
+    )
+
+
+def test_phase_control_s_is_left_out_at_0_and_read_when_measured() -> None:
+    trace = _with_control(with_distributed(synthetic_trace(n_blocks=4), synthetic_distributed(2)), 1e-3)
+    assert (
+        "phase_control_s" not in json.loads(trace.model_dump_json())["hardware"]["distributed"]["collectives"]
+    )
+    measured = _with_control(trace, 1e-3, 2.5e-3)
+    assert measured.content_hash() != trace.content_hash()
+    curves = measured.hardware.distributed.collectives  # type: ignore[union-attr]
+    assert curves is not None and phase_control_ns(curves) == 2_500_000 and control_ns(curves) == 1_000_000
+    old = trace.hardware.distributed.collectives  # type: ignore[union-attr]
+    assert old is not None and phase_control_ns(old) == control_ns(old) == 1_000_000
