@@ -468,7 +468,6 @@ def train_steps(
             run.optimizer.zero_grad()
         return None
     warm = max(1, steps // 3)
-    sections: defaultdict[str, float] = defaultdict(float)
     by_phase: dict[str, defaultdict[str, float]] = {
         p: defaultdict(float) for p in ("forward", "backward", "step", "zero_grad")
     }
@@ -476,7 +475,6 @@ def train_steps(
 
     def listen(name: str, seconds: float, depth: int) -> None:
         if depth == 0 or name in MOVES:
-            sections[name] += seconds
             by_phase[phase[0]][name] += seconds
 
     phases: dict[str, list[float]] = {
@@ -514,6 +512,10 @@ def train_steps(
         if handle is not None:
             handle.remove()
     n = steps - warm
+    sections: defaultdict[str, float] = defaultdict(float)  # every phase's together
+    for secs in by_phase.values():
+        for k, v in secs.items():
+            sections[k] += v
     delta = {
         f.name: getattr(counters, f.name) - getattr(before, f.name) for f in dataclasses.fields(counters)
     }

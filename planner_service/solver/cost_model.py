@@ -278,7 +278,7 @@ def control_checks_ns(
     inst: PolicyInstance, offloaded: tuple[bool, ...], device_sharded: tuple[bool, ...]
 ) -> int:
     """The runtime's control checks of one multi-rank iteration, each one tiny synchronous collective. At a
-    phase's end (`inst.phase_control_ns`, else `inst.control_ns`): the same-use check at backward's start when
+    phase's end (`inst.phase_control_ns`): the same-use check at backward's start when
     any chunk is offloaded (`GradientFlow.check_same_use`), the persistent chunks' union at backward's end when
     any chunk is persistent (`_agree_on_persistent`; a persistent chunk without trained parameters skips it:
     counted, cautious), and with device-sharded chunks one agreement at the end of forward and one at the end
@@ -288,7 +288,7 @@ def control_checks_ns(
         return 0
     n_dsh = sum(device_sharded)
     at_phase_end = int(any(offloaded)) + int(not all(offloaded)) + (2 if n_dsh else 0)
-    return at_phase_end * (inst.phase_control_ns or inst.control_ns) + 2 * n_dsh * inst.control_ns
+    return at_phase_end * inst.phase_control_ns + 2 * n_dsh * inst.control_ns
 
 
 def gathered_peak_bytes(k: ChunkTerms) -> int:

@@ -508,7 +508,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
 
 
 def _control_checks(pm: PolicyModel) -> LinearExpr:
-    """`cost_model.control_checks_ns` as rows: at a phase's end (`phase_control_ns`, else `control_ns`) one
+    """`cost_model.control_checks_ns` as rows: at a phase's end (`phase_control_ns`) one
     check when any chunk is offloaded (any_off = max off[c]), one when any is persistent (any_per = max
     (1 - off[c])) and 2 with device-sharded chunks (any_dsh = max dsh[c]); `control_ns` for 2 per
     device-sharded chunk; each indicator pinned to its maximum both ways, so it is exact under every
@@ -517,7 +517,7 @@ def _control_checks(pm: PolicyModel) -> LinearExpr:
     ctl, C = inst.control_ns, inst.n_chunks
     if not ctl or not C:
         return 0
-    pctl = inst.phase_control_ns or ctl
+    pctl = inst.phase_control_ns
     any_off = m.new_bool_var("any_offloaded")
     any_per = m.new_bool_var("any_persistent")
     m.add_max_equality(any_off, pm.off)

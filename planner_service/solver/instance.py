@@ -188,7 +188,8 @@ class PolicyInstance:
     control_ns: int = 0
     # one control check at a phase's end (after forward's or backward's compute: the same-use check, the persistent
     # union, the device-shard agreements at the ends of forward and backward), whose wait for the later rank grows
-    # with the compute before it: the trace's `phase_control_s`; `control_ns` where it was not measured
+    # with the compute before it: the trace's `phase_control_s`; `control_ns` where it was not measured (resolved
+    # once, by `sharding.phase_control_ns`); 0 at N = 1
     phase_control_ns: int = 0
     # all-gather of a sharded chunk's host-gradient shards into its exposed `.grad` (N * shard elements, the
     # compute dtype), on the host worker before the chunk's host step
