@@ -164,6 +164,11 @@ def train(
     return losses, norms
 
 
+def rel(a: list[float], b: list[float]) -> float:
+    """The largest relative difference of `a` from `b`, element by element (0 for empty lists)."""
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
 def rel_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
     """Largest ||a - b|| / ||b|| over the parameters, and its name."""
     worst, name = 0.0, ""

@@ -14,15 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from ddp_jobs import Case, adamw, build_model, spawn
+from ddp_jobs import Case, adamw, build_model, rel, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 TOL = 1e-5
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from checkpoint_jobs import AFTER, SAVE_WORLD, CkptCase, continuation, make_model
 from checkpoint_jobs import spawn as spawn_ckpt
-from ddp_jobs import adamw
+from ddp_jobs import adamw, rel
 from sharded_jobs import ShardCase, spawn
 
 from agent.checkpoint import load_full
@@ -23,10 +23,6 @@ from agent.checkpoint import load_full
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 TOL = 1e-5
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def check(results: list[dict[str, Any]], world: int, *, tol: float = TOL) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ddp_jobs import rel
 from sharded_jobs import ShardCase, spawn
 
 from agent.testing.model_zoo import DEFAULTS_FAMILIES
@@ -21,10 +22,6 @@ from agent.testing.model_zoo import DEFAULTS_FAMILIES
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 TOL = 1e-5
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 @pytest.mark.parametrize("family", DEFAULTS_FAMILIES)

@@ -12,15 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ddp_jobs import rel
 from sharded_jobs import ShardCase, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 TOL = 1e-5
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:

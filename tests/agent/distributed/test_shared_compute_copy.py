@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from ddp_jobs import rel
 from sharded_jobs import ShardCase, TokenMLP, run_then_kill, sharded_plan, spawn
 
 from agent.runtime import ChunkLayout
@@ -40,10 +41,6 @@ def shm() -> Iterator[Path]:
     """A directory of its own on /dev/shm (a tmpfs every rank sees), so other jobs' files cannot interfere."""
     with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="memplan-test-") as d:
         yield Path(d)
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def as_ddp(results: list[dict[str, Any]], tol: float = TOL) -> None:

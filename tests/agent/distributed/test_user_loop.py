@@ -20,15 +20,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from ddp_jobs import rel
 from user_loop_jobs import ARRIVAL_TIMEOUT_S, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 TOL = 1e-5
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def test_a_ddp_users_habits_train_as_ddp(tmp_path: Path) -> None:
