@@ -23,11 +23,21 @@ The module is profiled by calling it on the batch as `agent.wrap` does (`module(
 batch)`: a LightningModule whose `forward` takes the batch works as is; otherwise pass `loss_fn` (and
 `sample_batch` if the first training batch is not what `forward` takes).
 
-Supported: one optimizer, one process, `precision="32-true"` or `"bf16-true"` (the runtime keeps the
-module's own dtype). Refused with a ValueError naming the setting: several optimizers, several processes
-(the runtime shards across ranks only through `agent.wrap` under an initialised process group, not yet
-through Lightning's strategies), mixed precision (`16-mixed`, `bf16-mixed`: autocast and GradScaler around
-the runtime have not been validated).
+Several processes (`strategy="ddp"`; tested under `torchrun`, Lightning's own launcher sets up the same): the
+same callback. Lightning has put the module in DistributedDataParallel before `on_fit_start` (whose constructor
+made every rank start from rank 0's weights); the callback takes the module back out of it (memplan averages
+the gradients itself, and DDP's reducer on top of it would train wrong, see `agent/model_guards.py`; dropping
+it also frees its gradient buckets before the profile), wraps the module under Lightning's process group
+(every rank profiles, rank 0 plans, offloaded chunks may be sharded across the ranks), and points the
+strategy's `block_backward_sync` (the `no_sync` Lightning enters on a non-final accumulation micro-step) at
+the runtime's `no_sync`. Checkpoints: Lightning calls `state_dict()` on every rank and writes rank 0's, which
+is the full, plain-PyTorch one.
+
+Supported: one optimizer, one process or Lightning's DDP strategy, `precision="32-true"` or `"bf16-true"` (the
+runtime keeps the module's own dtype). Refused with a ValueError naming the setting: several optimizers, other
+multi-process strategies (FSDP, DeepSpeed, ...) and DDP communication hooks (memplan shards and averages the
+gradients itself), mixed precision (`16-mixed`, `bf16-mixed`: autocast and GradScaler around the runtime have
+not been validated).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.nn.parallel import DistributedDataParallel
 
 from agent.wrapping import unwrap, wrap
 
@@ -65,13 +76,10 @@ def first_training_batch(trainer: pl.Trainer) -> Any:
     return trainer.strategy.batch_to_device(batch)
 
 
-def check_supported(trainer: pl.Trainer) -> None:
+def check_supported(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """Raise ValueError naming the Trainer setting memplan does not handle yet."""
     if trainer.world_size > 1:
-        raise ValueError(
-            f"trainer.world_size: {trainer.world_size}; the Lightning callback runs on one process "
-            "(use agent.wrap under torch.distributed for sharded multi-process training)"
-        )
+        check_data_parallel(trainer, pl_module)
     if str(trainer.precision) not in SUPPORTED_PRECISION:
         raise ValueError(
             f"trainer.precision: {trainer.precision!r} is not supported; use one of {', '.join(SUPPORTED_PRECISION)}"
@@ -79,6 +87,26 @@ def check_supported(trainer: pl.Trainer) -> None:
     if len(trainer.strategy.optimizers) != 1:
         raise ValueError(
             f"configure_optimizers: returned {len(trainer.strategy.optimizers)} optimizers; memplan manages one"
+        )
+
+
+def check_data_parallel(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Several processes: only Lightning's DDP strategy, whose model is plain DistributedDataParallel around
+    this module and without a communication hook (memplan replaces DDP; a hook's compression or averaging
+    would be silently dropped)."""
+    strategy = trainer.strategy
+    model = strategy.model
+    if not (isinstance(model, DistributedDataParallel) and model.module is pl_module):
+        raise ValueError(
+            f"trainer.strategy: {type(strategy).__name__} (world size {trainer.world_size}) is not supported; "
+            "under several processes the callback takes Lightning's DDP strategy (strategy='ddp'): memplan "
+            "replaces DistributedDataParallel, sharding chunks and averaging the gradients itself"
+        )
+    hook = getattr(strategy, "_ddp_comm_hook", None)
+    if hook is not None:
+        raise ValueError(
+            f"DDPStrategy(ddp_comm_hook=...): {getattr(hook, '__name__', hook)!r} is not supported; memplan "
+            "averages the gradients itself and would drop the hook's effect"
         )
 
 
@@ -129,8 +157,9 @@ class MemplanCallback(Callback):
         self._original: torch.optim.Optimizer | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        check_supported(trainer)
-        optimizer = trainer.strategy.optimizers[0]
+        check_supported(trainer, pl_module)
+        strategy = trainer.strategy
+        optimizer = strategy.optimizers[0]
         kwargs = copy.copy(self.wrap_kwargs)
         clip = trainer.gradient_clip_val
         kwargs.setdefault("clips_gradients", bool(clip is not None and float(clip) > 0))
@@ -138,15 +167,26 @@ class MemplanCallback(Callback):
             kwargs["sample_batch"] = first_training_batch(trainer)
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        ddp = strategy.model if trainer.world_size > 1 else None
+        if ddp is not None:
+            strategy.model = pl_module  # DDP's reducer and its gradient buckets go with it
         try:
             wrapped = wrap(pl_module, optimizer, **kwargs)
+        except BaseException:
+            if ddp is not None:
+                strategy.model = ddp
+            raise
         finally:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
+        del ddp
         self.wrapped, self._original = wrapped, optimizer
-        trainer.strategy.optimizers = [wrapped.optimizer]
+        strategy.optimizers = [wrapped.optimizer]
         rebind_schedulers(trainer, optimizer, wrapped.optimizer)
+        if trainer.world_size > 1:
+            # what Lightning enters on a non-final accumulation micro-step (its own looks for a DDP model)
+            strategy.block_backward_sync = wrapped.no_sync  # type: ignore[attr-defined]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._unwrap(trainer)
@@ -163,5 +203,6 @@ class MemplanCallback(Callback):
             return
         self.report = wrapped.report()
         unwrap(wrapped)
+        trainer.strategy.__dict__.pop("block_backward_sync", None)
         trainer.strategy.optimizers = [original]
         rebind_schedulers(trainer, wrapped.optimizer, original)

@@ -9,6 +9,8 @@ implementation, tying), a random token dataset, and a `transformers.Trainer` on 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 VOCAB, SEQ, N_EXAMPLES = 128, 32, 64
+HERE = Path(__file__).parent
 
 
 def build_model(kind: str) -> torch.nn.Module:
@@ -170,22 +173,50 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     return refused(spec) if "args" in spec else run(spec)
 
 
-if __name__ == "__main__":
-    specs = json.loads(sys.argv[1])
-    result = [main(s) for s in specs] if isinstance(specs, list) else main(specs)
+def report(result: Any) -> None:
+    """Print `result` as the `RESULT <json>` line `torchrun` (below) collects: in one process as is, under a
+    process group one rank at a time, then end the group."""
     line = "\nRESULT " + json.dumps(result) + "\n"
     if not torch.distributed.is_initialized():
         sys.stdout.write(line)
-    else:
-        # one rank at a time: two ranks' lines longer than a pipe's atomic write (4 KiB) interleave
-        for rank in range(torch.distributed.get_world_size()):
-            if rank == torch.distributed.get_rank():
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            torch.distributed.barrier()
-        # as a torchrun script should end (torch warns otherwise). Without it a wrapped job's rank aborted at
-        # exit now and then ("terminate called without an active exception", SIGABRT, after its RESULT):
-        # 4 of 30 launches in one period of load on the shared 2-core CPU, 0 of 38 later (the plain DDP
-        # Trainer 0 of 8); not root-caused. 0 of 10 with these two lines
+        return
+    # one rank at a time: two ranks' lines longer than a pipe's atomic write (4 KiB) interleave
+    for rank in range(torch.distributed.get_world_size()):
+        if rank == torch.distributed.get_rank():
+            sys.stdout.write(line)
+            sys.stdout.flush()
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    # as a torchrun script should end (torch warns otherwise). Without it a wrapped job's rank aborted at
+    # exit now and then ("terminate called without an active exception", SIGABRT, after its RESULT):
+    # 4 of 30 launches in one period of load on the shared 2-core CPU, 0 of 38 later (the plain DDP
+    # Trainer 0 of 8); not root-caused. 0 of 10 with these two lines
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def torchrun(specs: list[dict[str, Any]], script: Path = HERE / "hf_jobs.py") -> list[list[dict[str, Any]]]:
+    """`specs` run one after the other on each of two ranks of `script` under the real launcher (gloo on the
+    CPU; the framework sets up the process group itself): each rank's results, rank order."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [str(script), json.dumps(specs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    if proc.returncode != 0:  # the ranks' errors first (the launcher's summary comes last)
+        errors = [
+            line
+            for line in proc.stderr.splitlines()
+            if any(k in line for k in ("Error", "error:", "terminate", "what()", "Traceback", "Signal"))
+        ]
+        raise AssertionError("\n".join(errors[:40]) + "\n...\n" + proc.stderr[-3000:])
+    lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert len(lines) == 2, proc.stdout[-3000:]
+    return [json.loads(line) for line in lines]
+
+
+if __name__ == "__main__":
+    specs = json.loads(sys.argv[1])
+    report([main(s) for s in specs] if isinstance(specs, list) else main(specs))

@@ -21,6 +21,7 @@ from typing import Any
 import hf_jobs
 import pytest
 import torch
+from hf_jobs import torchrun
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -140,29 +141,6 @@ def _accelerate_loop(model: torch.nn.Module, wrap: bool, limit: int) -> list[tup
         opt.zero_grad()
         out.append((loss.item(), float(norm)))
     return out
-
-
-def torchrun(specs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """`specs` run one after the other on each of two ranks under the real launcher (gloo on the CPU; the
-    Trainer sets up the process group itself): each rank's results, rank order."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [str(HERE / "hf_jobs.py"), json.dumps(specs)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    if proc.returncode != 0:  # the ranks' errors first (the launcher's summary comes last)
-        errors = [
-            line
-            for line in proc.stderr.splitlines()
-            if any(k in line for k in ("Error", "error:", "terminate", "what()", "Traceback", "Signal"))
-        ]
-        raise AssertionError("\n".join(errors[:40]) + "\n...\n" + proc.stderr[-3000:])
-    lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert len(lines) == 2, proc.stdout[-3000:]
-    return [json.loads(line) for line in lines]
 
 
 def param_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -9,6 +9,7 @@ first), and a device limit that makes the planner offload.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,90 +17,13 @@ import hf_jobs
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_jobs import CLIP, CausalLM, fit, loaders
 
 import agent
 from agent.integrations.lightning import MemplanCallback
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-CLIP = 0.5
-
-
-class CausalLM(pl.LightningModule):
-    """What a Lightning user writes around a Hugging Face model: forward takes the batch, the step logs."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.history: list[dict[str, float]] = []
-
-    def forward(self, **batch: Any) -> Any:
-        return self.model(**batch)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(**batch).loss
-        self.log("train_loss", loss)
-        self.history.append({"loss": loss.item(), "lr": self.optimizers().param_groups[0]["lr"]})
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self(**batch).loss)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # the gradients Lightning is about to clip: every one must be there (offloaded ones on the host)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
-        assert all(g is not None for g in grads), "a parameter has no gradient before clipping"
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g) for g in grads if g is not None])
-        )
-        self.history[-1]["grad_norm"] = norm.item()
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=2e-3)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def loaders() -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
-    data = hf_jobs.dataset()
-    train = torch.utils.data.DataLoader(data[:48], batch_size=4, shuffle=True)
-    val = torch.utils.data.DataLoader(data[48:56], batch_size=4)
-    return train, val
-
-
-def fit(
-    model: torch.nn.Module,
-    tmp: Path,
-    *,
-    steps: int,
-    callback: MemplanCallback | None = None,
-    accumulation: int = 1,
-    ckpt_path: str | None = None,
-    save_every: int | None = None,
-) -> tuple[CausalLM, pl.Trainer]:
-    module = CausalLM(model)
-    callbacks: list[Any] = [callback] if callback is not None else []
-    if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=tmp, every_n_train_steps=save_every, save_top_k=-1))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        gradient_clip_val=CLIP,
-        accumulate_grad_batches=accumulation,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=bool(save_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp,
-        limit_val_batches=2,
-        val_check_interval=2,
-    )
-    pl.seed_everything(7, verbose=False)
-    train, val = loaders()
-    trainer.fit(module, train, val, ckpt_path=ckpt_path)
-    return module, trainer
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +137,122 @@ def test_the_callback_refuses_mixed_precision_and_leaves_the_module_alone(tmp_pa
     with pytest.raises(ValueError, match="trainer.precision"):
         trainer.fit(module, train)
     assert not getattr(module, "_memplan_wrapped", False)
+
+
+@pytest.fixture(scope="module")
+def two_rank_plans(limit: int, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The callback's plan under the device limit (one process; it offloads), made for 2 ranks two ways whatever
+    the planner would choose on the shared CPU: "host" shards every offloaded chunk across the ranks (each holds
+    half in host memory); "device" also makes every other chunk persistent and sharded on the device (ZeRO-3:
+    `state_dict()` is a collective)."""
+    from client.contract import Placement
+
+    root = tmp_path_factory.mktemp("lightning_plans")
+    cb = MemplanCallback(device_memory=limit, feedback_steps=None)
+    fit(hf_jobs.build_model("llama"), root / "one", steps=1, callback=cb)
+    assert cb.wrapped is not None and cb.wrapped.plan.policy is not None
+    plan, policy = cb.wrapped.plan, cb.wrapped.plan.policy
+    offloaded = Placement.offloaded
+    host = [c.model_copy(update={"sharded": c.placement == offloaded}) for c in policy.chunks]
+    device = [
+        c.model_copy(update={"sharded": True, "placement": Placement.persistent if i % 2 else c.placement})
+        for i, c in enumerate(policy.chunks)
+    ]
+    assert any(c.placement == offloaded for c in device), "the device plan offloads nothing"
+    paths = {}
+    for name, chunks in (("host", host), ("device", device)):
+        paths[name] = root / f"{name}.json"
+        update = {"policy": policy.model_copy(update={"chunks": chunks, "world_size": 2})}
+        paths[name].write_text(plan.model_copy(update=update).model_dump_json())
+    return paths
+
+
+LIGHTNING_JOBS = Path(__file__).parent / "lightning_jobs.py"
+TWO_RANKS: dict[str, Any] = {"steps": 4, "accumulation": 2, "save_every": 2}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(
+    limit: int, two_rank_plans: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[Any]]:
+    """Two launches of `lightning_jobs.py` under torchrun (2 ranks, `strategy="ddp"`, gloo). The first: plain
+    DDP; the callback with the device limit (every rank profiles, rank 0 plans and broadcasts); the callback
+    with the host-sharded and the device-sharded plans; every one saving a checkpoint at step 2 of 4; an FSDP
+    DDP communication hook (refused). The second: every run resumed from its step-2 checkpoint."""
+    root = tmp_path_factory.mktemp("lightning_two_ranks")
+    runs = {
+        "plain": {},
+        "limit": {"wrap": True, "device_memory": limit},
+        "host": {"wrap": True, "plan": str(two_rank_plans["host"])},
+        "device": {"wrap": True, "plan": str(two_rank_plans["device"])},
+    }
+    first = [
+        {**TWO_RANKS, **spec, "out": str(root / name), "final": str(root / f"{name}.pt")}
+        for name, spec in runs.items()
+    ]
+    # (Lightning builds its FSDP strategy on a GPU only: the check for other strategies runs there)
+    refusals = [{"strategy": "ddp-comm-hook", "out": str(root / "hook")}]
+    full = hf_jobs.torchrun(first + refusals, LIGHTNING_JOBS)
+    resumed = []
+    for name, spec in runs.items():
+        ckpt = sorted((root / name).glob("*step=2*.ckpt"))
+        assert len(ckpt) == 1, list((root / name).iterdir())
+        resumed.append({**TWO_RANKS, **spec, "out": str(root / f"{name}-resumed"), "resume": str(ckpt[0])})
+    again = hf_jobs.torchrun(resumed, LIGHTNING_JOBS)
+    return root, [a + b for a, b in zip(full, again, strict=True)]
+
+
+@pytest.mark.distributed
+def test_the_callback_under_lightnings_ddp_trains_like_plain_ddp(two_ranks: tuple[Path, list[Any]]) -> None:
+    """torchrun, 2 ranks, `strategy="ddp"`, clipping, a schedule, 2 accumulation micro-steps: with the device
+    limit (the plan rank 0 made), with offloaded chunks sharded in host memory and with chunks sharded on the
+    device, the callback takes the module out of Lightning's DistributedDataParallel and logs plain DDP's losses,
+    clipped norms and learning rates on every rank, ending with its parameters, within 1e-5 relative; each
+    optimizer step averages every chunk's gradient once (Lightning's no_sync on the first micro-step is the
+    runtime's)."""
+    root, results = two_ranks
+    for plain, limit, host, device, *_ in results:
+        steps = [h for h in plain["history"] if "grad_norm" in h]
+        assert len(steps) == TWO_RANKS["steps"] and all(h["grad_norm"] > CLIP for h in steps)
+        assert len({h["lr"] for h in plain["history"]}) > 1
+        assert limit["offloaded"] > 0 and host["sharded"] > 0 and device["device_sharded"] > 0
+        for got in (limit, host, device):
+            assert got["world_size"] == 2 and got["unwrapped"] and got["block_backward_sync_restored"]
+            assert got["strategy_model_is_the_module"]  # no DistributedDataParallel left around it
+            assert_same(got["history"], plain["history"])
+            chunks = len(json.loads(got["plan"])["policy"]["chunks"])
+            c = got["counters"]
+            assert c["backwards"] == TWO_RANKS["steps"] * TWO_RANKS["accumulation"]
+            assert c["reductions"] == chunks * TWO_RANKS["steps"], (c, chunks)
+    ref = torch.load(root / "plain.pt", weights_only=True)
+    for name in ("limit", "host", "device"):
+        got = torch.load(root / f"{name}.pt", weights_only=True)
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert torch.allclose(got[k], ref[k], rtol=TOL, atol=1e-6), (name, k)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_of_the_callback_under_lightnings_ddp_resumes_as_plain_ddp_does(
+    two_ranks: tuple[Path, list[Any]],
+) -> None:
+    """Lightning calls `state_dict()` on every rank (a collective with device-sharded chunks) and writes rank
+    0's full, plain-PyTorch checkpoint; each wrapped run resumed from its own step-2 checkpoint continues as
+    plain DDP resumed from its own does."""
+    _, results = two_ranks
+    for rank in results:
+        plain_resumed = rank[5]
+        for got in rank[6:9]:
+            assert got["sharded"] or got["offloaded"]
+            assert_same(got["history"], plain_resumed["history"])
+
+
+@pytest.mark.distributed
+def test_the_callback_refuses_a_ddp_communication_hook_naming_it(two_ranks: tuple[Path, list[Any]]) -> None:
+    """A hook would compress or reshape the gradients' averaging, which memplan does itself: every rank
+    refuses before any collective (nothing hangs), the module is left unwrapped."""
+    _, results = two_ranks
+    for rank in results:
+        hook = rank[4]
+        assert hook["refused"] is not None and hook["refused"].startswith("DDPStrategy(ddp_comm_hook=...)")
+        assert "allreduce_hook" in hook["refused"] and not hook["wrapped"]
