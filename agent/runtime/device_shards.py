@@ -41,8 +41,12 @@ from agent.runtime.accounting import Counters
 from agent.runtime.chunks import ChunkState, views
 from agent.runtime.device import DeviceContext
 from agent.runtime.host_worker import HostWorker
-from agent.runtime.process_group import RankGroup, UnusedParametersError, all_gather_single
+from agent.runtime.process_group import RankArrivalError, RankGroup, UnusedParametersError, all_gather_single
 from agent.runtime.schedule import Direction
+
+AGREE_ROW = 4
+"""int32 per rank in an agreement: the chunk (-1: a pass ends, -2: a backward begins), the direction, grad
+enabled, backwards begun."""
 
 
 def placeholder(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
@@ -90,9 +94,13 @@ class DeviceShards:
         self._pos = 0
         self.max_gathered_bytes = 0  # the most bytes of gathered copies held at once (memory report)
         self._disagreed = False  # an `agree` raised on every rank; its forward/backward has not ended yet
-        # `agree`: this rank's (chunk, direction) and every rank's, on the backend's device
-        self._agree_row = torch.zeros(2, dtype=torch.int32, device=group.device)
-        self._agree_rows = torch.zeros(2 * group.world_size, dtype=torch.int32, device=group.device)
+        # the pass every rank must be in at an `agree`: how many backwards began before it (the runtime sets it
+        # as each begins) and whether the forward began with grad enabled
+        self.backwards = 0
+        self._grad = True
+        # `agree`: this rank's (chunk, direction, grad, backwards) and every rank's, on the backend's device
+        self._agree_row = torch.zeros(AGREE_ROW, dtype=torch.int32, device=group.device)
+        self._agree_rows = torch.zeros(AGREE_ROW * group.world_size, dtype=torch.int32, device=group.device)
 
     def __contains__(self, c: int) -> bool:
         return c in self.states
@@ -106,6 +114,7 @@ class DeviceShards:
         if self._recording is not None and self._direction is not None:
             self._order.setdefault(self._direction, self._recording)
         self._direction = direction
+        self._grad = direction is Direction.backward or torch.is_grad_enabled()
         self._disagreed = False
         self._recording = None if direction in self._order else []
         self._pos = 0
@@ -142,17 +151,27 @@ class DeviceShards:
     # ================================================================================ gather/release
     def agree(self, c: int, direction: Direction | None = None) -> None:
         """Before an all-gather of chunk `c` (or, `c` = -1, as a forward or backward ends): the ranks compare what
-        they are about to do (one all-gather of two int32 per rank, the same size whatever each rank does, so a
-        difference cannot pair collectives of other sizes). Gathers are issued from module hooks: a rank that
-        did not run a module (data-dependent control flow: an expert without tokens there) would otherwise pair
-        its next all-gather with another rank's gather of a different chunk (gloo aborts on the size mismatch;
-        equal sizes would mix chunks silently). Where they differ every rank raises `UnusedParametersError`
-        (the same verdict from the same gathered rows), before any mismatched collective."""
+        they are about to do (one all-gather of four int32 per rank, the same size whatever each rank does, so a
+        difference cannot pair collectives of other sizes): the chunk, the direction, whether the forward began
+        with grad enabled, and how many backwards began before. Gathers are issued from module hooks, so
+
+        - a rank that did not run a module (data-dependent control flow: an expert without tokens there) would
+          pair its next all-gather with another rank's gather of a different chunk (gloo aborts on the size
+          mismatch; equal sizes would mix chunks silently): every rank raises `UnusedParametersError`;
+        - a forward made on some ranks only (the DDP habit `if rank == 0: evaluate(model)`, or `generate`) would
+          pair its gathers with the other ranks' next training forward, then the ranks' next collectives would
+          differ (a hang until the backend's timeout): the pass differs in the grad mode or the backward count,
+          and every rank raises `RankArrivalError` naming each rank's pass.
+
+        The same verdict on every rank from the same gathered rows, before any mismatched collective. Not caught:
+        a forward on some ranks while the others wait in a collective of their own (`dist.barrier()`), which
+        pairs with it (gloo and NCCL cannot tell collectives apart)."""
         if self.group.world_size == 1:
             return
         step = direction if direction is not None else self._direction
         row, out = self._agree_row, self._agree_rows  # kept: no allocation per gather
         row[0], row[1] = c, 0 if step is None else 1 + list(Direction).index(step)
+        row[2], row[3] = int(self._grad), self.backwards
 
         def run() -> None:
             all_gather_single(out, row, group=self.group.group)
@@ -165,21 +184,40 @@ class DeviceShards:
         flat = out.tolist()
         self.counters.control_s += time.perf_counter() - t0
         self.counters.control_checks += 1
-        rows = [flat[i : i + 2] for i in range(0, len(flat), 2)]
+        rows = [flat[i : i + AGREE_ROW] for i in range(0, len(flat), AGREE_ROW)]
         if all(r == rows[0] for r in rows):
             return
         self._disagreed = True
         for d in self.states.values():
             d.expected.clear()  # this forward/backward is not completed (a hook raises)
 
-        def say(r: list[int]) -> str:
-            when = "outside forward/backward" if r[1] == 0 else list(Direction)[r[1] - 1].name
-            if r[0] < 0:
-                return f"ended its {when}"
-            names = [e.name for e in self.states[r[0]].spec.entries]
-            return (
-                f"gathered chunk {r[0]} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in {when}"
+        def when(r: list[int]) -> str:
+            return "outside forward/backward" if r[1] == 0 else list(Direction)[r[1] - 1].name
+
+        if any(r[1:] != rows[0][1:] for r in rows):
+
+            def pass_(r: list[int]) -> str:
+                grad = (
+                    ""
+                    if r[1] != 1 + list(Direction).index(Direction.forward)
+                    else (" with grad" if r[2] else " without grad")
+                )
+                return f"in a {when(r)}{grad} after {r[3]} backward{'s' if r[3] != 1 else ''}"
+
+            raise RankArrivalError(
+                "memplan: the ranks are in different passes of a model with chunks sharded on the device (each "
+                "forward and backward gathers their parameters from every rank, a collective): "
+                f"{'; '.join(f'rank {i} {pass_(r)}' for i, r in enumerate(rows))}. Run every forward on every "
+                "rank, evaluation and generation included (each rank on its own share of the data, as FSDP "
+                "requires), or plan without device-sharded chunks (a forward of replicated or host-sharded chunks "
+                "may run on one rank alone)"
             )
+
+        def say(r: list[int]) -> str:
+            if r[0] < 0:
+                return f"{'began' if r[0] == -2 else 'ended'} its {when(r)}"
+            names = [e.name for e in self.states[r[0]].spec.entries]
+            return f"gathered chunk {r[0]} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in {when(r)}"
 
         raise UnusedParametersError(
             "memplan: the ranks ran different modules of device-sharded persistent chunks (gathered from module "
@@ -189,6 +227,10 @@ class DeviceShards:
             "sharded ones: make every rank run every module (e.g. run each expert on an empty batch), or plan "
             "these parameters in unsharded persistent chunks"
         )
+
+    def agree_begin(self) -> None:
+        """A synchronising backward with offloaded chunks begins (`agree` with chunk -2), before the same-use check."""
+        self.agree(-2)
 
     def agree_end(self) -> None:
         """A forward or backward ends (`agree` with no chunk), unless an agreement of it already failed on every

@@ -393,14 +393,19 @@ class ModelStateManager:
         if self._publishes:
             assert self.group is not None
             self.group.publish_backwards(self.backwards_started)
+        if self.device_shards is not None:
+            self.device_shards.backwards = self.backwards_started
+            self.device_shards.start(Direction.backward)
         if self.gradients.reduce and self.has_offload:
+            if self.device_shards is not None:
+                # the ranks compare passes before the same-use check, whose rows have another size: a forward
+                # made on some ranks only (with grad) is a RankArrivalError here, not a collective mismatch
+                self.device_shards.agree_begin()
             # before this backward issues any collective (not at forward: a forward with grad enabled on one
             # rank alone, an evaluation without no_grad, must not wait for the others)
             self.gradients.check_same_use()
         self.phase.state = TrainingState.BACKWARD
         self.schedule.start(Direction.backward, record=True)
-        if self.device_shards is not None:
-            self.device_shards.start(Direction.backward)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _recover_if_aborted(self) -> None:

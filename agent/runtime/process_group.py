@@ -195,7 +195,8 @@ _arrivals: dict[str, int] = {}
 
 
 class RankArrivalError(RuntimeError):
-    """A rank did not reach a collective the user called on rank 0 (a call made on one rank only)."""
+    """A rank did not reach a collective the user called on rank 0 (a call made on one rank only), or the ranks
+    are in different passes of a model with device-sharded chunks (a forward made on one rank only)."""
 
 
 class UnusedParametersError(RuntimeError):

@@ -425,7 +425,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         + sum(work_max) * 2
         + inst.step_barrier_ns
         + 2 * sum(inst.device_gather_ns)
-        + max(inst.control_ns, inst.phase_control_ns) * (2 + 2 * C + 2)
+        + max(inst.control_ns, inst.phase_control_ns) * (2 + 2 * C + 3)
     )
     ok = lambda c: 0 <= c < C  # noqa: E731
     rep = [pm.off[c] - pm.osh[c] for c in range(C)]  # offloaded and replicated (0/1: sh <= off)
@@ -511,8 +511,8 @@ def _control_checks(pm: PolicyModel) -> LinearExpr:
     """`cost_model.control_checks_ns` as rows: at a phase's end (`phase_control_ns`) one
     check when any chunk is offloaded (any_off = max off[c]), one when any is persistent (any_per = max
     (1 - off[c])) and 2 with device-sharded chunks (any_dsh = max dsh[c]); `control_ns` for 2 per
-    device-sharded chunk; each indicator pinned to its maximum both ways, so it is exact under every
-    objective."""
+    device-sharded chunk and one when any_off and any_dsh; each indicator pinned both ways, so it is exact
+    under every objective."""
     m, inst = pm.model, pm.inst
     ctl, C = inst.control_ns, inst.n_chunks
     if not ctl or not C:
@@ -532,7 +532,11 @@ def _control_checks(pm: PolicyModel) -> LinearExpr:
     for c in range(C):
         m.add(any_dsh >= pm.dsh[c])
     m.add(any_dsh <= sum(pm.dsh))
-    return pctl * (at_phase_end + 2 * any_dsh) + ctl * 2 * sum(pm.dsh)
+    both = m.new_bool_var("offloaded_and_device_sharded")  # the agreement at backward's start
+    m.add(both >= any_off + any_dsh - 1)
+    m.add(both <= any_off)
+    m.add(both <= any_dsh)
+    return pctl * (at_phase_end + 2 * any_dsh) + ctl * (2 * sum(pm.dsh) + both)
 
 
 def _static_device(pm: PolicyModel) -> cp_model.IntVar:

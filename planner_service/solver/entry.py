@@ -51,7 +51,9 @@ from planner_service.solver.instance import (
 #      runtime probe's offload overhead includes optimizer.step()'s settling of a speculative step
 # 1.6: the control checks at a phase's end cost the trace's `CollectiveCurves.phase_control_s` (on a CPU device:
 #      after a phase's worth of compute, the ranks' skew over it included)
-SOLVER_VERSION = "policy-1.6"
+# 1.7: with offloaded and device-sharded chunks, one more device-shard agreement per iteration, at backward's
+#      start (the runtime's check that every rank is in the same pass: a forward on some ranks only is an error)
+SOLVER_VERSION = "policy-1.7"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {

@@ -63,6 +63,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "routed": routed,
         "alone": alone,
         "unlike": unlike,
+        "evaluate": evaluate,
         "accelerate": accelerate_loop,
     }
     try:
@@ -222,6 +223,44 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
         wrapped.optimizer.step()
         wrapped.optimizer.zero_grad()
     return {"error": None}
+
+
+def evaluate(rank: int, world: int, how: str) -> dict[str, Any]:
+    """Chunks sharded on the device and offloaded chunks sharded in host memory; 3 training steps, an
+    evaluation after the first: `how` = "every-rank" (every rank, under no_grad, then in eval mode with grad),
+    "none" (no evaluation: the reference losses), "rank0-no-grad" or "rank0-grad" (rank 0 alone, the DDP habit
+    `if rank == 0: evaluate(model)`, under no_grad or without it) while rank 1 trains on."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    wrapped = agent.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        plan=sharded_plan(model, world, "alternate", device_shard=True),
+        feedback_steps=None,
+    )
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    losses, evals = [], []
+    error = None
+    try:
+        for step in range(3):
+            if step == 1 and (how == "every-rank" or (rank == 0 and how.startswith("rank0"))):
+                wrapped.model.eval()
+                if how != "rank0-grad":
+                    with torch.no_grad():
+                        evals.append(wrapped.model(input_ids=x, labels=x)["loss"].item())
+                if how != "rank0-no-grad":
+                    evals.append(wrapped.model(input_ids=x, labels=x)["loss"].item())
+                wrapped.model.train()
+            loss = wrapped.model(input_ids=x, labels=x)["loss"]
+            loss.backward()
+            wrapped.optimizer.step()
+            wrapped.optimizer.zero_grad()
+            losses.append(loss.item())
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        error = f"{type(exc).__name__}: {exc}"
+    chunks = wrapped.plan.policy.chunks if wrapped.plan.policy is not None else []
+    kinds = sorted({(c.placement.value, c.sharded) for c in chunks})
+    return {"error": error, "losses": losses, "evals": evals, "kinds": kinds}
 
 
 def unlike(rank: int, world: int, what: str) -> dict[str, Any]:

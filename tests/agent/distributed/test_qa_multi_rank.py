@@ -89,6 +89,48 @@ def test_device_sharded_chunks_unused_on_one_rank_are_a_clear_error_on_every_ran
     assert "device-sharded" in error and "gathered chunk" in error and "experts" in error, error
 
 
+def test_an_evaluation_on_every_rank_leaves_training_with_device_sharded_chunks_unchanged(
+    tmp_path: Path,
+) -> None:
+    """The supported way to evaluate a model with chunks sharded on the device (a forward gathers them from every
+    rank, as under FSDP): every rank evaluates, under no_grad and in eval mode with grad; the ranks' passes agree,
+    and the training losses equal those of the same job without the evaluation."""
+    (tmp_path / "none").mkdir()
+    (tmp_path / "every").mkdir()
+    _, ref = spawn("evaluate", 2, tmp_path / "none", 120, "none")
+    codes, results = spawn("evaluate", 2, tmp_path / "every", 120, "every-rank")
+    assert codes == [0, 0], codes
+    for got, want in zip(results, ref, strict=True):
+        assert got["error"] is None and want["error"] is None, (got["error"], want["error"])
+        assert ["persistent", True] in got["kinds"] and ["offloaded", True] in got["kinds"]
+        assert len(got["evals"]) == 2 and got["evals"][0] == got["evals"][1]
+        assert got["losses"] == want["losses"] and len(got["losses"]) == 3
+
+
+@pytest.mark.parametrize("grad", ["no-grad", "grad"])
+def test_a_forward_on_rank_0_alone_with_device_sharded_chunks_is_an_error_on_every_rank(
+    tmp_path: Path, grad: str
+) -> None:
+    """Defect (session 14): rank 0 evaluating alone (`if rank == 0: evaluate(model)`) a model with chunks sharded
+    on the device paired its forward's all-gathers with rank 1's next training forward, and the ranks' next
+    collectives differed: gloo aborted rank 0's process (SIGABRT, "Received data size doesn't match expected
+    size"; collectives of equal sizes would have mixed data or waited until gloo's 30-minute timeout). Now the ranks' agreements before each gather also
+    compare the pass (direction, grad mode, backwards begun), and one more at backward's start precedes the
+    same-use check: every rank raises `RankArrivalError` naming each rank's pass and the fix, at once."""
+    codes, results = spawn("evaluate", 2, tmp_path, 120, f"rank0-{grad}")
+    assert codes == [0, 0], codes  # None: a rank still waiting (the hang), killed
+    for res in results:
+        error = res["error"]
+        assert error is not None and error.startswith("RankArrivalError"), error
+        assert "the ranks are in different passes" in error and "Run every forward on every rank" in error
+        said = (
+            "rank 0 in a forward without grad after 1 backward"
+            if grad == "no-grad"
+            else "rank 1 in a backward"
+        )
+        assert said in error, error
+
+
 @pytest.mark.parametrize("call", ["state_dict", "unwrap", "save_sharded"])
 def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: Path, call: str) -> None:
     """Defect (documented as a limit): `optimizer.state_dict()`, `agent.unwrap` or

@@ -74,8 +74,9 @@ def test_an_old_trace_without_control_s_loads_keeps_its_hash_and_reads_the_small
         ((False, False), (False, False), 1),  # the persistent union only
         ((False, True), (False, True), 2),  # both
         ((True, False), (False, False), 2),
-        # chunk 1 persistent and sharded on the device: the union, 2 agreements before its gathers, 2 at the ends
-        ((True, False), (True, True), 1 + 1 + 2 + 2),
+        # chunk 1 persistent and sharded on the device: the union, 2 agreements before its gathers, 2 at the ends,
+        # 1 at backward's start (chunk 0 offloaded: before the same-use check)
+        ((True, False), (True, True), 1 + 1 + 2 + 2 + 1),
         ((False, False), (True, True), 1 + 2 * 2 + 2),  # both device-sharded
     ],
 )
@@ -169,8 +170,9 @@ def test_constraints_are_unchanged_by_the_term() -> None:
         ((False, False), (False, False), 1, 0),  # the persistent union at its end
         ((True, False), (False, False), 2, 0),
         # chunk 1 device-sharded: the union and the agreements at forward's and backward's ends at a phase's end,
-        # the agreements before its 2 all-gathers after a chunk's compute
-        ((True, False), (True, True), 1 + 1 + 2, 2),
+        # the agreements before its 2 all-gathers after a chunk's compute, and the one at backward's start right
+        # after forward's end agreement
+        ((True, False), (True, True), 1 + 1 + 2, 2 + 1),
         ((False, False), (True, True), 1 + 2, 2 * 2),
     ],
 )
