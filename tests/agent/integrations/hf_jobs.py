@@ -87,10 +87,18 @@ def history(t: Any) -> list[dict[str, float]]:
     ]
 
 
+def wrap_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """What a wrapped job's spec passes to the wrapping call: its plan file, else its device limit."""
+    from client.contract import Plan
+
+    if spec.get("plan"):
+        return {"feedback_steps": None, "plan": Plan.model_validate_json(Path(spec["plan"]).read_text())}
+    return {"feedback_steps": None, "device_memory": spec["device_memory"]}
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Train as `spec` says (wrapped or plain, resumed or not); the logged history and the plan used."""
     from agent.integrations.hf import wrap_trainer
-    from client.contract import Plan
 
     t = trainer(
         spec["kind"],
@@ -104,12 +112,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     plan_json = None
     offloaded = sharded = device_sharded = 0
     if spec.get("wrap"):
-        kw: dict[str, Any] = {"feedback_steps": None}
-        if spec.get("plan"):
-            kw["plan"] = Plan.model_validate_json(Path(spec["plan"]).read_text())
-        else:
-            kw["device_memory"] = spec["device_memory"]
-        w = wrap_trainer(t, **kw)
+        w = wrap_trainer(t, **wrap_kwargs(spec))
         t._move_model_to_device(
             t.model, t.args.device
         )  # what the Trainer does with its model: model.to(device)

@@ -107,16 +107,7 @@ def fit(
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank's fit as `spec` says (plain, or with the callback given a device limit or a plan file): the
     module's history and, wrapped, what the runtime did."""
-    from client.contract import Plan
-
-    callback = None
-    if spec.get("wrap"):
-        kw: dict[str, Any] = {"feedback_steps": None}
-        if spec.get("plan"):
-            kw["plan"] = Plan.model_validate_json(Path(spec["plan"]).read_text())
-        else:
-            kw["device_memory"] = spec["device_memory"]
-        callback = MemplanCallback(**kw)
+    callback = MemplanCallback(**hf_jobs.wrap_kwargs(spec)) if spec.get("wrap") else None
     module, trainer = fit(
         hf_jobs.build_model("llama"),
         Path(spec["out"]),
