@@ -55,12 +55,18 @@ def trainer(
     max_grad_norm: float = 0.5,
     accumulation: int = 1,
     save_only_model: bool = False,
+    eval_steps: int | None = None,
 ) -> Any:
+    """A Trainer on `dataset()`; with `eval_steps`, evaluating every that many steps on 10 more examples (not a
+    multiple of 2 ranks x 4: Accelerate pads the last batch, so every rank runs as many forwards)."""
     import transformers
 
     args = transformers.TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
         max_steps=steps,
         learning_rate=2e-3,
         logging_steps=1,
@@ -75,7 +81,13 @@ def trainer(
         seed=7,
         dataloader_num_workers=0,
     )
-    return transformers.Trainer(model=build_model(kind), args=args, train_dataset=dataset())
+    data = dataset()
+    return transformers.Trainer(
+        model=build_model(kind),
+        args=args,
+        train_dataset=data,
+        eval_dataset=[{k: v.flip(0) for k, v in x.items()} for x in data[:10]] if eval_steps else None,
+    )
 
 
 def history(t: Any) -> list[dict[str, float]]:
@@ -108,6 +120,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_grad_norm=spec.get("max_grad_norm", 0.5),
         accumulation=spec.get("accumulation", 1),
         save_only_model=spec.get("save_only_model", False),
+        eval_steps=spec.get("eval_steps"),
     )
     plan_json = None
     offloaded = sharded = device_sharded = 0
@@ -126,6 +139,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         t.save_model(spec["save_model"])
     out: dict[str, Any] = {
         "history": history(t),
+        "evals": [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h],
         "plan": plan_json,
         "offloaded": offloaded,
         "sharded": sharded,

@@ -149,7 +149,14 @@ def param_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
 
 
-TWO_RANKS = {"kind": "llama", "steps": 4, "accumulation": 2, "max_grad_norm": 1.0, "save_steps": 2}
+TWO_RANKS = {
+    "kind": "llama",
+    "steps": 4,
+    "accumulation": 2,
+    "max_grad_norm": 1.0,
+    "save_steps": 2,
+    "eval_steps": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +205,10 @@ def test_wrapped_trainer_on_two_ranks_trains_like_the_ddp_trainer(two_ranks: tup
         assert wrapped["world_size"] == 2 and wrapped["offloaded"] > 0 and wrapped["sharded"] > 0
         assert all(h["grad_norm"] > 1.0 for h in plain["history"]), "clipping is not active"
         assert_same(wrapped["history"], plain["history"])
+        # the Trainer's evaluation at steps 2 and 4 (every rank, its share of the eval set, losses gathered)
+        assert len(plain["evals"]) == 2 and len(wrapped["evals"]) == 2
+        for got, ref in zip(wrapped["evals"], plain["evals"], strict=True):
+            assert abs(got - ref) <= TOL * abs(ref), (wrapped["evals"], plain["evals"])
         c = wrapped["counters"]
         assert c["speculative"] > 0  # host steps overlapped backward
         # Accelerate's no_sync found the runtime's: every chunk's gradient (sharded: reduce-scattered;
@@ -290,6 +301,9 @@ def test_wrapped_trainer_with_device_sharded_chunks_saves_the_model_on_two_ranks
     resume["resume"] = str(tmp_path / "full" / "checkpoint-2")
     only_model = {**wrapped, "steps": 2, "out": str(tmp_path / "only_model"), "save_only_model": True}
     for got_full, got_resumed, got_only in torchrun([full, resume, only_model]):
+        # the Trainer's evaluations at steps 2 and 4 ran on every rank (their forwards gather the device shards,
+        # a collective); the resumed run's at step 4 is the uninterrupted run's (step 2's read back with the log)
+        assert len(got_full["evals"]) == 2 and got_resumed["evals"] == got_full["evals"]
         assert (
             got_full["device_sharded"] > 0
             and got_resumed["device_sharded"] > 0
