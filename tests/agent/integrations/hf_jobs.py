@@ -100,12 +100,18 @@ def history(t: Any) -> list[dict[str, float]]:
 
 
 def wrap_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
-    """What a wrapped job's spec passes to the wrapping call: its plan file, else its device limit."""
+    """What a wrapped job's spec passes to the wrapping call: its plan file, else its device limit; feedback
+    after 4 steps to the spec's `feedback` file, else none."""
     from client.contract import Plan
 
+    kw: dict[str, Any] = (
+        {"feedback_steps": 4, "feedback_path": Path(spec["feedback"])}
+        if spec.get("feedback")
+        else {"feedback_steps": None}
+    )
     if spec.get("plan"):
-        return {"feedback_steps": None, "plan": Plan.model_validate_json(Path(spec["plan"]).read_text())}
-    return {"feedback_steps": None, "device_memory": spec["device_memory"]}
+        return kw | {"plan": Plan.model_validate_json(Path(spec["plan"]).read_text())}
+    return kw | {"device_memory": spec["device_memory"]}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:

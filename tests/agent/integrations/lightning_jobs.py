@@ -136,6 +136,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "strategy_model_is_the_module": trainer.strategy.model is module,
             "block_backward_sync_restored": "block_backward_sync" not in vars(trainer.strategy),
             "counters": {"reductions": c.grad_reductions, "backwards": c.iterations},
+            # the report taken just before the callback unwrapped (which removes the monitor)
+            "feedback_to": callback.report.feedback_to if callback.report is not None else None,
         }
     return out
 

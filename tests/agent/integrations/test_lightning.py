@@ -182,7 +182,8 @@ def two_ranks(
     root = tmp_path_factory.mktemp("lightning_two_ranks")
     runs = {
         "plain": {},
-        "limit": {"wrap": True, "device_memory": limit},
+        # the user's path: the device limit only (every rank profiles, rank 0 plans), feedback after 4 steps
+        "limit": {"wrap": True, "device_memory": limit, "feedback": str(root / "feedback.jsonl")},
         "host": {"wrap": True, "plan": str(two_rank_plans["host"])},
         "device": {"wrap": True, "plan": str(two_rank_plans["device"])},
     }
@@ -211,6 +212,12 @@ def test_the_callback_under_lightnings_ddp_trains_like_plain_ddp(two_ranks: tupl
     optimizer step averages every chunk's gradient once (Lightning's no_sync on the first micro-step is the
     runtime's)."""
     root, results = two_ranks
+    # the monitor's metered step ran inside Lightning's loop on every rank (the slowest rank's time, the largest
+    # rank's peaks), rank 0 recorded it, and training stayed DDP's
+    assert results[0][1]["feedback_to"].startswith("recorded"), results[0][1]["feedback_to"]
+    assert results[1][1]["feedback_to"] == "not sent by rank 1 (rank 0 sends the job's feedback)"
+    records = [json.loads(line) for line in (root / "feedback.jsonl").read_text().splitlines()]
+    assert len(records) == 1, records  # from rank 0 only (its resume ran 2 steps: none)
     for plain, limit, host, device, *_ in results:
         steps = [h for h in plain["history"] if "grad_norm" in h]
         assert len(steps) == TWO_RANKS["steps"] and all(h["grad_norm"] > CLIP for h in steps)
