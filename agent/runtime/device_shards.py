@@ -209,8 +209,9 @@ class DeviceShards:
                 "forward and backward gathers their parameters from every rank, a collective): "
                 f"{'; '.join(f'rank {i} {pass_(r)}' for i, r in enumerate(rows))}. Run every forward on every "
                 "rank, evaluation and generation included (each rank on its own share of the data, as FSDP "
-                "requires), or plan without device-sharded chunks (a forward of replicated or host-sharded chunks "
-                "may run on one rank alone)"
+                "requires; Hugging Face `generate(..., synced_gpus=True)` keeps the ranks' decoding steps together "
+                "when their sequences end at different lengths), or plan without device-sharded chunks (a forward "
+                "of replicated or host-sharded chunks may run on one rank alone)"
             )
 
         def say(r: list[int]) -> str:

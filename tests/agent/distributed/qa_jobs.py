@@ -64,6 +64,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "alone": alone,
         "unlike": unlike,
         "evaluate": evaluate,
+        "generate": generate,
         "accelerate": accelerate_loop,
     }
     try:
@@ -261,6 +262,54 @@ def evaluate(rank: int, world: int, how: str) -> dict[str, Any]:
     chunks = wrapped.plan.policy.chunks if wrapped.plan.policy is not None else []
     kinds = sorted({(c.placement.value, c.sharded) for c in chunks})
     return {"error": error, "losses": losses, "evals": evals, "kinds": kinds}
+
+
+def generate(rank: int, world: int, how: str) -> dict[str, Any]:
+    """A Hugging Face llama at the library's defaults with chunks sharded on the device (and offloaded chunks
+    sharded in host memory), one training step, then `generate` on every rank with a length of its own (rank r:
+    2 + 2r new tokens, no EOS: sequences that end at different steps): `how` = "synced" passes `synced_gpus=True`
+    (what Hugging Face sets by itself under DeepSpeed ZeRO-3 and FSDP), then unwraps and generates again with the
+    plain model to compare; "unsynced" does not, and trains a step after it. The tokens and what each rank raised."""
+    from ddp_jobs import build_model
+
+    torch.manual_seed(0)
+    model = build_model("hf-llama")
+    model.generation_config.eos_token_id = None  # every rank generates exactly its max_new_tokens
+    wrapped = agent.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        plan=sharded_plan(model, world, "alternate", device_shard=True),
+        feedback_steps=None,
+    )
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        wrapped.model(input_ids=x, labels=x).loss.backward()
+        wrapped.optimizer.step()
+        wrapped.optimizer.zero_grad()
+
+    step()
+    new = 2 + 2 * rank
+    out: dict[str, Any] = {"error": None, "tokens": None, "plain_tokens": None}
+    try:
+        wrapped.model.eval()
+        with torch.no_grad():
+            tokens = wrapped.model.generate(  # type: ignore[operator]
+                x[:1, :4], max_new_tokens=new, do_sample=False, synced_gpus=how == "synced"
+            )
+        out["tokens"] = [int(t) for t in tokens.flatten()]
+        wrapped.model.train()
+        if how != "synced":
+            step()  # rank 0 is still generating
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    plain = agent.unwrap(wrapped)  # every rank: a collective
+    plain.eval()
+    with torch.no_grad():
+        again = plain.generate(x[:1, :4], max_new_tokens=new, do_sample=False)  # type: ignore[operator]
+    out["plain_tokens"] = [int(t) for t in again.flatten()]
+    return out
 
 
 def unlike(rank: int, world: int, what: str) -> dict[str, Any]:

@@ -131,6 +131,30 @@ def test_a_forward_on_rank_0_alone_with_device_sharded_chunks_is_an_error_on_eve
         assert said in error, error
 
 
+def test_generate_on_every_rank_with_device_sharded_chunks_needs_synced_gpus_and_is_said_so(
+    tmp_path: Path,
+) -> None:
+    """Hugging Face `generate` on every rank, the ranks' sequences of different lengths: with `synced_gpus=True`
+    (which Hugging Face sets by itself only for DeepSpeed ZeRO-3 and FSDP) the finished rank keeps running the
+    decoding forwards with the others, and every rank's tokens are those the unwrapped plain model generates;
+    without it the finished rank goes on to train while the other still decodes, and both ranks raise
+    `RankArrivalError` naming `synced_gpus=True` (before session 14: a gloo abort)."""
+    (tmp_path / "synced").mkdir()
+    (tmp_path / "unsynced").mkdir()
+    codes, results = spawn("generate", 2, tmp_path / "synced", 120, "synced")
+    assert codes == [0, 0], codes
+    for rank, res in enumerate(results):
+        assert res["error"] is None, res["error"]
+        assert len(res["tokens"]) == 4 + 2 + 2 * rank and res["tokens"] == res["plain_tokens"]
+    codes, results = spawn("generate", 2, tmp_path / "unsynced", 120, "unsynced")
+    assert codes == [0, 0], codes
+    for res in results:
+        error = res["error"]
+        assert error is not None and error.startswith("RankArrivalError"), error
+        assert "rank 0 in a forward with grad after 1 backward; rank 1 in a forward without grad" in error
+        assert "synced_gpus=True" in error
+
+
 @pytest.mark.parametrize("call", ["state_dict", "unwrap", "save_sharded"])
 def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: Path, call: str) -> None:
     """Defect (documented as a limit): `optimizer.state_dict()`, `agent.unwrap` or
