@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from agent.batch_guard import BatchShapeGuard
     from agent.feedback import StepMonitor
     from agent.kv_cache import KVCacheOff
-    from agent.model_guards import DDPGuard, MoveGuard
+    from agent.model_guards import CollectiveForwardMark, DDPGuard, MoveGuard
     from agent.planning import PlanSource
     from agent.runtime.accounting import RuntimeReport
     from agent.runtime.activations import ActivationManager
@@ -60,6 +60,7 @@ class Wrapped:
     kv_cache: KVCacheOff | None = field(default=None, repr=False)
     move_guard: MoveGuard | None = field(default=None, repr=False)
     ddp_guard: DDPGuard | None = field(default=None, repr=False)
+    collective_forward: CollectiveForwardMark | None = field(default=None, repr=False)
     batch_guard: BatchShapeGuard | None = field(default=None, repr=False)
     unwrapped: bool = False
 
@@ -237,6 +238,9 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     if wrapped.ddp_guard is not None:
         wrapped.ddp_guard.remove()
         wrapped.ddp_guard = None
+    if wrapped.collective_forward is not None:
+        wrapped.collective_forward.remove()
+        wrapped.collective_forward = None
     state = wrapped.optimizer.gathered_state_dict()
     wrapped.runtime.detach()
     wrapped.runtime.ctx.close_host_arena()  # unregister the page-locked arena (CUDA)

@@ -16,6 +16,8 @@
   (parameters 0.33 relative off plain DDP's after 4 steps, 2 gloo ranks). DDP reads the module's
   `_ddp_params_and_buffers_to_ignore` (its documented way to leave parameters to another mechanism) with
   `set(...)`; the guard puts there an iterable that raises.
+* `CollectiveForwardMark`: with chunks sharded on the device under several processes, Hugging Face `generate`
+  defaults to `synced_gpus=True` on the wrapped model, as on an FSDP2-managed one.
 """
 
 from __future__ import annotations
@@ -144,21 +146,47 @@ class _RefuseDDP:
         )
 
 
-class DDPGuard:
-    """Installed on a wrapped model: `DistributedDataParallel(model)` raises `WrappedModelDDPError`."""
+class _InstanceMark:
+    """An attribute set on the model instance (its `__dict__`: no module registration) for a library to read,
+    and put back as it was by `remove`."""
 
-    NAME = "_ddp_params_and_buffers_to_ignore"
+    NAME = ""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, value: object) -> None:
         self.model = model
         self.previous = model.__dict__.get(self.NAME, _MISSING)
-        model.__dict__[self.NAME] = _RefuseDDP()
+        model.__dict__[self.NAME] = value
 
     def remove(self) -> None:
         if self.previous is _MISSING:
             self.model.__dict__.pop(self.NAME, None)
         else:
             self.model.__dict__[self.NAME] = self.previous
+
+
+class DDPGuard(_InstanceMark):
+    """Installed on a wrapped model: `DistributedDataParallel(model)` raises `WrappedModelDDPError`."""
+
+    NAME = "_ddp_params_and_buffers_to_ignore"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, _RefuseDDP())
+
+
+class CollectiveForwardMark(_InstanceMark):
+    """Installed on a wrapped model whose every forward is a collective (chunks sharded on the device, several
+    ranks): the mark Hugging Face reads on an FSDP2-managed module (`transformers.distributed.fsdp.
+    is_fsdp_managed_module`) to default `generate(synced_gpus=...)` to True, for the same reason: a rank whose
+    sequences are finished keeps running the decoding forwards with the others instead of training on while they
+    still gather (which `DeviceShards.agree` turns into a `RankArrivalError` on every rank). Transformers reads
+    it in `generate`, the Seq2Seq Trainer's evaluation and a few speech models' loops, and in the Trainer only
+    for models it sharded itself at load time (`is_distributed_loading_by_transformers`), which memplan refuses
+    to wrap as FSDP."""
+
+    NAME = "_is_fsdp_managed_module"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, True)
 
 
 _MISSING = object()

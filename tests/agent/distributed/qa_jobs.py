@@ -267,9 +267,10 @@ def evaluate(rank: int, world: int, how: str) -> dict[str, Any]:
 def generate(rank: int, world: int, how: str) -> dict[str, Any]:
     """A Hugging Face llama at the library's defaults with chunks sharded on the device (and offloaded chunks
     sharded in host memory), one training step, then `generate` on every rank with a length of its own (rank r:
-    2 + 2r new tokens, no EOS: sequences that end at different steps): `how` = "synced" passes `synced_gpus=True`
-    (what Hugging Face sets by itself under DeepSpeed ZeRO-3 and FSDP), then unwraps and generates again with the
-    plain model to compare; "unsynced" does not, and trains a step after it. The tokens and what each rank raised."""
+    2 + 2r new tokens, no EOS: sequences that end at different steps) with `synced_gpus` True ("synced"), not
+    given ("default": Hugging Face reads the wrapped model's mark, `CollectiveForwardMark`) or False
+    ("unsynced", which trains a step after it); then unwraps and generates again with the plain model to compare.
+    The tokens, what each rank raised, and whether the mark is gone after unwrap."""
     from ddp_jobs import build_model
 
     torch.manual_seed(0)
@@ -290,21 +291,24 @@ def generate(rank: int, world: int, how: str) -> dict[str, Any]:
 
     step()
     new = 2 + 2 * rank
+    synced = {"synced": True, "default": None, "unsynced": False}
     out: dict[str, Any] = {"error": None, "tokens": None, "plain_tokens": None}
     try:
         wrapped.model.eval()
         with torch.no_grad():
             tokens = wrapped.model.generate(  # type: ignore[operator]
-                x[:1, :4], max_new_tokens=new, do_sample=False, synced_gpus=how == "synced"
+                x[:1, :4], max_new_tokens=new, do_sample=False, synced_gpus=synced[how]
             )
         out["tokens"] = [int(t) for t in tokens.flatten()]
         wrapped.model.train()
-        if how != "synced":
+        if how == "unsynced":
             step()  # rank 0 is still generating
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
         out["error"] = f"{type(exc).__name__}: {exc}"
         return out
+    out["marked"] = "_is_fsdp_managed_module" in vars(wrapped.model)
     plain = agent.unwrap(wrapped)  # every rank: a collective
+    out["mark_removed"] = "_is_fsdp_managed_module" not in vars(plain)
     plain.eval()
     with torch.no_grad():
         again = plain.generate(x[:1, :4], max_new_tokens=new, do_sample=False)  # type: ignore[operator]

@@ -131,20 +131,20 @@ def test_a_forward_on_rank_0_alone_with_device_sharded_chunks_is_an_error_on_eve
         assert said in error, error
 
 
-def test_generate_on_every_rank_with_device_sharded_chunks_needs_synced_gpus_and_is_said_so(
-    tmp_path: Path,
-) -> None:
-    """Hugging Face `generate` on every rank, the ranks' sequences of different lengths: with `synced_gpus=True`
-    (which Hugging Face sets by itself only for DeepSpeed ZeRO-3 and FSDP) the finished rank keeps running the
-    decoding forwards with the others, and every rank's tokens are those the unwrapped plain model generates;
-    without it the finished rank goes on to train while the other still decodes, and both ranks raise
-    `RankArrivalError` naming `synced_gpus=True` (before session 14: a gloo abort)."""
-    (tmp_path / "synced").mkdir()
+def test_generate_on_every_rank_with_device_sharded_chunks_keeps_the_ranks_together(tmp_path: Path) -> None:
+    """Hugging Face `generate` on every rank, the ranks' sequences of different lengths: the wrapped model carries
+    the mark transformers reads on an FSDP2-managed module, so `generate` defaults to `synced_gpus=True` (the
+    finished rank keeps running the decoding forwards with the others) and every rank's tokens are those the
+    unwrapped plain model generates (the mark gone). Passing `synced_gpus=False` the finished rank goes on to
+    train while the other still decodes: both ranks raise `RankArrivalError` naming `synced_gpus=True`
+    (before session 14: a gloo abort)."""
+    (tmp_path / "default").mkdir()
     (tmp_path / "unsynced").mkdir()
-    codes, results = spawn("generate", 2, tmp_path / "synced", 120, "synced")
+    codes, results = spawn("generate", 2, tmp_path / "default", 120, "default")
     assert codes == [0, 0], codes
     for rank, res in enumerate(results):
         assert res["error"] is None, res["error"]
+        assert res["marked"] and res["mark_removed"]
         assert len(res["tokens"]) == 4 + 2 + 2 * rank and res["tokens"] == res["plain_tokens"]
     codes, results = spawn("generate", 2, tmp_path / "unsynced", 120, "unsynced")
     assert codes == [0, 0], codes
