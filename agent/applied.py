@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from agent.batch_guard import BatchShapeGuard
     from agent.feedback import StepMonitor
     from agent.kv_cache import KVCacheOff
-    from agent.model_guards import CollectiveForwardMark, DDPGuard, MoveGuard
+    from agent.model_guards import DDPGuard, MoveGuard, SyncedGenerate
     from agent.planning import PlanSource
     from agent.runtime.accounting import RuntimeReport
     from agent.runtime.activations import ActivationManager
@@ -60,7 +60,7 @@ class Wrapped:
     kv_cache: KVCacheOff | None = field(default=None, repr=False)
     move_guard: MoveGuard | None = field(default=None, repr=False)
     ddp_guard: DDPGuard | None = field(default=None, repr=False)
-    collective_forward: CollectiveForwardMark | None = field(default=None, repr=False)
+    synced_generate: SyncedGenerate | None = field(default=None, repr=False)
     batch_guard: BatchShapeGuard | None = field(default=None, repr=False)
     unwrapped: bool = False
 
@@ -216,13 +216,11 @@ def broadcast_model(model: nn.Module, group: RankGroup) -> None:
             group.broadcast_(t.data)
 
 
-def unwrap(wrapped: Wrapped) -> nn.Module:
-    """Undo `wrap`: remove the monitor and the activation modes (block modules exactly as before), turn
-    the parameters back into ordinary tensors holding their trained values, on their original device and
-    dtype, remove every hook, and load the trained optimizer state into the original optimizer (so plain
-    PyTorch training continues exactly). Returns the model. With sharded chunks a collective: every rank."""
-    wrapped._check()
-    wrapped.optimizer.check_every_rank("agent.unwrap(wrapped)", "Call agent.unwrap on every rank.")
+def remove_guards(wrapped: Wrapped) -> None:
+    """Remove the monitor, the activation modes and the guards (`.to()`, batch shape, DDP, generate's default)
+    on this rank alone, without a collective: the first part of `unwrap`, and all a rank that raised on its own
+    can undo (the Lightning callback's `on_exception` under several processes), where `unwrap`'s gathers would
+    wait for ranks that are not coming. The parameters stay the runtime's: the model cannot train on."""
     if wrapped.monitor is not None:
         wrapped.monitor.close()
         wrapped.monitor = None
@@ -238,9 +236,19 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     if wrapped.ddp_guard is not None:
         wrapped.ddp_guard.remove()
         wrapped.ddp_guard = None
-    if wrapped.collective_forward is not None:
-        wrapped.collective_forward.remove()
-        wrapped.collective_forward = None
+    if wrapped.synced_generate is not None:
+        wrapped.synced_generate.remove()
+        wrapped.synced_generate = None
+
+
+def unwrap(wrapped: Wrapped) -> nn.Module:
+    """Undo `wrap`: remove the monitor and the activation modes (block modules exactly as before), turn
+    the parameters back into ordinary tensors holding their trained values, on their original device and
+    dtype, remove every hook, and load the trained optimizer state into the original optimizer (so plain
+    PyTorch training continues exactly). Returns the model. With sharded chunks a collective: every rank."""
+    wrapped._check()
+    wrapped.optimizer.check_every_rank("agent.unwrap(wrapped)", "Call agent.unwrap on every rank.")
+    remove_guards(wrapped)
     state = wrapped.optimizer.gathered_state_dict()
     wrapped.runtime.detach()
     wrapped.runtime.ctx.close_host_arena()  # unregister the page-locked arena (CUDA)

@@ -16,14 +16,15 @@
   (parameters 0.33 relative off plain DDP's after 4 steps, 2 gloo ranks). DDP reads the module's
   `_ddp_params_and_buffers_to_ignore` (its documented way to leave parameters to another mechanism) with
   `set(...)`; the guard puts there an iterable that raises.
-* `CollectiveForwardMark`: with chunks sharded on the device under several processes, Hugging Face `generate`
-  defaults to `synced_gpus=True` on the wrapped model, as on an FSDP2-managed one.
+* `SyncedGenerate`: with chunks sharded on the device under several processes, the wrapped Hugging Face model's
+  `generate` defaults to `synced_gpus=True`, as transformers' does for DeepSpeed ZeRO-3 and FSDP models.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -173,20 +174,32 @@ class DDPGuard(_InstanceMark):
         super().__init__(model, _RefuseDDP())
 
 
-class CollectiveForwardMark(_InstanceMark):
-    """Installed on a wrapped model whose every forward is a collective (chunks sharded on the device, several
-    ranks): the mark Hugging Face reads on an FSDP2-managed module (`transformers.distributed.fsdp.
-    is_fsdp_managed_module`) to default `generate(synced_gpus=...)` to True, for the same reason: a rank whose
-    sequences are finished keeps running the decoding forwards with the others instead of training on while they
-    still gather (which `DeviceShards.agree` turns into a `RankArrivalError` on every rank). Transformers reads
-    it in `generate`, the Seq2Seq Trainer's evaluation and a few speech models' loops, and in the Trainer only
-    for models it sharded itself at load time (`is_distributed_loading_by_transformers`), which memplan refuses
-    to wrap as FSDP."""
+class SyncedGenerate(_InstanceMark):
+    """Installed on a wrapped Hugging Face model whose every forward is a collective (chunks sharded on the
+    device, several ranks): its `generate` defaults to `synced_gpus=True`, as transformers' own does for a
+    DeepSpeed ZeRO-3 or FSDP model, for the same reason: a rank whose sequences are finished keeps running the
+    decoding forwards with the others, instead of training on while they still gather (which `DeviceShards.agree`
+    turns into a `RankArrivalError` on every rank). An explicit `synced_gpus` (True or False) is passed as given.
+    An instance attribute shadowing the class's method, not transformers' FSDP mark `_is_fsdp_managed_module`:
+    torch.compile (Dynamo) reads that mark too, and treats the module as FSDP1 (refused with `fullgraph=True`).
+    Not covered: a `generate` reached through another object (a PEFT wrapper around the wrapped model passes
+    its own arguments down), and the Seq2Seq Trainer, which passes `synced_gpus=False` explicitly unless the
+    model is DeepSpeed's or FSDP's (set `synced_gpus=True` in its generation config)."""
 
-    NAME = "_is_fsdp_managed_module"
+    NAME = "generate"
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__(model, True)
+        # the bound method (the class's, or an instance attribute already there)
+        generate = cast("Callable[..., Any]", model.generate)
+
+        def synced_generate(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("synced_gpus") is None:
+                kwargs["synced_gpus"] = True
+            return generate(*args, **kwargs)
+
+        synced_generate.__doc__ = generate.__doc__
+        synced_generate.__wrapped__ = generate  # type: ignore[attr-defined]
+        super().__init__(model, synced_generate)
 
 
 _MISSING = object()

@@ -44,7 +44,7 @@ from agent.batch_guard import BatchShapeGuard, batch_shape
 from agent.feedback import LocalSink, ServiceSink, StepMonitor, check_feedback_steps, local_feedback_path
 from agent.group_profiling import ProfileEveryRank, RankProfilingError, profile_on_every_rank
 from agent.kv_cache import KVCacheOff
-from agent.model_guards import CollectiveForwardMark, DDPGuard, MoveGuard, byte_size, check_not_compiled
+from agent.model_guards import DDPGuard, MoveGuard, SyncedGenerate, byte_size, check_not_compiled
 from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
@@ -336,8 +336,8 @@ def _finish(
     )
     wrapped.move_guard = MoveGuard(model, wrapped.runtime.ctx.device, next(model.parameters()).dtype)
     wrapped.ddp_guard = DDPGuard(model)
-    if wrapped.runtime.device_shards is not None:  # several ranks, chunks sharded on the device
-        wrapped.collective_forward = CollectiveForwardMark(model)
+    if wrapped.runtime.device_shards is not None and callable(getattr(model, "generate", None)):
+        wrapped.synced_generate = SyncedGenerate(model)  # several ranks, chunks sharded on the device
     planned_shape = batch_shape(sample_batch) if sample_batch is not None else None
     if planned_shape is not None:
         wrapped.batch_guard = BatchShapeGuard(model, planned_shape, wrapped.runtime.ctx.device)

@@ -31,7 +31,12 @@ it also frees its gradient buckets before the profile), wraps the module under L
 (every rank profiles, rank 0 plans, offloaded chunks may be sharded across the ranks), and points the
 strategy's `block_backward_sync` (the `no_sync` Lightning enters on a non-final accumulation micro-step) at
 the runtime's `no_sync`. Checkpoints: Lightning calls `state_dict()` on every rank and writes rank 0's, which
-is the full, plain-PyTorch one.
+is the full, plain-PyTorch one. Differences from Lightning's DDP: the buffers are rank 0's at wrap, then each
+rank's own (DDP's `broadcast_buffers` re-broadcasts them before every forward: running statistics such as
+BatchNorm's, not a transformer's buffers); on an exception each rank undoes only its own guards (`unwrap` is a
+collective the failed rank's peers may never join) and the module is left to the launcher; under
+`ddp_spawn`/`ddp_notebook` the callback is a pickled copy in each process, so the launching process's
+`callback.wrapped` and `callback.report` stay None.
 
 Supported: one optimizer, one process or Lightning's DDP strategy, `precision="32-true"` or `"bf16-true"` (the
 runtime keeps the module's own dtype). Refused with a ValueError naming the setting: several optimizers, other
@@ -43,12 +48,14 @@ not been validated).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
+from agent.applied import remove_guards
 from agent.wrapping import unwrap, wrap
 
 if TYPE_CHECKING:
@@ -194,15 +201,33 @@ class MemplanCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._unwrap(trainer)
+        if trainer.world_size > 1:
+            # this rank may have raised alone: `unwrap` is a collective (with sharded chunks) that would wait for
+            # ranks that are not coming, or replace the user's error with a RankArrivalError; undo this rank's
+            # part only (the guards; Lightning's teardown may move the module), and let the launcher stop the job
+            self._restore(trainer, remove_guards)
+        else:
+            self._unwrap(trainer)
 
     def _unwrap(self, trainer: pl.Trainer) -> None:
         """Give Lightning a plain module and the original optimizer (with the trained state) back."""
+
+        def undo(wrapped: Wrapped) -> None:
+            self.report = wrapped.report()
+            unwrap(wrapped)
+
+        self._restore(trainer, undo)
+
+    def _restore(self, trainer: pl.Trainer, undo: Callable[[Wrapped], object]) -> None:
+        """`undo` the wrapping, then (whatever it raised) hand the strategy its original optimizer and its own
+        `block_backward_sync` back."""
         wrapped, original = self.wrapped, self._original
         if wrapped is None or wrapped.unwrapped or original is None:
             return
-        self.report = wrapped.report()
-        unwrap(wrapped)
-        trainer.strategy.__dict__.pop("block_backward_sync", None)
-        trainer.strategy.optimizers = [original]
-        rebind_schedulers(trainer, wrapped.optimizer, original)
+        try:
+            undo(wrapped)
+        finally:
+            trainer.strategy.__dict__.pop("block_backward_sync", None)
+            trainer.strategy.optimizers = [original]
+            rebind_schedulers(trainer, wrapped.optimizer, original)
+            self._original = None

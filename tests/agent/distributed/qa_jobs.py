@@ -268,7 +268,7 @@ def generate(rank: int, world: int, how: str) -> dict[str, Any]:
     """A Hugging Face llama at the library's defaults with chunks sharded on the device (and offloaded chunks
     sharded in host memory), one training step, then `generate` on every rank with a length of its own (rank r:
     2 + 2r new tokens, no EOS: sequences that end at different steps) with `synced_gpus` True ("synced"), not
-    given ("default": Hugging Face reads the wrapped model's mark, `CollectiveForwardMark`) or False
+    given ("default": the wrapped model's `generate` defaults it to True, `SyncedGenerate`) or False
     ("unsynced", which trains a step after it); then unwraps and generates again with the plain model to compare.
     The tokens, what each rank raised, and whether the mark is gone after unwrap."""
     from ddp_jobs import build_model
@@ -306,9 +306,9 @@ def generate(rank: int, world: int, how: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
         out["error"] = f"{type(exc).__name__}: {exc}"
         return out
-    out["marked"] = "_is_fsdp_managed_module" in vars(wrapped.model)
+    out["marked"] = "generate" in vars(wrapped.model)
     plain = agent.unwrap(wrapped)  # every rank: a collective
-    out["mark_removed"] = "_is_fsdp_managed_module" not in vars(plain)
+    out["mark_removed"] = "generate" not in vars(plain)
     plain.eval()
     with torch.no_grad():
         again = plain.generate(x[:1, :4], max_new_tokens=new, do_sample=False)  # type: ignore[operator]

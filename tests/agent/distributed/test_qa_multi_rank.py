@@ -132,12 +132,12 @@ def test_a_forward_on_rank_0_alone_with_device_sharded_chunks_is_an_error_on_eve
 
 
 def test_generate_on_every_rank_with_device_sharded_chunks_keeps_the_ranks_together(tmp_path: Path) -> None:
-    """Hugging Face `generate` on every rank, the ranks' sequences of different lengths: the wrapped model carries
-    the mark transformers reads on an FSDP2-managed module, so `generate` defaults to `synced_gpus=True` (the
+    """Hugging Face `generate` on every rank, the ranks' sequences of different lengths: the wrapped model's
+    `generate` defaults to `synced_gpus=True` (as transformers' does for DeepSpeed ZeRO-3 and FSDP models: the
     finished rank keeps running the decoding forwards with the others) and every rank's tokens are those the
-    unwrapped plain model generates (the mark gone). Passing `synced_gpus=False` the finished rank goes on to
-    train while the other still decodes: both ranks raise `RankArrivalError` naming `synced_gpus=True`
-    (before session 14: a gloo abort)."""
+    unwrapped plain model generates (its `generate` the class's again). Passing `synced_gpus=False` the finished
+    rank goes on to train while the other still decodes: both ranks raise `RankArrivalError` naming
+    `synced_gpus=True` (before session 14: a gloo abort)."""
     (tmp_path / "default").mkdir()
     (tmp_path / "unsynced").mkdir()
     codes, results = spawn("generate", 2, tmp_path / "default", 120, "default")

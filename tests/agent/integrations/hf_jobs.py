@@ -217,17 +217,24 @@ def report(result: Any) -> None:
     torch.distributed.destroy_process_group()
 
 
-def torchrun(specs: list[dict[str, Any]], script: Path = HERE / "hf_jobs.py") -> list[list[dict[str, Any]]]:
-    """`specs` run one after the other on each of two ranks of `script` under the real launcher (gloo on the
-    CPU; the framework sets up the process group itself): each rank's results, rank order."""
-    proc = subprocess.run(
+def launch(
+    specs: list[dict[str, Any]], script: Path, timeout_s: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """`specs` run one after the other on each of two ranks of `script` under the real launcher (gloo on the CPU;
+    the framework sets up the process group itself): the launcher's process, finished."""
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + [str(script), json.dumps(specs)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout_s,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def torchrun(specs: list[dict[str, Any]], script: Path = HERE / "hf_jobs.py") -> list[list[dict[str, Any]]]:
+    """`launch`, every rank succeeding: each rank's results, rank order."""
+    proc = launch(specs, script)
     if proc.returncode != 0:  # the ranks' errors first (the launcher's summary comes last)
         errors = [
             line

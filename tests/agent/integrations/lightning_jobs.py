@@ -31,18 +31,24 @@ class CausalLM(pl.LightningModule):
         super().__init__()
         self.model = model
         self.history: list[dict[str, float]] = []
+        self.val_losses: list[float] = []  # every validation batch's loss (the sanity check's included)
+        self.fail_at: tuple[int, int] | None = None  # (rank, batch): training_step raises there
 
     def forward(self, **batch: Any) -> Any:
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if (self.global_rank, batch_idx) == self.fail_at:
+            raise RuntimeError(f"the user's own error on rank {self.global_rank} at batch {batch_idx}")
         loss = self(**batch).loss
         self.log("train_loss", loss)
         self.history.append({"loss": loss.item(), "lr": self.optimizers().param_groups[0]["lr"]})
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self(**batch).loss)
+        loss = self(**batch).loss
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # the gradients Lightning is about to clip: every one must be there (offloaded ones on the host)
@@ -77,8 +83,10 @@ def fit(
     save_every: int | None = None,
     clip: float = CLIP,
     devices: int = 1,
+    fail_at: tuple[int, int] | None = None,
 ) -> tuple[CausalLM, pl.Trainer]:
     module = CausalLM(model)
+    module.fail_at = fail_at
     callbacks: list[Any] = [callback] if callback is not None else []
     if save_every:
         callbacks.append(ModelCheckpoint(dirpath=tmp, every_n_train_steps=save_every, save_top_k=-1))
@@ -118,8 +126,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         save_every=spec.get("save_every"),
         clip=spec.get("clip", CLIP),
         devices=2,
+        fail_at=tuple(spec["fail_at"]) if spec.get("fail_at") else None,
     )
-    out: dict[str, Any] = {"history": module.history, "world_size": trainer.world_size}
+    out: dict[str, Any] = {
+        "history": module.history,
+        "val_losses": module.val_losses,
+        "world_size": trainer.world_size,
+    }
     if spec.get("final") and trainer.global_rank == 0:  # the module is plain again (unwrapped at the end)
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, spec["final"])
     if callback is not None:

@@ -285,7 +285,7 @@ def device_shard_plan(two_rank_plan: Path, tmp_path_factory: pytest.TempPathFact
 
 @pytest.mark.distributed
 def test_wrapped_trainer_with_device_sharded_chunks_saves_the_model_on_two_ranks_and_resumes_it_identically(
-    device_shard_plan: Path, tmp_path: Path
+    device_shard_plan: Path, two_ranks: tuple[Path, list[Any]], tmp_path: Path
 ) -> None:
     """torchrun, 2 ranks, persistent chunks sharded on the device: the Trainer's model saves (a checkpoint,
     a `save_only_model` checkpoint, the user's final `save_model()`) take `model.state_dict()` on every rank
@@ -300,7 +300,11 @@ def test_wrapped_trainer_with_device_sharded_chunks_saves_the_model_on_two_ranks
     resume = {**wrapped, "out": str(tmp_path / "resumed"), "final": str(tmp_path / "resumed.pt")}
     resume["resume"] = str(tmp_path / "full" / "checkpoint-2")
     only_model = {**wrapped, "steps": 2, "out": str(tmp_path / "only_model"), "save_only_model": True}
-    for got_full, got_resumed, got_only in torchrun([full, resume, only_model]):
+    for (plain, *_), (got_full, got_resumed, got_only) in zip(
+        two_ranks[1], torchrun([full, resume, only_model]), strict=True
+    ):
+        for got, ref in zip(got_full["evals"], plain["evals"], strict=True):  # the DDP Trainer's evaluations
+            assert abs(got - ref) <= TOL * abs(ref), (got_full["evals"], plain["evals"])
         # the Trainer's evaluations at steps 2 and 4 ran on every rank (their forwards gather the device shards,
         # a collective); the resumed run's at step 4 is the uninterrupted run's (step 2's read back with the log)
         assert len(got_full["evals"]) == 2 and got_resumed["evals"] == got_full["evals"]

@@ -227,6 +227,13 @@ def test_the_callback_under_lightnings_ddp_trains_like_plain_ddp(two_ranks: tupl
             assert got["world_size"] == 2 and got["unwrapped"] and got["block_backward_sync_restored"]
             assert got["strategy_model_is_the_module"]  # no DistributedDataParallel left around it
             assert_same(got["history"], plain["history"])
+            # validation (the sanity check, then every 2 steps) on every rank: device-sharded forwards gather
+            assert len(plain["val_losses"]) >= 4
+            assert [round(v, 4) for v in got["val_losses"]] == [round(v, 4) for v in plain["val_losses"]]
+            assert all(
+                abs(g - r) <= TOL * abs(r)
+                for g, r in zip(got["val_losses"], plain["val_losses"], strict=True)
+            )
             chunks = len(json.loads(got["plan"])["policy"]["chunks"])
             c = got["counters"]
             assert c["backwards"] == TWO_RANKS["steps"] * TWO_RANKS["accumulation"]
@@ -263,3 +270,24 @@ def test_the_callback_refuses_a_ddp_communication_hook_naming_it(two_ranks: tupl
         hook = rank[4]
         assert hook["refused"] is not None and hook["refused"].startswith("DDPStrategy(ddp_comm_hook=...)")
         assert "allreduce_hook" in hook["refused"] and not hook["wrapped"]
+
+
+@pytest.mark.distributed
+def test_a_rank_raising_alone_under_lightnings_ddp_stops_the_job_with_its_own_error(
+    two_rank_plans: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 1's `training_step` raises at its third batch while rank 0 trains on (device- and host-sharded
+    chunks). The callback's `on_exception` on rank 1 undoes its own guards only: a full `unwrap` there is a
+    collective, which waited for rank 0 (itself waiting in the step's collectives) until gloo's 30-minute
+    timeout. Now rank 1 exits with the user's error and the launcher stops rank 0."""
+    spec = {
+        **TWO_RANKS,
+        "wrap": True,
+        "plan": str(two_rank_plans["device"]),
+        "out": str(tmp_path),
+        "fail_at": [1, 2],
+    }
+    proc = hf_jobs.launch([spec], LIGHTNING_JOBS, timeout_s=240)
+    assert proc.returncode != 0
+    assert "the user's own error on rank 1 at batch 2" in proc.stderr, proc.stderr[-3000:]
+    assert "RankArrivalError" not in proc.stderr
