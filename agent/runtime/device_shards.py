@@ -45,8 +45,10 @@ from agent.runtime.process_group import RankArrivalError, RankGroup, UnusedParam
 from agent.runtime.schedule import Direction
 
 AGREE_ROW = 4
-"""int32 per rank in an agreement: the chunk (-1: a pass ends, -2: a backward begins), the direction, grad
-enabled, backwards begun."""
+"""int32 per rank in an agreement: the chunk (-1: a pass ends, -2: a backward begins), the direction (its code,
+`_DIRECTIONS`), grad enabled, backwards begun."""
+_DIRECTIONS: tuple[Direction | None, ...] = (None, *Direction)
+"""An agreement row's direction code: its index here (0: outside forward/backward)."""
 
 
 def placeholder(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
@@ -94,9 +96,9 @@ class DeviceShards:
         self._pos = 0
         self.max_gathered_bytes = 0  # the most bytes of gathered copies held at once (memory report)
         self._disagreed = False  # an `agree` raised on every rank; its forward/backward has not ended yet
-        # the pass every rank must be in at an `agree`: how many backwards began before it (the runtime sets it
-        # as each begins) and whether the forward began with grad enabled
-        self.backwards = 0
+        # the pass every rank must be in at an `agree` (`start` sets them): how many backwards began before it
+        # and whether the forward began with grad enabled
+        self._backwards = 0
         self._grad = True
         # `agree`: this rank's (chunk, direction, grad, backwards) and every rank's, on the backend's device
         self._agree_row = torch.zeros(AGREE_ROW, dtype=torch.int32, device=group.device)
@@ -109,11 +111,13 @@ class DeviceShards:
         return bool(self.states)
 
     # ================================================================================ access order
-    def start(self, direction: Direction) -> None:
-        """A forward or a backward begins: record its order the first time, else follow the recorded one."""
+    def start(self, direction: Direction, backwards: int) -> None:
+        """A forward or a backward begins, `backwards` begun so far (this one included): record its order the first
+        time, else follow the recorded one."""
         if self._recording is not None and self._direction is not None:
             self._order.setdefault(self._direction, self._recording)
         self._direction = direction
+        self._backwards = backwards
         self._grad = direction is Direction.backward or torch.is_grad_enabled()
         self._disagreed = False
         self._recording = None if direction in self._order else []
@@ -170,8 +174,8 @@ class DeviceShards:
             return
         step = direction if direction is not None else self._direction
         row, out = self._agree_row, self._agree_rows  # kept: no allocation per gather
-        row[0], row[1] = c, 0 if step is None else 1 + list(Direction).index(step)
-        row[2], row[3] = int(self._grad), self.backwards
+        row[0], row[1] = c, _DIRECTIONS.index(step)
+        row[2], row[3] = int(self._grad), self._backwards
 
         def run() -> None:
             all_gather_single(out, row, group=self.group.group)
@@ -192,14 +196,14 @@ class DeviceShards:
             d.expected.clear()  # this forward/backward is not completed (a hook raises)
 
         def when(r: list[int]) -> str:
-            return "outside forward/backward" if r[1] == 0 else list(Direction)[r[1] - 1].name
+            return str(_DIRECTIONS[r[1]] or "outside forward/backward")
 
         if any(r[1:] != rows[0][1:] for r in rows):
 
             def pass_(r: list[int]) -> str:
                 grad = (
                     ""
-                    if r[1] != 1 + list(Direction).index(Direction.forward)
+                    if _DIRECTIONS[r[1]] is not Direction.forward
                     else (" with grad" if r[2] else " without grad")
                 )
                 return f"in a {when(r)}{grad} after {r[3]} backward{'s' if r[3] != 1 else ''}"

@@ -361,7 +361,7 @@ class ModelStateManager:
         self._sync_grad_hooks()
         self.schedule.start(Direction.forward, record=True)
         if self.device_shards is not None:
-            self.device_shards.start(Direction.forward)
+            self.device_shards.start(Direction.forward, self.backwards_started)
         if self.saved is not None:
             self.saved.enter_root_forward(training=training)
 
@@ -394,8 +394,7 @@ class ModelStateManager:
             assert self.group is not None
             self.group.publish_backwards(self.backwards_started)
         if self.device_shards is not None:
-            self.device_shards.backwards = self.backwards_started
-            self.device_shards.start(Direction.backward)
+            self.device_shards.start(Direction.backward, self.backwards_started)
         if self.gradients.reduce and self.has_offload:
             if self.device_shards is not None:
                 # the ranks compare passes before the same-use check, whose rows have another size: a forward

@@ -40,7 +40,9 @@ VOCAB = 32
 def spawn(
     job: str, world: int, out: Path, limit_s: float, arg: str = ""
 ) -> tuple[list[int | None], list[Any]]:
-    """Run `job` on `world` forked ranks; the exit codes (None: killed at `limit_s`) and the results."""
+    """Run `job` on `world` forked ranks writing into `out` (made if missing); the exit codes (None: killed at
+    `limit_s`) and the results."""
+    out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_entry, args=(job, r, world, port, str(out), arg)) for r in range(world)]

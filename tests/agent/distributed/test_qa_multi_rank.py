@@ -95,8 +95,6 @@ def test_an_evaluation_on_every_rank_leaves_training_with_device_sharded_chunks_
     """The supported way to evaluate a model with chunks sharded on the device (a forward gathers them from every
     rank, as under FSDP): every rank evaluates, under no_grad and in eval mode with grad; the ranks' passes agree,
     and the training losses equal those of the same job without the evaluation."""
-    (tmp_path / "none").mkdir()
-    (tmp_path / "every").mkdir()
     _, ref = spawn("evaluate", 2, tmp_path / "none", 120, "none")
     codes, results = spawn("evaluate", 2, tmp_path / "every", 120, "every-rank")
     assert codes == [0, 0], codes
@@ -138,8 +136,6 @@ def test_generate_on_every_rank_with_device_sharded_chunks_keeps_the_ranks_toget
     unwrapped plain model generates (its `generate` the class's again). Passing `synced_gpus=False` the finished
     rank goes on to train while the other still decodes: both ranks raise `RankArrivalError` naming
     `synced_gpus=True` (before session 14: a gloo abort)."""
-    (tmp_path / "default").mkdir()
-    (tmp_path / "unsynced").mkdir()
     codes, results = spawn("generate", 2, tmp_path / "default", 120, "default")
     assert codes == [0, 0], codes
     for rank, res in enumerate(results):

@@ -99,6 +99,35 @@ def history(t: Any) -> list[dict[str, float]]:
     ]
 
 
+def plan_for_two_ranks(plan: Any, path: Path, *, persistent_parity: int | None = None) -> Any:
+    """`plan` (a `client.contract.Plan`) made for 2 ranks whatever the planner would choose on the shared CPU,
+    written to `path` and returned: every offloaded chunk sharded across the ranks (each holds half in host
+    memory); with `persistent_parity` every chunk sharded and those at even (0) or odd (1) indices persistent,
+    so sharded on the device (ZeRO-3: `model.state_dict()` is a collective)."""
+    from client.contract import Placement
+
+    assert plan.policy is not None
+    if persistent_parity is None:
+        chunks = [
+            c.model_copy(update={"sharded": c.placement == Placement.offloaded}) for c in plan.policy.chunks
+        ]
+    else:
+        chunks = [
+            c.model_copy(
+                update={
+                    "sharded": True,
+                    "placement": Placement.persistent if i % 2 == persistent_parity else c.placement,
+                }
+            )
+            for i, c in enumerate(plan.policy.chunks)
+        ]
+    out = plan.model_copy(
+        update={"policy": plan.policy.model_copy(update={"chunks": chunks, "world_size": 2})}
+    )
+    path.write_text(out.model_dump_json())
+    return out
+
+
 def wrap_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """What a wrapped job's spec passes to the wrapping call: its plan file, else its device limit; feedback
     after 4 steps to the spec's `feedback` file, else none."""

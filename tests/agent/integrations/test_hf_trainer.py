@@ -169,12 +169,8 @@ def two_rank_plan(limits: dict[str, int], tmp_path_factory: pytest.TempPathFacto
     root = tmp_path_factory.mktemp("plan")
     t = hf_jobs.trainer("llama", root, steps=1, max_grad_norm=1.0, accumulation=2)
     plan = wrap_trainer(t, device_memory=limits["llama"], feedback_steps=None).plan
-    assert plan.policy is not None
-    chunks = [c.model_copy(update={"sharded": c.placement.value == "offloaded"}) for c in plan.policy.chunks]
-    policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": 2})
-    path = root / "plan.json"
-    path.write_text(plan.model_copy(update={"policy": policy}).model_dump_json())
-    return path
+    hf_jobs.plan_for_two_ranks(plan, root / "plan.json")
+    return root / "plan.json"
 
 
 @pytest.fixture(scope="module")
@@ -264,22 +260,10 @@ def device_shard_plan(two_rank_plan: Path, tmp_path_factory: pytest.TempPathFact
     """`two_rank_plan` with every chunk sharded and every other one (the first included) persistent whatever the
     planner chose on the shared CPU: persistent sharded chunks are sharded on the device (ZeRO-3), so
     `model.state_dict()` is a collective."""
-    from client.contract import Placement, Plan
+    from client.contract import Plan
 
-    plan = Plan.model_validate_json(two_rank_plan.read_text())
-    assert plan.policy is not None
-    chunks = [
-        c.model_copy(
-            update={"sharded": True, "placement": Placement.persistent if i % 2 == 0 else c.placement}
-        )
-        for i, c in enumerate(plan.policy.chunks)
-    ]
     path = tmp_path_factory.mktemp("device_shard_plan") / "plan.json"
-    path.write_text(
-        plan.model_copy(
-            update={"policy": plan.policy.model_copy(update={"chunks": chunks})}
-        ).model_dump_json()
-    )
+    hf_jobs.plan_for_two_ranks(Plan.model_validate_json(two_rank_plan.read_text()), path, persistent_parity=0)
     return path
 
 

@@ -151,19 +151,12 @@ def two_rank_plans(limit: int, tmp_path_factory: pytest.TempPathFactory) -> dict
     cb = MemplanCallback(device_memory=limit, feedback_steps=None)
     fit(hf_jobs.build_model("llama"), root / "one", steps=1, callback=cb)
     assert cb.wrapped is not None and cb.wrapped.plan.policy is not None
-    plan, policy = cb.wrapped.plan, cb.wrapped.plan.policy
-    offloaded = Placement.offloaded
-    host = [c.model_copy(update={"sharded": c.placement == offloaded}) for c in policy.chunks]
-    device = [
-        c.model_copy(update={"sharded": True, "placement": Placement.persistent if i % 2 else c.placement})
-        for i, c in enumerate(policy.chunks)
-    ]
-    assert any(c.placement == offloaded for c in device), "the device plan offloads nothing"
-    paths = {}
-    for name, chunks in (("host", host), ("device", device)):
-        paths[name] = root / f"{name}.json"
-        update = {"policy": policy.model_copy(update={"chunks": chunks, "world_size": 2})}
-        paths[name].write_text(plan.model_copy(update=update).model_dump_json())
+    paths = {"host": root / "host.json", "device": root / "device.json"}
+    hf_jobs.plan_for_two_ranks(cb.wrapped.plan, paths["host"])
+    device = hf_jobs.plan_for_two_ranks(cb.wrapped.plan, paths["device"], persistent_parity=1)
+    assert any(c.placement == Placement.offloaded for c in device.policy.chunks), (
+        "the device plan offloads nothing"
+    )
     return paths
 
 
