@@ -50,6 +50,7 @@ class Case:
     feedback: str | None = None  # wrap's monitor sends feedback after 4 steps to this local file
     solve: bool = False  # no plan given: every rank profiles, rank 0 solves in-process, the others receive it
     server: str | None = None  # with solve: rank 0 asks this planner service for the plan
+    service_budget_s: float | None = None  # with server: wrap's budget for the whole service path
     device_memory: int | None = None  # with solve: the device memory to plan for (default: the device's)
     host_memory: int | None = None  # with solve: the node's host memory to plan for (default: the machine's)
     explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
@@ -225,6 +226,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         feedback_path=Path(case.feedback) if case.feedback else None,
         process_group=explicit,
         server=case.server,
+        service_budget_s=case.service_budget_s,
         device_memory=case.device_memory,
         host_memory=case.host_memory,
     )

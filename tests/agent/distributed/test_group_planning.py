@@ -9,12 +9,13 @@ forked ranks (`ddp_jobs.spawn`); each rank also trains with DDP and with memplan
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ddp_jobs import Case, spawn
+from ddp_jobs import Case, free_port, spawn
 from test_ddp_equivalence import check
 
 from agent.profiler.collectives import SMALLEST_SIZE, ProbeSettings
@@ -89,6 +90,24 @@ def test_the_service_gets_the_two_rank_trace_and_history_keeps_it_apart(service:
     assert [res["forwards_in_wrap"] for res in again] == [0, 0]  # a history hit: no rank profiles
     assert again[0]["plan"] == again[1]["plan"]
     assert Plan.model_validate_json(again[0]["plan"]).policy == plan.policy  # the allocation is the job's own
+
+
+@pytest.mark.parametrize("fault", ["down", "silent"])
+def test_a_service_that_is_down_or_never_answers_leaves_rank_0_to_plan_for_both_ranks(
+    fault: str, tmp_path: Path
+) -> None:
+    # the service fails rank 0 alone (the other ranks wait for its plan in a broadcast): refused connections,
+    # or a server that accepts them and never answers (only the service budget ends its wait); the job trains
+    # with rank 0's in-process plan on every rank, as with no server at all
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the kernel's backlog; nothing ever reads or answers them
+        port = silent.getsockname()[1] if fault == "silent" else free_port()
+        case = Case(kind="gpt2", steps=2, solve=True, server=f"http://127.0.0.1:{port}", service_budget_s=4.0)
+        results = spawn(case, 2, tmp_path)
+    planned_for_two_ranks(results)
+    assert [res["plan_origin"] for res in results] == ["fallback", "fallback"]
+    check(results)
 
 
 def test_tight_device_and_host_memory_shard_an_offloaded_chunk_that_trains_as_ddp(tmp_path: Path) -> None:
