@@ -57,6 +57,7 @@ class ShardCase:
     fsize_limit: int | None = None  # rank 0 wraps under this RLIMIT_FSIZE (its posix_fallocate then fails)
     replicated: bool = False  # every second offloaded chunk stays replicated (not sharded)
     tight: bool = False  # small chunks out of execution order: chunks flushed in parts in one backward
+    ragged: bool = False  # each rank's batches have their own sequence length, changing from step to step
     job: str = (
         "ddp"  # "ddp": compare_sharded_with_ddp; "edges": accumulation_edge_cases; "streams": cuda_paths
     )
@@ -334,6 +335,8 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
             o.load_state_dict(ckpt["optimizer"])  # plain PyTorch, and memplan's wrap keeps it
     ddp = DistributedDataParallel(ref_model)
     data = batches(case.steps, rank, case.batch)
+    if case.ragged:  # what a padding collator gives: every rank's longest example differs, step by step
+        data = [x[:, : x.shape[1] - 3 * ((rank + i) % 3)] for i, x in enumerate(data)]
     dtype = torch.bfloat16 if case.bf16 else torch.float32
     shm = {"shared_memory_dir": case.shm_dirs[rank]} if case.shm_dirs else {}
     warned = _Records()
@@ -417,6 +420,7 @@ def compare_sharded_with_ddp(rank: int, world: int, case: ShardCase) -> dict[str
     whole = runtime.summon_full_params()  # device-sharded chunks: the whole parameters (every rank)
     whole.__enter__()
     result: dict[str, Any] = {
+        "lengths": [x.shape[1] for x in data],
         "ref_losses": ref_losses,
         "losses": losses,
         "ref_norms": ref_norms,

@@ -39,7 +39,34 @@ def test_a_library_default_family_trains_as_ddp_on_two_ranks_with_every_chunk_ki
         clip=0.05,  # small: clipping scales every step (the overlapped host steps are redone)
         unwrap=True,
     )
-    results: list[dict[str, Any]] = spawn(case, 2, tmp_path)
+    check_every_chunk_kind(spawn(case, 2, tmp_path))
+
+
+def test_ranks_whose_sequence_lengths_differ_from_each_other_and_from_step_to_step_train_as_ddp(
+    tmp_path: Path,
+) -> None:
+    # a padding collator pads each rank's batch to its own longest example: the ranks' activations differ
+    # in shape while their chunks' collectives must still pair up (lengths 16, 13 and 10 by turns)
+    case = ShardCase(
+        kind="hf-llama",
+        offload="alternate",
+        device_shard=True,
+        replicated=True,
+        steps=4,
+        micro=2,
+        no_sync=True,
+        clip=0.05,
+        unwrap=True,
+        ragged=True,
+    )
+    results = spawn(case, 2, tmp_path)
+    assert [res["lengths"] for res in results] == [[16, 13, 10, 16], [13, 10, 16, 13]]
+    check_every_chunk_kind(results)
+
+
+def check_every_chunk_kind(results: list[dict[str, Any]]) -> None:
+    """Both ranks held every multi-rank chunk kind and trained as DDP (losses, clipped norms, parameters,
+    `.grad` inside and outside no_sync, the unwrapped model), with redone host steps, on different data."""
     for r, res in enumerate(results):
         kinds = (res["device_sharded_chunks"], res["sharded_chunks"], res["replicated_offloaded_chunks"])
         assert all(k > 0 for k in kinds), (r, kinds)
