@@ -17,11 +17,16 @@ Now every rank profiles its own model on its own batch at the same time, through
 3. every rank gathers every rank's outcome (its profiled iteration, or its error): a failure on any rank is then
    known to all, and every rank raises `RankProfilingError` naming the ranks and their errors, with no further
    collective (rank 0 does not broadcast it again: no rank waits for it);
-4. the job's trace is the slowest rank's (largest profiled iteration; the lowest rank on a tie), sent to rank 0
-   when it is another rank's. A data-parallel step ends when its slowest rank's does (the gradient average
-   waits for it), so the slowest rank's iteration is the job's; its trace is taken whole, not block by block
-   (a per-block maximum would mix samples of different iterations and add up every block's noise, and the
-   trace's blocks, probes and memory stay one measurement). Rank 0 then solves it or sends it to the service.
+4. the job's trace is the one of the rank with the largest batch (most rows x sequence length, then the longer
+   sequence), and among equal batches the slowest rank's (largest profiled iteration; the lowest rank on a
+   tie), sent to rank 0 when it is another rank's. Every rank runs the plan, so its activation memory must
+   be budgeted for the largest batch any rank profiled (a padding collator pads each rank's first batch to
+   its own longest example; before, the slowest rank's trace could be a shorter batch's, and the rank with
+   the longer one ran past the plan's memory). A data-parallel step ends when its slowest rank's does (the
+   gradient average waits for it), so among equal batches the slowest rank's iteration is the job's; its
+   trace is taken whole, not block by block (a per-block maximum would mix samples of different iterations
+   and add up every block's noise, and the trace's blocks, probes and memory stay one measurement). Rank 0
+   then solves it or sends it to the service.
 
 `agent.profile(process_group=...)` (and `memplan profile --process-group`) runs the same steps 2-4 with no plan
 to wait for (every rank called it): nothing is announced, and every rank returns the job's trace.
@@ -33,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agent.runtime.process_group import RankGroup
@@ -54,11 +59,12 @@ class RankProfilingError(RuntimeError):
 
 @dataclass(frozen=True)
 class GroupTrace:
-    """The job's trace (the slowest rank's) and every rank's profiled iteration, rank order."""
+    """The job's trace (the largest batch's, then the slowest rank's: step 4 above), every rank's profiled
+    iteration in rank order, and the rank whose trace it is."""
 
     trace: Trace
     iteration_s: tuple[float, ...]
-    slowest_rank: int
+    rank: int
 
 
 def profile_on_every_rank(
@@ -90,29 +96,42 @@ def profile_on_every_rank(
         trace = run()
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
         failure = exc
-    outcomes = _exchange(group, trace.measurements.iteration_s if trace is not None else None, failure)
+    outcomes = _exchange(group, _outcome(trace) if trace is not None else None, failure)
     assert trace is not None
-    times = tuple(float(o or 0.0) for o in outcomes)
-    slowest = max(range(group.world_size), key=lambda r: (times[r], -r))
+    times = tuple(float(o[0]) if o else 0.0 for o in outcomes)
+    batches = [(o[1] * o[2], o[2]) if o else (0, 0) for o in outcomes]
+    chosen = max(range(group.world_size), key=lambda r: (batches[r], times[r], -r))
     log.info(
         "memplan: rank %d profiled its model in %.2f s (iteration %.4f s); ranks' iterations %s s, the job's "
-        "trace is rank %d's",
+        "trace is rank %d's%s",
         group.rank,
         time.perf_counter() - started,
         trace.measurements.iteration_s,
         ", ".join(f"{t:.4f}" for t in times),
-        slowest,
+        chosen,
+        (
+            f" (its batch is the largest; the ranks' batches (rows x sequence): "
+            f"{', '.join(f'{o[1]}x{o[2]}' for o in outcomes if o)})"
+            if len(set(batches)) > 1
+            else ""
+        ),
     )
     job_trace: Trace | None = trace
-    if slowest != 0 or every_rank:  # rank 0 solves (or uploads) the job's trace: the slowest rank sends it
-        job_trace = group.broadcast_object(trace if group.rank == slowest else None, src=slowest)
+    if chosen != 0 or every_rank:  # rank 0 solves (or uploads) the job's trace: the chosen rank sends it
+        job_trace = group.broadcast_object(trace if group.rank == chosen else None, src=chosen)
     if not group.is_main and not every_rank:
         return None
     assert job_trace is not None
-    return GroupTrace(trace=job_trace, iteration_s=times, slowest_rank=slowest)
+    return GroupTrace(trace=job_trace, iteration_s=times, rank=chosen)
 
 
-def _exchange(group: RankGroup, outcome: float | None, failure: Exception | None) -> list[float | None]:
+def _outcome(trace: Trace) -> tuple[float, int, int]:
+    """What a rank tells the others of its profile: its iteration, and its batch's rows and sequence length."""
+    w = trace.workload
+    return trace.measurements.iteration_s, w.batch_size, w.sequence_length
+
+
+def _exchange(group: RankGroup, outcome: Any, failure: Exception | None) -> list[Any]:
     """Every rank's outcome of one step (this rank's `outcome`, or its `failure`), rank order; raises
     `RankProfilingError` on every rank when any rank failed."""
     mine: float | str | None = f"{type(failure).__name__}: {failure}" if failure is not None else outcome

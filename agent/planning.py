@@ -71,7 +71,8 @@ class PlanSource:
     message: str = ""
     profiled_iteration_s: tuple[float, ...] = ()
     """Each rank's profiled iteration (s), rank order (one entry for a single process; empty: not profiled,
-    a plan given or from history). Under a group the trace is the slowest of them (`group_profiling`)."""
+    a plan given or from history). Under a group the trace is the largest batch's, then the slowest of them
+    (`group_profiling`)."""
 
 
 def server_url(server: str | None) -> str | None:
@@ -80,15 +81,21 @@ def server_url(server: str | None) -> str | None:
 
 
 def workload_key(
-    model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *, clips_gradients: bool = False
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sample_batch: Any,
+    *,
+    clips_gradients: bool = False,
+    shape: tuple[int, int] | None = None,
 ) -> str:
-    """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind, clipping)."""
+    """`Workload.key` of the job, computed without profiling (batch shape, precision, optimizer kind, clipping).
+    `shape`: the job's (rows, sequence length) where it is not `sample_batch`'s (several ranks: the largest)."""
 
     params = list(model.parameters())
     dtype = _majority_dtype(params)
     if dtype not in _PRECISION:
         raise ValueError(f"model: parameters of dtype {dtype} are not fp32, bf16 or fp16")
-    batch, seq = _batch_shape(sample_batch)
+    batch, seq = shape if shape is not None else _batch_shape(sample_batch)
     w = Workload(
         batch_size=batch,
         sequence_length=seq,
@@ -276,6 +283,7 @@ def obtain_plan(
     blocks: Sequence[nn.Module] | None = None,
     distributed: Distributed | None = None,
     group: RankGroup | None = None,
+    job_batch: tuple[int, int] | None = None,
 ) -> PlanSource:
     """A plan for this job (see the module docstring for the order). Raises PlanInfeasibleError.
 
@@ -285,7 +293,9 @@ def obtain_plan(
     asks for plans of this world size (the hardware key names it) and the profiled trace carries the group,
     so the plan is solved for every rank of the job. `group` (with `distributed`, on rank 0): the profiling is the group's (`group_profiling`): unless the
     history has the plan, every rank profiles its own model and batch at once (the others from
-    `wrapping`'s wait for the plan), and the trace solved is the slowest rank's."""
+    `wrapping`'s wait for the plan), and the trace solved is the largest batch's (then the slowest rank's).
+    `job_batch` (with `group`): the job's batch shape, the largest any rank gave (`check_same_job`), which the
+    history look-up asks for instead of rank 0's own."""
 
     _require_batch(sample_batch)
     url = server_url(server)
@@ -307,7 +317,9 @@ def obtain_plan(
             keys = (
                 parameters.fingerprint(model),
                 hw.key,
-                workload_key(model, optimizer, sample_batch, clips_gradients=clips_gradients),
+                workload_key(
+                    model, optimizer, sample_batch, clips_gradients=clips_gradients, shape=job_batch
+                ),
             )
             c = client
             try:
@@ -350,7 +362,7 @@ def obtain_plan(
         if group is None:
             trace = run()
             profiled_s: tuple[float, ...] = (trace.measurements.iteration_s,)
-        else:  # every rank profiles its own model at once; the job's trace is the slowest rank's
+        else:  # every rank profiles its own model at once; the job's trace is the largest batch's
             job = profile_on_every_rank(group, run, prepare=lambda: hw)  # rank 0 measured it above
             assert job is not None  # rank 0 (the only rank that obtains the plan) holds the job's trace
             trace, profiled_s = job.trace, job.iteration_s

@@ -117,7 +117,8 @@ def wrap(
     torch.distributed is initialised with more than one rank). Under a group, every rank first measures the
     group's collectives when the job will be profiled (`collectives.probe_for_planning`); unless the
     service's history has the plan, every rank profiles its own model on its own batch at once and the
-    slowest rank's trace (it carries the world size and the collectives) is the job's (`group_profiling`);
+    trace of the largest batch, then of the slowest rank (it carries the world size and the collectives), is
+    the job's (`group_profiling`; every rank's batch guard compares against that largest batch);
     rank 0 obtains a plan for the whole group and broadcasts it, rank 0's
     parameters and buffers are broadcast (as DDP does), gradients are averaged
     across the ranks after every backward outside `wrapped.no_sync()`, and feedback is the slowest rank's
@@ -203,9 +204,14 @@ def _wrap(
 ) -> Wrapped:
     """`wrap` after its argument checks, with the KV cache already off."""
 
+    # the batch shape the plan is made for, which the batch guard compares every batch against
+    planned_shape = batch_shape(sample_batch) if sample_batch is not None else None
     if group is not None:  # before anything else collective: a clear error where the ranks' jobs differ
-        agreed = check_same_job(group, model, device_memory=device_memory, host_memory=host_memory)
-        device_memory, host_memory = agreed["device_memory"], agreed["host_memory"]
+        agreed = check_same_job(
+            group, model, batch=planned_shape, device_memory=device_memory, host_memory=host_memory
+        )
+        device_memory, host_memory = agreed.device_memory, agreed.host_memory
+        planned_shape = agreed.batch  # the largest any rank gave: the job's trace is that batch's
 
     obtain_kwargs: dict[str, Any] = dict(
         server=server,
@@ -273,6 +279,7 @@ def _wrap(
                 options=options,
                 distributed=distributed,
                 group=group,
+                job_batch=planned_shape if group is not None else None,
                 **obtain_kwargs,
             )
             log.info("memplan: %s", source.message)
@@ -308,7 +315,7 @@ def _wrap(
     wrapped.allocator = selection
     wrapped.kv_cache = cache_off
     try:
-        _finish(wrapped, sample_batch, feedback_steps, feedback_path, metered, group)
+        _finish(wrapped, planned_shape, feedback_steps, feedback_path, metered, group)
     except BaseException:
         # nothing half-wrapped: the model comes back as it was (parameters ordinary tensors, hooks off), so the
         # caller can fix the cause and wrap it again (with several ranks a collective: every rank failed alike)
@@ -319,7 +326,7 @@ def _wrap(
 
 def _finish(
     wrapped: Wrapped,
-    sample_batch: Any,
+    planned_shape: tuple[int, int] | None,
     feedback_steps: int | None,
     feedback_path: Path | None,
     metered: bool,
@@ -338,7 +345,6 @@ def _finish(
     wrapped.ddp_guard = DDPGuard(model)
     if wrapped.runtime.device_shards is not None and callable(getattr(model, "generate", None)):
         wrapped.synced_generate = SyncedGenerate(model)  # several ranks, chunks sharded on the device
-    planned_shape = batch_shape(sample_batch) if sample_batch is not None else None
     if planned_shape is not None:
         wrapped.batch_guard = BatchShapeGuard(model, planned_shape, wrapped.runtime.ctx.device)
     if feedback_steps:

@@ -209,21 +209,40 @@ class JobMismatchError(ValueError):
     """The ranks called `wrap` with different models (parameters, buffers) or different memory limits."""
 
 
-def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | None) -> dict[str, int | None]:
+@dataclass(frozen=True)
+class JobAgreement:
+    """What every rank of a job plans for (`check_same_job`)."""
+
+    device_memory: int | None
+    host_memory: int | None
+    batch: tuple[int, int] | None  # (rows, sequence length): the largest sample batch any rank gave
+
+
+def check_same_job(
+    group: RankGroup,
+    model: torch.nn.Module,
+    *,
+    batch: tuple[int, int] | None = None,
+    device_memory: int | None = None,
+    host_memory: int | None = None,
+) -> JobAgreement:
     """At `wrap`, before any profiling or planning: every rank wraps the same model (parameter and buffer names,
     shapes, dtypes, which parameters train), else every rank raises `JobMismatchError` naming the first
-    difference and the ranks. Returns the `limits` (device_memory, host_memory) the job plans for: the smallest
-    any rank gave (e.g. each rank's free device memory; a JobMismatchError where only some ranks gave one). One `all_gather_object` of a digest
-    (a second one of the whole lists when they differ). Before, a rank 1 model unlike rank 0's failed somewhere
-    later (profiling, or the plan rank 0 solved did not fit it: a `PlanMismatchError` about precision on one rank
-    and a gloo connection reset on the other), and a smaller `device_memory` on rank 1 was ignored (rank 0's
-    planned the job)."""
+    difference and the ranks. Returns what the job plans for: the smallest device_memory and host_memory any
+    rank gave (e.g. each rank's free device memory; a JobMismatchError where only some ranks gave one), and the
+    largest sample batch (`batch`, rows and sequence length: most rows x length, then the longer sequence; a
+    padding collator pads each rank's first batch to its own longest example), which every rank's batch guard
+    then compares against. One `all_gather_object` of a digest (a second one of the whole lists when they
+    differ). Before, a rank 1 model unlike rank 0's failed somewhere later (profiling, or the plan rank 0
+    solved did not fit it: a `PlanMismatchError` about precision on one rank and a gloo connection reset on
+    the other), and a smaller `device_memory` on rank 1 was ignored (rank 0's planned the job)."""
     tensors = [
         (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()
     ] + [(name, tuple(b.shape), str(b.dtype), None) for name, b in model.named_buffers()]
     digest = hashlib.sha256(repr(tensors).encode()).hexdigest()
-    every = group.all_gather_object((digest, limits))
-    if len({d for d, _ in every}) > 1:
+    limits = {"device_memory": device_memory, "host_memory": host_memory}
+    every = group.all_gather_object((digest, limits, batch))
+    if len({d for d, _, _ in every}) > 1:
         lists = group.all_gather_object(tensors)
         raise JobMismatchError(
             f"memplan: the ranks wrap different models: {_first_difference(lists)}. Every "
@@ -232,7 +251,7 @@ def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | Non
         )
     agreed: dict[str, int | None] = {}
     for field in limits:
-        values = [lim[field] for _, lim in every]
+        values = [lim[field] for _, lim, _ in every]
         if len(set(values)) > 1 and None in values:
             said = ", ".join(f"rank {r}: {'not given' if v is None else v}" for r, v in enumerate(values))
             raise JobMismatchError(
@@ -242,7 +261,15 @@ def check_same_job(group: RankGroup, model: torch.nn.Module, **limits: int | Non
         agreed[field] = min(values) if None not in values else None
         if len(set(values)) > 1:
             log.info("memplan: %s differs across the ranks (%s); planning for the smallest", field, values)
-    return agreed
+    batches = [b for _, _, b in every if b is not None]
+    largest = max(batches, key=lambda b: (b[0] * b[1], b[1])) if batches else None
+    if len(set(batches)) > 1:
+        log.info(
+            "memplan: the ranks' sample batches differ (rows x sequence: %s); planning for the largest, %dx%d",
+            ", ".join(f"{b[0]}x{b[1]}" for b in batches),
+            *largest,  # type: ignore[misc]
+        )
+    return JobAgreement(agreed["device_memory"], agreed["host_memory"], largest)
 
 
 def _first_difference(lists: list[list[tuple[Any, ...]]]) -> str:

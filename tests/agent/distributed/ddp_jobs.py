@@ -56,6 +56,8 @@ class Case:
     explicit_group: bool = False  # pass wrap(process_group=) a group of its own (every rank, another group)
     no_batch: bool = False  # neither plan nor sample batch: rank 0 cannot plan; each rank's error
     job: str = "ddp"  # "ddp": compare_with_ddp; "unused": unused_in_the_last_micro_step
+    # batches of 12 and 16 tokens by turns, rank 0 starting with the shorter (its sample)
+    ragged: bool = False
 
 
 def free_port() -> int:
@@ -214,6 +216,8 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         "all" if case.offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
     )
     data = batches(case.steps, rank)
+    if case.ragged:  # a padding collator's batches: each rank's first batch is its sample, and they differ
+        data = [x[:, : SEQ - 4 * ((rank + i + 1) % 2)] for i, x in enumerate(data)]
     forwards = [0]  # forwards of this rank's model inside wrap: the profiler's (a plan from history: none)
     counting = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     explicit = dist.new_group(list(range(world))) if case.explicit_group else None
@@ -264,10 +268,12 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     assert wrapped.source is not None
     result["plan"] = wrapped.plan.model_dump_json()
     result["plan_origin"] = wrapped.source.origin
-    trace = (
-        wrapped.source.trace
-    )  # the job's trace (the slowest rank's; uploaded, from a service), sent with the plan
+    # the job's trace (the largest batch's; uploaded, from a service), sent with the plan
+    trace = wrapped.source.trace
     result["trace_hardware"] = trace.hardware.model_dump_json() if trace is not None else None
+    result["trace_batch"] = [trace.workload.batch_size, trace.workload.sequence_length] if trace else None
+    guard = wrapped.batch_guard
+    result["guard"] = [list(guard.planned), guard.warned] if guard is not None else None
     if wrapped.monitor is not None:
         m = wrapped.monitor.measured
         local = m.feedback()

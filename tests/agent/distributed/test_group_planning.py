@@ -110,6 +110,19 @@ def test_a_service_that_is_down_or_never_answers_leaves_rank_0_to_plan_for_both_
     check(results)
 
 
+def test_ranks_whose_sample_batches_differ_get_a_plan_for_the_longest_and_guard_against_it(
+    tmp_path: Path,
+) -> None:
+    # a padding collator: rank 0's first batch (its sample) has 12 tokens a row, rank 1's 16, then they swap.
+    # The job's trace is the longer batch's whatever rank profiled slower (its activations are what every rank
+    # must budget), and every rank's guard compares against it: no warning when rank 0 gets 16 tokens later
+    results = spawn(Case(kind="gpt2", steps=2, solve=True, ragged=True), 2, tmp_path)
+    planned_for_two_ranks(results)
+    assert [res["trace_batch"] for res in results] == [[4, 16], [4, 16]]
+    assert [res["guard"] for res in results] == [[[4, 16], False], [[4, 16], False]]
+    check(results)
+
+
 def test_tight_device_and_host_memory_shard_an_offloaded_chunk_that_trains_as_ddp(tmp_path: Path) -> None:
     # hidden 128: the parameters (1.7 MB) outweigh the activations; 5 MB of device memory makes the solver
     # offload every chunk. On a CPU a replicated offloaded chunk is the faster one (a sharded chunk adds the
