@@ -13,6 +13,11 @@ tensor per run of the chunk: `agent/runtime/stepper.py`), and a call costs more 
 `HOST_SMALL_BYTES`, less those bytes over the rate (median of `HOST_SMALL_REPS` steps). The cost model charges
 each chunk's host step overhead + bytes / rate. On this development machine (AMD EPYC, 2 cores) the small step
 took ~0.08 ms, of which ~0.07 ms is the overhead (docs/BENCHMARKS.md, session 9).
+
+Host copy rate (`host_copy_throughput`): a host-to-host copy of `HOST_SAMPLE_BYTES`. Around each offloaded chunk's
+step the runtime copies the master and optimizer state into the undo backup, and the host gradient into the
+`.grad` it exposes (and, in mixed precision, the master into the compute copy): on the session-15 VM (Intel
+Xeon, 2 cores) the backup alone took 0.5-1.45x the fused AdamW step of the same chunk (0.5-8 MB).
 """
 
 from __future__ import annotations
@@ -71,6 +76,21 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer, params: list[torch.n
 def host_step_throughput(reps: int = 3) -> float:
     """Parameter bytes per second of a fused (or foreach) AdamW step on host fp32 tensors (cached per process)."""
     return _measure_host_step(HOST_SAMPLE_TENSORS, HOST_SAMPLE_BYTES // HOST_SAMPLE_TENSORS // 4, reps)
+
+
+@functools.lru_cache(maxsize=1)
+def host_copy_throughput(reps: int = 3) -> float:
+    """Bytes written per second by a host-to-host copy of `HOST_SAMPLE_BYTES` (fp32, median of `reps` after a
+    warm-up; cached per process): the rate of the runtime's copies around a host step (`host_steps.py`)."""
+    src = torch.ones(HOST_SAMPLE_BYTES // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times: list[float] = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return HOST_SAMPLE_BYTES / max(statistics.median(times), 1e-9)
 
 
 def host_step_overhead(rate: float | None = None, reps: int = HOST_SMALL_REPS) -> float:

@@ -54,6 +54,7 @@ from agent.profiler.hooks import BlockHooks
 from agent.profiler.memory_tracking import track_memory
 from agent.profiler.model_config import hf_config
 from agent.profiler.optimizer_probe import (
+    host_copy_throughput,
     host_step_overhead,
     host_step_throughput,
     optimizer_kind,
@@ -293,6 +294,7 @@ def profile(
     t1 = time.perf_counter()
     host_opt = host_step_throughput()
     host_overhead = host_step_overhead(host_opt)
+    host_copy = host_copy_throughput()
     t2 = time.perf_counter()
     log.debug(
         "profile stages (s): %s",
@@ -309,6 +311,7 @@ def profile(
             device_bytes_per_s=result.device_opt_bytes_per_s,
             host_bytes_per_s=host_opt,
             host_step_overhead_s=host_overhead,
+            host_copy_bytes_per_s=host_copy,
         ),
         iteration_s=iteration_s,
         peak_device_bytes=peak,

@@ -406,6 +406,14 @@ class OptimizerMeasurement(ContractModel):
         "host_bytes_per_s: the cost model charges each chunk's host step overhead + bytes / rate; 0 = not "
         "measured (older traces: bytes / rate alone)",
     )
+    # Left out of the JSON when 0 (not measured: traces from before it keep their content hashes).
+    host_copy_bytes_per_s: BytesPerSecond = Field(
+        default=0.0,
+        exclude_if=lambda v: v == 0.0,
+        description="host memory copy rate (bytes written/s, large tensors): the runtime's copies around each "
+        "offloaded chunk's host step (the undo backup of a speculative step, the exposed .grad, a mixed-precision "
+        "compute copy), charged by bytes on a GPU; 0 = not measured (older traces: not charged)",
+    )
 
 
 class Measurements(ContractModel):

@@ -78,6 +78,9 @@ class HostStepRate(Protocol):
     @property
     def host_step_overhead_s(self) -> float: ...
 
+    @property
+    def host_copy_bytes_per_s(self) -> float: ...
+
 
 def host_step_ns(optimizer: HostStepRate, stepped_bytes: int) -> int:
     """Integer nanoseconds of one host optimizer step call over `stepped_bytes` (one chunk, or one rank's shard
@@ -86,3 +89,33 @@ def host_step_ns(optimizer: HostStepRate, stepped_bytes: int) -> int:
     if stepped_bytes <= 0:
         return 0
     return round((optimizer.host_step_overhead_s + stepped_bytes / optimizer.host_bytes_per_s) * 1e9)
+
+
+def host_copy_ns(optimizer: HostStepRate, copied_bytes: int) -> int:
+    """Integer nanoseconds of the runtime's host copies around one host step (`copied_bytes` written: the undo
+    backup, the exposed `.grad`, a mixed-precision compute copy) at the measured host copy rate; 0 when nothing
+    is copied or the trace has no rate (older traces)."""
+    if copied_bytes <= 0 or optimizer.host_copy_bytes_per_s <= 0:
+        return 0
+    return round(copied_bytes / optimizer.host_copy_bytes_per_s * 1e9)
+
+
+def host_step_copy_bytes(
+    elements: int,
+    stepped: int,
+    elt: int,
+    undo_backup_bytes_per_param: int,
+    *,
+    separate_master: bool,
+    fill: bool,
+) -> int:
+    """Bytes the runtime's host copies write around one offloaded chunk's host step (`agent/runtime/host_steps.py`),
+    for `elements` elements of which `stepped` are stepped (a chunk, or a rank's shard of one), compute element
+    bytes `elt`: the undo backup of the stepped elements (master and optimizer state), the exposed `.grad` of
+    every element (`fill`: a replicated chunk's is a copy; a sharded chunk's is an all-gather, charged as a
+    collective) and, with a separate fp32 master, the compute copy refreshed from it."""
+    return (
+        stepped * undo_backup_bytes_per_param
+        + (elements * elt if fill else 0)
+        + (stepped * elt if separate_master else 0)
+    )

@@ -53,7 +53,9 @@ from planner_service.solver.instance import (
 #      after a phase's worth of compute, the ranks' skew over it included)
 # 1.7: with offloaded and device-sharded chunks, one more device-shard agreement per iteration, at backward's
 #      start (the runtime's check that every rank is in the same pass: a forward on some ranks only is an error)
-SOLVER_VERSION = "policy-1.7"
+# 1.8: off a serial (CPU) device, each offloaded chunk's host step also pays the runtime's host copies around it by
+#      bytes (undo backup, exposed .grad, mixed-precision compute copy) at the trace's `host_copy_bytes_per_s`
+SOLVER_VERSION = "policy-1.8"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {

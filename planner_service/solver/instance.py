@@ -36,7 +36,7 @@ from client.contract import (
     Workload,
     offloaded_chunk_pinned_bytes,
 )
-from planner_service.solver.bandwidth import host_step_ns, transfer_ns
+from planner_service.solver.bandwidth import host_copy_ns, host_step_copy_bytes, host_step_ns, transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks, slot_bytes
 from planner_service.solver.held_gradients import held_gradient_bytes
 from planner_service.solver.sharding import multi_rank_fields
@@ -405,8 +405,27 @@ def build_instance(
         upload_ns=tuple(upload),
         grad_offload_ns=tuple(grad_offload),
         device_optim_ns=tuple(ns(t / m.optimizer.device_bytes_per_s) for t in trained),
-        # one host step call per chunk with trained bytes: its measured per-call overhead plus bytes over the rate
-        host_optim_ns=tuple(host_step_ns(m.optimizer, t) for t in trained),
+        # one host step call per chunk with trained bytes: its measured per-call overhead plus bytes over the rate,
+        # plus the runtime's copies around it by bytes (a serial device: in the measured offload overhead already)
+        host_optim_ns=tuple(
+            host_step_ns(m.optimizer, t)
+            + (
+                0
+                if serial or not t
+                else host_copy_ns(
+                    m.optimizer,
+                    host_step_copy_bytes(
+                        u // elt,
+                        t // elt,
+                        elt,
+                        w.undo_backup_bytes_per_param,
+                        separate_master=w.master_bytes_per_param > 0,
+                        fill=True,
+                    ),
+                )
+            )
+            for u, t in zip(layout.used_bytes, trained, strict=True)
+        ),
         chunk_state_bytes=S + (S // elt) * state_per_elt,
         chunk_state_bytes_of=tuple(
             chunk_model_state_bytes(w, u, t) for u, t in zip(layout.used_bytes, trained, strict=True)
@@ -448,6 +467,7 @@ def build_instance(
             separate_master=w.master_bytes_per_param > 0,
             device_optim_ns=inst.device_optim_ns,
             trained_bytes=tuple(trained),
+            charge_copies=not serial,
         ),
     )
 

@@ -53,7 +53,13 @@ from client.contract import (
     shard_elements,
     sharded_chunk_pinned_bytes,
 )
-from planner_service.solver.bandwidth import collective_ns, host_step_ns, transfer_ns
+from planner_service.solver.bandwidth import (
+    collective_ns,
+    host_copy_ns,
+    host_step_copy_bytes,
+    host_step_ns,
+    transfer_ns,
+)
 
 if TYPE_CHECKING:
     from planner_service.solver.chunk_grid import ChunkGrid
@@ -101,6 +107,7 @@ def multi_rank_fields(
     separate_master: bool,
     device_optim_ns: tuple[int, ...] = (),
     trained_bytes: tuple[int, ...] = (),
+    charge_copies: bool = False,
 ) -> dict[str, Any]:
     """The `PolicyInstance` fields of `trace`'s process group, for an instance built for one rank as if alone
     (its chunks' gradient bytes `grad_bytes` and whole-chunk `grad_offload_ns`, compute element bytes `elt`, all host bytes per element of an
@@ -163,7 +170,26 @@ def multi_rank_fields(
             transfer_ns(bw.d2h_pinned, s * w.gradient_bytes_per_param) + r
             for s, r in zip(shards, grad_rest, strict=True)
         ),
-        shard_host_optim_ns=tuple(host_step_ns(opt, s * elt) for s in shards),
+        # a shard's step, plus (`charge_copies`: not a serial device) the runtime's copies around it by bytes
+        shard_host_optim_ns=tuple(
+            host_step_ns(opt, s * elt)
+            + (
+                host_copy_ns(
+                    opt,
+                    host_step_copy_bytes(
+                        s,
+                        -(-s * t // max(u, 1)),
+                        elt,
+                        w.undo_backup_bytes_per_param,
+                        separate_master=separate_master,
+                        fill=False,
+                    ),
+                )
+                if charge_copies and t
+                else 0
+            )
+            for s, u, t in zip(shards, layout.used_bytes, trained, strict=True)
+        ),
         shard_host_bytes_of=tuple(n * s * elt + copy_shards * s * elt + s * rest_per_elt for s in shards),
         # the compute copy (whole, or the rank's share of the node's); the shard's staging buffer and, without a
         # separate master, its host gradient

@@ -84,6 +84,7 @@ def test_measurements_are_positive_and_workload_is_measured(gpt2_trace: Trace) -
     m = gpt2_trace.measurements
     assert m.iteration_s > 0 and m.peak_device_bytes > 0
     assert m.optimizer.device_bytes_per_s > 0 and m.optimizer.host_bytes_per_s > 0
+    assert m.optimizer.host_copy_bytes_per_s > 0  # the rate of the runtime's copies around a host step
     # The blocks' forward+backward times are scaled to the plain iteration minus the optimizer step and
     # zero_grad (profile.py), so they never exceed it. The rest is the AdamW step: on this model the blocks
     # measured 0.736-0.769 of the iteration over 8 profiles (2-core VM, loaded); 0.6 leaves 0.13 of margin.
