@@ -72,6 +72,7 @@ import torch.distributed as dist
 from agent.runtime.process_group import UnevenNodesError, all_gather_single, reduce_scatter_single
 from agent.runtime.process_group import ranks_per_node as node_ranks
 from client.contract import (
+    IN_STEP_BURST_S,
     CollectiveBackend,
     CollectiveCopyOverlap,
     CollectiveCurves,
@@ -100,7 +101,7 @@ IN_STEP_REPEATS = 16
 """Repetitions per size of the in-step sequence on a CPU device (at least; more when `repeats` asks for more):
 its calls vary with the other rank's arrival and take a heavy-tailed time (on the 2-core VM a 512 KiB all-reduce
 took ~0.5 or ~2.5 ms, by turns), so the mean of a few is noisy (8 before session 10)."""
-IN_STEP_COMPUTE_S = 0.005
+IN_STEP_COMPUTE_S = IN_STEP_BURST_S
 """The compute burst before each in-step collective, about one block's backward on a CPU (the benchmark's 4-layer
 models: 5-7 ms; 2 ms before session 10, after which a 512 KiB all-reduce read 1.1-2.0 ms where the managed run's
 took 2.3-3.4 ms, and 1.9-3.8 ms after 5-6 ms bursts: docs/BENCHMARKS.md, session 10)."""

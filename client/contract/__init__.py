@@ -25,6 +25,7 @@ from client.contract.chunk_bytes import (
 )
 from client.contract.common import SCHEMA_VERSION, TRACE_SCHEMA_VERSION, ContractModel
 from client.contract.distributed import (
+    IN_STEP_BURST_S,
     CollectiveBackend,
     CollectiveCopyOverlap,
     CollectiveCurves,

@@ -32,6 +32,11 @@ from client.contract.common import (
 )
 
 MAX_WORLD_SIZE = 65_536
+IN_STEP_BURST_S = 0.005
+"""The compute before each collective the profiler times in step on a CPU device (the in-step curves and
+`CollectiveCurves.control_s`): about one block's backward of the development machine's 4-layer models. The
+phase-end check (`phase_control_s`) is timed after four such bursts. The cost model reads it to price the wait
+for the later rank after longer compute (`planner_service.solver.sharding.reduction_wait_ns`)."""
 MAX_OVERLAP_SAMPLES = 8
 
 

@@ -54,7 +54,9 @@ from planner_service.solver.instance import (
 # 1.7: with offloaded and device-sharded chunks, one more device-shard agreement per iteration, at backward's
 #      start (the runtime's check that every rank is in the same pass: a forward on some ranks only is an error)
 # 1.8: off a serial (CPU) device, each offloaded chunk's host step also pays the runtime's host copies around it by
-#      bytes (undo backup, exposed .grad, mixed-precision compute copy) at the trace's `host_copy_bytes_per_s`
+#      bytes (undo backup, exposed .grad, mixed-precision compute copy) at the trace's `host_copy_bytes_per_s`;
+#      on a CPU device each gradient reduction pays the wait for the later rank after its chunk's backward
+#      (`sharding.reduction_wait_ns`, from the trace's `control_s` and `phase_control_s`)
 SOLVER_VERSION = "policy-1.8"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from client.contract import (
+    IN_STEP_BURST_S,
     CollectiveCurves,
     Trace,
     compute_copy_shared,
@@ -94,6 +95,33 @@ def phase_control_ns(curves: CollectiveCurves) -> int:
     if curves.phase_control_s > 0:
         return max(1, round(curves.phase_control_s * 1e9))
     return control_ns(curves)
+
+
+def reduction_wait_ns(trace: Trace, layout: ChunkGrid) -> tuple[int, ...]:
+    """Per chunk, the wait for the later rank at its gradient reduction beyond what the in-step curves price.
+
+    On a CPU device the curves are timed after `IN_STEP_BURST_S` of compute, their wait for the later rank
+    included; in training a chunk's reduction comes after the backward of its window's blocks, and the wait
+    grows with the compute before the call and levels off (2 ranks on the 2-core VM, after bursts of 5, 10, 20
+    and 40 ms: ~1.3, ~2.5, ~2.9, ~2.4 ms; session 13). The trace measures both ends, the tiny control
+    collective after one burst (`control_s`) and after a phase's worth (`phase_control_s`): a chunk pays
+    their difference times min(1, (X - burst) / burst) for X, its blocks' measured backward, past one burst
+    (0 below it, all of it from two bursts, where the wait has levelled off). Not measured (a GPU, older
+    traces: no `phase_control_s`): 0. Before it the 2-rank benchmark's gradient reductions measured a median of
+    -0.8 to +3.6 ms per iteration above their prediction in the runs of policies 1.6-1.7 (sessions 13-15), the
+    iteration a median of +2.5% to +16%; with it, still +3.4 ms (docs/BENCHMARKS.md, session 15)."""
+    d = trace.hardware.distributed
+    assert d is not None and d.collectives is not None
+    c = d.collectives
+    extra = c.phase_control_s - c.control_s if c.phase_control_s > 0 and c.control_s > 0 else 0.0
+    if extra <= 0:
+        return (0,) * layout.n_chunks
+    compute = [0.0] * layout.n_chunks
+    for m in trace.measurements.blocks:
+        compute[layout.chunk_of_block[m.block]] += m.backward_s
+    return tuple(
+        round(extra * min(1.0, max(0.0, (x - IN_STEP_BURST_S) / IN_STEP_BURST_S)) * 1e9) for x in compute
+    )
 
 
 def multi_rank_fields(
@@ -144,6 +172,7 @@ def multi_rank_fields(
     gathered = tuple(n * s * elt for s in shards)
     gather = tuple(collective_ns(ag, b) for b in gathered)
     control = control_ns(d.collectives)
+    wait = reduction_wait_ns(trace, layout)
     return dict(
         device_shard_bytes_of=device_shard,
         device_gather_bytes_of=gathered,
@@ -160,11 +189,16 @@ def multi_rank_fields(
         phase_control_ns=phase_control_ns(d.collectives),
         # the exposed .grad: every rank's averaged host-gradient shard, all-gathered in the compute dtype
         grad_fill_ns=gather,
-        reduce_scatter_ns=tuple(collective_ns(rs, n * s * w.gradient_bytes_per_param) for s in shards),
+        # each reduction with the wait for the later rank after its chunk's backward (`reduction_wait_ns`)
+        reduce_scatter_ns=tuple(
+            collective_ns(rs, n * s * w.gradient_bytes_per_param) + (k if g else 0)
+            for s, g, k in zip(shards, grad_bytes, wait, strict=True)
+        ),
         # a replicated chunk's gradient average: the measured all-reduce; older traces (no all-reduce curve) a
         # reduce-scatter plus an all-gather of the whole gradient
         all_reduce_ns=tuple(
-            collective_ns(ar, g) if ar else collective_ns(rs, g) + collective_ns(ag, g) for g in grad_bytes
+            (collective_ns(ar, g) if ar else collective_ns(rs, g) + collective_ns(ag, g)) + (k if g else 0)
+            for g, k in zip(grad_bytes, wait, strict=True)
         ),
         shard_grad_offload_ns=tuple(
             transfer_ns(bw.d2h_pinned, s * w.gradient_bytes_per_param) + r
