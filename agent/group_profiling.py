@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from agent.runtime.process_group import batch_order
+
 if TYPE_CHECKING:
     from agent.runtime.process_group import RankGroup
     from client.contract import Trace
@@ -99,7 +101,7 @@ def profile_on_every_rank(
     outcomes = _exchange(group, _outcome(trace) if trace is not None else None, failure)
     assert trace is not None
     times = tuple(float(o[0]) if o else 0.0 for o in outcomes)
-    batches = [(o[1] * o[2], o[2]) if o else (0, 0) for o in outcomes]
+    batches = [batch_order((o[1], o[2])) if o else (0, 0) for o in outcomes]
     chosen = max(range(group.world_size), key=lambda r: (batches[r], times[r], -r))
     log.info(
         "memplan: rank %d profiled its model in %.2f s (iteration %.4f s); ranks' iterations %s s, the job's "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -85,12 +86,7 @@ def host_copy_throughput(reps: int = 3) -> float:
     src = torch.ones(HOST_SAMPLE_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times: list[float] = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return HOST_SAMPLE_BYTES / max(statistics.median(times), 1e-9)
+    return HOST_SAMPLE_BYTES / _median_s(lambda: dst.copy_(src), reps)
 
 
 def host_step_overhead(rate: float | None = None, reps: int = HOST_SMALL_REPS) -> float:
@@ -112,9 +108,14 @@ def _measure_host_step(n_tensors: int, numel: int, reps: int) -> float:
     except (RuntimeError, TypeError, ValueError):
         opt = torch.optim.AdamW(tensors, lr=1e-3, foreach=True)
         opt.step()
+    return n_tensors * numel * 4 / _median_s(opt.step, reps)
+
+
+def _median_s(run: Callable[[], object], reps: int) -> float:
+    """Median wall seconds of `reps` calls of `run` (after the caller's warm-up), never below 1 ns."""
     times: list[float] = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        opt.step()
+        run()
         times.append(time.perf_counter() - t0)
-    return n_tensors * numel * 4 / max(statistics.median(times), 1e-9)
+    return max(statistics.median(times), 1e-9)

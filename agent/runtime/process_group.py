@@ -209,6 +209,12 @@ class JobMismatchError(ValueError):
     """The ranks called `wrap` with different models (parameters, buffers) or different memory limits."""
 
 
+def batch_order(shape: tuple[int, int]) -> tuple[int, int]:
+    """How (rows, sequence length) batch shapes compare when the job plans for the largest: most rows x length,
+    then the longer sequence (`check_same_job`, and the job's trace in `group_profiling`)."""
+    return shape[0] * shape[1], shape[1]
+
+
 @dataclass(frozen=True)
 class JobAgreement:
     """What every rank of a job plans for (`check_same_job`)."""
@@ -262,7 +268,7 @@ def check_same_job(
         if len(set(values)) > 1:
             log.info("memplan: %s differs across the ranks (%s); planning for the smallest", field, values)
     batches = [b for _, _, b in every if b is not None]
-    largest = max(batches, key=lambda b: (b[0] * b[1], b[1])) if batches else None
+    largest = max(batches, key=batch_order) if batches else None
     if len(set(batches)) > 1:
         log.info(
             "memplan: the ranks' sample batches differ (rows x sequence: %s); planning for the largest, %dx%d",
