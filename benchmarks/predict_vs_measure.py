@@ -204,7 +204,11 @@ def run_row(
         }
     )
     if measured_phases is not None:
-        row["breakdown"] = {**measured_phases, "predicted_ms": predicted_phases(pred)}
+        row["breakdown"] = {
+            **measured_phases,
+            "predicted_ms": predicted_phases(pred),
+            "predicted_uploads": pred.breakdown.get("uploads_per_iteration"),
+        }
     return row
 
 
@@ -557,6 +561,10 @@ def predicted_phases(pred: Any) -> dict[str, float]:
     }
 
 
+def _count(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"  # a plan from before policy-1.9 does not say
+
+
 def breakdown_line(bd: dict[str, Any]) -> str:
     """measured / predicted ms per iteration, phase by phase (see `predicted_phases`)."""
     m, p, c, sec = bd["measured_ms"], bd["predicted_ms"], bd["counters_ms"], bd["sections_ms"]
@@ -566,7 +574,8 @@ def breakdown_line(bd: dict[str, Any]) -> str:
         f"(gradient reductions {c['grad_reduction']:.1f}/{p['grad_reduction']:.1f}, .grad all-gathers "
         f"{c['grad_fill']:.1f}/{p['grad_fill']:.1f}, host steps {c['host_step']:.1f}/{p['host_step']:.1f}, "
         f"control checks {c.get('control', 0.0):.1f}/{p.get('control', 0.0):.1f}; "
-        f"flush sections {sec.get('flush', 0.0):.1f}, uploads {sec.get('upload', 0.0):.1f}); step "
+        f"flush sections {sec.get('flush', 0.0):.1f}, uploads {sec.get('upload', 0.0):.1f}; chunk uploads per "
+        f"iteration {bd['counters'].get('uploads', 0.0):g}/{_count(bd.get('predicted_uploads'))}); step "
         f"{m['step']:.1f}/{p['step']:.1f} (compute-copy all-gathers or barrier "
         f"{c['param_gather'] + c['compute_barrier']:.1f}/{p['param_gather']:.1f}); zero_grad {m['zero_grad']:.1f}"
     )
@@ -782,7 +791,11 @@ def wrapped_row(
         row["load_drift"] = plain_now / trace_iteration - 1.0
         row["drift_after"] = plain_after / trace_iteration - 1.0
     if measured_phases is not None:
-        row["breakdown"] = {**measured_phases, "predicted_ms": predicted_phases(pred)}
+        row["breakdown"] = {
+            **measured_phases,
+            "predicted_ms": predicted_phases(pred),
+            "predicted_uploads": pred.breakdown.get("uploads_per_iteration"),
+        }
     if keep_plan:
         row["plan"] = plan.model_dump(mode="json")
     return row

@@ -4,6 +4,7 @@ backward, `torch.nn.utils.clip_grad_norm_` over the model's parameters, step, ze
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,3 +30,11 @@ def train_with_clipping(
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def uploads_in_one_step(wrapped: Any, batch: Mapping[str, torch.Tensor], *, max_norm: float = 1.0) -> int:
+    """The chunk uploads the runtime makes in one more `train_with_clipping` step of a `Wrapped` (after its
+    first iteration recorded the access order), to compare with its plan's `uploads_per_iteration`."""
+    before = wrapped.runtime.counters.uploads
+    train_with_clipping(wrapped.model, wrapped.optimizer, batch, steps=1, max_norm=max_norm)
+    return int(wrapped.runtime.counters.uploads - before)

@@ -155,6 +155,7 @@ from client.contract import ActivationMode, Constraints, Placement, Policy, Pred
 from client.contract.common import MAX_NAME_CHARS
 from planner_service.solver.chunk_grid import layout_from_chunks
 from planner_service.solver.instance import CostParams, Decision, Mode, PolicyInstance, build_instance
+from planner_service.solver.late_uses import displaced_chunk, late_uploads
 from planner_service.solver.sharding import PERMILLE
 
 _MODE_OF = {
@@ -200,6 +201,8 @@ class Cost:
     device_gather_ns: int = 0
     # the runtime's control checks (tiny synchronous collectives, `control_checks_ns`; in iteration_ns)
     control_ns: int = 0
+    # chunk uploads per iteration (forward, a tied chunk's re-upload, backward's), as the runtime counts them
+    uploads: int = 0
 
     @property
     def fits(self) -> bool:
@@ -476,15 +479,25 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     at = lambda xs, c: xs[c] if 0 <= c < C else 0  # noqa: E731
     res = residency(d.offloaded, nb)
     need = [d.offloaded[c] and not res[c] for c in range(C)]
+    # a tied chunk not resident after forward is uploaded again in its later window, then resident when backward
+    # starts in the place of the first resident chunk, which is uploaded again for backward (`late_uses.py`)
+    late_need = list(need)
+    late = late_uploads(inst.late_uses, U, need, windows)
+    late_x = late_uploads(inst.late_uses, Ux, need, windows) if dx else late
+    displaced = displaced_chunk(inst.late_uses, need, res)
+    if displaced is not None:
+        need[displaced] = True
 
     # forward: no collectives in any job (a sharded chunk is uploaded whole from its full host copy)
     fwd = U[0] if off(0) else 0
     for c in range(windows):
-        h2d = at(U, c + 1)
-        both = ((Ux[c + 1] if off(c + 1) else 0), SOx[c]) if dx else None
+        h2d = at(U, c + 1) + late[c]
+        both = ((Ux[c + 1] if off(c + 1) else 0) + late_x[c], SOx[c]) if dx else None
         t = _combine(F[c], h2d, SO[c], duplex, overlap, both)
         if nb == 1 and off(c) and off(c + 1):
             t = max(t, F[c] + U[c + 1])
+        if nb == 1 and late[c]:  # demanded in the window: the one buffer holds the window's own chunk
+            t = max(t, F[c] + late[c])
         fwd += t
 
     head = (U[C - 1] if C and need[C - 1] else 0) + SI[windows - 1]
@@ -570,6 +583,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         host_node_bytes=node_host,
         device_gather_ns=sum(k.device_gather),
         control_ns=k.control,
+        uploads=sum(d.offloaded) + sum(1 for c, _ in inst.late_uses if late_need[c]) + sum(need),
     )
 
 
@@ -603,6 +617,7 @@ def predictions_of(inst: PolicyInstance, decision: Decision, cost: Cost) -> Pred
             "copy_overlap": 1.0 if inst.copy_overlap else 0.0,
             "chunk_state_bytes": float(inst.chunk_state_bytes),
             "buffer_bytes": float(inst.buffer_bytes),
+            "uploads_per_iteration": float(cost.uploads),
         }
         | (_sharded_breakdown(inst, decision, cost) if inst.sharded_job else {}),
         device_memory_timeline=device_timeline(inst, decision, cost.static_device_bytes),
@@ -697,6 +712,26 @@ class BatchTimer:
             self.sox, self.six = i64(inst.swap_out_duplex_ns), i64(inst.swap_in_duplex_ns)
             self.Ux, self.Gx = pad(inst.upload_duplex_ns), pad(inst.grad_offload_duplex_ns)
 
+    def _late_uploads(self, need: np.ndarray, o: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per window, the tied chunks' re-uploads (at the single and at the concurrent rates); marks the chunk
+        they displace for backward in `need` (in place), as `evaluate_decision` does (`late_uses.py`)."""
+        zero = np.zeros(self.W, dtype=np.int64)
+        if not self.inst.late_uses:
+            return zero, zero
+        C, uses = self.C, self.inst.late_uses
+        wanted = [bool(x) for x in need[:C]]
+        resident = [bool(o[c]) and not wanted[c] for c in range(C)]
+        late = np.array(late_uploads(uses, self.inst.upload_ns, wanted, self.W), dtype=np.int64)
+        late_x = (
+            np.array(late_uploads(uses, self.inst.upload_duplex_ns, wanted, self.W), dtype=np.int64)
+            if self.dx
+            else late
+        )
+        displaced = displaced_chunk(uses, wanted, resident)
+        if displaced is not None:
+            need[displaced] = 1
+        return late, late_x
+
     def __call__(
         self, offloaded: tuple[bool, ...], n_buffers: int, modes: np.ndarray, sharded: tuple[bool, ...] = ()
     ) -> np.ndarray:
@@ -707,6 +742,7 @@ class BatchTimer:
         o[:C] = np.array(offloaded, dtype=np.int64)
         after = np.cumsum(o[::-1])[::-1] - o  # offloaded chunks after c
         need = o * (after >= nb)  # offloaded and not still in a buffer after forward
+        late, late_x = self._late_uploads(need, o)
         U, G = (
             self.U[: W + 1] if C else np.zeros(W + 1, dtype=np.int64),
             self.G[: W + 1] if C else np.zeros(W + 1, dtype=np.int64),
@@ -738,7 +774,7 @@ class BatchTimer:
             return window
 
         nxt = np.arange(1, W + 1)
-        h2d_f = U[nxt] * o[nxt]
+        h2d_f = U[nxt] * o[nxt] + late
         fwd_x = bwd_x = None
         if self.dx:
             Ux = self.Ux[: W + 1] if C else np.zeros(W + 1, dtype=np.int64)
@@ -747,12 +783,13 @@ class BatchTimer:
             h2d_bx = np.zeros_like(SIx)
             if W > 1:
                 h2d_bx[:, 1:] = SIx[:, :-1] + (Ux[: W - 1] * need[: W - 1])
-            fwd_x = (np.broadcast_to(Ux[nxt] * o[nxt], SO.shape), (sw * self.sox) @ self.ind)
+            fwd_x = (np.broadcast_to(Ux[nxt] * o[nxt] + late_x, SO.shape), (sw * self.sox) @ self.ind)
             bwd_x = (h2d_bx, np.broadcast_to(Gx[nxt] * o[nxt], SIx.shape))
         Tf = combine(self.F, h2d_f, SO, fwd_x)
         if nb == 1:
             serial = o[:W] * o[nxt]
             Tf = np.maximum(Tf, np.where(serial == 1, self.F + U[nxt], 0))
+            Tf = np.maximum(Tf, np.where(late > 0, self.F + late, 0))
         fwd = U[0] * o[0] + Tf.sum(axis=1)
 
         compute = self.Bk + REC
@@ -797,6 +834,7 @@ class BatchTimer:
         U, RS, G = pad(k.upload), pad(k.reduce), pad(k.grad_offload)
         o = pad(offloaded)
         need = pad([b and not r for b, r in zip(offloaded, residency(offloaded, nb), strict=True)])
+        late, _ = self._late_uploads(need, o)
         ck = (modes == Mode.checkpoint).astype(np.int64)
         sw = (modes == Mode.swap).astype(np.int64)
         REC = (ck * self.rec) @ self.ind
@@ -810,10 +848,11 @@ class BatchTimer:
 
         nxt = np.arange(1, W + 1)
         # forward: the single-rank windows (no collectives; sharded chunks are uploaded whole)
-        h2d_f = U[nxt]
+        h2d_f = U[nxt] + late
         Tf = np.maximum(self.F, copies(h2d_f, SO)) if overlap else self.F + h2d_f + SO
         if nb == 1:
             Tf = np.maximum(Tf, np.where(o[:W] * o[nxt] == 1, self.F + U[nxt], 0))
+            Tf = np.maximum(Tf, np.where(late > 0, self.F + late, 0))
         fwd = U[0] * o[0] + Tf.sum(axis=1)
 
         compute = self.Bk + REC

@@ -257,6 +257,60 @@ def _serial_pair(pm: PolicyModel, a: int, b: int) -> cp_model.IntVar:
     return pm.pairs[key]
 
 
+@dataclass
+class LateUseTerms:
+    """The tied chunks' extra uploads (`late_uses.py`, cost_model "late uses"), as terms of the windows.
+
+    late[c] = off[c] - res[c] for a chunk with a use in a later window (a 0/1 expression). Per forward window:
+    the re-upload of every such chunk it uses (`forward`; `forward_x` at the concurrent rates) and, with one
+    buffer, the same uploads serial with the window's compute (`serial`: y >= late[c] + nbuf1 - 1). Per chunk,
+    `displaced[c]` (0/1): uploaded again for backward because a re-uploaded tied chunk took its buffer, with
+    any_late >= late[c], first[c] = OR(res[0..c]) bounded above by the chain first[c] <= first[c-1] + res[c],
+    displaced[c] >= res[c] - first[c-1] + any_late - 1. Every one only adds time, so the objective pushes it to
+    its lower bound: at the optimum each equals the cost model's value."""
+
+    forward: list[Terms]
+    forward_x: list[Terms]
+    serial: list[Terms]
+    displaced: list[LinearExpr]
+    bound: int  # upper bound of their time in one iteration (ns)
+
+
+def _late_use_terms(pm: PolicyModel, upload: tuple[int, ...], upload_x: tuple[int, ...]) -> LateUseTerms:
+    inst, m = pm.inst, pm.model
+    C, W = inst.n_chunks, max(inst.n_chunks, 1)
+    assert pm.nbuf1 is not None
+    terms = LateUseTerms([[] for _ in range(W)], [[] for _ in range(W)], [[] for _ in range(W)], [0] * C, 0)
+    if not inst.late_uses:
+        return terms
+    late = {c: pm.off[c] - pm.res[c] for c, _ in inst.late_uses}
+    for c, w in inst.late_uses:
+        terms.forward[w].append((upload[c], late[c]))
+        if upload_x:
+            terms.forward_x[w].append((upload_x[c], late[c]))
+        y = m.new_bool_var(f"late_serial[{c},{w}]")
+        m.add(y >= late[c] + pm.nbuf1 - 1)
+        terms.serial[w].append((upload[c], y))
+    any_late = m.new_bool_var("any_late")
+    for x in late.values():
+        m.add(any_late >= x)
+    before: LinearExpr = 0  # OR of res[0..c-1]
+    for c in range(C):
+        displaced = m.new_bool_var(f"displaced[{c}]")
+        m.add(displaced >= pm.res[c] - before + any_late - 1)
+        terms.displaced[c] = displaced
+        first = m.new_bool_var(f"resident_upto[{c}]")
+        m.add(first <= before + pm.res[c])
+        before = first
+    terms.bound = sum(upload[c] for c, _ in inst.late_uses) + max(upload, default=0)
+    return terms
+
+
+def _displaced(lt: LateUseTerms, upload: tuple[int, ...], c: int) -> Terms:
+    """Chunk c's upload for backward when a tied chunk displaced it (no term in a model without tied chunks)."""
+    return [(upload[c], lt.displaced[c])] if lt.bound else []
+
+
 def _add_time(pm: PolicyModel) -> None:
     """Forward and backward windows, optimizer terms and the iteration-time objective (all in ns)."""
     if pm.inst.sharded_job:
@@ -269,6 +323,7 @@ def _add_time(pm: PolicyModel) -> None:
     overlap = inst.copy_overlap
     assert pm.nbuf1 is not None
     F, Bk, REC, SO, SI = _window_terms(pm)
+    lt = _late_use_terms(pm, U, inst.upload_duplex_ns)
     upper = (
         sum(inst.fwd_ns)
         + sum(inst.bwd_ns)
@@ -276,6 +331,7 @@ def _add_time(pm: PolicyModel) -> None:
         + sum(inst.swap_out_ns)
         + sum(inst.swap_in_ns)
         + sum(U) * 2
+        + lt.bound
         + sum(G)
         + sum(inst.device_optim_ns)
         + sum(inst.host_optim_ns) * 2
@@ -285,14 +341,18 @@ def _add_time(pm: PolicyModel) -> None:
             sum(inst.swap_out_duplex_ns)
             + sum(inst.swap_in_duplex_ns)
             + sum(inst.upload_duplex_ns) * 2
+            + (
+                sum(inst.upload_duplex_ns[c] for c, _ in inst.late_uses)
+                + max(inst.upload_duplex_ns, default=0)
+            )
             + sum(inst.grad_offload_duplex_ns)
         )
 
     def off(c: int) -> Terms:
         return [(U[c], pm.off[c])] if 0 <= c < C else []
 
-    def need(c: int) -> Terms:
-        return [(U[c], pm.off[c] - pm.res[c])] if 0 <= c < C else []
+    def need(c: int) -> Terms:  # not in a buffer after forward, or displaced by a tied chunk: uploaded again
+        return [(U[c], pm.off[c] - pm.res[c]), *_displaced(lt, U, c)] if 0 <= c < C else []
 
     def grad(c: int) -> Terms:
         return [(G[c], pm.off[c])] if 0 <= c < C else []
@@ -306,7 +366,7 @@ def _add_time(pm: PolicyModel) -> None:
         return [(Ux[c], pm.off[c])] if 0 <= c < C else []
 
     def need_x(c: int) -> Terms:
-        return [(Ux[c], pm.off[c] - pm.res[c])] if 0 <= c < C else []
+        return [(Ux[c], pm.off[c] - pm.res[c]), *_displaced(lt, Ux, c)] if 0 <= c < C else []
 
     def grad_x(c: int) -> Terms:
         return [(Gx[c], pm.off[c])] if 0 <= c < C else []
@@ -314,10 +374,12 @@ def _add_time(pm: PolicyModel) -> None:
     # forward
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
     for c in range(W):
-        both = (off_x(c + 1), SOx[c]) if dx else None
-        _add_window(m, tf[c], F[c], [], off(c + 1), SO[c], duplex, overlap, both)
+        both = (off_x(c + 1) + lt.forward_x[c], SOx[c]) if dx else None
+        _add_window(m, tf[c], F[c], [], off(c + 1) + lt.forward[c], SO[c], duplex, overlap, both)
         if overlap and c + 1 < C:  # serial windows already pay every upload
             m.add(tf[c] >= F[c] + U[c + 1] * _serial_pair(pm, c, c + 1))
+        if overlap and lt.serial[c]:
+            m.add(tf[c] >= F[c] + _total(lt.serial[c]))
     fwd = _total(off(0)) + sum(tf)
 
     # backward
@@ -409,6 +471,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     duplex, overlap = inst.params.full_duplex, inst.copy_overlap
     assert pm.nbuf1 is not None
     F, Bk, REC, SO, SI = _window_terms(pm)
+    lt = _late_use_terms(pm, U, ())
     red_max = [max(r, a) for r, a in zip(RS, AR, strict=True)]
     gout_max = [max(g, s) for g, s in zip(G, Gs, strict=True)]
     work_max = [max(h, hs + ag + f) for h, hs, ag, f in zip(H, Hs, AG, FILL, strict=True)]
@@ -419,6 +482,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         + sum(inst.swap_out_ns)
         + sum(inst.swap_in_ns)
         + sum(U) * 2
+        + lt.bound
         + sum(red_max) * 2
         + sum(gout_max) * 2
         + sum(inst.device_optim_ns)
@@ -433,8 +497,8 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     def up(c: int) -> Terms:
         return [(U[c], pm.off[c])] if ok(c) else []
 
-    def need(c: int) -> Terms:  # not in a buffer after forward: uploaded again for backward
-        return [(U[c], pm.off[c] - pm.res[c])] if ok(c) else []
+    def need(c: int) -> Terms:  # not in a buffer after forward, or displaced by a tied chunk: uploaded again
+        return [(U[c], pm.off[c] - pm.res[c]), *_displaced(lt, U, c)] if ok(c) else []
 
     def red(c: int) -> Terms:  # reduce-scatter when sharded, all-reduce when replicated (persistent too)
         return [(RS[c], pm.osh[c]), (AR[c], 1 - pm.osh[c])] if ok(c) else []
@@ -445,9 +509,11 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     # forward: the single-process windows
     tf = [m.new_int_var(F[c], upper, f"tf[{c}]") for c in range(W)]
     for c in range(W):
-        _add_window(m, tf[c], F[c], [], up(c + 1), SO[c], duplex, overlap)
+        _add_window(m, tf[c], F[c], [], up(c + 1) + lt.forward[c], SO[c], duplex, overlap)
         if overlap and c + 1 < C:
             m.add(tf[c] >= F[c] + U[c + 1] * _serial_pair(pm, c, c + 1))
+        if overlap and lt.serial[c]:
+            m.add(tf[c] >= F[c] + _total(lt.serial[c]))
     fwd = _total(up(0)) + sum(tf)
 
     # backward: the chunk that just finished is reduced, then (offloaded) its gradient copied out

@@ -57,7 +57,10 @@ from planner_service.solver.instance import (
 #      bytes (undo backup, exposed .grad, mixed-precision compute copy) at the trace's `host_copy_bytes_per_s`;
 #      on a CPU device each gradient reduction pays the wait for the later rank after its chunk's backward
 #      (`sharding.reduction_wait_ns`, from the trace's `control_s` and `phase_control_s`)
-SOLVER_VERSION = "policy-1.8"
+# 1.9: a tied chunk used again in a later window (`ParameterInfo.use_blocks`; GPT-2's lm_head) pays its re-upload
+#      there and the upload again for backward of the chunk it displaces (`late_uses.py`); predictions say the
+#      uploads per iteration (`uploads_per_iteration`)
+SOLVER_VERSION = "policy-1.9"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {

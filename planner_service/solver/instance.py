@@ -39,6 +39,7 @@ from client.contract import (
 from planner_service.solver.bandwidth import host_copy_ns, host_step_copy_bytes, host_step_ns, transfer_ns
 from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks, slot_bytes
 from planner_service.solver.held_gradients import held_gradient_bytes
+from planner_service.solver.late_uses import late_use_windows
 from planner_service.solver.sharding import multi_rank_fields
 
 DEFAULT_ALPHA = 0.10
@@ -216,6 +217,10 @@ class PolicyInstance:
     # chunks one module needs resident at once (`chunk_grid.co_needed_chunks`): the offloaded ones of each set
     # must fit in the buffers together, or the runtime refuses the plan; empty: no module spans two chunks
     co_needed: tuple[tuple[int, ...], ...] = field(default=())
+    # (chunk, window) pairs, window > chunk: a tied parameter of the chunk used again in a later window
+    # (`late_uses.late_use_windows`): an offloaded chunk not resident after forward is uploaded again there and
+    # displaces the first resident chunk for backward (cost_model); empty: no such parameter
+    late_uses: tuple[tuple[int, int], ...] = field(default=())
     # per chunk: holds a parameter used outside its owning module's forward (`ParameterInfo.used_outside_owner`):
     # never sharded on the device (its released placeholder would be read); empty: none
     no_device_shard: tuple[bool, ...] = field(default=())
@@ -449,6 +454,7 @@ def build_instance(
         upload_duplex_ns=duplex.get("upload_duplex_ns", ()),
         grad_offload_duplex_ns=duplex.get("grad_offload_duplex_ns", ()),
         co_needed=co_needed_chunks(trace, layout),
+        late_uses=late_use_windows(trace, layout),
         no_device_shard=tuple(
             any(p.used_outside_owner for p in params_list[a:b]) for a, b in layout.param_ranges
         ),

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.testing.loops import train_with_clipping
+from agent.testing.loops import train_with_clipping, uploads_in_one_step
 from agent.testing.model_zoo import DEFAULTS_FAMILIES, build_with_library_defaults, sample_batch
 
 pytestmark = pytest.mark.slow
@@ -110,6 +110,12 @@ def check(family: str, model: nn.Module, config: Any, caplog: pytest.LogCaptureF
     got = train(wrapped.model, wrapped.optimizer, batch)
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert abs(a - b) <= TOL * abs(b), f"{family} step {step}: loss {a} vs plain {b}"
+    # the planner counts the chunk uploads of an iteration as the runtime makes them (a tied embedding's chunk
+    # used again by lm_head: uploaded again, and the chunk it displaces too; `late_uses.py`)
+    assert wrapped.plan.predictions is not None
+    uploads = uploads_in_one_step(wrapped, batch, max_norm=MAX_GRAD_NORM)
+    predicted = wrapped.plan.predictions.breakdown["uploads_per_iteration"]
+    assert uploads == predicted, f"{family}: {uploads} uploads in an iteration, the plan counted {predicted}"
     agent.unwrap(wrapped)
     assert model.config.use_cache is True
     generation = getattr(model, "generation_config", None)

@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch import nn
 
-from agent.testing.loops import train_with_clipping
+from agent.testing.loops import train_with_clipping, uploads_in_one_step
 from client.contract import Placement
 
 pytestmark = pytest.mark.slow
@@ -90,6 +90,9 @@ def test_masked_lm_under_a_limit_trains_like_plain_pytorch(
     got = train(wrapped.model, wrapped.optimizer, batch)
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert abs(a - b) <= TOL * abs(b), f"step {step}: loss {a} vs plain {b}"
+    # the tied decoder's chunk: the planner counts its uploads as the runtime makes them
+    assert wrapped.plan.predictions is not None
+    assert uploads_in_one_step(wrapped, batch) == wrapped.plan.predictions.breakdown["uploads_per_iteration"]
 
 
 def peak_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
