@@ -32,6 +32,12 @@ Backward (chunks C-1..0):
     one buffer: Tb[c] >= Bk[c] + upload(c-1) when c and c-1 are both offloaded
   T_bwd = need[C-1] * upload(C-1) + swap-in of window C-1 + sum Tb[c]
 
+Tied chunks (`late_uses.py`; `PolicyInstance.late_uses`, pairs (c, w) with w > c: a parameter of chunk c used
+again by a block of window w, GPT-2's word embedding as lm_head). With need[c] (c offloaded and not resident):
+  forward:  window w's H2D += upload(c) (re-uploaded there); one buffer: Tf[w] >= F[w] + sum of those uploads
+  backward: the first resident chunk r is displaced (c holds its buffer when backward starts): need[r] = 1
+  uploads per iteration (`Cost.uploads`) = offloaded chunks + those re-uploads + sum need[c] (r counted)
+
 Optimizer:
   T_dev_opt = sum over persistent chunks of used bytes / device optimizer rate.
   Host optimizer: one worker thread steps offloaded chunks in the order their gradients arrive (C-1..0);

@@ -89,6 +89,20 @@ def brute_force(inst: PolicyInstance) -> int | None:
     return best
 
 
+def cpsat_equals_brute_force(inst: PolicyInstance) -> bool:
+    """CP-SAT's optimum is the brute force's, and the cost model's of CP-SAT's decision; False when nothing fits
+    (CP-SAT then says infeasible), True when an optimum was compared."""
+    expected = brute_force(inst)
+    got = solve_layout(inst, hint=None, time_limit_s=60, seed=0, gap_limit=0.0)
+    if expected is None:
+        assert got.status == "infeasible"
+        return False
+    assert got.status == "optimal" and got.cost is not None and got.cost.fits and got.decision is not None
+    assert got.cost.iteration_ns == expected
+    assert evaluate_decision(inst, got.decision).iteration_ns == expected
+    return True
+
+
 def _clipping(trace: Trace) -> Trace:
     """The job clips its gradients and keeps undo backups: speculative host steps are redone at step()."""
     w = trace.workload.model_dump() | {"clips_gradients": True, "undo_backup_bytes_per_param": 12}
