@@ -3,7 +3,9 @@
 `data/single_rank_golden.json` was written by this module (`--write`) at the commit before the cost model,
 the CP-SAT model and the ProTrain search learned about world sizes (first written at that branch's base;
 rewritten at 8385f19, main just before the multi-rank merge, which already counted the pinned arena and the
-duplex copies of issue 19: the import of the two multi-rank helpers dropped for the run). A single-process trace, and the same
+duplex copies of issue 19: the import of the two multi-rank helpers dropped for the run); policy-1.9 (session 16)
+added one key to every prediction's breakdown, `uploads_per_iteration`, and nothing else (no case has a tied
+parameter: every other figure and every CP-SAT model's bytes were checked unchanged by a `--write` run). A single-process trace, and the same
 trace with an explicit one-rank process group, must give the same plans (policy and predictions, CP-SAT and
 ProTrain, proven optima), the same cost of fixed decisions, and the same CP-SAT model, byte for byte.
 
