@@ -487,7 +487,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     need = [d.offloaded[c] and not res[c] for c in range(C)]
     # a tied chunk not resident after forward is uploaded again in its later window, then resident when backward
     # starts in the place of the first resident chunk, which is uploaded again for backward (`late_uses.py`)
-    late_need = list(need)
+    reuploads = sum(1 for c, _ in inst.late_uses if need[c])
     late = late_uploads(inst.late_uses, U, need, windows)
     late_x = late_uploads(inst.late_uses, Ux, need, windows) if dx else late
     displaced = displaced_chunk(inst.late_uses, need, res)
@@ -589,7 +589,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         host_node_bytes=node_host,
         device_gather_ns=sum(k.device_gather),
         control_ns=k.control,
-        uploads=sum(d.offloaded) + sum(1 for c, _ in inst.late_uses if late_need[c]) + sum(need),
+        uploads=sum(d.offloaded) + reuploads + sum(need),
     )
 
 

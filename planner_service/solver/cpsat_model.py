@@ -288,9 +288,10 @@ def _late_use_terms(pm: PolicyModel, upload: tuple[int, ...], upload_x: tuple[in
         terms.forward[w].append((upload[c], late[c]))
         if upload_x:
             terms.forward_x[w].append((upload_x[c], late[c]))
-        y = m.new_bool_var(f"late_serial[{c},{w}]")
-        m.add(y >= late[c] + pm.nbuf1 - 1)
-        terms.serial[w].append((upload[c], y))
+        if inst.copy_overlap:  # serial windows already pay every upload: no one-buffer row
+            y = m.new_bool_var(f"late_serial[{c},{w}]")
+            m.add(y >= late[c] + pm.nbuf1 - 1)
+            terms.serial[w].append((upload[c], y))
     any_late = m.new_bool_var("any_late")
     for x in late.values():
         m.add(any_late >= x)

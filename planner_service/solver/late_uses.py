@@ -15,10 +15,10 @@ last `n_buffers` offloaded ones; `cost_model.residency`):
   not resident after forward.
 
 On the development machine (CPU, 2 ranks, GPT-2 with 5 offloaded chunks and one buffer) the runtime made 11
-uploads per iteration where the model without these terms counted 9 (session 16). A chunk is counted once
-however many later windows use it (one re-upload per late window, the displacement once per chunk: exact for
-the tied word embedding; several tied chunks or several late uses of one count as the model says, which may
-be fewer than the runtime makes).
+uploads per iteration where the model without these terms counted 9 (session 16). The model charges one
+re-upload per (chunk, later window) pair and one displacement however many tied chunks there are: exact for
+the tied word embedding; several tied chunks, or several later windows of one, may make the runtime upload
+more than that.
 """
 
 from __future__ import annotations
