@@ -91,6 +91,13 @@ def host_step_ns(optimizer: HostStepRate, stepped_bytes: int) -> int:
     return round((optimizer.host_step_overhead_s + stepped_bytes / optimizer.host_bytes_per_s) * 1e9)
 
 
+def host_stepped_bytes(elements: int, elt: int, *, separate_master: bool) -> int:
+    """Parameter bytes one host step streams for `elements` elements of compute element bytes `elt`: the fp32
+    master's (4 per element) when the runtime keeps one (mixed precision), else the compute copy's. The probe's
+    rate is fp32 parameter bytes per second, so a bf16 chunk with a master steps twice its compute bytes."""
+    return elements * (4 if separate_master else elt)
+
+
 def host_copy_ns(optimizer: HostStepRate, copied_bytes: int) -> int:
     """Integer nanoseconds of the runtime's host copies around one host step (`copied_bytes` written: the undo
     backup, the exposed `.grad`, a mixed-precision compute copy) at the measured host copy rate; 0 when nothing

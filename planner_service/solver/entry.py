@@ -60,7 +60,9 @@ from planner_service.solver.instance import (
 # 1.9: a tied chunk used again in a later window (`ParameterInfo.use_blocks`; GPT-2's lm_head) pays its re-upload
 #      there and the upload again for backward of the chunk it displaces (`late_uses.py`); predictions say the
 #      uploads per iteration (`uploads_per_iteration`)
-SOLVER_VERSION = "policy-1.9"
+# 1.10: an offloaded chunk with an fp32 master (a bf16 model) steps the master's bytes, 4 per element, not its
+#      compute bytes (`bandwidth.host_stepped_bytes`; session 17, the first GPU run)
+SOLVER_VERSION = "policy-1.10"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {

@@ -36,7 +36,13 @@ from client.contract import (
     Workload,
     offloaded_chunk_pinned_bytes,
 )
-from planner_service.solver.bandwidth import host_copy_ns, host_step_copy_bytes, host_step_ns, transfer_ns
+from planner_service.solver.bandwidth import (
+    host_copy_ns,
+    host_step_copy_bytes,
+    host_step_ns,
+    host_stepped_bytes,
+    transfer_ns,
+)
 from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks, slot_bytes
 from planner_service.solver.held_gradients import held_gradient_bytes
 from planner_service.solver.late_uses import late_use_windows
@@ -413,7 +419,9 @@ def build_instance(
         # one host step call per chunk with trained bytes: its measured per-call overhead plus bytes over the rate,
         # plus the runtime's copies around it by bytes (a serial device: in the measured offload overhead already)
         host_optim_ns=tuple(
-            host_step_ns(m.optimizer, t)
+            host_step_ns(
+                m.optimizer, host_stepped_bytes(t // elt, elt, separate_master=w.master_bytes_per_param > 0)
+            )
             + (
                 0
                 if serial or not t

@@ -59,6 +59,7 @@ from planner_service.solver.bandwidth import (
     host_copy_ns,
     host_step_copy_bytes,
     host_step_ns,
+    host_stepped_bytes,
     transfer_ns,
 )
 
@@ -206,7 +207,7 @@ def multi_rank_fields(
         ),
         # a shard's step, plus (`charge_copies`: not a serial device) the runtime's copies around it by bytes
         shard_host_optim_ns=tuple(
-            host_step_ns(opt, s * elt)
+            host_step_ns(opt, host_stepped_bytes(s, elt, separate_master=separate_master))
             + (
                 host_copy_ns(
                     opt,
