@@ -36,7 +36,7 @@ from agent.profiler.optimizer_probe import optimizer_kind
 from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 from agent.runtime.activations import ActivationPlanError, block_targets
 from agent.runtime.layout import ChunkLayout, PlanMismatchError
-from agent.runtime.options import RuntimeOptions, job_workload
+from agent.runtime.options import RuntimeOptions, job_trace
 from agent.service_call import ServiceBudget, classify
 from client.contract import Constraints, Plan, PlanStatus, SolverStatus, Trace, Workload
 from client.errors import AuthenticationError, NotFoundError, PermissionDeniedError, service_root
@@ -367,9 +367,7 @@ def obtain_plan(
             assert job is not None  # rank 0 (the only rank that obtains the plan) holds the job's trace
             trace, profiled_s = job.trace, job.iteration_s
         # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions
-        trace = trace.model_copy(
-            update={"workload": job_workload(trace.workload, options, clips_gradients=clips_gradients)}
-        )
+        trace = job_trace(trace, options, clips_gradients=clips_gradients)
         if client is not None and budget is not None:
             c = client
             try:

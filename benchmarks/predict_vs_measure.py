@@ -136,13 +136,18 @@ def run_row(
     breakdown: bool = False,
 ) -> dict[str, Any]:
     from agent.runtime import RuntimeOptions
+    from agent.runtime.options import job_trace
     from agent.wrapping import unwrap, wrap
     from client.contract import Constraints
     from planner_service.solver import solve
 
     limit = int(trace.measurements.peak_device_bytes * fraction)
     t0 = time.perf_counter()
-    plan = solve(trace, Constraints(device_memory_bytes=limit, time_limit_s=10.0))
+    # planned for the job the runtime runs (fp32 master, undo backups), as `agent.wrap` plans
+    plan = solve(
+        job_trace(trace, RuntimeOptions(device=device)),
+        Constraints(device_memory_bytes=limit, time_limit_s=10.0),
+    )
     solve_s = time.perf_counter() - t0
     row: dict[str, Any] = {
         "fraction": fraction,

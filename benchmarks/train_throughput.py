@@ -580,6 +580,8 @@ def compare_distributed(
 
 
 def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from agent.runtime import RuntimeOptions
+    from agent.runtime.options import job_trace
     from client.contract import Constraints, Trace
     from planner_service.solver import solve
 
@@ -609,7 +611,9 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
             if trace is None:
                 rows[solver] = {"skipped": f"no trace: {prof.get('skipped', 'the profile failed')}"}
                 continue
-            plan = solve(trace, Constraints(device_memory_bytes=limit, time_limit_s=10.0), solver=solver)
+            # planned for the job the runtime runs (fp32 master, undo backups), as `agent.wrap` plans
+            job = job_trace(trace, RuntimeOptions())
+            plan = solve(job, Constraints(device_memory_bytes=limit, time_limit_s=10.0), solver=solver)
             if plan.policy is None:
                 rows[solver] = {
                     "skipped": f"infeasible: fits from {plan.solver.min_device_memory_bytes} bytes"

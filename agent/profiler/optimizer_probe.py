@@ -14,7 +14,12 @@ tensor per run of the chunk: `agent/runtime/stepper.py`), and a call costs more 
 each chunk's host step overhead + bytes / rate. On this development machine (AMD EPYC, 2 cores) the small step
 took ~0.08 ms, of which ~0.07 ms is the overhead (docs/BENCHMARKS.md, session 9).
 
-Host copy rate (`host_copy_throughput`): a host-to-host copy of `HOST_SAMPLE_BYTES`. Around each offloaded chunk's
+Host copy rate (`host_copy_throughput`): a host-to-host copy of `host_copy_sample_bytes()`, twice the host's
+last-level cache (64-512 MiB), so that it streams from DRAM as the runtime's copies of chunks of tens to hundreds
+of MB do: a copy that fits the cache reads fast (on the 2-core EPYC VM, 32 MiB L3: 11.7 GB/s for 16 MiB against
+8.5-8.8 GB/s for 256-512 MiB; the H200's host, a 16-core Xeon, reports 300 MiB of L3). The fused AdamW step is
+not sized so: it is compute-bound (on that Xeon 14.2 GB/s for 16 MiB of parameters, 16.1 for 256 MiB, 15.9 for
+512 MiB; docs/BENCHMARKS.md "GPU, session 17"). Around each offloaded chunk's
 step the runtime copies the master and optimizer state into the undo backup, and the host gradient into the
 `.grad` it exposes (and, in mixed precision, the master into the compute copy): on the session-15 VM (Intel
 Xeon, 2 cores) the backup alone took 0.5-1.45x the fused AdamW step of the same chunk (0.5-8 MB).
@@ -26,6 +31,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -33,6 +39,10 @@ from client.contract import OptimizerKind
 
 HOST_SAMPLE_BYTES = 16 * 2**20
 HOST_SAMPLE_TENSORS = 16
+COPY_SAMPLE_MIN_BYTES = 64 * 2**20
+COPY_SAMPLE_MAX_BYTES = 512 * 2**20
+ASSUMED_CACHE_BYTES = 32 * 2**20  # where the OS does not say (no sysfs cache entries): a common server L3
+CACHE_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
 HOST_SMALL_BYTES = 64 * 2**10
 HOST_SMALL_REPS = 9
 
@@ -79,14 +89,38 @@ def host_step_throughput(reps: int = 3) -> float:
     return _measure_host_step(HOST_SAMPLE_TENSORS, HOST_SAMPLE_BYTES // HOST_SAMPLE_TENSORS // 4, reps)
 
 
+def last_level_cache_bytes(root: Path = CACHE_SYSFS) -> int | None:
+    """The largest CPU cache the OS reports for CPU 0 (sysfs `index*/size`: "32768K", "300M"), or None."""
+    sizes = []
+    for index in root.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if unit != 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
+def host_copy_sample_bytes(cache_bytes: int | None = None) -> int:
+    """Bytes the host copy probe copies: twice the last-level cache (`ASSUMED_CACHE_BYTES` where unknown), within
+    64-512 MiB, a multiple of 4."""
+    cache = cache_bytes if cache_bytes is not None else last_level_cache_bytes()
+    wanted = 2 * (cache or ASSUMED_CACHE_BYTES)
+    return min(COPY_SAMPLE_MAX_BYTES, max(COPY_SAMPLE_MIN_BYTES, wanted // 4 * 4))
+
+
 @functools.lru_cache(maxsize=1)
 def host_copy_throughput(reps: int = 3) -> float:
-    """Bytes written per second by a host-to-host copy of `HOST_SAMPLE_BYTES` (fp32, median of `reps` after a
-    warm-up; cached per process): the rate of the runtime's copies around a host step (`host_steps.py`)."""
-    src = torch.ones(HOST_SAMPLE_BYTES // 4, dtype=torch.float32)
+    """Bytes written per second by a host-to-host copy of `host_copy_sample_bytes()` (fp32, median of `reps` after
+    a warm-up; cached per process): the rate of the runtime's copies around a host step (`host_steps.py`)."""
+    size = host_copy_sample_bytes()
+    src = torch.ones(size // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return HOST_SAMPLE_BYTES / _median_s(lambda: dst.copy_(src), reps)
+    return size / _median_s(lambda: dst.copy_(src), reps)
 
 
 def host_step_overhead(rate: float | None = None, reps: int = HOST_SMALL_REPS) -> float:

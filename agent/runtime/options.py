@@ -10,7 +10,7 @@ import torch
 from client.contract import Precision
 
 if TYPE_CHECKING:
-    from client.contract import Workload
+    from client.contract import Trace, Workload
 
 
 @dataclass(frozen=True)
@@ -97,4 +97,12 @@ def job_workload(
             "undo_backup_bytes_per_param": backup,
             "clips_gradients": clips_gradients,
         }
+    )
+
+
+def job_trace(trace: Trace, options: RuntimeOptions | None = None, *, clips_gradients: bool = False) -> Trace:
+    """`trace` with its workload as the runtime will run it (`job_workload`): what `agent.wrap` plans for, and
+    what a benchmark that solves a profiled trace itself must plan for to predict what the runtime does."""
+    return trace.model_copy(
+        update={"workload": job_workload(trace.workload, options, clips_gradients=clips_gradients)}
     )
