@@ -23,7 +23,12 @@ case "$MAJOR" in
   *) echo "check_cuda_build: CUDA major $MAJOR is not supported (12 or 13)" >&2; exit 2 ;;
 esac
 CACHE="${MEMPLAN_CUDA_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/memplan/cuda-wheels}/cu$MAJOR"
-if [[ ! -f "$CACHE/.complete" ]]; then
+# A runtime already installed (a CUDA build of torch brings its wheels; a toolkit at CUDA_HOME or /usr/local/cuda)
+# needs no download: GPU machines are often offline.
+if PYTHONPATH="$PWD" "$PY" -c 'import sys; from agent.allocator.build import find_cuda_runtime; find_cuda_runtime(int(sys.argv[1]))' "$MAJOR" 2>/dev/null; then
+  echo "check_cuda_build: using the CUDA $MAJOR runtime already installed"
+  CACHE=""
+elif [[ ! -f "$CACHE/.complete" ]]; then
   echo "check_cuda_build: installing ${WHEELS[*]} into $CACHE"
   rm -rf "$CACHE" && mkdir -p "$CACHE"
   "$PY" -m pip install --quiet --no-deps --target "$CACHE" "${WHEELS[@]}"

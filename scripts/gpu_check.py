@@ -3,8 +3,10 @@
 Steps (each a subprocess; a failing step is recorded and the next one still runs):
 1. environment: nvidia-smi, torch and CUDA versions, the GPU torch sees;
 2. `scripts/check_cuda_build.sh`: the planned allocator's CUDA backend compiles with -Werror;
-3. the CUDA-relevant tests: tests/agent/allocator, tests/agent/runtime (with its cuda_semantics and activations) (on a
-   GPU machine the CUDA-only tests run instead of skipping);
+3. the CUDA-relevant tests: tests/agent/gpu (Hugging Face models trained through `agent.wrap` on the GPU against
+   plain PyTorch on the same GPU, and the planned CUDA allocator; each prints a `GPU-FIGURE` line),
+   tests/agent/allocator, tests/agent/runtime (with its cuda_semantics and activations) (on a GPU machine the
+   CUDA-only tests run instead of skipping);
 4. `benchmarks/predict_vs_measure.py --device cuda:N` (plan predictions against measurements);
 5. `benchmarks/train_throughput.py --device cuda:N` (memplan against FSDP2 CPU offload and ProTrain,
    a ~1B llama at seq 1024 in bf16 by default; `--quick` for a small model);
@@ -17,7 +19,7 @@ and the tail of its output, plus the benchmarks' result files copied next to it.
     scripts/gpu_check.sh [--out DIR] [--device cuda:0] [--quick] [--dry-run]
 
 `--dry-run` prints the steps and writes nothing (it runs anywhere; the real run needs a GPU).
-Written in a session with no GPU: the steps and the report were run on CPU only (tests/benchmarks).
+First run on a GPU in session 17 (one H200, docs/BENCHMARKS.md "GPU, session 17"), step by step.
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ def steps(device: str, quick: bool, python: str) -> list[Step]:
                 "-q",
                 "-p",
                 "no:cacheprovider",
+                "tests/agent/gpu",
                 "tests/agent/allocator",
                 "tests/agent/runtime",
                 "-rs",
+                "-s",
             ],
             timeout_s=3600,
         ),
