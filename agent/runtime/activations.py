@@ -291,6 +291,8 @@ class ActivationManager:
 
     def _root_forward_ended(self, module: nn.Module, args: Any, output: Any) -> None:
         self._in_root_forward = False
+        if self.store is not None:
+            self.store.settle_through(None)  # the last swapped block's storages (`SwapStore.settle_through`)
 
     def _is_model_state(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._state_now
@@ -298,6 +300,10 @@ class ActivationManager:
     # ------------------------------------------------------------------------- prefetch
     def _trigger_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.store is not None:
+                # block `index` ran its forward: the blocks before it let their swapped storages go (in a
+                # recomputation inside backward nothing is left to let go)
+                self.store.settle_through(index - 1)
             if not torch.is_grad_enabled():
                 return
             for t in _tensors(output):

@@ -8,7 +8,8 @@ How it works (one `SwapStore` per wrapped model, shared by every block in `swap`
   whole storage is copied once into a host buffer (pinned on CUDA) on a copy-out stream, after an event
   that marks the compute that produced it; the entry holds the device storage until that copy is done
   (`record_stream` would do for the caching allocator, but does nothing under the planned one), and drops it
-  after the compute stream waited for the copy's event. The packed value is the storage's entry plus the view geometry
+  after the compute stream waited for the copy's event: at a later pack once the copy is done, and at the latest
+  at the end of the next block's forward (`settle_through`; the end of the root forward for the last block). The packed value is the storage's entry plus the view geometry
   (dtype, size, stride, offset), so views of one storage (q/k/v split from one projection) share a copy.
   Once its copy is done the device storage is held by nothing of ours: it is freed when the forward stops
   using it.
@@ -201,14 +202,26 @@ class SwapStore:
         entry.packed += 1
         return SwappedView(entry, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
-    def _settle_sources(self, *, wait: bool = False) -> None:
-        """Drop the swapped storages whose copy-out is done (all of them with `wait`). The compute stream first
-        waits for the copy's event, so whatever the allocator hands out after the free (on the compute stream)
-        is ordered after the copy; for a finished copy that wait costs nothing."""
+    def settle_through(self, block: int | None) -> None:
+        """Drop the swapped storages of blocks up to `block` (every block: None), copied out or not, and any whose
+        copy-out is done. Called at the end of each block's forward for the blocks before it and at the end of
+        the root forward for all (`activations.py`): a swapped block's storages live through the next block's
+        forward at most, as the planner counts them on a device whose copies overlap compute. Before (session
+        17, an H200), they were let go only at the next swap block's first pack or in backward's first
+        prefetch, so the last swapped block's activations stayed on the device through the end of forward and
+        the start of backward: peaks 4-15% over the plan's with a swapped block."""
+        self._settle_sources(through=block, wait=block is None)
+
+    def _settle_sources(self, *, wait: bool = False, through: int | None = None) -> None:
+        """Drop the swapped storages whose copy-out is done (all of them with `wait`, and those of blocks up to
+        `through`). The compute stream first waits for the copy's event, so whatever the allocator hands out
+        after the free (on the compute stream) is ordered after the copy; for a finished copy that wait costs
+        nothing."""
         still: list[SwapEntry] = []
         for entry in self._copying:
             done = entry.out_done
-            if done is not None and not wait and not done.query():
+            due = wait or (through is not None and entry.block <= through)
+            if done is not None and not due and not done.query():
                 still.append(entry)
                 continue
             if done is not None:

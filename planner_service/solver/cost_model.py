@@ -64,6 +64,8 @@ Peak device memory (walk of the blocks, as ProTrain's "memory-aware" estimate):
   static = persistent chunks' model states (at their used bytes) + n_buffers device buffers (full size)
   retained(b) = activation bytes (keep), input bytes (checkpoint), 0 (swap, copied out)
   forward of b:  static + sum_{b'<b} retained(b') + (act(b) | input(b) if checkpoint) + fwd transient peak(b)
+                 + act(b-1) if b-1 is swapped and copies overlap compute (its copy-out may still read it: the
+                 runtime lets a swapped block's storages go at the end of the next block's forward)
   backward of b: static + sum_{b'<b} retained(b') + act(b) [+ input(b) if checkpoint: one block's
                  recomputed activations] + bwd transient peak(b) + act(b-1) if b-1 is swapped (prefetched)
                  (the transient includes tied gradients held meanwhile: `held_gradients.py`)
@@ -413,7 +415,9 @@ def activation_steps(inst: PolicyInstance, modes: tuple[Mode, ...]) -> tuple[lis
             bwd_own = act[b] + inst.bwd_peak_bytes[b]
             retained = act[b] if mode == Mode.keep else 0
         if b > 0 and modes[b - 1] == Mode.swap:
-            bwd_own += act[b - 1]
+            bwd_own += act[b - 1]  # prefetched back for the previous block's backward
+            if inst.copy_overlap:  # still read by its copy-out (the runtime lets it go after this block)
+                fwd_own += act[b - 1]
         fwd.append(prefix + fwd_own)
         bwd.append(prefix + bwd_own)
         prefix += retained

@@ -644,6 +644,8 @@ def _activation_walk(pm: PolicyModel) -> list[LinearExpr]:
         bwd_own = act[b] + inst.bwd_peak_bytes[b] + inp[b] * pm.ckpt[b]
         if b > 0:
             bwd_own = bwd_own + act[b - 1] * pm.swap[b - 1]
+            if inst.copy_overlap:  # the previous swapped block's storages live through this forward
+                fwd_own = fwd_own + act[b - 1] * pm.swap[b - 1]
         steps.append(prefix + fwd_own)
         steps.append(prefix + bwd_own)
         retained = act[b] * pm.keep[b] + inp[b] * pm.ckpt[b]

@@ -61,7 +61,9 @@ from planner_service.solver.instance import (
 #      there and the upload again for backward of the chunk it displaces (`late_uses.py`); predictions say the
 #      uploads per iteration (`uploads_per_iteration`)
 # 1.10: an offloaded chunk with an fp32 master (a bf16 model) steps the master's bytes, 4 per element, not its
-#      compute bytes (`bandwidth.host_stepped_bytes`; session 17, the first GPU run)
+#      compute bytes (`bandwidth.host_stepped_bytes`; session 17, the first GPU run); where copies overlap compute,
+#      a swapped block's activations count through the next block's forward too (its copy-out still reads them;
+#      the runtime lets them go at that block's end: `SwapStore.settle_through`)
 SOLVER_VERSION = "policy-1.10"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 

@@ -86,6 +86,8 @@ def _activation_tables(inst: PolicyInstance, combos: list[tuple[int, int]]) -> t
     fwd_own = np.where(ck, inp, act) + ftp
     bwd_own = act + btp + np.where(ck, inp, 0)
     bwd_own[:, 1:] += np.where(sw[:, :-1], act[:-1], 0)
+    if inst.copy_overlap:  # a swapped block's storages live through the next block's forward (cost_model)
+        fwd_own[:, 1:] += np.where(sw[:, :-1], act[:-1], 0)
     peak = np.maximum(prefix + fwd_own, prefix + bwd_own).max(axis=1)
     swapped = np.where(sw, act, 0).sum(axis=1)
     rec = np.where(ck, np.array(inst.rec_ns, dtype=np.int64), 0).sum(axis=1)

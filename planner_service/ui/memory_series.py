@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from client.contract import ActivationMode, AllocationTrace, Plan, Trace
+from client.contract import ActivationMode, AllocationTrace, DeviceType, Plan, Trace
 from client.contract.trace import PHASES
 from planner_service.ui.chart import Band, Bar, Marker, MemoryChart, Point, Segment
 
@@ -225,6 +225,9 @@ def block_chart(plan: Plan, trace: Trace, markers: list[Marker]) -> MemoryChart:
     modes = [b.mode for b in plan.policy.blocks]
     if len(modes) != len(meas):
         raise ValueError(f"policy.blocks: {len(modes)} entries, the trace has {len(meas)} blocks")
+    overlap = (
+        trace.hardware.device_type == DeviceType.cuda
+    )  # as planner_service.solver.instance.copy_overlap_for
     prefix = 0
     rows: list[tuple[int, int]] = []  # (retained before b, own working set of b)
     for b, mode in enumerate(modes):
@@ -239,6 +242,8 @@ def block_chart(plan: Plan, trace: Trace, markers: list[Marker]) -> MemoryChart:
             retained = m.activation_bytes if mode == ActivationMode.keep else 0
         if b > 0 and modes[b - 1] == ActivationMode.swap:  # the previous block's activations come back first
             bwd_own += meas[b - 1].activation_bytes
+            if overlap:  # and, where copies overlap compute, are still copied out during this block's forward
+                fwd_own += meas[b - 1].activation_bytes
         own = max(fwd_own, bwd_own)
         rows.append((prefix, own))
         prefix += retained

@@ -416,3 +416,16 @@ def test_batch_timing_equals_the_reference_model_with_measured_runtime_costs():
         inst = build_instance(trace, pack(trace, size), ROOMY, NO_MARGIN)
         assert not inst.copy_overlap
         assert_batch_matches_reference(rng, inst, draws=20)
+
+
+def test_a_swapped_blocks_activations_count_through_the_next_forward_where_copies_overlap():
+    """Session 17 (one H200): the copy-out of a swapped block still reads its storages while the next block runs
+    forward (the runtime lets them go at that block's end: `SwapStore.settle_through`). The walk counts them there
+    on a device whose copies overlap compute; on a CPU the copy is synchronous and they are gone at once."""
+    args = (32 * MiB, [[0, 1, 2, 3, 4]], Placement.persistent, 0, [K, K, S, K, K])
+    p_gpu, p_cpu = gpu_and_cpu_costs(args, fwd=0.001, bwd=0.002, rec=0.001)
+    gpu = [p.device_bytes for p in p_gpu.device_memory_timeline]
+    cpu = [p.device_bytes for p in p_cpu.device_memory_timeline]
+    fwd3 = 3  # forward points come first, one per block in order
+    assert gpu[fwd3] - cpu[fwd3] == 16 * MiB  # block 2's activations, still being copied out
+    assert [g for i, g in enumerate(gpu) if i != fwd3] == [c for i, c in enumerate(cpu) if i != fwd3]
