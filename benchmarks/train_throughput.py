@@ -237,8 +237,20 @@ def _sharded_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[],
     return state
 
 
-def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, plan: Any) -> dict[str, Any]:
+def memplan_options(device: torch.device | str | None, bf16_states: bool) -> Any:
+    """The runtime options of memplan's rows: the defaults (an fp32 master and fp32 moments for a bf16 model, the
+    undo backup of speculative host steps), or with `bf16_states` the FSDP2 rows' optimizer arithmetic (no
+    master: bf16 parameters and moments stepped on the host; no undo backup: this loop does not clip)."""
     from agent.runtime import RuntimeOptions
+
+    if bf16_states:
+        return RuntimeOptions(device=device, fp32_master=False, undo_host_steps=False)
+    return RuntimeOptions(device=device)
+
+
+def run_plan(
+    model: nn.Module, batch: Any, steps: int, device: torch.device, plan: Any, *, bf16_states: bool = False
+) -> dict[str, Any]:
     from agent.wrapping import unwrap, wrap
 
     if plan.policy is None:
@@ -249,7 +261,7 @@ def run_plan(model: nn.Module, batch: Any, steps: int, device: torch.device, pla
         torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
         plan=plan,
         feedback_steps=steps + 3,
-        options=RuntimeOptions(device=device),
+        options=memplan_options(device, bf16_states),
     )
     try:
         times = []
@@ -330,7 +342,14 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         elif strategy in ("fsdp2_offload", "fsdp2_offload_ckpt"):
             row = run_fsdp2_offload(model, batch, steps, device, ckpt_all=strategy == "fsdp2_offload_ckpt")
         else:
-            row = run_plan(model, batch, steps, device, _load_plan(spec["plan_file"]))
+            row = run_plan(
+                model,
+                batch,
+                steps,
+                device,
+                _load_plan(spec["plan_file"]),
+                bf16_states=spec.get("bf16_states", False),
+            )
     except torch.OutOfMemoryError as exc:
         return {"skipped": f"out of memory under the limit: {exc}"[:240], "out_of_memory": True}
     if device.type == "cuda" and "iteration_s" in row:
@@ -580,7 +599,6 @@ def compare_distributed(
 
 
 def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from agent.runtime import RuntimeOptions
     from agent.runtime.options import job_trace
     from client.contract import Constraints, Trace
     from planner_service.solver import solve
@@ -595,6 +613,7 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
         "device": str(device),
         "dtype": args.dtype,
         "threads": args.threads,
+        "bf16_states": args.bf16_states,
     }
     tokens = args.batch * args.seq
     rows: dict[str, dict[str, Any]] = {}
@@ -612,7 +631,7 @@ def compare(kind: str, layers: int, args: argparse.Namespace, device: torch.devi
                 rows[solver] = {"skipped": f"no trace: {prof.get('skipped', 'the profile failed')}"}
                 continue
             # planned for the job the runtime runs (fp32 master, undo backups), as `agent.wrap` plans
-            job = job_trace(trace, RuntimeOptions())
+            job = job_trace(trace, memplan_options(None, args.bf16_states))
             plan = solve(job, Constraints(device_memory_bytes=limit, time_limit_s=10.0), solver=solver)
             if plan.policy is None:
                 rows[solver] = {
@@ -714,6 +733,13 @@ def main() -> None:
         help="ranks (N > 1: ddp, fsdp2_offload and memplan on N spawned ranks, the same global --batch "
         "split evenly; gloo on the CPU, NCCL with rank r on cuda:r)",
     )
+    ap.add_argument(
+        "--bf16-states",
+        action="store_true",
+        help="memplan's rows (one process) step as the FSDP2 rows do: no fp32 master, bf16 moments, no undo backup "
+        "(RuntimeOptions(fp32_master=False, undo_host_steps=False)); default: memplan's defaults (an fp32 master and "
+        "fp32 moments for a bf16 model, more accurate and more host work)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -733,6 +759,20 @@ def main() -> None:
         args.threads = 1 if device.type == "cpu" else 0
     if device.type == "cuda" and args.dtype == "fp32":
         print("note: fp32 on CUDA; TF32 matmuls are on in every strategy's process (--dtype bf16 for bf16)")
+    if args.bf16_states and args.world_size > 1:
+        ap.error(
+            "--bf16-states: single-process comparisons only (the multi-rank rows use memplan's defaults)"
+        )
+    if args.dtype != "fp32":
+        print(
+            "note: memplan's rows "
+            + (
+                "step bf16 parameters and moments on the host, as FSDP2's do (--bf16-states)"
+                if args.bf16_states
+                else "keep an fp32 master and fp32 moments (FSDP2's rows step bf16 ones: --bf16-states compares "
+                "the same arithmetic)"
+            )
+        )
     run = Run("train_throughput", args)
     depths = args.sweep or [args.layers]
     results = []

@@ -115,3 +115,20 @@ def test_gpu_check_lists_its_steps_and_writes_a_report_of_what_ran(
     steps = json.loads(js.read_text())["steps"]
     assert [(s["name"], s["returncode"]) for s in steps] == [("ok", 0), ("fails", 3), ("absent", None)]
     assert "fine" in steps[0]["output_tail"] and "| fails | 3 |" in md.read_text()
+
+
+def test_memplan_rows_plan_and_run_the_same_optimizer_arithmetic(tt: ModuleType) -> None:
+    """Session 17 (one H200): memplan's rows were solved for the plain profiled workload while the runtime ran an
+    fp32 master with undo backups, and FSDP2's rows step bf16 moments. The plan is now solved for the options the
+    rows run (`job_trace`), and `--bf16-states` gives memplan FSDP2's arithmetic."""
+    from agent.runtime.options import job_workload
+    from planner_service.solver.testing.synthetic import synthetic_trace
+
+    default, same = tt.memplan_options(None, False), tt.memplan_options(None, True)
+    assert default.fp32_master and default.undo_host_steps
+    assert not same.fp32_master and not same.undo_host_steps
+    workload = synthetic_trace(n_blocks=2).workload  # bf16
+    assert job_workload(workload, default).master_bytes_per_param == 4
+    assert job_workload(workload, default).undo_backup_bytes_per_param > 0
+    assert job_workload(workload, same).master_bytes_per_param == 0
+    assert job_workload(workload, same).undo_backup_bytes_per_param == 0
