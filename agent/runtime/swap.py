@@ -9,8 +9,10 @@ How it works (one `SwapStore` per wrapped model, shared by every block in `swap`
   that marks the compute that produced it; the entry holds the device storage until that copy is done
   (`record_stream` would do for the caching allocator, but does nothing under the planned one), and drops it
   after the compute stream waited for the copy's event: at a later pack once the copy is done, and at the latest
-  at the end of the next block's forward (`settle_through`; the end of the root forward for the last block). The packed value is the storage's entry plus the view geometry
-  (dtype, size, stride, offset), so views of one storage (q/k/v split from one projection) share a copy.
+  at the end of the next block's forward (`settle_through`; the end of the root forward for the last block; a
+  copy-out slower than that forward then holds the compute stream until it ends). The packed value is the
+  storage's entry plus the view geometry (dtype, size, stride, offset), so views of one storage (q/k/v split
+  from one projection) share a copy.
   Once its copy is done the device storage is held by nothing of ours: it is freed when the forward stops
   using it.
 - backward: `prefetch(block)` starts the copy back of a whole block on a copy-in stream: device memory
