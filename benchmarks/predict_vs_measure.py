@@ -142,12 +142,10 @@ def run_row(
     from planner_service.solver import solve
 
     limit = int(trace.measurements.peak_device_bytes * fraction)
+    options = RuntimeOptions(device=device)  # one set of options: the job planned is the job run
     t0 = time.perf_counter()
     # planned for the job the runtime runs (fp32 master, undo backups), as `agent.wrap` plans
-    plan = solve(
-        job_trace(trace, RuntimeOptions(device=device)),
-        Constraints(device_memory_bytes=limit, time_limit_s=10.0),
-    )
+    plan = solve(job_trace(trace, options), Constraints(device_memory_bytes=limit, time_limit_s=10.0))
     solve_s = time.perf_counter() - t0
     row: dict[str, Any] = {
         "fraction": fraction,
@@ -166,7 +164,7 @@ def run_row(
         torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
         plan=plan,
         feedback_steps=steps,
-        options=RuntimeOptions(device=device),
+        options=options,
     )
     try:
         measured_phases = train_steps(run, batch, steps, breakdown)

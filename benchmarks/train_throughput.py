@@ -77,12 +77,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from _ranks import launch, peak_rss_bytes, reset_peak_rss, rss_bytes
 from _results import Run, save
 from torch import nn
+
+if TYPE_CHECKING:
+    from agent.runtime import RuntimeOptions
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_throughput.json"
 STRATEGIES = ("plain", "ckpt_all", "fsdp2_offload", "fsdp2_offload_ckpt", "protrain", "cpsat")
@@ -237,7 +240,7 @@ def _sharded_state(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[],
     return state
 
 
-def memplan_options(device: torch.device | str | None, bf16_states: bool) -> Any:
+def memplan_options(device: torch.device | str | None, bf16_states: bool) -> RuntimeOptions:
     """The runtime options of memplan's rows: the defaults (an fp32 master and fp32 moments for a bf16 model, the
     undo backup of speculative host steps), or with `bf16_states` the FSDP2 rows' optimizer arithmetic (no
     master: bf16 parameters and moments stepped on the host; no undo backup: this loop does not clip)."""

@@ -225,9 +225,9 @@ def block_chart(plan: Plan, trace: Trace, markers: list[Marker]) -> MemoryChart:
     modes = [b.mode for b in plan.policy.blocks]
     if len(modes) != len(meas):
         raise ValueError(f"policy.blocks: {len(modes)} entries, the trace has {len(meas)} blocks")
-    overlap = (
-        trace.hardware.device_type == DeviceType.cuda
-    )  # as planner_service.solver.instance.copy_overlap_for
+    # copies overlap compute on CUDA: `planner_service.solver.instance.copy_overlap_for` (not imported here: the
+    # solver package loads OR-Tools)
+    overlap = trace.hardware.device_type == DeviceType.cuda
     prefix = 0
     rows: list[tuple[int, int]] = []  # (retained before b, own working set of b)
     for b, mode in enumerate(modes):

@@ -118,7 +118,6 @@ def test_a_swapped_blocks_storages_go_by_the_end_of_the_next_blocks_forward(kind
     ordered after its copy."""
     model, _ = build(kind, layers=len(strip), hidden=64, vocab=VOCAB, seq=32, seed=0)
     container = "transformer.h" if kind == "gpt2" else "model.layers"
-    blocks = model.get_submodule(container)
     with simulated_cuda("caching") as sim:
         mgr = apply_activation_policy(model, policy_for(model, container, strip), torch.device("cpu"))
         store = mgr.store
@@ -143,7 +142,7 @@ def test_a_swapped_blocks_storages_go_by_the_end_of_the_next_blocks_forward(kind
         loss.backward()
         for h in handles:
             h.remove()
-        assert store.counters.swapped_out_bytes > 0 and blocks is not None
+        assert store.counters.swapped_out_bytes > 0
         mgr.remove()
         gc.collect()
     sim.check()
