@@ -28,6 +28,7 @@ CI_ALLOWED_SKIPS: dict[str, str] = {
     "tests/agent/allocator/test_build.py::test_the_cuda_backend_compiles": "CUDA-only: needs the CUDA runtime headers and libcudart",
     "tests/agent/allocator/test_switching.py::test_installing_without_cuda_fails_with_a_clear_error": "CPU-only: on a GPU machine it would really swap this process's CUDA allocator",
     "tests/agent/gpu/test_cuda_training.py": "CUDA-only: trains on a real GPU (scripts/gpu_check.sh runs it there)",
+    "tests/agent/gpu/test_cuda_ranks.py": "CUDA-only: two ranks train on a real GPU (scripts/gpu_check.sh runs it there)",
 }
 
 

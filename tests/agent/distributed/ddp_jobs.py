@@ -58,6 +58,9 @@ class Case:
     job: str = "ddp"  # "ddp": compare_with_ddp; "unused": unused_in_the_last_micro_step
     # batches of 12 and 16 tokens by turns, rank 0 starting with the shorter (its sample)
     ragged: bool = False
+    # "cuda:0": every rank trains on that one GPU, the group on gloo (collectives through host copies): the
+    # multi-rank runtime's device paths on a machine with one GPU (tests/agent/gpu); spawned, not forked
+    device: str = "cpu"
 
 
 def free_port() -> int:
@@ -92,7 +95,7 @@ def spawn(case: Case, world: int, out: Path) -> list[dict[str, Any]]:
         args=(world, free_port(), asdict(case), str(out)),
         nprocs=world,
         join=True,
-        start_method="fork",
+        start_method="spawn" if case.device.startswith("cuda") else "fork",  # no fork after CUDA starts
     )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -101,6 +104,8 @@ def _entry(rank: int, world: int, port: int, case: dict[str, Any], out: str) -> 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    if case["device"].startswith("cuda"):
+        torch.cuda.set_device(torch.device(case["device"]))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         c = Case(**case)
@@ -177,8 +182,8 @@ def rel_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
     worst, name = 0.0, ""
     bs = dict(b.named_parameters())
     for n, p in a.named_parameters():
-        q = bs[n].detach().float()
-        d = ((p.detach().float() - q).norm() / q.norm().clamp_min(1e-12)).item()
+        q = bs[n].detach().float().cpu()  # an offloaded parameter lives on the host between uses
+        d = ((p.detach().float().cpu() - q).norm() / q.norm().clamp_min(1e-12)).item()
         if d > worst:
             worst, name = d, n
     return worst, name
@@ -190,11 +195,13 @@ def checksum(model: nn.Module) -> float:
 
 def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     torch.manual_seed(0)
+    device = torch.device(case.device)
     model = build_model(case.kind, case.hidden)
     if rank:  # ranks start apart: both variants must take rank 0's model (DDP broadcasts it at construction)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * rank)
+    model.to(device)  # the user's model is on its device before wrap
     ref_model = copy.deepcopy(model)
     ref_opt = adamw(ref_model)
     opt = adamw(model)
@@ -215,7 +222,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
     offload: Any = (
         "all" if case.offload == "all" else (lambda i, n: Placement(("persistent", "offloaded")[i % 2]))
     )
-    data = batches(case.steps, rank)
+    data = [x.to(device) for x in batches(case.steps, rank)]
     if case.ragged:  # a padding collator's batches: each rank's first batch is its sample, and they differ
         data = [x[:, : SEQ - 4 * ((rank + i + 1) % 2)] for i, x in enumerate(data)]
     forwards = [0]  # forwards of this rank's model inside wrap: the profiler's (a plan from history: none)
