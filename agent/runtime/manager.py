@@ -569,7 +569,11 @@ class ModelStateManager:
             return
         self.host_steps.accumulation = max(1, self.host_steps.backwards)
         self.host_steps.backwards = 0
-        for st in self.states:
+        # in the order the host worker steps them (gradients arrive C-1..0): the check of a chunk stepped during
+        # backward runs while the worker still steps the chunks before it, and only the last one waits for the
+        # worker's last step (in index order, every check waited for chunk 0's step, the FIFO's last, and then ran
+        # one after another: 11-15 ms of step() on an H200 for 6 offloaded 49 MiB chunks)
+        for st in reversed(self.states):
             if not st.offloaded:
                 continue
             st.wait_host()

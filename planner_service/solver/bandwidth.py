@@ -107,6 +107,17 @@ def host_copy_ns(optimizer: HostStepRate, copied_bytes: int) -> int:
     return round(copied_bytes / optimizer.host_copy_bytes_per_s * 1e9)
 
 
+def host_validate_bytes(elements: int, elt: int, *, separate_master: bool) -> int:
+    """Copy-equivalent bytes of `optimizer.step()`'s check of one offloaded chunk's exposed `.grad` (`elements`
+    of compute element bytes `elt`: a chunk, or a rank's shard of one) against the host gradient its speculative
+    step used (`GradientFlow.reconcile`: `torch.equal` reads both, about one copy of `elt` bytes per element),
+    plus, where the host gradient has the fp32 master's dtype and the compute dtype is narrower (a separate
+    master), its conversion to the compute dtype first (reads 4 bytes, writes `elt`: about (4 + elt) / 2
+    copied). Charged at the host copy rate (`host_copy_ns`) on the training thread, after backward."""
+    per_element = 2 * elt + ((4 + elt) if separate_master else 0)
+    return elements * per_element // 2
+
+
 def host_step_copy_bytes(
     elements: int,
     stepped: int,

@@ -46,6 +46,13 @@ Optimizer:
     T_host_end = max over c of (done(c) + o[c] * grad_offload(c) + sum_{c' <= c} o[c'] * host_step(c'))
   (measured from the start of backward).
   T_iter = T_fwd + max(T_bwd + T_dev_opt, T_host_end)    (ProTrain: max(T_bwd + T_gpu_optim, T_cpu_optim))
+  Validation: at optimizer.step() the training thread checks each offloaded chunk's exposed `.grad` against the
+  gradient its speculative host step used (`val(c)`, `instance.validate_ns`), chunk by chunk in the order their
+  host steps finish (C-1..0), each after its step: the checks of chunks stepped during backward follow it, the
+  last one follows the worker's last step (chunk 0's, the FIFO's last):
+    T_after = max(T_bwd + T_dev_opt + sum o[c] * val(c), T_host_end + val(first offloaded chunk))
+  replaces max(T_bwd + T_dev_opt, T_host_end) above (val = 0 on a serial device: its measured offload overhead
+  holds the check).
 
 Without copy/compute overlap (`CostParams.copy_overlap` False; the default for a CPU "device", whose
 "host" is the same memory and cores and whose streams are no-ops), every max() above becomes a sum:
@@ -186,6 +193,8 @@ class Cost:
     host_redo_ns: (
         int  # at optimizer.step(), after backward: steps redone (clipping), then all-gathers or the barrier
     )
+    host_validate_ns: int  # optimizer.step()'s checks of the exposed `.grad` (module docstring, "Validation")
+    settled_ns: int  # when step()'s settling ends, from the start of backward (before redo and collectives)
     forward_compute_ns: int
     backward_compute_ns: int
     recompute_ns: int
@@ -275,6 +284,9 @@ class ChunkTerms:
     # (forward and backward), and the bytes of its whole copy while gathered (0 for every other chunk)
     device_gather: tuple[int, ...] = ()
     gathered_bytes: tuple[int, ...] = ()
+    validate: tuple[
+        int, ...
+    ] = ()  # optimizer.step()'s check of the exposed `.grad` (the rank's shard), else 0
 
 
 def device_gather_exposed_ns(inst: PolicyInstance, c: int) -> int:
@@ -309,6 +321,20 @@ def control_checks_ns(
     return at_phase_end * inst.phase_control_ns + (2 * n_dsh + at_backward_start) * inst.control_ns
 
 
+def _of(xs: tuple[int, ...], c: int) -> int:
+    """Chunk c's entry of an optional per-chunk tuple (empty: 0)."""
+    return xs[c] if xs else 0
+
+
+def after_backward_ns(bwd_dev_opt: Any, host_end: Any, validate: tuple[int, ...]) -> Any:
+    """When optimizer.step()'s settling ends (from the start of backward; ints or per-row arrays): the training
+    thread's checks of the offloaded chunks' exposed `.grad` (`validate`, per chunk, 0 where not offloaded) after
+    backward and the device steps, the last one after the host worker's last step (the first offloaded chunk's:
+    the FIFO steps C-1..0) (module docstring, "Validation")."""
+    last = next((v for v in validate if v), 0)
+    return np.maximum(bwd_dev_opt + sum(validate), host_end + last)
+
+
 def gathered_peak_bytes(k: ChunkTerms) -> int:
     """Device bytes of whole copies of device-sharded chunks held at once: the one in use and the next one,
     prefetched (twice the largest; a chunk holding a tied parameter used at both ends stays gathered through
@@ -335,6 +361,7 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             device_bytes=device_bytes,
             host_bytes=tuple(inst.host_bytes(c) if o[c] else 0 for c in range(C)),
             pinned_bytes=tuple(inst.pinned_bytes(c) if o[c] else 0 for c in range(C)),
+            validate=tuple(_of(inst.validate_ns, c) if o[c] else 0 for c in range(C)),
         )
     dsh = d.sharded_chunks(inst)
     sh = tuple(dsh[c] and o[c] for c in range(C))  # offloaded and sharded (ZeRO-2 on the host)
@@ -361,6 +388,10 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             (inst.shard_host_optim_ns[c] if sh[c] else inst.host_optim_ns[c]) if o[c] else 0 for c in range(C)
         ),
         host_gather=tuple(inst.gather_ns[c] if sh[c] else 0 for c in range(C)),
+        validate=tuple(
+            (_of(inst.shard_validate_ns, c) if sh[c] else _of(inst.validate_ns, c)) if o[c] else 0
+            for c in range(C)
+        ),
         grad_fill=tuple(inst.grad_fill_ns[c] if sh[c] else 0 for c in range(C)),
         device_bytes=device_bytes,
         host_bytes=tuple(
@@ -558,7 +589,8 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
         # backward and the device optimizer, on the same cores
         host_end = bwd + dev_opt + (G[0] if C else 0) + sum(work)
-    iteration = fwd + max(bwd + dev_opt, host_end) + redo + sum(k.device_gather) + k.control
+    settled = int(after_backward_ns(bwd + dev_opt, host_end, k.validate))
+    iteration = fwd + settled + redo + sum(k.device_gather) + k.control
 
     static = sum(k.device_bytes) + nb * inst.buffer_bytes + gathered_peak_bytes(k)
     act_peak = activation_peak(inst, d.modes)
@@ -578,6 +610,8 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         host_optim_ns=host_total,
         host_end_ns=host_end,
         host_redo_ns=redo,
+        host_validate_ns=sum(k.validate),
+        settled_ns=settled,
         forward_compute_ns=sum(F),
         backward_compute_ns=sum(Bk) - rec_total,
         recompute_ns=rec_total,
@@ -618,6 +652,12 @@ def predictions_of(inst: PolicyInstance, decision: Decision, cost: Cost) -> Pred
             "host_optimizer_end_s": s(cost.host_end_ns),
             "host_optimizer_exposed_s": s(max(0, cost.host_end_ns - cost.backward_ns - cost.device_optim_ns)),
             "host_optimizer_redo_s": s(cost.host_redo_ns),
+            "host_validate_s": s(cost.host_validate_ns),
+            # what the checks add after backward, the device steps and the host steps (step()'s own time beside
+            # the device steps and the redo)
+            "host_validate_exposed_s": s(
+                cost.settled_ns - max(cost.backward_ns + cost.device_optim_ns, cost.host_end_ns)
+            ),
             "static_device_bytes": float(cost.static_device_bytes),
             "activation_peak_bytes": float(cost.activation_peak_bytes),
             "peak_device_with_margin_bytes": float(cost.peak_device_bytes * (1.0 + inst.params.alpha)),
@@ -717,6 +757,7 @@ class BatchTimer:
         pad = lambda xs: np.concatenate([i64(xs), np.zeros(1, dtype=np.int64)])  # noqa: E731
         self.U, self.G = pad(inst.upload_ns), pad(inst.grad_offload_ns)  # index C reads 0
         self.H, self.D = i64(inst.host_optim_ns), i64(inst.device_optim_ns)
+        self.V = inst.validate_ns or (0,) * C
         self.dx = inst.duplex  # concurrent copy times where a window copies both ways
         if self.dx:
             self.sox, self.six = i64(inst.swap_out_duplex_ns), i64(inst.swap_in_duplex_ns)
@@ -825,8 +866,11 @@ class BatchTimer:
         host_total = int((self.H * o[:C]).sum()) if C else 0
         if not overlap:
             host_end = bwd + dev_opt + (int(self.G[0] * o[0]) if C else 0) + host_total
+        validate = tuple(int(v) * int(x) for v, x in zip(self.V, o[:C], strict=True))
         iteration: np.ndarray = (
-            fwd + np.maximum(bwd + dev_opt, host_end) + (host_total if self.inst.redo_host_steps else 0)
+            fwd
+            + after_backward_ns(bwd + dev_opt, host_end, validate)
+            + (host_total if self.inst.redo_host_steps else 0)
         )
         return iteration
 
@@ -900,7 +944,11 @@ class BatchTimer:
         if not overlap:
             host_end = bwd + dev_opt + int(G[0]) + int(queue.sum())
         iteration: np.ndarray = (
-            fwd + np.maximum(bwd + dev_opt, host_end) + redo + sum(k.device_gather) + k.control
+            fwd
+            + after_backward_ns(bwd + dev_opt, host_end, k.validate)
+            + redo
+            + sum(k.device_gather)
+            + k.control
         )
         return iteration
 

@@ -416,10 +416,43 @@ def _add_time(pm: PolicyModel) -> None:
         m.add(host_end >= dones[c] + G[c] * pm.off[c] + queued)
 
     tail = m.new_int_var(0, upper, "after_forward")
-    m.add(tail >= bwd + dev_opt)
-    m.add(tail >= host_end)
+    V = inst.validate_ns or (0,) * C
+    _add_settled(pm, tail, bwd + dev_opt, host_end, [[(V[c], pm.off[c])] for c in range(C)])
     pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
     m.add(pm.iteration == fwd + tail + redo)
+
+
+def _add_settled(
+    pm: PolicyModel,
+    after: cp_model.IntVar,
+    bwd_dev_opt: LinearExpr,
+    host_end: cp_model.IntVar,
+    checks: list[Terms],
+) -> None:
+    """`cost_model.after_backward_ns` as rows: after >= backward + device steps + every offloaded chunk's check
+    of its exposed `.grad` (`checks[c]`: (ns, indicator) pairs, the chunk's check when offloaded that way), and
+    after >= host_end + the check of the first chunk (in index order) whose check counts (the host FIFO's last
+    step). first[c] >= on[c] - before[c], before[c+1] <= before[c] + on[c] (before[0] = 0): exact at the
+    optimum, which pushes `first` down and `before` up; per pair y >= first[c] + x - 1."""
+    m = pm.model
+    m.add(after >= bwd_dev_opt + sum(_total(t) for t in checks))
+    last: LinearExpr = 0
+    before: LinearExpr = 0
+    for c, terms in enumerate(checks):
+        terms = [(a, x) for a, x in terms if a > 0]
+        if not terms:
+            continue
+        on = sum(x for _, x in terms)  # the chunk is offloaded (one way of offloading at a time)
+        first = m.new_bool_var(f"first_checked[{c}]")
+        m.add(first >= on - before)
+        for a, x in terms:
+            y = m.new_bool_var(f"first_checked_as[{c},{a}]")
+            m.add(y >= first + x - 1)
+            last = last + a * y
+        nxt = m.new_bool_var(f"checked_before[{c + 1}]")
+        m.add(nxt <= before + on)
+        before = nxt
+    m.add(after >= host_end + last)
 
 
 def _add_window_sharded(
@@ -568,8 +601,8 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         arrive = (RS[c] + Gs[c]) * pm.osh[c] + (AR[c] + G[c]) * rep[c]
         m.add(host_end >= dones[c] + arrive + queued)
     after = m.new_int_var(0, upper, "after_forward")
-    m.add(after >= bwd + dev_opt)
-    m.add(after >= host_end)
+    V, VS = inst.validate_ns or (0,) * C, inst.shard_validate_ns or (0,) * C
+    _add_settled(pm, after, bwd + dev_opt, host_end, [[(VS[c], pm.osh[c]), (V[c], rep[c])] for c in range(C)])
     pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
     m.add(pm.iteration == fwd + after + redo + dgather)
 

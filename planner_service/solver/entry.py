@@ -64,7 +64,11 @@ from planner_service.solver.instance import (
 #      compute bytes (`bandwidth.host_stepped_bytes`; session 17, the first GPU run); where copies overlap compute,
 #      a swapped block's activations count through the next block's forward too (its copy-out still reads them;
 #      the runtime lets them go at that block's end: `SwapStore.settle_through`)
-SOLVER_VERSION = "policy-1.10"
+# 1.11: where copies overlap compute, optimizer.step()'s check of every offloaded chunk's exposed `.grad` against
+#      the gradient its speculative host step used (`instance.validate_ns`, at the host copy rate) follows backward
+#      and the device steps, the last check the worker's last step (session 18: 11-15 ms of step() on an H200,
+#      found with `benchmarks/gpu_timeline.py`); the runtime checks the chunks in the order their steps finish
+SOLVER_VERSION = "policy-1.11"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {

@@ -41,6 +41,7 @@ from planner_service.solver.bandwidth import (
     host_step_copy_bytes,
     host_step_ns,
     host_stepped_bytes,
+    host_validate_bytes,
     transfer_ns,
 )
 from planner_service.solver.chunk_grid import ChunkGrid, co_needed_chunks, slot_bytes
@@ -165,6 +166,12 @@ class PolicyInstance:
     host_extra_bytes_of: tuple[int, ...] = field(default=())
     # speculative host steps are redone at optimizer.step() (the job clips): the host work again, after backward
     redo_host_steps: bool = False
+    # per chunk: optimizer.step()'s check of an offloaded chunk's exposed `.grad` against the gradient its host
+    # step used (`bandwidth.host_validate_bytes` at the host copy rate), on the training thread after backward,
+    # chunk by chunk as their host steps finish; 0 on a serial device (the runtime probe's measured offload
+    # overhead holds it) and for chunks without trained parameters; empty: none (older instances)
+    validate_ns: tuple[int, ...] = field(default=())
+    shard_validate_ns: tuple[int, ...] = field(default=())  # the same for one rank's shard of a sharded chunk
     # per chunk: pinned host bytes when offloaded (`client.contract.offloaded_chunk_pinned_bytes`: the upload
     # source, the gradient staging buffer, and the host gradient when no separate fp32 master exists);
     # empty: `state_bytes`
@@ -451,6 +458,15 @@ def build_instance(
             for u in layout.used_bytes
         ),
         redo_host_steps=w.clips_gradients and w.undo_backup_bytes_per_param > 0,
+        validate_ns=tuple(
+            0
+            if serial or not t
+            else host_copy_ns(
+                m.optimizer,
+                host_validate_bytes(u // elt, elt, separate_master=w.master_bytes_per_param > 0),
+            )
+            for u, t in zip(layout.used_bytes, trained, strict=True)
+        ),
         buffer_bytes=S + (S // elt) * w.gradient_bytes_per_param,
         device_limit_bytes=constraints.device_memory_bytes,
         usable_device_bytes=int(constraints.device_memory_bytes // (1.0 + params.alpha)),

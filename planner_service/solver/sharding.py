@@ -60,6 +60,7 @@ from planner_service.solver.bandwidth import (
     host_step_copy_bytes,
     host_step_ns,
     host_stepped_bytes,
+    host_validate_bytes,
     transfer_ns,
 )
 
@@ -224,6 +225,13 @@ def multi_rank_fields(
                 else 0
             )
             for s, u, t in zip(shards, layout.used_bytes, trained, strict=True)
+        ),
+        # optimizer.step()'s check of the rank's shard of the exposed `.grad` (`instance.validate_ns`)
+        shard_validate_ns=tuple(
+            host_copy_ns(opt, host_validate_bytes(s, elt, separate_master=separate_master))
+            if charge_copies and t
+            else 0
+            for s, t in zip(shards, trained, strict=True)
         ),
         shard_host_bytes_of=tuple(n * s * elt + copy_shards * s * elt + s * rest_per_elt for s in shards),
         # the compute copy (whole, or the rank's share of the node's); the shard's staging buffer and, without a
