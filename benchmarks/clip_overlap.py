@@ -88,18 +88,35 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         )
         for name, (_, w) in jobs.items()
     }
+    from agent.runtime import timing
+
+    # seconds inside optimizer.step() (the runtime's STEP section): the validation of the speculative steps,
+    # the redo submissions and, where the host worker is a thread, the wait for the last host steps
+    in_step = dict.fromkeys(jobs, 0.0)
+
+    def listener(name: str) -> Callable[[str, float, int], None]:
+        def listen(section: str, seconds: float, depth: int) -> None:
+            if section == timing.STEP and depth == 0:
+                in_step[name] += seconds
+
+        return listen
+
+    handles = [w.runtime.timing.add_listener(listener(name)) for name, (_, w) in jobs.items()]
     times: dict[str, list[float]] = {name: [] for name in jobs}
     for _ in range(args.rounds):
         for name, (step, _) in jobs.items():
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
+    for h in handles:
+        h.remove()
     out: dict[str, Any] = {"variants": {}}
     for name, (_, w) in jobs.items():
         c = w.runtime.counters
         s0, n0, sp0, r0 = before[name]
         out["variants"][name] = {
             "iteration_s": statistics.median(times[name]),
+            "step_s_per_iteration": in_step[name] / args.rounds,
             "host_step_s_per_iteration": (c.host_step_s - s0) / args.rounds,
             "host_steps_per_iteration": (c.host_steps - n0) / args.rounds,
             "speculative_steps_per_iteration": (c.speculative_steps - sp0) / args.rounds,
@@ -139,6 +156,7 @@ def main() -> None:
         for name, d in r["variants"].items():
             print(
                 f"  {name:17s} {d['iteration_s'] * 1e3:9.2f} ms   host steps {d['host_step_s_per_iteration'] * 1e3:7.2f} ms"
+                f"   step() {d['step_s_per_iteration'] * 1e3:7.2f} ms"
                 f"   speculative {d['speculative_steps_per_iteration']:.0f}   redone {d['redos_per_iteration']:.0f}"
             )
         for name, val in r["derived"].items():

@@ -71,10 +71,31 @@ def rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_wrap_on_cuda_trains_offloaded_like_plain_pytorch(family: str) -> None:
+    train_and_compare(family, torch.float32, TOL)
+
+
+def test_bf16_model_peaks_within_its_prediction_with_the_loss_in_fp32() -> None:
+    """A bf16 model: Hugging Face's loss casts the logits to fp32 (`ForCausalLMLoss`), outside every block; a
+    fp32 model's cast is a no-op, so only a narrower dtype shows whether the profile counts it. Session 17's bf16
+    llama (h2048, seq 1024, vocab 32000) peaked 485 MiB (about the fp32 logits) over its prediction on an H200,
+    while the fp32 rows were within 1.1%; this is the check for it. bf16 parameters and moments without an fp32
+    master (`fp32_master=False`: the arithmetic of plain PyTorch's bf16 step). On the CPU the same run's losses
+    equal plain PyTorch's exactly; 1e-3 leaves room for the norm's summation order on the GPU. Not yet run on a
+    GPU (written after session 18's device time was spent)."""
+    train_and_compare("llama", torch.bfloat16, 1e-3)
+
+
+def train_and_compare(family: str, dtype: torch.dtype, tol: float) -> None:
+    """`family` at its library defaults in `dtype`, trained by plain PyTorch and through `agent.wrap` on cuda:0
+    under 0.7 of the un-managed peak: losses within `tol`, uploads = the plan's, peak within 2% of the plan's."""
     import agent
+    from agent.runtime import RuntimeOptions
 
     device = torch.device("cuda", 0)
     model, config = build_with_library_defaults(family, **SIZE)
+    model = model.to(dtype)
+    name = family if dtype == torch.float32 else f"{family}-{str(dtype).removeprefix('torch.')}"
+    options = RuntimeOptions(device=device, fp32_master=dtype == torch.float32)
     batch = sample_batch(config, *BATCH, device=device)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch.values())
 
@@ -92,7 +113,12 @@ def test_wrap_on_cuda_trains_offloaded_like_plain_pytorch(family: str) -> None:
     model.to(device)  # the user's model is on the GPU before wrap, as in the README
 
     wrapped = agent.wrap(
-        model, adamw(model), sample_batch=batch, device_memory=int(peak * LIMIT_FRACTION), feedback_steps=None
+        model,
+        adamw(model),
+        sample_batch=batch,
+        device_memory=int(peak * LIMIT_FRACTION),
+        feedback_steps=None,
+        options=options,
     )
     policy = wrapped.plan.policy
     predictions = wrapped.plan.predictions
@@ -111,7 +137,7 @@ def test_wrap_on_cuda_trains_offloaded_like_plain_pytorch(family: str) -> None:
     uploads = uploads_in_one_step(wrapped, batch)
     worst = max(rel(a, b) for a, b in zip(got, expected, strict=True))
     figure(
-        f"wrap-{family}",
+        f"wrap-{name}",
         loss_max_rel_diff=worst,
         peak_measured=measured_peak,
         device_bytes_at_start=at_start,
@@ -125,7 +151,7 @@ def test_wrap_on_cuda_trains_offloaded_like_plain_pytorch(family: str) -> None:
         chunks=len(policy.chunks),
     )
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
-        assert abs(a - b) <= TOL * abs(b), f"{family} step {step}: loss {a} vs plain {b}"
+        assert abs(a - b) <= tol * abs(b), f"{name} step {step}: loss {a} vs plain {b}"
     assert uploads == predictions.breakdown["uploads_per_iteration"]
     assert measured_peak <= predictions.peak_device_bytes * 1.02, (
         measured_peak,
