@@ -190,15 +190,20 @@ def test_vectorised_timer_agrees_with_the_cost_model(world: int, copy_overlap: b
     pick = random.Random(world)
     for lay in candidate_layouts(trace):
         inst = build_instance(trace, lay, cons, CostParams(copy_overlap=copy_overlap))
-        for _ in range(40):
-            off = tuple(pick.random() < 0.6 for _ in range(inst.n_chunks))
-            sh = tuple(o and pick.random() < 0.6 for o in off)
-            nb = pick.randint(1, sum(off)) if any(off) else 0
-            modes = tuple(
-                Mode(pick.randint(0, 2)) if inst.optimisable[b] else Mode.keep for b in range(inst.n_blocks)
-            )
-            want = evaluate_decision(inst, Decision(off, nb, modes, sh)).iteration_ns
-            assert int(iteration_ns_batch(inst, off, nb, np.array([modes]), sh)[0]) == want
+        assert_timer_agrees(inst, pick, 40)
+
+
+def assert_timer_agrees(inst: PolicyInstance, pick: random.Random, n: int) -> None:
+    """The vectorised timer equals the cost model on `n` random decisions (placements, sharding, buffers, modes)."""
+    for _ in range(n):
+        off = tuple(pick.random() < 0.6 for _ in range(inst.n_chunks))
+        sh = tuple(o and pick.random() < 0.6 for o in off)
+        nb = pick.randint(1, sum(off)) if any(off) else 0
+        modes = tuple(
+            Mode(pick.randint(0, 2)) if inst.optimisable[b] else Mode.keep for b in range(inst.n_blocks)
+        )
+        want = evaluate_decision(inst, Decision(off, nb, modes, sh)).iteration_ns
+        assert int(iteration_ns_batch(inst, off, nb, np.array([modes]), sh)[0]) == want
 
 
 # ------------------------------------------------------------------------------- hand-computed figures

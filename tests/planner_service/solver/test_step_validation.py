@@ -18,12 +18,13 @@ import pytest
 from client.contract import Trace
 from planner_service.solver.bandwidth import host_copy_ns, host_validate_bytes
 from planner_service.solver.chunk_grid import candidate_layouts
-from planner_service.solver.cost_model import evaluate_decision, iteration_ns_batch
+from planner_service.solver.cost_model import evaluate_decision
 from planner_service.solver.cpsat_solve import solve_layout
 from planner_service.solver.instance import CostParams, Decision, Mode, build_instance, element_bytes
 from tests.planner_service.solver.test_multi_rank_policy import (
     _clipping,
     _multi_rank,
+    assert_timer_agrees,
     cpsat_equals_brute_force,
 )
 from tests.planner_service.solver.test_policy_bruteforce import (
@@ -122,15 +123,7 @@ def test_multi_rank_cpsat_optimum_and_timer_agree_with_the_check(
     for lay in candidate_layouts(trace):
         inst = build_instance(trace, lay, cons, params)
         assert any(inst.shard_validate_ns) and any(inst.validate_ns)
-        for _ in range(20):  # the vectorised timer is the cost model's, sharded chunks' checks of their shard
-            off = tuple(pick.random() < 0.6 for _ in range(inst.n_chunks))
-            sh = tuple(o and pick.random() < 0.6 for o in off)
-            nb = pick.randint(1, sum(off)) if any(off) else 0
-            modes = tuple(
-                Mode(pick.randint(0, 2)) if inst.optimisable[b] else Mode.keep for b in range(inst.n_blocks)
-            )
-            want = evaluate_decision(inst, Decision(off, nb, modes, sh)).iteration_ns
-            assert int(iteration_ns_batch(inst, off, nb, np.array([modes]), sh)[0]) == want
+        assert_timer_agrees(inst, pick, 20)  # sharded chunks check their shard
         if 4**lay.n_chunks * 3 ** (len(trace.model.blocks) - 2) <= 20_000:
             compared += cpsat_equals_brute_force(inst)
     assert compared >= 1
