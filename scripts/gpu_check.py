@@ -8,9 +8,12 @@ Steps (each a subprocess; a failing step is recorded and the next one still runs
    tests/agent/allocator, tests/agent/runtime (with its cuda_semantics and activations) (on a GPU machine the
    CUDA-only tests run instead of skipping);
 4. `benchmarks/predict_vs_measure.py --device cuda:N` (plan predictions against measurements);
-5. `benchmarks/train_throughput.py --device cuda:N` (memplan against FSDP2 CPU offload and ProTrain,
-   a ~1B llama at seq 1024 in bf16 by default; `--quick` for a small model);
-6. `benchmarks/copy_bandwidth.py --device cuda:N` (the hardware probe's H2D and D2H rates, each alone and
+5. `benchmarks/gpu_timeline.py --device cuda:N` (where a wrapped iteration's time goes: GPU busy and idle time
+   per phase, the CPU operations with the most self time);
+6. `benchmarks/train_throughput.py --device cuda:N` (memplan against FSDP2 CPU offload and ProTrain,
+   a ~1B llama at seq 1024 in bf16 by default; `--quick` for a small model), then again with `--bf16-states`
+   (memplan stepping bf16 states as FSDP2's rows do: the comparison at equal arithmetic);
+7. `benchmarks/copy_bandwidth.py --device cuda:N` (the hardware probe's H2D and D2H rates, each alone and
    both at once, timed with CUDA events).
 
 The report is `<out>/gpu_check.json` and `<out>/gpu_check.md`: per step the command, exit status, seconds
@@ -76,6 +79,11 @@ def steps(device: str, quick: bool, python: str) -> list[Step]:
         if quick
         else ["--kinds", "gpt2", "llama", "--layers", "12", "24", "--hidden", "1024", "--seq", "512"]
     )
+    timeline = (
+        ["--kind", "llama", "--layers", "4", "--hidden", "256", "--seq", "256", "--batch", "2"]
+        if quick
+        else ["--kind", "llama", "--layers", "8", "--hidden", "1024", "--seq", "512", "--batch", "4"]
+    )
     return [
         Step("nvidia-smi", ["nvidia-smi"], timeout_s=60),
         Step("torch", [python, "-c", env_probe], timeout_s=120),
@@ -104,8 +112,20 @@ def steps(device: str, quick: bool, python: str) -> list[Step]:
             results=["benchmarks/results/predict_vs_measure-latest.json"],
         ),
         Step(
+            "gpu_timeline",
+            [python, "benchmarks/gpu_timeline.py", "--device", device, *timeline],
+            timeout_s=1800,
+            results=["benchmarks/results/gpu_timeline-latest.json"],
+        ),
+        Step(
             "train_throughput",
             [python, "benchmarks/train_throughput.py", "--device", device, *size],
+            timeout_s=7200,
+            results=["benchmarks/results/train_throughput-latest.json"],
+        ),
+        Step(
+            "train_throughput_bf16_states",
+            [python, "benchmarks/train_throughput.py", "--device", device, *size, "--bf16-states"],
             timeout_s=7200,
             results=["benchmarks/results/train_throughput-latest.json"],
         ),

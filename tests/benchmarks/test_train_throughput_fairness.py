@@ -94,7 +94,9 @@ def test_gpu_check_lists_its_steps_and_writes_a_report_of_what_ran(
         "check_cuda_build",
         "cuda_tests",
         "predict_vs_measure",
+        "gpu_timeline",
         "train_throughput",
+        "train_throughput_bf16_states",
         "copy_bandwidth",
     ]
     assert "benchmarks/train_throughput.py --device cuda:1" in done.stdout and "--dtype bf16" in done.stdout
