@@ -284,9 +284,8 @@ class ChunkTerms:
     # (forward and backward), and the bytes of its whole copy while gathered (0 for every other chunk)
     device_gather: tuple[int, ...] = ()
     gathered_bytes: tuple[int, ...] = ()
-    validate: tuple[
-        int, ...
-    ] = ()  # optimizer.step()'s check of the exposed `.grad` (the rank's shard), else 0
+    # optimizer.step()'s check of the exposed `.grad` (the rank's shard when sharded) when offloaded, else 0
+    validate: tuple[int, ...] = ()
 
 
 def device_gather_exposed_ns(inst: PolicyInstance, c: int) -> int:
@@ -319,11 +318,6 @@ def control_checks_ns(
     # forward's end agreement: the plain figure)
     at_backward_start = int(any(offloaded) and n_dsh > 0)
     return at_phase_end * inst.phase_control_ns + (2 * n_dsh + at_backward_start) * inst.control_ns
-
-
-def _of(xs: tuple[int, ...], c: int) -> int:
-    """Chunk c's entry of an optional per-chunk tuple (empty: 0)."""
-    return xs[c] if xs else 0
 
 
 def after_backward_ns(bwd_dev_opt: Any, host_end: Any, validate: tuple[int, ...]) -> Any:
@@ -361,7 +355,7 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             device_bytes=device_bytes,
             host_bytes=tuple(inst.host_bytes(c) if o[c] else 0 for c in range(C)),
             pinned_bytes=tuple(inst.pinned_bytes(c) if o[c] else 0 for c in range(C)),
-            validate=tuple(_of(inst.validate_ns, c) if o[c] else 0 for c in range(C)),
+            validate=tuple(inst.validate(c) if o[c] else 0 for c in range(C)),
         )
     dsh = d.sharded_chunks(inst)
     sh = tuple(dsh[c] and o[c] for c in range(C))  # offloaded and sharded (ZeRO-2 on the host)
@@ -388,10 +382,7 @@ def chunk_terms(inst: PolicyInstance, d: Decision) -> ChunkTerms:
             (inst.shard_host_optim_ns[c] if sh[c] else inst.host_optim_ns[c]) if o[c] else 0 for c in range(C)
         ),
         host_gather=tuple(inst.gather_ns[c] if sh[c] else 0 for c in range(C)),
-        validate=tuple(
-            (_of(inst.shard_validate_ns, c) if sh[c] else _of(inst.validate_ns, c)) if o[c] else 0
-            for c in range(C)
-        ),
+        validate=tuple(inst.validate(c, sharded=sh[c]) if o[c] else 0 for c in range(C)),
         grad_fill=tuple(inst.grad_fill_ns[c] if sh[c] else 0 for c in range(C)),
         device_bytes=device_bytes,
         host_bytes=tuple(
@@ -757,7 +748,7 @@ class BatchTimer:
         pad = lambda xs: np.concatenate([i64(xs), np.zeros(1, dtype=np.int64)])  # noqa: E731
         self.U, self.G = pad(inst.upload_ns), pad(inst.grad_offload_ns)  # index C reads 0
         self.H, self.D = i64(inst.host_optim_ns), i64(inst.device_optim_ns)
-        self.V = inst.validate_ns or (0,) * C
+        self.V = tuple(inst.validate(c) for c in range(C))
         self.dx = inst.duplex  # concurrent copy times where a window copies both ways
         if self.dx:
             self.sox, self.six = i64(inst.swap_out_duplex_ns), i64(inst.swap_in_duplex_ns)

@@ -416,8 +416,7 @@ def _add_time(pm: PolicyModel) -> None:
         m.add(host_end >= dones[c] + G[c] * pm.off[c] + queued)
 
     tail = m.new_int_var(0, upper, "after_forward")
-    V = inst.validate_ns or (0,) * C
-    _add_settled(pm, tail, bwd + dev_opt, host_end, [[(V[c], pm.off[c])] for c in range(C)])
+    _add_settled(pm, tail, bwd + dev_opt, host_end, [[(inst.validate(c), pm.off[c])] for c in range(C)])
     pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
     m.add(pm.iteration == fwd + tail + redo)
 
@@ -601,8 +600,8 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         arrive = (RS[c] + Gs[c]) * pm.osh[c] + (AR[c] + G[c]) * rep[c]
         m.add(host_end >= dones[c] + arrive + queued)
     after = m.new_int_var(0, upper, "after_forward")
-    V, VS = inst.validate_ns or (0,) * C, inst.shard_validate_ns or (0,) * C
-    _add_settled(pm, after, bwd + dev_opt, host_end, [[(VS[c], pm.osh[c]), (V[c], rep[c])] for c in range(C)])
+    checks = [[(inst.validate(c, sharded=True), pm.osh[c]), (inst.validate(c), rep[c])] for c in range(C)]
+    _add_settled(pm, after, bwd + dev_opt, host_end, checks)
     pm.iteration = m.new_int_var(0, upper * 2, "iteration_ns")
     m.add(pm.iteration == fwd + after + redo + dgather)
 

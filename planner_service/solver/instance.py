@@ -258,6 +258,12 @@ class PolicyInstance:
         """Pinned host bytes of chunk c when offloaded (the runtime's host arena holds exactly these)."""
         return self.pinned_bytes_of[c] if self.pinned_bytes_of else self.state_bytes(c)
 
+    def validate(self, c: int, *, sharded: bool = False) -> int:
+        """optimizer.step()'s check of chunk c's exposed `.grad` when offloaded (`validate_ns`; sharded: of this
+        rank's shard, `shard_validate_ns`); 0 where not given."""
+        xs = self.shard_validate_ns if sharded else self.validate_ns
+        return xs[c] if xs else 0
+
     def host_bytes(self, c: int) -> int:
         """Host bytes of chunk c when offloaded: its model state plus the runtime's host-side extras."""
         return self.state_bytes(c) + (self.host_extra_bytes_of[c] if self.host_extra_bytes_of else 0)
