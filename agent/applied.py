@@ -88,6 +88,8 @@ class Wrapped:
             predicted_iteration_s=pred.iteration_s if pred else None,
             predicted_peak_device_bytes=pred.peak_device_bytes if pred else None,
             predicted_peak_host_bytes=pred.peak_host_bytes if pred else None,
+            predicted_phases=pred.phases() if pred else None,
+            predicted_uploads=pred.uploads_per_iteration if pred else None,
             measured=(m.sent or m.feedback()) if m is not None else None,
             feedback_to=m.sent_to if m is not None else None,
             runtime=self.runtime_report(),

@@ -4,6 +4,11 @@
 on the optimizer; both removed by `close()`):
 - iteration time: wall seconds between consecutive `optimizer.step()` returns (on CUDA after a
   synchronize, so queued kernels are counted), skipping the first `warmup` steps and the metered step;
+- the same steps by phase (`MeasuredPhases`): the model's forward calls with gradients on (a forward post-hook
+  on the model; every micro-batch's), `optimizer.step()` (a step pre-hook), the rest of the iteration, and the
+  chunk runtime's uploads per iteration (its counters). Timed with the profiler's `DeviceClock`: wall time on
+  CPU; on CUDA timing events on the compute stream, read after the synchronize that ends each step, so the
+  phases add no synchronisation (events written for CUDA, run here under the stream-ordering checker only);
 - peak device bytes: one iteration (the step after warm-up) runs under `DevicePeakMeter` (profiler
   semantics, see `measure.py`);
 - peak host bytes: the runtime's host memory (offloaded chunks' states) plus the swap store's peak of
@@ -38,8 +43,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from agent.measure import DevicePeakMeter, device_state_tensors
+from agent.profiler.device_clock import DeviceClock, Mark
 from agent.runtime.eager import eager
-from client.contract import Feedback
+from client.contract import Feedback, MeasuredPhases
 from client.sdk import Client
 
 if TYPE_CHECKING:
@@ -100,6 +106,9 @@ class LocalSink:
     plan_id: str | None = None
     trace_hash: str | None = None
 
+    def __post_init__(self) -> None:
+        self.path = Path(self.path).expanduser()  # a str or `~/...` from the user's `wrap(feedback_path=...)`
+
     def send(self, feedback: Feedback) -> str:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps(
@@ -154,6 +163,9 @@ class Measured:
     """What the monitor measured so far."""
 
     iteration_s: list[float] = field(default_factory=list)
+    forward_s: list[float] = field(default_factory=list)  # per timed step, as `iteration_s`
+    step_s: list[float] = field(default_factory=list)
+    uploads: int | None = None  # the chunk runtime's uploads over the timed steps (None: no chunk runtime)
     peak_device_bytes: int | None = None
     peak_host_bytes: int | None = None
     steps: int = 0
@@ -169,6 +181,23 @@ class Measured:
             peak_host_bytes=self.peak_host_bytes,
             steps_measured=len(self.iteration_s),
             notes=notes,
+            phases=self.phases(),
+        )
+
+    def phases(self) -> MeasuredPhases | None:
+        """The timed steps by phase: each phase's median, the rest of the iteration the median of each step's
+        iteration less its forward and step (so the three add up to about the median iteration)."""
+        n = len(self.iteration_s)
+        if not n or len(self.forward_s) != n or len(self.step_s) != n:
+            return None
+        rest = [
+            max(0.0, t - f - s) for t, f, s in zip(self.iteration_s, self.forward_s, self.step_s, strict=True)
+        ]
+        return MeasuredPhases(
+            forward_s=float(statistics.median(self.forward_s)),
+            backward_s=float(statistics.median(rest)),
+            step_s=float(statistics.median(self.step_s)),
+            uploads_per_iteration=None if self.uploads is None else self.uploads / n,
         )
 
 
@@ -224,9 +253,16 @@ class StepMonitor:
         self._meter = DevicePeakMeter(device)
         self._metering = False
         self._last: float | None = None
+        self._clock = DeviceClock(device)
+        self._forward_start: Mark | None = None
+        self._forwards: list[tuple[Mark, Mark]] = []  # this step's forward calls (timed steps only)
+        self._step_start: Mark | None = None
+        self._uploads_at: int | None = None  # the runtime's upload count when the step's window opened
         self._sender: threading.Thread | None = None
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(eager(self._before_forward), with_kwargs=True),
+            model.register_forward_hook(eager(self._after_forward)),
+            optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         ]
 
@@ -235,6 +271,10 @@ class StepMonitor:
         """The step (0-based) that runs under the device-memory meter: the first after warm-up."""
         return self.warmup
 
+    def _timing(self) -> bool:
+        """This step is a timed one (after warm-up and the metered step: its iteration is measured)."""
+        return self.measured.steps > self.meter_step and self._last is not None
+
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.measured.sent is not None:
             # measuring is over: the hooks go (from here, not from the optimizer's post-step hook, whose
@@ -242,6 +282,8 @@ class StepMonitor:
             # synchronize in `_after_step` ran after every step for the whole run)
             self._remove_hooks()
             return
+        if self._timing() and torch.is_grad_enabled():  # an evaluation forward (no grad) is not the step's
+            self._forward_start = self._clock.mark()
         if self._metering or self.measured.steps != self.meter_step or not torch.is_grad_enabled():
             return
         self._metering = True
@@ -252,11 +294,20 @@ class StepMonitor:
         if self.recorder is not None:
             self.recorder.start()
 
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._forward_start is not None:
+            self._forwards.append((self._forward_start, self._clock.mark()))
+            self._forward_start = None
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.measured.sent is None and self._timing():
+            self._step_start = self._clock.mark()
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.measured.sent is not None:
             return  # measured and sent: no synchronize, nothing to count (the hooks go at the next forward)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        end = self._clock.mark() if self._step_start is not None else None
+        self._clock.synchronize()  # on CUDA: queued kernels are counted, and the step's events can be read
         now = time.perf_counter()
         step = self.measured.steps
         if self._metering:
@@ -266,11 +317,23 @@ class StepMonitor:
             if self.recorder is not None:
                 self.recorder.finish(self._meter.window)
         elif step > self.meter_step and self._last is not None:
+            assert self._last is not None
             self.measured.iteration_s.append(now - self._last)
+            self._record_phases(end)
+        self._forwards, self._forward_start, self._step_start = [], None, None
         self.measured.steps += 1
         self._last = time.perf_counter()
+        self._uploads_at = self.manager.counters.uploads if self.manager is not None else None
         if self.measured.steps == self.steps and self.measured.sent is None:
             self.flush()
+
+    def _record_phases(self, end: Mark | None) -> None:
+        """A timed step's forward and step seconds, and its uploads (the clock synchronised after `end`)."""
+        m = self.measured
+        m.forward_s.append(sum(self._clock.seconds(a, b) for a, b in self._forwards))
+        m.step_s.append(self._clock.seconds(self._step_start, end) if self._step_start and end else 0.0)
+        if self.manager is not None and self._uploads_at is not None:
+            m.uploads = (m.uploads or 0) + self.manager.counters.uploads - self._uploads_at
 
     def _host_bytes(self) -> int:
         host = 0
@@ -288,9 +351,31 @@ class StepMonitor:
         if self.group is not None:
             # the job's figures: the slowest rank's time, the largest rank's peaks (a collective: every
             # rank flushes after the same number of steps)
-            t, dev, host = self.group.max([fb.iteration_s, fb.peak_device_bytes, fb.peak_host_bytes])
+            ph = fb.phases
+            slowest = self.group.max(
+                [fb.iteration_s, fb.peak_device_bytes, fb.peak_host_bytes]
+                + (
+                    [ph.forward_s, ph.backward_s, ph.step_s, ph.uploads_per_iteration or 0.0]
+                    if ph
+                    else [0.0] * 4
+                )
+            )
+            t, dev, host, fwd, bwd, stp, uploads = slowest
+            phases = None
+            if ph is not None:  # every rank has phases or none does (the same code measured the same steps)
+                phases = MeasuredPhases(
+                    forward_s=fwd,
+                    backward_s=bwd,
+                    step_s=stp,
+                    uploads_per_iteration=None if ph.uploads_per_iteration is None else uploads,
+                )
             fb = fb.model_copy(
-                update={"iteration_s": t, "peak_device_bytes": int(dev), "peak_host_bytes": int(host)}
+                update={
+                    "iteration_s": t,
+                    "peak_device_bytes": int(dev),
+                    "peak_host_bytes": int(host),
+                    "phases": phases,
+                }
             )
             if not self.group.is_main:
                 self.measured.sent = fb

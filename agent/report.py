@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,10 @@ if TYPE_CHECKING:
     from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport
     from agent.runtime.swap import SwapCounters
     from client.contract import Feedback
+
+
+Row = tuple[str, str, str, str]  # quantity, predicted, measured, error
+PHASE_LABELS = {"forward_s": "forward", "backward_s": "backward, rest", "step_s": "optimizer.step()"}
 
 
 def _count(n: int, word: str) -> str:
@@ -36,6 +41,8 @@ class WrapReport:
     runtime: RuntimeReport
     swap: SwapCounters | None = None
     notes: list[str] = field(default_factory=list)
+    predicted_phases: dict[str, float] | None = None  # `Predictions.phases`
+    predicted_uploads: float | None = None  # chunk uploads per iteration
 
     # the model-state runtime's figures, as `RuntimeReport` names them
     @property
@@ -52,9 +59,8 @@ class WrapReport:
             return "-"
         return f"{(measured / predicted - 1.0) * 100:+.1f}%"
 
-    def rows(self) -> list[tuple[str, str, str, str]]:
+    def rows(self) -> list[Row]:
         """(quantity, predicted, measured, error) rows for a table."""
-        m = self.measured
         mib = 2**20
 
         def b(x: float | None) -> str:
@@ -63,6 +69,13 @@ class WrapReport:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x * 1e3:.1f} ms"
 
+        return [
+            *self._main_rows(b, s),
+            *self._phase_rows(s),
+        ]
+
+    def _main_rows(self, b: Callable[[float | None], str], s: Callable[[float | None], str]) -> list[Row]:
+        m = self.measured
         return [
             (
                 "iteration time",
@@ -83,6 +96,31 @@ class WrapReport:
                 self._err(m.peak_host_bytes if m else None, self.predicted_peak_host_bytes),
             ),
         ]
+
+    def _phase_rows(self, s: Callable[[float | None], str]) -> list[Row]:
+        """The iteration by phase, and the chunk uploads (once the monitor measured them)."""
+        ph = self.measured.phases if self.measured else None
+        if ph is None or self.predicted_phases is None:
+            return []
+        rows: list[Row] = [
+            (
+                f"  {label}",
+                s(self.predicted_phases[k]),
+                s(getattr(ph, k)),
+                self._err(getattr(ph, k), self.predicted_phases[k]),
+            )
+            for k, label in PHASE_LABELS.items()
+        ]
+        if ph.uploads_per_iteration is not None and self.predicted_uploads is not None:
+            rows.append(
+                (
+                    "chunk uploads/iter",
+                    f"{self.predicted_uploads:g}",
+                    f"{ph.uploads_per_iteration:g}",
+                    self._err(ph.uploads_per_iteration, self.predicted_uploads),
+                )
+            )
+        return rows
 
     def __str__(self) -> str:
         lines = [

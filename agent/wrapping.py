@@ -53,6 +53,7 @@ from agent.runtime.options import RuntimeOptions
 from agent.runtime.process_group import check_same_job, resolve
 
 if TYPE_CHECKING:
+    import os
     from pathlib import Path
 
     from torch import nn
@@ -85,7 +86,7 @@ def wrap(
     options: RuntimeOptions | None = None,
     loss_fn: Any = None,
     feedback_steps: int | None = DEFAULT_FEEDBACK_STEPS,
-    feedback_path: Path | None = None,
+    feedback_path: str | os.PathLike[str] | None = None,
     wait_s: float = 120.0,
     service_budget_s: float | None = None,
     reuse: bool = True,
@@ -194,7 +195,7 @@ def _wrap(
     options: RuntimeOptions | None,
     loss_fn: Any,
     feedback_steps: int | None,
-    feedback_path: Path | None,
+    feedback_path: str | os.PathLike[str] | None,
     wait_s: float,
     service_budget_s: float | None,
     reuse: bool,
@@ -328,7 +329,7 @@ def _finish(
     wrapped: Wrapped,
     planned_shape: tuple[int, int] | None,
     feedback_steps: int | None,
-    feedback_path: Path | None,
+    feedback_path: str | os.PathLike[str] | None,
     metered: bool,
     group: RankGroup | None,
 ) -> None:
@@ -349,7 +350,10 @@ def _finish(
         wrapped.batch_guard = BatchShapeGuard(model, planned_shape, wrapped.runtime.ctx.device)
     if feedback_steps:
         local = LocalSink(
-            feedback_path or local_feedback_path(), plan_id=source.plan_id, trace_hash=plan.trace_hash
+            # (a str or a `~/...` path: LocalSink makes it a Path)
+            feedback_path or local_feedback_path(),  # type: ignore[arg-type]
+            plan_id=source.plan_id,
+            trace_hash=plan.trace_hash,
         )
         sink = (
             ServiceSink(source.server, source.plan_id, fallback=local)

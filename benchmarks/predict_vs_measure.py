@@ -555,10 +555,9 @@ def predicted_phases(pred: Any) -> dict[str, float]:
             max(pred.backward_s, b["host_optimizer_end_s"] - pred.device_optimizer_s)
             + b.get("control_collective_s", 0.0)
         ),
-        # plus (policy-1.11) what optimizer.step()'s checks of the exposed `.grad` add after backward and the host steps
-        "step": ms(
-            pred.device_optimizer_s + b["host_optimizer_redo_s"] + b.get("host_validate_exposed_s", 0.0)
-        ),
+        # plus (policy-1.11) what optimizer.step()'s checks of the exposed `.grad` add after backward and the host
+        # steps: the agent's feedback's `step_s` as the plan predicts it
+        "step": ms(pred.phases()["step_s"]),
         "host_step": ms(pred.host_optimizer_s),
         "grad_reduction": ms(b.get("backward_collective_s", 0.0)),
         "grad_fill": ms(b.get("grad_fill_collective_s", 0.0)),

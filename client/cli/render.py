@@ -5,7 +5,15 @@ from __future__ import annotations
 from rich.table import Table
 
 from client.cli.lookup import short_id
-from client.contract import HardwareSummary, ModelSummary, Placement, Plan, PlanRecord, TraceSummary
+from client.contract import (
+    FeedbackRecord,
+    HardwareSummary,
+    ModelSummary,
+    Placement,
+    Plan,
+    PlanRecord,
+    TraceSummary,
+)
 from client.units import format_bytes
 
 
@@ -84,11 +92,19 @@ def plan_table(plan: Plan, title: str = "plan") -> Table:
 def feedback_table(record: PlanRecord) -> Table:
     """What the agent measured each time the plan was applied, against the plan's predictions."""
     t = Table(title=f"feedback ({plural(len(record.feedback), 'run')} measured)")
-    for col in ("received", "steps", "iteration", "error", "peak device", "error", "peak host", "notes"):
-        t.add_column(col, justify="left" if col in ("received", "notes") else "right")
-
-    def err(x: float | None) -> str:
-        return "-" if x is None else f"{x * 100:+.1f}%"
+    cols = (
+        "received",
+        "steps",
+        "iteration",
+        "error",
+        "by phase (error)",
+        "peak device",
+        "error",
+        "peak host",
+        "notes",
+    )
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("received", "by phase (error)", "notes") else "right")
 
     for f in record.feedback:
         fb = f.feedback
@@ -96,13 +112,35 @@ def feedback_table(record: PlanRecord) -> Table:
             f.created_at.strftime("%Y-%m-%d %H:%M:%S"),
             str(fb.steps_measured),
             f"{fb.iteration_s * 1e3:.1f} ms",
-            err(f.iteration_error),
+            _signed_percent(f.iteration_error),
+            phases_text(f),
             format_bytes(fb.peak_device_bytes),
-            err(f.peak_device_error),
+            _signed_percent(f.peak_device_error),
             format_bytes(fb.peak_host_bytes),
             fb.notes or "",
         )
     return t
+
+
+PHASE_NAMES = {"forward_s": "forward", "backward_s": "rest", "step_s": "step"}
+
+
+def phases_text(record: FeedbackRecord) -> str:
+    """'forward 12.3 ms (+4.0%), rest 30.1 ms (-2.0%), step 1.2 ms (+9.0%), uploads 11 (+0.0%)'; '-' when the
+    feedback has no phases (an agent before they were measured)."""
+    ph = record.feedback.phases
+    if ph is None:
+        return "-"
+    errors = record.phase_errors or {}
+    parts = [
+        f"{name} {getattr(ph, k) * 1e3:.1f} ms ({_signed_percent(errors.get(k))})"
+        for k, name in PHASE_NAMES.items()
+    ]
+    if ph.uploads_per_iteration is not None:
+        parts.append(
+            f"uploads {ph.uploads_per_iteration:g} ({_signed_percent(errors.get('uploads_per_iteration'))})"
+        )
+    return ", ".join(parts)
 
 
 def _signed_percent(x: float | None) -> str:

@@ -33,7 +33,7 @@ from client.contract.distributed import (
     Distributed,
     Interconnect,
 )
-from client.contract.feedback import Feedback
+from client.contract.feedback import PHASES, Feedback, MeasuredPhases
 from client.contract.hardware import (
     CatalogEntry,
     DenseThroughput,
@@ -45,6 +45,7 @@ from client.contract.hardware import (
 from client.contract.plan import (
     FINAL_PLAN_STATUSES,
     PENDING_PLAN_STATUSES,
+    PHASE_TERMS,
     ActivationMode,
     AllocationPlan,
     BlockPolicy,

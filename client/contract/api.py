@@ -53,6 +53,12 @@ class FeedbackRecord(BaseModel):
     feedback: Feedback
     iteration_error: float | None = Field(description="measured / predicted - 1 for iteration seconds")
     peak_device_error: float | None = Field(description="measured / predicted - 1 for peak device bytes")
+    phase_errors: dict[str, float] | None = Field(
+        default=None,
+        description="measured / predicted - 1 per phase (`forward_s`, `backward_s`, `step_s`, as "
+        "`Predictions.phases` predicts them) and of `uploads_per_iteration`; None: the feedback has no phases "
+        "(an older agent) or the plan no predictions; a phase predicted 0 is left out",
+    )
     created_at: datetime
 
 

@@ -6,7 +6,32 @@ from typing import Literal
 
 from pydantic import Field
 
-from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Int, Seconds, Text
+from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Float, Int, Seconds, Text
+
+PHASES: tuple[str, ...] = ("forward_s", "backward_s", "step_s")
+"""The iteration's phases as the agent's monitor measures them and `Predictions.phases` predicts them."""
+
+
+class MeasuredPhases(ContractModel):
+    """Where the measured iteration went, phase by phase (medians over the timed steps; a multi-rank job's
+    figures are the slowest rank's, phase by phase). The three phases add up to the iteration."""
+
+    forward_s: Seconds = Field(
+        description="the model's forward calls of one step (every micro-batch's, the loss where the model "
+        "computes it)"
+    )
+    backward_s: Seconds = Field(
+        description="the rest of the iteration: from the last forward's end to optimizer.step(), and after "
+        "it to the next forward (loss.backward() with the host work that runs in it, gradient reductions, "
+        "the user's clipping, zero_grad, data loading)"
+    )
+    step_s: Seconds = Field(description="optimizer.step() (device steps, redone host steps, checks)")
+    uploads_per_iteration: Float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1e9,
+        description="offloaded chunks uploaded to the device per iteration (None: no chunk runtime)",
+    )
 
 
 class Feedback(ContractModel):
@@ -16,3 +41,6 @@ class Feedback(ContractModel):
     peak_host_bytes: Bytes
     steps_measured: Int = Field(ge=1, le=10_000_000)
     notes: Text = Field(default="", max_length=4096)
+    phases: MeasuredPhases | None = Field(
+        default=None, description="the iteration by phase (absent from agents before phases were measured)"
+    )

@@ -188,6 +188,11 @@ class TimelinePoint(ContractModel):
     device_bytes: Bytes
 
 
+PHASE_TERMS: tuple[str, ...] = ("host_optimizer_redo_s", "host_validate_exposed_s", "uploads_per_iteration")
+"""The cost breakdown's terms that `Predictions.phases` and `uploads_per_iteration` read: a plan's headline keeps
+them (lists drop the rest of the breakdown)."""
+
+
 class Predictions(ContractModel):
     iteration_s: Seconds
     forward_s: Seconds
@@ -208,6 +213,29 @@ class Predictions(ContractModel):
         max_length=4 * MAX_BLOCKS + 8,
         description="predicted device bytes in use step by step (empty if the solver gives none)",
     )
+
+    def phases(self) -> dict[str, float]:
+        """The iteration by phase as the agent's monitor measures it (`MeasuredPhases`): `forward_s`; `step_s`,
+        what optimizer.step() adds (the device steps, speculative host steps redone for clipping, and, from
+        policy-1.11, the checks of the exposed gradients not hidden behind the host steps); `backward_s`, the
+        rest (backward with the host work that ends in it and the control checks)."""
+        b = self.breakdown
+        step = (
+            self.device_optimizer_s
+            + b.get("host_optimizer_redo_s", 0.0)
+            + b.get("host_validate_exposed_s", 0.0)
+        )
+        step = min(step, max(0.0, self.iteration_s - self.forward_s))
+        return {
+            "forward_s": self.forward_s,
+            "backward_s": max(0.0, self.iteration_s - self.forward_s - step),
+            "step_s": step,
+        }
+
+    @property
+    def uploads_per_iteration(self) -> float | None:
+        """Chunk uploads per iteration the plan predicts (None: a planner before it was counted)."""
+        return self.breakdown.get("uploads_per_iteration")
 
 
 class SolverReport(ContractModel):

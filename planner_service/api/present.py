@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from client.contract import Feedback, FeedbackRecord, Plan, PlanHeadline, PlanRecord, TraceSummary
+from client.contract import (
+    Feedback,
+    FeedbackRecord,
+    MeasuredPhases,
+    Plan,
+    PlanHeadline,
+    PlanRecord,
+    TraceSummary,
+)
 from planner_service.db.models import FeedbackRow, PlanRow, TraceRow
 
 
@@ -39,9 +47,11 @@ def feedback_record(row: FeedbackRow) -> FeedbackRecord:
             peak_host_bytes=row.peak_host_bytes,
             steps_measured=row.steps_measured,
             notes=row.notes,
+            phases=MeasuredPhases.model_validate(row.phases) if row.phases else None,
         ),
         iteration_error=row.iteration_error,
         peak_device_error=row.peak_device_error,
+        phase_errors=row.phase_errors,
         created_at=row.created_at,
     )
 

@@ -184,6 +184,14 @@ class FeedbackRow(Base):
     notes: Mapped[str] = mapped_column(Text, default="")
     iteration_error: Mapped[float | None] = mapped_column(Float, nullable=True)
     peak_device_error: Mapped[float | None] = mapped_column(Float, nullable=True)
+    phases: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON,
+        nullable=True,
+        doc="the feedback's MeasuredPhases, JSON (None: an agent before phases were measured)",
+    )
+    phase_errors: Mapped[dict[str, float] | None] = mapped_column(
+        JSON, nullable=True, doc="measured / predicted - 1 per phase and of the uploads (FeedbackRecord)"
+    )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     plan: Mapped[PlanRow] = relationship(back_populates="feedback")

@@ -18,7 +18,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinload, undefer
 from sqlalchemy.sql.elements import ColumnElement
 
-from client.contract import Constraints, Feedback, Objective, PlanHeadline, PlanStatus, Trace
+from client.contract import (
+    PHASE_TERMS,
+    Constraints,
+    Feedback,
+    MeasuredPhases,
+    Objective,
+    PlanHeadline,
+    PlanStatus,
+    Predictions,
+    Trace,
+)
 from planner_service.db.base import utcnow
 from planner_service.db.keyset_cursor import (
     after,
@@ -63,15 +73,18 @@ def plan_etag(
 
 
 def plan_headline(result: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What lists show of a stored Plan (`PlanHeadline`): predictions without the timeline and the cost
-    breakdown, and the solver's report. Stored beside the result when a plan finishes."""
+    """What lists show of a stored Plan (`PlanHeadline`): predictions without the timeline and with only the
+    cost breakdown's terms the measured phases are checked against (`PHASE_TERMS`), and the solver's report.
+    Stored beside the result when a plan finishes."""
     if result is None:
         return None
     predictions = result.get("predictions")
     if predictions is not None:
+        terms = predictions.get("breakdown") or {}
         predictions = {
             k: v for k, v in predictions.items() if k not in ("device_memory_timeline", "breakdown")
         }
+        predictions["breakdown"] = {k: terms[k] for k in PHASE_TERMS if k in terms}
     return {"predictions": predictions, "solver": result.get("solver")}
 
 
@@ -615,6 +628,17 @@ def relative_error(measured: float, predicted: float | None) -> float | None:
     return measured / predicted - 1.0
 
 
+def phase_errors(measured: MeasuredPhases | None, predicted: Predictions | None) -> dict[str, float] | None:
+    """measured / predicted - 1 of each phase and of the uploads per iteration (see `FeedbackRecord`)."""
+    if measured is None or predicted is None:
+        return None
+    pairs = {k: (getattr(measured, k), p) for k, p in predicted.phases().items()}
+    if measured.uploads_per_iteration is not None:
+        pairs["uploads_per_iteration"] = (measured.uploads_per_iteration, predicted.uploads_per_iteration)
+    errors = {k: relative_error(m, p) for k, (m, p) in pairs.items()}
+    return {k: e for k, e in errors.items() if e is not None}
+
+
 class FeedbackRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
@@ -635,6 +659,8 @@ class FeedbackRepository:
             peak_device_error=relative_error(
                 feedback.peak_device_bytes, predicted.peak_device_bytes if predicted else None
             ),
+            phases=feedback.phases.model_dump(mode="json") if feedback.phases else None,
+            phase_errors=phase_errors(feedback.phases, predicted),
             created_at=utcnow(),
         )
         self.s.add(row)

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 from markupsafe import Markup
 from pydantic import ValidationError
 
-from client.contract import ActivationMode, FeedbackRecord, Placement, Plan, PlanRecord, PlanStatus, Trace
+from client.contract import (
+    ActivationMode,
+    FeedbackRecord,
+    Placement,
+    Plan,
+    PlanRecord,
+    PlanStatus,
+    Predictions,
+    Trace,
+)
 from client.units import format_bytes
 from planner_service.ui.chart import render_svg
 from planner_service.ui.memory_series import memory_charts, needs_trace
@@ -183,7 +192,38 @@ def comparisons(plan: Plan, latest: FeedbackRecord | None) -> list[Comparison]:
             format_error(host_err),
             error_class(host_err),
         ),
+        *phase_comparisons(p, latest),
     ]
+
+
+PHASE_LABELS = {
+    "forward_s": "forward",
+    "backward_s": "backward and the rest",
+    "step_s": "optimizer.step()",
+}
+
+
+def phase_comparisons(p: Predictions, latest: FeedbackRecord) -> list[Comparison]:
+    """The measured iteration by phase against `Predictions.phases`, and the chunk uploads per iteration (only
+    where the feedback measured phases: agents before them did not)."""
+    measured = latest.feedback.phases
+    if measured is None:
+        return []
+    pairs = [(f"— {PHASE_LABELS[k]}", v, getattr(measured, k), format_seconds) for k, v in p.phases().items()]
+    if measured.uploads_per_iteration is not None and p.uploads_per_iteration is not None:
+        pairs.append(
+            (
+                "chunk uploads per iteration",
+                p.uploads_per_iteration,
+                measured.uploads_per_iteration,
+                "{:g}".format,
+            )
+        )
+    rows = []
+    for label, predicted, got, fmt in pairs:
+        e = got / predicted - 1.0 if predicted > 0 else None
+        rows.append(Comparison(label, fmt(predicted), fmt(got), format_error(e), error_class(e)))
+    return rows
 
 
 # ----------------------------------------------------------------------------------- solver report

@@ -287,6 +287,8 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         assert local is not None and m.sent is not None
         result["local_feedback"] = [local.iteration_s, local.peak_device_bytes, local.peak_host_bytes]
         result["sent_feedback"] = [m.sent.iteration_s, m.sent.peak_device_bytes, m.sent.peak_host_bytes]
+        result["local_phases"] = local.phases.model_dump() if local.phases else None
+        result["sent_phases"] = m.sent.phases.model_dump() if m.sent.phases else None
         result["sent_to"] = m.sent_to
     if case.save is not None and rank == 0:
         torch.save(

@@ -49,6 +49,12 @@ def test_all_offloaded_chunks_train_as_ddp_on_two_ranks(tmp_path: Path) -> None:
     assert "rank 0 sends" in results[1]["sent_to"]
     lines = sink.read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["feedback"]["peak_host_bytes"] == job[2]
+    # and by phase, the slowest rank's each phase (the uploads: the same on every rank, chunks replicated)
+    phases = {k: max(res["local_phases"][k] for res in results) for k in results[0]["local_phases"]}
+    assert phases["uploads_per_iteration"] > 0 and phases["forward_s"] > 0
+    for res in results:
+        assert res["sent_phases"] == pytest.approx(phases)
+    assert json.loads(lines[0])["feedback"]["phases"] == pytest.approx(phases)
 
 
 def test_mixed_plan_with_clipping_trains_as_ddp_on_four_ranks(tmp_path: Path) -> None:

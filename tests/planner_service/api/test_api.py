@@ -177,6 +177,55 @@ def test_feedback_records_prediction_errors(api, trace) -> None:  # type: ignore
     assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "body.steps_measured"
 
 
+def test_feedback_phases_are_checked_against_the_predicted_phases(api, trace) -> None:  # type: ignore[no-untyped-def]
+    """An agent's measured phases (forward, the rest, optimizer.step(), uploads) are stored with each one's error
+    against `Predictions.phases` of the plan; feedback without phases (an older agent) still posts, errors None."""
+    from client.contract import Predictions
+
+    trace_id = _upload(api, trace)
+    plan = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()
+    done = api.get(f"/v1/plans/{plan['id']}", params={"wait": 30}).json()
+    predicted = Predictions.model_validate(done["plan"]["predictions"])
+    want = predicted.phases()
+    assert sum(want.values()) == pytest.approx(predicted.iteration_s)
+    fb = {
+        "iteration_s": predicted.iteration_s,
+        "peak_device_bytes": 1000,
+        "peak_host_bytes": 0,
+        "steps_measured": 5,
+    }
+    phases = {
+        "forward_s": want["forward_s"] * 1.25,
+        "backward_s": want["backward_s"] * 0.5,
+        "step_s": want["step_s"] + 0.001,
+        "uploads_per_iteration": (predicted.uploads_per_iteration or 0.0) + 1.0,
+    }
+    r = api.post(f"/v1/plans/{plan['id']}/feedback", json=fb | {"phases": phases})
+    assert r.status_code == 201, r.text
+    errors = r.json()["phase_errors"]
+    assert errors["forward_s"] == pytest.approx(0.25) and errors["backward_s"] == pytest.approx(-0.5)
+    if want["step_s"] > 0:
+        assert errors["step_s"] == pytest.approx(0.001 / want["step_s"])
+    else:
+        assert "step_s" not in errors  # nothing predicted: no relative error
+    if predicted.uploads_per_iteration:
+        assert errors["uploads_per_iteration"] == pytest.approx(1.0 / predicted.uploads_per_iteration)
+    stored = api.get(f"/v1/plans/{plan['id']}").json()["feedback"][0]
+    assert stored["feedback"]["phases"] == phases and stored["phase_errors"] == errors
+    old = api.post(f"/v1/plans/{plan['id']}/feedback", json=fb)
+    assert (
+        old.status_code == 201
+        and old.json()["phase_errors"] is None
+        and old.json()["feedback"]["phases"] is None
+    )
+    for field, value in (("forward_s", -1.0), ("step_s", "fast"), ("uploads_per_iteration", float("1e12"))):
+        bad = api.post(f"/v1/plans/{plan['id']}/feedback", json=fb | {"phases": phases | {field: value}})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == f"body.phases.{field}", bad.text
+    extra = api.post(f"/v1/plans/{plan['id']}/feedback", json=fb | {"phases": phases | {"surprise": 1}})
+    assert extra.status_code == 422
+    assert len(api.get(f"/v1/plans/{plan['id']}").json()["feedback"]) == 2  # the rejected ones left nothing
+
+
 def test_health_and_readiness(api) -> None:  # type: ignore[no-untyped-def]
     assert api.get("/healthz").json() == {"status": "ok"}
     assert api.get("/readyz").json()["status"] == "ready"

@@ -136,7 +136,9 @@ def test_a_downgrade_and_upgrade_keep_every_plan_and_feedback_row(api, trace, db
     ]
     assert api.get(f"/v1/plans/{pid}", params={"wait": 30}).json()["status"] == "done"
     fb = {"iteration_s": 1.0, "peak_device_bytes": 1, "peak_host_bytes": 0, "steps_measured": 1}
-    assert api.post(f"/v1/plans/{pid}/feedback", json=fb).status_code == 201
+    phases = {"forward_s": 0.25, "backward_s": 0.5, "step_s": 0.25, "uploads_per_iteration": 3.0}
+    assert api.post(f"/v1/plans/{pid}/feedback", json=fb | {"phases": phases}).status_code == 201
+    assert api.get(f"/v1/plans/{pid}").json()["feedback"][0]["feedback"]["phases"] == phases
     engine = create_engine(db_url)
 
     def counts() -> tuple[int, ...]:
@@ -152,4 +154,6 @@ def test_a_downgrade_and_upgrade_keep_every_plan_and_feedback_row(api, trace, db
     upgrade(db_url)
     assert counts() == (1, 1, 1, 1, 1)
     engine.dispose()
-    assert api.get(f"/v1/plans/{pid}").json()["feedback"][0]["feedback"]["steps_measured"] == 1
+    kept = api.get(f"/v1/plans/{pid}").json()["feedback"][0]
+    # the phases went with 0010's columns (an agent before them measured none); the row and its figures stayed
+    assert kept["feedback"]["steps_measured"] == 1 and kept["feedback"]["phases"] is None

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from client.contract import Constraints, Feedback, FeedbackRecord, Plan, PlanRecord, Trace
+from client.contract import Constraints, Feedback, FeedbackRecord, MeasuredPhases, Plan, PlanRecord, Trace
 from planner_service.solver import solve
 from planner_service.solver.testing.synthetic import synthetic_trace
 from planner_service.ui.queries import StoredTrace
@@ -90,6 +90,33 @@ def test_comparison_has_predicted_measured_and_coloured_relative_error(plan: Pla
     assert rows["peak device memory"].error == "+5.0%" and rows["peak device memory"].css == "err-good"
     assert rows["peak host memory"].error == "+0.0%"
     assert all(c.measured == "—" for c in comparisons(plan, None))
+
+
+def test_phases_measured_by_the_agent_are_compared_phase_by_phase(plan: Plan) -> None:
+    """Feedback with phases adds a row per phase (`Predictions.phases`) and one for the chunk uploads; feedback
+    from an agent before phases adds none."""
+    assert plan.predictions is not None
+    want = plan.predictions.phases()
+    fb = _feedback("f1", plan, plan.predictions.peak_device_bytes)
+    assert len(comparisons(plan, fb)) == 3
+    uploads = plan.predictions.uploads_per_iteration
+    measured = MeasuredPhases(
+        forward_s=want["forward_s"] * 1.5,
+        backward_s=want["backward_s"],
+        step_s=want["step_s"],
+        uploads_per_iteration=uploads,
+    )
+    rows = {
+        c.quantity: c
+        for c in comparisons(
+            plan, fb.model_copy(update={"feedback": fb.feedback.model_copy(update={"phases": measured})})
+        )
+    }
+    assert rows["— forward"].error == "+50.0%" and rows["— forward"].css == "err-bad"
+    assert rows["— backward and the rest"].error == "+0.0%"
+    assert rows["— optimizer.step()"].predicted == format_seconds(want["step_s"])
+    if uploads is not None:
+        assert rows["chunk uploads per iteration"].measured == f"{uploads:g}"
 
 
 def test_plan_with_a_timeline_and_no_allocation_never_parses_its_trace(plan: Plan, trace: Trace) -> None:
