@@ -253,7 +253,8 @@ class StepMonitor:
         self._meter = DevicePeakMeter(device)
         self._metering = False
         self._last: float | None = None
-        self._clock = DeviceClock(device)
+        # events where the runtime takes its CUDA code paths (as the probes' clocks: the runtime's own answer)
+        self._clock = DeviceClock(device, cuda=manager.ctx.is_cuda if manager is not None else None)
         self._forward_start: Mark | None = None
         self._forwards: list[tuple[Mark, Mark]] = []  # this step's forward calls (timed steps only)
         self._step_start: Mark | None = None

@@ -146,3 +146,34 @@ def test_a_swapped_blocks_storages_go_by_the_end_of_the_next_blocks_forward(kind
         mgr.remove()
         gc.collect()
     sim.check()
+
+
+def test_the_feedback_monitor_times_phases_with_events_read_after_each_steps_synchronize() -> None:
+    """The monitor's phases (`MeasuredPhases`) on the CUDA path: events on the compute stream around the forward
+    and `optimizer.step()`, read only after the synchronize that ends each timed step (a read before it is a
+    StreamOrderError), no synchronisation of its own."""
+    model = tiny_model("llama")
+    with simulated_cuda("caching") as sim:
+        w = wrap(model, adamw(model), plan=plan_for(model, "all", n_chunks=8, n_buffers=2), feedback_steps=5)
+        assert w.monitor is not None and w.monitor._clock.cuda
+        syncs = []
+        original = sim.synchronize
+
+        def count(*args: Any) -> None:
+            syncs.append(1)
+            original(*args)
+
+        torch.cuda.synchronize = count  # restored when simulated_cuda exits
+        train(Trainer(w.model, w.optimizer), batches(5))
+        fb = w.monitor.measured.sent
+        timed = len(syncs)
+        w.synchronize()
+        unwrap(w)
+        streams = {sim.stream_name(e) for e in sim.timing_events}
+    assert fb is not None and fb.phases is not None and fb.steps_measured == 2
+    # every chunk offloaded: each uploaded for forward (and again for backward: 2 buffers), the same every step
+    uploads = fb.phases.uploads_per_iteration
+    assert uploads is not None and uploads >= 8 and uploads == int(uploads)
+    assert "compute (default stream)" in streams
+    assert timed == 5, f"the monitor synchronised {timed} times over 5 steps (one per step, as before phases)"
+    sim.check()
