@@ -8,8 +8,6 @@ validator, and the real planner service (SQLite) on a loopback port for the end-
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +23,6 @@ from agent.wrapping import unwrap, wrap
 from client.cli.render import plan_table
 from client.contract import ActivationMode, AllocationCategory, Constraints, Placement, Plan
 from client.sdk import Client
-from planner_service.embedded import EmbeddedServer
 from planner_service.solver.allocation import validate_allocation
 
 pytestmark = pytest.mark.slow
@@ -44,14 +41,6 @@ def job() -> dict[str, Any]:
     trace = agent.profile(probe, batch, optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3), repeats=1)
     limit = int(trace.measurements.peak_device_bytes * LIMIT_FRACTION)
     return {"model": model, "batch": batch, "trace": trace, "limit": limit}
-
-
-@pytest.fixture()
-def service(tmp_path: Path) -> Iterator[str]:
-    from planner_service.settings import Settings
-
-    with EmbeddedServer(Settings(database_url=f"sqlite:///{tmp_path / 'memplan.db'}", workers=1)) as url:
-        yield url
 
 
 def _wrapped(job: dict[str, Any], **kwargs: Any) -> Any:

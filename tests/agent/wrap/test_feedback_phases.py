@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import torch
 
 import agent
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
-from planner_service.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +32,6 @@ def job() -> dict[str, Any]:
     probe = copy.deepcopy(model)
     trace = agent.profile(probe, batch, repeats=1, allocation_trace=False)
     return {"model": model, "batch": batch, "limit": int(trace.measurements.peak_device_bytes * 0.7)}
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[str]:
-    from planner_service.settings import Settings
-
-    with EmbeddedServer(Settings(database_url=f"sqlite:///{tmp_path / 'memplan.db'}", workers=1)) as url:
-        yield url
 
 
 def wrapped(job: dict[str, Any], **kw: Any) -> Any:

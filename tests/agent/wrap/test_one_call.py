@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +69,6 @@ def run_wrapped(job: dict[str, Any], **kw: Any) -> tuple[Wrapped, list[float]]:
     model = copy.deepcopy(job["model"])
     run = wrap(model, adamw(model), sample_batch=job["batch"], device_memory=job["limit"], **kw)
     return run, train(run.model, run.optimizer, job["batch"])
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[str]:
-    from planner_service.settings import Settings
-
-    with EmbeddedServer(Settings(database_url=f"sqlite:///{tmp_path / 'memplan.db'}", workers=1)) as url:
-        yield url
 
 
 def test_embedded_wrap_profiles_solves_applies_and_trains_like_plain_pytorch(
