@@ -259,6 +259,8 @@ class StepMonitor:
         self._forwards: list[tuple[Mark, Mark]] = []  # this step's forward calls (timed steps only)
         self._step_start: Mark | None = None
         self._uploads_at: int | None = None  # the runtime's upload count when the step's window opened
+        self._eval_uploads_at: int | None = None  # ... when an evaluation forward (no grad) started
+        self._eval_uploads = 0  # uploads of this step's evaluation forwards: not the training iteration's
         self._sender: threading.Thread | None = None
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(eager(self._before_forward), with_kwargs=True),
@@ -285,6 +287,8 @@ class StepMonitor:
             return
         if self._timing() and torch.is_grad_enabled():  # an evaluation forward (no grad) is not the step's
             self._forward_start = self._clock.mark()
+        elif self._timing() and self.manager is not None:
+            self._eval_uploads_at = self.manager.counters.uploads
         if self._metering or self.measured.steps != self.meter_step or not torch.is_grad_enabled():
             return
         self._metering = True
@@ -299,6 +303,9 @@ class StepMonitor:
         if self._forward_start is not None:
             self._forwards.append((self._forward_start, self._clock.mark()))
             self._forward_start = None
+        if self._eval_uploads_at is not None and self.manager is not None:
+            self._eval_uploads += self.manager.counters.uploads - self._eval_uploads_at
+            self._eval_uploads_at = None
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.measured.sent is None and self._timing():
@@ -322,6 +329,7 @@ class StepMonitor:
             self.measured.iteration_s.append(now - self._last)
             self._record_phases(end)
         self._forwards, self._forward_start, self._step_start = [], None, None
+        self._eval_uploads_at, self._eval_uploads = None, 0
         self.measured.steps += 1
         self._last = time.perf_counter()
         self._uploads_at = self.manager.counters.uploads if self.manager is not None else None
@@ -334,7 +342,9 @@ class StepMonitor:
         m.forward_s.append(sum(self._clock.seconds(a, b) for a, b in self._forwards))
         m.step_s.append(self._clock.seconds(self._step_start, end) if self._step_start and end else 0.0)
         if self.manager is not None and self._uploads_at is not None:
-            m.uploads = (m.uploads or 0) + self.manager.counters.uploads - self._uploads_at
+            m.uploads = (
+                (m.uploads or 0) + self.manager.counters.uploads - self._uploads_at - self._eval_uploads
+            )
 
     def _host_bytes(self) -> int:
         host = 0

@@ -10,6 +10,9 @@
   to the device and dtype the model already has (what Hugging Face Trainer does after the model is
   wrapped) returns the model unchanged; a real move or cast, and `.cuda()` / `.half()` / ... (any
   `_apply`), raise `WrappedModelMoveError` instead of being silently undone by the runtime.
+  `copy.deepcopy(wrapped.model)` raises `WrappedModelCopyError`: the copy took the runtime's hooks along, and its
+  forward ran on the training model's chunk buffers (a "frozen" reference model that followed training, no
+  error; session 19 probe). Copy the model before `wrap`, or build one from `wrapped.model.state_dict()`.
 * `DDPGuard`: `DistributedDataParallel(wrapped.model)` (a DDP user's habit, and what Accelerate's or
   Lightning's multi-process `prepare` does) raises `WrappedModelDDPError` in DDP's constructor, before any
   collective: memplan averages the gradients itself, and DDP's reducer on top of it trained silently wrong
@@ -90,16 +93,22 @@ class WrappedModelMoveError(RuntimeError):
     """A wrapped model was asked to move to another device or dtype."""
 
 
+class WrappedModelCopyError(RuntimeError):
+    """`copy.deepcopy` of a wrapped model (its copy would run on the runtime's buffers)."""
+
+
 class MoveGuard:
-    """Installed on a wrapped model: `.to()` to where it already is is a no-op, anything else raises."""
+    """Installed on a wrapped model: `.to()` to where it already is is a no-op, anything else raises; so does
+    `copy.deepcopy`."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         model.to = self._to  # type: ignore[method-assign]
         model._apply = self._apply  # type: ignore[method-assign]
+        model.__dict__["__deepcopy__"] = self._deepcopy  # copy.deepcopy looks it up on the instance
 
     def remove(self) -> None:
-        for name in ("to", "_apply"):
+        for name in ("to", "_apply", "__deepcopy__"):
             if name in self.model.__dict__:
                 del self.model.__dict__[name]
 
@@ -121,6 +130,14 @@ class MoveGuard:
             f"model.to({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])}): the model is "
             f"wrapped by memplan on {self.device} in {self.dtype}; moving or casting it would be undone by the "
             "runtime. Move or cast the model before agent.wrap (or agent.unwrap, move, wrap again)"
+        )
+
+    def _deepcopy(self, memo: dict[int, Any]) -> nn.Module:
+        raise WrappedModelCopyError(
+            "copy.deepcopy(wrapped.model): the copy would keep memplan's hooks and run on the training model's "
+            "chunk buffers (a reference or teacher model that silently follows training). Copy the model before "
+            "agent.wrap, or build a plain one from the wrapped model's weights, e.g. for a Hugging Face model "
+            "ref = type(m)(m.config); ref.load_state_dict(wrapped.model.state_dict())"
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:

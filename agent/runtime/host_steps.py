@@ -17,6 +17,7 @@ rank's shard, so it too ends with a barrier.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ from agent.runtime.residency import ChunkResidency
 
 if TYPE_CHECKING:
     from agent.runtime.optimizer import ChunkedOptimizer
+
+
+log = logging.getLogger(__name__)
 
 
 class HostSteps:
@@ -58,6 +62,7 @@ class HostSteps:
         # gradient accumulation: backward passes since the last optimizer.step(), and how many the last step
         # had; host steps are speculated only in the backward expected to be the last before a step
         self.backwards = 0
+        self._warned_evaluation = False
         self.accumulation = 1
         self.group: RankGroup | None = None  # the job's process group: sharded chunks' collectives
         self.shared = False  # the sharded chunks' compute copies are node-shared (`node_shared.py`)
@@ -233,6 +238,27 @@ class HostSteps:
         st.spec_hypers = None
         st.user_grad_filled = False
         self.counters.host_step_undos += 1
+
+    def undo_for_evaluation(self, states: list[ChunkState]) -> None:
+        """A forward under no_grad between backward and `optimizer.step()` (an evaluation, a metric) sees the
+        parameters before the step, as in plain PyTorch: the speculative steps no `step()` confirmed are undone
+        (`step()` then takes them, as it does a chunk not stepped yet; the overlap is lost for this iteration). A
+        node-shared chunk's undo is a barrier of every rank (an evaluation may run on one rank only), and
+        `undo_host_steps=False` keeps nothing to undo with: those keep their stepped values, said once."""
+        for st in states:
+            if not (st.offloaded and st.stepped):
+                continue
+            if st.spec_backup and not st.node_shared:
+                self.undo(st, why="a forward under no_grad before optimizer.step()")
+            elif not self._warned_evaluation:
+                self._warned_evaluation = True
+                log.warning(
+                    "memplan: a forward under no_grad between backward and optimizer.step() sees the parameters "
+                    "of offloaded chunk %d already stepped (%s); call optimizer.step() first, or use "
+                    "RuntimeOptions(overlap_host_step=False)",
+                    st.index,
+                    "node-shared copy" if st.node_shared else "undo_host_steps=False",
+                )
 
     def settle(self, st: ChunkState, hypers: list[dict[str, Any]], *, grad_changed: bool) -> None:
         """At `optimizer.step()`: keep the chunk's speculative step if it is still valid, else restore and

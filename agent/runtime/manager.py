@@ -54,6 +54,11 @@ from agent.runtime.timing import RuntimeTiming, section
 __all__ = ["ModelStateManager", "SavedChunkView"]
 
 
+class SecondBackwardError(RuntimeError):
+    """A backward after another one with no forward of the model in between, where the runtime settled the first
+    backward's gradients already (offloaded or device-sharded chunks): refused, not computed wrongly."""
+
+
 class ModelStateManager:
     """Applies a plan's model-state policy to a model: owns its hooks, the phase, and the runtime's parts."""
 
@@ -145,6 +150,7 @@ class ModelStateManager:
         self.optimizer: ChunkedOptimizer | None = None
         self._handles: list[RemovableHandle] = []
         self._root_grad = False
+        self._backward_done = False  # a backward ended since the last forward with gradients
         self._esize = element_size(layout.compute_dtype)
         self._move_buffers_to_device()
         self._install_hooks()
@@ -351,6 +357,12 @@ class ModelStateManager:
         training = self.has_offload and torch.is_grad_enabled()
         if training:
             self.gradients.retract()  # gradients of this forward's backward add to the host gradients
+        elif self.host_steps is not None:
+            # an evaluation between backward and optimizer.step() sees the parameters before the step, as in
+            # plain PyTorch: speculative host steps no step() confirmed yet are undone (step() takes them)
+            self.host_steps.undo_for_evaluation(self.states)
+        if torch.is_grad_enabled():
+            self._backward_done = False
         if torch.is_grad_enabled():
             # as DDP decides at forward: this forward's backward averages gradients across the ranks
             # unless it runs inside `no_sync()`
@@ -389,6 +401,15 @@ class ModelStateManager:
     def _ensure_backward(self) -> None:
         if self.phase.backward:
             return
+        if self._backward_done and (self.has_offload or self.device_shards is not None):
+            raise SecondBackwardError(
+                "memplan: a second backward pass before the model's next forward (loss.backward(retain_graph=True) "
+                "and then another loss's backward, or two forwards and then a backward for each) is not supported "
+                "with offloaded or sharded parameter chunks: the first backward already settled this forward's "
+                "gradients on the host and may have stepped them. Sum the losses and call backward once "
+                "((loss + aux_loss).backward() gives the same gradients), or run a forward and its backward in "
+                "turn for each batch (gradient accumulation)."
+            )
         self.backwards_started += 1
         if self._publishes:
             assert self.group is not None
@@ -441,6 +462,7 @@ class ModelStateManager:
         self.schedule.finish_recording()
         self.phase.state = TrainingState.IDLE
         self.counters.iterations += 1
+        self._backward_done = not aborted
         if aborted:
             self.gradients.deferred = False  # (its local gradients are reduced by the next synchronising one)
         if not aborted and self.host_steps is not None:

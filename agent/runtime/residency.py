@@ -107,7 +107,9 @@ class ChunkResidency:
                     "the plan needs more buffers (policy.n_buffers) for this model"
                     + (
                         " (chunks recomputed in backward by activation checkpointing stay resident until "
-                        "their gradients are complete)"
+                        "their gradients are complete; two forwards with gradients before one backward, their "
+                        "losses summed, recompute both: run one forward on the batches concatenated, or a "
+                        "forward and its backward in turn for each)"
                         if any(self.states[c].recompute_pins for c in held if c is not None)
                         else ""
                     )

@@ -328,8 +328,11 @@ class SwapStore:
     def _refetch(self, entry: SwapEntry) -> None:
         if entry.host is None:
             raise RuntimeError(
-                "activation swap: a swapped tensor was unpacked after its host copy was released (a second "
-                "backward through the same graph needs retain_graph=True before the first one)"
+                "activation swap: a swapped tensor was unpacked after its host copy was released: a second "
+                "backward through the same graph (the first needs retain_graph=True), or the backward of a "
+                "forward that another forward with gradients followed before it (two forwards whose losses are "
+                "summed: the swap store keeps one forward's activations per block). Run one forward on the "
+                "batches concatenated, or a forward and its backward in turn for each (gradient accumulation)"
             )
         dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
         if entry.out_done is not None:

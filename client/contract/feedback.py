@@ -30,7 +30,8 @@ class MeasuredPhases(ContractModel):
         default=None,
         ge=0.0,
         le=1e9,
-        description="offloaded chunks uploaded to the device per iteration (None: no chunk runtime)",
+        description="offloaded chunks uploaded to the device per iteration, evaluation forwards under no_grad "
+        "left out (None: no chunk runtime)",
     )
 
 
