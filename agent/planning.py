@@ -35,6 +35,7 @@ from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.optimizer_probe import optimizer_kind
 from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 from agent.runtime.activations import ActivationPlanError, block_targets
+from agent.runtime.device import element_size
 from agent.runtime.layout import ChunkLayout, PlanMismatchError
 from agent.runtime.options import RuntimeOptions, job_trace
 from agent.service_call import ServiceBudget, classify
@@ -181,19 +182,47 @@ def _usable(plan: Plan | None) -> bool:
     )
 
 
-def misfit(plan: Plan, model: nn.Module, options: RuntimeOptions | None) -> str | None:
+def misfit(
+    plan: Plan, model: nn.Module, options: RuntimeOptions | None, constraints: Constraints | None = None
+) -> str | None:
     """Why the service's `plan` cannot be applied to `model` (the `PlanMismatchError` or `ActivationPlanError`
-    `wrap` would raise), else None. A plan from the service or its history is checked before it is used, and one
-    that does not fit is a service failure (in-process solving instead): training never stops because of the
-    service (session 9 QA: a finished plan for another model raised from `wrap`)."""
+    `wrap` would raise, or buffers the job's limits cannot hold), else None. A plan from the service or its
+    history is checked before it is used, and one that does not fit is a service failure (in-process solving
+    instead): training never stops because of the service (session 9 QA: a finished plan for another model
+    raised from `wrap`; session 19 probe: a plan with 64 GiB chunks for a 0.5 MB model died allocating them)."""
     assert plan.policy is not None
     dtype = (options.compute_dtype if options is not None else None) or next(model.parameters()).dtype
     try:
-        ChunkLayout.from_policy(plan.policy, model, dtype)
+        layout = ChunkLayout.from_policy(plan.policy, model, dtype)
         block_targets(model, plan.policy)
     except (PlanMismatchError, ActivationPlanError) as exc:
         return f"{type(exc).__name__}: {exc}"
+    if constraints is None:
+        return None
+    esize = element_size(dtype)
+    # what the runtime allocates at once, before any training: the persistent chunks and the device buffers of
+    # offloaded ones on the device; the offloaded chunks' copies on the host
+    persistent = sum(c.shard_numel if c.sharded else layout.chunk_numel for c in layout.persistent)
+    device = (persistent + (layout.n_buffers * layout.chunk_numel if layout.offloaded else 0)) * esize
+    if device > constraints.device_memory_bytes:
+        return (
+            f"its {len(layout.persistent)} persistent chunks and {layout.n_buffers} buffers of "
+            f"{plan.policy.chunk_size_bytes} bytes take {device} bytes of device memory, above the job's "
+            f"{constraints.device_memory_bytes}"
+        )
+    host = len(layout.offloaded) * layout.chunk_numel * esize
+    host_limit = constraints.host_memory_bytes or physical_memory_bytes()
+    if host_limit and host > host_limit:
+        return f"its {len(layout.offloaded)} offloaded chunks take {host} bytes of host memory, above {host_limit}"
     return None
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def find_in_history(
@@ -329,7 +358,7 @@ def obtain_plan(
                 client.close()
                 client = None
                 found = None
-            wrong = misfit(found[1], model, options) if found is not None else None
+            wrong = misfit(found[1], model, options, constraints) if found is not None else None
             if wrong is not None:
                 log.warning(
                     "memplan: plan %s in %s history does not fit this model (%s); this is a defect, please "
@@ -376,7 +405,7 @@ def obtain_plan(
                     "upload, request and wait",
                 )
                 wrong = (
-                    misfit(record.plan, model, options)
+                    misfit(record.plan, model, options, constraints)
                     if record.status is PlanStatus.done and record.plan is not None and _usable(record.plan)
                     else None
                 )
@@ -394,14 +423,12 @@ def obtain_plan(
                         message=f"plan {record.id[:12]} from {url}" + (" (reused)" if record.reused else ""),
                     )
                 else:
-                    if record.status is PlanStatus.infeasible and record.plan is not None:
-                        check_feasible(record.plan, constraints)  # raises with the service's answer
+                    # (infeasible too: the in-process solver confirms it, or finds the plan a stale, faulty or
+                    # other-version service missed; only its own answer stops the job)
                     reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
                         f": {record.error}" if record.error else ""
                     )
                     log.warning("memplan: no plan from %s (%s); solving in-process instead", url, reason)
-            except PlanInfeasibleError:
-                raise
             except Exception as exc:
                 reason = _service_failure(exc, url, "plan request")
             plan = check_feasible(solve_embedded(trace, constraints), constraints)

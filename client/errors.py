@@ -19,6 +19,7 @@ __all__ = [
     "PermissionDeniedError",
     "RateLimitError",
     "ServiceUnavailableError",
+    "UnexpectedResponseError",
     "UnprocessableEntityError",
     "error_for_status",
     "service_root",
@@ -35,6 +36,16 @@ class APIConnectionError(MemplanError):
 
 class APITimeoutError(APIConnectionError):
     """The service did not answer in time (after retries)."""
+
+
+class UnexpectedResponseError(MemplanError):
+    """The service answered something this client cannot read: a body that is not the expected JSON (an HTML
+    login page, a proxy's error, a record of the wrong shape), or a status the request cannot get (a 304 to a
+    request without If-None-Match, a redirect). A service or proxy fault, never the caller's."""
+
+    def __init__(self, message: str, *, status_code: int) -> None:
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
 
 
 class APIStatusError(MemplanError):

@@ -18,6 +18,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import httpx
+import pydantic
 from pydantic import BaseModel
 
 from client.contract import (
@@ -39,7 +40,13 @@ from client.contract import (
     WhatIfRequest,
     WhatIfResponse,
 )
-from client.errors import APIConnectionError, APITimeoutError, MemplanError, error_for_status
+from client.errors import (
+    APIConnectionError,
+    APITimeoutError,
+    MemplanError,
+    UnexpectedResponseError,
+    error_for_status,
+)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -92,11 +99,39 @@ def _decode(response: httpx.Response) -> Any:
 
 
 def _check(response: httpx.Response) -> Any:
-    """The decoded body of a success; the typed `APIStatusError` subclass for a 4xx/5xx."""
+    """The decoded body of a success; the typed `APIStatusError` subclass for a 4xx/5xx; an
+    `UnexpectedResponseError` for any other status that is not a success (a redirect, a 304 here)."""
     body = _decode(response)
     if response.status_code >= 400:
         raise error_for_status(response.status_code, body)
+    if not 200 <= response.status_code < 300:
+        raise UnexpectedResponseError(
+            f"{response.request.method} {response.request.url.path}: an answer this request cannot get "
+            f"({response.reason_phrase or 'no reason given'}; a proxy in between?)",
+            status_code=response.status_code,
+        )
     return body
+
+
+def _parsed(parse: Callable[[Any], T], body: Any, response: httpx.Response) -> T:
+    """`parse(body)`, or an `UnexpectedResponseError` naming the first problem when the body is not what the
+    contract says (HTML from a login proxy, a record of another shape, a service of another version)."""
+    try:
+        return parse(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise UnexpectedResponseError(
+            f"{response.request.method} {response.request.url.path}: the answer is not what the contract says "
+            f"({where}: {first['msg']}; {exc.error_count()} problem(s))",
+            status_code=response.status_code,
+        ) from exc
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:  # a list expected, a string given, ...
+        raise UnexpectedResponseError(
+            f"{response.request.method} {response.request.url.path}: the answer is not what the contract says "
+            f"({type(exc).__name__}: {exc})",
+            status_code=response.status_code,
+        ) from exc
 
 
 class PlanCache:
@@ -124,7 +159,7 @@ class PlanCache:
                 return None
             self._items.move_to_end(plan_id)
             return hit[1]
-        record = PlanRecord.model_validate(_check(response))
+        record = _parsed(PlanRecord.model_validate, _check(response), response)
         etag = response.headers.get("etag")
         if etag:
             self._items[plan_id] = (etag, record)
@@ -482,7 +517,8 @@ class Client(BaseClient):
             attempt += 1
 
     def _call(self, request: APIRequest[T]) -> T:
-        return request.parse(_check(self._send(request)))
+        response = self._send(request)
+        return _parsed(request.parse, _check(response), response)
 
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
         return self._call(self._raw_request(method, path, timeout=timeout, **kw))
@@ -513,7 +549,11 @@ class Client(BaseClient):
             record = self._plans.resolve(plan_id, self._send(self._get_plan(plan_id, wait_s, headers)))
             if record is not None:
                 return record
-        raise AssertionError("unreachable: a request without If-None-Match gets no 304")
+        raise UnexpectedResponseError(
+            f"GET /v1/plans/{plan_id}: 304 Not Modified to a request without If-None-Match (a cache or proxy in "
+            "between?)",
+            status_code=304,
+        )
 
     def wait_for_plan(self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0) -> PlanRecord:
         """Long-poll until the plan is done, failed or infeasible, or `timeout_s` passes (returns as it is)."""
@@ -605,7 +645,8 @@ class AsyncClient(BaseClient):
             attempt += 1
 
     async def _call(self, request: APIRequest[T]) -> T:
-        return request.parse(_check(await self._send(request)))
+        response = await self._send(request)
+        return _parsed(request.parse, _check(response), response)
 
     async def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
         return await self._call(self._raw_request(method, path, timeout=timeout, **kw))
@@ -632,7 +673,11 @@ class AsyncClient(BaseClient):
             record = self._plans.resolve(plan_id, await self._send(self._get_plan(plan_id, wait_s, headers)))
             if record is not None:
                 return record
-        raise AssertionError("unreachable: a request without If-None-Match gets no 304")
+        raise UnexpectedResponseError(
+            f"GET /v1/plans/{plan_id}: 304 Not Modified to a request without If-None-Match (a cache or proxy in "
+            "between?)",
+            status_code=304,
+        )
 
     async def wait_for_plan(
         self, plan_id: str, *, timeout_s: float = 300.0, poll_s: float = 10.0

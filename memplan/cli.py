@@ -8,14 +8,49 @@ starts fast.
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
+import pydantic
 import typer
 
 from agent.cli import demo, profile
 from client.cli import remote
+from client.cli.common import err_console
 from planner_service.cli import alloc, service, solve
 from planner_service.whatif import cli as whatif_cli
 
-app = typer.Typer(no_args_is_help=True, help="memplan: plan GPU memory for LLM training.")
+
+class _App(typer.Typer):
+    """The command line: an error a command did not turn into its own message (a value the contract refuses, a
+    file that cannot be written, a malformed URL) is one line on stderr and exit status 1, not a traceback
+    (session 19 probe); MEMPLAN_DEBUG=1 shows the traceback."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the last word of the command line
+            if os.environ.get("MEMPLAN_DEBUG"):
+                raise
+            err_console.print(f"[red]error[/]: {describe(exc)}", highlight=False, markup=True)
+            sys.exit(1)
+
+
+def describe(exc: Exception) -> str:
+    """One line for an error: a validation error names its first field."""
+    from rich.markup import escape
+
+    if isinstance(exc, pydantic.ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or exc.title
+        return escape(
+            f"{where}: {first['msg']}" + (f" ({exc.error_count()} problems)" if exc.error_count() > 1 else "")
+        )
+    return escape(f"{type(exc).__name__}: {exc}") + " (MEMPLAN_DEBUG=1 shows the traceback)"
+
+
+app = _App(no_args_is_help=True, help="memplan: plan GPU memory for LLM training.")
 
 plans_app = typer.Typer(no_args_is_help=True, help="Request, inspect and solve plans.")
 plans_app.command("request")(remote.plans_request)

@@ -12,12 +12,19 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from client import AsyncClient, Client
 from client.contract import Constraints, Feedback
-from client.errors import APIConnectionError, NotFoundError, ServiceUnavailableError, UnprocessableEntityError
+from client.errors import (
+    APIConnectionError,
+    MemplanError,
+    NotFoundError,
+    ServiceUnavailableError,
+    UnexpectedResponseError,
+    UnprocessableEntityError,
+)
 from client.sdk import retry_delay
 from planner_service.embedded import EmbeddedServer, free_port
 from planner_service.solver.testing.synthetic import synthetic_trace
@@ -56,6 +63,56 @@ class FlakyServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class ForeignServer(FlakyServer):
+    """Answers what no memplan service does: a login page, JSON of another shape, a 304 to a plain GET, a redirect
+    (a proxy, a cache or a service of another version in between)."""
+
+    def __init__(self) -> None:
+        super().__init__(failures=0)
+
+        async def models(_: Request) -> HTMLResponse:
+            return HTMLResponse("<html><body>Please sign in</body></html>")
+
+        async def hardware(_: Request) -> JSONResponse:
+            return JSONResponse({"items": "not a list"})
+
+        async def plan(_: Request) -> Response:
+            return Response(status_code=304)
+
+        async def trace(_: Request) -> RedirectResponse:
+            return RedirectResponse("/login", status_code=302)
+
+        routes = [
+            Route("/v1/models", models),
+            Route("/v1/hardware", hardware),
+            Route("/v1/plans/{plan_id}", plan),
+            Route("/v1/traces/{trace_id}", trace),
+        ]
+        self.server.config.app = Starlette(routes=routes)
+
+
+def test_an_answer_no_service_gives_is_a_memplan_error_naming_the_request() -> None:
+    """Session 19 probe: the SDK let pydantic's ValidationError (and an AssertionError for a 304) out, which the CLI
+    printed as a traceback and `agent.wrap` re-raised as its own bug, killing the job."""
+    with ForeignServer() as url, Client(url, max_retries=0) as c:
+        for call, words in (
+            (c.models, "GET /v1/models: the answer is not what the contract says"),
+            (c.hardware, "GET /v1/hardware: the answer is not what the contract says"),
+            (lambda: c.get_plan("p1"), "304 Not Modified to a request without If-None-Match"),
+            (lambda: c.get_trace("t1"), "GET /v1/traces/t1: an answer this request cannot get"),
+        ):
+            with pytest.raises(UnexpectedResponseError, match=words) as info:
+                call()
+            assert isinstance(info.value, MemplanError)
+
+        async def read() -> None:
+            async with AsyncClient(url, max_retries=0) as ac:
+                with pytest.raises(UnexpectedResponseError, match="304"):
+                    await ac.get_plan("p1")
+
+        asyncio.run(read())
 
 
 def test_retries_5xx_then_succeeds() -> None:

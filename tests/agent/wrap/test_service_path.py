@@ -307,3 +307,83 @@ def test_a_url_that_is_not_the_services_root_is_told_as_such_not_as_a_defect_to_
     said = [r.getMessage() for r in caplog.records if "solving in-process" in r.getMessage()]
     assert len(said) == 1 and "defect" not in said[0], said
     assert f"no memplan API at {service + suffix}" in said[0] and f"e.g. {service}" in said[0], said
+
+
+def tampered(upstream: str, path: str, edit: Callable[[dict[str, Any]], None]) -> tuple[int, str]:
+    """The upstream's answer to GET `path`, edited (a faulty, stale or other-version service)."""
+    import json
+
+    record = httpx.get(upstream + path, timeout=60).json()
+    edit(record)
+    return 200, json.dumps(record)
+
+
+def train_one_step(wrapped: Any, batch: dict[str, torch.Tensor]) -> float:
+    loss = wrapped.model(**batch).loss
+    loss.backward()
+    wrapped.optimizer.step()
+    wrapped.optimizer.zero_grad()
+    return float(loss.item())
+
+
+def test_a_304_to_a_plan_read_without_a_tag_falls_back_instead_of_crashing_the_job(
+    service: str, job: tuple[nn.Module, dict[str, torch.Tensor]]
+) -> None:
+    """Session 19 probe: a proxy answering 304 Not Modified to a plain GET raised AssertionError out of wrap."""
+
+    def rule(method: str, path: str) -> tuple[int, str] | None:
+        return (304, "") if method == "GET" and PLAN_GET.match(path) else None
+
+    with MisbehavingProxy(service, rule) as proxy:
+        wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)["wrapped"]
+    assert wrapped.source.origin == "fallback" and "304" in wrapped.source.message
+    assert train_one_step(wrapped, job[1]) > 0
+
+
+def test_a_service_that_answers_infeasible_is_checked_in_process(
+    service: str, job: tuple[nn.Module, dict[str, torch.Tensor]]
+) -> None:
+    """Session 19 probe: a service answering "infeasible" for a model that fits 1 GiB many times over stopped the job
+    with PlanInfeasibleError; the in-process solver now has the last word."""
+
+    def infeasible(record: dict[str, Any]) -> None:
+        record["status"] = "infeasible"
+        if record.get("plan"):
+            record["plan"]["policy"] = record["plan"]["allocation"] = record["plan"]["predictions"] = None
+            record["plan"]["solver"]["status"] = "infeasible"
+
+    def rule(method: str, path: str) -> tuple[int, str] | None:
+        if method == "GET" and PLAN_GET.match(path):
+            return tampered(service, path, infeasible)
+        return None
+
+    with MisbehavingProxy(service, rule) as proxy:
+        wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)["wrapped"]
+    assert wrapped.source.origin == "fallback" and "infeasible" in wrapped.source.message
+    assert train_one_step(wrapped, job[1]) > 0
+
+
+def test_a_plan_whose_buffers_exceed_the_limits_is_not_applied(
+    service: str, job: tuple[nn.Module, dict[str, torch.Tensor]]
+) -> None:
+    """Session 19 probe: a plan passing every structural check, with 64 GiB chunks all offloaded, made wrap
+    allocate 64 GiB and die."""
+
+    def huge(record: dict[str, Any]) -> None:
+        policy = record["plan"]["policy"] if record.get("plan") else None
+        if policy:
+            policy["chunk_size_bytes"] = 2**36
+            policy["n_buffers"] = 1
+            for chunk in policy["chunks"]:
+                chunk["placement"] = "offloaded"
+
+    def rule(method: str, path: str) -> tuple[int, str] | None:
+        if method == "GET" and PLAN_GET.match(path):
+            return tampered(service, path, huge)
+        return None
+
+    with MisbehavingProxy(service, rule) as proxy:
+        wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)["wrapped"]
+    assert wrapped.source.origin == "fallback"
+    assert f"take {2**36} bytes of device memory, above the job's {2**30}" in wrapped.source.message
+    assert train_one_step(wrapped, job[1]) > 0

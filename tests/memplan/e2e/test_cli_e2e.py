@@ -222,6 +222,20 @@ def test_cli_reports_bad_input_without_a_traceback(served_sqlite: dict[str, str]
     assert res.returncode == 2 and "8 parsecs" in res.stdout + res.stderr
     res = _memplan("plans", "get", "missing", env=served, check=False)
     assert res.returncode == 1 and "404" in res.stdout + res.stderr
+    # session 19 probe: these printed tracebacks (a value the contract refuses, a file that cannot be written, a
+    # malformed server URL)
+    for args, env, words in (
+        (
+            ("plans", "request", "x", "--device-memory", "0"),
+            served,
+            "device_memory_bytes: Input should be greater",
+        ),
+        (("plans", "list", "-o", str(tmp_path / "no" / "such" / "dir.json")), served, None),
+        (("models",), {**served, "MEMPLAN_SERVER": "http://[::1"}, "InvalidURL"),
+    ):
+        res = _memplan(*args, env=env, check=False)
+        assert res.returncode in (1, 2) and "Traceback" not in res.stdout + res.stderr, res.stderr
+        assert words is None or words in res.stderr, res.stderr
 
 
 def test_a_wrong_or_unreachable_server_url_is_named_with_what_to_fix(served_sqlite: dict[str, str]) -> None:
