@@ -17,6 +17,7 @@ An infeasible answer is an error (`PlanInfeasibleError`) that says how much devi
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -225,12 +226,18 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
+HISTORY_PLANS = 1000
+"""The most plans of this model and hardware the history look-up reads (newest first) for one with the job's
+workload and limits."""
+
+
 def find_in_history(
     client: Client, fingerprint: str, hardware_key: str, workload: str, constraints: Constraints
 ) -> tuple[str, Plan] | None:
     """The newest finished plan for this model, hardware and workload under the same limits, if any.
     Candidates are picked from the list's headlines; only a match's whole plan is fetched."""
-    for rec in client.list_plans(model=fingerprint, hardware=hardware_key, status=PlanStatus.done):
+    plans = client.list_plans(model=fingerprint, hardware=hardware_key, status=PlanStatus.done)
+    for rec in itertools.islice(plans, HISTORY_PLANS):  # newest first: a long history is not read to its end
         same_limits = (
             rec.constraints.device_memory_bytes == constraints.device_memory_bytes
             and rec.constraints.host_memory_bytes == constraints.host_memory_bytes

@@ -239,27 +239,44 @@ def _raw(body: Any) -> Any:
     return body
 
 
+def _next_cursor(page: Page[Any], seen: set[str]) -> str | None:
+    """The cursor of the page after `page` (None: the last page); a cursor given before is a loop on the server's
+    side (session 19 probe: a server always answering the same cursor kept `memplan plans list` paging forever),
+    an `UnexpectedResponseError`, and an empty page can only be the last."""
+    cursor = page.next_cursor
+    if not cursor:
+        return None
+    if cursor in seen or not page.items:
+        raise UnexpectedResponseError(
+            f"list: the server's next page {'repeats an earlier cursor' if cursor in seen else 'follows an empty one'} "
+            "(a pagination loop)",
+            status_code=200,
+        )
+    seen.add(cursor)
+    return cursor
+
+
 def _follow(fetch: Callable[..., Page[M]], filters: dict[str, Any]) -> Iterator[M]:
-    """Items of every page, following `next_cursor` until the last page."""
+    """Items of every page, following `next_cursor` until the last page (`_next_cursor`)."""
     cursor: str | None = None
+    seen: set[str] = set()
     while True:
         page = fetch(cursor=cursor, **filters)
         yield from page.items
-        if not page.next_cursor:
+        if (cursor := _next_cursor(page, seen)) is None:
             return
-        cursor = page.next_cursor
 
 
 async def _afollow(fetch: Callable[..., Awaitable[Page[M]]], filters: dict[str, Any]) -> AsyncIterator[M]:
     """`_follow` for the async client."""
     cursor: str | None = None
+    seen: set[str] = set()
     while True:
         page = await fetch(cursor=cursor, **filters)
         for item in page.items:
             yield item
-        if not page.next_cursor:
+        if (cursor := _next_cursor(page, seen)) is None:
             return
-        cursor = page.next_cursor
 
 
 class PlanWait:

@@ -76,8 +76,9 @@ def config_from_dict(data: object, where: str = "config") -> PretrainedConfig:
         raise ArchitectureError(f'{where}: model_type: missing (e.g. "llama")')
     try:
         return transformers.AutoConfig.for_model(model_type, **data)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ArchitectureError(f"{where}: model_type {model_type!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a config class validates as it likes: huggingface_hub's strict
+        # dataclass errors, ZeroDivisionError for 0 heads (session 19 probe: a 500); each is the config's fault
+        raise ArchitectureError(f"{where}: model_type {model_type!r}: {type(exc).__name__}: {exc}") from None
 
 
 def config_from_flags(

@@ -84,11 +84,15 @@ class ForeignServer(FlakyServer):
         async def trace(_: Request) -> RedirectResponse:
             return RedirectResponse("/login", status_code=302)
 
+        async def plans(_: Request) -> JSONResponse:
+            return JSONResponse({"items": [], "next_cursor": "loop"})
+
         routes = [
             Route("/v1/models", models),
             Route("/v1/hardware", hardware),
             Route("/v1/plans/{plan_id}", plan),
             Route("/v1/traces/{trace_id}", trace),
+            Route("/v1/plans", plans),
         ]
         self.server.config.app = Starlette(routes=routes)
 
@@ -102,6 +106,7 @@ def test_an_answer_no_service_gives_is_a_memplan_error_naming_the_request() -> N
             (c.hardware, "GET /v1/hardware: the answer is not what the contract says"),
             (lambda: c.get_plan("p1"), "304 Not Modified to a request without If-None-Match"),
             (lambda: c.get_trace("t1"), "GET /v1/traces/t1: an answer this request cannot get"),
+            (lambda: list(c.list_plans()), "a pagination loop"),  # it paged forever
         ):
             with pytest.raises(UnexpectedResponseError, match=words) as info:
                 call()

@@ -134,8 +134,32 @@ BAD = [
 ]
 
 
+SMALL = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 256,
+}
+# session 19 probe: values the config class itself refuses (huggingface_hub's strict dataclass errors, a division
+# by zero heads) answered 500 from /v1/whatif and /v1/sweeps
+REFUSED_BY_THE_CONFIG = [{"hidden_size": "abc"}, {"num_attention_heads": 0}, {"num_hidden_layers": 2.5}]
+
+
 def test_bad_whatif_requests_are_named(service: str) -> None:
     for body, status, says in BAD:
         r = httpx.post(f"{service}/v1/whatif", json=body, timeout=60)
         assert r.status_code == status, (body, r.text)
         assert says in r.text, (body, r.text)
+    for change in REFUSED_BY_THE_CONFIG:
+        config = SMALL | change
+        for path, body in (
+            ("/v1/whatif", {"batch_size": 1, "sequence_length": 16}),
+            ("/v1/sweeps", {"batch_sizes": [1], "sequence_lengths": [16]}),
+        ):
+            r = httpx.post(
+                f"{service}{path}", json={"config": config, "hardware": ["h100-sxm"], **body}, timeout=60
+            )
+            assert r.status_code == 422 and "config: model_type 'llama'" in r.text, (path, change, r.text)
