@@ -46,6 +46,7 @@ from agent.measure import DevicePeakMeter, device_state_tensors
 from agent.profiler.device_clock import DeviceClock, Mark
 from agent.runtime.eager import eager
 from client.contract import Feedback, MeasuredPhases
+from client.errors import UnprocessableEntityError
 from client.sdk import Client
 
 if TYPE_CHECKING:
@@ -145,7 +146,18 @@ class ServiceSink:
 
         try:
             with Client(self.server, timeout=self.timeout_s, max_retries=1) as c:
-                rec = c.post_feedback(self.plan_id, feedback)
+                try:
+                    rec = c.post_feedback(self.plan_id, feedback)
+                except UnprocessableEntityError as exc:
+                    if feedback.phases is None or not _refuses_field(exc, "phases"):
+                        raise
+                    # a service from before the phases (it refuses unknown fields): the rest still checks the plan
+                    rec = c.post_feedback(self.plan_id, feedback.model_copy(update={"phases": None}))
+                    log.warning(
+                        "memplan: service %s predates feedback phases (upgrade it to check them); posted the "
+                        "iteration and peaks only",
+                        self.server,
+                    )
             return f"posted to {self.server} (plan {self.plan_id[:12]}, feedback {rec.id[:12]})"
         except Exception as exc:  # noqa: BLE001 - the training job comes first
             log.warning(
@@ -156,6 +168,12 @@ class ServiceSink:
             )
             self.fallback.plan_id = self.fallback.plan_id or self.plan_id
             return self.fallback.send(feedback)
+
+
+def _refuses_field(exc: UnprocessableEntityError, name: str) -> bool:
+    """The 422 names `body.<name>` (the service's error shape: detail items with `field`)."""
+    detail = exc.detail if isinstance(exc.detail, list) else []
+    return any(isinstance(d, dict) and d.get("field") == f"body.{name}" for d in detail)
 
 
 @dataclass

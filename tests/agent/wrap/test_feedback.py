@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +128,76 @@ def test_once_feedback_is_sent_the_monitor_stops_hooking_the_training_loop(tmp_p
     assert len(model._forward_pre_hooks) == hooks_before[0] - 1  # the monitor's forward hook is gone
     assert len(w.optimizer._optimizer_step_post_hooks) == hooks_before[1] - 1  # and its post-step hook
     unwrap(w)
+
+
+class ServiceBeforePhases:
+    """A planner service of the release before feedback phases, as far as feedback goes: its contract refuses
+    unknown keys (422 naming `body.phases`, the service's error shape), and it stores what it knows."""
+
+    def __init__(self) -> None:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        from planner_service.embedded import free_port
+
+        self.received: list[dict[str, object]] = []
+
+        async def feedback(request: Request) -> JSONResponse:
+            body = await request.json()
+            if "phases" in body:
+                detail = [{"field": "body.phases", "message": "Extra inputs are not permitted"}]
+                return JSONResponse({"error": "validation failed", "detail": detail}, status_code=422)
+            self.received.append(body)
+            record = {
+                "id": "f" * 32,
+                "plan_id": request.path_params["plan_id"],
+                "feedback": body,
+                "iteration_error": None,
+                "peak_device_error": None,
+                "created_at": "2026-11-30T00:00:00Z",
+            }
+            return JSONResponse(record, status_code=201)
+
+        app = Starlette(routes=[Route("/v1/plans/{plan_id}/feedback", feedback, methods=["POST"])])
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_feedback_to_a_service_from_before_phases_is_posted_without_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Session 19 probe: a service started before `Feedback.phases` refused the new agent's feedback (422), which
+    was then kept only locally; the agent now posts the iteration and peaks it knows, and says so."""
+    from client.contract import Feedback, MeasuredPhases
+
+    fb = Feedback(
+        iteration_s=0.1,
+        peak_device_bytes=10,
+        peak_host_bytes=0,
+        steps_measured=3,
+        phases=MeasuredPhases(forward_s=0.03, backward_s=0.06, step_s=0.01, uploads_per_iteration=4.0),
+    )
+    old = ServiceBeforePhases()
+    with old as url, caplog.at_level("WARNING", logger="agent.feedback"):
+        sink = ServiceSink(url, "p" * 32, fallback=LocalSink(tmp_path / "fb.jsonl"))
+        where = sink.send(fb)
+    assert where.startswith(f"posted to {url}"), where
+    assert old.received == [fb.model_dump(mode="json", exclude={"phases"})]
+    assert any("predates feedback phases" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "fb.jsonl").exists()
