@@ -45,7 +45,6 @@ from client.contract.hardware import (
 from client.contract.plan import (
     FINAL_PLAN_STATUSES,
     PENDING_PLAN_STATUSES,
-    PHASE_TERMS,
     ActivationMode,
     AllocationPlan,
     BlockPolicy,

@@ -188,11 +188,6 @@ class TimelinePoint(ContractModel):
     device_bytes: Bytes
 
 
-PHASE_TERMS: tuple[str, ...] = ("host_optimizer_redo_s", "host_validate_exposed_s", "uploads_per_iteration")
-"""The cost breakdown's terms that `Predictions.phases` and `uploads_per_iteration` read: a plan's headline keeps
-them (lists drop the rest of the breakdown)."""
-
-
 class Predictions(ContractModel):
     iteration_s: Seconds
     forward_s: Seconds

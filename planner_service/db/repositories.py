@@ -19,7 +19,6 @@ from sqlalchemy.orm import Session, contains_eager, defer, joinedload, selectinl
 from sqlalchemy.sql.elements import ColumnElement
 
 from client.contract import (
-    PHASE_TERMS,
     Constraints,
     Feedback,
     MeasuredPhases,
@@ -73,18 +72,15 @@ def plan_etag(
 
 
 def plan_headline(result: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What lists show of a stored Plan (`PlanHeadline`): predictions without the timeline and with only the
-    cost breakdown's terms the measured phases are checked against (`PHASE_TERMS`), and the solver's report.
-    Stored beside the result when a plan finishes."""
+    """What lists show of a stored Plan (`PlanHeadline`): predictions without the timeline and the cost
+    breakdown, and the solver's report. Stored beside the result when a plan finishes."""
     if result is None:
         return None
     predictions = result.get("predictions")
     if predictions is not None:
-        terms = predictions.get("breakdown") or {}
         predictions = {
             k: v for k, v in predictions.items() if k not in ("device_memory_timeline", "breakdown")
         }
-        predictions["breakdown"] = {k: terms[k] for k in PHASE_TERMS if k in terms}
     return {"predictions": predictions, "solver": result.get("solver")}
 
 
@@ -646,6 +642,9 @@ class FeedbackRepository:
     def add(self, plan: PlanRow, feedback: Feedback) -> FeedbackRow:
         head = PlanHeadline.model_validate(plan.headline) if plan.headline else None
         predicted = head.predictions if head else None
+        # the phases are checked against the whole predictions (their breakdown: the headline has none), read
+        # only when the feedback has phases (the stored plan is deferred: megabytes with an allocation)
+        whole = plan.result.get("predictions") if feedback.phases is not None and plan.result else None
         row = FeedbackRow(
             plan_id=plan.id,
             iteration_s=feedback.iteration_s,
@@ -660,7 +659,7 @@ class FeedbackRepository:
                 feedback.peak_device_bytes, predicted.peak_device_bytes if predicted else None
             ),
             phases=feedback.phases.model_dump(mode="json") if feedback.phases else None,
-            phase_errors=phase_errors(feedback.phases, predicted),
+            phase_errors=phase_errors(feedback.phases, Predictions.model_validate(whole) if whole else None),
             created_at=utcnow(),
         )
         self.s.add(row)
