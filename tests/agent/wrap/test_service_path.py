@@ -387,3 +387,24 @@ def test_a_plan_whose_buffers_exceed_the_limits_is_not_applied(
     assert wrapped.source.origin == "fallback"
     assert f"take {2**36} bytes of device memory, above the job's {2**30}" in wrapped.source.message
     assert train_one_step(wrapped, job[1]) > 0
+
+
+def test_a_service_that_ignores_the_long_poll_is_not_polled_in_a_tight_loop(
+    service: str, job: tuple[nn.Module, dict[str, torch.Tensor]]
+) -> None:
+    """Session 19 probe: a server answering every plan read at once ("queued", ignoring `?wait=`) got 191 reads in
+    10 s; the agent now polls at most twice a second, then solves in-process when its wait is over."""
+
+    def queued(record: dict[str, Any]) -> None:
+        record.update(status="queued", plan=None, headline=None, started_at=None, finished_at=None)
+
+    def rule(method: str, path: str) -> tuple[int, str] | None:
+        if method == "GET" and PLAN_GET.match(path):
+            return tampered(service, path.split("?")[0], queued)  # (the upstream is asked without the wait)
+        return None
+
+    with MisbehavingProxy(service, rule) as proxy:
+        wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False, wait_s=3.0)["wrapped"]
+    reads = [s for s in proxy.seen if s.startswith("GET") and PLAN_GET.match(s.split()[1])]
+    assert wrapped.source.origin == "fallback" and "queued" in wrapped.source.message
+    assert len(reads) <= 3 / 0.5 + 2, f"{len(reads)} plan reads in a 3 s wait"
