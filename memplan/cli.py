@@ -14,6 +14,7 @@ from typing import Any
 
 import pydantic
 import typer
+from rich.markup import escape
 
 from agent.cli import demo, profile
 from client.cli import remote
@@ -39,8 +40,6 @@ class _App(typer.Typer):
 
 def describe(exc: Exception) -> str:
     """One line for an error: a validation error names its first field."""
-    from rich.markup import escape
-
     if isinstance(exc, pydantic.ValidationError):
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or exc.title

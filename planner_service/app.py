@@ -16,6 +16,7 @@ from sqlalchemy import make_url
 from client.contract import Trace
 from planner_service import observability, ui
 from planner_service.api import catalog, errors, health, plans, traces, whatif
+from planner_service.api.body_limit import BodyLimit
 from planner_service.api.poll_shortcut import PollShortcut
 from planner_service.api.ratelimit import TokenBuckets
 from planner_service.db import migrate
@@ -118,6 +119,7 @@ def create_app(settings: Settings | None = None, *, workers: int | None = None) 
     # Inside the observability middleware (added after it, so it is outer): see api/poll_shortcut.py.
     plan_route = next(r for r in plans.router.routes if getattr(r, "endpoint", None) is plans.get_plan)
     app.add_middleware(PollShortcut, state=app.state, route=plan_route)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outside the shortcut: before any read
     observability.install(app)
     # Trace is read from the raw body (gzip support), so register its schema for the OpenAPI document.
     _register_trace_schema(app)

@@ -628,7 +628,9 @@ def phase_errors(measured: MeasuredPhases | None, predicted: Predictions | None)
     """measured / predicted - 1 of each phase and of the uploads per iteration (see `FeedbackRecord`)."""
     if measured is None or predicted is None:
         return None
-    pairs = {k: (getattr(measured, k), p) for k, p in predicted.phases().items()}
+    pairs: dict[str, tuple[float, float | None]] = {
+        k: (getattr(measured, k), p) for k, p in predicted.phases().items()
+    }
     if measured.uploads_per_iteration is not None:
         pairs["uploads_per_iteration"] = (measured.uploads_per_iteration, predicted.uploads_per_iteration)
     errors = {k: relative_error(m, p) for k, (m, p) in pairs.items()}

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import agent
-WrappedModelCopyError = RuntimeError
+from agent.model_guards import WrappedModelCopyError
 from agent.runtime import RuntimeOptions, manual_plan
-SecondBackwardError = RuntimeError
+from agent.runtime.manager import SecondBackwardError
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 
 pytestmark = pytest.mark.slow

@@ -88,6 +88,42 @@ def test_a_bomb_after_a_valid_member_counts_against_the_limit(settings, trace: T
     assert set(_counts(db_url).values()) == {0}
 
 
+def test_every_route_refuses_a_body_over_the_limit_before_reading_it_whole(settings, db_url: str) -> None:  # type: ignore[no-untyped-def]
+    """Session 19 probe: only the trace upload had a body limit; a 400 MiB body to POST /v1/plans was read and
+    parsed before its 422. Declared or chunked (no length), every route now answers 413 past `max_body_bytes`."""
+    from fastapi.testclient import TestClient
+
+    from planner_service.app import create_app
+
+    small = settings.model_copy(update={"max_body_bytes": 2**20})
+    big = b'{"trace_id": "' + b"x" * (2**20 + 10) + b'"}'
+
+    def chunked() -> Iterator[bytes]:
+        for i in range(0, len(big), 2**16):
+            yield big[i : i + 2**16]
+
+    with TestClient(create_app(small)) as api:
+        for method, path in (
+            ("POST", "/v1/plans"),
+            ("POST", "/v1/plans/p1/feedback"),
+            ("PUT", "/v1/plans/p1/allocation"),
+            ("POST", "/v1/whatif"),
+            ("POST", "/v1/sweeps"),
+            ("POST", "/v1/traces"),
+        ):
+            for content in (big, chunked()):
+                r = api.request(method, path, content=content, headers={"content-type": "application/json"})
+                assert r.status_code == 413, (method, path, r.status_code, r.text[:200])
+                assert r.json()["error"] == f"request body larger than {2**20} bytes"
+        assert (
+            api.post(
+                "/v1/plans", json={"trace_id": "none", "constraints": {"device_memory_bytes": 1}}
+            ).status_code
+            == 404
+        )
+    assert set(_counts(db_url).values()) == {0}
+
+
 def test_a_bomb_stored_before_uploads_were_checked_whole_is_read_within_the_limit(
     settings, trace: Trace
 ) -> None:  # type: ignore[no-untyped-def]
