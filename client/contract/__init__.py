@@ -33,7 +33,7 @@ from client.contract.distributed import (
     Distributed,
     Interconnect,
 )
-from client.contract.feedback import PHASES, Feedback, MeasuredPhases
+from client.contract.feedback import Feedback, MeasuredPhases
 from client.contract.hardware import (
     CatalogEntry,
     DenseThroughput,

@@ -8,9 +8,6 @@ from pydantic import Field
 
 from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Float, Int, Seconds, Text
 
-PHASES: tuple[str, ...] = ("forward_s", "backward_s", "step_s")
-"""The iteration's phases as the agent's monitor measures them and `Predictions.phases` predicts them."""
-
 
 class MeasuredPhases(ContractModel):
     """Where the measured iteration went, phase by phase (medians over the timed steps; a multi-rank job's

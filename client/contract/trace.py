@@ -616,6 +616,15 @@ class EventArrays(ContractModel):
             _first_bad("id", ~first, ids, "appears twice")
         size = self.array("size_bytes")
         _first_bad("size_bytes", (size <= 0) | (size > 2**53), size, "is not in 1..2**53")
+        if (
+            n and float(size.sum(dtype=np.float64)) > 2**53
+        ):  # (float: an int64 sum of 2**53-byte events wraps)
+            # the planners sum sizes in int64 (offsets, bounds): a total past 2**53 wrapped them into a negative
+            # lower bound and a plan failed after its retries with a raw dump (session 19 probe)
+            raise ValueError(
+                f"event_arrays.size_bytes: the {n} events add up to {float(size.sum(dtype=np.float64)):.4g} bytes, "
+                "above 2**53 (no iteration allocates that much)"
+            )
         alloc = self.array("alloc_index")
         _first_bad("alloc_index", alloc < 0, alloc, "is negative")
         free = self.array("free_index")

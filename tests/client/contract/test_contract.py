@@ -222,6 +222,8 @@ def test_packed_events_are_checked_by_arrays_with_the_first_bad_row_named() -> N
         "events[2].id: 1 appears twice": {"id": [0, 1, 1, 3]},
         "events[0].id: -4 is negative": {"id": [-4, 1, 2, 3]},
         "events[3].size_bytes: 0 is not in 1..2**53": {"size_bytes": [512, 512, 512, 0]},
+        # each size valid, together past 2**53: the planners' int64 sums wrapped (session 19 probe)
+        "event_arrays.size_bytes: the 4 events add up to": {"size_bytes": [2**53, 2**53, 512, 512]},
         "events[1].category: 5 names no category": {"category": [4, 5, 4, 4]},
         "events[2].phase: 3 names no phase": {"phase": [0, 0, 3, 0]},
         "events[1].block: -2 must be -1 (none)": {"block": [0, -2, 1, 2]},
