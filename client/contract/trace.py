@@ -7,6 +7,7 @@ cross-field validators.
 from __future__ import annotations
 
 import base64
+import math
 from enum import StrEnum
 from functools import cached_property
 from typing import Annotated, Any, Final, Literal
@@ -254,6 +255,17 @@ class ParameterInfo(ContractModel):
         "by more than one block, empty otherwise. Autograd holds the gradient of a later use until the first "
         "use's backward, so the planner counts it in the backward peaks of the blocks in between",
     )
+
+    @model_validator(mode="after")
+    def _shape_holds_numel(self) -> ParameterInfo:
+        """Every dimension non-negative and their product `numel` (session 19 probe: `[-3, 7]` was accepted)."""
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"shape: {self.shape} has a negative dimension")
+        if math.prod(self.shape) != self.numel:
+            raise ValueError(
+                f"shape: {self.shape} holds {math.prod(self.shape)} elements, numel says {self.numel}"
+            )
+        return self
 
 
 class ModelInfo(ContractModel):

@@ -397,3 +397,16 @@ def test_plan_statuses_are_one_enum_whose_final_members_are_the_three_outcomes()
     assert fields["enum"] == [s.value for s in PlanStatus]  # the wire's list is the enum's
     with pytest.raises(ValidationError, match="status"):
         PlanRecord.model_validate({"status": "paused"})
+
+
+def test_a_parameter_shape_must_hold_its_numel() -> None:
+    """Session 19 probe: a shape of [-3, 7] (or one whose product is not `numel`) was accepted."""
+    from client.contract.trace import ParameterInfo
+
+    ok = {"name": "w", "block": 0, "shape": [3, 7], "dtype": "float32", "numel": 21, "bytes": 84}
+    assert ParameterInfo.model_validate(ok).numel == 21
+    assert ParameterInfo.model_validate(ok | {"shape": [], "numel": 1, "bytes": 4}).shape == []
+    with pytest.raises(ValueError, match="negative dimension"):
+        ParameterInfo.model_validate(ok | {"shape": [-3, -7]})
+    with pytest.raises(ValueError, match=r"holds 20 elements, numel says 21"):
+        ParameterInfo.model_validate(ok | {"shape": [4, 5]})
