@@ -243,12 +243,16 @@ class HostSteps:
         """A forward under no_grad between backward and `optimizer.step()` (an evaluation, a metric) sees the
         parameters before the step, as in plain PyTorch: the speculative steps no `step()` confirmed are undone
         (`step()` then takes them, as it does a chunk not stepped yet; the overlap is lost for this iteration). A
-        node-shared chunk's undo is a barrier of every rank (an evaluation may run on one rank only), and
-        `undo_host_steps=False` keeps nothing to undo with: those keep their stepped values, said once."""
+        chunk sharded across the ranks (its undo leads to collectives: an all-gather of `.grad`, a node-shared
+        copy's barrier; an evaluation may run on one rank only) and `undo_host_steps=False` (nothing to undo with)
+        keep their stepped values, said once."""
         for st in states:
             if not (st.offloaded and st.stepped):
                 continue
-            if st.spec_backup and not st.node_shared:
+            # a sharded chunk's `.grad` is refilled by an all-gather after an undo, and a node-shared one's undo is a
+            # barrier: collectives an evaluation on one rank alone would leave the others waiting for
+            local = st.shard is None and not st.node_shared
+            if st.spec_backup and local:
                 self.undo(st, why="a forward under no_grad before optimizer.step()")
             elif not self._warned_evaluation:
                 self._warned_evaluation = True
@@ -257,7 +261,7 @@ class HostSteps:
                     "of offloaded chunk %d already stepped (%s); call optimizer.step() first, or use "
                     "RuntimeOptions(overlap_host_step=False)",
                     st.index,
-                    "node-shared copy" if st.node_shared else "undo_host_steps=False",
+                    "sharded across the ranks" if not local else "undo_host_steps=False",
                 )
 
     def settle(self, st: ChunkState, hypers: list[dict[str, Any]], *, grad_changed: bool) -> None:
