@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, Strict, model_validator
 
-from client.contract.common import MAX_MODEL_CONFIG_KEYS, Bool, ContractModel, Int, Name, PositiveBytes
+from client.contract.common import MAX_MODEL_CONFIG_KEYS, Bool, ContractModel, Float, Int, Name, PositiveBytes
 from client.contract.trace import OptimizerKind
 
 MAX_WHATIF_HARDWARE = 16
@@ -129,7 +129,7 @@ class SweepRequest(ContractModel):
     )
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer: OptimizerKind = OptimizerKind.adamw
-    time_limit_s: float = Field(default=2.0, gt=0, le=60, description="solver seconds per point")
+    time_limit_s: Float = Field(default=2.0, gt=0, le=60, description="solver seconds per point")
     calibrate: Bool = Field(
         default=True,
         description="price each point with the entry's factors fitted to the project's measured traces, as "

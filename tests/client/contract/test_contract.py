@@ -410,3 +410,21 @@ def test_a_parameter_shape_must_hold_its_numel() -> None:
         ParameterInfo.model_validate(ok | {"shape": [-3, -7]})
     with pytest.raises(ValueError, match=r"holds 20 elements, numel says 21"):
         ParameterInfo.model_validate(ok | {"shape": [4, 5]})
+
+
+def test_a_sweeps_time_limit_is_a_strict_number_like_every_other() -> None:
+    """Session 19 probe: `SweepRequest.time_limit_s` took `true` and "1" (a plain float)."""
+    import pydantic
+
+    from client.contract.whatif import SweepRequest
+
+    body = {
+        "config": {"model_type": "llama"},
+        "hardware": ["h100-sxm"],
+        "batch_sizes": [1],
+        "sequence_lengths": [8],
+    }
+    assert SweepRequest.model_validate(body | {"time_limit_s": 3}).time_limit_s == 3.0
+    for bad in (True, "1"):
+        with pytest.raises(pydantic.ValidationError, match="time_limit_s"):
+            SweepRequest.model_validate(body | {"time_limit_s": bad})
