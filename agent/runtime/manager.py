@@ -483,6 +483,8 @@ class ModelStateManager:
         self, chunks: list[int], expected: dict[int, list[int]], module: nn.Module, args: Any
     ) -> None:
         assert self.residency is not None and self.saved is not None
+        if not self.phase.backward and torch.is_grad_enabled():
+            self._backward_done = False  # a forward with gradients, also one of a submodule called on its own
         for c in chunks:
             self.residency.acquire(c, pin=True)
             if self.phase.backward:
