@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -28,9 +26,10 @@ from client.errors import (
 from client.sdk import retry_delay
 from planner_service.embedded import EmbeddedServer, free_port
 from planner_service.solver.testing.synthetic import synthetic_trace
+from tests.loopback import LoopbackServer
 
 
-class FlakyServer:
+class FlakyServer(LoopbackServer):
     """Answers 503 (Retry-After: 0) `failures` times, then 200; records when each request came."""
 
     def __init__(self, failures: int) -> None:
@@ -43,35 +42,14 @@ class FlakyServer:
                 return JSONResponse({"error": "busy"}, status_code=503, headers={"Retry-After": "0"})
             return JSONResponse({"status": "ok"})
 
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                Starlette(routes=[Route("/healthz", healthz)]),
-                host="127.0.0.1",
-                port=self.port,
-                log_level="warning",
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(Starlette(routes=[Route("/healthz", healthz)]))
 
 
-class ForeignServer(FlakyServer):
+class ForeignServer(LoopbackServer):
     """Answers what no memplan service does: a login page, JSON of another shape, a 304 to a plain GET, a redirect
     (a proxy, a cache or a service of another version in between)."""
 
     def __init__(self) -> None:
-        super().__init__(failures=0)
-
         async def models(_: Request) -> HTMLResponse:
             return HTMLResponse("<html><body>Please sign in</body></html>")
 
@@ -94,7 +72,7 @@ class ForeignServer(FlakyServer):
             Route("/v1/traces/{trace_id}", trace),
             Route("/v1/plans", plans),
         ]
-        self.server.config.app = Starlette(routes=routes)
+        super().__init__(Starlette(routes=routes))
 
 
 def test_an_answer_no_service_gives_is_a_memplan_error_naming_the_request() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from agent.feedback import LocalSink, ServiceSink, StepMonitor
 from agent.runtime import manual_plan
 from agent.testing.model_zoo import build, sample_batch
 from agent.wrapping import unwrap, wrap
+from tests.loopback import LoopbackServer
 
 
 @pytest.fixture
@@ -130,18 +130,15 @@ def test_once_feedback_is_sent_the_monitor_stops_hooking_the_training_loop(tmp_p
     unwrap(w)
 
 
-class ServiceBeforePhases:
+class ServiceBeforePhases(LoopbackServer):
     """A planner service of the release before feedback phases, as far as feedback goes: its contract refuses
     unknown keys (422 naming `body.phases`, the service's error shape), and it stores what it knows."""
 
     def __init__(self) -> None:
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.requests import Request
         from starlette.responses import JSONResponse
         from starlette.routing import Route
-
-        from planner_service.embedded import free_port
 
         self.received: list[dict[str, object]] = []
 
@@ -161,22 +158,9 @@ class ServiceBeforePhases:
             }
             return JSONResponse(record, status_code=201)
 
-        app = Starlette(routes=[Route("/v1/plans/{plan_id}/feedback", feedback, methods=["POST"])])
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        super().__init__(
+            Starlette(routes=[Route("/v1/plans/{plan_id}/feedback", feedback, methods=["POST"])])
         )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def test_feedback_to_a_service_from_before_phases_is_posted_without_them(

@@ -318,6 +318,18 @@ def tampered(upstream: str, path: str, edit: Callable[[dict[str, Any]], None]) -
     return 200, json.dumps(record)
 
 
+def tampering(upstream: str, edit: Callable[[dict[str, Any]], None], *, wait: bool = True) -> Rule:
+    """A proxy rule: every plan read answered with the upstream's record, edited (`wait=False`: asked upstream
+    without the long-poll's `?wait=`)."""
+
+    def rule(method: str, path: str) -> tuple[int, str] | None:
+        if method == "GET" and PLAN_GET.match(path):
+            return tampered(upstream, path if wait else path.split("?")[0], edit)
+        return None
+
+    return rule
+
+
 def train_one_step(wrapped: Any, batch: dict[str, torch.Tensor]) -> float:
     loss = wrapped.model(**batch).loss
     loss.backward()
@@ -352,12 +364,7 @@ def test_a_service_that_answers_infeasible_is_checked_in_process(
             record["plan"]["policy"] = record["plan"]["allocation"] = record["plan"]["predictions"] = None
             record["plan"]["solver"]["status"] = "infeasible"
 
-    def rule(method: str, path: str) -> tuple[int, str] | None:
-        if method == "GET" and PLAN_GET.match(path):
-            return tampered(service, path, infeasible)
-        return None
-
-    with MisbehavingProxy(service, rule) as proxy:
+    with MisbehavingProxy(service, tampering(service, infeasible)) as proxy:
         wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)["wrapped"]
     assert wrapped.source.origin == "fallback" and "infeasible" in wrapped.source.message
     assert train_one_step(wrapped, job[1]) > 0
@@ -377,12 +384,7 @@ def test_a_plan_whose_buffers_exceed_the_limits_is_not_applied(
             for chunk in policy["chunks"]:
                 chunk["placement"] = "offloaded"
 
-    def rule(method: str, path: str) -> tuple[int, str] | None:
-        if method == "GET" and PLAN_GET.match(path):
-            return tampered(service, path, huge)
-        return None
-
-    with MisbehavingProxy(service, rule) as proxy:
+    with MisbehavingProxy(service, tampering(service, huge)) as proxy:
         wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)["wrapped"]
     assert wrapped.source.origin == "fallback"
     assert f"take {2**36} bytes of device memory, above the job's {2**30}" in wrapped.source.message
@@ -398,12 +400,7 @@ def test_a_service_that_ignores_the_long_poll_is_not_polled_in_a_tight_loop(
     def queued(record: dict[str, Any]) -> None:
         record.update(status="queued", plan=None, headline=None, started_at=None, finished_at=None)
 
-    def rule(method: str, path: str) -> tuple[int, str] | None:
-        if method == "GET" and PLAN_GET.match(path):
-            return tampered(service, path.split("?")[0], queued)  # (the upstream is asked without the wait)
-        return None
-
-    with MisbehavingProxy(service, rule) as proxy:
+    with MisbehavingProxy(service, tampering(service, queued, wait=False)) as proxy:
         wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False, wait_s=3.0)["wrapped"]
     reads = [s for s in proxy.seen if s.startswith("GET") and PLAN_GET.match(s.split()[1])]
     assert wrapped.source.origin == "fallback" and "queued" in wrapped.source.message
