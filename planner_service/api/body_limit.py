@@ -11,8 +11,20 @@ then is dropped).
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from client.contract.trace import EVENT_DTYPES, MAX_ALLOCATION_EVENTS
+
+ALLOCATION_ROUTE = re.compile(r"/v1/plans/[^/]+/allocation")
+ALLOCATION_BODY_BYTES = (
+    MAX_ALLOCATION_EVENTS * sum(np.dtype(d).itemsize for d in EVENT_DTYPES.values()) * 4 // 3 + 2**20
+)
+"""The largest managed allocation the contract admits, as the SDK sends it (uncompressed JSON, the events'
+columns in base64: ~72 MiB at 2M events), plus room for the rest of the body: that route's limit when it is
+above `max_body_bytes`."""
 
 
 class BodyLimit:
@@ -23,9 +35,10 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit_for(scope.get("path", ""))
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(send, limit)
             return
         seen = 0
         started = refused = False
@@ -39,10 +52,10 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     refused = True
                     if not started:
-                        await self._refuse(send)
+                        await self._refuse(send, limit)
                     return {"type": "http.disconnect"}
             return message
 
@@ -60,10 +73,14 @@ class BodyLimit:
             if not refused:
                 raise  # (refused: the app's ClientDisconnect, or whatever it made of it, after the 413 went out)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {"error": f"request body larger than {self.max_bytes} bytes", "detail": None}
-        ).encode()
+    def limit_for(self, path: str) -> int:
+        """`max_bytes`, or for a managed allocation the largest the contract admits when that is more."""
+        if ALLOCATION_ROUTE.fullmatch(path):
+            return max(self.max_bytes, ALLOCATION_BODY_BYTES)
+        return self.max_bytes
+
+    async def _refuse(self, send: Send, limit: int) -> None:
+        body = json.dumps({"error": f"request body larger than {limit} bytes", "detail": None}).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -106,7 +106,6 @@ def test_every_route_refuses_a_body_over_the_limit_before_reading_it_whole(setti
         for method, path in (
             ("POST", "/v1/plans"),
             ("POST", "/v1/plans/p1/feedback"),
-            ("PUT", "/v1/plans/p1/allocation"),
             ("POST", "/v1/whatif"),
             ("POST", "/v1/sweeps"),
             ("POST", "/v1/traces"),
@@ -121,7 +120,17 @@ def test_every_route_refuses_a_body_over_the_limit_before_reading_it_whole(setti
             ).status_code
             == 404
         )
+        # a managed allocation may be as large as the contract admits (2M events, ~72 MiB of JSON as the SDK sends
+        # it): its own limit, never below that
+        r = api.put("/v1/plans/p1/allocation", content=big, headers={"content-type": "application/json"})
+        assert r.status_code != 413, r.text[:200]
     assert set(_counts(db_url).values()) == {0}
+    from client.contract.trace import MAX_ALLOCATION_EVENTS
+    from planner_service.api.body_limit import ALLOCATION_BODY_BYTES, BodyLimit
+
+    assert ALLOCATION_BODY_BYTES > MAX_ALLOCATION_EVENTS * 28 * 4 // 3
+    assert BodyLimit(None, 2**20).limit_for("/v1/plans/p1/allocation") == ALLOCATION_BODY_BYTES  # type: ignore[arg-type]
+    assert BodyLimit(None, 2**30).limit_for("/v1/plans/p1/allocation") == 2**30  # type: ignore[arg-type]
 
 
 def test_a_bomb_stored_before_uploads_were_checked_whole_is_read_within_the_limit(
