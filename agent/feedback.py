@@ -335,14 +335,13 @@ class StepMonitor:
         end = self._clock.mark() if self._step_start is not None else None
         self._clock.synchronize()  # on CUDA: queued kernels are counted, and the step's events can be read
         now = time.perf_counter()
-        step = self.measured.steps
         if self._metering:
             self._metering = False
             self.measured.peak_device_bytes = self._meter.stop()
             self.measured.peak_host_bytes = self._host_bytes()
             if self.recorder is not None:
                 self.recorder.finish(self._meter.window)
-        elif step > self.meter_step and self._last is not None:
+        elif self._timing():
             assert self._last is not None
             self.measured.iteration_s.append(now - self._last)
             self._record_phases(end)

@@ -362,8 +362,6 @@ class ModelStateManager:
             # plain PyTorch: speculative host steps no step() confirmed yet are undone (step() takes them)
             self.host_steps.undo_for_evaluation(self.states)
         if torch.is_grad_enabled():
-            self._backward_done = False
-        if torch.is_grad_enabled():
             # as DDP decides at forward: this forward's backward averages gradients across the ranks
             # unless it runs inside `no_sync()`
             self.gradients.reduce = self.group is not None and self.sync_gradients
