@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from client.contract.common import SCHEMA_VERSION, Bytes, ContractModel, Float, Int, Seconds, Text
+
+if TYPE_CHECKING:
+    from client.contract.plan import Predictions
 
 
 class MeasuredPhases(ContractModel):
@@ -30,6 +33,18 @@ class MeasuredPhases(ContractModel):
         description="offloaded chunks uploaded to the device per iteration, evaluation forwards under no_grad "
         "left out (None: no chunk runtime)",
     )
+
+    def errors(self, predicted: Predictions) -> dict[str, float]:
+        """measured / predicted - 1 of each phase (`Predictions.phases`) and of the uploads per iteration; a
+        quantity predicted 0 or not predicted is left out."""
+        pairs: list[tuple[str, float, float | None]] = [
+            (k, getattr(self, k), p) for k, p in predicted.phases().items()
+        ]
+        if self.uploads_per_iteration is not None:
+            pairs.append(
+                ("uploads_per_iteration", self.uploads_per_iteration, predicted.uploads_per_iteration)
+            )
+        return {k: m / p - 1.0 for k, m, p in pairs if p is not None and p > 0}
 
 
 class Feedback(ContractModel):

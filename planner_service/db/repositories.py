@@ -21,7 +21,6 @@ from sqlalchemy.sql.elements import ColumnElement
 from client.contract import (
     Constraints,
     Feedback,
-    MeasuredPhases,
     Objective,
     PlanHeadline,
     PlanStatus,
@@ -624,19 +623,6 @@ def relative_error(measured: float, predicted: float | None) -> float | None:
     return measured / predicted - 1.0
 
 
-def phase_errors(measured: MeasuredPhases | None, predicted: Predictions | None) -> dict[str, float] | None:
-    """measured / predicted - 1 of each phase and of the uploads per iteration (see `FeedbackRecord`)."""
-    if measured is None or predicted is None:
-        return None
-    pairs: dict[str, tuple[float, float | None]] = {
-        k: (getattr(measured, k), p) for k, p in predicted.phases().items()
-    }
-    if measured.uploads_per_iteration is not None:
-        pairs["uploads_per_iteration"] = (measured.uploads_per_iteration, predicted.uploads_per_iteration)
-    errors = {k: relative_error(m, p) for k, (m, p) in pairs.items()}
-    return {k: e for k, e in errors.items() if e is not None}
-
-
 class FeedbackRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
@@ -661,7 +647,9 @@ class FeedbackRepository:
                 feedback.peak_device_bytes, predicted.peak_device_bytes if predicted else None
             ),
             phases=feedback.phases.model_dump(mode="json") if feedback.phases else None,
-            phase_errors=phase_errors(feedback.phases, Predictions.model_validate(whole) if whole else None),
+            phase_errors=feedback.phases.errors(Predictions.model_validate(whole))
+            if feedback.phases and whole
+            else None,
             created_at=utcnow(),
         )
         self.s.add(row)

@@ -209,19 +209,23 @@ def phase_comparisons(p: Predictions, latest: FeedbackRecord) -> list[Comparison
     measured = latest.feedback.phases
     if measured is None:
         return []
-    pairs = [(f"— {PHASE_LABELS[k]}", v, getattr(measured, k), format_seconds) for k, v in p.phases().items()]
+    pairs = [
+        (k, f"— {PHASE_LABELS[k]}", v, getattr(measured, k), format_seconds) for k, v in p.phases().items()
+    ]
     if measured.uploads_per_iteration is not None and p.uploads_per_iteration is not None:
         pairs.append(
             (
+                "uploads_per_iteration",
                 "chunk uploads per iteration",
                 p.uploads_per_iteration,
                 measured.uploads_per_iteration,
                 "{:g}".format,
             )
         )
+    errors = measured.errors(p)
     rows = []
-    for label, predicted, got, fmt in pairs:
-        e = got / predicted - 1.0 if predicted > 0 else None
+    for key, label, predicted, got, fmt in pairs:
+        e = errors.get(key)
         rows.append(Comparison(label, fmt(predicted), fmt(got), format_error(e), error_class(e)))
     return rows
 
