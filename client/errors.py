@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import pydantic
+
 __all__ = [
+    "first_problem",
     "APIConnectionError",
     "APIStatusError",
     "APITimeoutError",
@@ -127,3 +130,9 @@ def error_for_status(status: int, body: Any) -> APIStatusError:
         if fields:
             message = f"{message} ({fields})"
     return cls(message, status_code=status, body=body)
+
+
+def first_problem(exc: pydantic.ValidationError, root: str) -> str:
+    """'where: what' of a validation error's first problem (`root` names the top level when it has no path)."""
+    first = exc.errors()[0]
+    return f"{'.'.join(str(x) for x in first['loc']) or root}: {first['msg']}"

@@ -46,6 +46,7 @@ from client.errors import (
     MemplanError,
     UnexpectedResponseError,
     error_for_status,
+    first_problem,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -119,11 +120,9 @@ def _parsed(parse: Callable[[Any], T], body: Any, response: httpx.Response) -> T
     try:
         return parse(body)
     except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "body"
         raise UnexpectedResponseError(
             f"{response.request.method} {response.request.url.path}: the answer is not what the contract says "
-            f"({where}: {first['msg']}; {exc.error_count()} problem(s))",
+            f"({first_problem(exc, 'body')}; {exc.error_count()} problem(s))",
             status_code=response.status_code,
         ) from exc
     except (TypeError, KeyError, AttributeError, ValueError) as exc:  # a list expected, a string given, ...

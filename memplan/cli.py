@@ -19,6 +19,7 @@ from rich.markup import escape
 from agent.cli import demo, profile
 from client.cli import remote
 from client.cli.common import err_console
+from client.errors import first_problem
 from planner_service.cli import alloc, service, solve
 from planner_service.whatif import cli as whatif_cli
 
@@ -41,11 +42,8 @@ class _App(typer.Typer):
 def describe(exc: Exception) -> str:
     """One line for an error: a validation error names its first field."""
     if isinstance(exc, pydantic.ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or exc.title
-        return escape(
-            f"{where}: {first['msg']}" + (f" ({exc.error_count()} problems)" if exc.error_count() > 1 else "")
-        )
+        more = f" ({exc.error_count()} problems)" if exc.error_count() > 1 else ""
+        return escape(first_problem(exc, exc.title) + more)
     return escape(f"{type(exc).__name__}: {exc}") + " (MEMPLAN_DEBUG=1 shows the traceback)"
 
 

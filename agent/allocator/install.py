@@ -43,6 +43,7 @@ from agent.allocator.publish import place_and_publish
 from agent.allocator.select import AllocatorSelection, plan_key, select
 from agent.planning import PlanSource, obtain_plan
 from client.contract import Plan
+from client.errors import first_problem
 
 if TYPE_CHECKING:
     from torch import nn
@@ -236,12 +237,10 @@ def load_plan(plan: Plan | str | Path | Mapping[str, Any]) -> Plan:
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
-        first = errors[0]
-        loc = ".".join(str(x) for x in first["loc"]) or "<root>"
         kind = " (it looks like a trace)" if isinstance(data, dict) and "measurements" in data else ""
         raise ValueError(
-            f"plan: {where} is not a plan{kind}: {len(errors)} invalid field(s), first {loc}: {first['msg']}"
+            f"plan: {where} is not a plan{kind}: {exc.error_count()} invalid field(s), first "
+            f"{first_problem(exc, '<root>')}"
         ) from None
 
 

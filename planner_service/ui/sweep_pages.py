@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from client.contract import SweepRequest
 from client.contract.common import NO_NUL_MESSAGE, has_nul
+from client.errors import first_problem
 from planner_service.api.deps import DatabaseDep, PrincipalDep
 from planner_service.db.models import FeedbackRow, PlanRow, SweepRow
 from planner_service.ui.calibration_chart import FeedbackPoint, errors, render_calibration_svg
@@ -188,8 +189,7 @@ async def whatif_submit(request: Request, db: DatabaseDep, principal: PrincipalD
         )
     except ValueError as exc:  # pydantic's ValidationError included
         if isinstance(exc, ValidationError):
-            first = exc.errors()[0]
-            return bad(f"{'.'.join(str(p) for p in first['loc']) or 'form'}: {first['msg']}")
+            return bad(first_problem(exc, "form"))
         return bad(f"batch sizes and sequence lengths: numbers separated by commas ({exc})")
     queue = request.app.state.solve_queue
 
