@@ -32,7 +32,7 @@ from torch import nn
 import agent
 from agent.group_profiling import profile_on_every_rank
 from agent.profiler import parameters  # module attribute: tests replace parameters.fingerprint
-from agent.profiler.hardware import in_group, probe_hardware
+from agent.profiler.hardware import host_memory_bytes, in_group, probe_hardware
 from agent.profiler.optimizer_probe import optimizer_kind
 from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
 from agent.runtime.activations import ActivationPlanError, block_targets
@@ -212,18 +212,10 @@ def misfit(
             f"{constraints.device_memory_bytes}"
         )
     host = len(layout.offloaded) * layout.chunk_numel * esize
-    host_limit = constraints.host_memory_bytes or physical_memory_bytes()
-    if host_limit and host > host_limit:
+    host_limit = constraints.host_memory_bytes or host_memory_bytes()
+    if host > host_limit:
         return f"its {len(layout.offloaded)} offloaded chunks take {host} bytes of host memory, above {host_limit}"
     return None
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's memory (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 HISTORY_PLANS = 1000
