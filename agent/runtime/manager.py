@@ -362,6 +362,9 @@ class ModelStateManager:
             # plain PyTorch: speculative host steps no step() confirmed yet are undone (step() takes them)
             self.host_steps.undo_for_evaluation(self.states)
         if torch.is_grad_enabled():
+            # a forward with gradients: the next backward is its own (device-sharded chunks' modules do not run
+            # `_before_module`, which resets this for a submodule called on its own)
+            self._backward_done = False
             # as DDP decides at forward: this forward's backward averages gradients across the ranks
             # unless it runs inside `no_sync()`
             self.gradients.reduce = self.group is not None and self.sync_gradients
