@@ -18,6 +18,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
@@ -30,6 +31,9 @@ def new_id() -> str:
 
 
 DEFAULT_PROJECT = "default"
+
+PENDING_WHERE = "status IN ('queued', 'running')"
+"""The plans a request can still be waiting on (`PENDING_PLAN_STATUSES`): at most one per request key."""
 
 
 class ProjectRow(Base):
@@ -166,6 +170,15 @@ class PlanRow(Base):
     __table_args__ = (
         Index("ix_plan_status_created", "status", "created_at"),
         Index("ix_plan_request_key", "request_key"),
+        # one pending plan per request: identical requests at once make one plan (migration 0011)
+        Index(
+            "uq_plan_pending_request",
+            "project_id",
+            "request_key",
+            unique=True,
+            sqlite_where=text(PENDING_WHERE),
+            postgresql_where=text(PENDING_WHERE),
+        ),
         Index("ix_plan_model_created", "model_fingerprint", "created_at", "id"),
         Index("ix_plan_hardware_created", "hardware_key", "created_at", "id"),
         Index("ix_plan_created", "created_at", "id"),

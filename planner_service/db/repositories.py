@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -52,6 +52,17 @@ R = TypeVar("R")
 REUSABLE_STATUSES = tuple(
     s.value for s in PlanStatus if s is not PlanStatus.failed
 )  # a failed request may be retried
+
+
+def once_more_on_conflict(session: Session, attempt: Callable[[], R]) -> R:
+    """`attempt()`, and once more after rolling the transaction back when it lost a race on a unique key: an
+    identical request committed the same plan (or trace) between this one's look-up and its insert, and the
+    second attempt finds it. `attempt` must only write what the rollback may undo whole (it starts afresh)."""
+    try:
+        return attempt()
+    except IntegrityError:
+        session.rollback()
+    return attempt()
 
 
 def plan_etag(
@@ -422,6 +433,25 @@ class PlanRepository:
             .order_by(PlanRow.created_at)
             .limit(1)
         )
+
+    def reusable_or_new(
+        self,
+        trace: TraceRow,
+        constraints: Constraints,
+        objective: Objective,
+        solver: str,
+        solver_version: str,
+    ) -> tuple[PlanRow, bool]:
+        """The project's plan for this request: an identical earlier one that did not fail (`False`), else a new
+        queued one (`True`). Of identical requests at once, the unique index on pending request keys
+        (`uq_plan_pending_request`) lets one insert; the others' flush raises `IntegrityError`, and the caller
+        rolls the transaction back and asks again (`once_more_on_conflict`), finding the winner's."""
+        group = TraceRepository(self.s).process_group(trace)
+        key = request_key(trace.content_hash, constraints, objective, solver, solver_version, group)
+        existing = self.reusable(trace.project_id, key)
+        if existing is not None:
+            return existing, False
+        return self.create(trace, constraints, objective, solver, solver_version), True
 
     def create(
         self,

@@ -1,7 +1,8 @@
 """The rules about plans, in one place for the HTTP endpoints (a few lines each) and the solve jobs.
 
 - An identical earlier request (same trace content, limits, objective, solver and solver version) of the
-  project is reused unless it failed; a new plan and its solve job are written in one transaction.
+  project is reused unless it failed; a new plan and its solve job are written in one transaction. Identical
+  requests at once make one plan (a unique index on pending request keys; the losers roll back and reuse it).
 - Feedback is for plans that were applied: only a `done` plan takes it.
 - The allocation of a `done` plan can be replaced once the agent has run it: the agent records one iteration
   under the plan (its offloading, checkpointing, swap) and sends it; the service places those buffers (the
@@ -33,7 +34,12 @@ from client.contract import (
 )
 from planner_service.db.change_feed import ChangeFeed
 from planner_service.db.models import FeedbackRow, PlanRow
-from planner_service.db.repositories import FeedbackRepository, PlanRepository, TraceRepository, request_key
+from planner_service.db.repositories import (
+    FeedbackRepository,
+    PlanRepository,
+    TraceRepository,
+    once_more_on_conflict,
+)
 from planner_service.observability import PLAN_OUTCOMES
 from planner_service.solver import SOLVER_VERSION
 from planner_service.solver.plan import solve_allocation
@@ -70,23 +76,21 @@ def solver_version() -> str:
 
 def request_plan(session: Session, project_id: str, request: PlanRequest, enqueue: Enqueue) -> Requested:
     """The project's plan for `request`: an identical earlier one that did not fail, else a new queued plan
-    whose solve job `enqueue` adds to this session's transaction (the plan and its job, or neither)."""
-    traces = TraceRepository(session)
-    trace = traces.get(request.trace_id, project_id, payload=False)
-    if trace is None:
-        raise TraceNotFound(f"trace_id: trace {request.trace_id} not found")
-    plans = PlanRepository(session)
-    version = solver_version()
-    group = traces.process_group(trace)
-    key = request_key(
-        trace.content_hash, request.constraints, request.objective, request.solver, version, group
-    )
-    existing = plans.reusable(project_id, key)
-    if existing is not None:
-        return Requested(existing, reused=True)
-    row = plans.create(trace, request.constraints, request.objective, request.solver, version)
-    enqueue(session, row.id)
-    return Requested(row, reused=False)
+    whose solve job `enqueue` adds to this session's transaction (the plan and its job, or neither). Identical
+    requests at once make one plan: the others get it as reused (`repositories.once_more_on_conflict`)."""
+
+    def attempt() -> Requested:
+        trace = TraceRepository(session).get(request.trace_id, project_id, payload=False)
+        if trace is None:
+            raise TraceNotFound(f"trace_id: trace {request.trace_id} not found")
+        row, created = PlanRepository(session).reusable_or_new(
+            trace, request.constraints, request.objective, request.solver, solver_version()
+        )
+        if created:
+            enqueue(session, row.id)
+        return Requested(row, reused=not created)
+
+    return once_more_on_conflict(session, attempt)
 
 
 def add_feedback(

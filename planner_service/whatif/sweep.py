@@ -2,10 +2,11 @@
 
 `create_sweep` runs the config's fake iteration once per (batch, sequence length), prices it on each catalogue
 entry (a modelled trace, stored like any other: `TraceRepository.add`), and for each device and host limit
-creates a plan and enqueues its solve job (`PlanRepository.create` + the app's solve queue: procrastinate on
-PostgreSQL, the in-process pool on SQLite), all in the caller's transaction with the sweep row: the sweep and
-all its jobs, or none. `read_sweep` reports progress (plans by status) and one page of points with each plan's
-status and headline. A point's plan is an ordinary plan: `GET /v1/plans/{id}` shows it whole.
+creates a plan and enqueues its solve job, or reuses an identical request's plan
+(`PlanRepository.reusable_or_new` + the app's solve queue: procrastinate on PostgreSQL, the in-process pool on
+SQLite), all in the caller's transaction with the sweep row: the sweep and all its jobs, or none. `read_sweep`
+reports progress (plans by status) and one page of points with each plan's status and headline. A point's plan
+is an ordinary plan: `GET /v1/plans/{id}` shows it whole.
 
 Points are calibrated as `POST /v1/whatif` answers are (`service.calibration_for`, once per catalogue entry:
 the project's measured traces on the entry's device, of any model that records its config), unless the request
@@ -35,7 +36,7 @@ from client.contract import (
 )
 from client.contract.trace import MAX_BLOCKS
 from planner_service.db.models import PlanRow, SweepRow
-from planner_service.db.repositories import PlanRepository, TraceRepository
+from planner_service.db.repositories import PlanRepository, TraceRepository, once_more_on_conflict
 from planner_service.solver import SOLVER_VERSION
 from planner_service.whatif.architecture import ArchitectureError, config_from_dict
 from planner_service.whatif.calibration import Calibration
@@ -53,7 +54,19 @@ def create_sweep(
     catalog: dict[str, CatalogEntry],
     enqueue: Callable[[Session, str], None],
 ) -> SweepRow:
-    """Store the sweep, its modelled traces and one queued plan per point (see the module docstring)."""
+    """Store the sweep, its modelled traces and one plan per point (see the module docstring): a point whose
+    request an earlier plan answers (an identical sweep's, or a `POST /v1/plans`) reuses it, as that endpoint
+    does; a sweep that lost a race with an identical one on a plan or trace is made again from the start."""
+    return once_more_on_conflict(session, lambda: _create(session, project_id, req, catalog, enqueue))
+
+
+def _create(
+    session: Session,
+    project_id: str,
+    req: SweepRequest,
+    catalog: dict[str, CatalogEntry],
+    enqueue: Callable[[Session, str], None],
+) -> SweepRow:
     entries = []
     for i, key in enumerate(req.hardware):
         if key not in catalog:
@@ -91,8 +104,11 @@ def create_sweep(
     for batch, seq, e, host, row, cal in stored:
         for device in req.device_memory_bytes or [e.device_memory_bytes]:
             c = Constraints(device_memory_bytes=device, host_memory_bytes=host, time_limit_s=req.time_limit_s)
-            plan = plans.create(row, c, Objective.min_iteration_time, SOLVER, SOLVER_VERSION)
-            enqueue(session, plan.id)
+            plan, created = plans.reusable_or_new(
+                row, c, Objective.min_iteration_time, SOLVER, SOLVER_VERSION
+            )
+            if created:
+                enqueue(session, plan.id)
             points.append(
                 {
                     "batch_size": batch,

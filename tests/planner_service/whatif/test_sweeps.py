@@ -6,6 +6,8 @@ progress while they finish, and pages its results; bad sweeps are named."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from threading import Barrier
 
 import httpx
 import pytest
@@ -141,3 +143,31 @@ def test_memplan_whatif_sweep_shows_progress_and_every_point(sweep_service: str)
         [sys.executable, "-m", "memplan", *bad_args], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 2 and "--seq: 'x' is not a number" in bad.stderr
+
+
+def test_identical_sweeps_at_once_share_their_plans(sweep_service: str) -> None:
+    """Two identical sweeps posted together (and a sweep naming one device limit twice) make one plan per
+    distinct point: each point's request is the same as `POST /v1/plans` with the same trace and limits, and an
+    identical request's plan is reused, not solved again."""
+    req = SweepRequest(
+        config=TINY_LLAMA,
+        hardware=["l4"],
+        batch_sizes=[1, 2],
+        sequence_lengths=[16],
+        device_memory_bytes=[2**30, 2**30],
+        dtype="bf16",
+        time_limit_s=1.0,
+    )
+    start = Barrier(2)
+
+    def post(_: int) -> list[str]:
+        with Client(sweep_service) as c:
+            start.wait()
+            return [p.plan_id for p in c.create_sweep(req).points]
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(post, range(2))
+    assert len(first) == 4 and first == second
+    assert first[0] == first[1] and first[2] == first[3] and first[0] != first[2]
+    with Client(sweep_service) as c:
+        assert len(list(c.list_plans())) == 2
