@@ -184,14 +184,26 @@ def _usable(plan: Plan | None) -> bool:
 
 
 def misfit(
-    plan: Plan, model: nn.Module, options: RuntimeOptions | None, constraints: Constraints | None = None
+    plan: Plan,
+    model: nn.Module,
+    options: RuntimeOptions | None,
+    constraints: Constraints | None = None,
+    *,
+    world_size: int = 1,
+    trace: Trace | None = None,
 ) -> str | None:
     """Why the service's `plan` cannot be applied to `model` (the `PlanMismatchError` or `ActivationPlanError`
-    `wrap` would raise, or buffers the job's limits cannot hold), else None. A plan from the service or its
+    `wrap` would raise, buffers the job's limits cannot hold, a plan for another number of ranks or, given the
+    `trace` it was asked for, for another number of blocks), else None. A plan from the service or its
     history is checked before it is used, and one that does not fit is a service failure (in-process solving
     instead): training never stops because of the service (session 9 QA: a finished plan for another model
-    raised from `wrap`; session 19 probe: a plan with 64 GiB chunks for a 0.5 MB model died allocating them)."""
+    raised from `wrap`; session 19 probe: a plan with 64 GiB chunks for a 0.5 MB model died allocating them,
+    and plans for 4 ranks, or with no blocks, were applied to a 2-rank job with no word)."""
     assert plan.policy is not None
+    if plan.policy.world_size != world_size:
+        return f"it was solved for {plan.policy.world_size} ranks; this job has {world_size}"
+    if trace is not None and len(plan.policy.blocks) != len(trace.model.blocks):
+        return f"it plans {len(plan.policy.blocks)} blocks; the trace it was asked for has {len(trace.model.blocks)}"
     dtype = (options.compute_dtype if options is not None else None) or next(model.parameters()).dtype
     try:
         layout = ChunkLayout.from_policy(plan.policy, model, dtype)
@@ -335,6 +347,7 @@ def obtain_plan(
     url = server_url(server)
     hw = job_hardware(model, device_memory, distributed)
     constraints = _constraints(hw, device_memory, host_memory, time_limit_s)
+    ranks = distributed.world_size if distributed is not None else 1
 
     client: Client | None = None
     budget: ServiceBudget | None = None
@@ -363,7 +376,9 @@ def obtain_plan(
                 client.close()
                 client = None
                 found = None
-            wrong = misfit(found[1], model, options, constraints) if found is not None else None
+            wrong = (
+                misfit(found[1], model, options, constraints, world_size=ranks) if found is not None else None
+            )
             if wrong is not None:
                 log.warning(
                     "memplan: plan %s in %s history does not fit this model (%s); this is a defect, please "
@@ -410,7 +425,7 @@ def obtain_plan(
                     "upload, request and wait",
                 )
                 wrong = (
-                    misfit(record.plan, model, options, constraints)
+                    misfit(record.plan, model, options, constraints, world_size=ranks, trace=trace)
                     if record.status is PlanStatus.done and record.plan is not None and _usable(record.plan)
                     else None
                 )

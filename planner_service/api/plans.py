@@ -268,4 +268,6 @@ def put_managed_allocation(
         raise ApiError(404, str(exc)) from exc
     except plans.AllocationNotAccepted as exc:
         raise ApiError(409, str(exc)) from exc
+    except plans.AllocationInvalid as exc:
+        raise ApiError(422, str(exc)) from exc
     return plan_record(row)

@@ -59,6 +59,10 @@ class AllocationNotAccepted(Exception):
     """A managed allocation for a plan that is not `done` (nothing was applied), or events that cannot be placed."""
 
 
+class AllocationInvalid(ValueError):
+    """Managed allocation events that cannot be an iteration of the plan (none at all, a block it does not have)."""
+
+
 class FeedbackNotAccepted(Exception):
     """Feedback for a plan that is not `done` (still solving, failed or infeasible: nothing was applied)."""
 
@@ -127,6 +131,7 @@ def store_managed_allocation(
             f"plan {plan_id} is {plan.status}: a managed allocation is for plans that were applied (done)"
         )
 
+    _check_managed_events(events, plan)
     try:
         allocation = solve_allocation(events, MANAGED_ALLOCATION_TIME_LIMIT_S, iteration="managed")
     except ValueError as exc:  # the validator's or the planner's input checks, naming the event
@@ -137,6 +142,25 @@ def store_managed_allocation(
     if feed is not None:
         feed.forget(plan_id)  # before the commit: no poll here answers from the old tag after it
     return row
+
+
+def _check_managed_events(events: AllocationTrace, plan: PlanRow) -> None:
+    """An iteration run under `plan` allocates something, and only in the plan's blocks; anything else would
+    replace the plan's placement with one of no iteration (the stored allocation is kept: nothing is written)."""
+    if len(events) == 0:
+        raise AllocationInvalid(
+            "allocation_trace: has no events (an iteration under the plan allocates at least one buffer); "
+            "the plan's allocation is kept"
+        )
+    n_blocks = len(((plan.result or {}).get("policy") or {}).get("blocks") or ())
+    blocks = events.arrays.array("block")
+    beyond = (blocks >= n_blocks).nonzero()[0]
+    if n_blocks and beyond.size:
+        i = int(beyond[0])
+        raise AllocationInvalid(
+            f"allocation_trace.events[{i}].block: {int(blocks[i])} names no block of the plan "
+            f"(it has blocks 0..{n_blocks - 1})"
+        )
 
 
 def start_attempt(session: Session, plan_id: str, max_attempts: int) -> int | None:

@@ -391,6 +391,40 @@ def test_a_plan_whose_buffers_exceed_the_limits_is_not_applied(
     assert train_one_step(wrapped, job[1]) > 0
 
 
+def _other_world_size(policy: dict[str, Any]) -> None:
+    policy["world_size"] = 4
+
+
+def _no_blocks(policy: dict[str, Any]) -> None:
+    policy["blocks"] = []
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (_other_world_size, "it was solved for 4 ranks; this job has 1"),
+        (_no_blocks, "it plans 0 blocks; the trace it was asked for has"),
+    ],
+)
+def test_a_plan_for_another_job_shape_is_not_applied(
+    service: str,
+    job: tuple[nn.Module, dict[str, torch.Tensor]],
+    edit: Callable[[dict[str, Any]], None],
+    said: str,
+) -> None:
+    """Session 19 probe: a plan solved for 4 ranks, or one with its block list emptied, was applied to the job
+    with no word (its predictions, collectives and activation modes are another job's)."""
+
+    def other(record: dict[str, Any]) -> None:
+        if record.get("plan") and record["plan"].get("policy"):
+            edit(record["plan"]["policy"])
+
+    with MisbehavingProxy(service, tampering(service, other)) as proxy:
+        wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)["wrapped"]
+    assert wrapped.source.origin == "fallback" and said in wrapped.source.message
+    assert train_one_step(wrapped, job[1]) > 0
+
+
 def test_a_service_that_ignores_the_long_poll_is_not_polled_in_a_tight_loop(
     service: str, job: tuple[nn.Module, dict[str, torch.Tensor]]
 ) -> None:

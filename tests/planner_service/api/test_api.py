@@ -346,3 +346,46 @@ def test_a_cpu_machine_is_listed_with_its_ram_not_the_limit_a_job_set(api, trace
     _upload(api, trace.model_copy(update={"hardware": hw}))
     [row] = [h for h in api.get("/v1/hardware").json() if h["device_type"] == "cpu"]
     assert row["key"] == "cpu:AMD EPYC:64GiB:x1" and row["device_memory_bytes"] == 64 * 2**30
+
+
+def test_a_managed_allocation_of_no_iteration_is_refused_and_the_plan_keeps_its_own(api, trace) -> None:  # type: ignore[no-untyped-def]
+    """Managed events with no buffer, or allocated in a block the plan does not have, are 422 naming the field;
+    the plan's stored allocation and entity tag do not change."""
+    trace_id = _upload(api, trace)
+    pid = api.post("/v1/plans", json={"trace_id": trace_id, "constraints": LIMITS}).json()["id"]
+    before = api.get(f"/v1/plans/{pid}", params={"wait": 30})
+    assert before.json()["status"] == "done"
+    n_blocks = len(before.json()["plan"]["policy"]["blocks"])
+    event = {
+        "id": 0,
+        "size_bytes": 512,
+        "alloc_index": 0,
+        "free_index": 1,
+        "category": "temp",
+        "phase": "forward",
+    }
+    empty = api.put(
+        f"/v1/plans/{pid}/allocation", json={"source": "dispatch_tracker", "horizon": 1, "events": []}
+    )
+    assert empty.status_code == 422 and "allocation_trace: has no events" in empty.text
+    beyond = api.put(
+        f"/v1/plans/{pid}/allocation",
+        json={
+            "source": "dispatch_tracker",
+            "horizon": 2,
+            "events": [event, {**event, "id": 1, "block": n_blocks}],
+        },
+    )
+    assert beyond.status_code == 422 and f"events[1].block: {n_blocks} names no block" in beyond.text
+    after = api.get(f"/v1/plans/{pid}")
+    assert after.headers["etag"] == before.headers["etag"]
+    assert after.json()["plan"]["allocation"] == before.json()["plan"]["allocation"]
+    fine = api.put(
+        f"/v1/plans/{pid}/allocation",
+        json={
+            "source": "dispatch_tracker",
+            "horizon": 2,
+            "events": [event, {**event, "id": 1, "block": n_blocks - 1}],
+        },
+    )
+    assert fine.status_code == 200, fine.text
