@@ -445,9 +445,12 @@ def obtain_plan(
                 else:
                     # (infeasible too: the in-process solver confirms it, or finds the plan a stale, faulty or
                     # other-version service missed; only its own answer stops the job)
-                    reason = f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s" + (
-                        f": {record.error}" if record.error else ""
-                    )
+                    reason = (
+                        f"plan {record.id[:12]} is done with no usable policy"
+                        + (f" (solver status {record.plan.solver.status})" if record.plan is not None else "")
+                        if record.status is PlanStatus.done
+                        else f"plan {record.id[:12]} is {record.status} after {wait_s:.0f}s"
+                    ) + (f": {record.error}" if record.error else "")
                     log.warning("memplan: no plan from %s (%s); solving in-process instead", url, reason)
             except Exception as exc:
                 reason = _service_failure(exc, url, "plan request")

@@ -391,6 +391,24 @@ def test_a_plan_whose_buffers_exceed_the_limits_is_not_applied(
     assert train_one_step(wrapped, job[1]) > 0
 
 
+def test_a_done_plan_with_no_policy_is_told_as_such(
+    service: str, job: tuple[nn.Module, dict[str, torch.Tensor]]
+) -> None:
+    """Session 19 probe: a record "done" with no policy fell back with the words "is done after 120s"."""
+
+    def empty(record: dict[str, Any]) -> None:
+        if record.get("plan"):
+            record["plan"]["policy"] = record["plan"]["allocation"] = record["plan"]["predictions"] = None
+            record["plan"]["solver"]["status"] = "unknown"
+
+    with MisbehavingProxy(service, tampering(service, empty)) as proxy:
+        wrapped = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False)["wrapped"]
+    assert wrapped.source.origin == "fallback"
+    assert "is done with no usable policy (solver status unknown)" in wrapped.source.message
+    assert "after" not in wrapped.source.message
+    assert train_one_step(wrapped, job[1]) > 0
+
+
 def _other_world_size(policy: dict[str, Any]) -> None:
     policy["world_size"] = 4
 
