@@ -12,8 +12,11 @@ Now every rank profiles its own model on its own batch at the same time, through
    the other ranks wait for (a history hit is broadcast as the plan, and nobody profiles);
 2. every rank measures its hardware where it has not yet (cached per process), then every rank profiles, all
    starting together (the exchange of step 3 after the hardware, so no rank profiles beside another's copy
-   bandwidth probe, or alone while the others wait); the profiler issues no collective (the collectives were measured before, on every rank,
-   by `collectives.probe_for_planning`; the runtime probes inside profiling run one process with no group);
+   bandwidth probe, or alone while the others wait); the profiler's one collective is the group's barrier
+   before each plain iteration, so the ranks time them in step, every rank computing at once as in the job
+   (`profiler/lockstep.py`; a rank whose profiling failed still meets every barrier); the collectives were
+   measured before, on every rank, by `collectives.probe_for_planning`; the runtime probes inside profiling
+   run one process with no group;
 3. every rank gathers every rank's outcome (its profiled iteration, or its error): a failure on any rank is then
    known to all, and every rank raises `RankProfilingError` naming the ranks and their errors, with no further
    collective (rank 0 does not broadcast it again: no rank waits for it);
@@ -71,13 +74,13 @@ class GroupTrace:
 
 def profile_on_every_rank(
     group: RankGroup,
-    run: Callable[[], Trace],
+    run: Callable[[Callable[[], None]], Trace],
     prepare: Callable[[], object] | None = None,
     *,
     every_rank: bool = False,
 ) -> GroupTrace | None:
-    """Profile this rank's model (`run`) together with every other rank; the job's trace on rank 0, None on the
-    others. Rank 0 calls it instead of profiling alone, which first tells the waiting ranks to profile; the
+    """Profile this rank's model (`run`, given the group's barrier for its plain iterations' lockstep) together
+    with every other rank; the job's trace on rank 0, None on the others. Rank 0 calls it instead of profiling alone, which first tells the waiting ranks to profile; the
     others call it when they receive `ProfileEveryRank`. `prepare`: what each rank does before the ranks start
     profiling together (the hardware probe, cached per process: rank 0 has it from the history look-up, and a
     rank that has none measures it here, not while the others profile). Raises `RankProfilingError` on every
@@ -95,7 +98,7 @@ def profile_on_every_rank(
     started = time.perf_counter()
     trace: Trace | None = None
     try:
-        trace = run()
+        trace = run(group.barrier)  # the ranks time their plain iterations in step (profiler/lockstep.py)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
         failure = exc
     outcomes = _exchange(group, _outcome(trace) if trace is not None else None, failure)

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -144,9 +144,11 @@ def profile_job(
     blocks: Sequence[nn.Module] | None,
     device_memory: int | None,
     distributed: Distributed | None,
+    lockstep: Callable[[], None] | None = None,
 ) -> Trace:
     """`agent.profile` of the job as `obtain_plan` plans it; under a group every rank runs this on its own
-    model and batch (`group_profiling.profile_on_every_rank`)."""
+    model and batch (`group_profiling.profile_on_every_rank`), meeting the others at `lockstep` (the group's
+    barrier) before each plain iteration."""
     _require_batch(sample_batch)
     dev = _planning_device(model)
     # The profiler needs the optimizer's parameters on the profiled device; a CPU model planned for CUDA
@@ -162,6 +164,7 @@ def profile_job(
         device_memory_limit=device_memory,
         hardware=job_hardware(model, device_memory, distributed),
         distributed=distributed,
+        lockstep=lockstep,
     )
 
 
@@ -397,7 +400,7 @@ def obtain_plan(
                     message=f"reused plan {plan_id[:12]} from {url} history",
                 )
 
-        def run() -> Trace:
+        def run(lockstep: Callable[[], None] | None = None) -> Trace:
             return profile_job(
                 model,
                 optimizer,
@@ -406,6 +409,7 @@ def obtain_plan(
                 blocks=blocks,
                 device_memory=device_memory,
                 distributed=distributed,
+                lockstep=lockstep,
             )
 
         if group is None:

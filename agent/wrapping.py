@@ -243,7 +243,7 @@ def _wrap(
         source = _receive_plan(
             group,
             lambda: job_hardware(model, device_memory, distributed),
-            lambda: profile_job(
+            lambda lockstep: profile_job(
                 model,
                 optimizer,
                 sample_batch,
@@ -251,6 +251,7 @@ def _wrap(
                 blocks=blocks,
                 device_memory=device_memory,
                 distributed=distributed,
+                lockstep=lockstep,
             ),
         )
     elif cuda is not None:
@@ -383,7 +384,7 @@ def _finish(
 
 
 def _receive_plan(
-    group: RankGroup, hardware: Callable[[], object], profile: Callable[[], Trace]
+    group: RankGroup, hardware: Callable[[], object], profile: Callable[[Callable[[], None]], Trace]
 ) -> PlanSource:
     """On a rank other than 0: the plan rank 0 obtains for the job, profiling this rank's model with every
     other rank when rank 0 asks (`group_profiling`: no plan in the history). Raises when rank 0 could not

@@ -4,7 +4,8 @@ The session, in order (every iteration is a real forward, loss, backward and opt
 1. warm-up iteration with first-use hooks: parameter execution order and block mapping; lazy state
    (optimizer moments, allocator caches) is created here, so later iterations are steady-state;
 2. `repeats` plain iterations, no hooks: `iteration_s` (median) and the optimizer step time (on CPU with
-   its `zero_grad`);
+   its `zero_grad`); under a process group every rank starts each of them together, as the job's ranks
+   compute (`lockstep.py`);
 3. `repeats - 1` (at least 2) hooked iterations: per-block forward and backward seconds (median), then
    calibrated: scaled so that their sum equals the plain iteration's compute time (hook overhead removed);
 4. recompute: each repeated block's forward re-run on its captured inputs with grad enabled (what
@@ -33,7 +34,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -51,6 +52,7 @@ from agent.profiler.device_clock import DeviceClock
 from agent.profiler.extrapolation import block_kinds, blocks_that_fit, covering_prefix, extrapolate, truncated
 from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.hooks import BlockHooks
+from agent.profiler.lockstep import Lockstep
 from agent.profiler.memory_tracking import track_memory
 from agent.profiler.model_config import hf_config
 from agent.profiler.optimizer_probe import (
@@ -118,6 +120,7 @@ def profile(
     name: str | None = None,
     distributed: Distributed | None = None,
     process_group: Any = None,
+    lockstep: Callable[[], None] | None = None,
 ) -> Trace:
     """Profile one training iteration of `model` on `sample_batch`; every number in the Trace is measured.
 
@@ -134,8 +137,51 @@ def profile(
     the slowest rank's, as `agent.wrap` plans (`agent/group_profiling.py`). Not the default group by itself,
     unlike `wrap`: a `profile` called on rank 0 alone must not wait for ranks that never join. When the
     model's states would not fit the device (see `extrapolation.blocks_that_fit`), fewer blocks are profiled
-    automatically and the rest extrapolated.
+    automatically and the rest extrapolated. `lockstep`: the group's barrier, which the group paths (`wrap`,
+    `process_group=`) pass for every rank to start each plain iteration together (`lockstep.py`); every rank
+    meets it `repeats` times, however its profiling ends.
     """
+    steps = Lockstep(lockstep, repeats)
+    try:
+        return _profile(
+            model,
+            sample_batch,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            device=device,
+            blocks=blocks,
+            allocation_trace=allocation_trace,
+            max_blocks=max_blocks,
+            repeats=repeats,
+            hardware=hardware,
+            device_memory_limit=device_memory_limit,
+            name=name,
+            distributed=distributed,
+            process_group=process_group,
+            lockstep=steps,
+        )
+    finally:
+        steps.settle()  # a rank that failed before its plain iterations still meets the others (lockstep.py)
+
+
+def _profile(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer | None,
+    device: torch.device | str | None,
+    blocks: Sequence[nn.Module] | None,
+    allocation_trace: bool,
+    max_blocks: int | None,
+    repeats: int,
+    hardware: Hardware | None,
+    device_memory_limit: int | None,
+    name: str | None,
+    distributed: Distributed | None,
+    process_group: Any,
+    lockstep: Lockstep,
+) -> Trace:
     if repeats < 1:
         raise ValueError(f"repeats: must be at least 1, got {repeats}")
     if process_group is not None and distributed is not None:
@@ -155,7 +201,7 @@ def profile(
         def prepare() -> None:  # before the start line: no rank profiles beside another's copy probe
             probed.append(hardware if hardware is not None else probe_hardware(dev, device_memory_limit))
 
-        def run() -> Trace:
+        def run(barrier: Callable[[], None]) -> Trace:
             return profile(
                 model,
                 sample_batch,
@@ -170,6 +216,7 @@ def profile(
                 device_memory_limit=device_memory_limit,
                 name=name,
                 distributed=measured,
+                lockstep=barrier,
             )
 
         job = profile_on_every_rank(group, run, prepare=prepare, every_rank=True)
@@ -205,7 +252,9 @@ def profile(
         held = {id(p) for g in opt.param_groups for p in g["params"]} if optimizer is not None else None
         batch = move_batch(sample_batch, dev)
         with preserved_training_state(model, optimizer), KVCacheOff(model):  # training never uses the cache
-            result = _measure(model, batch, loss_fn, opt, dev, repeated, allocation_trace, repeats, hw)
+            result = _measure(
+                model, batch, loss_fn, opt, dev, repeated, allocation_trace, repeats, hw, lockstep
+            )
         extrapolated = n_profiled < len(repeated_all)
 
     ordered = result.ordered
@@ -354,6 +403,7 @@ def _measure(
     want_trace: bool,
     repeats: int,
     hw: Hardware,
+    lockstep: Lockstep,
 ) -> _Result:
     if dev.type == "cuda":
         check_history_available(dev)  # the planned allocator has no memory history: say so before any work
@@ -399,6 +449,7 @@ def _measure(
     for i in range(repeats):
         if dev.type == "cuda" and i == repeats - 1:
             torch.cuda.reset_peak_memory_stats(dev)
+        lockstep.meet()  # under a group: every rank starts this iteration together, as in the job
         total, step_s, zero_s = step.timed(clock)
         totals.append(total)
         steps.append(step_s)
