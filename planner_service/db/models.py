@@ -32,8 +32,9 @@ def new_id() -> str:
 
 DEFAULT_PROJECT = "default"
 
-PENDING_WHERE = "status IN ('queued', 'running')"
-"""The plans a request can still be waiting on (`PENDING_PLAN_STATUSES`): at most one per request key."""
+REUSABLE_WHERE = "status <> 'failed'"
+"""The plans a request reuses (`repositories.REUSABLE_STATUSES`: every status but failed): at most one per
+project and request key (migration 0011)."""
 
 
 class ProjectRow(Base):
@@ -170,14 +171,14 @@ class PlanRow(Base):
     __table_args__ = (
         Index("ix_plan_status_created", "status", "created_at"),
         Index("ix_plan_request_key", "request_key"),
-        # one pending plan per request: identical requests at once make one plan (migration 0011)
+        # one plan per request that did not fail: identical requests at once make one plan (migration 0011)
         Index(
-            "uq_plan_pending_request",
+            "uq_plan_request",
             "project_id",
             "request_key",
             unique=True,
-            sqlite_where=text(PENDING_WHERE),
-            postgresql_where=text(PENDING_WHERE),
+            sqlite_where=text(REUSABLE_WHERE),
+            postgresql_where=text(REUSABLE_WHERE),
         ),
         Index("ix_plan_model_created", "model_fingerprint", "created_at", "id"),
         Index("ix_plan_hardware_created", "hardware_key", "created_at", "id"),

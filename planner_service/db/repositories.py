@@ -6,11 +6,12 @@ Why one module over 400 lines: by design every query the service makes is in thi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from pydantic import ValidationError
 from sqlalchemy import Connection, Text, bindparam, cast, func, or_, select, update
@@ -49,20 +50,29 @@ from planner_service.db.models import (
 from planner_service.ingest import BadGzip, GzipTooLarge, TraceFacts, gunzip_limited
 
 R = TypeVar("R")
+P = ParamSpec("P")
 REUSABLE_STATUSES = tuple(
     s.value for s in PlanStatus if s is not PlanStatus.failed
 )  # a failed request may be retried
 
 
-def once_more_on_conflict(session: Session, attempt: Callable[[], R]) -> R:
-    """`attempt()`, and once more after rolling the transaction back when it lost a race on a unique key: an
-    identical request committed the same plan (or trace) between this one's look-up and its insert, and the
-    second attempt finds it. `attempt` must only write what the rollback may undo whole (it starts afresh)."""
-    try:
-        return attempt()
-    except IntegrityError:
-        session.rollback()
-    return attempt()
+def once_more_on_conflict(
+    attempt: Callable[Concatenate[Session, P], R],
+) -> Callable[Concatenate[Session, P], R]:
+    """`attempt(session, ...)`, and once more after rolling the transaction back when it lost a race on a
+    unique key: an identical request committed the same plan (or trace) between this one's look-up and its
+    insert, and the second attempt finds it. `attempt` must only write what the rollback may undo whole (it
+    starts afresh)."""
+
+    @functools.wraps(attempt)
+    def twice(session: Session, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return attempt(session, *args, **kwargs)
+        except IntegrityError:
+            session.rollback()
+        return attempt(session, *args, **kwargs)
+
+    return twice
 
 
 def plan_etag(
@@ -443,8 +453,8 @@ class PlanRepository:
         solver_version: str,
     ) -> tuple[PlanRow, bool]:
         """The project's plan for this request: an identical earlier one that did not fail (`False`), else a new
-        queued one (`True`). Of identical requests at once, the unique index on pending request keys
-        (`uq_plan_pending_request`) lets one insert; the others' flush raises `IntegrityError`, and the caller
+        queued one (`True`). Of identical requests at once, the unique index on the keys of plans that did not
+        fail (`uq_plan_request`) lets one insert; the others' flush raises `IntegrityError`, and the caller
         rolls the transaction back and asks again (`once_more_on_conflict`), finding the winner's."""
         group = TraceRepository(self.s).process_group(trace)
         key = request_key(trace.content_hash, constraints, objective, solver, solver_version, group)

@@ -2,7 +2,8 @@
 
 - An identical earlier request (same trace content, limits, objective, solver and solver version) of the
   project is reused unless it failed; a new plan and its solve job are written in one transaction. Identical
-  requests at once make one plan (a unique index on pending request keys; the losers roll back and reuse it).
+  requests at once make one plan (a unique index on the request keys of plans that did not fail; the losers
+  roll back and reuse it).
 - Feedback is for plans that were applied: only a `done` plan takes it.
 - The allocation of a `done` plan can be replaced once the agent has run it: the agent records one iteration
   under the plan (its offloading, checkpointing, swap) and sends it; the service places those buffers (the
@@ -78,23 +79,20 @@ def solver_version() -> str:
     return SOLVER_VERSION
 
 
+@once_more_on_conflict
 def request_plan(session: Session, project_id: str, request: PlanRequest, enqueue: Enqueue) -> Requested:
     """The project's plan for `request`: an identical earlier one that did not fail, else a new queued plan
     whose solve job `enqueue` adds to this session's transaction (the plan and its job, or neither). Identical
-    requests at once make one plan: the others get it as reused (`repositories.once_more_on_conflict`)."""
-
-    def attempt() -> Requested:
-        trace = TraceRepository(session).get(request.trace_id, project_id, payload=False)
-        if trace is None:
-            raise TraceNotFound(f"trace_id: trace {request.trace_id} not found")
-        row, created = PlanRepository(session).reusable_or_new(
-            trace, request.constraints, request.objective, request.solver, solver_version()
-        )
-        if created:
-            enqueue(session, row.id)
-        return Requested(row, reused=not created)
-
-    return once_more_on_conflict(session, attempt)
+    requests at once make one plan: the others get it as reused (`once_more_on_conflict`)."""
+    trace = TraceRepository(session).get(request.trace_id, project_id, payload=False)
+    if trace is None:
+        raise TraceNotFound(f"trace_id: trace {request.trace_id} not found")
+    row, created = PlanRepository(session).reusable_or_new(
+        trace, request.constraints, request.objective, request.solver, solver_version()
+    )
+    if created:
+        enqueue(session, row.id)
+    return Requested(row, reused=not created)
 
 
 def add_feedback(

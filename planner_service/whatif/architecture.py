@@ -21,6 +21,7 @@ have one class. tests/planner_service/whatif check that both find the same block
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,6 +125,11 @@ def config_from_flags(
         raise ArchitectureError(f"family: {family!r}: {exc}") from None
 
 
+FAKE_RUNS = threading.RLock()
+"""Held while a fake model is built (`fake_model`) and while its iteration runs (`modelled_trace`): the
+library's default-dtype switch while it builds is process-wide, and ops that take the default dtype read it."""
+
+
 def fake_model(config: PretrainedConfig, dtype: str = "fp32") -> tuple[nn.Module, FakeTensorMode]:
     """`AutoModelForCausalLM.from_config(config)` on fake tensors, in `dtype`, in training mode."""
     # local import: transformers is optional (the `models` extra); torch loads when a model is built
@@ -132,7 +138,11 @@ def fake_model(config: PretrainedConfig, dtype: str = "fp32") -> tuple[nn.Module
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     try:
-        with mode:
+        # one build at a time (`FAKE_RUNS`): `from_config(dtype=)` sets torch's process-wide default dtype while
+        # it builds and puts it back after, so a build in another thread (two what-if requests or sweeps at
+        # once) made some of this model's tensors in the other's dtype (session 20: 642 of 1,280 parameters in
+        # 16 concurrent builds; two identical sweeps at once got two traces of one point)
+        with FAKE_RUNS, mode:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     except ArchitectureError:
         raise

@@ -50,6 +50,7 @@ from client.contract import (
 from client.contract.common import MAX_NAME_CHARS
 from planner_service.whatif import roofline
 from planner_service.whatif.architecture import (
+    FAKE_RUNS,
     ArchitectureError,
     RepeatedBlocks,
     describe,
@@ -147,6 +148,13 @@ def _with_layers(config: object, k: int) -> object:
 
 
 def _iterate_built(
+    config: object, workload: ModelledWorkload, name: str | None, gpu_attention: bool
+) -> ModelIteration:
+    with FAKE_RUNS:  # one fake model at a time: building one switches the process's default dtype
+        return _iterate_locked(config, workload, name, gpu_attention)
+
+
+def _iterate_locked(
     config: object, workload: ModelledWorkload, name: str | None, gpu_attention: bool
 ) -> ModelIteration:
     model, mode = fake_model(config, workload.dtype)  # type: ignore[arg-type]

@@ -47,6 +47,7 @@ SOLVER = "cpsat"
 MAX_PAGE = 500
 
 
+@once_more_on_conflict
 def create_sweep(
     session: Session,
     project_id: str,
@@ -57,16 +58,6 @@ def create_sweep(
     """Store the sweep, its modelled traces and one plan per point (see the module docstring): a point whose
     request an earlier plan answers (an identical sweep's, or a `POST /v1/plans`) reuses it, as that endpoint
     does; a sweep that lost a race with an identical one on a plan or trace is made again from the start."""
-    return once_more_on_conflict(session, lambda: _create(session, project_id, req, catalog, enqueue))
-
-
-def _create(
-    session: Session,
-    project_id: str,
-    req: SweepRequest,
-    catalog: dict[str, CatalogEntry],
-    enqueue: Callable[[Session, str], None],
-) -> SweepRow:
     entries = []
     for i, key in enumerate(req.hardware):
         if key not in catalog:

@@ -19,12 +19,19 @@ from planner_service.settings import Settings
 from planner_service.solver.errors import PlanRequestRefused
 
 
-def _queue_plan(db: Database, trace) -> str:  # type: ignore[no-untyped-def]
+def _queue_plan(db: Database, trace, device_memory: int = 2**34) -> str:  # type: ignore[no-untyped-def]
+    """A queued plan of `trace` (one pending plan per request: two at once need two limits)."""
     with db.session() as s:
         row, _ = TraceRepository(s).add(trace)
         return (
             PlanRepository(s)
-            .create(row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time, "cpsat", "v")
+            .create(
+                row,
+                Constraints(device_memory_bytes=device_memory),
+                Objective.min_iteration_time,
+                "cpsat",
+                "v",
+            )
             .id
         )
 
@@ -391,7 +398,7 @@ def test_a_database_error_while_reading_the_inputs_is_retried_not_recorded_as_th
 
 def test_a_plan_whose_job_a_runner_gives_up_on_is_failed_with_the_reason(settings: Settings, trace) -> None:  # type: ignore[no-untyped-def]
     db = Database(settings.database_url)
-    plan_id, solved_id = _queue_plan(db, trace), _queue_plan(db, trace)
+    plan_id, solved_id = _queue_plan(db, trace), _queue_plan(db, trace, device_memory=2**35)
     run_plan(db, settings, solved_id)
     for pid in (plan_id, solved_id):
         tasks.give_up(db, pid, 10, ConnectionRefusedError("database unreachable"))
@@ -457,10 +464,13 @@ def test_the_embedded_pool_gets_each_committed_plan_once_and_never_a_rolled_back
     handed: list[str] = []
     pool.submit = lambda plan_id, tries=0: handed.append(plan_id)  # type: ignore[method-assign]
 
+    made = [0]
+
     def new_plan(s) -> str:  # type: ignore[no-untyped-def]
+        made[0] += 1  # another limit each: one pending plan per request
         row, _ = TraceRepository(s).add(trace)
         plan = PlanRepository(s).create(
-            row, Constraints(device_memory_bytes=2**34), Objective.min_iteration_time, "cpsat", "v"
+            row, Constraints(device_memory_bytes=2**34 + made[0]), Objective.min_iteration_time, "cpsat", "v"
         )
         pool.enqueue(s, plan.id)
         return plan.id

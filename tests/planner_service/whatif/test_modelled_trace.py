@@ -74,3 +74,37 @@ def test_roofline_prices_an_op_by_its_binding_resource() -> None:
     )
     tiny = OpCosts(flops=[0.0] * 100, bytes=[64.0] * 100, matmul=[False] * 100)
     assert roofline.block_seconds(tiny, e, "bf16") == pytest.approx(100 * roofline.Efficiency().dispatch_s)
+
+
+def test_models_built_and_run_in_threads_at_once_are_the_ones_asked_for() -> None:
+    """Session 20: `from_config(dtype=)` switches torch's process-wide default dtype while it builds, so two
+    what-if requests (or sweeps) at once in the service's thread pool built parts of one model in the other's
+    dtype: 642 of 1,280 parameters of 16 concurrent builds, and two identical sweeps got two different traces
+    of one point. Builds and runs of fake models now take turns (`architecture.FAKE_RUNS`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from planner_service.whatif.architecture import fake_model
+
+    cfg = transformers.AutoConfig.for_model(
+        "llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256, max_position_embeddings=64,
+    )  # fmt: skip
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+    def wrong_dtype(dtype: str) -> int:
+        model, _ = fake_model(cfg, dtype)
+        return sum(p.dtype != want[dtype] for p in model.parameters())
+
+    with ThreadPoolExecutor(8) as pool:
+        assert sum(pool.map(wrong_dtype, ["fp32", "bf16"] * 8)) == 0
+
+    def record(dtype: str) -> tuple[int, ...]:
+        r = iterate(cfg, ModelledWorkload(2, 16, dtype)).record
+        return (r.resident_bytes, r.dynamic_peak_bytes, r.live_after_backward_bytes, *r.activation_bytes)
+
+    alone = {d: record(d) for d in ("fp32", "bf16")}
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(record, ["fp32", "bf16"] * 4))
+    assert together == [alone["fp32"], alone["bf16"]] * 4
