@@ -496,8 +496,68 @@ class BaseClient:
         )
 
 
+BODY_DEADLINE_S = 120.0
+"""The most seconds an answer's body may take to arrive once its headers did. httpx's read timeout is per read,
+so a server sending a byte every few seconds held a call (and the `memplan` command) for ever (session 19
+probe); the largest answer (a plan with its allocation, tens of MiB) takes seconds on a loopback or LAN."""
+
+
+def _received(
+    http: httpx.Client, request: httpx.Request, within_s: float = BODY_DEADLINE_S
+) -> httpx.Response:
+    """`request`'s answer, its body read whole within `within_s` of its headers (else `httpx.ReadTimeout`)."""
+    response = http.send(request, stream=True)
+    if response.is_stream_consumed:  # read already (an in-memory transport's answer): nothing to wait for
+        return response
+    try:
+        deadline = time.monotonic() + within_s
+        body = bytearray()
+        for chunk in response.iter_raw():
+            body += chunk
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(
+                    f"the answer's body took over {within_s:.0f}s to arrive", request=request
+                )
+    finally:
+        response.close()
+    return _whole(response, bytes(body), request)
+
+
+async def _received_async(
+    http: httpx.AsyncClient, request: httpx.Request, within_s: float = BODY_DEADLINE_S
+) -> httpx.Response:
+    """`_received` of `AsyncClient`."""
+    response = await http.send(request, stream=True)
+    if response.is_stream_consumed:
+        return response
+    try:
+        deadline = time.monotonic() + within_s
+        body = bytearray()
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(
+                    f"the answer's body took over {within_s:.0f}s to arrive", request=request
+                )
+    finally:
+        await response.aclose()
+    return _whole(response, bytes(body), request)
+
+
+def _whole(streamed: httpx.Response, raw: bytes, request: httpx.Request) -> httpx.Response:
+    """A read response of `streamed`'s status and headers with its body `raw` (as sent: decoded on access)."""
+    return httpx.Response(
+        streamed.status_code,
+        headers=streamed.headers,
+        content=raw,
+        request=request,
+        extensions=streamed.extensions,
+    )
+
+
 class Client(BaseClient):
-    """Synchronous client. `Client(base_url, token=..., timeout=..., max_retries=...)`; env: MEMPLAN_SERVER/TOKEN."""
+    """Synchronous client. `Client(base_url, token=..., timeout=..., max_retries=...)`; env: MEMPLAN_SERVER/TOKEN.
+    `timeout` bounds each connect and read; `body_deadline_s` the whole body once the headers came."""
 
     def __init__(
         self,
@@ -507,8 +567,10 @@ class Client(BaseClient):
         timeout: float = DEFAULT_TIMEOUT_S,
         max_retries: int = DEFAULT_MAX_RETRIES,
         transport: httpx.BaseTransport | None = None,
+        body_deadline_s: float = BODY_DEADLINE_S,
     ) -> None:
         super().__init__(base_url, token=token, max_retries=max_retries)
+        self.body_deadline_s = body_deadline_s
         self._http = httpx.Client(
             base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport
         )
@@ -527,7 +589,11 @@ class Client(BaseClient):
         attempt = 0
         while True:
             try:
-                response = self._http.request(request.method, request.path, **request.httpx_kwargs())
+                response = _received(
+                    self._http,
+                    self._http.build_request(request.method, request.path, **request.httpx_kwargs()),
+                    self.body_deadline_s,
+                )
             except httpx.TransportError as exc:
                 delay = self._retry_after_error(attempt, request.method, request.path, exc)
             else:
@@ -636,8 +702,10 @@ class AsyncClient(BaseClient):
         timeout: float = DEFAULT_TIMEOUT_S,
         max_retries: int = DEFAULT_MAX_RETRIES,
         transport: httpx.AsyncBaseTransport | None = None,
+        body_deadline_s: float = BODY_DEADLINE_S,
     ) -> None:
         super().__init__(base_url, token=token, max_retries=max_retries)
+        self.body_deadline_s = body_deadline_s
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport
         )
@@ -655,7 +723,11 @@ class AsyncClient(BaseClient):
         attempt = 0
         while True:
             try:
-                response = await self._http.request(request.method, request.path, **request.httpx_kwargs())
+                response = await _received_async(
+                    self._http,
+                    self._http.build_request(request.method, request.path, **request.httpx_kwargs()),
+                    self.body_deadline_s,
+                )
             except httpx.TransportError as exc:
                 delay = self._retry_after_error(attempt, request.method, request.path, exc)
             else:

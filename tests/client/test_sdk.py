@@ -17,6 +17,7 @@ from client import AsyncClient, Client
 from client.contract import Constraints, Feedback
 from client.errors import (
     APIConnectionError,
+    APITimeoutError,
     MemplanError,
     NotFoundError,
     ServiceUnavailableError,
@@ -251,3 +252,40 @@ def test_both_clients_read_the_same_plan_page_from_the_one_query_builder(service
     assert ids == [p.id for p in page.items] and len(ids) == 2
     assert cursor is not None and cursor == page.next_cursor
     assert len(every) == 3 == len(set(every))
+
+
+def _trickling_app(seconds_per_byte: float) -> Starlette:
+    """A server that sends its headers at once, then a JSON body one byte every `seconds_per_byte`."""
+    from starlette.responses import StreamingResponse
+
+    async def trickle(request: Request) -> Response:
+        async def body() -> object:
+            for ch in b'{"status": "ok", "padding": "' + b"x" * 200 + b'"}':
+                yield bytes([ch])
+                await asyncio.sleep(seconds_per_byte)
+
+        return StreamingResponse(body(), media_type="application/json")  # type: ignore[arg-type]
+
+    return Starlette(routes=[Route("/{path:path}", trickle)])
+
+
+def test_a_body_trickling_past_the_deadline_is_a_timeout_not_a_hang() -> None:
+    """Session 19 probe: httpx's read timeout is per read, so a server sending a byte every few seconds held a
+    call (and the `memplan` command) for ever. The whole body must now arrive within `body_deadline_s`."""
+    with LoopbackServer(_trickling_app(0.05)) as url:
+        started = time.monotonic()
+        with (
+            Client(url, timeout=5, max_retries=0, body_deadline_s=1.0) as c,
+            pytest.raises(APITimeoutError, match="timed out"),
+        ):
+            c.health()
+        assert time.monotonic() - started < 5  # the 232-byte body would have taken ~12 s
+
+        async def run() -> None:
+            async with AsyncClient(url, timeout=5, max_retries=0, body_deadline_s=1.0) as c:
+                await c.health()
+
+        with pytest.raises(APITimeoutError):
+            asyncio.run(run())
+        with Client(url, timeout=5, max_retries=0, body_deadline_s=60) as c:  # in time: read whole
+            assert c._request("GET", "/v1/health")["status"] == "ok"
