@@ -2,7 +2,13 @@
 
 Detection rule: the repeated blocks are the children of the longest `nn.ModuleList` (or `nn.Sequential`
 of at least two children; a ModuleList wins a tie) whose children all have the same class (`GPT2Block` in
-`transformer.h`, `LlamaDecoderLayer` in `model.layers`, or the modules of a plain model's `blocks` list). Every parameter outside those blocks belongs to the prologue
+`transformer.h`, `LlamaDecoderLayer` in `model.layers`, or the modules of a plain model's `blocks` list).
+When that list is not as long as the model's config says it has layers (`config.num_hidden_layers`, as every
+Hugging Face model's), the `nn.ModuleList` of that many children wins, whatever their classes (of several,
+the one holding the most parameters). Hybrid models mix layer classes in one list (Jamba's Mamba and
+attention layers, OLMo-hybrid's linear and full attention): the same-class rule found no list there and
+raised, or (Zamba2) picked two LoRA adapters inside one layer and left every decoder layer to the prologue
+(session 20 probe). Every parameter outside those blocks belongs to the prologue
 (used before the first block runs) or the epilogue (used after the last block; final norm, head, loss);
 which of the two is settled by first use during a real forward (see `parameters.py`).
 
@@ -77,11 +83,15 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
         return RepeatedBlocks(tuple(names), tuple(blocks), container)
 
     best: tuple[str, nn.ModuleList | nn.Sequential] | None = None
+    stacks: list[tuple[int, str, nn.ModuleList]] = []  # ModuleLists of the configured number of layers
+    layers = configured_layers(model)
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < (
             1 if isinstance(module, nn.ModuleList) else 2
         ):
             continue
+        if isinstance(module, nn.ModuleList) and len(module) == layers:
+            stacks.append((sum(p.numel() for p in module.parameters()), name, module))
         classes = {type(child) for child in module}
         if len(classes) != 1:
             continue
@@ -91,6 +101,9 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
             isinstance(best[1], nn.ModuleList),
         ):
             best = (name, module)
+    if stacks and (best is None or len(best[1]) != layers):  # a hybrid stack: the configured layers win
+        _, name, stack = max(stacks, key=lambda s: s[0])  # (of several, the one of most parameters)
+        best = (name, stack)
     if best is None:
         raise BlockDetectionError(
             f"{type(model).__name__}: found no nn.ModuleList or nn.Sequential of same-class blocks. Pass the "
@@ -102,6 +115,12 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
     prefix = f"{list_name}." if list_name else ""
     found = [f"{prefix}{i}" for i in range(len(module_list))]
     return RepeatedBlocks(tuple(found), tuple(module_list), list_name)
+
+
+def configured_layers(model: nn.Module) -> int | None:
+    """How many layers the model's config says it has (`config.num_hidden_layers`), if it says."""
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
 
 
 def edge_name(kind: str, module_paths: Sequence[str]) -> str:

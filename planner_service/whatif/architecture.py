@@ -182,18 +182,28 @@ class RepeatedBlocks:
 
 
 def repeated_blocks(model: nn.Module) -> RepeatedBlocks:
-    """The children of the longest `nn.ModuleList` whose children share one class (the profiler's rule)."""
+    """The profiler's rule (`agent/profiler/block_detection.py`, which the service cannot import): the longest
+    `nn.ModuleList` whose children share one class, unless it is not `config.num_hidden_layers` long and a list
+    of that many children is there (a hybrid model's layers, of several classes; of several, the one of most
+    parameters)."""
     # local import: torch loads when a model is built, not with `memplan whatif`'s module (`memplan --help`)
     from torch import nn
 
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     best: tuple[str, nn.ModuleList] | None = None
+    stacks: list[tuple[int, str, nn.ModuleList]] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
+        if len(module) == layers:
+            stacks.append((sum(p.numel() for p in module.parameters()), name, module))
         if len({type(child) for child in module}) != 1:
             continue
         if best is None or len(module) > len(best[1]):
             best = (name, module)
+    if stacks and (best is None or len(best[1]) != layers):
+        _, name, stack = max(stacks, key=lambda s: s[0])
+        best = (name, stack)
     if best is None:
         raise ArchitectureError(f"{type(model).__name__}: found no nn.ModuleList of same-class blocks")
     list_name, modules = best

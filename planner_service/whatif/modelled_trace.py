@@ -122,7 +122,7 @@ def iterate(
     kernel choice (what the profiler measures here).
     """
     layers = _num_layers(config)
-    if exact or layers is None or layers <= SAMPLED_BLOCKS:
+    if exact or layers is None or layers <= SAMPLED_BLOCKS or varied_layers(config, layers):
         return _iterate_built(config, workload, name, gpu_attention)
     small = _iterate_built(_with_layers(config, SAMPLED_BLOCKS - 1), workload, name, gpu_attention)
     big = _iterate_built(_with_layers(config, SAMPLED_BLOCKS), workload, name, gpu_attention)
@@ -130,6 +130,18 @@ def iterate(
 
 
 SAMPLED_BLOCKS = 4
+
+
+def varied_layers(config: object, layers: int) -> bool:
+    """Whether the config says its layers differ (then every block is run: the sampled runs assume the blocks
+    after the fourth repeat it): a per-layer list with more than one value (`layer_types` of OLMo-hybrid or
+    Gemma 3, `layers_block_type` of Zamba2) or a period of layer kinds (Jamba's `attn_layer_period`)."""
+    for key, value in vars(config).items():
+        if isinstance(value, list | tuple) and len(value) == layers and len({repr(v) for v in value}) > 1:
+            return True
+        if key.endswith("_period") and isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return True
+    return False
 
 
 def _num_layers(config: object) -> int | None:

@@ -108,3 +108,32 @@ def test_models_built_and_run_in_threads_at_once_are_the_ones_asked_for() -> Non
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(record, ["fp32", "bf16"] * 4))
     assert together == [alone["fp32"], alone["bf16"]] * 4
+
+
+def test_hybrid_layer_stacks_are_the_blocks_and_run_whole() -> None:
+    """A hybrid model's layer list mixes classes (Jamba: Mamba and attention layers): the what-if finds the
+    same blocks as the profiler (the list of `num_hidden_layers` layers), and runs every layer rather than
+    copying the fourth block's figures to the rest (the layers differ)."""
+    from agent.profiler.block_detection import detect_blocks
+    from planner_service.whatif.architecture import fake_model, repeated_blocks
+    from planner_service.whatif.modelled_trace import varied_layers
+
+    cfg = transformers.JambaConfig(
+        hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=128, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_dt_rank=8,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        use_mamba_kernels=False, vocab_size=256, bos_token_id=0, eos_token_id=255, pad_token_id=1,
+    )  # fmt: skip
+    fake, _ = fake_model(cfg)
+    real = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert (
+        repeated_blocks(fake).names
+        == detect_blocks(real).names
+        == tuple(f"model.layers.{i}" for i in range(6))
+    )
+    assert varied_layers(cfg, 6)
+    llama = transformers.AutoConfig.for_model(
+        "llama", num_hidden_layers=6, hidden_size=64, num_attention_heads=2
+    )
+    assert not varied_layers(llama, 6)
+    assert iterate(cfg, ModelledWorkload(1, 16, "bf16")).sampled_blocks is None  # every layer ran
