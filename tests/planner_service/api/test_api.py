@@ -7,11 +7,11 @@ import json
 import time
 
 import pytest
-from sqlalchemy import create_engine, func, select
 
 from client.contract import PlanRecord, Trace
 from planner_service.db.models import HardwareRow, ModelRow, TraceRow
 from planner_service.solver.testing.synthetic import synthetic_trace
+from tests.planner_service.rows import count_rows
 
 LIMITS = {"device_memory_bytes": 16 * 2**30}
 
@@ -31,14 +31,6 @@ def _upload(api, trace: Trace) -> str:  # type: ignore[no-untyped-def]
     r = api.post("/v1/traces", content=trace.canonical_json(), headers={"content-type": "application/json"})
     assert r.status_code in (200, 201), r.text
     return str(r.json()["id"])
-
-
-def _count(db_url: str, model: type) -> int:
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
-        n = conn.execute(select(func.count()).select_from(model)).scalar_one()
-    engine.dispose()
-    return int(n)
 
 
 def test_upload_returns_201_then_200_with_the_same_id(api, trace) -> None:  # type: ignore[no-untyped-def]
@@ -68,7 +60,7 @@ def test_bad_upload_names_the_field_and_stores_nothing(api, trace, db_url) -> No
     assert r.status_code == 422
     assert r.json()["detail"][0]["field"] == "body.measurements.blocks[2].backward_s"
     for table in (TraceRow, ModelRow, HardwareRow):
-        assert _count(db_url, table) == 0
+        assert count_rows(db_url, table) == 0
 
 
 def test_malformed_bodies_get_4xx(api) -> None:  # type: ignore[no-untyped-def]

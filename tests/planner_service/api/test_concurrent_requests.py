@@ -8,25 +8,17 @@ from threading import Barrier
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, func, select
 
 from planner_service.app import create_app
 from planner_service.db.models import PlanRow, TraceRow
 from planner_service.solver.testing.synthetic import synthetic_trace
 from tests.loopback import LoopbackServer
+from tests.planner_service.rows import count_rows
 
 pytestmark = pytest.mark.slow
 
 CLIENTS = 12
 LIMITS = {"device_memory_bytes": 16 * 2**30}
-
-
-def _count(db_url: str, model: type) -> int:
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
-        n = conn.execute(select(func.count()).select_from(model)).scalar_one()
-    engine.dispose()
-    return int(n)
 
 
 def _at_once(url: str, method: str, path: str, **kwargs: object) -> list[httpx.Response]:
@@ -54,7 +46,7 @@ def test_identical_plan_requests_at_once_make_one_plan(settings, db_url: str) ->
     assert len(ids) == 1, f"{len(ids)} plans for one request"
     created = [a for a in answers if a.status_code == 202]
     assert len(created) == 1 and all(a.json()["reused"] for a in answers if a.status_code == 200)
-    assert _count(db_url, PlanRow) == 1
+    assert count_rows(db_url, PlanRow) == 1
 
 
 def test_identical_trace_uploads_at_once_store_one_trace(settings, db_url: str) -> None:  # type: ignore[no-untyped-def]
@@ -64,4 +56,4 @@ def test_identical_trace_uploads_at_once_store_one_trace(settings, db_url: str) 
     assert all(a.status_code in (200, 201) for a in answers), [(a.status_code, a.text) for a in answers]
     assert len({a.json()["id"] for a in answers}) == 1
     assert sum(a.status_code == 201 for a in answers) == 1
-    assert _count(db_url, TraceRow) == 1
+    assert count_rows(db_url, TraceRow) == 1
