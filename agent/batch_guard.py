@@ -2,8 +2,9 @@
 
 `BatchShapeGuard` is a forward pre-hook on the wrapped model. A batch larger than planned (more rows or a
 longer sequence than `max_batch`, else `sample_batch`) uses more memory than the plan budgeted: on CPU it
-warns once and runs; on a GPU it raises `BatchShapeError` before the forward runs, rather than letting the
-iteration run out of device memory halfway (with the runtime's state in between). The message names the
+warns once and runs; on a GPU a forward with gradients raises `BatchShapeError` before it runs, rather than
+letting the iteration run out of device memory halfway (with the runtime's state in between), and an evaluation
+(no gradients: no activations kept for a backward) warns once and runs. The message names the
 shapes and the fix: pass the largest batch as `max_batch=` to `wrap`.
 """
 
@@ -57,9 +58,16 @@ class BatchShapeGuard:
             f"{self.planned[1]} the memory plan was made for; pass the largest batch you train on as "
             "agent.wrap(..., max_batch=...)"
         )
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and torch.is_grad_enabled():
             raise BatchShapeError(
                 f"{message} (refused before the forward: it would exceed the plan's device memory)"
+            )
+        if self.device.type == "cuda":
+            # an evaluation (no_grad, inference_mode) keeps no activations for a backward, the plan's largest
+            # cost: run it rather than stop the training job at its first evaluation (a Trainer's
+            # `per_device_eval_batch_size` above the training batch). Unchecked on a GPU (none lent so far).
+            message += (
+                " (an evaluation without gradients: run, with no activations kept; its logits grow with it)"
             )
         if not self.warned:
             self.warned = True

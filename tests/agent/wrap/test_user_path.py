@@ -348,3 +348,10 @@ def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
     guard = BatchShapeGuard(nn.Linear(2, 2), (2, 32), torch.device("cuda", 0))
     with pytest.raises(BatchShapeError, match="refused before the forward"):
         guard._check(nn.Linear(2, 2), (), longer)
+    # ... except an evaluation (no gradients, no activations kept), which warns: session 19 probe, a Trainer with a
+    # larger eval batch stopped the training job at its first evaluation
+    caplog.clear()
+    with torch.no_grad():
+        guard._check(nn.Linear(2, 2), (), longer)
+    said = [r.getMessage() for r in caplog.records if "larger than" in r.getMessage()]
+    assert len(said) == 1 and "an evaluation without gradients" in said[0]
