@@ -58,11 +58,11 @@ class BatchShapeGuard:
             f"{self.planned[1]} the memory plan was made for; pass the largest batch you train on as "
             "agent.wrap(..., max_batch=...)"
         )
-        if self.device.type == "cuda" and torch.is_grad_enabled():
-            raise BatchShapeError(
-                f"{message} (refused before the forward: it would exceed the plan's device memory)"
-            )
         if self.device.type == "cuda":
+            if torch.is_grad_enabled():
+                raise BatchShapeError(
+                    f"{message} (refused before the forward: it would exceed the plan's device memory)"
+                )
             # an evaluation (no_grad, inference_mode) keeps no activations for a backward, the plan's largest
             # cost: run it rather than stop the training job at its first evaluation (a Trainer's
             # `per_device_eval_batch_size` above the training batch). Unchecked on a GPU (none lent so far).

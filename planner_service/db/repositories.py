@@ -444,6 +444,17 @@ class PlanRepository:
             .limit(1)
         )
 
+    def _request_key(
+        self,
+        trace: TraceRow,
+        constraints: Constraints,
+        objective: Objective,
+        solver: str,
+        solver_version: str,
+    ) -> str:
+        group = TraceRepository(self.s).process_group(trace)
+        return request_key(trace.content_hash, constraints, objective, solver, solver_version, group)
+
     def reusable_or_new(
         self,
         trace: TraceRow,
@@ -456,12 +467,11 @@ class PlanRepository:
         queued one (`True`). Of identical requests at once, the unique index on the keys of plans that did not
         fail (`uq_plan_request`) lets one insert; the others' flush raises `IntegrityError`, and the caller
         rolls the transaction back and asks again (`once_more_on_conflict`), finding the winner's."""
-        group = TraceRepository(self.s).process_group(trace)
-        key = request_key(trace.content_hash, constraints, objective, solver, solver_version, group)
+        key = self._request_key(trace, constraints, objective, solver, solver_version)
         existing = self.reusable(trace.project_id, key)
         if existing is not None:
             return existing, False
-        return self.create(trace, constraints, objective, solver, solver_version), True
+        return self.create(trace, constraints, objective, solver, solver_version, key=key), True
 
     def create(
         self,
@@ -470,9 +480,12 @@ class PlanRepository:
         objective: Objective,
         solver: str,
         solver_version: str,
+        *,
+        key: str | None = None,
     ) -> PlanRow:
-        group = TraceRepository(self.s).process_group(trace)
-        key = request_key(trace.content_hash, constraints, objective, solver, solver_version, group)
+        """A new queued plan of the request (`key`: its request key, when the caller has it already)."""
+        if key is None:
+            key = self._request_key(trace, constraints, objective, solver, solver_version)
         row = PlanRow(
             trace_id=trace.id,
             project_id=trace.project_id,

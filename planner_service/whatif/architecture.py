@@ -189,7 +189,7 @@ def repeated_blocks(model: nn.Module) -> RepeatedBlocks:
     # local import: torch loads when a model is built, not with `memplan whatif`'s module (`memplan --help`)
     from torch import nn
 
-    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    layers = num_layers(getattr(model, "config", None))
     best: tuple[str, nn.ModuleList] | None = None
     stacks: list[tuple[int, str, nn.ModuleList]] = []
     for name, module in model.named_modules():
@@ -209,6 +209,12 @@ def repeated_blocks(model: nn.Module) -> RepeatedBlocks:
     list_name, modules = best
     prefix = f"{list_name}." if list_name else ""
     return RepeatedBlocks(tuple(f"{prefix}{i}" for i in range(len(modules))), tuple(modules), list_name)
+
+
+def num_layers(config: object) -> int | None:
+    """The layers a config says its model has (`num_hidden_layers`), if it says."""
+    n = getattr(config, "num_hidden_layers", None)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def describe(config: PretrainedConfig) -> str:

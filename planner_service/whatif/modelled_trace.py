@@ -55,6 +55,7 @@ from planner_service.whatif.architecture import (
     RepeatedBlocks,
     describe,
     fake_model,
+    num_layers,
     repeated_blocks,
 )
 from planner_service.whatif.catalog import to_hardware
@@ -121,7 +122,7 @@ def iterate(
     `gpu_attention` runs attention as CUDA's fused kernels do (see fake_iteration.py); False keeps this CPU's
     kernel choice (what the profiler measures here).
     """
-    layers = _num_layers(config)
+    layers = num_layers(config)
     if exact or layers is None or layers <= SAMPLED_BLOCKS or varied_layers(config, layers):
         return _iterate_built(config, workload, name, gpu_attention)
     small = _iterate_built(_with_layers(config, SAMPLED_BLOCKS - 1), workload, name, gpu_attention)
@@ -142,11 +143,6 @@ def varied_layers(config: object, layers: int) -> bool:
         if key.endswith("_period") and isinstance(value, int) and not isinstance(value, bool) and value > 1:
             return True
     return False
-
-
-def _num_layers(config: object) -> int | None:
-    n = getattr(config, "num_hidden_layers", None)
-    return n if isinstance(n, int) and n > 0 else None
 
 
 def _with_layers(config: object, k: int) -> object:
