@@ -85,8 +85,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
+            # a body that is not JSON at all is malformed (400), as `POST /v1/traces` says it; 422 is for JSON
+            # that does not fit the contract (FastAPI answers 422 for both)
+            return JSONResponse(
+                {"error": "body is not valid JSON", "detail": validation_detail(errors)}, status_code=400
+            )
         return JSONResponse(
-            {"error": "validation failed", "detail": validation_detail(exc.errors())}, status_code=422
+            {"error": "validation failed", "detail": validation_detail(errors)}, status_code=422
         )
 
     @app.exception_handler(ValidationError)

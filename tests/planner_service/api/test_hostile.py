@@ -432,3 +432,31 @@ def test_hostile_bodies_get_4xx_store_nothing_and_keep_the_servers_memory_bounde
     assert after_rss - before_rss < 64 * MIB, (before_rss // MIB, after_rss // MIB)
     assert api_peak < before_rss + 64 * MIB, (before_rss // MIB, api_peak // MIB)
     assert ingest_peaks and max(ingest_peaks) < (256 + 128) * MIB, [p // MIB for p in ingest_peaks]
+
+
+# ------------------------------------------------------------------------------ malformed JSON
+JSON_ROUTES = (
+    ("POST", "/v1/traces"),
+    ("POST", "/v1/plans"),
+    ("POST", "/v1/plans/p1/feedback"),
+    ("PUT", "/v1/plans/p1/allocation"),
+    ("POST", "/v1/whatif"),
+    ("POST", "/v1/sweeps"),
+)
+
+
+@pytest.mark.parametrize(("method", "path"), JSON_ROUTES)
+def test_a_body_that_is_not_json_is_a_400_on_every_route(api, db_url: str, method: str, path: str) -> None:  # type: ignore[no-untyped-def]
+    """Session 20 probe: malformed JSON was a 400 on `POST /v1/traces` and a 422 ("validation failed") on every
+    other route (FastAPI's default). A body that is not JSON is malformed on every route; JSON that does not fit
+    the contract stays a 422 naming the field."""
+    json_type = {"content-type": "application/json"}
+    for content in (b"{not json", b'{"trace_id": "t1",', b"\xff\xfe"):
+        r = api.request(method, path, content=content, headers=json_type)
+        assert r.status_code == 400, (content, r.status_code, r.text[:300])
+        assert "not valid JSON" in r.json()["error"], r.text[:300]
+    r = api.request(method, path, content=b'{"unexpected": 1}', headers=json_type)
+    assert r.status_code in (404, 422), (r.status_code, r.text[:300])  # 404: the plan p1 is looked up first
+    if r.status_code == 422:
+        assert r.json()["error"] == "validation failed" and r.json()["detail"][0]["field"].startswith("body")
+    assert set(_counts(db_url).values()) == {0}
