@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_LOCAL_FEEDBACK = Path.home() / ".memplan" / "feedback.jsonl"
+SEND_WAIT_S = 15.0
+"""The most a monitor waits, over all its calls, for its background posts (the job's end pays it once)."""
 
 
 _ANNOUNCED: set[Path] = set()  # local feedback files this process has told the user about
@@ -90,6 +92,11 @@ class StepRecorder(Protocol):
 
     def wait(self, timeout_s: float) -> None:
         """Wait for work the recorder runs in the background."""
+        ...
+
+    @property
+    def running(self) -> bool:
+        """Its background work is in flight."""
         ...
 
 
@@ -280,6 +287,8 @@ class StepMonitor:
         self._eval_uploads_at: int | None = None  # ... when an evaluation forward (no grad) started
         self._eval_uploads = 0  # uploads of this step's evaluation forwards: not the training iteration's
         self._sender: threading.Thread | None = None
+        self._wait_left_s = SEND_WAIT_S  # `wait_sent`'s budget over every call
+        self._said_behind = False
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(eager(self._before_forward), with_kwargs=True),
             model.register_forward_hook(eager(self._after_forward)),
@@ -436,12 +445,33 @@ class StepMonitor:
             self.measured.sent_to = f"not recorded ({type(exc).__name__})"
         log.info("memplan: feedback after %d steps %s", self.measured.steps, self.measured.sent_to)
 
-    def wait_sent(self, timeout_s: float = 15.0) -> None:
-        """Wait (at most `timeout_s`) for a feedback post in flight, e.g. before reading the report."""
+    def wait_sent(self, timeout_s: float | None = None) -> None:
+        """Wait for the feedback post and the managed allocation's placement in flight (before reading the
+        report, and at `close`): at most `timeout_s` when given, else what is left of `SEND_WAIT_S` over every
+        such call of this monitor, so a service that hangs costs the job's end that once (it cost 15 s per
+        thread per call: 40 s for `report()` then `unwrap` against a hanging service)."""
+        budget = self._wait_left_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
         if self._sender is not None:
-            self._sender.join(timeout_s)
+            self._sender.join(budget)
         if self.recorder is not None:
-            self.recorder.wait(timeout_s)
+            self.recorder.wait(max(0.0, budget - (time.monotonic() - t0)))
+        self._wait_left_s = max(0.0, self._wait_left_s - (time.monotonic() - t0))
+        behind = [
+            what
+            for what, running in (
+                ("the feedback", self._sender is not None and self._sender.is_alive()),
+                ("the managed allocation", self.recorder is not None and self.recorder.running),
+            )
+            if running
+        ]
+        if behind and not self._wait_left_s and not self._said_behind:
+            self._said_behind = True
+            log.warning(
+                "memplan: %s still not sent after %.0fs; not waiting for it (the service is slow or hangs)",
+                " and ".join(behind),
+                SEND_WAIT_S,
+            )
 
     def close(self) -> None:
         self.wait_sent()

@@ -127,6 +127,11 @@ class ManagedStepRecorder:
         """The placement and PUT were started (after the feedback went out)."""
         return self._thread is not None
 
+    @property
+    def running(self) -> bool:
+        """The placement and PUT are in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) for the placement and PUT in flight."""
         if self._thread is not None:

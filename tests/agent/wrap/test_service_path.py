@@ -143,8 +143,7 @@ def wrap_in_thread(
                 sample_batch=job[1],
                 device_memory="1GiB",
                 server=url,
-                feedback_steps=None,
-                **kw,
+                **{"feedback_steps": None, **kw},
             )
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             box["error"] = exc
@@ -457,3 +456,41 @@ def test_a_service_that_ignores_the_long_poll_is_not_polled_in_a_tight_loop(
     reads = [s for s in proxy.seen if s.startswith("GET") and PLAN_GET.match(s.split()[1])]
     assert wrapped.source.origin == "fallback" and "queued" in wrapped.source.message
     assert len(reads) <= 3 / 0.5 + 2, f"{len(reads)} plan reads in a 3 s wait"
+
+
+def test_a_service_that_hangs_on_feedback_and_allocation_costs_the_jobs_end_one_wait(
+    service: str,
+    job: tuple[nn.Module, dict[str, torch.Tensor]],
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Session 20 probe: with the feedback POST and the managed allocation's PUT hanging, `report()` took 25 s and
+    `unwrap` 15 s more (15 s per background thread per call). One wait now, over every call, and said once; the
+    feedback is recorded locally."""
+    import agent
+    from agent.feedback import SEND_WAIT_S
+
+    monkeypatch.setenv("MEMPLAN_FEEDBACK_PATH", str(tmp_path / "feedback.jsonl"))
+    caplog.set_level(logging.WARNING, logger="agent")
+
+    def rule(method: str, path: str) -> str | None:
+        return "hang" if method in ("POST", "PUT") and path.endswith(("/feedback", "/allocation")) else None
+
+    with MisbehavingProxy(service, rule) as proxy:
+        box = wrap_in_thread(job, proxy.url, limit_s=90, reuse=False, feedback_steps=4)
+        wrapped = box["wrapped"]
+        for _ in range(5):
+            train_one_step(wrapped, job[1])
+        t0 = time.monotonic()
+        report = wrapped.report()
+        agent.unwrap(wrapped)
+        took = time.monotonic() - t0
+        assert any(s.startswith("PUT") for s in proxy.seen) and any(
+            s.endswith("/feedback") for s in proxy.seen
+        )
+    assert took < SEND_WAIT_S + 5, f"report() and unwrap waited {took:.1f}s for a hanging service"
+    assert "recorded locally" in str(report.feedback_to), report.feedback_to
+    assert (tmp_path / "feedback.jsonl").exists()
+    behind = [r.getMessage() for r in caplog.records if "not waiting for it" in r.getMessage()]
+    assert len(behind) == 1 and "managed allocation" in behind[0], behind
