@@ -27,7 +27,13 @@ from torch.utils.hooks import RemovableHandle
 
 from agent.profiler.block_detection import RepeatedBlocks
 from agent.profiler.block_marks import BlockTracker
-from agent.profiler.tensors import iter_tensors, storage_bytes, storage_key, unique_storage_bytes
+from agent.profiler.tensors import (
+    LiveStorageKeys,
+    iter_tensors,
+    storage_bytes,
+    storage_key,
+    unique_storage_bytes,
+)
 from client.contract import Phase
 
 
@@ -67,8 +73,8 @@ class BlockHooks:
         self.block_inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.keep_inputs = False
         self._seen_params: set[int] = set()
-        self._saved_keys: set[tuple[str, int]] = set()
-        self._input_keys: set[tuple[str, int]] = set()
+        self._saved_keys = LiveStorageKeys()
+        self._input_keys = LiveStorageKeys()
         self._bwd_started: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -89,6 +95,8 @@ class BlockHooks:
         self._handles.clear()
         self._stack.close()
         self.block_inputs.clear()
+        self._saved_keys.clear()
+        self._input_keys.clear()
 
     def new_iteration(self) -> None:
         """Forget the per-iteration state (backward marks, saved storages) before another iteration."""
@@ -117,8 +125,10 @@ class BlockHooks:
             if self._saved_tensors:
                 # Inputs shared by every block (attention mask, rotary cos/sin) count once, in the first block.
                 tensors = list(iter_tensors((args, kwargs)))
-                self.input_bytes[idx] = unique_storage_bytes(tensors, self._excluded | self._input_keys)
-                self._input_keys.update(storage_key(t) for t in tensors if t.layout == torch.strided)
+                self.input_bytes[idx] = unique_storage_bytes(tensors, self._excluded | self._input_keys.keys)
+                for t in tensors:
+                    if t.layout == torch.strided:
+                        self._input_keys.add(t)
             if self.keep_inputs:
                 self.block_inputs[idx] = (
                     tuple(_detached(a) for a in args),
@@ -189,7 +199,7 @@ class BlockHooks:
             return t
         key = storage_key(t)
         if key not in self._excluded and key not in self._saved_keys:
-            self._saved_keys.add(key)
+            self._saved_keys.add(t)
             self.activation_bytes[block] += storage_bytes(t)
             if self._on_saved is not None:
                 self._on_saved(t)

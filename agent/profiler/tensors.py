@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -46,3 +47,30 @@ def unique_storage_bytes(
         seen.add(key)
         total += storage_bytes(t)
     return total
+
+
+class LiveStorageKeys:
+    """The keys (`storage_key`) of storages seen and still alive: a storage's key leaves when it is freed.
+    Allocators hand a freed block's address to the next request of its size at once (CPU malloc, the CUDA
+    caching allocator), so a key kept after its storage died made a later tensor at that address look
+    already counted (a block's input of 0 bytes). The what-if's fake run keeps a twin
+    (`planner_service.whatif.fake_iteration._LiveKeys`: the service may not import the agent)."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[str, int]] = set()
+        self._finalizers: list[weakref.finalize] = []
+
+    def add(self, t: torch.Tensor) -> None:
+        key = storage_key(t)
+        if key not in self.keys:
+            self.keys.add(key)
+            self._finalizers.append(weakref.finalize(t.untyped_storage(), self.keys.discard, key))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def clear(self) -> None:
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self.keys.clear()

@@ -67,3 +67,56 @@ def test_repeated_identical_blocks_save_identical_activation_bytes(cpu_hardware:
     assert [b.input_bytes for b in blocks[1:]] == [2 * 32 * 64 * 4] * 2
     assert blocks[0].input_bytes > 2 * 32 * 64 * 4
     assert all(b.forward_s > 0 and b.backward_s > 0 and b.recompute_s > 0 for b in blocks)
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2  # saves nothing for backward
+
+
+class FreshInputs(torch.nn.Module):
+    """Each block gets a fresh copy of the hidden state that nothing saves (as a cast or `.contiguous()` before
+    each layer makes one): the copy is freed when the block returns, and the next block's copy is allocated
+    at its address at once."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(Doubled(), torch.nn.Linear(width, width)) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x.clone())
+        return x.square().mean()
+
+
+def test_a_block_input_at_a_freed_inputs_address_is_counted(cpu_hardware: Hardware) -> None:
+    """Session 21: storages were told apart by address for the whole iteration, so a block input allocated
+    where an earlier block's freed input had been counted 0 bytes (the what-if's fake run showed it about
+    once in 20 runs). A storage's address now names it only while it is alive."""
+    model = FreshInputs(4, 32)
+    x = torch.randn(8, 32)
+    trace = profile(model, x, loss_fn=lambda out, _batch: out, hardware=cpu_hardware, repeats=1)
+    blocks = trace.measurements.blocks[1:-1]
+    assert [b.input_bytes for b in blocks] == [8 * 32 * 4] * 4
+
+
+def test_live_storage_keys_forget_a_storage_when_it_is_freed() -> None:
+    from agent.profiler.tensors import LiveStorageKeys, storage_key
+
+    keys = LiveStorageKeys()
+    a = torch.empty(1024)
+    view = a[1:]
+    keys.add(view)
+    key = storage_key(a)
+    assert key in keys
+    del a
+    assert key in keys  # the view holds the storage
+    del view
+    assert key not in keys  # freed: its address may be the next storage's
+    b = torch.empty(1024)
+    keys.add(b)
+    assert storage_key(b) in keys
+    keys.clear()
+    assert storage_key(b) not in keys and not keys.keys
