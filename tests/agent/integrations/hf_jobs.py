@@ -56,6 +56,7 @@ def trainer(
     accumulation: int = 1,
     save_only_model: bool = False,
     eval_steps: int | None = None,
+    lora: bool = False,
 ) -> Any:
     """A Trainer on `dataset()`; with `eval_steps`, evaluating every that many steps on 10 more examples (not a
     multiple of 2 ranks x 4: Accelerate pads the last batch, so every rank runs as many forwards)."""
@@ -82,8 +83,15 @@ def trainer(
         dataloader_num_workers=0,
     )
     data = dataset()
+    model = build_model(kind)
+    if lora:  # LoRA adapters from peft on the attention projections; the base model frozen
+        import peft
+
+        torch.manual_seed(3)
+        targets = ["q_proj", "v_proj"] if kind == "llama" else ["c_attn"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     return transformers.Trainer(
-        model=build_model(kind),
+        model=model,
         args=args,
         train_dataset=data,
         eval_dataset=[{k: v.flip(0) for k, v in x.items()} for x in data[:10]] if eval_steps else None,
@@ -156,6 +164,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         accumulation=spec.get("accumulation", 1),
         save_only_model=spec.get("save_only_model", False),
         eval_steps=spec.get("eval_steps"),
+        lora=spec.get("lora", False),
     )
     plan_json = None
     offloaded = sharded = device_sharded = 0

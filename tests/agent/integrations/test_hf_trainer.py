@@ -103,6 +103,51 @@ def test_trainer_resumed_from_a_checkpoint_in_a_new_process_continues_identicall
     assert_same(resumed["history"][3:], full["history"][3:], exact=True)
 
 
+def test_a_lora_trainer_trains_like_the_plain_one_saves_its_adapters_and_resumes_identically(
+    tmp_path: Path,
+) -> None:
+    """Session 21 probe: a peft LoRA model (the base frozen inside PEFT's wrappers) in the Trainer, wrapped under a
+    limit that offloads every chunk: the same steps as the plain LoRA Trainer; its checkpoint holds the adapters
+    (PEFT's `save_pretrained` of the managed model's state dict), and a resume in a new process (the Trainer's
+    `load_adapter` into the managed model) continues the uninterrupted run exactly."""
+    pytest.importorskip("peft")
+    import agent
+
+    spec: dict[str, Any] = {"kind": "llama", "steps": 6, "lora": True}
+    probe = hf_jobs.trainer("llama", tmp_path / "probe", steps=1, lora=True).model
+    ids = torch.stack([d["input_ids"] for d in hf_jobs.dataset()[:4]])
+    trace = agent.profile(probe, {"input_ids": ids, "labels": ids}, repeats=1, allocation_trace=False)
+    limit = int(trace.measurements.peak_device_bytes * 0.7)
+    plain = hf_jobs.run({**spec, "out": str(tmp_path / "plain")})
+    full = hf_jobs.run(
+        {**spec, "out": str(tmp_path / "run"), "wrap": True, "device_memory": limit, "save_steps": 3}
+    )
+    assert full["offloaded"] > 0
+    assert_same(full["history"], plain["history"])
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "optimizer.pt").exists()
+    plan = tmp_path / "plan.json"
+    plan.write_text(full["plan"])
+    resume = {
+        **spec,
+        "out": str(tmp_path / "resumed"),
+        "wrap": True,
+        "resume": str(checkpoint),
+        "plan": str(plan),
+    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "hf_jobs.py"), json.dumps(resume)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    assert_same(resumed["history"][3:], full["history"][3:], exact=True)
+
+
 def test_wrap_trainer_refuses_a_scheduler_built_on_the_unwrapped_optimizer(tmp_path: Path) -> None:
     from agent.integrations.hf import wrap_trainer
 
