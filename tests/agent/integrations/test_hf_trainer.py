@@ -28,25 +28,26 @@ TOL = 1e-5
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def limits() -> dict[str, int]:
-    """Per model kind: a device limit at 70% of the plain job's measured peak (the planner must offload)."""
+def offloading_limit(model: torch.nn.Module) -> int:
+    """A device limit at 70% of the plain job's measured peak (the planner must offload)."""
     import agent
 
-    out = {}
-    for kind in ("llama", "gpt2"):
-        model = hf_jobs.build_model(kind)
-        ids = torch.stack([d["input_ids"] for d in hf_jobs.dataset()[:4]])
-        probe = copy.deepcopy(model)
-        trace = agent.profile(
-            probe,
-            {"input_ids": ids, "labels": ids},
-            optimizer=torch.optim.AdamW(probe.parameters()),
-            repeats=1,
-            allocation_trace=False,
-        )
-        out[kind] = int(trace.measurements.peak_device_bytes * 0.7)
-    return out
+    ids = torch.stack([d["input_ids"] for d in hf_jobs.dataset()[:4]])
+    probe = copy.deepcopy(model)
+    trace = agent.profile(
+        probe,
+        {"input_ids": ids, "labels": ids},
+        optimizer=torch.optim.AdamW([p for p in probe.parameters() if p.requires_grad]),
+        repeats=1,
+        allocation_trace=False,
+    )
+    return int(trace.measurements.peak_device_bytes * 0.7)
+
+
+@pytest.fixture(scope="module")
+def limits() -> dict[str, int]:
+    """Per model kind: `offloading_limit`."""
+    return {kind: offloading_limit(hf_jobs.build_model(kind)) for kind in ("llama", "gpt2")}
 
 
 def assert_same(got: list[dict[str, float]], ref: list[dict[str, float]], *, exact: bool = False) -> None:
@@ -111,13 +112,8 @@ def test_a_lora_trainer_trains_like_the_plain_one_saves_its_adapters_and_resumes
     (PEFT's `save_pretrained` of the managed model's state dict), and a resume in a new process (the Trainer's
     `load_adapter` into the managed model) continues the uninterrupted run exactly."""
     pytest.importorskip("peft")
-    import agent
-
     spec: dict[str, Any] = {"kind": "llama", "steps": 6, "lora": True}
-    probe = hf_jobs.trainer("llama", tmp_path / "probe", steps=1, lora=True).model
-    ids = torch.stack([d["input_ids"] for d in hf_jobs.dataset()[:4]])
-    trace = agent.profile(probe, {"input_ids": ids, "labels": ids}, repeats=1, allocation_trace=False)
-    limit = int(trace.measurements.peak_device_bytes * 0.7)
+    limit = offloading_limit(hf_jobs.trainer("llama", tmp_path / "probe", steps=1, lora=True).model)
     plain = hf_jobs.run({**spec, "out": str(tmp_path / "plain")})
     full = hf_jobs.run(
         {**spec, "out": str(tmp_path / "run"), "wrap": True, "device_memory": limit, "save_steps": 3}
@@ -219,10 +215,12 @@ def two_rank_plan(limits: dict[str, int], tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def two_ranks(two_rank_plan: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+def two_ranks(
+    two_rank_plan: Path, two_rank_lora_plan: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[Any]]:
     """One launch of two ranks: the plain Trainer (Accelerate wraps it in DDP), then the wrapped Trainer with
     offloaded chunks sharded over the ranks, both saving a checkpoint at step 2 of 4; then an FSDP-configured
-    Trainer."""
+    Trainer; then the plain and the wrapped Trainer of a peft LoRA llama."""
     root = tmp_path_factory.mktemp("two_ranks")
     plain = {**TWO_RANKS, "out": str(root / "plain"), "final": str(root / "plain.pt")}
     wrapped = {
@@ -233,7 +231,29 @@ def two_ranks(two_rank_plan: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "plan": str(two_rank_plan),
     }
     fsdp = {"kind": "llama", "out": str(root / "fsdp"), "args": {"fsdp": "full_shard"}}
-    return root, torchrun([plain, wrapped, fsdp])
+    lora = {**TWO_RANKS, "save_steps": None, "eval_steps": None, "lora": True}
+    lora_plain = {**lora, "out": str(root / "lora-plain"), "final": str(root / "lora-plain.pt")}
+    lora_wrapped = {
+        **lora,
+        "out": str(root / "lora-wrapped"),
+        "final": str(root / "lora-wrapped.pt"),
+        "wrap": True,
+        "plan": str(two_rank_lora_plan),
+    }
+    return root, torchrun([plain, wrapped, fsdp, lora_plain, lora_wrapped])
+
+
+@pytest.fixture(scope="module")
+def two_rank_lora_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As `two_rank_plan`, for the llama with peft's LoRA adapters (`hf_jobs.trainer(lora=True)`)."""
+    pytest.importorskip("peft")
+    from agent.integrations.hf import wrap_trainer
+
+    root = tmp_path_factory.mktemp("lora_plan")
+    t = hf_jobs.trainer("llama", root, steps=1, max_grad_norm=1.0, accumulation=2, lora=True)
+    plan = wrap_trainer(t, device_memory=offloading_limit(t.model), feedback_steps=None).plan
+    hf_jobs.plan_for_two_ranks(plan, root / "plan.json")
+    return root / "plan.json"
 
 
 @pytest.mark.distributed
@@ -242,7 +262,7 @@ def test_wrapped_trainer_on_two_ranks_trains_like_the_ddp_trainer(two_ranks: tup
     averaged by the runtime, accumulation over 2 micro-steps without a reduce on the first) logs the plain
     DDP Trainer's losses and clipped norms and ends with its parameters, within 1e-5 relative."""
     root, results = two_ranks
-    for plain, wrapped, _ in results:
+    for plain, wrapped, *_ in results:
         assert wrapped["world_size"] == 2 and wrapped["offloaded"] > 0 and wrapped["sharded"] > 0
         assert all(h["grad_norm"] > 1.0 for h in plain["history"]), "clipping is not active"
         assert_same(wrapped["history"], plain["history"])
@@ -267,6 +287,22 @@ def test_wrapped_trainer_on_two_ranks_trains_like_the_ddp_trainer(two_ranks: tup
         f"2-rank wrapped Trainer vs DDP Trainer: parameters {param_rel_diff(got, ref):.2e} relative "
         f"({w['offloaded']} chunks offloaded, {w['sharded']} sharded, {w['counters']['reductions']} reductions)"
     )
+    assert param_rel_diff(got, ref) <= TOL
+
+
+@pytest.mark.distributed
+def test_a_lora_trainer_on_two_ranks_trains_like_the_ddp_lora_trainer(
+    two_ranks: tuple[Path, list[Any]],
+) -> None:
+    """torchrun, 2 ranks, peft LoRA adapters on a frozen llama (session 21 probe): the wrapped Trainer, its
+    offloaded chunks (frozen base weights and adapters) sharded over the ranks, logs the plain DDP LoRA Trainer's
+    losses and clipped norms over 2 accumulation micro-steps and ends with its parameters."""
+    root, results = two_ranks
+    for *_, plain, wrapped in results:
+        assert wrapped["world_size"] == 2 and wrapped["offloaded"] > 0 and wrapped["sharded"] > 0
+        assert_same(wrapped["history"], plain["history"])
+    got = torch.load(root / "lora-wrapped.pt", weights_only=True)
+    ref = torch.load(root / "lora-plain.pt", weights_only=True)
     assert param_rel_diff(got, ref) <= TOL
 
 
@@ -363,7 +399,7 @@ def test_wrap_trainer_under_torchrun_refuses_fsdp_naming_the_argument(
     two_ranks: tuple[Path, list[Any]],
 ) -> None:
     _, results = two_ranks
-    for *_, fsdp in results:  # every rank refuses, before any collective: nothing hangs
+    for _, _, fsdp, *_ in results:  # every rank refuses, before any collective: nothing hangs
         assert fsdp["world_size"] == 2
         message = fsdp["refused"]
         assert message is not None and message.startswith("trainer.args.fsdp: True;")
