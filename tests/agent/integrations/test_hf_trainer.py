@@ -50,6 +50,21 @@ def limits() -> dict[str, int]:
     return {kind: offloading_limit(hf_jobs.build_model(kind)) for kind in ("llama", "gpt2")}
 
 
+def in_a_new_process(spec: dict[str, Any]) -> dict[str, Any]:
+    """`hf_jobs.run(spec)` in a fresh interpreter (a resume from a checkpoint, as a restarted job does it)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "hf_jobs.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    return result
+
+
 def assert_same(got: list[dict[str, float]], ref: list[dict[str, float]], *, exact: bool = False) -> None:
     assert [h["step"] for h in got] == [h["step"] for h in ref]
     for g, r in zip(got, ref, strict=True):
@@ -90,16 +105,7 @@ def test_trainer_resumed_from_a_checkpoint_in_a_new_process_continues_identicall
     plan = tmp_path / "plan.json"
     plan.write_text(full["plan"])
     resume = {**spec, "out": str(tmp_path / "resumed"), "resume": str(checkpoint), "plan": str(plan)}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "hf_jobs.py"), json.dumps(resume)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    resumed = in_a_new_process(resume)
     assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4, 5, 6]  # 1-3 read back from the checkpoint
     assert_same(resumed["history"][3:], full["history"][3:], exact=True)
 
@@ -131,16 +137,7 @@ def test_a_lora_trainer_trains_like_the_plain_one_saves_its_adapters_and_resumes
         "resume": str(checkpoint),
         "plan": str(plan),
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "hf_jobs.py"), json.dumps(resume)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    resumed = in_a_new_process(resume)
     assert_same(resumed["history"][3:], full["history"][3:], exact=True)
 
 

@@ -19,8 +19,8 @@ import torch
 import agent
 from agent.planning import solve_embedded
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
-from client.contract import Constraints, Placement
-from client.contract.plan import ActivationMode
+from agent.testing.plans import offloaded_with_modes
+from client.contract import Constraints
 
 peft = pytest.importorskip("peft")
 
@@ -68,18 +68,11 @@ def test_lora_adapters_train_like_plain_pytorch(kind: str, checkpointing: bool) 
 
     model = lora()
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    plan = solve_embedded(agent.profile(lora(), batch, repeats=1), Constraints(device_memory_bytes=2**34))
-    assert plan.policy is not None
-    policy = plan.policy.model_copy(deep=True)
-    for c in policy.chunks:
-        c.placement = Placement.offloaded
-    policy.n_buffers = 2
-    for b, mode in zip(policy.blocks[1:-1], "KCSC", strict=True):
-        b.mode = {"K": ActivationMode.keep, "C": ActivationMode.checkpoint, "S": ActivationMode.swap}[mode]
+    solved = solve_embedded(agent.profile(lora(), batch, repeats=1), Constraints(device_memory_bytes=2**34))
     run = agent.wrap(
         model,
         torch.optim.AdamW(adapters(model), lr=1e-2),
-        plan=plan.model_copy(update={"policy": policy, "predictions": None, "allocation": None}),
+        plan=offloaded_with_modes(solved, "KCSC"),
         feedback_steps=None,
     )
     got = train(run.model, run.optimizer, batch)

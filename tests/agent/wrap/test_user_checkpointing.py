@@ -18,14 +18,13 @@ import torch
 import agent
 from agent.planning import solve_embedded
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
-from client.contract import Constraints, Placement
-from client.contract.plan import ActivationMode
+from agent.testing.plans import offloaded_with_modes
+from client.contract import Constraints
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
 TOL = 1e-5
-MODES = {"K": ActivationMode.keep, "C": ActivationMode.checkpoint, "S": ActivationMode.swap}
 
 
 def enable(model: torch.nn.Module, reentrant: bool, extra: dict[str, Any]) -> None:
@@ -78,20 +77,13 @@ def test_the_users_activation_checkpointing_trains_like_plain_pytorch(
     if when == "before":
         enable(m, reentrant, extra)
     # a solved plan's chunks, every one offloaded, and the blocks kept, checkpointed and swapped by memplan
-    plan = solve_embedded(
+    solved = solve_embedded(
         agent.profile(copy.deepcopy(m), batch, repeats=1), Constraints(device_memory_bytes=2**34)
     )
-    assert plan.policy is not None
-    policy = plan.policy.model_copy(deep=True)
-    for c in policy.chunks:
-        c.placement = Placement.offloaded
-    policy.n_buffers = 2
-    for b, letter in zip(policy.blocks[1:-1], "KCSC", strict=True):
-        b.mode = MODES[letter]
     run = agent.wrap(
         m,
         torch.optim.AdamW(m.parameters(), lr=1e-2),
-        plan=plan.model_copy(update={"policy": policy, "predictions": None, "allocation": None}),
+        plan=offloaded_with_modes(solved, "KCSC"),
         feedback_steps=None,
     )
     if when == "after":

@@ -1,0 +1,28 @@
+"""Plans the tests set by hand from a solved one: its chunks and blocks, with every chunk offloaded and the
+repeated blocks' activation modes spelled out, so a test meets offloading, checkpointing and swapping whatever
+the solver would choose at the test's sizes."""
+
+from __future__ import annotations
+
+from client.contract import Placement, Plan
+from client.contract.plan import ActivationMode
+
+MODE_LETTERS = {"K": ActivationMode.keep, "C": ActivationMode.checkpoint, "S": ActivationMode.swap}
+
+
+def offloaded_with_modes(plan: Plan, modes: str, *, n_buffers: int = 2) -> Plan:
+    """`plan` with every chunk offloaded into `n_buffers` device buffers and the repeated blocks (the policy's
+    blocks but the prologue and the epilogue) in `modes`, one letter each (K keep, C checkpoint, S swap); no
+    predictions and no allocation (nothing was solved for this policy)."""
+    if plan.policy is None:
+        raise ValueError("plan.policy: the plan has none to change")
+    policy = plan.policy.model_copy(deep=True)
+    repeated = policy.blocks[1:-1]
+    if len(modes) != len(repeated):
+        raise ValueError(f"modes: {len(modes)} letters for {len(repeated)} repeated blocks")
+    for c in policy.chunks:
+        c.placement = Placement.offloaded
+    policy.n_buffers = n_buffers
+    for b, letter in zip(repeated, modes, strict=True):
+        b.mode = MODE_LETTERS[letter]
+    return plan.model_copy(update={"policy": policy, "predictions": None, "allocation": None})
