@@ -17,6 +17,18 @@ from torch import nn
 from client.contract import Placement, Policy, parameter_slot_bytes, shard_elements
 
 
+def hooked_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters a module's forward hooks make resident (or gather) before it runs: its own, and those of
+    submodules its forward uses without calling them. Torch's `nn.MultiheadAttention` passes `out_proj.weight`
+    and `.bias` to `F.multi_head_attention_forward`; the `out_proj` Linear's own forward never runs, so its
+    hooks never fire (session 21: with out_proj in another chunk than `in_proj_weight` and one buffer, the
+    attention read out_proj's host copy, correct by accident on a CPU, a device mismatch on a GPU)."""
+    params = [p for p in module._parameters.values() if p is not None]
+    if isinstance(module, nn.MultiheadAttention):
+        params += [p for p in module.out_proj._parameters.values() if p is not None]
+    return params
+
+
 class PlanMismatchError(ValueError):
     """The plan's chunk layout does not describe this model."""
 
@@ -167,8 +179,8 @@ class ChunkLayout:
         for path, module in model.named_modules():
             needed = {
                 by_param[id(p)].chunk
-                for p in module._parameters.values()
-                if p is not None and chunks[by_param[id(p)].chunk].offloaded
+                for p in hooked_parameters(module)
+                if chunks[by_param[id(p)].chunk].offloaded
             }
             if len(needed) > policy.n_buffers:
                 raise PlanMismatchError(

@@ -38,7 +38,7 @@ from agent.runtime.eager import eager
 from agent.runtime.gradients import GradientFlow
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
-from agent.runtime.layout import ChunkLayout, check_world
+from agent.runtime.layout import ChunkLayout, check_world, hooked_parameters
 from agent.runtime.node_shared import NodeSharedCopy
 from agent.runtime.optimizer import ChunkedOptimizer
 from agent.runtime.options import RuntimeOptions
@@ -205,8 +205,8 @@ class ModelStateManager:
             seen.add(id(module))
             chunks: set[int] = set()
             expected: dict[int, list[int]] = {}
-            for p in module._parameters.values():
-                if p is None or id(p) not in self._pos:
+            for p in hooked_parameters(module):
+                if id(p) not in self._pos:
                     continue
                 c, j = self._pos[id(p)]
                 if self.states[c].offloaded:
@@ -234,8 +234,8 @@ class ModelStateManager:
                 continue
             seen.add(id(module))
             expected: dict[int, list[int]] = {}
-            for p in module._parameters.values():
-                if p is None or id(p) not in self._pos:
+            for p in hooked_parameters(module):
+                if id(p) not in self._pos:
                     continue
                 c, j = self._pos[id(p)]
                 if c in ds:
