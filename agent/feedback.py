@@ -468,7 +468,8 @@ class StepMonitor:
         if behind and not self._wait_left_s and not self._said_behind:
             self._said_behind = True
             log.warning(
-                "memplan: %s still not sent after %.0fs; not waiting for it (the service is slow or hangs)",
+                "memplan: %s still in flight after %.0fs; not waiting for it any longer (it goes on in the "
+                "background while this process lives: a slow or silent service, or a long placement)",
                 " and ".join(behind),
                 SEND_WAIT_S,
             )
