@@ -4,7 +4,15 @@ the solver would choose at the test's sizes."""
 
 from __future__ import annotations
 
-from client.contract import Placement, Plan
+import copy
+from itertools import cycle, islice
+from typing import Any
+
+from torch import nn
+
+from agent.planning import solve_embedded
+from agent.profiler import profile
+from client.contract import Constraints, Placement, Plan
 from client.contract.plan import ActivationMode
 
 MODE_LETTERS = {"K": ActivationMode.keep, "C": ActivationMode.checkpoint, "S": ActivationMode.swap}
@@ -26,3 +34,15 @@ def offloaded_with_modes(plan: Plan, modes: str, *, n_buffers: int = 2) -> Plan:
     for b, letter in zip(repeated, modes, strict=True):
         b.mode = MODE_LETTERS[letter]
     return plan.model_copy(update={"policy": policy, "predictions": None, "allocation": None})
+
+
+def offloaded_plan(model: nn.Module, batch: Any, modes: str | None = None, *, n_buffers: int = 2) -> Plan:
+    """`offloaded_with_modes` of the plan solved in-process for `model` on `batch` (profiled on a copy, without a
+    device limit); `modes` None: keep, checkpoint and swap in turn over the repeated blocks."""
+    solved = solve_embedded(
+        profile(copy.deepcopy(model), batch, repeats=1), Constraints(device_memory_bytes=2**34)
+    )
+    if modes is None:
+        assert solved.policy is not None
+        modes = "".join(islice(cycle("KCS"), len(solved.policy.blocks) - 2))
+    return offloaded_with_modes(solved, modes, n_buffers=n_buffers)

@@ -17,10 +17,8 @@ import pytest
 import torch
 
 import agent
-from agent.planning import solve_embedded
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
-from agent.testing.plans import offloaded_with_modes
-from client.contract import Constraints
+from agent.testing.plans import offloaded_plan
 
 peft = pytest.importorskip("peft")
 
@@ -68,11 +66,10 @@ def test_lora_adapters_train_like_plain_pytorch(kind: str, checkpointing: bool) 
 
     model = lora()
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    solved = solve_embedded(agent.profile(lora(), batch, repeats=1), Constraints(device_memory_bytes=2**34))
     run = agent.wrap(
         model,
         torch.optim.AdamW(adapters(model), lr=1e-2),
-        plan=offloaded_with_modes(solved, "KCSC"),
+        plan=offloaded_plan(model, batch, "KCSC"),
         feedback_steps=None,
     )
     got = train(run.model, run.optimizer, batch)

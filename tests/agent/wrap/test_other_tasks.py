@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from itertools import cycle, islice
 
 import pytest
 import torch
 import transformers
 
 import agent
-from agent.planning import solve_embedded
 from agent.testing.loops import train_with_clipping
-from agent.testing.plans import offloaded_with_modes
-from client.contract import Constraints
+from agent.testing.plans import offloaded_plan
 
 pytestmark = pytest.mark.slow
 
@@ -109,19 +106,13 @@ def test_other_task_models_train_like_plain_pytorch(make: Callable[[], Job]) -> 
     expected = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), batch)
 
     m = copy.deepcopy(model)
-    solved = solve_embedded(
-        agent.profile(copy.deepcopy(model), batch, repeats=1), Constraints(device_memory_bytes=2**34)
-    )
-    assert solved.policy is not None
-    repeated = len(solved.policy.blocks) - 2
-    modes = "".join(islice(cycle("KCS"), repeated))
     run = agent.wrap(
         m,
         torch.optim.AdamW(m.parameters(), lr=1e-2),
-        plan=offloaded_with_modes(solved, modes),
+        plan=offloaded_plan(model, batch),  # keep, checkpoint and swap in turn
         feedback_steps=None,
     )
     got = train(run.model, run.optimizer, batch)
     assert run.runtime.counters.uploads > 0
     for a, b in zip(got, expected, strict=True):
-        assert abs(a - b) <= TOL * abs(b), (modes, got, expected)
+        assert abs(a - b) <= TOL * abs(b), (run.plan.policy.mode_strip(), got, expected)

@@ -16,10 +16,8 @@ import pytest
 import torch
 
 import agent
-from agent.planning import solve_embedded
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
-from agent.testing.plans import offloaded_with_modes
-from client.contract import Constraints
+from agent.testing.plans import offloaded_plan
 
 pytestmark = pytest.mark.slow
 
@@ -77,13 +75,10 @@ def test_the_users_activation_checkpointing_trains_like_plain_pytorch(
     if when == "before":
         enable(m, reentrant, extra)
     # a solved plan's chunks, every one offloaded, and the blocks kept, checkpointed and swapped by memplan
-    solved = solve_embedded(
-        agent.profile(copy.deepcopy(m), batch, repeats=1), Constraints(device_memory_bytes=2**34)
-    )
     run = agent.wrap(
         m,
         torch.optim.AdamW(m.parameters(), lr=1e-2),
-        plan=offloaded_with_modes(solved, "KCSC"),
+        plan=offloaded_plan(m, batch, "KCSC"),
         feedback_steps=None,
     )
     if when == "after":
