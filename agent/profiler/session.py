@@ -22,6 +22,7 @@ from torch import nn
 
 from agent.profiler.block_marks import BlockTracker
 from agent.profiler.device_clock import DeviceClock
+from agent.runtime.module_buffers import RestoredBuffers, buffer_slots
 from client.contract import Phase
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -129,8 +130,10 @@ class TrainingStep:
 
 @contextmanager
 def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
-    """Restore parameters, gradients, optimizer state and RNG states after the block, even on error; never
-    change a tensor of the optimizer's state in place (see below)."""
+    """Restore parameters, gradients, buffers (running statistics: `module_buffers.py`), optimizer state and RNG
+    states after the block, even on error; never change a tensor of the optimizer's state in place (see
+    below)."""
+    buffers = RestoredBuffers(buffer_slots(model), to_host=True)
     params = [p for p in model.parameters()]
     values = [p.detach().to("cpu", copy=True) for p in params]
     grads = [p.grad for p in params]
@@ -148,7 +151,8 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
         torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     )
     try:
-        yield
+        with buffers:
+            yield
     finally:
         with torch.no_grad():
             for p, v in zip(params, values, strict=True):

@@ -4,7 +4,9 @@
 - checkpoint: the block's forward is replaced by `torch.utils.checkpoint.checkpoint(original_forward,
   *args, use_reentrant=False, preserve_rng_state=True, **kwargs)`: only the inputs are retained; the
   forward runs again inside backward with the CPU (and CUDA) RNG state it first saw, so dropout masks
-  are identical and gradients equal un-checkpointed training.
+  are identical and gradients equal un-checkpointed training; the buffers the forward changed (BatchNorm's
+  running statistics) are put back after the recompute (`context_fn`, `module_buffers.py`), so they are updated
+  once per forward, as un-checkpointed.
 - swap: the block's forward runs inside `SwapStore.swapping(block)` (see `swap.py`): its saved tensors
   are copied to host memory during forward and prefetched back one block ahead during backward.
 
@@ -37,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from agent.runtime.eager import eager, eager_frame
+from agent.runtime.module_buffers import ChangedBuffers
 from agent.runtime.swap import SwapStore
 from client.contract import ActivationMode, Policy
 
@@ -209,7 +212,7 @@ class ActivationManager:
         self._installed.append(rec)
         original = t.module.forward  # bound method (or the instance attribute already there)
         if t.mode == ActivationMode.checkpoint:
-            t.module.forward = self._checkpointed(original)
+            t.module.forward = self._checkpointed(original, t.module)
         elif t.mode == ActivationMode.swap:
             t.module.forward = self._swapped(original, t.index)
         if self.store is not None:  # backward-start triggers drive the prefetch
@@ -233,7 +236,13 @@ class ActivationManager:
             self.store.end_iteration()
 
     # ------------------------------------------------------------------------------ modes
-    def _checkpointed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _checkpointed(self, original: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+
+        def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+            # the recompute leaves the buffers the forward changed as the forward left them: BatchNorm's running
+            # statistics are updated once per forward, as without checkpointing (`module_buffers.py`)
+            changed = ChangedBuffers(module)
+            return changed.watching(), changed.restoring()
 
         @eager  # under torch.compile a checkpointed block runs eagerly (docs/architecture/wrap.md)
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -241,7 +250,14 @@ class ActivationManager:
                 return original(*args, **kwargs)
             self.counters.checkpointed_forwards += 1
             with self._saved_scope():
-                return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+                return checkpoint(
+                    original,
+                    *args,
+                    use_reentrant=False,
+                    preserve_rng_state=True,
+                    context_fn=contexts,
+                    **kwargs,
+                )
 
         return forward
 
