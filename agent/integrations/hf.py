@@ -6,7 +6,8 @@
 
 What it does: builds the Trainer's optimizer (`trainer.create_optimizer()`, from `args.optim`, unless one was
 given), takes one batch of the training set through the Trainer's collator as the sample to profile, calls
-`agent.wrap`, and hands the wrapped optimizer back to the Trainer (`trainer.optimizer`), so the Trainer's
+`agent.wrap` (under the Trainer's mixed-precision autocast with `bf16=True` or `fp16=True`, so that the profile
+measures the activations training keeps), and hands the wrapped optimizer back to the Trainer (`trainer.optimizer`), so the Trainer's
 scheduler, Accelerate's optimizer wrapper, checkpoints and resume all go through it. The random-number state
 is restored after profiling, so the Trainer's data order and dropout are those of a plain run.
 
@@ -139,7 +140,11 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     try:
         if "sample_batch" not in wrap_kwargs and "plan" not in wrap_kwargs:
             wrap_kwargs["sample_batch"] = sample_batch(trainer)
-        wrapped = wrap(trainer.model, optimizer, **wrap_kwargs)
+        # profiled under the Trainer's mixed precision (`bf16=True`/`fp16=True`: Accelerate's autocast), as its
+        # training steps run: the activations saved for backward are then the half-precision ones the plan must
+        # hold (a no-op context in full precision)
+        with trainer.accelerator.autocast():
+            wrapped = wrap(trainer.model, optimizer, **wrap_kwargs)
     finally:
         torch.set_rng_state(rng)
         if cuda_rng is not None:

@@ -7,7 +7,7 @@ Modules, each with one job: `layout` (plan -> parameter offsets, checked against
 `gradients`, `saved_tensors`, `host_steps`), `phase`, `timing` (the timing hook), `accounting` (bytes held),
 `manual` (hand-built plans), `node_shared` (sharded chunks' compute copies shared by the ranks of a node),
 `activations` (per-block keep/checkpoint/swap) with `swap` (saved tensors to host memory and back, one block
-ahead).
+ahead), `module_buffers` (a model's buffers put back after profiling and a checkpointed block's recompute).
 """
 
 from agent.runtime.accounting import Counters, MemoryReport, RuntimeReport

@@ -57,6 +57,7 @@ def trainer(
     save_only_model: bool = False,
     eval_steps: int | None = None,
     lora: bool = False,
+    bf16: bool = False,
 ) -> Any:
     """A Trainer on `dataset()`; with `eval_steps`, evaluating every that many steps on 10 more examples (not a
     multiple of 2 ranks x 4: Accelerate pads the last batch, so every rank runs as many forwards)."""
@@ -81,6 +82,7 @@ def trainer(
         disable_tqdm=True,
         seed=7,
         dataloader_num_workers=0,
+        bf16=bf16,
     )
     data = dataset()
     model = build_model(kind)
@@ -165,8 +167,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         save_only_model=spec.get("save_only_model", False),
         eval_steps=spec.get("eval_steps"),
         lora=spec.get("lora", False),
+        bf16=spec.get("bf16", False),
     )
-    plan_json = None
+    plan_json = trace_json = None
     offloaded = sharded = device_sharded = 0
     if spec.get("wrap"):
         w = wrap_trainer(t, **wrap_kwargs(spec))
@@ -174,6 +177,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             t.model, t.args.device
         )  # what the Trainer does with its model: model.to(device)
         plan_json = w.plan.model_dump_json()
+        if spec.get("keep_trace") and w.source is not None and w.source.trace is not None:
+            trace_json = w.source.trace.model_dump_json()
         assert w.plan.policy is not None
         offloaded = sum(c.placement.value == "offloaded" for c in w.plan.policy.chunks)
         sharded = len(w.plan.policy.sharded_chunks)
@@ -185,6 +190,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "history": history(t),
         "evals": [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h],
         "plan": plan_json,
+        "trace": trace_json,
         "offloaded": offloaded,
         "sharded": sharded,
         "device_sharded": device_sharded,
