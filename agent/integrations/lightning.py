@@ -39,10 +39,13 @@ collective the failed rank's peers may never join) and the module is left to the
 `callback.wrapped` and `callback.report` stay None.
 
 Supported: one optimizer, one process or Lightning's DDP strategy, `precision="32-true"` or `"bf16-true"` (the
-runtime keeps the module's own dtype). Refused with a ValueError naming the setting: several optimizers, other
+runtime keeps the module's own dtype) or `"bf16-mixed"` (Lightning's autocast around each training step; the
+profile runs under the same autocast, `precision_plugin.forward_context()`, so the plan holds the bf16
+activations training keeps). Refused with a ValueError naming the setting: several optimizers, other
 multi-process strategies (FSDP, DeepSpeed, ...) and DDP communication hooks (memplan shards and averages the
-gradients itself), mixed precision (`16-mixed`, `bf16-mixed`: autocast and GradScaler around the runtime have
-not been validated).
+gradients itself), `16-mixed` (fp16 with Lightning's GradScaler: the scaler itself works with the runtime,
+`tests/agent/wrap/test_grad_scaler.py`, but Lightning turns `16-mixed` into `bf16-mixed` on a CPU, so its
+path through the callback cannot be exercised here).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ if TYPE_CHECKING:
     from agent.report import WrapReport
     from agent.wrapping import Wrapped
 
-SUPPORTED_PRECISION = ("32-true", "bf16-true")
+SUPPORTED_PRECISION = ("32-true", "bf16-true", "bf16-mixed")
 
 
 def first_training_batch(trainer: pl.Trainer) -> Any:
@@ -178,7 +181,10 @@ class MemplanCallback(Callback):
         if ddp is not None:
             strategy.model = pl_module  # DDP's reducer and its gradient buckets go with it
         try:
-            wrapped = wrap(pl_module, optimizer, **kwargs)
+            # profiled under the precision plugin's forward context (`bf16-mixed`: its autocast), as the training
+            # steps run: the plan holds the activations they keep
+            with trainer.precision_plugin.forward_context():
+                wrapped = wrap(pl_module, optimizer, **kwargs)
         except BaseException:
             if ddp is not None:
                 strategy.model = ddp

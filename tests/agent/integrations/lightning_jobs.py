@@ -33,6 +33,7 @@ class CausalLM(pl.LightningModule):
         self.history: list[dict[str, float]] = []
         self.val_losses: list[float] = []  # every validation batch's loss (the sanity check's included)
         self.fail_at: tuple[int, int] | None = None  # (rank, batch): training_step raises there
+        self.fused = False  # a fused AdamW (the kernel memplan's host steps run: bitwise the same steps)
 
     def forward(self, **batch: Any) -> Any:
         return self.model(**batch)
@@ -60,7 +61,7 @@ class CausalLM(pl.LightningModule):
         self.history[-1]["grad_norm"] = norm.item()
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=2e-3)
+        opt = torch.optim.AdamW(self.parameters(), lr=2e-3, fused=self.fused or None)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -84,9 +85,12 @@ def fit(
     clip: float = CLIP,
     devices: int = 1,
     fail_at: tuple[int, int] | None = None,
+    precision: str = "32-true",
+    fused: bool = False,
 ) -> tuple[CausalLM, pl.Trainer]:
     module = CausalLM(model)
     module.fail_at = fail_at
+    module.fused = fused
     callbacks: list[Any] = [callback] if callback is not None else []
     if save_every:
         callbacks.append(ModelCheckpoint(dirpath=tmp, every_n_train_steps=save_every, save_top_k=-1))
@@ -97,6 +101,7 @@ def fit(
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         accumulate_grad_batches=accumulation,
+        precision=precision,  # type: ignore[arg-type]
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=bool(save_every),
