@@ -100,6 +100,9 @@ class ChunkState:
     spec_backup: bool = False  # the speculative step can be undone (master and optimizer state kept)
     spec_hypers: list[dict[str, Any]] | None = None  # hyper-parameters the speculative step used
     spec_touched: frozenset[int] = frozenset()  # entries the speculative step stepped
+    # the parameters show `backup_master` (the values before the speculative step) until optimizer.step(): their
+    # version counters then, to tell an in-place write by the user (None: they show host_params or a buffer)
+    shown_backup: tuple[int, ...] | None = None
     host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
     pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await
 
@@ -269,6 +272,7 @@ class ViewCache:
 
     HOST = -1  # the chunk's host compute copy (a buffer slot is its index, >= 0)
     USER_GRAD = -3  # an offloaded chunk's exposed `.grad` (user_grad)
+    BACKUP = -4  # an offloaded chunk's master before its speculative step (fp32 parameters: `backup_master`)
 
     def __init__(self) -> None:
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}

@@ -545,6 +545,8 @@ class GradientFlow:
             # `.grad` must be on the parameter's device (the host copy), and the buffer is stale once the
             # chunk is stepped (a chunk still pinned when it completed, e.g. by a recomputation, stayed)
             self.residency.evict_chunk(st)
+            if st.stepped and st.spec_backup and not st.mixed and st.shard is None and not st.node_shared:
+                self.residency.show_before_step(st)  # parameters change in step(), as in plain PyTorch
             gv = self._user_grad_views(st)
             for j, e in enumerate(st.spec.entries):
                 e.param.grad = gv[j] if j in st.touched else None

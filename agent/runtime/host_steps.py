@@ -267,9 +267,12 @@ class HostSteps:
     def settle(self, st: ChunkState, hypers: list[dict[str, Any]], *, grad_changed: bool) -> None:
         """At `optimizer.step()`: keep the chunk's speculative step if it is still valid, else restore and
         redo it; a chunk not stepped yet (with gradients) is queued now."""
+        written = self.residency.written_before_step(st)
+        self.residency.evict_chunk(st)  # parameters shown before the step: at the host copy again
         if st.stepped:
             if (
                 grad_changed
+                or written  # the user wrote a parameter (the values before the step) after backward
                 or st.spec_touched != frozenset(st.touched)
                 or not same_hypers(st.spec_hypers, hypers)
             ):

@@ -168,6 +168,7 @@ class ChunkResidency:
         slot.chunk = st.index
         st.slot = slot.index
         bind(slot.params, st.spec.entries, self.views.get(slot.index, st, slot.params))
+        st.shown_backup = None
         self.counters.uploads += 1
         self.counters.upload_bytes += n * self._esize
 
@@ -181,21 +182,51 @@ class ChunkResidency:
         slot.free_after.append(self.ctx.record())  # compute that read the buffer so far
         assert st.host_params is not None
         bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
+        st.shown_backup = None
         slot.chunk = None
         st.slot = None
         st.ready = None
         self.counters.evictions += 1
 
     def evict_chunk(self, st: ChunkState) -> None:
-        """Evict `st` if it is resident."""
+        """Evict `st` if it is resident (else point its parameters at the host copy, in case they showed the
+        values before a speculative step: `show_before_step`)."""
         if st.slot is not None:
             self.evict(self.pool.slots[st.slot])
+        elif st.shown_backup is not None:
+            self.show_host(st)
+
+    def show_before_step(self, st: ChunkState) -> None:
+        """End of backward, chunk evicted, its speculative step done: the parameters show the values before the
+        step (`backup_master`) until `optimizer.step()` settles it, as in plain PyTorch, where parameters change
+        only in `step()` (user code between backward and step reads them: an L2 term added to `.grad` by hand,
+        a norm logged). Only where the master is the compute copy itself (fp32 parameters, not sharded): the
+        backup then has its dtype and layout, and pointing the parameters at it copies nothing."""
+        assert st.slot is None and st.backup_master is not None
+        bind(st.backup_master, st.spec.entries, self.views.get(ViewCache.BACKUP, st, st.backup_master))
+        st.shown_backup = tuple(e.param._version for e in st.spec.entries)
+
+    def written_before_step(self, st: ChunkState) -> bool:
+        """Whether user code wrote a parameter in place while it showed the values before the step (an in-place
+        op on the parameter; a write through `.data` bumps no version counter and goes unseen)."""
+        return st.shown_backup is not None and st.shown_backup != tuple(
+            e.param._version for e in st.spec.entries
+        )
+
+    def show_host(self, st: ChunkState) -> None:
+        """Point the (evicted) chunk's parameters at its host copy again."""
+        assert st.slot is None and st.host_params is not None
+        bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
+        st.shown_backup = None
 
     def evict_all(self) -> None:
-        """Release every buffer."""
+        """Release every buffer (and point every chunk's parameters at its host copy)."""
         for slot in self.pool.slots:
             if slot.chunk is not None:
                 self.evict(slot)
+        for st in self.states:
+            if st.shown_backup is not None:
+                self.show_host(st)
 
     def unpin_all(self) -> None:
         """End of backward: no module or recomputation holds a buffer any more."""

@@ -1,0 +1,84 @@
+"""Parameters read or written between `loss.backward()` and `optimizer.step()` (session 22 probe).
+
+The runtime steps offloaded chunks on the host during backward (speculatively, checked at `step()`). Before this
+session the parameters of those chunks already showed the stepped values when backward returned, while plain
+PyTorch changes them only in `step()`: code between the two that reads them (an L2 term added to `.grad` by
+hand, `p.grad.add_(p, alpha=wd)`; a logged norm) read the next step's weights, and training drifted (loss 6.738
+against 6.499 by step 3), and an in-place write (decoupled weight decay by hand, `p.mul_(1 - lr * wd)`) was lost
+when the speculative step stood. Now they show the values before the step (the step's undo backup) until
+`step()`, and a write to them makes `step()` redo the chunk's step from the written values.
+
+Limit (docs/architecture/runtime.md): chunks whose master is a separate fp32 copy (bf16/fp16 parameters) and
+chunks sharded across ranks still show the stepped values there.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import agent
+from agent.testing.model_zoo import build_with_library_defaults, sample_batch
+from agent.testing.plans import offloaded_plan
+
+pytestmark = pytest.mark.slow
+
+LR = 1e-2
+WD = 0.1
+Between = Callable[[nn.Module], None]
+
+
+def l2_in_the_gradient(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.add_(p, alpha=WD)  # type: ignore[union-attr]
+
+
+def weight_decay_by_hand(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 - LR * WD)
+
+
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], between: Between
+) -> list[float]:
+    losses = []
+    for _ in range(4):
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = model(**batch).loss
+        loss.backward()
+        for p, q in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p, q), "a parameter changed before optimizer.step()"
+        between(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("between", [l2_in_the_gradient, weight_decay_by_hand], ids=["read", "write"])
+def test_parameters_change_in_step_as_in_plain_pytorch(between: Between) -> None:
+    model, cfg = build_with_library_defaults("llama", 4, 128, vocab=1000, seq=128)
+    batch = sample_batch(cfg, 2, 64)
+    reference = copy.deepcopy(model)
+    expected = train(reference, torch.optim.AdamW(reference.parameters(), lr=LR, fused=True), batch, between)
+
+    m = copy.deepcopy(model)
+    run = agent.wrap(
+        m,
+        torch.optim.AdamW(m.parameters(), lr=LR, fused=True),
+        plan=offloaded_plan(model, batch),
+        feedback_steps=None,
+    )
+    got = train(run.model, run.optimizer, batch, between)
+    assert run.runtime.counters.speculative_steps > 0  # the host steps did overlap backward
+    assert got == expected
+    final = dict(run.model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert torch.equal(final[name], p), name
+    agent.unwrap(run)
