@@ -45,6 +45,7 @@ from agent.profiler.allocation_trace import build_allocation_trace
 from agent.profiler.session import TrainingStep, move_batch
 from agent.profiler.storage_tracker import StorageTracker
 from agent.profiler.tensors import iter_tensors
+from agent.random_states import RandomStates
 from agent.runtime.activations import apply_activation_policy
 from agent.runtime.options import RuntimeOptions
 from client.contract import AllocationTrace, Plan
@@ -121,7 +122,7 @@ def record_managed_trace(
         options or RuntimeOptions(), device=cpu, async_step=False, measure_uploads=False
     )
     twin, twin_opt = copy_job(model, optimizer)
-    rng = torch.get_rng_state()
+    rng = RandomStates.capture()
     wrapped = apply_plan(twin, twin_opt, plan, opts, arena=arena)
     try:
         wrapped.activations = apply_activation_policy(twin, plan.policy, cpu, wrapped.runtime)
@@ -153,7 +154,7 @@ def record_managed_trace(
         )
     finally:
         unwrap(wrapped)
-        torch.set_rng_state(rng)
+        rng.restore()
 
 
 def plan_managed_allocation(

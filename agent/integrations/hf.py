@@ -8,8 +8,9 @@ What it does: builds the Trainer's optimizer (`trainer.create_optimizer()`, from
 given), takes one batch of the training set through the Trainer's collator as the sample to profile, calls
 `agent.wrap` (under the Trainer's mixed-precision autocast with `bf16=True` or `fp16=True`, so that the profile
 measures the activations training keeps), and hands the wrapped optimizer back to the Trainer (`trainer.optimizer`), so the Trainer's
-scheduler, Accelerate's optimizer wrapper, checkpoints and resume all go through it. The random-number state
-is restored after profiling, so the Trainer's data order and dropout are those of a plain run.
+scheduler, Accelerate's optimizer wrapper, checkpoints and resume all go through it. The random-number states
+are restored after profiling (torch's, Python's and numpy's: `agent/random_states.py`), so the Trainer's data
+order, dropout and numpy-drawn masks are those of a plain run.
 
 What then works unchanged: `max_grad_norm` clipping (Accelerate calls `torch.nn.utils.clip_grad_norm_` on the
 parameters, whose gradients are all exposed after backward; the logged `grad_norm` is the true one), gradient
@@ -56,6 +57,7 @@ from typing import Any, Final
 
 import torch
 
+from agent.random_states import RandomStates
 from agent.wrapping import Wrapped, wrap
 
 log = logging.getLogger(__name__)
@@ -131,8 +133,7 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
         trainer.create_optimizer()
     optimizer = trainer.optimizer
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper, if the user prepared one
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng = RandomStates.capture()  # the sample batch's draw and the profile leave every generator as it was
     # the Trainer clips by default (max_grad_norm=1.0): the plan counts the redo of overlapped host steps
     wrap_kwargs.setdefault(
         "clips_gradients", bool(trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0)
@@ -146,9 +147,7 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
         with trainer.accelerator.autocast():
             wrapped = wrap(trainer.model, optimizer, **wrap_kwargs)
     finally:
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        rng.restore()
     trainer.optimizer = wrapped.optimizer
     trainer.model_wrapped = trainer.model
     if distributed:

@@ -59,6 +59,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from agent.applied import remove_guards
+from agent.random_states import RandomStates
 from agent.wrapping import unwrap, wrap
 
 if TYPE_CHECKING:
@@ -78,11 +79,11 @@ def first_training_batch(trainer: pl.Trainer) -> Any:
         raise ValueError("sample_batch: the trainer has no training dataloader to take one from; pass one")
     loaders = source.dataloader()
     loader = loaders[0] if isinstance(loaders, list | tuple) else loaders
-    rng = torch.get_rng_state()
+    rng = RandomStates.capture()
     try:
         batch = next(iter(loader))
     finally:
-        torch.set_rng_state(rng)
+        rng.restore()
     return trainer.strategy.batch_to_device(batch)
 
 
@@ -175,8 +176,7 @@ class MemplanCallback(Callback):
         kwargs.setdefault("clips_gradients", bool(clip is not None and float(clip) > 0))
         if "sample_batch" not in kwargs and "plan" not in kwargs:
             kwargs["sample_batch"] = first_training_batch(trainer)
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        rng = RandomStates.capture()
         ddp = strategy.model if trainer.world_size > 1 else None
         if ddp is not None:
             strategy.model = pl_module  # DDP's reducer and its gradient buckets go with it
@@ -190,9 +190,7 @@ class MemplanCallback(Callback):
                 strategy.model = ddp
             raise
         finally:
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+            rng.restore()
         del ddp
         self.wrapped, self._original = wrapped, optimizer
         strategy.optimizers = [wrapped.optimizer]

@@ -22,6 +22,7 @@ from torch import nn
 
 from agent.profiler.block_marks import BlockTracker
 from agent.profiler.device_clock import DeviceClock
+from agent.random_states import RandomStates
 from agent.runtime.module_buffers import RestoredBuffers, buffer_slots
 from client.contract import Phase
 
@@ -146,10 +147,7 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor):
                     state[key] = value.detach().clone()
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = (
-        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    )
+    rng = RandomStates.capture()  # torch's, Python's and numpy's (`random_states.py`)
     try:
         with buffers:
             yield
@@ -162,9 +160,7 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
         if optimizer is not None and opt_state is not None:
             optimizer.state.clear()
             optimizer.load_state_dict(opt_state)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        rng.restore()
 
 
 def _host_copy(value: Any) -> Any:
