@@ -6,6 +6,11 @@
 * `check_not_compiled`: a model (or block) already compiled with `torch.compile` is refused with one
   message saying what works: wrap the uncompiled model, then compile it or its blocks (the runtime's
   hooks then run eagerly between compiled regions, `agent/runtime/eager.py`; docs/architecture/wrap.md).
+* `check_dense_gradients`: an embedding built with `sparse=True` (`nn.Embedding`, `nn.EmbeddingBag`) is refused
+  naming it: its gradient is a sparse tensor, and every chunk holds its gradients dense (a device gradient area,
+  the host gradient the host optimizer steps, the all-reduce); before session 22 profiling failed deep inside with
+  "Cannot access storage of SparseTensorImpl". (The profiler also refuses any other sparse `.grad`, naming the
+  parameter.)
 * `MoveGuard`: after `wrap`, the parameters are views into the runtime's chunk buffers. `model.to(...)`
   to the device and dtype the model already has (what Hugging Face Trainer does after the model is
   wrapped) returns the model unchanged; a real move or cast, and `.cuda()` / `.half()` / ... (any
@@ -87,6 +92,18 @@ def check_not_compiled(model: nn.Module) -> None:
             )
         if getattr(module, "_compiled_call_impl", None) is not None:
             raise CompiledModelError(f"{where}: was compiled in place (module.compile()); {_COMPILE_ADVICE}")
+
+
+def check_dense_gradients(model: nn.Module) -> None:
+    """Raise ValueError naming the first embedding built with `sparse=True` (its gradients are sparse tensors)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse:
+            where = f"model.{name}" if name else "model"
+            raise ValueError(
+                f"{where}: {type(module).__name__}(sparse=True) gives sparse gradients; memplan keeps every "
+                "parameter's gradient dense (in its chunk's gradient area, on the host for the host optimizer). "
+                "Build it with sparse=False (the default; dense gradients of the same values)"
+            )
 
 
 class WrappedModelMoveError(RuntimeError):

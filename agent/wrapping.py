@@ -44,7 +44,14 @@ from agent.batch_guard import BatchShapeGuard, batch_shape
 from agent.feedback import LocalSink, ServiceSink, StepMonitor, check_feedback_steps, local_feedback_path
 from agent.group_profiling import ProfileEveryRank, RankProfilingError, profile_on_every_rank
 from agent.kv_cache import KVCacheOff
-from agent.model_guards import DDPGuard, MoveGuard, SyncedGenerate, byte_size, check_not_compiled
+from agent.model_guards import (
+    DDPGuard,
+    MoveGuard,
+    SyncedGenerate,
+    byte_size,
+    check_dense_gradients,
+    check_not_compiled,
+)
 from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
@@ -148,6 +155,7 @@ def wrap(
     device_bytes = byte_size("device_memory", device_memory)
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)
+    check_dense_gradients(model)
     check_supported(optimizer)
     given = load_plan(plan) if plan is not None else None  # a path or dict too; an error names `plan`
 

@@ -433,6 +433,12 @@ def _measure(
     stepped = [p for p in model.parameters() if p.grad is not None]
     if not stepped:
         raise ProfilerInputError("loss_fn: the loss reaches no parameter (no gradients after backward)")
+    sparse = next((n for n, p in model.named_parameters() if p.grad is not None and p.grad.is_sparse), None)
+    if sparse is not None:
+        raise ProfilerInputError(
+            f"model: parameter {sparse!r} has a sparse gradient (an embedding with sparse=True?); memplan keeps "
+            "every gradient dense: build the module with dense gradients"
+        )
     grad_elt = stepped[0].grad.element_size()  # type: ignore[union-attr]
     res.gradient_bytes_per_param = grad_elt
     res.optimizer_state_bytes_per_param = state_bytes_per_param(opt, stepped)

@@ -312,6 +312,44 @@ def test_a_compiled_model_or_block_is_refused_with_one_clear_error() -> None:
         agent.wrap(model, adamw(model), sample_batch=x, loss_fn=loss_of)
 
 
+# ------------------------------------------------------------------------------------------- sparse gradients
+def mean_square(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return out.square().mean()
+
+
+class SparseEmbeddingNet(nn.Module):
+    def __init__(self, sparse_module: type[nn.Module] = nn.Embedding) -> None:
+        super().__init__()
+        self.emb = sparse_module(50, 16, sparse=True)
+        self.trunk = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = (
+            self.emb(ids)
+            if isinstance(self.emb, nn.Embedding)
+            else self.emb(ids, torch.arange(0, ids.numel(), 4))
+        )
+        return self.trunk(x)
+
+
+@pytest.mark.parametrize("sparse_module", [nn.Embedding, nn.EmbeddingBag])
+def test_an_embedding_with_sparse_gradients_is_refused_naming_it(sparse_module: type[nn.Module]) -> None:
+    """`nn.Embedding(sparse=True)` failed deep inside the profiler ("Cannot access storage of SparseTensorImpl");
+    now `wrap` names the module before anything runs, and `profile` names the parameter."""
+    import agent
+    from agent.profiler import ProfilerInputError
+
+    model = SparseEmbeddingNet(sparse_module)
+    ids = torch.randint(0, 50, (8,) if sparse_module is nn.EmbeddingBag else (4, 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        ValueError, match=rf"model.emb: {sparse_module.__name__}\(sparse=True\) gives sparse gradients"
+    ):
+        agent.wrap(model, opt, sample_batch=ids, loss_fn=mean_square)
+    with pytest.raises(ProfilerInputError, match="parameter 'emb.weight' has a sparse gradient"):
+        agent.profile(model, ids, loss_fn=mean_square, optimizer=opt)
+
+
 # ------------------------------------------------------------------------------------------- batch shapes
 def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
     llama: tuple[nn.Module, dict[str, torch.Tensor], int], caplog: pytest.LogCaptureFixture
