@@ -273,6 +273,7 @@ class ViewCache:
     HOST = -1  # the chunk's host compute copy (a buffer slot is its index, >= 0)
     USER_GRAD = -3  # an offloaded chunk's exposed `.grad` (user_grad)
     BACKUP = -4  # an offloaded chunk's master before its speculative step (fp32 parameters: `backup_master`)
+    PERSISTENT = -5  # a persistent chunk's device copy (`params`)
 
     def __init__(self) -> None:
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}

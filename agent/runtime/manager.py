@@ -54,6 +54,10 @@ from agent.runtime.timing import RuntimeTiming, section
 __all__ = ["ModelStateManager", "SavedChunkView"]
 
 
+class ParameterReplacedError(RuntimeError):
+    """User code replaced a managed parameter's tensor after `wrap` (`p.data = ...`, a resize)."""
+
+
 class SecondBackwardError(RuntimeError):
     """A backward after another one with no forward of the model in between, where the runtime settled the first
     backward's gradients already (offloaded or device-sharded chunks): refused, not computed wrongly."""
@@ -353,6 +357,7 @@ class ModelStateManager:
             if self.saved is not None:
                 self.saved.skip_root_forward()
             return  # a forward re-run inside backward (recomputation)
+        self._check_bindings()
         self.phase.state = TrainingState.FORWARD
         training = self.has_offload and torch.is_grad_enabled()
         if training:
@@ -377,6 +382,37 @@ class ModelStateManager:
             self.device_shards.start(Direction.forward, self.backwards_started)
         if self.saved is not None:
             self.saved.enter_root_forward(training=training)
+
+    def _check_bindings(self) -> None:
+        """Every managed parameter still points where the runtime put it (a device buffer, the host copy, the
+        values before a speculative step, a persistent chunk), else `ParameterReplacedError` naming it.
+
+        Code that replaces a parameter's tensor after `wrap` (`p.data = w`, `resize_token_embeddings`, which
+        sets the embedding's `weight.data` to a larger tensor) was undone without a word at the chunk's next
+        bind: the resize left the embedding at its old size (session 22 probe), a weight set by `.data` at its
+        old values. One data-pointer and shape comparison per parameter per forward (device-sharded chunks,
+        gathered per use, are not checked)."""
+        for st in self.states:
+            if st.own is not None:
+                continue
+            if not st.offloaded:
+                where, flat = ViewCache.PERSISTENT, st.params
+            elif st.slot is not None:
+                where, flat = st.slot, self.residency.pool.slots[st.slot].params if self.residency else None
+            elif st.shown_backup is not None:
+                where, flat = ViewCache.BACKUP, st.backup_master
+            else:
+                where, flat = ViewCache.HOST, st.host_params
+            for e, v in zip(st.spec.entries, self._views.get(where, st, flat), strict=True):
+                p = e.param
+                if p.data_ptr() != v.data_ptr() or p.shape != v.shape:
+                    raise ParameterReplacedError(
+                        f"{e.name}: its tensor was replaced after agent.wrap (now {tuple(p.shape)} "
+                        f"{p.dtype}, planned {tuple(v.shape)} {v.dtype}), e.g. by `p.data = ...` or "
+                        "resize_token_embeddings; the runtime would put its chunk's values back without a word. "
+                        "Change parameters in place (`with torch.no_grad(): p.copy_(w)`), or unwrap, change the "
+                        "model and wrap again (resize before agent.wrap)"
+                    )
 
     @section(timing.AFTER_ROOT_FORWARD)
     def _after_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:

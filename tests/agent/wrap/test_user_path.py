@@ -185,6 +185,47 @@ def test_to_where_the_model_already_is_is_a_no_op_and_a_real_move_is_refused(
     assert model.to(torch.float64) is model and next(model.parameters()).dtype == torch.float64  # plain again
 
 
+# ------------------------------------------------------------------------------------------- replaced tensors
+def test_a_parameter_tensor_replaced_after_wrap_is_refused_and_an_in_place_change_is_kept(
+    llama: tuple[nn.Module, dict[str, torch.Tensor], int],
+) -> None:
+    """Defect (session 22): `resize_token_embeddings` after wrap (it sets the embedding's `weight.data` to a
+    larger tensor) and `p.data = w` were undone without a word at the chunk's next bind (the embedding stayed at
+    its old size). Now the next forward raises naming the parameter; an in-place change is what works."""
+    import agent
+    from agent.runtime.manager import ParameterReplacedError
+
+    model, batch, peak = copy.deepcopy(llama[0]), llama[1], llama[2]
+    wrapped = agent.wrap(
+        model, adamw(model), sample_batch=batch, device_memory=int(peak * 0.7), feedback_steps=None
+    )
+    assert any(c.placement.value == "offloaded" for c in wrapped.plan.policy.chunks)  # type: ignore[union-attr]
+    wrapped.model.resize_token_embeddings(wrapped.model.config.vocab_size + 8)
+    with pytest.raises(ParameterReplacedError, match=r"model.embed_tokens.weight: its tensor was replaced"):
+        wrapped.model(**batch)
+    agent.unwrap(wrapped)
+
+    model, reference = copy.deepcopy(llama[0]), copy.deepcopy(llama[0])
+    wrapped = agent.wrap(
+        model, adamw(model), sample_batch=batch, device_memory=int(peak * 0.7), feedback_steps=None
+    )
+    head = wrapped.model.lm_head.weight
+    head.data = torch.zeros_like(head)
+    with pytest.raises(ParameterReplacedError, match=r"lm_head.weight: its tensor was replaced"):
+        wrapped.model(**batch)
+    agent.unwrap(wrapped)
+
+    model = copy.deepcopy(llama[0])
+    wrapped = agent.wrap(
+        model, adamw(model), sample_batch=batch, device_memory=int(peak * 0.7), feedback_steps=None
+    )
+    with torch.no_grad():
+        wrapped.model.lm_head.weight.mul_(0.5)
+        reference.lm_head.weight.mul_(0.5)
+        assert torch.equal(wrapped.model(**batch).logits, reference(**batch).logits)
+    agent.unwrap(wrapped)
+
+
 # ------------------------------------------------------------------------------------------- checkpoint state
 def test_wrap_never_mutates_optimizer_state_the_caller_still_holds(
     llama: tuple[nn.Module, dict[str, torch.Tensor], int],
