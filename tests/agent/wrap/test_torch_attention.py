@@ -67,7 +67,7 @@ def test_the_attentions_out_proj_is_resident_when_it_runs_and_training_is_exact(
     model, ids = job
     assert split_attention(model), "the chunk size no longer splits an attention"
     reference = copy.deepcopy(model)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
     expected = []
     for _ in range(3):
         loss = loss_fn(reference(ids), ids)
@@ -79,7 +79,11 @@ def test_the_attentions_out_proj_is_resident_when_it_runs_and_training_is_exact(
     m = copy.deepcopy(model)
     plan = manual_plan(m, chunk_size_bytes=CHUNK, offload="all", n_buffers=2)
     run = agent.wrap(
-        m, torch.optim.AdamW(m.parameters(), lr=1e-2), plan=plan, loss_fn=loss_fn, feedback_steps=None
+        m,
+        torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+        plan=plan,
+        loss_fn=loss_fn,
+        feedback_steps=None,
     )
     runtime = run.runtime
     resident: list[bool] = []
