@@ -18,6 +18,8 @@
   `copy.deepcopy(wrapped.model)` raises `WrappedModelCopyError`: the copy took the runtime's hooks along, and its
   forward ran on the training model's chunk buffers (a "frozen" reference model that followed training, no
   error; session 19 probe). Copy the model before `wrap`, or build one from `wrapped.model.state_dict()`.
+  `torch.save(wrapped.model)` (pickle, `copy.copy`) raises it too, saying to save the state dict (it failed with
+  a PicklingError naming one of the runtime's hook functions; session 22 probe).
 * `DDPGuard`: `DistributedDataParallel(wrapped.model)` (a DDP user's habit, and what Accelerate's or
   Lightning's multi-process `prepare` does) raises `WrappedModelDDPError` in DDP's constructor, before any
   collective: memplan averages the gradients itself, and DDP's reducer on top of it trained silently wrong
@@ -123,9 +125,10 @@ class MoveGuard:
         model.to = self._to  # type: ignore[method-assign]
         model._apply = self._apply  # type: ignore[method-assign]
         model.__dict__["__deepcopy__"] = self._deepcopy  # copy.deepcopy looks it up on the instance
+        model.__dict__["__reduce_ex__"] = self._reduce_ex  # so do pickle (torch.save) and copy.copy
 
     def remove(self) -> None:
-        for name in ("to", "_apply", "__deepcopy__"):
+        for name in ("to", "_apply", "__deepcopy__", "__reduce_ex__"):
             if name in self.model.__dict__:
                 del self.model.__dict__[name]
 
@@ -155,6 +158,14 @@ class MoveGuard:
             "chunk buffers (a reference or teacher model that silently follows training). Copy the model before "
             "agent.wrap, or build a plain one from the wrapped model's weights, e.g. for a Hugging Face model "
             "ref = type(m)(m.config); ref.load_state_dict(wrapped.model.state_dict())"
+        )
+
+    def _reduce_ex(self, protocol: object) -> Any:
+        raise WrappedModelCopyError(
+            "torch.save(wrapped.model) / pickle / copy.copy: the wrapped model holds memplan's hooks and runtime "
+            "(threads, device buffers), which do not pickle (before session 22 a PicklingError named a hook "
+            "function). Save `wrapped.model.state_dict()` (plain PyTorch's format; `save_pretrained` works too), "
+            "or agent.unwrap first and save the plain model"
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:

@@ -14,6 +14,8 @@ meet offloaded chunks whatever a solver would choose), against plain PyTorch in 
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,29 @@ def test_deepcopy_of_the_wrapped_model_is_refused_and_the_suggested_copy_is_froz
         assert ref(**job["other"]).loss.item() == before
     agent.unwrap(w)
     assert copy.deepcopy(w.model) is not w.model  # unwrapped: a plain model again
+
+
+def test_saving_the_wrapped_model_by_pickle_is_refused_naming_the_state_dict(job: dict[str, Any]) -> None:
+    """`torch.save(wrapped.model)` failed with a PicklingError naming one of the runtime's hook functions."""
+    w = wrapped(job)
+    w.model(**job["batch"]).loss.backward()
+    w.optimizer.step()
+    for save in (
+        lambda: torch.save(w.model, io.BytesIO()),
+        lambda: pickle.dumps(w.model),
+        lambda: copy.copy(w.model),
+    ):
+        with pytest.raises(WrappedModelCopyError, match="state_dict"):
+            save()
+    state = io.BytesIO()
+    torch.save(w.model.state_dict(), state)  # what works
+    model = agent.unwrap(w)
+    saved = io.BytesIO()
+    torch.save(model, saved)  # unwrapped: a plain model again
+    saved.seek(0)
+    again = torch.load(saved, weights_only=False)
+    for (name, p), q in zip(model.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_feedback_uploads_leave_out_evaluation_forwards(job: dict[str, Any], tmp_path: Path) -> None:
