@@ -3,7 +3,8 @@ backward, `torch.nn.utils.clip_grad_norm_` over the model's parameters, step, ze
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -17,13 +18,16 @@ def train_with_clipping(
     *,
     steps: int,
     max_norm: float = 1.0,
+    forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> list[float]:
     """`steps` iterations on `batch` of a model whose output has `.loss`, clipping every step as the Hugging
-    Face Trainer does (frozen parameters have no `.grad` and torch's clipping leaves them out); the losses."""
+    Face Trainer does (frozen parameters have no `.grad` and torch's clipping leaves them out); the losses.
+    `forward_context`: what each forward runs under (e.g. an autocast)."""
     torch.manual_seed(0)
     losses = []
     for _ in range(steps):
-        loss = model(**batch).loss
+        with forward_context():
+            loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import agent
+from agent.testing.loops import train_with_clipping
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 from agent.testing.plans import offloaded_plan
 
@@ -31,17 +32,7 @@ def bf16() -> torch.autocast:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> list[float]:
-    torch.manual_seed(0)  # the same dropout masks in both runs
-    losses = []
-    for _ in range(STEPS):
-        with bf16():
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_with_clipping(model, opt, batch, steps=STEPS, max_norm=0.5, forward_context=bf16)
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
