@@ -49,6 +49,18 @@ def bind(flat: torch.Tensor, entries: list[ParamEntry], cached: list[torch.Tenso
             e.param.data = v
 
 
+@dataclass(frozen=True)
+class ShownBackup:
+    """What the parameters looked like when they were pointed at `backup_master` (`ChunkResidency.show_before_step`):
+    their version counters (an in-place op on a parameter bumps it) and a few of the backup's elements at
+    `sample_at` (first, middle and last of each parameter: a write through `p.data` bumps no counter, but one that
+    scales, decays or shifts a parameter changes them)."""
+
+    versions: tuple[int, ...]
+    sample_at: torch.Tensor
+    samples: torch.Tensor
+
+
 @dataclass
 class ChunkState:
     """One chunk's memory and its per-iteration bookkeeping (entry indices are positions in spec.entries)."""
@@ -100,9 +112,11 @@ class ChunkState:
     spec_backup: bool = False  # the speculative step can be undone (master and optimizer state kept)
     spec_hypers: list[dict[str, Any]] | None = None  # hyper-parameters the speculative step used
     spec_touched: frozenset[int] = frozenset()  # entries the speculative step stepped
-    # the parameters show `backup_master` (the values before the speculative step) until optimizer.step(): their
-    # version counters then, to tell an in-place write by the user (None: they show host_params or a buffer)
-    shown_backup: tuple[int, ...] | None = None
+    # the parameters show `backup_master` (the values before the speculative step) until optimizer.step(): what
+    # tells a write by the user there (None: they show host_params or a buffer); `written`: one was seen (kept
+    # until the step is settled or undone, whatever re-points the parameters meanwhile)
+    shown_backup: ShownBackup | None = None
+    written: bool = False
     host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
     pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await
 

@@ -228,6 +228,7 @@ class HostSteps:
                 "Use undo_host_steps=True (the default) or overlap_host_step=False."
             )
         self.residency.evict_chunk(st)  # its buffer may hold the stepped values: upload the restored ones
+        st.written = False  # the restore copies the backup, the user's writes there included
         st.wait_host()
         st.host_work = self.worker.submit(self._restore, st)
         if st.node_shared:
@@ -268,7 +269,11 @@ class HostSteps:
         """At `optimizer.step()`: keep the chunk's speculative step if it is still valid, else restore and
         redo it; a chunk not stepped yet (with gradients) is queued now."""
         written = self.residency.written_before_step(st)
-        self.residency.evict_chunk(st)  # parameters shown before the step: at the host copy again
+        if (
+            st.shown_backup is not None
+        ):  # the parameters showed the values before the step: the host copy again
+            self.residency.show_host(st)
+        st.written = False
         if st.stepped:
             if (
                 grad_changed

@@ -16,7 +16,7 @@ import torch
 
 from agent.runtime.accounting import Counters
 from agent.runtime.buffers import BufferPool, Slot
-from agent.runtime.chunks import ChunkState, ViewCache, bind
+from agent.runtime.chunks import ChunkState, ShownBackup, ViewCache, bind
 from agent.runtime.device import DeviceContext, Event, element_size
 from agent.runtime.layout import ChunkLayout
 from agent.runtime.options import RuntimeOptions
@@ -55,6 +55,7 @@ class ChunkResidency:
         # so no upload may overwrite their buffers until the next node runs
         self._node: Any = None
         self._node_chunks: set[int] = set()
+        self._sample_offsets: dict[int, torch.Tensor] = {}  # per chunk: `_sample_at`
         self.upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
         self.stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
         self._esize = element_size(layout.compute_dtype)
@@ -167,6 +168,7 @@ class ChunkResidency:
                 self.upload_timings.append((start, st.ready))
         slot.chunk = st.index
         st.slot = slot.index
+        self._note_written(st)
         bind(slot.params, st.spec.entries, self.views.get(slot.index, st, slot.params))
         st.shown_backup = None
         self.counters.uploads += 1
@@ -196,6 +198,21 @@ class ChunkResidency:
         elif st.shown_backup is not None:
             self.show_host(st)
 
+    def _sample_at(self, st: ChunkState) -> torch.Tensor:
+        """Offsets of the first, middle and last element of every parameter of the chunk (cached)."""
+        at = self._sample_offsets.get(st.index)
+        if at is None:
+            offsets = sorted(
+                {
+                    o
+                    for e in st.spec.entries
+                    if e.numel
+                    for o in (e.offset, e.offset + e.numel // 2, e.end - 1)
+                }
+            )
+            at = self._sample_offsets[st.index] = torch.tensor(offsets, dtype=torch.long)
+        return at
+
     def show_before_step(self, st: ChunkState) -> None:
         """End of backward, chunk evicted, its speculative step done: the parameters show the values before the
         step (`backup_master`) until `optimizer.step()` settles it, as in plain PyTorch, where parameters change
@@ -204,29 +221,44 @@ class ChunkResidency:
         backup then has its dtype and layout, and pointing the parameters at it copies nothing."""
         assert st.slot is None and st.backup_master is not None
         bind(st.backup_master, st.spec.entries, self.views.get(ViewCache.BACKUP, st, st.backup_master))
-        st.shown_backup = tuple(e.param._version for e in st.spec.entries)
-
-    def written_before_step(self, st: ChunkState) -> bool:
-        """Whether user code wrote a parameter in place while it showed the values before the step (an in-place
-        op on the parameter; a write through `.data` bumps no version counter and goes unseen)."""
-        return st.shown_backup is not None and st.shown_backup != tuple(
-            e.param._version for e in st.spec.entries
+        at = self._sample_at(st)
+        st.shown_backup = ShownBackup(
+            tuple(e.param._version for e in st.spec.entries), at, st.backup_master[at]
         )
 
+    def _note_written(self, st: ChunkState) -> None:
+        """Set `st.written` when user code wrote a parameter while it showed the values before the step: an
+        in-place op on it (its version counter), or a write through `.data` that changed a sampled element
+        (`ShownBackup`; one that changes none of them, e.g. a clamp of a few elements, goes unseen)."""
+        shown = st.shown_backup
+        if shown is None or st.written:
+            return
+        assert st.backup_master is not None
+        if shown.versions != tuple(e.param._version for e in st.spec.entries) or not torch.equal(
+            st.backup_master[shown.sample_at], shown.samples
+        ):
+            st.written = True
+
+    def written_before_step(self, st: ChunkState) -> bool:
+        """Whether user code wrote a parameter while it showed the values before the step (since then)."""
+        self._note_written(st)
+        return st.written
+
     def show_host(self, st: ChunkState) -> None:
-        """Point the (evicted) chunk's parameters at its host copy again."""
+        """Point the (evicted) chunk's parameters at its host copy again (a write to the values before the step
+        seen so far is kept in `st.written`)."""
         assert st.slot is None and st.host_params is not None
+        self._note_written(st)
         bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
         st.shown_backup = None
 
     def evict_all(self) -> None:
-        """Release every buffer (and point every chunk's parameters at its host copy)."""
+        """Release every buffer. (Parameters showing the values before a speculative step keep showing them: a
+        state dict taken between backward and `step()` holds those, as plain PyTorch's does, and one loaded there
+        writes them, which `step()` then sees as a write and steps from.)"""
         for slot in self.pool.slots:
             if slot.chunk is not None:
                 self.evict(slot)
-        for st in self.states:
-            if st.shown_backup is not None:
-                self.show_host(st)
 
     def unpin_all(self) -> None:
         """End of backward: no module or recomputation holds a buffer any more."""

@@ -6,7 +6,9 @@ PyTorch changes them only in `step()`: code between the two that reads them (an 
 hand, `p.grad.add_(p, alpha=wd)`; a logged norm) read the next step's weights, and training drifted (loss 6.738
 against 6.499 by step 3), and an in-place write (decoupled weight decay by hand, `p.mul_(1 - lr * wd)`) was lost
 when the speculative step stood. Now they show the values before the step (the step's undo backup) until
-`step()`, and a write to them makes `step()` redo the chunk's step from the written values.
+`step()` (`state_dict()` too), and a write to them (an in-place op, a write through `.data` that changes a
+parameter's first, middle or last element, `load_state_dict`) makes `step()` redo the chunk's step from the
+written values (a review of the session's change found the `.data` and state-dict cases lost, fixed).
 
 Limit (docs/architecture/runtime.md): chunks whose master is a separate fp32 copy (bf16/fp16 parameters) and
 chunks sharded across ranks still show the stepped values there.
@@ -54,6 +56,10 @@ def train(
         loss.backward()
         for p, q in zip(model.parameters(), before, strict=True):
             assert torch.equal(p, q), "a parameter changed before optimizer.step()"
+        params = dict(model.named_parameters())
+        for name, v in model.state_dict().items():
+            if name in params:
+                assert torch.equal(v, params[name]), name  # the state dict holds the same values
         between(model)
         opt.step()
         opt.zero_grad()
@@ -61,7 +67,23 @@ def train(
     return losses
 
 
-@pytest.mark.parametrize("between", [l2_in_the_gradient, weight_decay_by_hand], ids=["read", "write"])
+def weight_decay_through_data(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data.mul_(1 - LR * WD)  # bumps no version counter: seen by the sampled elements
+
+
+def state_dict_then_load(model: nn.Module) -> None:
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # the values before the step
+    for v in state.values():
+        v.mul_(0.5)
+    model.load_state_dict(state)  # the step then starts from the loaded values
+
+
+@pytest.mark.parametrize(
+    "between",
+    [l2_in_the_gradient, weight_decay_by_hand, weight_decay_through_data, state_dict_then_load],
+    ids=["read", "write", "write-data", "state-dict-load"],
+)
 def test_parameters_change_in_step_as_in_plain_pytorch(between: Between) -> None:
     model, cfg = build_with_library_defaults("llama", 4, 128, vocab=1000, seq=128)
     batch = sample_batch(cfg, 2, 64)
