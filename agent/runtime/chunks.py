@@ -117,6 +117,9 @@ class ChunkState:
     # until the step is settled or undone, whatever re-points the parameters meanwhile)
     shown_backup: ShownBackup | None = None
     written: bool = False
+    # the parameters' version counters when they were pointed at a device buffer: an in-place write by user code
+    # there (an evaluation left the chunk resident, then `p.copy_(w)`) is copied back to the host at eviction
+    slot_versions: tuple[int, ...] = ()
     host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
     pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await
 

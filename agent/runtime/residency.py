@@ -4,11 +4,13 @@
 the next chunks of the recorded access order into buffers whose chunks are needed later or never;
 `upload` (FSDP2's `unshard`) copies a chunk's host copy into a buffer on the upload stream and points the
 parameters there; `evict` (`reshard`) flushes the chunk's pending gradients (the gradient flow's job,
-called back), points the parameters at the host copy and frees the buffer once compute has read it.
+called back), points the parameters at the host copy (copying the buffer back first when user code wrote a
+parameter there in place: `_write_back`) and frees the buffer once compute has read it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,8 @@ from agent.runtime.layout import ChunkLayout
 from agent.runtime.options import RuntimeOptions
 from agent.runtime.schedule import AccessSchedule
 from agent.runtime.timing import EVICT, UPLOAD, RuntimeTiming, section
+
+log = logging.getLogger(__name__)
 
 
 class ChunkResidency:
@@ -56,6 +60,7 @@ class ChunkResidency:
         self._node: Any = None
         self._node_chunks: set[int] = set()
         self._sample_offsets: dict[int, torch.Tensor] = {}  # per chunk: `_sample_at`
+        self._warned_write_back = False
         self.upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
         self.stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
         self._esize = element_size(layout.compute_dtype)
@@ -171,6 +176,7 @@ class ChunkResidency:
         self._note_written(st)
         bind(slot.params, st.spec.entries, self.views.get(slot.index, st, slot.params))
         st.shown_backup = None
+        st.slot_versions = tuple(e.param._version for e in st.spec.entries)
         self.counters.uploads += 1
         self.counters.upload_bytes += n * self._esize
 
@@ -183,12 +189,39 @@ class ChunkResidency:
             self.flush(st, slot)
         slot.free_after.append(self.ctx.record())  # compute that read the buffer so far
         assert st.host_params is not None
+        if st.slot_versions != tuple(e.param._version for e in st.spec.entries):
+            self._write_back(st, slot)
         bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
         st.shown_backup = None
         slot.chunk = None
         st.slot = None
         st.ready = None
         self.counters.evictions += 1
+
+    def _write_back(self, st: ChunkState, slot: Slot) -> None:
+        """User code wrote a parameter in place while its chunk sat in `slot` (say `p.copy_(w)` after an
+        evaluation left the chunk resident): uploads come from the host copy, so the write would be lost at this
+        eviction (session 22 review). Copy the buffer back: into the host copy and, in mixed precision, the fp32
+        master the host step starts from. A chunk sharded across the ranks is not written back (its master is
+        this rank's shard, and a write on one rank would leave the ranks apart): said once."""
+        if st.shard is not None or st.node_shared:
+            if not self._warned_write_back:
+                self._warned_write_back = True
+                log.warning(
+                    "memplan: a parameter of offloaded chunk %d (sharded across the ranks) was written in place "
+                    "while in a device buffer; the write is not kept. Write parameters before agent.wrap, or "
+                    "through optimizer.step()",
+                    st.index,
+                )
+            return
+        assert st.host_params is not None and st.master is not None
+        st.wait_host()  # no host step may be writing the host copy
+        n = st.numel
+        self.ctx.host_wait(self.ctx.record())  # the device work that wrote the buffer
+        st.host_params[:n].copy_(slot.params[:n])
+        if st.mixed:
+            st.master[:n].copy_(st.host_params[:n])
+        self.counters.write_backs += 1
 
     def evict_chunk(self, st: ChunkState) -> None:
         """Evict `st` if it is resident (else point its parameters at the host copy, in case they showed the

@@ -99,6 +99,49 @@ def test_parameters_change_in_step_as_in_plain_pytorch(between: Between) -> None
     )
     got = train(run.model, run.optimizer, batch, between)
     assert run.runtime.counters.speculative_steps > 0  # the host steps did overlap backward
+    assert run.runtime.counters.write_backs == 0  # nothing wrote a parameter in a device buffer
+    assert got == expected
+    final = dict(run.model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert torch.equal(final[name], p), name
+    agent.unwrap(run)
+
+
+def test_an_in_place_write_to_a_chunk_left_in_a_device_buffer_is_kept() -> None:
+    """An evaluation leaves offloaded chunks in device buffers; `p.copy_(w)` / `p.mul_(...)` then wrote the buffer
+    and the next eviction dropped it (uploads come from the host copy): one step later the parameters were 1.08
+    off plain PyTorch (session 22 review). The eviction now copies a written buffer back."""
+    model, cfg = build_with_library_defaults("llama", 4, 128, vocab=1000, seq=128)
+    batch = sample_batch(cfg, 2, 64)
+
+    def job(m: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        losses = []
+        for i in range(3):
+            loss = m(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if i == 0:
+                m.eval()
+                with torch.no_grad():
+                    m(**batch)  # an evaluation: chunks stay in their buffers
+                    for p in m.parameters():
+                        p.mul_(0.5)
+                m.train()
+        return losses
+
+    reference = copy.deepcopy(model)
+    expected = job(reference, torch.optim.AdamW(reference.parameters(), lr=LR, fused=True))
+    m = copy.deepcopy(model)
+    run = agent.wrap(
+        m,
+        torch.optim.AdamW(m.parameters(), lr=LR, fused=True),
+        plan=offloaded_plan(model, batch),
+        feedback_steps=None,
+    )
+    got = job(run.model, run.optimizer)
+    assert run.runtime.counters.write_backs > 0
     assert got == expected
     final = dict(run.model.named_parameters())
     for name, p in reference.named_parameters():
