@@ -50,6 +50,7 @@ path through the callback cannot be exercised here).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -181,9 +182,11 @@ class MemplanCallback(Callback):
         if ddp is not None:
             strategy.model = pl_module  # DDP's reducer and its gradient buckets go with it
         try:
-            # profiled under the precision plugin's forward context (`bf16-mixed`: its autocast), as the training
-            # steps run: the plan holds the activations they keep
-            with trainer.precision_plugin.forward_context():
+            # `bf16-mixed`: profiled under the precision plugin's forward context (its autocast), as the training
+            # steps run: the plan holds the activations they keep. Not for `bf16-true`, whose context sets the
+            # default dtype for everything `wrap` builds (its module is bf16 already)
+            mixed = str(trainer.precision).endswith("-mixed")
+            with trainer.precision_plugin.forward_context() if mixed else contextlib.nullcontext():
                 wrapped = wrap(pl_module, optimizer, **kwargs)
         except BaseException:
             if ddp is not None:
