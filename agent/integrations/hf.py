@@ -57,7 +57,7 @@ from typing import Any, Final
 
 import torch
 
-from agent.random_states import RandomStates
+from agent.random_states import kept_random_states
 from agent.wrapping import Wrapped, wrap
 
 log = logging.getLogger(__name__)
@@ -133,12 +133,11 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
         trainer.create_optimizer()
     optimizer = trainer.optimizer
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper, if the user prepared one
-    rng = RandomStates.capture()  # the sample batch's draw and the profile leave every generator as it was
     # the Trainer clips by default (max_grad_norm=1.0): the plan counts the redo of overlapped host steps
     wrap_kwargs.setdefault(
         "clips_gradients", bool(trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0)
     )
-    try:
+    with kept_random_states():  # the sample batch's draw and the profile leave every generator as it was
         if "sample_batch" not in wrap_kwargs and "plan" not in wrap_kwargs:
             wrap_kwargs["sample_batch"] = sample_batch(trainer)
         # profiled under the Trainer's mixed precision (`bf16=True`/`fp16=True`: Accelerate's autocast), as its
@@ -146,8 +145,6 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
         # hold (a no-op context in full precision)
         with trainer.accelerator.autocast():
             wrapped = wrap(trainer.model, optimizer, **wrap_kwargs)
-    finally:
-        rng.restore()
     trainer.optimizer = wrapped.optimizer
     trainer.model_wrapped = trainer.model
     if distributed:

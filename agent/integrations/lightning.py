@@ -60,7 +60,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from agent.applied import remove_guards
-from agent.random_states import RandomStates
+from agent.random_states import RandomStates, kept_random_states
 from agent.wrapping import unwrap, wrap
 
 if TYPE_CHECKING:
@@ -80,11 +80,8 @@ def first_training_batch(trainer: pl.Trainer) -> Any:
         raise ValueError("sample_batch: the trainer has no training dataloader to take one from; pass one")
     loaders = source.dataloader()
     loader = loaders[0] if isinstance(loaders, list | tuple) else loaders
-    rng = RandomStates.capture()
-    try:
+    with kept_random_states():
         batch = next(iter(loader))
-    finally:
-        rng.restore()
     return trainer.strategy.batch_to_device(batch)
 
 

@@ -55,9 +55,8 @@ class Counters:
     grad_flushes: int = 0
     grad_flush_bytes: int = 0
     host_steps: int = 0
-    write_backs: int = (
-        0  # chunks copied back to the host at eviction: user code wrote a parameter in a buffer
-    )
+    # chunks copied back to the host at eviction: user code wrote a parameter in a buffer
+    write_backs: int = 0
     host_step_s: float = 0.0  # wall time of the host steps (restore, backup, step, compute-copy refresh)
     speculative_steps: int = 0  # host steps run during backward, before optimizer.step() validated them
     host_step_redos: int = (

@@ -269,9 +269,8 @@ class HostSteps:
         """At `optimizer.step()`: keep the chunk's speculative step if it is still valid, else restore and
         redo it; a chunk not stepped yet (with gradients) is queued now."""
         written = self.residency.written_before_step(st)
-        if (
-            st.shown_backup is not None
-        ):  # the parameters showed the values before the step: the host copy again
+        # the parameters showed the values before the step: the host copy again
+        if st.shown_backup is not None:
             self.residency.show_host(st)
         st.written = False
         if st.stepped:

@@ -395,15 +395,12 @@ class ModelStateManager:
         for st in self.states:
             if st.own is not None:
                 continue
-            if not st.offloaded:
-                where, flat = ViewCache.PERSISTENT, st.params
-            elif st.slot is not None:
-                where, flat = st.slot, self.residency.pool.slots[st.slot].params if self.residency else None
-            elif st.shown_backup is not None:
-                where, flat = ViewCache.BACKUP, st.backup_master
+            if st.offloaded:
+                assert self.residency is not None
+                bound = self.residency.bound_views(st)
             else:
-                where, flat = ViewCache.HOST, st.host_params
-            for e, v in zip(st.spec.entries, self._views.get(where, st, flat), strict=True):
+                bound = self._views.get(ViewCache.PERSISTENT, st, st.params)
+            for e, v in zip(st.spec.entries, bound, strict=True):
                 p = e.param
                 if p.data_ptr() != v.data_ptr() or p.shape != v.shape:
                     raise ParameterReplacedError(

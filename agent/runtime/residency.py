@@ -192,7 +192,6 @@ class ChunkResidency:
         if st.slot_versions != tuple(e.param._version for e in st.spec.entries):
             self._write_back(st, slot)
         bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
-        st.shown_backup = None
         slot.chunk = None
         st.slot = None
         st.ready = None
@@ -284,6 +283,16 @@ class ChunkResidency:
         self._note_written(st)
         bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
         st.shown_backup = None
+
+    def bound_views(self, st: ChunkState) -> list[torch.Tensor]:
+        """The views the offloaded chunk's parameters point at now: its buffer's, the values before a speculative
+        step (`show_before_step`) or its host copy's."""
+        if st.slot is not None:
+            slot = self.pool.slots[st.slot]
+            return self.views.get(slot.index, st, slot.params)
+        if st.shown_backup is not None:
+            return self.views.get(ViewCache.BACKUP, st, st.backup_master)
+        return self.views.get(ViewCache.HOST, st, st.host_params)
 
     def evict_all(self) -> None:
         """Release every buffer. (Parameters showing the values before a speculative step keep showing them: a
