@@ -40,6 +40,10 @@ from agent.runtime.timing import FLUSH, RuntimeTiming, section
 log = logging.getLogger(__name__)
 
 
+class AssignedGradientError(RuntimeError):
+    """A gradient assigned by hand that the runtime cannot step (a job of several ranks)."""
+
+
 class GradientFlow:
     """Gradient hooks' work, gradient areas, flushes to the host, and the `.grad` the user sees."""
 
@@ -90,15 +94,7 @@ class GradientFlow:
         st = self.states[c]
         e = st.spec.entries[j]
         if not st.offloaded:
-            view = self.grad_views(st)[j] if st.grad is not None else None
-            if view is None:
-                self._widen(st)
-                view = self.grad_views(st)[j]
-                assert view is not None
-            if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad), or the user's
-                view.copy_(param.grad)
-                param.grad = view
-            st.touched.add(j)
+            self._into_area(st, j, param.grad)
             return
         assert self.residency is not None and self.host_steps is not None
         if st.stepped:
@@ -124,6 +120,18 @@ class GradientFlow:
         st.received.add(j)
         if st.expected and st.expected <= st.received:
             self.complete(st)
+
+    def _into_area(self, st: ChunkState, j: int, grad: torch.Tensor) -> None:
+        """Persistent chunk: parameter j's gradient goes into the chunk's gradient area, which its `.grad` views."""
+        view = self.grad_views(st)[j] if st.grad is not None else None
+        if view is None:
+            self._widen(st)
+            view = self.grad_views(st)[j]
+            assert view is not None
+        if grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad), or the user's
+            view.copy_(grad)
+            st.spec.entries[j].param.grad = view
+        st.touched.add(j)
 
     def complete(self, st: ChunkState) -> None:
         """Every expected gradient of the chunk has arrived: send them to the host, step if overlapping."""
@@ -586,6 +594,71 @@ class GradientFlow:
             st.host_grad.copy_(seen)
             changed = True
         return changed
+
+    def adopt_assigned(self) -> None:
+        """`optimizer.step()`: gradients the user assigned by hand (`p.grad = g`, e.g. from `torch.autograd.grad`,
+        which runs no gradient hook, or with no backward at all) join their chunk's gradient, so the step uses
+        them as plain PyTorch's does (before this, session 23, they were ignored and the step changed nothing).
+        An assigned gradient replaces what the chunk held for that parameter, as `p.grad = g` does in torch.
+
+        Refused in a job of several ranks: the gradients are averaged across the ranks by backward's hooks, and
+        a chunk sharded across them holds one rank's shard of its state only."""
+        for st in self.states:
+            assigned = self._assigned(st)
+            if not assigned:
+                continue
+            if self.group is not None:
+                name = st.spec.entries[assigned[0]].name
+                raise AssignedGradientError(
+                    f"optimizer.step(): parameter {name!r} has a gradient assigned by hand (`p.grad = ...`, e.g. "
+                    "from torch.autograd.grad) that no backward pass produced; in a job of several ranks memplan "
+                    "averages gradients in backward's hooks and each rank steps its shard of them, so such a "
+                    "gradient cannot be stepped. Compute gradients with loss.backward()."
+                )
+            if st.offloaded:
+                self._adopt_offloaded(st, assigned)
+            else:
+                for j in assigned:
+                    g = st.spec.entries[j].param.grad
+                    assert g is not None
+                    self._into_area(st, j, g)
+
+    def _assigned(self, st: ChunkState) -> list[int]:
+        """The chunk's parameters whose `.grad` the runtime did not set: a persistent chunk's or an exposed
+        offloaded chunk's parameters outside `touched`; any `.grad` of an offloaded chunk not exposed (the runtime
+        leaves those None)."""
+        entries = st.spec.entries
+        if st.offloaded and not st.exposed:
+            return [j for j, e in enumerate(entries) if e.param.grad is not None]
+        return [j for j, e in enumerate(entries) if j not in st.touched and e.param.grad is not None]
+
+    def _adopt_offloaded(self, st: ChunkState, assigned: list[int]) -> None:
+        """The assigned gradients into the offloaded chunk's host gradient, then exposed as after a backward (every
+        parameter with a gradient shows `.grad`, a view of `user_grad`), so `reconcile` and the step see them."""
+        st.wait_host()
+        for ev in st.pending_events:
+            self.ctx.host_wait(ev)
+        st.pending_events = []
+        assert st.host_grad is not None
+        if (
+            st.flushes == 0
+        ):  # the host gradient holds nothing since zero_grad: the positions not assigned read 0
+            st.host_grad.zero_()
+            st.flushes = 1
+        user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
+        if not st.exposed:
+            user.copy_(st.host_grad)  # gradients of earlier backwards not zeroed, which `.grad` then shows
+        gv = self._user_grad_views(st)
+        for j in assigned:
+            e = st.spec.entries[j]
+            g = e.param.grad
+            assert g is not None
+            st.host_grad[e.offset : e.end].copy_(g.reshape(-1))
+            gv[j].copy_(g)
+            st.touched.add(j)
+        for j in st.touched:
+            st.spec.entries[j].param.grad = gv[j]
+        st.exposed = True
 
     def sync_persistent(self, st: ChunkState) -> None:
         """A persistent chunk steps from its gradient area, which its parameters' `.grad` view: a `.grad`

@@ -438,7 +438,9 @@ class ModelStateManager:
         if self._backward_done and (self.has_offload or self.device_shards is not None):
             raise SecondBackwardError(
                 "memplan: a second backward pass before the model's next forward (loss.backward(retain_graph=True) "
-                "and then another loss's backward, or two forwards and then a backward for each) is not supported "
+                "and then another loss's backward, two forwards and then a backward for each, or "
+                "torch.autograd.grad over the forward's graph and then a backward of it, as a gradient penalty "
+                "does) is not supported "
                 "with offloaded or sharded parameter chunks: the first backward already settled this forward's "
                 "gradients on the host and may have stepped them. Sum the losses and call backward once "
                 "((loss + aux_loss).backward() gives the same gradients), or run a forward and its backward in "
@@ -603,6 +605,7 @@ class ModelStateManager:
         if self.phase.backward:
             raise RuntimeError("optimizer.step(): called during backward")
         self.gradients.check_synchronised()
+        self.gradients.adopt_assigned()
         assert self.optimizer is not None
         hypers = self.optimizer.hyper_snapshot()
         steppers = self.optimizer.steppers

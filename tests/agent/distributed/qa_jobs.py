@@ -68,6 +68,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "evaluate": evaluate,
         "generate": generate,
         "accelerate": accelerate_loop,
+        "assigned": assigned,
     }
     try:
         result = jobs[job](rank, world, arg)
@@ -225,6 +226,29 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
         wrapped.model(input_ids=x, labels=x)["loss"].backward()
         wrapped.optimizer.step()
         wrapped.optimizer.zero_grad()
+    return {"error": None}
+
+
+def assigned(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """Every offloaded chunk sharded; gradients from `torch.autograd.grad` assigned by hand (`p.grad = g`) on
+    every rank, then `optimizer.step()`: each rank must raise naming loss.backward() (session 23)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    wrapped = agent.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        plan=sharded_plan(model, world, "all"),
+        feedback_steps=None,
+    )
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    params = list(wrapped.model.parameters())
+    loss = wrapped.model(input_ids=x, labels=x)["loss"]
+    for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
+        p.grad = g
+    try:
+        wrapped.optimizer.step()
+    except Exception as exc:  # noqa: BLE001 - the test reads what the rank raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
     return {"error": None}
 
 

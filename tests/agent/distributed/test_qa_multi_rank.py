@@ -165,6 +165,18 @@ def test_a_collective_called_on_rank_1_alone_is_an_error_on_that_rank(tmp_path: 
     assert "rank 1 called it, rank 0 went on without calling it" in error
 
 
+def test_gradients_assigned_by_hand_are_refused_on_every_rank_naming_backward(tmp_path: Path) -> None:
+    """Session 23: a gradient from `torch.autograd.grad` assigned as `p.grad` reaches no hook, so it is never
+    averaged across the ranks and a sharded chunk cannot step it: every rank raises at `optimizer.step()` (in one
+    process such gradients are stepped: `tests/agent/wrap/test_assigned_gradients.py`)."""
+    codes, results = spawn("assigned", 2, tmp_path, 60)
+    assert codes == [0, 0], codes
+    for res in results:
+        error = res["error"]
+        assert error is not None and error.startswith("AssignedGradientError"), error
+        assert "Compute gradients with loss.backward()" in error
+
+
 @pytest.mark.parametrize(
     ("what", "said"),
     [
