@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agent.model_guards import check_one_dtype_and_device
 from agent.report import WrapReport
 from agent.runtime.arena import runtime_arena_context
 from agent.runtime.device import DeviceContext
@@ -24,6 +25,7 @@ from agent.runtime.layout import ChunkLayout, check_world
 from agent.runtime.manager import ModelStateManager
 from agent.runtime.node_shared import NodeSharing, open_node_shared
 from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
+from agent.runtime.optimizer_alias import OptimizerAlias
 from agent.runtime.options import RuntimeOptions
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ class Wrapped:
     ddp_guard: DDPGuard | None = field(default=None, repr=False)
     synced_generate: SyncedGenerate | None = field(default=None, repr=False)
     batch_guard: BatchShapeGuard | None = field(default=None, repr=False)
+    # the optimizer given to `wrap` does what `optimizer` does, until unwrap (`optimizer_alias.py`)
+    optimizer_alias: OptimizerAlias | None = field(default=None, repr=False)
     unwrapped: bool = False
 
     def report(self) -> WrapReport:
@@ -174,6 +178,7 @@ def apply_plan(
     if getattr(model, "_memplan_wrapped", False):
         raise RuntimeError("model: is already wrapped; unwrap it first")
     check_supported(optimizer)
+    check_one_dtype_and_device(model)
     opts = options or RuntimeOptions()
     params = list(model.parameters())
     if not params:
@@ -205,7 +210,12 @@ def apply_plan(
         wrapped_opt.load_state_dict(user_state)  # wrapping mid-training keeps the optimizer's state
     model._memplan_wrapped = True  # type: ignore[assignment]
     return Wrapped(
-        model=model, optimizer=wrapped_opt, plan=plan, runtime=manager, original_optimizer=optimizer
+        model=model,
+        optimizer=wrapped_opt,
+        plan=plan,
+        runtime=manager,
+        original_optimizer=optimizer,
+        optimizer_alias=OptimizerAlias(optimizer, wrapped_opt),
     )
 
 
@@ -241,6 +251,9 @@ def remove_guards(wrapped: Wrapped) -> None:
     if wrapped.synced_generate is not None:
         wrapped.synced_generate.remove()
         wrapped.synced_generate = None
+    if wrapped.optimizer_alias is not None:
+        wrapped.optimizer_alias.remove()
+        wrapped.optimizer_alias = None
 
 
 def unwrap(wrapped: Wrapped) -> nn.Module:

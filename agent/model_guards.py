@@ -108,6 +108,35 @@ def check_dense_gradients(model: nn.Module) -> None:
             )
 
 
+def check_one_dtype_and_device(model: nn.Module) -> None:
+    """Raise ValueError when the parameters are of several dtypes or on several devices, naming each with its count
+    and first parameter. memplan keeps each chunk's parameters in one flat tensor of the model's dtype on one
+    device; before session 23 a T5 loaded in bf16 (its `_keep_in_fp32_modules` keep `wo` in fp32) failed in
+    `wrap` with a `PlanMismatchError` asking whether the plan was solved for another precision."""
+    kinds: dict[tuple[torch.dtype, torch.device], tuple[int, str]] = {}
+    for name, p in model.named_parameters():
+        key = (p.dtype, p.device)
+        count, first = kinds.get(key, (0, name))
+        kinds[key] = (count + 1, first)
+    if len(kinds) <= 1:
+        return
+    listed = "; ".join(
+        f"{n} in {str(dtype).removeprefix('torch.')} on {device} (first {first!r})"
+        for (dtype, device), (n, first) in sorted(kinds.items(), key=lambda kv: -kv[1][0])
+    )
+    kept = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    why = (
+        f" (the model's _keep_in_fp32_modules {kept} stay fp32 when it loads in half precision)"
+        if kept
+        else ""
+    )
+    raise ValueError(
+        f"model: parameters of several dtypes or devices: {listed}{why}. memplan manages one dtype on one device "
+        "per model (each chunk is one flat tensor); cast or move the whole model first (e.g. "
+        "model.to(torch.bfloat16), or load it in one dtype), then wrap"
+    )
+
+
 class WrappedModelMoveError(RuntimeError):
     """A wrapped model was asked to move to another device or dtype."""
 

@@ -51,6 +51,7 @@ from agent.model_guards import (
     byte_size,
     check_dense_gradients,
     check_not_compiled,
+    check_one_dtype_and_device,
 )
 from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
@@ -156,6 +157,7 @@ def wrap(
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)
     check_dense_gradients(model)
+    check_one_dtype_and_device(model)
     check_supported(optimizer)
     given = load_plan(plan) if plan is not None else None  # a path or dict too; an error names `plan`
 

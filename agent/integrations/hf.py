@@ -117,16 +117,11 @@ def wrap_trainer(trainer: Any, **wrap_kwargs: Any) -> Wrapped:
     `wrap_kwargs` go to `agent.wrap` (`device_memory`, `host_memory`, `server`, `plan`, `options`,
     `process_group`, ...); `sample_batch` defaults to a batch of the training set's longest examples. Returns what
     `agent.wrap` returns; the Trainer keeps using its own `trainer.model` (the same module, now managed) and the
-    wrapped optimizer. Raises ValueError if the Trainer already holds a learning-rate scheduler (it would drive
-    the unwrapped optimizer) or is configured for a parallelism memplan does not run under (FSDP, DeepSpeed,
-    tensor/context/sequence parallelism, DataParallel)."""
+    wrapped optimizer (a scheduler the Trainer already holds, `Trainer(optimizers=(opt, sched))`, drives it too: the
+    wrapped optimizer's `param_groups` are the original's). Raises ValueError if the Trainer is configured for a
+    parallelism memplan does not run under (FSDP, DeepSpeed, tensor/context/sequence parallelism, DataParallel)."""
     if getattr(trainer.model, "_memplan_wrapped", False):
         raise RuntimeError("trainer.model: is already wrapped")
-    if trainer.lr_scheduler is not None:
-        raise ValueError(
-            "trainer.lr_scheduler: already built on the unwrapped optimizer; pass only the optimizer "
-            "(or none) to the Trainer and let it build the scheduler during train()"
-        )
     refuse_unsupported_parallelism(trainer)
     distributed = trainer.args.world_size > 1
     if trainer.optimizer is None:

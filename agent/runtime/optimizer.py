@@ -121,8 +121,13 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         check_parameters(user, layout)
         groups = [{**g, "params": list(g["params"])} for g in user.param_groups]
         super().__init__(groups, copy.deepcopy(user.defaults))
+        # the user's own group dicts, not copies: a scheduler (or any code) holding the optimizer given to `wrap`
+        # sets the hyper-parameters this one steps with (with copies, a scheduler built before `wrap` drove
+        # nothing: session 23); `optimizer_alias.py` makes that optimizer's methods this one's
+        self.param_groups = user.param_groups
         self._ready = True
         self.user_class: type[torch.optim.Optimizer] = type(user)
+        self._user = user
         self._runtime = runtime
         self.steppers: list[ChunkStepper] = []  # one per chunk, made by `bind_chunks`
         self._index: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
@@ -161,6 +166,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._runtime.step()
+        # what the step wrapper of a scheduler built on the optimizer given to `wrap` records (it checks it at
+        # its own step and otherwise warns that it stepped first)
+        self._user._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -169,6 +169,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         lora=spec.get("lora", False),
         bf16=spec.get("bf16", False),
     )
+    if spec.get("prebuilt_scheduler"):
+        # the user's optimizer and schedule, as `Trainer(optimizers=(opt, sched))` holds them (the Trainer rebuilds a
+        # scheduler it made itself at train())
+        import transformers
+
+        opt = torch.optim.AdamW(t.model.parameters(), lr=t.args.learning_rate)
+        t.optimizer = opt
+        t.lr_scheduler = transformers.get_linear_schedule_with_warmup(opt, 1, spec["steps"])
     plan_json = trace_json = None
     offloaded = sharded = device_sharded = 0
     if spec.get("wrap"):

@@ -141,14 +141,20 @@ def test_a_lora_trainer_trains_like_the_plain_one_saves_its_adapters_and_resumes
     assert_same(resumed["history"][3:], full["history"][3:], exact=True)
 
 
-def test_wrap_trainer_refuses_a_scheduler_built_on_the_unwrapped_optimizer(tmp_path: Path) -> None:
-    from agent.integrations.hf import wrap_trainer
-
-    t = hf_jobs.trainer("llama", tmp_path, steps=2)
-    t.create_optimizer_and_scheduler(num_training_steps=2)
-    with pytest.raises(ValueError, match="trainer.lr_scheduler"):
-        wrap_trainer(t, device_memory=1 << 30)
-    assert not getattr(t.model, "_memplan_wrapped", False)
+def test_a_scheduler_the_trainer_already_holds_drives_the_wrapped_optimizer(
+    limits: dict[str, int], tmp_path: Path
+) -> None:
+    """The user's optimizer and linear schedule in the Trainer before `wrap_trainer` (`Trainer(optimizers=(opt,
+    sched))`): refused before session 23, because the scheduler held the original optimizer, whose `param_groups`
+    the wrapped one copied. They are one list now, so the decay reaches the steps: the same losses as the plain
+    run (without the shared list the losses differ from step 2)."""
+    spec = {"kind": "llama", "steps": 4, "prebuilt_scheduler": True}
+    plain = hf_jobs.run({**spec, "out": str(tmp_path / "plain")})
+    got = hf_jobs.run(
+        {**spec, "out": str(tmp_path / "wrapped"), "wrap": True, "device_memory": limits["llama"]}
+    )
+    assert got["offloaded"] > 0
+    assert_same(got["history"], plain["history"])
 
 
 def _accelerate_loop(model: torch.nn.Module, wrap: bool, limit: int) -> list[tuple[float, float]]:

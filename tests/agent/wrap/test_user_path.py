@@ -391,6 +391,51 @@ def test_an_embedding_with_sparse_gradients_is_refused_naming_it(sparse_module: 
         agent.profile(model, ids, loss_fn=mean_square, optimizer=opt)
 
 
+def test_a_model_with_parameters_in_two_dtypes_is_refused_naming_them_and_trains_once_cast() -> None:
+    """Session 23: T5 loaded in bf16 keeps its `_keep_in_fp32_modules` (`wo`) in fp32 (from_pretrained does; here
+    by hand, from a config). `wrap` failed with a PlanMismatchError asking whether the plan was solved for
+    another precision; now it names both dtypes, their first parameters and `_keep_in_fp32_modules`, before
+    anything runs, and the model cast to one dtype trains."""
+    import transformers
+
+    import agent
+
+    cfg = transformers.T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(cfg, dtype=torch.bfloat16)
+    for module in model.modules():
+        if hasattr(module, "wo"):
+            module.wo.float()  # what from_pretrained(..., dtype=torch.bfloat16) leaves
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, 128, (2, 8), generator=g),
+        "labels": torch.randint(0, 128, (2, 4), generator=g),
+    }
+    with pytest.raises(ValueError, match=r"several dtypes") as info:
+        agent.wrap(model, torch.optim.AdamW(model.parameters()), sample_batch=batch, feedback_steps=None)
+    said = str(info.value)
+    assert "in float32 on cpu (first 'encoder.block.0.layer.1.DenseReluDense.wo.weight')" in said
+    assert "_keep_in_fp32_modules ['wo']" in said and "in bfloat16 on cpu" in said
+    assert not getattr(model, "_memplan_wrapped", False) and not model._forward_hooks
+    model.to(torch.bfloat16)
+    wrapped = agent.wrap(
+        model, torch.optim.AdamW(model.parameters()), sample_batch=batch, feedback_steps=None
+    )
+    wrapped.model(**batch).loss.backward()
+    wrapped.optimizer.step()
+    agent.unwrap(wrapped)
+
+
 # ------------------------------------------------------------------------------------------- batch shapes
 def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
     llama: tuple[nn.Module, dict[str, torch.Tensor], int], caplog: pytest.LogCaptureFixture
