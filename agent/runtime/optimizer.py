@@ -69,6 +69,14 @@ class UnsupportedOptimizerError(TypeError):
 
 
 def check_supported(optimizer: torch.optim.Optimizer) -> None:
+    inner = getattr(optimizer, "optimizer", None)
+    if type(optimizer) not in SUPPORTED and isinstance(inner, torch.optim.Optimizer):
+        # Accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer: `prepare` ran before `wrap`
+        raise UnsupportedOptimizerError(
+            f"optimizer: {type(optimizer).__name__} around {type(inner).__name__}; wrap first, then hand "
+            "wrapped.model and wrapped.optimizer to the library (accelerator.prepare(wrapped.model, "
+            "wrapped.optimizer, ...)), or pass the optimizer inside it"
+        )
     if type(optimizer) not in SUPPORTED:
         names = ", ".join(c.__name__ for c in SUPPORTED)
         raise UnsupportedOptimizerError(

@@ -28,3 +28,20 @@ def test_an_unsupported_optimizer_is_refused_with_the_documented_error(
         )
     assert "AdamW" in str(caught.value) and "wire contract" not in str(caught.value)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_an_optimizer_prepared_by_accelerate_before_wrap_is_refused_naming_the_order() -> None:
+    """Session 23: `accelerator.prepare(model, optimizer)` then `agent.wrap(model, optimizer)` (the order many
+    scripts have) was refused as "AcceleratedOptimizer is not supported", which did not say what to do."""
+    import accelerate
+
+    import agent
+
+    model, config = build_with_library_defaults("llama", layers=2, hidden=64, vocab=256, seq=64)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(
+        UnsupportedOptimizerError, match="AcceleratedOptimizer around AdamW; wrap first"
+    ) as caught:
+        agent.wrap(model, optimizer, sample_batch=sample_batch(config, 2, 16), feedback_steps=None)
+    assert "accelerator.prepare(wrapped.model, wrapped.optimizer" in str(caught.value)
