@@ -111,7 +111,7 @@ def check_dense_gradients(model: nn.Module) -> None:
 def check_one_dtype_and_device(model: nn.Module) -> None:
     """Raise ValueError when the parameters are of several dtypes or on several devices, naming each with its count
     and first parameter. memplan keeps each chunk's parameters in one flat tensor of the model's dtype on one
-    device; before session 23 a T5 loaded in bf16 (its `_keep_in_fp32_modules` keep `wo` in fp32) failed in
+    device; before session 23 a T5 loaded in fp16 (its `_keep_in_fp32_modules` keep `wo` in fp32) failed in
     `wrap` with a `PlanMismatchError` asking whether the plan was solved for another precision."""
     kinds: dict[tuple[torch.dtype, torch.device], tuple[int, str]] = {}
     for name, p in model.named_parameters():

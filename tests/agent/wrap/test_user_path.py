@@ -10,6 +10,7 @@ import copy
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -391,11 +392,13 @@ def test_an_embedding_with_sparse_gradients_is_refused_naming_it(sparse_module: 
         agent.profile(model, ids, loss_fn=mean_square, optimizer=opt)
 
 
-def test_a_model_with_parameters_in_two_dtypes_is_refused_naming_them_and_trains_once_cast() -> None:
-    """Session 23: T5 loaded in bf16 keeps its `_keep_in_fp32_modules` (`wo`) in fp32 (from_pretrained does; here
-    by hand, from a config). `wrap` failed with a PlanMismatchError asking whether the plan was solved for
-    another precision; now it names both dtypes, their first parameters and `_keep_in_fp32_modules`, before
-    anything runs, and the model cast to one dtype trains."""
+def test_a_model_with_parameters_in_two_dtypes_is_refused_naming_them_and_trains_once_cast(
+    tmp_path: Path,
+) -> None:
+    """Session 23: T5 loaded in fp16 (`from_pretrained(path, dtype=torch.float16)`, here from a checkpoint saved
+    in this test) keeps its `_keep_in_fp32_modules` (`wo`) in fp32. `wrap` failed with a PlanMismatchError asking
+    whether the plan was solved for another precision; now it names both dtypes, their first parameters and
+    `_keep_in_fp32_modules`, before anything runs, and the model cast to one dtype trains."""
     import transformers
 
     import agent
@@ -411,10 +414,8 @@ def test_a_model_with_parameters_in_two_dtypes_is_refused_naming_them_and_trains
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForSeq2SeqLM.from_config(cfg, dtype=torch.bfloat16)
-    for module in model.modules():
-        if hasattr(module, "wo"):
-            module.wo.float()  # what from_pretrained(..., dtype=torch.bfloat16) leaves
+    transformers.AutoModelForSeq2SeqLM.from_config(cfg).save_pretrained(tmp_path)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, dtype=torch.float16)
     model.train()
     g = torch.Generator().manual_seed(0)
     batch = {
@@ -425,7 +426,7 @@ def test_a_model_with_parameters_in_two_dtypes_is_refused_naming_them_and_trains
         agent.wrap(model, torch.optim.AdamW(model.parameters()), sample_batch=batch, feedback_steps=None)
     said = str(info.value)
     assert "in float32 on cpu (first 'encoder.block.0.layer.1.DenseReluDense.wo.weight')" in said
-    assert "_keep_in_fp32_modules ['wo']" in said and "in bfloat16 on cpu" in said
+    assert "_keep_in_fp32_modules ['wo']" in said and "in float16 on cpu" in said
     assert not getattr(model, "_memplan_wrapped", False) and not model._forward_hooks
     model.to(torch.bfloat16)
     wrapped = agent.wrap(
