@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import agent
+from agent.applied import Wrapped
 from agent.checkpoint import save_sharded
 from agent.runtime import RuntimeOptions, manual_plan
 from client.contract import Placement
@@ -196,10 +197,8 @@ class TinyLM(nn.Module):
         return {"loss": nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
 
 
-def alone(rank: int, world: int, call: str) -> dict[str, Any]:
-    """Every offloaded chunk sharded; one step on every rank (rank 0 first evaluates with grad enabled alone),
-    then rank 1 alone makes `call` (a collective: "state_dict" or "unwrap") while rank 0 trains on. Rank 1
-    must raise, not wait for rank 0 forever."""
+def _sharded_tiny(rank: int, world: int) -> tuple[Wrapped, torch.Tensor]:
+    """`TinyLM` wrapped with every offloaded chunk sharded across the ranks, and this rank's batch."""
     torch.manual_seed(0)
     model = TinyLM()
     wrapped = agent.wrap(
@@ -208,7 +207,14 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
         plan=sharded_plan(model, world, "all"),
         feedback_steps=None,
     )
-    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    return wrapped, torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+
+
+def alone(rank: int, world: int, call: str) -> dict[str, Any]:
+    """Every offloaded chunk sharded; one step on every rank (rank 0 first evaluates with grad enabled alone),
+    then rank 1 alone makes `call` (a collective: "state_dict" or "unwrap") while rank 0 trains on. Rank 1
+    must raise, not wait for rank 0 forever."""
+    wrapped, x = _sharded_tiny(rank, world)
     for step in range(2):
         if rank == 0 and step == 0:  # an evaluation without no_grad on rank 0 alone: no collective may wait
             wrapped.model(input_ids=x, labels=x)
@@ -232,15 +238,7 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
 def assigned(rank: int, world: int, arg: str) -> dict[str, Any]:
     """Every offloaded chunk sharded; gradients from `torch.autograd.grad` assigned by hand (`p.grad = g`) on
     every rank, then `optimizer.step()`: each rank must raise naming loss.backward() (session 23)."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    wrapped = agent.wrap(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        plan=sharded_plan(model, world, "all"),
-        feedback_steps=None,
-    )
-    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    wrapped, x = _sharded_tiny(rank, world)
     params = list(wrapped.model.parameters())
     loss = wrapped.model(input_ids=x, labels=x)["loss"]
     for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
