@@ -255,9 +255,11 @@ def allocate(
                 if not mixed:
                     state.master = shared[shard.start : shard.end]
         bind(state.host_params if spec.offloaded else state.params, spec.entries)  # type: ignore[arg-type]
-        if state.grad is not None:
-            for e, g in zip(spec.entries, grad_views(state), strict=True):
-                e.param.grad = g if e.param.requires_grad else None
+        # no gradient until backward makes one, as in plain PyTorch (the gradient hook copies it into the chunk's
+        # gradient area and points `.grad` there); before session 23 every trainable parameter showed a zero view
+        # here, which the step then took for a gradient assigned by hand
+        for e in spec.entries:
+            e.param.grad = None
     return state
 
 

@@ -44,6 +44,15 @@ class AssignedGradientError(RuntimeError):
     """A gradient assigned by hand that the runtime cannot step (a job of several ranks)."""
 
 
+def assigned_in_a_group(name: str) -> str:
+    return (
+        f"optimizer.step(): parameter {name!r} has a gradient assigned by hand (`p.grad = ...`, e.g. from "
+        "torch.autograd.grad) that no backward pass produced; in a job of several ranks memplan averages gradients "
+        "in backward's hooks and each rank steps its shard of them, so such a gradient cannot be stepped. Compute "
+        "gradients with loss.backward()."
+    )
+
+
 class GradientFlow:
     """Gradient hooks' work, gradient areas, flushes to the host, and the `.grad` the user sees."""
 
@@ -79,6 +88,9 @@ class GradientFlow:
         # different offloaded chunks); the chunks every rank then reduces, in chunk order
         self.deferred = False
         self._deferred_chunks: list[int] = []
+        # a parameter whose hand-assigned gradient a backward under a process group could not keep (`expose`):
+        # refused at the next `optimizer.step()`
+        self._assigned_lost: str | None = None
 
     @property
     def local(self) -> bool:
@@ -555,6 +567,13 @@ class GradientFlow:
             self.residency.evict_chunk(st)
             if st.stepped and st.spec_backup and not st.mixed and st.shard is None and not st.node_shared:
                 self.residency.show_before_step(st)  # parameters change in step(), as in plain PyTorch
+            # a gradient assigned by hand before this backward to a parameter it gave none (`p.grad = g`, then
+            # `loss.backward(inputs=...)`): kept, as torch keeps it (before session 23 it was dropped here)
+            assigned = self._assigned(st)
+            if assigned and self.group is None:
+                self._adopt_offloaded(st, assigned, filled=True)
+            elif assigned:
+                self._assigned_lost = self._assigned_lost or st.spec.entries[assigned[0]].name
             gv = self._user_grad_views(st)
             for j, e in enumerate(st.spec.entries):
                 e.param.grad = gv[j] if j in st.touched else None
@@ -603,18 +622,15 @@ class GradientFlow:
 
         Refused in a job of several ranks: the gradients are averaged across the ranks by backward's hooks, and
         a chunk sharded across them holds one rank's shard of its state only."""
+        lost, self._assigned_lost = self._assigned_lost, None
+        if lost is not None:
+            raise AssignedGradientError(assigned_in_a_group(lost))
         for st in self.states:
             assigned = self._assigned(st)
             if not assigned:
                 continue
             if self.group is not None:
-                name = st.spec.entries[assigned[0]].name
-                raise AssignedGradientError(
-                    f"optimizer.step(): parameter {name!r} has a gradient assigned by hand (`p.grad = ...`, e.g. "
-                    "from torch.autograd.grad) that no backward pass produced; in a job of several ranks memplan "
-                    "averages gradients in backward's hooks and each rank steps its shard of them, so such a "
-                    "gradient cannot be stepped. Compute gradients with loss.backward()."
-                )
+                raise AssignedGradientError(assigned_in_a_group(st.spec.entries[assigned[0]].name))
             if st.offloaded:
                 self._adopt_offloaded(st, assigned)
             else:
@@ -625,16 +641,22 @@ class GradientFlow:
 
     def _assigned(self, st: ChunkState) -> list[int]:
         """The chunk's parameters whose `.grad` the runtime did not set: a persistent chunk's or an exposed
-        offloaded chunk's parameters outside `touched`; any `.grad` of an offloaded chunk not exposed (the runtime
-        leaves those None)."""
+        offloaded chunk's parameters outside `touched` (a persistent chunk's own gradient view excepted); any
+        `.grad` of an offloaded chunk not exposed (the runtime leaves those None)."""
         entries = st.spec.entries
         if st.offloaded and not st.exposed:
             return [j for j, e in enumerate(entries) if e.param.grad is not None]
-        return [j for j, e in enumerate(entries) if j not in st.touched and e.param.grad is not None]
+        views = self.grad_views(st) if not st.offloaded and st.grad is not None else [None] * len(entries)
+        return [
+            j
+            for j, (e, v) in enumerate(zip(entries, views, strict=True))
+            if j not in st.touched and e.param.grad is not None and e.param.grad is not v
+        ]
 
-    def _adopt_offloaded(self, st: ChunkState, assigned: list[int]) -> None:
+    def _adopt_offloaded(self, st: ChunkState, assigned: list[int], *, filled: bool = False) -> None:
         """The assigned gradients into the offloaded chunk's host gradient, then exposed as after a backward (every
-        parameter with a gradient shows `.grad`, a view of `user_grad`), so `reconcile` and the step see them."""
+        parameter with a gradient shows `.grad`, a view of `user_grad`), so `reconcile` and the step see them.
+        `filled`: `user_grad` holds the host gradient already (at the end of backward)."""
         st.wait_host()
         for ev in st.pending_events:
             self.ctx.host_wait(ev)
@@ -646,7 +668,7 @@ class GradientFlow:
             st.host_grad.zero_()
             st.flushes = 1
         user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
-        if not st.exposed:
+        if not st.exposed and not filled:
             user.copy_(st.host_grad)  # gradients of earlier backwards not zeroed, which `.grad` then shows
         gv = self._user_grad_views(st)
         for j in assigned:
@@ -698,8 +720,9 @@ class GradientFlow:
         for st in self.states:
             if set_to_none:
                 st.touched = set()
-            else:
-                st.touched = {j for j, e in enumerate(st.spec.entries) if e.param.requires_grad}
+            # else: the parameters with a gradient keep it, zeroed (torch's zero_grad(set_to_none=False) leaves a
+            # parameter without one without; before session 23 every trainable parameter was marked, and those
+            # without a gradient were stepped with zeros)
             if not st.offloaded:
                 if set_to_none:
                     # as in plain PyTorch: no gradient until backward makes one; the gradient hook copies it
@@ -711,8 +734,8 @@ class GradientFlow:
                 if st.grad is None:
                     continue  # frozen parameters only: no gradient area, no `.grad`
                 st.grad.zero_()
-                for e, g in zip(st.spec.entries, self.grad_views(st), strict=True):
-                    if g is not None and e.param.requires_grad and e.param.grad is not g:
+                for j, (e, g) in enumerate(zip(st.spec.entries, self.grad_views(st), strict=True)):
+                    if g is not None and j in st.touched and e.param.grad is not g:
                         e.param.grad = g
                 continue
             assert self.host_steps is not None

@@ -12,6 +12,11 @@ wrapped optimizer, and turns off its fused kernel's claim to do a GradScaler's i
 attributes, so its class and every other instance stay untouched); `remove` puts back what the instance had (a
 scheduler's step wrapper included), and `unwrap` then loads the trained state into it.
 
+The alias's `step` runs the step hooks registered on the original (`register_step_pre_hook`/`_post_hook`, before
+or after `wrap`) around the wrapped step. Copying or pickling the original while it is an alias raises
+`AliasedOptimizerCopyError` naming `state_dict()` (its state lives in the runtime); after `unwrap` it copies as any
+optimizer.
+
 The alias's `step` carries torch's scheduler marker (`_wrapped_by_lr_sched`) and sets `_opt_called`, as the wrapper
 a scheduler puts on `optimizer.step` does: a scheduler built on the original, before or after `wrap`, neither warns
 that its step ran first nor that the optimizer's step was replaced.
@@ -19,7 +24,6 @@ that its step ran first nor that the optimizer's step was replaced.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +39,21 @@ ALIASED = (
     "add_param_group",
     "state",
     "_step_supports_amp_scaling",
+    "__deepcopy__",
+    "__reduce_ex__",
 )
+
+
+class AliasedOptimizerCopyError(RuntimeError):
+    """`copy.deepcopy`, `pickle` or `torch.save` of the optimizer given to `wrap` while it is an alias."""
+
+
+def _refuse_copy(*_: object) -> Any:
+    raise AliasedOptimizerCopyError(
+        "optimizer: the optimizer given to agent.wrap is an alias of wrapped.optimizer until agent.unwrap (its "
+        "state lives in the runtime's chunks), so it cannot be copied or pickled; save optimizer.state_dict() (the "
+        "plain-PyTorch format) instead, or unwrap first"
+    )
 
 
 class OptimizerAlias:
@@ -46,9 +64,18 @@ class OptimizerAlias:
         # what the instance itself held (a scheduler's step wrapper, torch's `state`), put back by `remove`
         self._saved = {name: user.__dict__[name] for name in ALIASED if name in user.__dict__}
 
-        def step(closure: Callable[[], float] | None = None) -> float | None:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            """The wrapped optimizer's step, inside the hooks registered on this optimizer (`register_step_pre_hook`,
+            `register_step_post_hook`; torch's global ones and the wrapped optimizer's own run in its step)."""
             user._opt_called = True  # type: ignore[attr-defined]  # what a scheduler's step wrapper records
-            return wrapped.step(closure)
+            for pre in list(user._optimizer_step_pre_hooks.values()):
+                changed = pre(user, args, kwargs)
+                if changed is not None:
+                    args, kwargs = changed
+            out = wrapped.step(*args, **kwargs)
+            for post in list(user._optimizer_step_post_hooks.values()):
+                post(user, args, kwargs)
+            return out
 
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         aliases: dict[str, Any] = {
@@ -59,6 +86,8 @@ class OptimizerAlias:
             "add_param_group": wrapped.add_param_group,
             "state": wrapped.state,
             "_step_supports_amp_scaling": False,
+            "__deepcopy__": _refuse_copy,
+            "__reduce_ex__": _refuse_copy,
         }
         user.__dict__.update(aliases)
         self.installed = True

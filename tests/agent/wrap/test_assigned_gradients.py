@@ -57,13 +57,43 @@ def half_by_hand_half_by_backward(
     return loss
 
 
+def assigned_then_backward_of_the_rest(
+    m: nn.Module, params: list[nn.Parameter], batch: Batch, i: int
+) -> torch.Tensor:
+    """A gradient assigned before a backward that gives its parameter none (`backward(inputs=...)`): torch keeps
+    it; the end of backward dropped it from offloaded chunks (session 23 review)."""
+    for k, p in enumerate(params[::2]):
+        p.grad = torch.full_like(p, 1e-3 * (k + i + 1))
+    loss = m(**batch).loss
+    loss.backward(inputs=params[1::2])
+    return loss
+
+
+def backward_of_half(m: nn.Module, params: list[nn.Parameter], batch: Batch, i: int) -> torch.Tensor:
+    """Half the parameters get no gradient: torch does not step them (the first step after wrap did: every
+    persistent parameter showed a zero gradient view, taken for an assigned gradient; session 23 review)."""
+    loss = m(**batch).loss
+    loss.backward(inputs=params[1::2])
+    return loss
+
+
 def train(
-    m: nn.Module, opt: torch.optim.Optimizer, batch: Batch, step: Step, *, zero: bool = True
+    m: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    step: Step,
+    *,
+    zero: bool = True,
+    zero_first: bool = False,
 ) -> list[float]:
     """Four steps: gradients by `step`, clipped by torch's clip_grad_norm_, stepped; zero_grad after each if `zero`
-    (without it the next assignment replaces `.grad`, as in torch)."""
+    (without it the next assignment replaces `.grad`, as in torch); `zero_first`: zero_grad(set_to_none=False)
+    before any gradient exists (torch zeroes nothing then, and steps nothing without a gradient; memplan stepped
+    every trainable parameter with zeros before session 23)."""
     params = list(m.parameters())
     losses = []
+    if zero_first:
+        opt.zero_grad(set_to_none=False)
     for i in range(4):
         loss = step(m, params, batch, i)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -76,27 +106,40 @@ def train(
 
 @pytest.mark.parametrize("planned", ["offloaded", "default"])
 @pytest.mark.parametrize(
-    ("step", "zero"),
+    ("step", "zero", "zero_first"),
     [
-        (by_autograd_grad, True),
-        (by_autograd_grad, False),
-        (without_backward, True),
-        (half_by_hand_half_by_backward, True),
+        (by_autograd_grad, True, False),
+        (by_autograd_grad, False, False),
+        (without_backward, True, False),
+        (half_by_hand_half_by_backward, True, False),
+        (assigned_then_backward_of_the_rest, True, False),
+        (backward_of_half, False, False),
+        (backward_of_half, False, True),
     ],
-    ids=["autograd-grad", "autograd-grad-no-zero-grad", "no-backward", "half-and-half"],
+    ids=[
+        "autograd-grad",
+        "autograd-grad-no-zero-grad",
+        "no-backward",
+        "half-and-half",
+        "assigned-then-backward-of-the-rest",
+        "backward-of-half",
+        "backward-of-half-after-zero-grad-keeping-none",
+    ],
 )
-def test_assigned_gradients_are_stepped_as_in_plain_pytorch(step: Step, zero: bool, planned: str) -> None:
+def test_assigned_gradients_are_stepped_as_in_plain_pytorch(
+    step: Step, zero: bool, zero_first: bool, planned: str
+) -> None:
     model, cfg = build_with_library_defaults("llama", 4, 128, vocab=1000, seq=64)
     batch = sample_batch(cfg, 2, 32)
     reference = copy.deepcopy(model)
-    expected = train(
-        reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), batch, step, zero=zero
-    )
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    expected = train(reference, ref_opt, batch, step, zero=zero, zero_first=zero_first)
 
     m = copy.deepcopy(model)
     how = {"plan": offloaded_plan(model, batch)} if planned == "offloaded" else {"sample_batch": batch}
     run = agent.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), feedback_steps=None, **how)
-    got = train(run.model, run.optimizer, batch, step, zero=zero)
+    assert all(p.grad is None for p in run.model.parameters())  # no gradient before a backward, as in torch
+    got = train(run.model, run.optimizer, batch, step, zero=zero, zero_first=zero_first)
     assert got == expected
     assert len(set(got)) > 1  # the parameters did change
     final = dict(run.model.named_parameters())

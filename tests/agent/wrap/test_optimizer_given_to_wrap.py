@@ -115,3 +115,27 @@ def test_after_unwrap_the_original_optimizer_is_plain_again_and_continues_exactl
     assert got == expected
     for (name, p), q in zip(reference.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(q, p), name
+
+
+def test_step_hooks_on_the_optimizer_given_to_wrap_run_and_it_cannot_be_copied_while_wrapped() -> None:
+    """Session 23 review: a `register_step_post_hook` on the original optimizer ran 0 of 3 times through the alias
+    (plain PyTorch: 3 of 3); `copy.deepcopy`/`pickle` of it failed with an AttributeError from deep inside torch
+    (or made a file that failed to load). Now its hooks run around the wrapped step, and copying it while wrapped
+    is a clear error naming `state_dict()`; after unwrap it copies as any optimizer."""
+    import pickle
+
+    from agent.runtime.optimizer_alias import AliasedOptimizerCopyError
+
+    model, batch = setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    run = agent.wrap(model, opt, plan=offloaded_plan(model, batch), feedback_steps=None)
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))  # registered after wrap
+    loop(run.model, opt, None, batch, 2)
+    assert calls == ["pre", "post"] * 2
+    for copy_it in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(AliasedOptimizerCopyError, match=r"save optimizer.state_dict\(\)"):
+            copy_it(opt)
+    agent.unwrap(run)
+    assert isinstance(copy.deepcopy(opt), torch.optim.AdamW)
