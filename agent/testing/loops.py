@@ -19,10 +19,11 @@ def train_with_clipping(
     steps: int,
     max_norm: float = 1.0,
     forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> list[float]:
     """`steps` iterations on `batch` of a model whose output has `.loss`, clipping every step as the Hugging
     Face Trainer does (frozen parameters have no `.grad` and torch's clipping leaves them out); the losses.
-    `forward_context`: what each forward runs under (e.g. an autocast)."""
+    `forward_context`: what each forward runs under (e.g. an autocast); `scheduler`: stepped after each step."""
     torch.manual_seed(0)
     losses = []
     for _ in range(steps):
@@ -32,6 +33,8 @@ def train_with_clipping(
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return losses
 

@@ -22,6 +22,7 @@ import transformers
 from torch import nn
 
 import agent
+from agent.testing.loops import train_with_clipping
 from agent.testing.model_zoo import build_with_library_defaults, sample_batch
 from agent.testing.plans import offloaded_plan
 
@@ -42,17 +43,7 @@ def loop(
     batch: Batch,
     steps: int,
 ) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        loss = m(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
-        losses.append(loss.item())
-    return losses
+    return train_with_clipping(m, opt, batch, steps=steps, scheduler=sched)
 
 
 def setup() -> tuple[nn.Module, Batch]:
