@@ -8,7 +8,8 @@ What it does, at `on_fit_start` (after Lightning has moved the module and built 
 before it restores a checkpoint's optimizer state): takes the first batch of the training dataloader as the
 sample to profile (the random-number state is restored afterwards, so data order and dropout are those of a
 plain run), calls `agent.wrap(pl_module, optimizer, ...)`, and hands the wrapped optimizer to the strategy
-(`trainer.strategy.optimizers`) and to every learning-rate scheduler built on the original one. Lightning then
+(`trainer.strategy.optimizers`); the schedulers keep the original, an alias of the wrapped one until unwrap
+(`agent/runtime/optimizer_alias.py`: one `param_groups` list, so they drive the steps). Lightning then
 drives it as any optimizer: `optimizer.step(closure)` with the forward and backward in the closure,
 `gradient_clip_val` clipping (`torch.nn.utils.clip_grad_norm_` over the optimizer's parameters: every gradient
 is exposed after backward, so the norm is torch's), gradient accumulation, checkpoint save (plain-PyTorch
@@ -119,39 +120,6 @@ def check_data_parallel(trainer: pl.Trainer, pl_module: pl.LightningModule) -> N
         )
 
 
-def rebind_schedulers(trainer: pl.Trainer, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> int:
-    """Point every learning-rate scheduler built on `old` at `new`; returns how many were rebound.
-
-    A scheduler reads and writes `optimizer.param_groups` (the wrapped optimizer's groups were copied from the
-    original's, `initial_lr` included, so the schedule continues where it is). torch also wraps the optimizer's
-    `step` when a scheduler is built, to warn when the scheduler steps first; the same marker is put on the new
-    optimizer's `step` so that check keeps working."""
-    n = 0
-    for config in trainer.strategy.lr_scheduler_configs:
-        scheduler = config.scheduler
-        if getattr(scheduler, "optimizer", None) is old:
-            scheduler.optimizer = new
-            n += 1
-    if n:
-        _track_step_called(new)
-    return n
-
-
-def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
-    """What `torch.optim.lr_scheduler.LRScheduler.__init__` does to its optimizer (a local function there):
-    mark `optimizer._opt_called` on every step, and tag the step so the scheduler knows it is watched."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = optimizer.step
-
-    def watched_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    watched_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = watched_step  # type: ignore[method-assign]
-
-
 class MemplanCallback(Callback):
     """Wrap the LightningModule and its optimizer with memplan for the duration of `trainer.fit`.
 
@@ -194,7 +162,6 @@ class MemplanCallback(Callback):
         del ddp
         self.wrapped, self._original = wrapped, optimizer
         strategy.optimizers = [wrapped.optimizer]
-        rebind_schedulers(trainer, optimizer, wrapped.optimizer)
         if trainer.world_size > 1:
             # what Lightning enters on a non-final accumulation micro-step (its own looks for a DDP model)
             strategy.block_backward_sync = wrapped.no_sync  # type: ignore[attr-defined]
@@ -233,5 +200,4 @@ class MemplanCallback(Callback):
         finally:
             trainer.strategy.__dict__.pop("block_backward_sync", None)
             trainer.strategy.optimizers = [original]
-            rebind_schedulers(trainer, wrapped.optimizer, original)
             self._original = None

@@ -17,9 +17,10 @@ or after `wrap`) around the wrapped step. Copying or pickling the original while
 `AliasedOptimizerCopyError` naming `state_dict()` (its state lives in the runtime); after `unwrap` it copies as any
 optimizer.
 
-The alias's `step` carries torch's scheduler marker (`_wrapped_by_lr_sched`) and sets `_opt_called`, as the wrapper
-a scheduler puts on `optimizer.step` does: a scheduler built on the original, before or after `wrap`, neither warns
-that its step ran first nor that the optimizer's step was replaced.
+The alias's `step` carries torch's scheduler marker (`_wrapped_by_lr_sched`), and the wrapped step sets the
+original's `_opt_called` (`ChunkedOptimizer.step`), as the wrapper a scheduler puts on `optimizer.step` does: a
+scheduler built on the original, before or after `wrap`, neither warns that its step ran first nor that the
+optimizer's step was replaced.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ class OptimizerAlias:
         def step(*args: Any, **kwargs: Any) -> Any:
             """The wrapped optimizer's step, inside the hooks registered on this optimizer (`register_step_pre_hook`,
             `register_step_post_hook`; torch's global ones and the wrapped optimizer's own run in its step)."""
-            user._opt_called = True  # type: ignore[attr-defined]  # what a scheduler's step wrapper records
             for pre in list(user._optimizer_step_pre_hooks.values()):
                 changed = pre(user, args, kwargs)
                 if changed is not None:
