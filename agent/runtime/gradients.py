@@ -657,14 +657,10 @@ class GradientFlow:
         """The assigned gradients into the offloaded chunk's host gradient, then exposed as after a backward (every
         parameter with a gradient shows `.grad`, a view of `user_grad`), so `reconcile` and the step see them.
         `filled`: `user_grad` holds the host gradient already (at the end of backward)."""
-        st.wait_host()
-        for ev in st.pending_events:
-            self.ctx.host_wait(ev)
-        st.pending_events = []
+        self._settle_host_grad(st)
         assert st.host_grad is not None
-        if (
-            st.flushes == 0
-        ):  # the host gradient holds nothing since zero_grad: the positions not assigned read 0
+        # the host gradient holds nothing since zero_grad: the positions not assigned read 0
+        if st.flushes == 0:
             st.host_grad.zero_()
             st.flushes = 1
         user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
@@ -681,6 +677,14 @@ class GradientFlow:
         for j in st.touched:
             st.spec.entries[j].param.grad = gv[j]
         st.exposed = True
+
+    def _settle_host_grad(self, st: ChunkState) -> None:
+        """Before the training thread writes an offloaded chunk's host gradient: the host work on the chunk and the
+        gradient copies into it are done."""
+        st.wait_host()
+        for ev in st.pending_events:
+            self.ctx.host_wait(ev)
+        st.pending_events = []
 
     def sync_persistent(self, st: ChunkState) -> None:
         """A persistent chunk steps from its gradient area, which its parameters' `.grad` view: a `.grad`
@@ -750,11 +754,8 @@ class GradientFlow:
                     e.param.grad = None
                 st.exposed = False
             if not set_to_none:
-                st.wait_host()
+                self._settle_host_grad(st)
                 assert st.host_grad is not None
-                for ev in st.pending_events:
-                    self.ctx.host_wait(ev)
-                st.pending_events = []
                 st.host_grad.zero_()
                 st.flushes = 1
                 if st.exposed:  # `.grad` stays, zeroed, as in plain PyTorch
