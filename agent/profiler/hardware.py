@@ -198,7 +198,9 @@ def _device_count() -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _probe(device_key: str, device_memory_limit: int | None) -> Hardware:
+def _probe(device_key: str) -> Hardware:
+    """The device as measured (its whole capacity): one bandwidth probe per process and device, whatever
+    device-memory limits the callers plan for (the limit only lowers the capacity, `probe_hardware`)."""
     device = torch.device(device_key)
     host = host_memory_bytes()
     if device.type == "cuda":
@@ -208,8 +210,6 @@ def _probe(device_key: str, device_memory_limit: int | None) -> Hardware:
         dtype, name, capacity = DeviceType.cpu, cpu_model_name(), host
     else:
         raise ValueError(f"device: {device_key!r} is not supported (cpu or cuda)")
-    if device_memory_limit is not None:
-        capacity = min(capacity, device_memory_limit)
     return Hardware(
         device_type=dtype,
         device_name=name,
@@ -223,7 +223,8 @@ def _probe(device_key: str, device_memory_limit: int | None) -> Hardware:
 
 
 def probe_hardware(device: torch.device, device_memory_limit: int | None = None) -> Hardware:
-    """The Hardware of `device` (measured once per process and device, then reused)."""
+    """The Hardware of `device` (measured once per process and device, then reused, for every
+    `device_memory_limit`: the limit caps the capacity, it does not change what the copies cost)."""
     if device_memory_limit is not None and device_memory_limit <= 0:
         raise ValueError(f"device_memory_limit: must be positive, got {device_memory_limit}")
     key = str(
@@ -231,7 +232,11 @@ def probe_hardware(device: torch.device, device_memory_limit: int | None = None)
         if device.index is not None or device.type == "cpu"
         else torch.device("cuda", torch.cuda.current_device())
     )
-    return _probe(key, device_memory_limit).model_copy(deep=True)
+    hw = _probe(key)
+    capacity = hw.device_memory_bytes
+    if device_memory_limit is not None:
+        capacity = min(capacity, device_memory_limit)
+    return hw.model_copy(deep=True, update={"device_memory_bytes": capacity})
 
 
 def in_group(hw: Hardware, distributed: Distributed | None) -> Hardware:

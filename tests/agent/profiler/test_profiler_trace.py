@@ -40,6 +40,38 @@ def test_hardware_is_measured_on_cpu(gpt2_trace: Trace) -> None:
     assert [s.size_bytes for s in hw.bandwidth.duplex_d2h_pinned] == [s.size_bytes for s in curve]
 
 
+def test_the_copy_bandwidth_is_measured_once_per_device_whatever_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`agent.profile` then `agent.wrap(device_memory=...)` (or wraps under several limits) measured the
+    copies again for every limit: 1.6-1.8 s each on the 2-core VM, inside the first wrap of every rank."""
+    import torch
+
+    from agent.profiler import hardware
+
+    hardware._probe.cache_clear()
+    measured: list[str] = []
+    real = hardware.measure_bandwidth
+
+    def counting(device: torch.device, sizes: tuple[int, ...] = (64 * 2**10,)) -> object:
+        measured.append(str(device))
+        return real(device, sizes)
+
+    monkeypatch.setattr(hardware, "measure_bandwidth", counting)
+    try:
+        whole = hardware.probe_hardware(torch.device("cpu"))
+        capped = hardware.probe_hardware(torch.device("cpu"), 2**20)
+        again = hardware.probe_hardware(torch.device("cpu"), 2**21)
+        assert measured == ["cpu"]
+        assert (capped.device_memory_bytes, again.device_memory_bytes) == (2**20, 2**21)
+        assert whole.device_memory_bytes == whole.host_memory_bytes > 2**21
+        assert capped.bandwidth == whole.bandwidth
+        capped.bandwidth.h2d_pinned.clear()  # every caller gets its own copy
+        assert hardware.probe_hardware(torch.device("cpu")).bandwidth.h2d_pinned
+    finally:
+        hardware._probe.cache_clear()  # later tests measure the whole curves again
+
+
 def test_allocation_trace_replays_to_the_measured_peak(gpt2_trace: Trace) -> None:
     alloc = gpt2_trace.allocation_trace
     assert alloc is not None and alloc.source == "dispatch_tracker"
