@@ -36,11 +36,15 @@ def offloaded_with_modes(plan: Plan, modes: str, *, n_buffers: int = 2) -> Plan:
     return plan.model_copy(update={"policy": policy, "predictions": None, "allocation": None})
 
 
-def offloaded_plan(model: nn.Module, batch: Any, modes: str | None = None, *, n_buffers: int = 2) -> Plan:
+def offloaded_plan(
+    model: nn.Module, batch: Any, modes: str | None = None, *, n_buffers: int = 2, loss_fn: Any = None
+) -> Plan:
     """`offloaded_with_modes` of the plan solved in-process for `model` on `batch` (profiled on a copy, without a
-    device limit); `modes` None: keep, checkpoint and swap in turn over the repeated blocks."""
+    device limit; `loss_fn` as `agent.profile` takes it, for a model without `.loss`); `modes` None: keep,
+    checkpoint and swap in turn over the repeated blocks."""
     solved = solve_embedded(
-        profile(copy.deepcopy(model), batch, repeats=1), Constraints(device_memory_bytes=2**34)
+        profile(copy.deepcopy(model), batch, loss_fn=loss_fn, repeats=1),
+        Constraints(device_memory_bytes=2**34),
     )
     if modes is None:
         assert solved.policy is not None
