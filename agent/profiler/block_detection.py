@@ -12,6 +12,10 @@ raised, or (Zamba2) picked two LoRA adapters inside one layer and left every dec
 (used before the first block runs) or the epilogue (used after the last block; final norm, head, loss);
 which of the two is settled by first use during a real forward (see `parameters.py`).
 
+A module held at several places of the list (`nn.ModuleList([block] * n)`, weights shared across layers) is one
+block that runs several times per forward, as ALBERT's one shared layer group is (its place in the list
+names it).
+
 Names: a repeated block's name is its module path (`transformer.h.3`), so the runtime can find it with
 `model.get_submodule(name)`. The prologue and epilogue are not single modules; they are named
 `prologue[<paths>]` and `epilogue[<paths>]`, listing the module paths that own their parameters (for
@@ -113,8 +117,14 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
         )
     list_name, module_list = best
     prefix = f"{list_name}." if list_name else ""
-    found = [f"{prefix}{i}" for i in range(len(module_list))]
-    return RepeatedBlocks(tuple(found), tuple(module_list), list_name)
+    # one module held at several places of the list (`nn.ModuleList([block] * n)`: weights shared across layers)
+    # is one block that runs several times, as ALBERT's shared layer group is: its first place names it (the
+    # path `named_modules` and `get_submodule` know), the others are the same block again
+    first: dict[int, int] = {}
+    for i, child in enumerate(module_list):
+        first.setdefault(id(child), i)
+    found = [f"{prefix}{i}" for i in sorted(first.values())]
+    return RepeatedBlocks(tuple(found), tuple(module_list[i] for i in sorted(first.values())), list_name)
 
 
 def configured_layers(model: nn.Module) -> int | None:

@@ -304,10 +304,13 @@ class ActivationManager:
     def _root_forward_started(self, module: nn.Module, args: Any) -> None:
         self._state_now = self._state_storages()
         self._in_root_forward = True
+        if self.store is not None:
+            self.store.begin_forward()
 
     def _root_forward_ended(self, module: nn.Module, args: Any, output: Any) -> None:
         self._in_root_forward = False
         if self.store is not None:
+            self.store.end_forward()
             self.store.settle_through(None)  # the last swapped block's storages (`SwapStore.settle_through`)
 
     def _is_model_state(self, t: torch.Tensor) -> bool:

@@ -15,6 +15,9 @@ How it works (one `SwapStore` per wrapped model, shared by every block in `swap`
   from one projection) share a copy.
   Once its copy is done the device storage is held by nothing of ours: it is freed when the forward stops
   using it.
+  A block that runs several times in one root forward (one module called repeatedly: ALBERT's shared layer
+  group) keeps every call's tensors in its record (`begin_forward` at the root forward's start tells a second
+  call from a later forward's); before, each call forgot the last one's, whose backward then failed.
 - backward: `prefetch(block)` starts the copy back of a whole block on a copy-in stream: device memory
   is allocated on the compute stream (so the allocator orders its reuse there), the copy-in stream waits
   for that point and for the copy-out, and an event marks the copy's end. `unpack` makes the compute
@@ -120,6 +123,7 @@ class _BlockRecord:
     entries: list[SwapEntry] = field(default_factory=list)  # every entry the block packed, shared ones too
     ids: set[int] = field(default_factory=set)
     fetched: bool = False
+    forward: int | None = None  # the root forward that ran the block (`SwapStore.begin_forward`; None: outside one)
 
 
 def _uint8_view(t: torch.Tensor) -> torch.Tensor:
@@ -158,6 +162,17 @@ class SwapStore:
         ] = []  # entries whose swapped storage is held until its copy-out is done
         self._current: int | None = None
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+        self._forwards = 0  # root forwards begun
+        self._forward: int | None = None  # the root forward running now (None: none)
+
+    def begin_forward(self) -> None:
+        """A root forward starts: a block that runs again before it ends adds to what it saved in it."""
+        self._forwards += 1
+        self._forward = self._forwards
+
+    def end_forward(self) -> None:
+        """The root forward ended (a block run after it, outside any, starts its record afresh)."""
+        self._forward = None
 
     # ------------------------------------------------------------------------------ forward
     @contextmanager
@@ -169,8 +184,13 @@ class SwapStore:
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         prev_block, prev_outer = self._current, self._outer
         self._current, self._outer = block, outer
-        self._forget(block)  # tensors of an earlier forward whose backward never ran
-        self._blocks[block] = _BlockRecord()
+        rec = self._blocks.get(block)
+        if rec is None or rec.fetched or self._forward is None or rec.forward != self._forward:
+            self._forget(block)  # tensors of an earlier forward whose backward never ran
+            self._blocks[block] = _BlockRecord(forward=self._forward)
+        # else the block runs again in the same root forward (one module called several times: ALBERT's shared
+        # layer group, a ModuleList holding one block N times): its saved tensors join the earlier calls', all
+        # fetched back at its first backward (the profile counts the block's calls together)
         try:
             with torch.autograd.graph.saved_tensors_hooks(eager(self._pack), eager(self._unpack)):
                 yield
