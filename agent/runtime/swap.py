@@ -123,7 +123,8 @@ class _BlockRecord:
     entries: list[SwapEntry] = field(default_factory=list)  # every entry the block packed, shared ones too
     ids: set[int] = field(default_factory=set)
     fetched: bool = False
-    forward: int | None = None  # the root forward that ran the block (`SwapStore.begin_forward`; None: outside one)
+    # the root forward that ran the block (`SwapStore.begin_forward`; None: outside one)
+    forward: int | None = None
 
 
 def _uint8_view(t: torch.Tensor) -> torch.Tensor:
