@@ -94,6 +94,14 @@ def truncated(model: nn.Module, repeated: RepeatedBlocks, k: int) -> Iterator[Re
             f"nn.Sequential inside the model; {repeated.container_name or 'the model'!r} is not. Pass "
             "blocks= from one nn.ModuleList, or raise the device memory (device_memory=)"
         )
+    if len({id(m) for m in container}) != len(container):
+        raise BlockDetectionError(
+            f"blocks: the model is too large to profile whole on this device, so only the first {k} of "
+            f"{_user_blocks_hint(repeated)} would be profiled and the rest extrapolated; but "
+            f"{repeated.container_name!r} holds one module at several places (weights shared across layers), "
+            "whose calls a shorter list would not make. Raise the device memory (device_memory=) so the whole "
+            "model is profiled"
+        )
     kept = list(container)[:k]
     setattr(
         parent, attr, nn.Sequential(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept)

@@ -111,3 +111,20 @@ def test_a_block_run_several_times_per_forward_trains_like_plain_pytorch(make: A
     assert got == pytest.approx(expected, rel=1e-5)
     for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_list_holding_one_module_at_several_places_is_not_profiled_in_part() -> None:
+    """A shorter list (`max_blocks`, a model larger than the device) would drop calls of the shared module: the
+    profile says so instead of measuring fewer calls than the model makes."""
+    from agent.profiler import BlockDetectionError, profile
+
+    a, b = Looped.Block(), Looped.Block()
+    model = looped()
+    model.layers = nn.ModuleList([a, b, a, b])
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    with pytest.raises(BlockDetectionError, match=r"'layers' holds one module at several places"):
+        profile(model, batch, max_blocks=1, repeats=1, allocation_trace=False)
+    assert list(model.layers) == [a, b, a, b]  # the list is as it was
+    whole = profile(model, batch, max_blocks=2, repeats=1, allocation_trace=False)
+    assert not whole.measurements.extrapolated and len(whole.measurements.blocks) == 4  # 2 blocks + the edges
