@@ -353,7 +353,10 @@ class SwapStore:
                 "backward through the same graph (the first needs retain_graph=True), or the backward of a "
                 "forward that another forward with gradients followed before it (two forwards whose losses are "
                 "summed: the swap store keeps one forward's activations per block). Run one forward on the "
-                "batches concatenated, or a forward and its backward in turn for each (gradient accumulation)"
+                "batches concatenated, or a forward and its backward in turn for each (gradient accumulation). "
+                "A block module that runs several times in one forward (weights shared across layers) keeps "
+                "every call's tensors only when the forward is the wrapped model's own call "
+                "(`wrapped.model(...)`), not a submodule's or `.forward(...)` called directly"
             )
         dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
         if entry.out_done is not None:
