@@ -636,7 +636,6 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, An
     collectives (the limit's broadcast, then wrap's plan broadcast and the runtime's gradient averaging)."""
     import torch.distributed as dist
 
-    import agent
     from agent.testing.model_zoo import sample_batch
 
     if spec["threads"]:
@@ -652,16 +651,9 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, An
             release(device)
             box: list[Any] = [None]
             if rank == 0:
-                probe = copy.deepcopy(model).to(device)
-                trace = agent.profile(
-                    probe,
-                    batch,
-                    optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
-                    allocation_trace=False,
-                )
+                trace = solo_profile(model, batch, device)
                 peak = int(trace.measurements.peak_device_bytes)
                 box = [(peak, host_limits(trace, peak, spec["fractions"], world, spec.get("host_fraction")))]
-                del probe
                 release(device)
             dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
             peak, hosts = box[0]
@@ -676,6 +668,20 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, An
                 }
                 rows.append(row)
     return {"rank": rank, "rows": rows}
+
+
+def solo_profile(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> Any:
+    """This rank's own profile of a copy of `model` on `device`, no group and no limit: the un-managed peak
+    the rows' limits are fractions of (rank 0 of a trial, before the ranks wrap)."""
+    import agent
+
+    probe = copy.deepcopy(model).to(device)
+    return agent.profile(
+        probe,
+        batch,
+        optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
+        allocation_trace=False,
+    )
 
 
 def host_limits(

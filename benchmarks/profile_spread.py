@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from _ranks import launch
 from _results import Run, save
-from predict_vs_measure import DEFAULTS_SUFFIX, build_model, plain_iteration_s, resolve_device
+from predict_vs_measure import DEFAULTS_SUFFIX, build_model, plain_iteration_s, resolve_device, solo_profile
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, float]:
@@ -75,15 +75,7 @@ def spread_rank(rank: int, world: int, device: torch.device, spec: dict[str, Any
         lg.addHandler(Keep())
     box: list[Any] = [spec.get("limit_peak")]
     if rank == 0 and box[0] is None:
-        probe = copy.deepcopy(model).to(device)
-        trace = agent.profile(
-            probe,
-            batch,
-            optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
-            allocation_trace=False,
-        )
-        box = [int(trace.measurements.peak_device_bytes)]
-        del probe
+        box = [int(solo_profile(model, batch, device).measurements.peak_device_bytes)]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     limit = int(box[0] * spec["fraction"])
     wraps: list[dict[str, Any]] = []
