@@ -27,6 +27,7 @@ from agent.runtime.node_shared import NodeSharing, open_node_shared
 from agent.runtime.optimizer import ChunkedOptimizer, check_parameters, check_supported
 from agent.runtime.optimizer_alias import OptimizerAlias
 from agent.runtime.options import RuntimeOptions
+from agent.runtime.process_group import release
 
 if TYPE_CHECKING:
     from torch import nn
@@ -266,6 +267,7 @@ def unwrap(wrapped: Wrapped) -> nn.Module:
     remove_guards(wrapped)
     state = wrapped.optimizer.gathered_state_dict()
     wrapped.runtime.detach()
+    release(wrapped.runtime.group)  # (detached: its host worker has stopped) the next wrap may reuse it
     wrapped.runtime.ctx.close_host_arena()  # unregister the page-locked arena (CUDA)
     model = wrapped.model
     model._memplan_wrapped = False  # type: ignore[assignment]

@@ -34,7 +34,7 @@ attributes; no library class is patched) take DDP's place:
   it to the Trainer's own `_save`, when the plan shards persistent chunks on the device (`model.state_dict()` is
   then a collective; the Trainer would take it on the writing rank only and the others would never arrive).
 The runtime's collectives go on a process group of their own (`torch.distributed.new_group()`, made by
-`agent.wrap` on every rank unless `process_group=` is given): some run on its host worker thread (during backward; after
+`agent.wrap` on every rank unless `process_group=` is given, or lent by an earlier wrap's `unwrap`): some run on its host worker thread (during backward; after
 `optimizer.step()` has returned with `RuntimeOptions(async_step=True)`), and collectives that two threads issue
 on one group can pair up differently on different ranks; the Trainer's own (the gathers of token counts and
 losses) stay on the default group.

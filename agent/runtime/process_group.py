@@ -42,6 +42,8 @@ class RankGroup:
     world_size: int
     backend: str
     device: torch.device  # where collectives on this backend take their tensors
+    # made by `resolve` for the runtime, not the user's: `release` lends it to the next wrap
+    owned: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -349,7 +351,8 @@ class _on_backend_device:
 
 def resolve(process_group: Any = None) -> RankGroup | None:
     """The group `wrap` runs in: `process_group` if given, else, when torch.distributed is initialised with more
-    than one rank, a new group of every rank (`dist.new_group()`: a collective, and `wrap` runs on every rank),
+    than one rank, a group of every rank of the runtime's own (`dist.new_group()`: a collective, and `wrap` runs
+    on every rank; or one an `unwrap` gave back, `release`),
     so the runtime's collectives, some issued from its host worker thread (during backward; after `step()` with
     `async_step`), never pair up with the user's own on the default group in a different order on different
     ranks; None for a single-process job (nothing to synchronise)."""
@@ -362,7 +365,43 @@ def resolve(process_group: Any = None) -> RankGroup | None:
     if process_group is None and world == 1:
         return None
     if process_group is None:
-        group = dist.new_group()
+        spare = _spare_group()
+        group = spare if spare is not None else dist.new_group()
     backend = str(dist.get_backend(group))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return RankGroup(group=group, rank=dist.get_rank(group), world_size=world, backend=backend, device=device)
+    return RankGroup(
+        group=group,
+        rank=dist.get_rank(group),
+        world_size=world,
+        backend=backend,
+        device=device,
+        owned=process_group is None,
+    )
+
+
+# Groups `resolve` made that an `unwrap` gave back, with the default group they were made under. Each wrap made
+# a new group and none was ever destroyed: a process that wrapped and unwrapped again and again (a sweep, an
+# evaluation script, Lightning's `fit` called twice) kept every one (gloo: 3 threads and a connection per peer
+# each; NCCL: a communicator's device buffers, outside every plan). Lending a released group to the next wrap
+# keeps the count at the most wraps alive at once; a live wrap never shares its group (two host workers issuing
+# collectives on one group could pair them differently on different ranks). Every rank wraps and unwraps in the
+# same order (both are collectives), so every rank takes the same group from the same list.
+_SPARE: list[tuple[Any, Any]] = []
+
+
+def _spare_group() -> Any:
+    """A released group made under the current default group, taken off the spare list (None: none)."""
+    world = dist.group.WORLD
+    for i, (made_under, group) in enumerate(_SPARE):
+        if made_under is world:
+            del _SPARE[i]
+            return group
+    _SPARE[:] = [(w, g) for w, g in _SPARE if w is world]  # groups of a destroyed default group: gone with it
+    return None
+
+
+def release(group: RankGroup | None) -> None:
+    """`unwrap`: the runtime no longer uses `group` (its host worker has stopped); a group `resolve` made is lent
+    to the next `wrap` on this rank instead of being left behind (the user's own group is theirs)."""
+    if group is not None and group.owned:
+        _SPARE.append((dist.group.WORLD, group.group))

@@ -70,6 +70,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "generate": generate,
         "accelerate": accelerate_loop,
         "assigned": assigned,
+        "rewrap": rewrap,
     }
     try:
         result = jobs[job](rank, world, arg)
@@ -233,6 +234,63 @@ def alone(rank: int, world: int, call: str) -> dict[str, Any]:
         wrapped.optimizer.step()
         wrapped.optimizer.zero_grad()
     return {"error": None}
+
+
+def rewrap(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """Wrap, train a step and unwrap four times, with a second wrap alive beside the last two: the runtime's own
+    group (`process_group.resolve`) of each wrap, and the process's native threads after each cycle (session 24:
+    every wrap made a new group and none was ever let go)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    groups: list[int] = []
+    threads: list[int] = []
+    losses: list[float] = []
+
+    def step(w: Wrapped) -> None:
+        loss = w.model(input_ids=x, labels=x)["loss"]
+        loss.backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+        losses.append(loss.item())
+
+    for cycle in range(4):
+        wrapped = agent.wrap(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            plan=sharded_plan(model, world, "all"),
+            feedback_steps=None,
+        )
+        assert wrapped.runtime.group is not None
+        groups.append(id(wrapped.runtime.group.group))
+        other = None
+        if cycle >= 2:  # a second model wrapped while the first is alive: never the same group
+            torch.manual_seed(1)
+            second = TinyLM()
+            other = agent.wrap(
+                second,
+                torch.optim.AdamW(second.parameters(), lr=1e-2),
+                plan=sharded_plan(second, world, "all"),
+                feedback_steps=None,
+            )
+            assert other.runtime.group is not None
+            groups.append(id(other.runtime.group.group))
+            step(other)
+        step(wrapped)
+        if other is not None:
+            agent.unwrap(other)
+        model = agent.unwrap(wrapped)
+        threads.append(len(os.listdir("/proc/self/task")))
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(gathered, params)
+    return {
+        "error": None,
+        "groups": groups,
+        "threads": threads,
+        "losses": losses,
+        "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+    }
 
 
 def assigned(rank: int, world: int, arg: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ Each test names the defect it found: the symptom before the fix, and what the fi
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,23 @@ def test_gradients_assigned_by_hand_are_refused_on_every_rank_naming_backward(tm
         error = res["error"]
         assert error is not None and error.startswith("AssignedGradientError"), error
         assert "Compute gradients with loss.backward()" in error
+
+
+def test_a_wrap_after_unwrap_reuses_the_runtimes_group_and_a_live_one_gets_its_own(tmp_path: Path) -> None:
+    """Session 24: every `wrap` made a new process group (`dist.new_group()`) and none was let go: a process
+    that wrapped and unwrapped again and again kept them all (gloo: 3 threads and a connection per peer each;
+    NCCL: a communicator's device buffers). Now `unwrap` lends the runtime's own group to the next wrap; a wrap
+    alive beside another never shares it (their host workers would issue collectives on it at once)."""
+    codes, results = spawn("rewrap", 2, tmp_path, 120)
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        first, second, third, beside, fourth, beside_again = res["groups"]
+        assert first == second == third != beside  # lent again; the one beside it is new
+        assert {fourth, beside_again} == {first, beside}  # both lent: no third group
+        threads = res["threads"]
+        assert threads[1] == threads[0] and threads[3] == threads[2] > threads[1], threads
+        assert res["ranks_agree"] and all(math.isfinite(v) for v in res["losses"])
 
 
 @pytest.mark.parametrize(
