@@ -198,16 +198,20 @@ class TinyLM(nn.Module):
         return {"loss": nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
 
 
-def _sharded_tiny(rank: int, world: int) -> tuple[Wrapped, torch.Tensor]:
-    """`TinyLM` wrapped with every offloaded chunk sharded across the ranks, and this rank's batch."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    wrapped = agent.wrap(
+def _wrap_sharded(model: nn.Module, world: int) -> Wrapped:
+    """`model` wrapped with every offloaded chunk sharded across the ranks (AdamW, no monitor)."""
+    return agent.wrap(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         plan=sharded_plan(model, world, "all"),
         feedback_steps=None,
     )
+
+
+def _sharded_tiny(rank: int, world: int) -> tuple[Wrapped, torch.Tensor]:
+    """`TinyLM` wrapped with every offloaded chunk sharded across the ranks, and this rank's batch."""
+    torch.manual_seed(0)
+    wrapped = _wrap_sharded(TinyLM(), world)
     return wrapped, torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
 
 
@@ -255,24 +259,13 @@ def rewrap(rank: int, world: int, arg: str) -> dict[str, Any]:
         losses.append(loss.item())
 
     for cycle in range(4):
-        wrapped = agent.wrap(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            plan=sharded_plan(model, world, "all"),
-            feedback_steps=None,
-        )
+        wrapped = _wrap_sharded(model, world)
         assert wrapped.runtime.group is not None
         groups.append(id(wrapped.runtime.group.group))
         other = None
         if cycle >= 2:  # a second model wrapped while the first is alive: never the same group
             torch.manual_seed(1)
-            second = TinyLM()
-            other = agent.wrap(
-                second,
-                torch.optim.AdamW(second.parameters(), lr=1e-2),
-                plan=sharded_plan(second, world, "all"),
-                feedback_steps=None,
-            )
+            other = _wrap_sharded(TinyLM(), world)
             assert other.runtime.group is not None
             groups.append(id(other.runtime.group.group))
             step(other)
