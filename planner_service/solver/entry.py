@@ -68,7 +68,12 @@ from planner_service.solver.instance import (
 #      the gradient its speculative host step used (`instance.validate_ns`, at the host copy rate) follows backward
 #      and the device steps, the last check the worker's last step (session 18: 11-15 ms of step() on an H200,
 #      found with `benchmarks/gpu_timeline.py`); the runtime checks the chunks in the order their steps finish
-SOLVER_VERSION = "policy-1.11"
+# 1.12: a multi-rank job's persistent chunks' gradient all-reduces follow backward, one after another, as the runtime
+#      issues them (`GradientFlow.reduce_persistent`, on the training thread after the host worker's reductions);
+#      the backward windows hold only the offloaded chunks' reductions (before, each persistent chunk's all-reduce
+#      was hidden behind the next window's compute where copies overlap compute: a GPU's multi-rank plans with
+#      persistent chunks were predicted faster than they run; on a CPU the same total, serially; session 24)
+SOLVER_VERSION = "policy-1.12"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {
