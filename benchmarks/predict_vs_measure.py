@@ -303,7 +303,6 @@ def main() -> None:
     if args.host_fraction is not None and (args.world_size < 2 or not args.host_fraction > 0):
         ap.error(f"--host-fraction: needs --world-size > 1 and a positive fraction, got {args.host_fraction}")
 
-    import agent
     from agent.testing.model_zoo import build, sample_batch
 
     device = resolve_device(args.device)
@@ -317,14 +316,7 @@ def main() -> None:
         # pools) would otherwise land in the first configuration's trace: profile it once and throw that away
         model, cfg = build(args.kinds[0], args.layers[0], args.hidden, seq=max(args.seq, 128))
         batch = sample_batch(cfg, args.batch, args.seq, device=device)
-        probe = copy.deepcopy(model).to(device)
-        agent.profile(
-            probe,
-            batch,
-            optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
-            allocation_trace=False,
-        )
-        del probe
+        solo_profile(model, batch, device)
         plain_iteration_s(model, batch, device, args.plain_steps)
         del model, batch
         release(device)
@@ -390,22 +382,12 @@ def measure_model(
     kind: str, layers: int, args: argparse.Namespace, device: torch.device, trial: int
 ) -> list[dict[str, Any]]:
     """Profile one model (a fresh build and trace), then one row per device-memory fraction."""
-    import agent
     from agent.testing.model_zoo import sample_batch
 
     model, cfg = build_model(kind, layers, args.hidden, args.seq)  # the reference stays on the CPU
     batch = sample_batch(cfg, args.batch, args.seq, device=device)
     release(device)
-    probe = copy.deepcopy(model).to(device)
-    t0 = time.perf_counter()
-    trace = agent.profile(
-        probe,
-        batch,
-        optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
-        allocation_trace=False,
-    )
-    profile_s = time.perf_counter() - t0
-    del probe
+    trace, profile_s = solo_profile(model, batch, device)
     release(device)
     rows = []
     for fraction in args.fractions:
@@ -651,7 +633,7 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, An
             release(device)
             box: list[Any] = [None]
             if rank == 0:
-                trace = solo_profile(model, batch, device)
+                trace, _ = solo_profile(model, batch, device)
                 peak = int(trace.measurements.peak_device_bytes)
                 box = [(peak, host_limits(trace, peak, spec["fractions"], world, spec.get("host_fraction")))]
                 release(device)
@@ -670,18 +652,22 @@ def measure_rank(rank: int, world: int, device: torch.device, spec: dict[str, An
     return {"rank": rank, "rows": rows}
 
 
-def solo_profile(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> Any:
-    """This rank's own profile of a copy of `model` on `device`, no group and no limit: the un-managed peak
-    the rows' limits are fractions of (rank 0 of a trial, before the ranks wrap)."""
+def solo_profile(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[Any, float]:
+    """This process's own profile of a copy of `model` on `device`, no group and no limit (the un-managed peak
+    the rows' limits are fractions of), and the seconds `agent.profile` took (the copy's placement not counted)."""
     import agent
 
     probe = copy.deepcopy(model).to(device)
-    return agent.profile(
+    t0 = time.perf_counter()
+    trace = agent.profile(
         probe,
         batch,
         optimizer=torch.optim.AdamW(probe.parameters(), lr=1e-3, fused=True),
         allocation_trace=False,
     )
+    return trace, time.perf_counter() - t0
 
 
 def host_limits(

@@ -75,7 +75,7 @@ def spread_rank(rank: int, world: int, device: torch.device, spec: dict[str, Any
         lg.addHandler(Keep())
     box: list[Any] = [spec.get("limit_peak")]
     if rank == 0 and box[0] is None:
-        box = [int(solo_profile(model, batch, device).measurements.peak_device_bytes)]
+        box = [int(solo_profile(model, batch, device)[0].measurements.peak_device_bytes)]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     limit = int(box[0] * spec["fraction"])
     wraps: list[dict[str, Any]] = []

@@ -123,8 +123,10 @@ def detect_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -
     first: dict[int, int] = {}
     for i, child in enumerate(module_list):
         first.setdefault(id(child), i)
-    found = [f"{prefix}{i}" for i in sorted(first.values())]
-    return RepeatedBlocks(tuple(found), tuple(module_list[i] for i in sorted(first.values())), list_name)
+    places = list(first.values())  # in list order (a dict keeps its insertion order)
+    return RepeatedBlocks(
+        tuple(f"{prefix}{i}" for i in places), tuple(module_list[i] for i in places), list_name
+    )
 
 
 def configured_layers(model: nn.Module) -> int | None:
