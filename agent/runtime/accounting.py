@@ -66,6 +66,8 @@ class Counters:
     device_steps: int = 0
     iterations: int = 0  # completed backward passes
     grad_reductions: int = 0  # chunk gradients averaged (or reduce-scattered) across the job's ranks
+    # persistent chunks' averages issued during backward, as it completed them (`GradientFlow.average_early`)
+    overlapped_reductions: int = 0
     param_gathers: int = 0  # sharded chunks' private compute copies all-gathered after their host step
     compute_barriers: int = 0  # barriers that publish node-shared compute copies (step, undo, load, wrap)
     # sharded chunks' gradient reduce-scatters: one per chunk per synchronising backward (more where a chunk is

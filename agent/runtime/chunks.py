@@ -102,6 +102,15 @@ class ChunkState:
     # stale); the next synchronising flush adds it into the gradient area before the reduce-scatter (local_grads)
     local: bool = False
     complete: bool = False  # all expected grads of this backward have reached the host
+    # a persistent chunk of a job of several ranks, averaged as its gradients complete in a synchronising backward
+    # (`GradientFlow.average_early`): `early` once issued in this backward, `averaging` the host worker's task
+    # (CUDA), `averaged` the event after the average on the offload stream (CUDA), `late` a gradient arrived
+    # after it (the chunk is averaged again at the end of backward: exact, the averaged part is the same on every
+    # rank)
+    early: bool = False
+    averaging: Future[None] | None = None
+    averaged: Event = None
+    late: bool = False
     recompute_pins: int = 0  # pins taken by recomputation in backward, held until gradients complete
     stepped: bool = False  # a speculative host step for this chunk ran since the last optimizer.step()
     # speculation (offloaded only): the gradient `.grad` shows after backward, and what undoing a step needs

@@ -88,6 +88,10 @@ class GradientFlow:
         # different offloaded chunks); the chunks every rank then reduces, in chunk order
         self.deferred = False
         self._deferred_chunks: list[int] = []
+        # this synchronising backward averages each persistent chunk as its gradients complete (the ranks'
+        # forwards used the same persistent parameters: `check_same_use`), overlapping backward where copies
+        # overlap compute (CUDA), as DDP's buckets do; else every persistent chunk is averaged at its end
+        self.overlap_persistent = False
         # a parameter whose hand-assigned gradient a backward under a process group could not keep (`expose`):
         # refused at the next `optimizer.step()`
         self._assigned_lost: str | None = None
@@ -106,7 +110,14 @@ class GradientFlow:
         st = self.states[c]
         e = st.spec.entries[j]
         if not st.offloaded:
+            if st.early:
+                self._late(st, j, param.grad)
+                return
             self._into_area(st, j, param.grad)
+            if self.overlap_persistent:
+                st.received.add(j)
+                if st.expected and st.expected <= st.received:
+                    self.average_early(st)
             return
         assert self.residency is not None and self.host_steps is not None
         if st.stepped:
@@ -144,6 +155,88 @@ class GradientFlow:
             view.copy_(grad)
             st.spec.entries[j].param.grad = view
         st.touched.add(j)
+
+    # ================================================================ persistent chunks, several ranks
+    def average_early(self, st: ChunkState) -> None:
+        """A persistent chunk's every expected gradient arrived in a synchronising backward whose ranks used the
+        same persistent parameters (`overlap_persistent`): its gradient area is averaged across the ranks now, in
+        the order backward completes the chunks (the same on every rank: the same graph), instead of after
+        backward. On CUDA the host worker (the runtime's one issuer of collectives while backward runs, FIFO)
+        issues the all-reduce on the offload stream after the compute so far, so it overlaps the rest of
+        backward as DDP's buckets do; without a host worker (no offloaded chunk) the training thread issues it,
+        the only issuer then. On a CPU device it runs now, on the training thread (the worker is inline there).
+
+        Before it is issued: an entry without a gradient since zero_grad is zeroed in the area (the area keeps
+        stale values of earlier steps: its `.grad` is None until backward points it there), so the ranks
+        average zero for it (`find_unused_parameters=True`); and the chunk's parameters' `.grad` go to None until
+        the end of backward, so a gradient arriving later (a parameter used after the chunk completed, or each
+        pass of a block run several times under re-entrant checkpointing) is a fresh tensor added in once the
+        average is done (`_late`), never autograd's in-place accumulation into the area while the all-reduce
+        reads it."""
+        assert self.group is not None
+        st.early = True
+        for j, (e, view) in enumerate(zip(st.spec.entries, self.grad_views(st), strict=True)):
+            if view is None:
+                continue
+            if j not in st.touched:
+                view.zero_()
+            e.param.grad = None
+        self.counters.overlapped_reductions += 1
+        if not self.ctx.is_cuda:
+            self._average_area(st)
+            return
+        computed = self.ctx.record()
+        st.averaged = torch.cuda.Event()
+        if self.worker is not None:
+            st.averaging = self.worker.submit(self._average_on_device, st, computed, st.averaged)
+        else:
+            self._average_on_device(st, computed, st.averaged)
+
+    def _average_area(self, st: ChunkState) -> None:
+        """All-reduce (mean) a persistent chunk's gradient area (its parameters' `.grad` view it)."""
+        assert st.grad is not None and self.group is not None
+        t0 = time.perf_counter()
+        self.group.average_(st.grad)
+        self.counters.grad_reduction_s += time.perf_counter() - t0
+        self.counters.grad_reductions += 1
+
+    def _average_on_device(self, st: ChunkState, computed: Event, done: torch.cuda.Event) -> None:
+        """CUDA (the host worker, or the training thread without one): the average on the offload stream after
+        the compute the chunk's gradients came from, then `done` recorded there (written, not run on a GPU yet;
+        ordered under the stream checker)."""
+        stream = self.ctx.offload_stream
+        with self.ctx.on(stream):
+            self.ctx.wait(computed, stream)
+            self._average_area(st)
+            assert done is not None
+            done.record(stream)
+
+    def _settle_average(self, st: ChunkState) -> None:
+        """The chunk's early average is issued and the current (compute) stream waits for it."""
+        if st.averaging is not None:
+            st.averaging.result()
+            st.averaging = None
+        if st.averaged is not None:
+            self.ctx.wait(st.averaged)
+            st.averaged = None
+
+    def _late(self, st: ChunkState, j: int, grad: torch.Tensor) -> None:
+        """A gradient of an early-averaged chunk (a parameter used again after its chunk completed, a
+        re-entrant checkpoint's second pass): added into the area once the average is done; the chunk is
+        averaged again at the end of backward (`reduce_persistent`), which is exact. The parameter's `.grad`
+        stays None until then, so its next gradient in this backward is a fresh tensor too (with `.grad` the
+        area, autograd would add into it before this hook, which would then add it twice)."""
+        self._settle_average(st)
+        e = st.spec.entries[j]
+        view = self.grad_views(st)[j] if st.grad is not None else None
+        if view is None:
+            self._widen(st)
+            view = self.grad_views(st)[j]
+            assert view is not None
+        view.add_(grad.reshape(view.shape))
+        e.param.grad = None
+        st.touched.add(j)
+        st.late = True
 
     def complete(self, st: ChunkState) -> None:
         """Every expected gradient of the chunk has arrived: send them to the host, step if overlapping."""
@@ -381,36 +474,59 @@ class GradientFlow:
             )
 
     def reduce_persistent(self) -> None:
-        """End of backward: average every persistent chunk's gradient across the ranks (its parameters'
-        `.grad` are views of it), in chunk order."""
+        """End of a synchronising backward: average across the ranks, in chunk order, every persistent chunk
+        with a gradient that backward did not average as it completed it (`average_early`), and those that got
+        a gradient after that (on any rank); the early ones' parameters get their `.grad` views back."""
         if not self.reduce:
             return
         assert self.group is not None
         for st in self.states:
             st.wait_host()  # no collective of the host worker (sharded chunks) in flight: one issuer at a time
-        self._agree_on_persistent()
-        for st in self.states:
-            if not st.offloaded and st.touched:
-                assert st.grad is not None
-                t0 = time.perf_counter()
-                self.group.average_(st.grad)
-                self.counters.grad_reduction_s += time.perf_counter() - t0
-                self.counters.grad_reductions += 1
+            self._settle_average(st)
+        for st in self._agree_on_persistent():
+            self._average_area(st)
+        self._end_early()
 
-    def _agree_on_persistent(self) -> None:
+    def settle_persistent(self) -> None:
+        """A backward that raised: the persistent chunks' early averages in flight are waited for (nothing else
+        averaged; the job's ranks have parted ways), and their parameters get their `.grad` views back."""
+        for st in self.states:
+            self._settle_average(st)
+        self._end_early()
+
+    def _end_early(self) -> None:
+        self.overlap_persistent = False
+        for st in self.states:
+            if not st.early:
+                continue
+            views = self.grad_views(st)
+            for j in st.touched:
+                view = views[j]
+                assert view is not None
+                st.spec.entries[j].param.grad = view
+            st.early = st.late = False
+
+    def _agree_on_persistent(self) -> list[ChunkState]:
         """The ranks average the same persistent gradients: the union of the parameters with a gradient on any
         rank (one all-reduce of a mask); one without a gradient here joins as zero, as under
         `DistributedDataParallel(find_unused_parameters=True)` (data-dependent unused parameters: an expert
         that got no token on this rank). Without it a chunk unused on one rank was left out of that rank's
         averages, so the ranks' all-reduces paired different chunks, and an unused parameter of a chunk used
-        elsewhere sent its stale gradient of an earlier step."""
+        elsewhere sent its stale gradient of an earlier step. The same mask carries, per chunk, whether it is
+        to be averaged now (not averaged early, or a gradient arrived after that); returns those chunks, the
+        same on every rank. An early-averaged chunk's entries without a gradient here were zeroed before its
+        average (`average_early`): they hold the average now, and only get their `.grad`."""
         assert self.group is not None
         persistent = [st for st in self.states if not st.offloaded and st.grad is not None]
         if not persistent:
-            return
+            return []
         mask = torch.cat(
             [
-                torch.tensor([j in st.touched for j in range(len(st.spec.entries))], dtype=torch.int32)
+                torch.tensor(
+                    [bool(st.touched) and (not st.early or st.late)]
+                    + [j in st.touched for j in range(len(st.spec.entries))],
+                    dtype=torch.int32,
+                )
                 for st in persistent
             ]
         )
@@ -418,20 +534,25 @@ class GradientFlow:
         self.group.union_(mask)
         self.counters.control_s += time.perf_counter() - t0
         self.counters.control_checks += 1
+        now: list[ChunkState] = []
         at = 0
         for st in persistent:
             n = len(st.spec.entries)
-            wanted = {j for j in range(n) if mask[at + j]} - st.touched
-            at += n
+            if mask[at]:
+                now.append(st)
+            wanted = {j for j in range(n) if mask[at + 1 + j]} - st.touched
+            at += n + 1
             for j in sorted(wanted):
                 view = self.grad_views(st)[j]
                 if view is None:  # frozen here when wrapped, unfrozen on another rank: no slot to zero
                     self._widen(st)
                     view = self.grad_views(st)[j]
                     assert view is not None
-                view.zero_()
+                if not st.early:
+                    view.zero_()
                 st.spec.entries[j].param.grad = view
                 st.touched.add(j)
+        return now
 
     def check_same_use(self) -> None:
         """Start of a synchronising backward, before it issues any collective: the ranks compare, per
@@ -448,11 +569,15 @@ class GradientFlow:
         that got no token here, in a chunk every rank used) is counted touched on every rank when its chunk
         completes (`ChunkState.joined`), so every rank steps it with the averaged gradient and shows it as
         `.grad`. (Before session 11 a rank stepped only the entries it got gradients for: the ranks' parameters
-        drifted apart silently.) Issued on the host worker, the runtime's one issuer of collectives while its
-        queued work (e.g. `async_step`'s) may still run."""
-        assert self.group is not None and self.worker is not None
+        drifted apart silently.) They also carry which persistent parameters the forward used: where every rank
+        used the same ones, each persistent chunk is averaged as backward completes it (`average_early`; the
+        ranks complete them in the same order), else all of them at the end (`reduce_persistent`). Issued on the
+        host worker, the runtime's one issuer of collectives while its queued work (e.g. `async_step`'s) may
+        still run (on the training thread without one)."""
+        assert self.group is not None
         offloaded = [st for st in self.states if st.offloaded]
-        if not offloaded:
+        persistent = [st for st in self.states if not st.offloaded]
+        if not offloaded and not persistent:
             return
         codes = [1 if st.expected else 2 if st.unaveraged or st.local else 0 for st in offloaded]
         # per entry: a gradient to contribute (used by this forward, or held since zero_grad: earlier no_sync
@@ -460,19 +585,27 @@ class GradientFlow:
         entries = [
             int(j in st.expected or j in st.touched) for st in offloaded for j in range(len(st.spec.entries))
         ]
-        row = torch.tensor(codes + entries, dtype=torch.int32)
+        used = [int(j in st.expected) for st in persistent for j in range(len(st.spec.entries))]
+        row = torch.tensor(codes + entries + used, dtype=torch.int32)
         gathered: list[torch.Tensor] = []
         t0 = time.perf_counter()
-        self.worker.submit(lambda: gathered.append(self.group.gather_rows(row))).result()  # type: ignore[union-attr]
+        if self.worker is not None:
+            self.worker.submit(lambda: gathered.append(self.group.gather_rows(row))).result()  # type: ignore[union-attr]
+        else:
+            gathered.append(self.group.gather_rows(row))
         self.counters.control_s += time.perf_counter() - t0
         self.counters.control_checks += 1
         rows = gathered[0]
+        head = len(codes) + len(entries)
         differ = [i for i in range(len(offloaded)) if len(set(rows[:, i].tolist())) > 1]
-        used = rows[:, len(offloaded) :].sum(dim=0).tolist()  # ranks holding a gradient of each entry
+        self.overlap_persistent = bool(used) and not differ and bool((rows[:, head:] == rows[0, head:]).all())
+        by_entry = (
+            rows[:, len(offloaded) : head].sum(dim=0).tolist()
+        )  # ranks holding a gradient of each entry
         at = 0
         for st in offloaded:
             n = len(st.spec.entries)
-            st.joined = {j for j in range(n) if 0 < used[at + j] < self.group.world_size}
+            st.joined = {j for j in range(n) if 0 < by_entry[at + j] < self.group.world_size}
             at += n
         if not differ:
             return

@@ -19,7 +19,7 @@ Over ~400 lines because it is the one place torch's hooks enter and the public s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any
@@ -200,38 +200,25 @@ class ModelStateManager:
         if self.device_shards is not None:
             self._handles.append(m.register_state_dict_post_hook(partial(self._after_state_dict)))
             self._install_device_shard_hooks()
+        if self.group is not None and self.group.world_size > 1:
+            self._install_persistent_hooks()
         if not self.has_offload:
             return
-        seen: set[int] = set()
-        for module in m.modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            chunks: set[int] = set()
-            expected: dict[int, list[int]] = {}
-            for p in hooked_parameters(module):
-                if id(p) not in self._pos:
-                    continue
-                c, j = self._pos[id(p)]
-                if self.states[c].offloaded:
-                    chunks.add(c)
-                    expected.setdefault(c, []).append(j)
-            if chunks:
-                assert len(chunks) <= self.layout.n_buffers  # checked by ChunkLayout.from_policy
-                ordered = sorted(chunks)
-                self._handles.append(
-                    module.register_forward_pre_hook(eager(partial(self._before_module, ordered, expected)))
-                )
-                self._handles.append(
-                    module.register_forward_hook(
-                        eager(partial(self._after_module, ordered)), always_call=True
-                    )
-                )
+        for module, expected in self._modules_owning(lambda st: st.offloaded):
+            assert len(expected) <= self.layout.n_buffers  # checked by ChunkLayout.from_policy
+            ordered = sorted(expected)
+            self._handles.append(
+                module.register_forward_pre_hook(eager(partial(self._before_module, ordered, expected)))
+            )
+            self._handles.append(
+                module.register_forward_hook(eager(partial(self._after_module, ordered)), always_call=True)
+            )
 
-    def _install_device_shard_hooks(self) -> None:
-        """Pre/post forward hooks on each module owning parameters of device-sharded persistent chunks."""
-        ds = self.device_shards
-        assert ds is not None
+    def _modules_owning(
+        self, chunk: Callable[[ChunkState], bool]
+    ) -> Iterator[tuple[nn.Module, dict[int, list[int]]]]:
+        """Each module (once) whose own parameters belong to chunks `chunk` selects, with those parameters'
+        positions per chunk."""
         seen: set[int] = set()
         for module in self.model.modules():
             if id(module) in seen:
@@ -242,20 +229,40 @@ class ModelStateManager:
                 if id(p) not in self._pos:
                     continue
                 c, j = self._pos[id(p)]
-                if c in ds:
+                if chunk(self.states[c]):
                     expected.setdefault(c, []).append(j)
             if expected:
-                ordered = sorted(expected)
-                self._handles.append(
-                    module.register_forward_pre_hook(
-                        eager(partial(self._before_sharded_module, ordered, expected))
-                    )
+                yield module, expected
+
+    def _install_device_shard_hooks(self) -> None:
+        """Pre/post forward hooks on each module owning parameters of device-sharded persistent chunks."""
+        ds = self.device_shards
+        assert ds is not None
+        for module, expected in self._modules_owning(lambda st: st.index in ds):
+            ordered = sorted(expected)
+            self._handles.append(
+                module.register_forward_pre_hook(
+                    eager(partial(self._before_sharded_module, ordered, expected))
                 )
-                self._handles.append(
-                    module.register_forward_hook(
-                        eager(partial(self._after_sharded_module, ordered)), always_call=True
-                    )
+            )
+            self._handles.append(
+                module.register_forward_hook(
+                    eager(partial(self._after_sharded_module, ordered)), always_call=True
                 )
+            )
+
+    def _install_persistent_hooks(self) -> None:
+        """A job of several ranks: a pre-forward hook on each module owning parameters of replicated persistent
+        chunks notes which of them the forward used (`ChunkState.expected`), so backward can average each chunk
+        as soon as their gradients are in (`GradientFlow.average_early`). Device-sharded chunks' modules note
+        theirs in `_before_sharded_module`."""
+        ds = self.device_shards
+        for module, expected in self._modules_owning(
+            lambda st: not st.offloaded and (ds is None or st.index not in ds)
+        ):
+            self._handles.append(
+                module.register_forward_pre_hook(eager(partial(self._before_persistent_module, expected)))
+            )
 
     @section(timing.MODULE_FORWARD)
     def _before_sharded_module(
@@ -266,6 +273,13 @@ class ModelStateManager:
         for c in chunks:
             ds.acquire(c)
             ds.pins[c] += 1
+        if torch.is_grad_enabled() or (self.phase.forward and self._root_grad):
+            for c, js in expected.items():
+                entries = self.states[c].spec.entries
+                self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
+
+    @section(timing.MODULE_FORWARD)
+    def _before_persistent_module(self, expected: dict[int, list[int]], module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() or (self.phase.forward and self._root_grad):
             for c, js in expected.items():
                 entries = self.states[c].spec.entries
@@ -452,13 +466,14 @@ class ModelStateManager:
             self.group.publish_backwards(self.backwards_started)
         if self.device_shards is not None:
             self.device_shards.start(Direction.backward, self.backwards_started)
-        if self.gradients.reduce and self.has_offload:
+        if self.gradients.reduce:
             if self.device_shards is not None:
                 # the ranks compare passes before the same-use check, whose rows have another size: a forward
                 # made on some ranks only (with grad) is a RankArrivalError here, not a collective mismatch
                 self.device_shards.agree_begin()
             # before this backward issues any collective (not at forward: a forward with grad enabled on one
-            # rank alone, an evaluation without no_grad, must not wait for the others)
+            # rank alone, an evaluation without no_grad, must not wait for the others); it also decides whether
+            # the persistent chunks are averaged as backward completes them
             self.gradients.check_same_use()
         self.phase.state = TrainingState.BACKWARD
         self.schedule.start(Direction.backward, record=True)
@@ -501,6 +516,7 @@ class ModelStateManager:
         self._backward_done = not aborted
         if aborted:
             self.gradients.deferred = False  # (its local gradients are reduced by the next synchronising one)
+            self.gradients.settle_persistent()
         if not aborted and self.host_steps is not None:
             self.host_steps.backwards += 1
             self.gradients.join_deferred()  # (reads `joined` of the chunks this rank did not complete)
@@ -580,9 +596,10 @@ class ModelStateManager:
     @section(timing.GRAD_HOOK)
     def _on_grad(self, param: torch.Tensor) -> None:
         self._ensure_backward()
+        got = param.grad is not None  # (receive may set it to None: an early-averaged persistent chunk's)
         self.gradients.receive(param)
         ds = self.device_shards
-        if ds is not None and param.grad is not None:
+        if ds is not None and got:
             c, j = self._pos[id(param)]
             if c in ds:
                 st = self.states[c]

@@ -268,6 +268,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         "ref_rel_diff_to_rank0": 0.0,
         "checksum": checksum(wrapped.model),
         "grad_reductions": wrapped.runtime.counters.grad_reductions,
+        "overlapped_reductions": wrapped.runtime.counters.overlapped_reductions,
         "offloaded_chunks": sum(st.offloaded for st in wrapped.runtime.states),
         "persistent_chunks": sum(not st.offloaded for st in wrapped.runtime.states),
         "forwards_in_wrap": forwards[0],

@@ -23,15 +23,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ddp_jobs import free_port, join_ranks
-from sharded_jobs import sharded_plan
+from sharded_jobs import regrouped, sharded_plan
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 import agent
 from agent.applied import Wrapped
 from agent.checkpoint import save_sharded
 from agent.runtime import RuntimeOptions, manual_plan
 from client.contract import Placement
+from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulated_cuda
 
 HIDDEN = 16
 EXPERTS = 4
@@ -71,6 +73,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "accelerate": accelerate_loop,
         "assigned": assigned,
         "rewrap": rewrap,
+        "late": late,
     }
     try:
         result = jobs[job](rank, world, arg)
@@ -181,6 +184,7 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
         "ref_losses": ref_losses,
         "param_rel_diff": diff,
         "deferred_backwards": wrapped.runtime.counters.deferred_backwards,
+        "overlapped_reductions": wrapped.runtime.counters.overlapped_reductions,
     }
 
 
@@ -474,3 +478,103 @@ def accelerate_loop(rank: int, world: int, arg: str) -> dict[str, Any]:
         out[variant] = losses
         acc.free_memory()
     return out
+
+
+class Looped(nn.Module):
+    """One block run three times per forward under re-entrant activation checkpointing (ALBERT's shared layer under
+    Hugging Face's gradient checkpointing): each pass's inner backward accumulates the block's gradients again; and
+    a scale held by a module that never runs (the root's forward uses it), whose gradient comes last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.block = nn.Linear(HIDDEN, HIDDEN)
+        self.aux = nn.Module()
+        self.aux.scale = nn.Parameter(torch.ones(HIDDEN))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def _pass(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.block(x))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids) * self.aux.scale
+        for _ in range(3):
+            x = checkpoint(self._pass, x, use_reentrant=True)
+        return {"loss": nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
+
+
+LOOPED_CHUNKS = [["embed.weight"], ["block.weight", "block.bias", "aux.scale"], ["head.weight", "head.bias"]]
+
+
+def late(rank: int, world: int, placement: str) -> dict[str, Any]:
+    """`Looped` with the block and the scale in one persistent chunk, which backward completes (and averages) at
+    the block's first gradient, before the block's other passes and the scale add theirs; two steps of two
+    synchronising micro-steps each. `placement`: "persistent" (every chunk; no host worker, the training thread
+    issues the averages) or "mixed" (the embedding offloaded). The reference averages plain PyTorch's `.grad`
+    after every backward, as DDP does (DDP itself refuses a parameter made ready twice in one backward, short of
+    `static_graph=True`). Trained on the CPU and again under the stream-ordering checker (the CUDA path)."""
+    where = {
+        "persistent": [Placement.persistent] * 3,
+        "mixed": [Placement.offloaded, Placement.persistent, Placement.persistent],
+    }[placement]
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(4)]
+
+    def run(ref: bool) -> tuple[nn.Module, list[float], dict[str, int]]:
+        torch.manual_seed(0)
+        model = Looped()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        counts: dict[str, int] = {}
+        step: Callable[..., dict[str, torch.Tensor]] = model
+        if not ref:
+            base = "none" if placement == "persistent" else "all"  # (buffers for the offloaded chunk)
+            plan = manual_plan(model, chunk_size_bytes=4096, offload=base, n_buffers=2)
+            plan = regrouped(plan, model, LOOPED_CHUNKS, where, torch.float32)
+            wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None)
+            step, opt = wrapped.model, wrapped.optimizer
+        losses = []
+        for i, x in enumerate(data):
+            loss = step(input_ids=x, labels=x)["loss"]
+            loss.backward()
+            if ref:
+                for p in model.parameters():
+                    assert p.grad is not None
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            if i % 2:
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+        if not ref:
+            c = wrapped.runtime.counters
+            counts = {"overlapped": c.overlapped_reductions, "reductions": c.grad_reductions}
+        return model, losses, counts
+
+    ref, ref_losses, _ = run(ref=True)
+    model, losses, counts = run(ref=False)
+    with simulated_cuda("caching") as sim:
+        simulated, _, simulated_counts = run(ref=False)
+    try:
+        sim.check()
+        found = ""
+    except StreamOrderError as exc:
+        found = str(exc)
+    refs = dict(ref.named_parameters())
+
+    def diff(m: nn.Module) -> float:
+        return max(
+            ((p.detach() - refs[n].detach()).norm() / refs[n].detach().norm().clamp_min(1e-12)).item()
+            for n, p in m.named_parameters()
+        )
+
+    return {
+        "error": None,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_rel_diff": diff(model),
+        "simulated_rel_diff": diff(simulated),
+        "counts": counts,
+        "simulated_counts": simulated_counts,
+        "violations": found,
+        "offload_kernels": sim.kernels_on("offload stream"),
+    }

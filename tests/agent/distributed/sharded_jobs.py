@@ -114,16 +114,7 @@ def sharded_plan(
     plan = manual_plan(model, chunk_size_bytes=chunk, offload=rule, n_buffers=2, compute_dtype=dtype)
     assert plan.policy is not None
     if tight:  # every chunk offloaded, parameters grouped out of execution order (TokenMLP's names)
-        params = dict(model.named_parameters())
-        slots = [
-            sum(parameter_slot_bytes(params[n].numel(), dtype.itemsize) for n in g) for g in TIGHT_CHUNKS
-        ]
-        tight_chunks = [
-            Chunk(index=i, placement=Placement.offloaded, parameters=g, blocks=[], used_bytes=b)
-            for i, (g, b) in enumerate(zip(TIGHT_CHUNKS, slots, strict=True))
-        ]
-        policy = plan.policy.model_copy(update={"chunks": tight_chunks, "chunk_size_bytes": max(slots) + 48})
-        plan = plan.model_copy(update={"policy": policy})
+        plan = regrouped(plan, model, TIGHT_CHUNKS, [Placement.offloaded] * len(TIGHT_CHUNKS), dtype)
         assert plan.policy is not None
     offloaded = [c.index for c in plan.policy.chunks if c.placement == Placement.offloaded]
     chunks = [
@@ -139,6 +130,21 @@ def sharded_plan(
         for c in plan.policy.chunks
     ]
     policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
+    return plan.model_copy(update={"policy": policy})
+
+
+def regrouped(
+    plan: Plan, model: nn.Module, groups: list[list[str]], placements: list[Placement], dtype: torch.dtype
+) -> Plan:
+    """`plan` with its chunks replaced by `groups` of `model`'s parameter names, placed as `placements` say."""
+    assert plan.policy is not None
+    params = dict(model.named_parameters())
+    slots = [sum(parameter_slot_bytes(params[n].numel(), dtype.itemsize) for n in g) for g in groups]
+    chunks = [
+        Chunk(index=i, placement=where, parameters=g, blocks=[], used_bytes=b)
+        for i, (g, where, b) in enumerate(zip(groups, placements, slots, strict=True))
+    ]
+    policy = plan.policy.model_copy(update={"chunks": chunks, "chunk_size_bytes": max(slots) + 48})
     return plan.model_copy(update={"policy": policy})
 
 

@@ -29,6 +29,9 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
         if clipped:
             assert res["norms"], "clipping ran"
         assert res["grad_reductions"] > 0
+        # every rank's forward used every parameter: each persistent chunk was averaged as backward completed it
+        overlapped = res["overlapped_reductions"]
+        assert (overlapped > 0) == (res["persistent_chunks"] > 0), overlapped
     loss_diff = max(rel(res["losses"], res["ref_losses"]) for res in results)
     param_diff = max(res["param_rel_diff"][0] for res in results)
     print(f"vs DDP over {len(results)} ranks: losses {loss_diff:.2e}, parameters {param_diff:.2e} relative")

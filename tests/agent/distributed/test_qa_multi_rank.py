@@ -36,7 +36,34 @@ def test_experts_unused_on_one_rank_train_as_ddp_with_find_unused_parameters(tmp
     unused on one rank of a chunk used on both contributed its stale gradient of an earlier step. Now the ranks
     agree on the union of the gradients they hold (one small all-reduce) and average those, a missing one as
     zero: DistributedDataParallel(find_unused_parameters=True)'s result."""
-    _routed_trains_as_ddp(tmp_path, "persistent")
+    results = _routed_trains_as_ddp(tmp_path, "persistent")
+    # the ranks' forwards ran different experts: every persistent chunk is averaged at the end of backward, none
+    # as backward completes it (the ranks would complete them in different orders)
+    assert all(res["overlapped_reductions"] == 0 for res in results)
+
+
+@pytest.mark.parametrize("placement", ["persistent", "mixed"])
+def test_persistent_chunks_averaged_during_backward_take_later_gradients_as_ddp(
+    tmp_path: Path, placement: str
+) -> None:
+    """Each persistent chunk is averaged as backward completes it (overlapping the rest of backward on a GPU, as
+    DDP's buckets do). A gradient that arrives after its chunk was averaged (a block run three times under
+    re-entrant checkpointing, a parameter whose module never runs) is added in and the chunk averaged again at
+    the end (exact): the parameters equal plain PyTorch averaging `.grad` after every backward, on the CPU and on
+    the CUDA path under the stream-ordering checker (no violation, kernels on the offload stream)."""
+    codes, results = spawn("late", 2, tmp_path, 120, placement)
+    assert codes == [0, 0], codes
+    persistent = 3 if placement == "persistent" else 2
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)) <= TOL
+        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
+        assert res["violations"] == "" and res["offload_kernels"] > 0
+        # 4 backwards: every persistent chunk averaged during backward; the block's chunk once more at the end;
+        # (mixed) the offloaded embedding's average
+        for counts in (res["counts"], res["simulated_counts"]):
+            assert counts["overlapped"] == 4 * persistent, counts
+            assert counts["reductions"] == 4 * 4, counts
 
 
 @pytest.mark.parametrize(
