@@ -121,15 +121,14 @@ takes
          = max(chain, max(copies, comm) + (1 - f) * min(copies, comm))   (f = 1: concurrent; 0: serialised)
   T      = max(X, link)           (each (1 - f) term rounded up to whole ns, as the CP-SAT rows are)
   without copy overlap (CPU): T = X + h2d + d2h + comm
-Backward window c: comm = o[c+1] * red(c+1), h2d = need[c-1] * up(c-1) + swap-in of window c-1,
-  d2h = gout(c+1), chain = o[c+1] * red(c+1) + gout(c+1) (the offloaded chunk that just finished is reduced,
-  then its gradient copied out);
-  T_bwd = need[C-1] * up(C-1) + swap-in of the last window + sum Tb[c] + o[0] * red(0)
-          + sum over persistent c of red(c)
-  (chunk 0's reduction has no window after it; the persistent chunks' all-reduces run after backward, one after
-  another, on the training thread: `GradientFlow.reduce_persistent`; policy-1.12, before which each was hidden
-  behind the next window's compute, which the runtime never did). The concurrent (duplex) copy rates are not
-  applied.
+Backward window c: comm = red(c+1), h2d = need[c-1] * up(c-1) + swap-in of window c-1, d2h = gout(c+1),
+  chain = red(c+1) + gout(c+1) (the chunk that just finished is reduced, then its gradient copied out);
+  T_bwd = need[C-1] * up(C-1) + swap-in of the last window + sum Tb[c] + red(0)
+  (chunk 0's reduction has no window after it). A persistent chunk's all-reduce too: the runtime averages it as
+  backward completes it (`GradientFlow.average_early`, the host worker's offload stream on CUDA; policy-1.13;
+  1.12 charged them after backward, where the runtime ran them until then). Where the ranks' forwards used
+  different persistent parameters the runtime averages them after backward instead, unpriced. The concurrent
+  (duplex) copy rates are not applied.
 Host worker: an offloaded chunk's gradient arrives at done(c) + red(c) + gout(c); the FIFO worker then
   fills its `.grad` and steps it:
     T_host_end = max over c of (done(c) + o[c] * (red(c) + gout(c)) + sum_{c' <= c} (fill(c') + step(c')))
@@ -538,10 +537,6 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         fwd += t
 
     head = (U[C - 1] if C and need[C - 1] else 0) + SI[windows - 1]
-    # an offloaded chunk's reduction follows its gradients in backward (the host worker); a persistent chunk's
-    # runs after backward, on the training thread, one after another (`GradientFlow.reduce_persistent`)
-    RSw = [r if d.offloaded[c] else 0 for c, r in enumerate(RS)]
-    persistent_red = sum(r for c, r in enumerate(RS) if not d.offloaded[c])
     bwd_comm = 0
     Tb = [0] * windows
     for c in range(windows):
@@ -550,7 +545,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         h2d = up + (SI[c - 1] if c >= 1 else 0)
         d2h = at(G, c + 1)
         if sharded:
-            reduce = at(RSw, c + 1)
+            reduce = at(RS, c + 1)
             bwd_comm += reduce
             # the gradient of the chunk that just finished is reduced, then (offloaded) copied out
             t = _combine_sharded(Bk[c], h2d, d2h, reduce, reduce + d2h, inst)
@@ -567,8 +562,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         if nb == 1 and off(c) and off(c - 1):
             t = max(t, Bk[c] + U[c - 1])
         Tb[c] = t
-    # chunk 0's gradient reduction (no window after it hides it), then the persistent chunks'
-    tail = (RSw[0] if C else 0) + persistent_red
+    tail = RS[0] if C else 0  # chunk 0's gradient reduction: no window after it hides it
     bwd_comm += tail
     bwd = head + sum(Tb) + tail
 
@@ -915,9 +909,7 @@ class BatchTimer:
         si_b = np.zeros_like(SI)
         if W > 1:
             si_b[:, 1:] = SI[:, :-1]
-        RSw = RS * o  # offloaded chunks' reductions in the windows; the persistent ones' after backward
-        persistent_red = int((RS[:C] * (1 - o[:C])).sum())
-        red, gout = RSw[nxt], G[nxt]
+        red, gout = RS[nxt], G[nxt]
         h2d_b = up_b + si_b
         if overlap:
             cp = copies(h2d_b, gout)
@@ -934,7 +926,7 @@ class BatchTimer:
             serial_b = np.concatenate([[0], o[1:W] * o[: W - 1]])
             Tb = np.maximum(Tb, np.where(serial_b == 1, compute + np.concatenate([[0], U[: W - 1]]), 0))
         head = (U[C - 1] * need[C - 1] if C else 0) + SI[:, W - 1]
-        tail = (int(RSw[0]) if C else 0) + persistent_red
+        tail = int(RS[0]) if C else 0
         bwd = head + Tb.sum(axis=1) + tail
         dones = head[:, None] + np.cumsum(Tb[:, ::-1], axis=1)[:, ::-1]
         queue = i64(work)

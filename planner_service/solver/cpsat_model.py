@@ -16,8 +16,8 @@ Multi-rank jobs (world size > 1; `_add_time_sharded`, cost_model "Multi-rank job
   sh[c]   chunk c sharded across the ranks. osh[c] = sh[c] AND off[c] (offloaded, ZeRO-2 on the host: the rows
           below); dsh[c] = sh[c] - osh[c] (persistent, sharded on the device: ZeRO-3, only where the instance has
           device-shard terms, else sh[c] <= off[c]). off[c] - osh[c] is an offloaded replicated chunk,
-          1 - osh[c] one whose gradient is all-reduced (a persistent one after backward, device-sharded or not:
-          policy-1.12). Uploads, residency and
+          1 - osh[c] one whose gradient is all-reduced (a persistent one as backward completes it, device-sharded
+          or not: policy-1.13). Uploads, residency and
           buffers are the single-process ones (a sharded chunk is uploaded whole).
           dsh[c]: device bytes `device_shard_bytes_of` instead of `state_bytes`, the shard's device step, the
           exposed all-gathers (`cost_model.device_gather_exposed_ns`) added to the iteration, and twice the
@@ -534,11 +534,8 @@ def _add_time_sharded(pm: PolicyModel) -> None:
     def need(c: int) -> Terms:  # not in a buffer after forward, or displaced by a tied chunk: uploaded again
         return [(U[c], pm.off[c] - pm.res[c]), *_displaced(lt, U, c)] if ok(c) else []
 
-    def red(c: int) -> Terms:  # an offloaded chunk's: reduce-scatter when sharded, all-reduce when replicated
-        return [(RS[c], pm.osh[c]), (AR[c], rep[c])] if ok(c) else []
-
-    # the persistent chunks' all-reduces: after backward, one after another (`GradientFlow.reduce_persistent`)
-    persistent_red: LinearExpr = sum(AR[c] * (1 - pm.off[c]) for c in range(C))
+    def red(c: int) -> Terms:  # reduce-scatter when sharded, all-reduce when replicated (persistent too)
+        return [(RS[c], pm.osh[c]), (AR[c], 1 - pm.osh[c])] if ok(c) else []
 
     def gout(c: int) -> Terms:  # the rank's gradient shard (sharded) or the whole gradient copied out
         return [(Gs[c], pm.osh[c]), (G[c], rep[c])] if ok(c) else []
@@ -562,7 +559,7 @@ def _add_time_sharded(pm: PolicyModel) -> None:
         if overlap and 1 <= c < C:
             m.add(tb[c] >= Bk[c] + _total(REC[c]) + U[c - 1] * _serial_pair(pm, c - 1, c))
     head = _total(need(C - 1) + SI[W - 1])
-    tail = _total(red(0)) + persistent_red
+    tail = _total(red(0))
     bwd = head + sum(tb) + tail
 
     # optimizer: persistent chunks step whole on the device; the host worker (FIFO) all-gathers a sharded

@@ -73,7 +73,10 @@ from planner_service.solver.instance import (
 #      the backward windows hold only the offloaded chunks' reductions (before, each persistent chunk's all-reduce
 #      was hidden behind the next window's compute where copies overlap compute: a GPU's multi-rank plans with
 #      persistent chunks were predicted faster than they run; on a CPU the same total, serially; session 24)
-SOLVER_VERSION = "policy-1.12"
+# 1.13: the runtime now averages each persistent chunk's gradient as backward completes it (`GradientFlow.
+#      average_early`, on the host worker's offload stream on CUDA, as DDP's buckets overlap backward): the
+#      backward windows hold every chunk's reduction again, as before 1.12 (session 25)
+SOLVER_VERSION = "policy-1.13"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {
