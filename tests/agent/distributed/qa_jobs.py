@@ -506,30 +506,58 @@ class Looped(nn.Module):
 LOOPED_CHUNKS = [["embed.weight"], ["block.weight", "block.bias", "aux.scale"], ["head.weight", "head.bias"]]
 
 
+def _llama() -> nn.Module:
+    """A Hugging Face llama at its library defaults but for tied embeddings (as Qwen2 and Gemma tie them) under
+    gradient checkpointing with `use_reentrant=True`, as older releases and many user scripts run it: every
+    layer's gradients arrive inside its own inner backward."""
+    import transformers  # noqa: PLC0415 - only this job builds a Hugging Face model
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    return model
+
+
 def late(rank: int, world: int, placement: str) -> dict[str, Any]:
     """`Looped` with the block and the scale in one persistent chunk, which backward completes (and averages) at
     the block's first gradient, before the block's other passes and the scale add theirs; two steps of two
     synchronising micro-steps each. `placement`: "persistent" (every chunk; no host worker, the training thread
-    issues the averages) or "mixed" (the embedding offloaded). The reference averages plain PyTorch's `.grad`
-    after every backward, as DDP does (DDP itself refuses a parameter made ready twice in one backward, short of
-    `static_graph=True`). Trained on the CPU and again under the stream-ordering checker (the CUDA path)."""
+    issues the averages), "mixed" (the embedding offloaded), or "llama" (`_llama`, every chunk persistent, in
+    chunks of about a quarter of the model). The reference averages plain PyTorch's `.grad` after every backward,
+    as DDP does (DDP itself refuses a parameter made ready twice in one backward, short of `static_graph=True`).
+    Trained on the CPU and again under the stream-ordering checker (the CUDA path)."""
     where = {
         "persistent": [Placement.persistent] * 3,
         "mixed": [Placement.offloaded, Placement.persistent, Placement.persistent],
-    }[placement]
+    }.get(placement)
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(4)]
 
     def run(ref: bool) -> tuple[nn.Module, list[float], dict[str, int]]:
         torch.manual_seed(0)
-        model = Looped()
+        model = _llama() if where is None else Looped()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         counts: dict[str, int] = {}
         step: Callable[..., dict[str, torch.Tensor]] = model
         if not ref:
-            base = "none" if placement == "persistent" else "all"  # (buffers for the offloaded chunk)
-            plan = manual_plan(model, chunk_size_bytes=4096, offload=base, n_buffers=2)
-            plan = regrouped(plan, model, LOOPED_CHUNKS, where, torch.float32)
+            if where is None:
+                quarter = -(-sum(p.numel() * 4 for p in model.parameters()) // 4 // 64) * 64
+                largest = max(p.numel() * 4 for p in model.parameters())
+                plan = manual_plan(model, chunk_size_bytes=max(quarter, largest), offload="none", n_buffers=2)
+            else:
+                base = "none" if placement == "persistent" else "all"  # (buffers for the offloaded chunk)
+                plan = manual_plan(model, chunk_size_bytes=4096, offload=base, n_buffers=2)
+                plan = regrouped(plan, model, LOOPED_CHUNKS, where, torch.float32)
             wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None)
             step, opt = wrapped.model, wrapped.optimizer
         losses = []
@@ -547,7 +575,11 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
             losses.append(loss.item())
         if not ref:
             c = wrapped.runtime.counters
-            counts = {"overlapped": c.overlapped_reductions, "reductions": c.grad_reductions}
+            counts = {
+                "overlapped": c.overlapped_reductions,
+                "reductions": c.grad_reductions,
+                "chunks": len(wrapped.runtime.states),
+            }
         return model, losses, counts
 
     ref, ref_losses, _ = run(ref=True)

@@ -66,6 +66,25 @@ def test_persistent_chunks_averaged_during_backward_take_later_gradients_as_ddp(
             assert counts["reductions"] == 4 * 4, counts
 
 
+def test_a_tied_llama_under_reentrant_gradient_checkpointing_averages_each_chunk_in_backward_as_ddp(
+    tmp_path: Path,
+) -> None:
+    """The user's path: a Hugging Face llama with tied embeddings under `gradient_checkpointing_enable(
+    gradient_checkpointing_kwargs={"use_reentrant": True})`, every chunk persistent, 2 ranks: each layer's
+    gradients arrive inside its inner backward, where its chunk is averaged; the tied embedding's chunk once, when
+    its one gradient (both uses summed) arrives. Parameters equal plain PyTorch's averaged `.grad`."""
+    codes, results = spawn("late", 2, tmp_path, 120, "llama")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)) <= TOL
+        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
+        assert res["violations"] == ""
+        for counts in (res["counts"], res["simulated_counts"]):
+            # every chunk averaged as each of the 4 backwards completed it, none again at the end
+            assert counts["overlapped"] == counts["reductions"] == 4 * counts["chunks"], counts
+
+
 @pytest.mark.parametrize(
     "placement",
     ["offloaded-layers", "sharded-layers", "offloaded-layers+accumulate", "sharded-layers+accumulate"],
