@@ -92,6 +92,9 @@ class GradientFlow:
         # forwards used the same persistent parameters: `check_same_use`), overlapping backward where copies
         # overlap compute (CUDA), as DDP's buckets do; else every persistent chunk is averaged at its end
         self.overlap_persistent = False
+        # whether a synchronising backward may (`RuntimeOptions.persistent_reductions_in_backward`; default: on
+        # CUDA only, where it overlaps backward)
+        self.persistent_in_backward = ctx.is_cuda
         # a parameter whose hand-assigned gradient a backward under a process group could not keep (`expose`):
         # refused at the next `optimizer.step()`
         self._assigned_lost: str | None = None
@@ -164,7 +167,8 @@ class GradientFlow:
         backward. On CUDA the host worker (the runtime's one issuer of collectives while backward runs, FIFO)
         issues the all-reduce on the offload stream after the compute so far, so it overlaps the rest of
         backward as DDP's buckets do; without a host worker (no offloaded chunk) the training thread issues it,
-        the only issuer then. On a CPU device it runs now, on the training thread (the worker is inline there).
+        the only issuer then. On a CPU device (only when `RuntimeOptions.persistent_reductions_in_backward` says
+        so: it overlaps nothing there) it runs now, on the training thread.
 
         Before it is issued: an entry without a gradient since zero_grad is zeroed in the area (the area keeps
         stale values of earlier steps: its `.grad` is None until backward points it there), so the ranks
@@ -576,7 +580,7 @@ class GradientFlow:
         still run (on the training thread without one)."""
         assert self.group is not None
         offloaded = [st for st in self.states if st.offloaded]
-        persistent = [st for st in self.states if not st.offloaded]
+        persistent = [st for st in self.states if not st.offloaded and self.persistent_in_backward]
         if not offloaded and not persistent:
             return
         codes = [1 if st.expected else 2 if st.unaveraged or st.local else 0 for st in offloaded]
@@ -598,7 +602,12 @@ class GradientFlow:
         rows = gathered[0]
         head = len(codes) + len(entries)
         differ = [i for i in range(len(offloaded)) if len(set(rows[:, i].tolist())) > 1]
-        self.overlap_persistent = bool(used) and not differ and bool((rows[:, head:] == rows[0, head:]).all())
+        self.overlap_persistent = (
+            self.persistent_in_backward
+            and bool(used)
+            and not differ
+            and bool((rows[:, head:] == rows[0, head:]).all())
+        )
         by_entry = (
             rows[:, len(offloaded) : head].sum(dim=0).tolist()
         )  # ranks holding a gradient of each entry

@@ -144,6 +144,8 @@ class ModelStateManager:
             self.worker,
         )
         self.gradients.group = group
+        if options.persistent_reductions_in_backward is not None:
+            self.gradients.persistent_in_backward = options.persistent_reductions_in_backward
         if self.residency is not None:
             self.residency.flush = self.gradients.flush
         # device-sharded persistent chunks (ZeRO-3 on the device, `device_shards.py`): released until used
@@ -200,7 +202,7 @@ class ModelStateManager:
         if self.device_shards is not None:
             self._handles.append(m.register_state_dict_post_hook(partial(self._after_state_dict)))
             self._install_device_shard_hooks()
-        if self.group is not None and self.group.world_size > 1:
+        if self.group is not None and self.group.world_size > 1 and self.gradients.persistent_in_backward:
             self._install_persistent_hooks()
         if not self.has_offload:
             return
@@ -466,7 +468,7 @@ class ModelStateManager:
             self.group.publish_backwards(self.backwards_started)
         if self.device_shards is not None:
             self.device_shards.start(Direction.backward, self.backwards_started)
-        if self.gradients.reduce:
+        if self.gradients.reduce and (self.has_offload or self.gradients.persistent_in_backward):
             if self.device_shards is not None:
                 # the ranks compare passes before the same-use check, whose rows have another size: a forward
                 # made on some ranks only (with grad) is a RankArrivalError here, not a collective mismatch

@@ -126,7 +126,8 @@ Backward window c: comm = red(c+1), h2d = need[c-1] * up(c-1) + swap-in of windo
   T_bwd = need[C-1] * up(C-1) + swap-in of the last window + sum Tb[c] + red(0)
   (chunk 0's reduction has no window after it). A persistent chunk's all-reduce too: the runtime averages it as
   backward completes it (`GradientFlow.average_early`, the host worker's offload stream on CUDA; policy-1.13;
-  1.12 charged them after backward, where the runtime ran them until then). Where the ranks' forwards used
+  1.12 charged them after backward, where the runtime ran them until then; on a CPU device the runtime still
+  runs them after backward, which the serial windows price the same). Where the ranks' forwards used
   different persistent parameters the runtime averages them after backward instead, unpriced. The concurrent
   (duplex) copy rates are not applied.
 Host worker: an offloaded chunk's gradient arrives at done(c) + red(c) + gout(c); the FIFO worker then

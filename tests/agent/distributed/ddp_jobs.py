@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import agent  # imported here, so forked ranks start with it (and transformers) loaded
-from agent.runtime import manual_plan
+from agent.runtime import RuntimeOptions, manual_plan
 from agent.testing.model_zoo import build, build_with_library_defaults
 from client.contract import Placement
 
@@ -61,6 +61,8 @@ class Case:
     # "cuda:0": every rank trains on that one GPU, the group on gloo (collectives through host copies): the
     # multi-rank runtime's device paths on a machine with one GPU (tests/agent/gpu); spawned, not forked
     device: str = "cpu"
+    # RuntimeOptions.persistent_reductions_in_backward (None: the default, on CUDA only)
+    in_backward: bool | None = None
 
 
 def free_port() -> int:
@@ -240,6 +242,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         service_budget_s=case.service_budget_s,
         device_memory=case.device_memory,
         host_memory=case.host_memory,
+        options=RuntimeOptions(persistent_reductions_in_backward=case.in_backward),
     )
     counting.remove()
     ref_losses, ref_norms = train(
@@ -269,6 +272,7 @@ def compare_with_ddp(rank: int, world: int, case: Case) -> dict[str, Any]:
         "checksum": checksum(wrapped.model),
         "grad_reductions": wrapped.runtime.counters.grad_reductions,
         "overlapped_reductions": wrapped.runtime.counters.overlapped_reductions,
+        "in_backward": wrapped.runtime.gradients.persistent_in_backward,
         "offloaded_chunks": sum(st.offloaded for st in wrapped.runtime.states),
         "persistent_chunks": sum(not st.offloaded for st in wrapped.runtime.states),
         "forwards_in_wrap": forwards[0],

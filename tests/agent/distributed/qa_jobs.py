@@ -166,7 +166,9 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
         chunks = [c.model_copy(update={"sharded": True}) for c in plan.policy.chunks]
         policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
         plan = plan.model_copy(update={"policy": policy})
-    wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=RuntimeOptions())
+    # (persistent chunks averaged in backward where the ranks' forwards agree: on the CPU too, to see they don't)
+    options = RuntimeOptions(persistent_reductions_in_backward=True)
+    wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=options)
     g = torch.Generator().manual_seed(rank)
     # `micro` micro-steps per step, all but the last inside no_sync() (gradient accumulation)
     micro = 2 if accumulate else 1
@@ -558,7 +560,9 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
                 base = "none" if placement == "persistent" else "all"  # (buffers for the offloaded chunk)
                 plan = manual_plan(model, chunk_size_bytes=4096, offload=base, n_buffers=2)
                 plan = regrouped(plan, model, LOOPED_CHUNKS, where, torch.float32)
-            wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None)
+            # on the CPU as on CUDA (the default averages a CPU device's persistent chunks after backward)
+            options = RuntimeOptions(persistent_reductions_in_backward=True)
+            wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=options)
             step, opt = wrapped.model, wrapped.optimizer
         losses = []
         for i, x in enumerate(data):

@@ -29,9 +29,10 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
         if clipped:
             assert res["norms"], "clipping ran"
         assert res["grad_reductions"] > 0
-        # every rank's forward used every parameter: each persistent chunk was averaged as backward completed it
+        # asked to (`persistent_reductions_in_backward`), and every rank's forward used every parameter: each
+        # persistent chunk was averaged as backward completed it; by default, on a CPU device, after backward
         overlapped = res["overlapped_reductions"]
-        assert (overlapped > 0) == (res["persistent_chunks"] > 0), overlapped
+        assert (overlapped > 0) == (res["persistent_chunks"] > 0 and bool(res["in_backward"])), overlapped
     loss_diff = max(rel(res["losses"], res["ref_losses"]) for res in results)
     param_diff = max(res["param_rel_diff"][0] for res in results)
     print(f"vs DDP over {len(results)} ranks: losses {loss_diff:.2e}, parameters {param_diff:.2e} relative")
@@ -62,7 +63,9 @@ def test_all_offloaded_chunks_train_as_ddp_on_two_ranks(tmp_path: Path) -> None:
 
 def test_mixed_plan_with_clipping_trains_as_ddp_on_four_ranks(tmp_path: Path) -> None:
     # a small max norm: clipping scales on every step (the overlapped host steps are redone)
-    results = spawn(Case(kind="llama", offload="alternate", steps=3, clip=0.05), 4, tmp_path)
+    results = spawn(
+        Case(kind="llama", offload="alternate", steps=3, clip=0.05, in_backward=True), 4, tmp_path
+    )
     assert results[0]["persistent_chunks"] > 0 and results[0]["offloaded_chunks"] > 0
     check(results, clipped=True)
 
@@ -70,7 +73,15 @@ def test_mixed_plan_with_clipping_trains_as_ddp_on_four_ranks(tmp_path: Path) ->
 @pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "sync_every_micro_step"])
 def test_gradient_accumulation_trains_as_ddp(tmp_path: Path, no_sync: bool) -> None:
     # with no_sync, the group is passed explicitly (wrap(process_group=...)), as with several groups
-    case = Case(kind="gpt2", offload="alternate", steps=3, micro=2, no_sync=no_sync, explicit_group=no_sync)
+    case = Case(
+        kind="gpt2",
+        offload="alternate",
+        steps=3,
+        micro=2,
+        no_sync=no_sync,
+        explicit_group=no_sync,
+        in_backward=True,
+    )
     results = spawn(case, 2, tmp_path)
     check(results)
 
