@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_jobs import free_port, join_ranks
+from ddp_jobs import free_port, join_ranks, rel_diff
 from sharded_jobs import regrouped, sharded_plan
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -175,16 +175,11 @@ def routed(rank: int, world: int, placement: str) -> dict[str, Any]:
     data = [torch.randint(0, VOCAB, (1, 1) if rank else (4, 8), generator=g) for _ in range(3 * micro)]
     ref_losses = _train(ddp, ddp.no_sync, ref_opt, data, micro)
     losses = _train(wrapped.model, wrapped.no_sync, wrapped.optimizer, data, micro)
-    refs = dict(ref.named_parameters())
-    diff = max(
-        ((p.detach() - refs[n].detach()).norm() / refs[n].detach().norm().clamp_min(1e-12)).item()
-        for n, p in model.named_parameters()
-    )
     return {
         "error": None,
         "losses": losses,
         "ref_losses": ref_losses,
-        "param_rel_diff": diff,
+        "param_rel_diff": rel_diff(model, ref)[0],
         "deferred_backwards": wrapped.runtime.counters.deferred_backwards,
         "overlapped_reductions": wrapped.runtime.counters.overlapped_reductions,
     }
@@ -595,20 +590,12 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
         found = ""
     except StreamOrderError as exc:
         found = str(exc)
-    refs = dict(ref.named_parameters())
-
-    def diff(m: nn.Module) -> float:
-        return max(
-            ((p.detach() - refs[n].detach()).norm() / refs[n].detach().norm().clamp_min(1e-12)).item()
-            for n, p in m.named_parameters()
-        )
-
     return {
         "error": None,
         "losses": losses,
         "ref_losses": ref_losses,
-        "param_rel_diff": diff(model),
-        "simulated_rel_diff": diff(simulated),
+        "param_rel_diff": rel_diff(model, ref)[0],
+        "simulated_rel_diff": rel_diff(simulated, ref)[0],
         "counts": counts,
         "simulated_counts": simulated_counts,
         "violations": found,
