@@ -44,6 +44,7 @@ def check(results: list[dict[str, Any]], name: str) -> None:
                 "norm_max_rel_diff": norms,
                 "offloaded_chunks": results[0]["offloaded_chunks"],
                 "persistent_chunks": results[0]["persistent_chunks"],
+                "overlapped_reductions": results[0]["overlapped_reductions"],
             }
         ),
         flush=True,
@@ -58,6 +59,8 @@ def test_two_ranks_on_one_gpu_train_a_mixed_plan_with_clipping_as_ddp(tmp_path: 
     results = spawn(case, 2, tmp_path)
     assert results[0]["persistent_chunks"] > 0 and results[0]["offloaded_chunks"] > 0
     check(results, "ranks-llama-alternate")
+    # the default on CUDA: each persistent chunk averaged in backward, on the offload stream (session 25)
+    assert all(r["in_backward"] and r["overlapped_reductions"] > 0 for r in results)
 
 
 def test_two_ranks_on_one_gpu_plan_a_hugging_face_model_at_library_defaults(tmp_path: Path) -> None:
