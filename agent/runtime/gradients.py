@@ -95,6 +95,11 @@ class GradientFlow:
         # whether a synchronising backward may (`RuntimeOptions.persistent_reductions_in_backward`; default: on
         # CUDA only, where it overlaps backward)
         self.persistent_in_backward = ctx.is_cuda
+        # with `overlap_persistent`: the persistent chunks the forward used, in the one order every rank issues
+        # their averages in (descending index: backward's usual order), how many were issued, which are complete
+        self._order: list[int] = []
+        self._issued = 0
+        self._ready: set[int] = set()
         # a parameter whose hand-assigned gradient a backward under a process group could not keep (`expose`):
         # refused at the next `optimizer.step()`
         self._assigned_lost: str | None = None
@@ -120,7 +125,8 @@ class GradientFlow:
             if self.overlap_persistent:
                 st.received.add(j)
                 if st.expected and st.expected <= st.received:
-                    self.average_early(st)
+                    self._ready.add(c)
+                    self._issue_ready()
             return
         assert self.residency is not None and self.host_steps is not None
         if st.stepped:
@@ -160,13 +166,23 @@ class GradientFlow:
         st.touched.add(j)
 
     # ================================================================ persistent chunks, several ranks
+    def _issue_ready(self) -> None:
+        """Average the complete persistent chunks at the head of the order (`_order`): a chunk complete before
+        those ahead of it waits for them, so every rank issues the same averages in the same order whatever order
+        its backward completes them in (two ranks running two modules in opposite orders paired one's chunk
+        with the other's; found by review)."""
+        while self._issued < len(self._order) and self._order[self._issued] in self._ready:
+            st = self.states[self._order[self._issued]]
+            self._issued += 1
+            self.average_early(st)
+
     def average_early(self, st: ChunkState) -> None:
         """A persistent chunk's every expected gradient arrived in a synchronising backward whose ranks used the
-        same persistent parameters (`overlap_persistent`): its gradient area is averaged across the ranks now, in
-        the order backward completes the chunks (the same on every rank: the same graph), instead of after
-        backward. On CUDA the host worker (the runtime's one issuer of collectives while backward runs, FIFO)
-        issues the all-reduce on the offload stream after the compute so far, so it overlaps the rest of
-        backward as DDP's buckets do; without a host worker (no offloaded chunk) the training thread issues it,
+        same persistent parameters (`overlap_persistent`), and every chunk ahead of it in the order is issued
+        (`_issue_ready`; the rest at the end of backward, `_issue_rest`): its gradient area is averaged across the
+        ranks now instead of after backward. On CUDA the host worker (the runtime's one issuer of collectives
+        while backward runs, FIFO) issues the all-reduce on the offload stream after the compute so far, so it
+        overlaps the rest of backward as DDP's buckets do; without a host worker (no offloaded chunk) the training thread issues it,
         the only issuer then. On a CPU device (only when `RuntimeOptions.persistent_reductions_in_backward` says
         so: it overlaps nothing there) it runs now, on the training thread.
 
@@ -179,7 +195,14 @@ class GradientFlow:
         reads it."""
         assert self.group is not None
         st.early = True
-        for j, (e, view) in enumerate(zip(st.spec.entries, self.grad_views(st), strict=True)):
+        views = self.grad_views(st) if st.grad is not None else None
+        if views is None or any(views[j] is None for j in st.expected):
+            # no slot for a parameter unfrozen after wrap that got no gradient here (another rank may have one):
+            # the whole area, as every rank then averages (`_widen`)
+            self._widen(st)
+            views = self.grad_views(st)
+        self._adopt_user_grads(st)
+        for j, (e, view) in enumerate(zip(st.spec.entries, views, strict=True)):
             if view is None:
                 continue
             if j not in st.touched:
@@ -195,6 +218,23 @@ class GradientFlow:
             st.averaging = self.worker.submit(self._average_on_device, st, computed, st.averaged)
         else:
             self._average_on_device(st, computed, st.averaged)
+
+    def _adopt_user_grads(self, st: ChunkState) -> None:
+        """Before a persistent chunk's average: a gradient the user set to None outside `zero_grad` (a torch.compile
+        wrapper's `nn.Module.zero_grad`, which the Trainer calls) leaves the chunk's gradients, as `sync_persistent`
+        drops it at the step (before, an early-averaged chunk pointed `.grad` back at the averaged stale value at
+        the end of backward, and the step used it; found by review); one replaced by another tensor is copied in."""
+        views = self.grad_views(st)
+        for j in sorted(st.touched):
+            g, view = st.spec.entries[j].param.grad, views[j]
+            if view is None or g is view:
+                continue
+            if g is None:
+                st.touched.discard(j)
+                view.zero_()
+            else:
+                view.copy_(g)
+                st.spec.entries[j].param.grad = view
 
     def _average_area(self, st: ChunkState) -> None:
         """All-reduce (mean) a persistent chunk's gradient area (its parameters' `.grad` view it)."""
@@ -486,6 +526,12 @@ class GradientFlow:
         assert self.group is not None
         for st in self.states:
             st.wait_host()  # no collective of the host worker (sharded chunks) in flight: one issuer at a time
+        # the rest of the order, which this rank's backward did not complete (an entry the forward used got no
+        # gradient here: it joins as zero): every rank issues the whole order, so a chunk complete on one rank
+        # and not on another still pairs (found by review: the ranks' collectives paired differently and gloo
+        # aborted, "Received data size doesn't match expected size")
+        self._issue_rest()
+        for st in self.states:
             self._settle_average(st)
         for st in self._agree_on_persistent():
             self._average_area(st)
@@ -498,8 +544,15 @@ class GradientFlow:
             self._settle_average(st)
         self._end_early()
 
+    def _issue_rest(self) -> None:
+        while self._issued < len(self._order):
+            st = self.states[self._order[self._issued]]
+            self._issued += 1
+            self.average_early(st)
+
     def _end_early(self) -> None:
         self.overlap_persistent = False
+        self._order, self._issued, self._ready = [], 0, set()
         for st in self.states:
             if not st.early:
                 continue
@@ -524,6 +577,11 @@ class GradientFlow:
         persistent = [st for st in self.states if not st.offloaded and st.grad is not None]
         if not persistent:
             return []
+        for st in persistent:
+            if (
+                not st.early
+            ):  # (an early one's `.grad` are None until `_end_early`: adopted before its average)
+                self._adopt_user_grads(st)
         mask = torch.cat(
             [
                 torch.tensor(
@@ -608,6 +666,10 @@ class GradientFlow:
             and not differ
             and bool((rows[:, head:] == rows[0, head:]).all())
         )
+        # (the same on every rank: the rows say every rank's forward used the same persistent entries)
+        self._order = sorted((st.index for st in persistent if st.expected), reverse=True)
+        self._order = self._order if self.overlap_persistent else []
+        self._issued, self._ready = 0, set()
         by_entry = (
             rows[:, len(offloaded) : head].sum(dim=0).tolist()
         )  # ranks holding a gradient of each entry

@@ -74,6 +74,7 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "assigned": assigned,
         "rewrap": rewrap,
         "late": late,
+        "paths": paths,
     }
     try:
         result = jobs[job](rank, world, arg)
@@ -600,4 +601,100 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
         "simulated_counts": simulated_counts,
         "violations": found,
         "offload_kernels": sim.kernels_on("offload stream"),
+    }
+
+
+class Paths(nn.Module):
+    """Small modules each in a persistent chunk of its own, for the ways ranks' backwards can differ
+    (`paths`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.a = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.b = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.extra = nn.Linear(HIDDEN, HIDDEN)
+        self.aux = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor, swap: bool, extra: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.embed(x)
+        h = self.a(self.b(h)) if swap else self.b(self.a(h))
+        if extra:
+            h = h + self.extra(h)
+        h = torch.tanh(h)
+        return self.head(h), self.aux(h)
+
+
+PATHS_CHUNKS = [
+    ["embed.weight"],
+    ["a.weight"],
+    ["b.weight"],
+    ["extra.weight", "extra.bias"],
+    ["aux.weight"],
+    ["head.weight"],
+]
+
+
+def paths(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Every chunk persistent, averaged in backward (on the CPU too), 4 steps; `mode`: "order" (rank 1 runs `a`
+    and `b` in the opposite order, so its backward completes their chunks in the other order), "aux" (`aux` runs
+    on every rank, its output joins the loss on rank 0 only: its chunk completes in backward there, never on rank
+    1) or "cleared" (`extra` runs in the first step only, and the loop sets every `.grad` to None by hand after
+    each step, as a torch.compile wrapper's `nn.Module.zero_grad` does). Found by review: "order" paired one
+    rank's chunk with the other's (silently wrong), "aux" paired different collectives (gloo aborted),
+    "cleared" stepped `extra` with a stale averaged gradient. The reference averages plain PyTorch's `.grad`
+    after each backward (a missing one as zero where another rank has one, as DDP's
+    `find_unused_parameters=True`). On the CPU and under the stream-ordering checker (the CUDA path)."""
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(4)]
+
+    def run(ref: bool) -> tuple[nn.Module, int]:
+        torch.manual_seed(0)
+        model = Paths()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = model
+        if not ref:
+            plan = manual_plan(model, chunk_size_bytes=4096, offload="none", n_buffers=2)
+            plan = regrouped(plan, model, PATHS_CHUNKS, [Placement.persistent] * 6, torch.float32)
+            options = RuntimeOptions(persistent_reductions_in_backward=True)
+            wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=options)
+            step, opt = wrapped.model, wrapped.optimizer
+        for i, x in enumerate(data):
+            out, aux = step(x, swap=mode == "order" and rank == 1, extra=mode != "cleared" or i == 0)
+            loss = nn.functional.cross_entropy(out.flatten(0, 1), x.flatten())
+            if mode != "aux" or rank == 0:
+                loss = loss + aux.pow(2).mean()
+            loss.backward()
+            if ref:
+                for p in model.parameters():
+                    held = torch.tensor([p.grad is not None], dtype=torch.int32)
+                    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+                    if held.item():
+                        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world)
+            opt.step()
+            if mode == "cleared":
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                opt.zero_grad()
+        return model, 0 if ref else wrapped.runtime.counters.overlapped_reductions
+
+    ref, _ = run(ref=True)
+    model, overlapped = run(ref=False)
+    with simulated_cuda("caching") as sim:
+        simulated, simulated_overlapped = run(ref=False)
+    try:
+        sim.check()
+        found = ""
+    except StreamOrderError as exc:
+        found = str(exc)
+    return {
+        "error": None,
+        "param_rel_diff": rel_diff(model, ref)[0],
+        "simulated_rel_diff": rel_diff(simulated, ref)[0],
+        "overlapped": [overlapped, simulated_overlapped],
+        "violations": found,
     }

@@ -66,6 +66,24 @@ def test_persistent_chunks_averaged_during_backward_take_later_gradients_as_ddp(
             assert counts["reductions"] == 4 * 4, counts
 
 
+@pytest.mark.parametrize("mode", ["order", "aux", "cleared"])
+def test_persistent_chunks_averaged_in_backward_pair_up_whatever_order_or_use_each_rank_has(
+    tmp_path: Path, mode: str
+) -> None:
+    """Review findings of session 25, each failing before its fix: ranks whose backwards complete the same chunks
+    in different orders ("order": averages are issued in one chunk order on every rank), an output in the loss on
+    one rank only ("aux": every rank issues the whole order, the rest at the end of backward), and `.grad` set to
+    None by hand ("cleared": that gradient leaves the chunk, as at the step). Parameters equal plain PyTorch
+    averaging `.grad` (a missing one as zero), on the CPU and under the stream checker."""
+    codes, results = spawn("paths", 2, tmp_path, 120, mode)
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
+        assert res["violations"] == ""
+        assert all(n > 0 for n in res["overlapped"]), res["overlapped"]
+
+
 def test_a_tied_llama_under_reentrant_gradient_checkpointing_averages_each_chunk_in_backward_as_ddp(
     tmp_path: Path,
 ) -> None:
