@@ -17,7 +17,7 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from client.contract import Placement
 from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulated_cuda
 
 HIDDEN = 16
+T = TypeVar("T")
 EXPERTS = 4
 VOCAB = 32
 
@@ -478,6 +479,19 @@ def accelerate_loop(rank: int, world: int, arg: str) -> dict[str, Any]:
     return out
 
 
+def _under_checker(run: Callable[[], T]) -> tuple[T, str, int]:
+    """`run()` under the stream-ordering checker (the runtime's CUDA paths, on the CPU): its result, the
+    violations found ("" for none) and the kernels issued on the offload stream."""
+    with simulated_cuda("caching") as sim:
+        out = run()
+    try:
+        sim.check()
+        found = ""
+    except StreamOrderError as exc:
+        found = str(exc)
+    return out, found, sim.kernels_on("offload stream")
+
+
 class Looped(nn.Module):
     """One block run three times per forward under re-entrant activation checkpointing (ALBERT's shared layer under
     Hugging Face's gradient checkpointing): each pass's inner backward accumulates the block's gradients again; and
@@ -584,13 +598,7 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
 
     ref, ref_losses, _ = run(ref=True)
     model, losses, counts = run(ref=False)
-    with simulated_cuda("caching") as sim:
-        simulated, _, simulated_counts = run(ref=False)
-    try:
-        sim.check()
-        found = ""
-    except StreamOrderError as exc:
-        found = str(exc)
+    (simulated, _, simulated_counts), found, offload_kernels = _under_checker(lambda: run(ref=False))
     return {
         "error": None,
         "losses": losses,
@@ -600,7 +608,7 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
         "counts": counts,
         "simulated_counts": simulated_counts,
         "violations": found,
-        "offload_kernels": sim.kernels_on("offload stream"),
+        "offload_kernels": offload_kernels,
     }
 
 
@@ -684,13 +692,7 @@ def paths(rank: int, world: int, mode: str) -> dict[str, Any]:
 
     ref, _ = run(ref=True)
     model, overlapped = run(ref=False)
-    with simulated_cuda("caching") as sim:
-        simulated, simulated_overlapped = run(ref=False)
-    try:
-        sim.check()
-        found = ""
-    except StreamOrderError as exc:
-        found = str(exc)
+    (simulated, simulated_overlapped), found, _ = _under_checker(lambda: run(ref=False))
     return {
         "error": None,
         "param_rel_diff": rel_diff(model, ref)[0],
