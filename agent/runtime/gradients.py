@@ -153,13 +153,19 @@ class GradientFlow:
         if st.expected and st.expected <= st.received:
             self.complete(st)
 
-    def _into_area(self, st: ChunkState, j: int, grad: torch.Tensor) -> None:
-        """Persistent chunk: parameter j's gradient goes into the chunk's gradient area, which its `.grad` views."""
+    def _slot(self, st: ChunkState, j: int) -> torch.Tensor:
+        """Persistent chunk: entry j's view of the gradient area, the area widened first where it has no slot
+        for it (a parameter frozen when the runtime was applied)."""
         view = self.grad_views(st)[j] if st.grad is not None else None
         if view is None:
             self._widen(st)
             view = self.grad_views(st)[j]
             assert view is not None
+        return view
+
+    def _into_area(self, st: ChunkState, j: int, grad: torch.Tensor) -> None:
+        """Persistent chunk: parameter j's gradient goes into the chunk's gradient area, which its `.grad` views."""
+        view = self._slot(st, j)
         if grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad), or the user's
             view.copy_(grad)
             st.spec.entries[j].param.grad = view
@@ -179,7 +185,7 @@ class GradientFlow:
     def average_early(self, st: ChunkState) -> None:
         """A persistent chunk's every expected gradient arrived in a synchronising backward whose ranks used the
         same persistent parameters (`overlap_persistent`), and every chunk ahead of it in the order is issued
-        (`_issue_ready`; the rest at the end of backward, `_issue_rest`): its gradient area is averaged across the
+        (`_issue_ready`; the rest at the end of backward, `reduce_persistent`): its gradient area is averaged across the
         ranks now instead of after backward. On CUDA the host worker (the runtime's one issuer of collectives
         while backward runs, FIFO) issues the all-reduce on the offload stream after the compute so far, so it
         overlaps the rest of backward as DDP's buckets do; without a host worker (no offloaded chunk) the training thread issues it,
@@ -271,14 +277,9 @@ class GradientFlow:
         stays None until then, so its next gradient in this backward is a fresh tensor too (with `.grad` the
         area, autograd would add into it before this hook, which would then add it twice)."""
         self._settle_average(st)
-        e = st.spec.entries[j]
-        view = self.grad_views(st)[j] if st.grad is not None else None
-        if view is None:
-            self._widen(st)
-            view = self.grad_views(st)[j]
-            assert view is not None
+        view = self._slot(st, j)
         view.add_(grad.reshape(view.shape))
-        e.param.grad = None
+        st.spec.entries[j].param.grad = None
         st.touched.add(j)
         st.late = True
 
@@ -530,7 +531,8 @@ class GradientFlow:
         # gradient here: it joins as zero): every rank issues the whole order, so a chunk complete on one rank
         # and not on another still pairs (found by review: the ranks' collectives paired differently and gloo
         # aborted, "Received data size doesn't match expected size")
-        self._issue_rest()
+        self._ready.update(self._order)
+        self._issue_ready()
         for st in self.states:
             self._settle_average(st)
         for st in self._agree_on_persistent():
@@ -543,12 +545,6 @@ class GradientFlow:
         for st in self.states:
             self._settle_average(st)
         self._end_early()
-
-    def _issue_rest(self) -> None:
-        while self._issued < len(self._order):
-            st = self.states[self._order[self._issued]]
-            self._issued += 1
-            self.average_early(st)
 
     def _end_early(self) -> None:
         self.overlap_persistent = False
@@ -578,9 +574,8 @@ class GradientFlow:
         if not persistent:
             return []
         for st in persistent:
-            if (
-                not st.early
-            ):  # (an early one's `.grad` are None until `_end_early`: adopted before its average)
+            # (an early one's `.grad` are None until `_end_early`: adopted before its average)
+            if not st.early:
                 self._adopt_user_grads(st)
         mask = torch.cat(
             [
@@ -605,11 +600,7 @@ class GradientFlow:
             wanted = {j for j in range(n) if mask[at + 1 + j]} - st.touched
             at += n + 1
             for j in sorted(wanted):
-                view = self.grad_views(st)[j]
-                if view is None:  # frozen here when wrapped, unfrozen on another rank: no slot to zero
-                    self._widen(st)
-                    view = self.grad_views(st)[j]
-                    assert view is not None
+                view = self._slot(st, j)  # (no slot: frozen here when wrapped, unfrozen on another rank)
                 if not st.early:
                     view.zero_()
                 st.spec.entries[j].param.grad = view
@@ -667,12 +658,10 @@ class GradientFlow:
             and bool((rows[:, head:] == rows[0, head:]).all())
         )
         # (the same on every rank: the rows say every rank's forward used the same persistent entries)
-        self._order = sorted((st.index for st in persistent if st.expected), reverse=True)
-        self._order = self._order if self.overlap_persistent else []
-        self._issued, self._ready = 0, set()
-        by_entry = (
-            rows[:, len(offloaded) : head].sum(dim=0).tolist()
-        )  # ranks holding a gradient of each entry
+        used_chunks = [st.index for st in persistent if st.expected] if self.overlap_persistent else []
+        self._order, self._issued, self._ready = sorted(used_chunks, reverse=True), 0, set()
+        # ranks holding a gradient of each entry
+        by_entry = rows[:, len(offloaded) : head].sum(dim=0).tolist()
         at = 0
         for st in offloaded:
             n = len(st.spec.entries)

@@ -275,13 +275,16 @@ class ModelStateManager:
         for c in chunks:
             ds.acquire(c)
             ds.pins[c] += 1
-        if torch.is_grad_enabled() or (self.phase.forward and self._root_grad):
-            for c, js in expected.items():
-                entries = self.states[c].spec.entries
-                self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
+        self._note_expected(expected)
 
     @section(timing.MODULE_FORWARD)
     def _before_persistent_module(self, expected: dict[int, list[int]], module: nn.Module, args: Any) -> None:
+        self._note_expected(expected)
+
+    def _note_expected(self, expected: dict[int, list[int]]) -> None:
+        """A module's forward with gradients (or one run under no_grad inside a forward with grad at the root:
+        re-entrant checkpointing recomputes it in backward): the chunk entries whose gradients backward will
+        bring (`ChunkState.expected`), its trainable parameters."""
         if torch.is_grad_enabled() or (self.phase.forward and self._root_grad):
             for c, js in expected.items():
                 entries = self.states[c].spec.entries
@@ -545,10 +548,7 @@ class ModelStateManager:
                 # a recomputation (activation checkpointing) inside backward: the tensors it saves
                 # point into the buffer directly, so the chunk stays put until its gradients are done
                 self.states[c].recompute_pins += 1
-        if torch.is_grad_enabled() or (self.phase.forward and self._root_grad):
-            for c, js in expected.items():
-                entries = self.states[c].spec.entries
-                self.states[c].expected.update(j for j in js if entries[j].param.requires_grad)
+        self._note_expected(expected)
         self.saved.enter_module(id(module))
 
     @section(timing.AFTER_MODULE_FORWARD)
