@@ -28,7 +28,7 @@ Measured, on the job's group and device:
   gloo worker thread runs the collective while this thread copies), for all-gather beside H2D and
   reduce-scatter beside D2H, the two pairs the runtime overlaps (prefetch, gradient offload).
 - control checks (`control_s`): one tiny all-gather (two int32 per rank) read on the host, as the runtime's
-  per-iteration checks issue it (the same-use check at a backward's start, the persistent union at its end, the
+  per-iteration checks issue it (the same-use check at a backward's start, the agreement on the entries with a gradient at its end, the
   device-shard agreements; the barrier at step()): after a compute burst on a CPU device, back to back on a GPU.
   On this 2-core VM one such call took 0.5-2.5 ms after compute, against nothing in the cost model before
   (docs/BENCHMARKS.md, "Session 10"). On a CPU device also `phase_control_s`: the same call after a burst of

@@ -90,7 +90,7 @@ class Counters:
     param_gather_s: float = 0.0
     compute_barrier_s: float = 0.0
     # the control checks: tiny synchronous collectives that keep the ranks' collectives paired (the same-use
-    # check at a backward's start, the persistent union at its end, the device-shard agreements)
+    # check at a backward's start, the agreement on the entries with a gradient at its end, the device-shard agreements)
     control_s: float = 0.0
     control_checks: int = 0
     # synchronising backwards whose reductions waited for their end: the ranks' forwards used different

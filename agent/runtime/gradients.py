@@ -95,11 +95,20 @@ class GradientFlow:
         # whether a synchronising backward may (`RuntimeOptions.persistent_reductions_in_backward`; default: on
         # CUDA only, where it overlaps backward)
         self.persistent_in_backward = ctx.is_cuda
-        # with `overlap_persistent`: the persistent chunks the forward used, in the one order every rank issues
-        # their averages in (descending index: backward's usual order), how many were issued, which are complete
+        # a synchronising backward's one issue order (`check_same_use`), the same on every rank: the offloaded
+        # chunks the forward used and, with `overlap_persistent`, the persistent ones, by descending index
+        # (backward's usual order); how many were issued, those not issued yet, those complete on this rank
         self._order: list[int] = []
         self._issued = 0
+        self._unissued: set[int] = set()
         self._ready: set[int] = set()
+        # the chunk whose completion is flushing it (`complete`): a sharded one at the head of the order
+        # reduce-scatters in that flush; any other flush of an ordered sharded chunk stays on this rank
+        self._completing: int | None = None
+        # the offloaded chunks this backward averages (ordered, or deferred), whose entries with a gradient
+        # the ranks agree on at its end (`agree`); the persistent chunks averaged then
+        self._agreed: list[int] = []
+        self._now: list[ChunkState] = []
         # a parameter whose hand-assigned gradient a backward under a process group could not keep (`expose`):
         # refused at the next `optimizer.step()`
         self._assigned_lost: str | None = None
@@ -171,16 +180,69 @@ class GradientFlow:
             st.spec.entries[j].param.grad = view
         st.touched.add(j)
 
-    # ================================================================ persistent chunks, several ranks
+    # ================================================================ the issue order, several ranks
     def _issue_ready(self) -> None:
-        """Average the complete persistent chunks at the head of the order (`_order`): a chunk complete before
-        those ahead of it waits for them, so every rank issues the same averages in the same order whatever order
-        its backward completes them in (two ranks running two modules in opposite orders paired one's chunk
-        with the other's; found by review)."""
+        """Issue the averages of the complete chunks at the head of the order (`_order`): a chunk complete before
+        those ahead of it waits for them, so every rank issues the same collectives in the same order whatever
+        order its backward completes the chunks in (two ranks running two modules in opposite orders paired one's
+        chunk with the other's: found by review for persistent chunks in session 25, for offloaded ones in
+        session 26)."""
         while self._issued < len(self._order) and self._order[self._issued] in self._ready:
             st = self.states[self._order[self._issued]]
             self._issued += 1
-            self.average_early(st)
+            self._unissued.discard(st.index)
+            if st.offloaded:
+                self._turn(st)
+            else:
+                self.average_early(st)
+
+    def _turn(self, st: ChunkState) -> None:
+        """An offloaded chunk's turn in the order: a sharded chunk whose gradient was flushed on this rank before
+        it (`_holds`), or that joins with zeros (`issue_rest`), is reduce-scattered from its host copy (its flush at
+        completion did it otherwise); a replicated chunk's host gradient is averaged; then its speculative step."""
+        if st.shard is not None and st.local:
+            assert self.worker is not None
+            st.wait_host()
+            st.local = False
+            st.flushes = 1
+            st.host_work = self.worker.submit(self._reduce_scatter_local, st)
+            self.counters.grad_reductions += 1
+            self.counters.reduce_scatters += 1
+        self._reduced(st)
+
+    def issue_rest(self) -> None:
+        """End of a synchronising backward: the chunks of the order this rank has not issued, in order, whether
+        complete here or not. A chunk this rank's backward gave no gradient (its forward used it, its output did
+        not reach this rank's loss) joins with zeros (`_join_zero`), so every rank issues the whole order (before
+        session 26 an offloaded chunk complete on one rank only paired different collectives: gloo aborted, NCCL
+        would hang)."""
+        for c in self._order[self._issued :]:
+            st = self.states[c]
+            if st.offloaded and c not in self._ready:
+                self._join_zero(st)
+                st.complete = True
+        self._ready.update(self._order)
+        self._issue_ready()
+
+    def _join_zero(self, st: ChunkState) -> None:
+        """An offloaded chunk this rank holds no gradient of joins an average with zeros (a replicated chunk's host
+        gradient, a sharded chunk's local sum; an averaged gradient being accumulated into stays, as averaging it
+        again is exact); its entries some rank's forward used count as touched here too."""
+        st.wait_host()
+        st.touched |= st.joined
+        if st.shard is not None:
+            if not st.local:
+                user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
+                if st.flushes == 0:
+                    user.zero_()
+                st.local = True
+                st.flushes = 0
+        elif not st.unaveraged:
+            assert st.host_grad is not None
+            if st.flushes == 0:
+                st.host_grad.zero_()
+                st.flushes = 1
+            st.unaveraged = True
 
     def average_early(self, st: ChunkState) -> None:
         """A persistent chunk's every expected gradient arrived in a synchronising backward whose ranks used the
@@ -290,17 +352,38 @@ class GradientFlow:
             slot = self.residency.pool.slots[st.slot]
             slot.pins = max(0, slot.pins - st.recompute_pins)
             st.recompute_pins = 0
-            if slot.pins == 0:
-                self.residency.evict(slot)
-            elif st.in_slot:
-                self.flush(st, slot, keep=True)
+            self._completing = st.index
+            try:
+                if slot.pins == 0:
+                    self.residency.evict(slot)
+                elif st.in_slot:
+                    self.flush(st, slot, keep=True)
+            finally:
+                self._completing = None
         st.complete = True
         st.touched |= st.joined  # (zero where no gradient arrived here: the area is zeroed at upload)
+        if st.index in self._unissued:
+            self._ready.add(st.index)
+            self._issue_ready()
+            return
+        self._reduced(st)
+
+    def _reduced(self, st: ChunkState) -> None:
+        """A complete offloaded chunk's turn in a synchronising backward, or any completion otherwise: its host
+        gradient's average (a replicated chunk's; a sharded chunk's shard arrived averaged), then its speculative
+        host step."""
+        assert self.host_steps is not None
+        if st.slot is not None and st.ready is not None:
+            # uploaded again while it waited for its turn (a prefetch): its host step must not write the host copy
+            # before that upload has read it (the stream checker's finding)
+            st.pending_events.append(st.ready)
         if self.reduce and st.unaveraged:
             self._submit_average(st)
         if (
             self.host_steps.speculating()
-            and st.touched
+            # a sharded chunk's speculative step all-gathers its `.grad` (a collective): taken at its turn on every
+            # rank, with a gradient here or not (a rank its backward gave none steps no entry)
+            and (st.touched or (st.shard is not None and self.reduce))
             and not st.stepped
             and not st.local  # a sharded chunk's local sum inside no_sync(): nothing may step on it
             and not self.deferred  # its gradient is averaged at the end of this backward
@@ -313,7 +396,7 @@ class GradientFlow:
         """Copy the chunk's gradient area to the host (overwrite after zero_grad, else add). A sharded chunk:
         its reduce-scatter (adding its local sum of earlier no_sync backwards first), or inside `no_sync()` its
         whole area into `user_grad` (`_flush_local`)."""
-        if st.shard is not None and self.local:
+        if st.shard is not None and (self.local or self._holds(st)):
             self._flush_local(st, slot, keep=keep)
             return
         assert st.host_grad is not None and self.worker is not None
@@ -368,10 +451,20 @@ class GradientFlow:
         self.counters.grad_flushes += 1
         self.counters.grad_flush_bytes += (st.shard.size if st.shard is not None else n) * self._esize
 
+    def _holds(self, st: ChunkState) -> bool:
+        """An ordered chunk's flush before its turn (its completion with chunks ahead of it not issued, or a flush
+        before its completion, e.g. its buffer taken for another chunk): no collective now (`_flush_local`); its
+        reduce-scatter runs at its turn (`_turn`)."""
+        if st.index not in self._unissued:
+            return False
+        return not (self._completing == st.index and self._order[self._issued] == st.index)
+
     def _flush_local(self, st: ChunkState, slot: Slot, *, keep: bool) -> None:
-        """A sharded chunk's flush inside `no_sync()`: no collective. Its whole gradient area (this rank's own,
-        un-averaged) goes into `user_grad`: overwritten after zero_grad, else added (`user_grad` then holds the
-        chunk's whole gradient since zero_grad: the averaged one the last exposure showed, or the local sum).
+        """A sharded chunk's flush inside `no_sync()`, or before its turn in a synchronising backward's order
+        (`_holds`; reduce-scattered from `user_grad` at its turn, `_turn`): no collective. Its whole gradient area
+        (this rank's own, un-averaged) goes into `user_grad`: overwritten after zero_grad, else added (`user_grad`
+        then holds the chunk's whole gradient since zero_grad: the averaged one the last exposure showed, or the
+        local sum).
         The host gradient is stale until the next synchronising flush overwrites it (`flushes` = 0)."""
         assert st.shard is not None and self.worker is not None
         st.wait_host()  # host work may still read user_grad or the staging buffer
@@ -519,23 +612,12 @@ class GradientFlow:
             )
 
     def reduce_persistent(self) -> None:
-        """End of a synchronising backward: average across the ranks, in chunk order, every persistent chunk
-        with a gradient that backward did not average as it completed it (`average_early`), and those that got
-        a gradient after that (on any rank); the early ones' parameters get their `.grad` views back."""
+        """End of a synchronising backward, after `agree` and `expose`: average across the ranks, in chunk order,
+        the persistent chunks `agree` named (not averaged as backward completed them, or given a gradient after
+        that on some rank); the early ones' parameters get their `.grad` views back."""
         if not self.reduce:
             return
-        assert self.group is not None
-        for st in self.states:
-            st.wait_host()  # no collective of the host worker (sharded chunks) in flight: one issuer at a time
-        # the rest of the order, which this rank's backward did not complete (an entry the forward used got no
-        # gradient here: it joins as zero): every rank issues the whole order, so a chunk complete on one rank
-        # and not on another still pairs (found by review: the ranks' collectives paired differently and gloo
-        # aborted, "Received data size doesn't match expected size")
-        self._ready.update(self._order)
-        self._issue_ready()
-        for st in self.states:
-            self._settle_average(st)
-        for st in self._agree_on_persistent():
+        for st in self._now:
             self._average_area(st)
         self._end_early()
 
@@ -548,7 +630,8 @@ class GradientFlow:
 
     def _end_early(self) -> None:
         self.overlap_persistent = False
-        self._order, self._issued, self._ready = [], 0, set()
+        self._order, self._issued, self._unissued, self._ready = [], 0, set(), set()
+        self._agreed, self._now = [], []
         for st in self.states:
             if not st.early:
                 continue
@@ -559,45 +642,59 @@ class GradientFlow:
                 st.spec.entries[j].param.grad = view
             st.early = st.late = False
 
-    def _agree_on_persistent(self) -> list[ChunkState]:
-        """The ranks average the same persistent gradients: the union of the parameters with a gradient on any
-        rank (one all-reduce of a mask); one without a gradient here joins as zero, as under
-        `DistributedDataParallel(find_unused_parameters=True)` (data-dependent unused parameters: an expert
-        that got no token on this rank). Without it a chunk unused on one rank was left out of that rank's
-        averages, so the ranks' all-reduces paired different chunks, and an unused parameter of a chunk used
-        elsewhere sent its stale gradient of an earlier step. The same mask carries, per chunk, whether it is
-        to be averaged now (not averaged early, or a gradient arrived after that); returns those chunks, the
-        same on every rank. An early-averaged chunk's entries without a gradient here were zeroed before its
-        average (`average_early`): they hold the average now, and only get their `.grad`."""
+    def agree(self) -> None:
+        """End of a synchronising backward, after every average of the order and the stragglers' were issued and
+        before `expose`: the ranks agree, in one all-reduce of a mask, on which entries have a gradient.
+
+        Persistent chunks: the union of the parameters with a gradient on any rank; one without a gradient here
+        joins as zero, as under `DistributedDataParallel(find_unused_parameters=True)` (data-dependent unused
+        parameters: an expert that got no token on this rank). Without it a chunk unused on one rank was left out
+        of that rank's averages, so the ranks' all-reduces paired different chunks, and an unused parameter of a
+        chunk used elsewhere sent its stale gradient of an earlier step. The same mask carries, per chunk, whether
+        it is to be averaged now (not averaged early, or a gradient arrived after that): those chunks, the same on
+        every rank, are averaged by `reduce_persistent`. An early-averaged chunk's entries without a gradient here
+        were zeroed before its average (`average_early`): they hold the average now, and only get their `.grad`.
+
+        Offloaded chunks averaged in this backward (`_agreed`): an entry with a gradient on some ranks only (its
+        forward ran everywhere, its output reached the loss on some ranks: `joined` covers only what the forwards
+        used) counts as touched on every rank (before session 26 the ranks stepped different entries of an averaged
+        gradient and drifted apart); where the ranks' entries differed, a speculative step taken with fewer entries
+        is undone (`HostSteps.rejoin`, the same on every rank)."""
+        self._now = []
+        if not self.reduce:
+            return
         assert self.group is not None
+        for st in self.states:
+            st.wait_host()  # no collective of the host worker in flight: one issuer at a time
+            self._settle_average(st)
         persistent = [st for st in self.states if not st.offloaded and st.grad is not None]
-        if not persistent:
-            return []
+        offloaded = [self.states[c] for c in sorted(self._agreed)]
+        if not persistent and not offloaded:
+            return
         for st in persistent:
             # (an early one's `.grad` are None until `_end_early`: adopted before its average)
             if not st.early:
                 self._adopt_user_grads(st)
-        mask = torch.cat(
+        # per persistent chunk: "average now", then its entries with a gradient; per offloaded chunk: its entries
+        rows = [
             [
-                torch.tensor(
-                    [bool(st.touched) and (not st.early or st.late)]
-                    + [j in st.touched for j in range(len(st.spec.entries))],
-                    dtype=torch.int32,
-                )
-                for st in persistent
+                bool(st.touched) and (not st.early or st.late),
+                *(j in st.touched for j in range(len(st.spec.entries))),
             ]
-        )
+            for st in persistent
+        ] + [[j in st.touched for j in range(len(st.spec.entries))] for st in offloaded]
+        mask = torch.tensor([b for row in rows for b in row], dtype=torch.int32)
         t0 = time.perf_counter()
-        self.group.union_(mask)
+        self.group.count_(mask)
         self.counters.control_s += time.perf_counter() - t0
         self.counters.control_checks += 1
-        now: list[ChunkState] = []
+        counts = mask.tolist()
         at = 0
         for st in persistent:
             n = len(st.spec.entries)
-            if mask[at]:
-                now.append(st)
-            wanted = {j for j in range(n) if mask[at + 1 + j]} - st.touched
+            if counts[at]:
+                self._now.append(st)
+            wanted = {j for j in range(n) if counts[at + 1 + j]} - st.touched
             at += n + 1
             for j in sorted(wanted):
                 view = self._slot(st, j)  # (no slot: frozen here when wrapped, unfrozen on another rank)
@@ -605,7 +702,19 @@ class GradientFlow:
                     view.zero_()
                 st.spec.entries[j].param.grad = view
                 st.touched.add(j)
-        return now
+        for st in offloaded:
+            n = len(st.spec.entries)
+            held = counts[at : at + n]
+            at += n
+            if all(k in (0, self.group.world_size) for k in held):
+                continue
+            assert self.host_steps is not None
+            wanted = {j for j in range(n) if held[j]} - st.touched
+            self.host_steps.rejoin(st, undo=bool(wanted))
+            st.touched |= wanted
+            # `.grad` filled again at `expose` on every rank (a sharded chunk's fill is an all-gather: a rank that
+            # undid its step refills, so every rank does)
+            st.user_grad_filled = False
 
     def check_same_use(self) -> None:
         """Start of a synchronising backward, before it issues any collective: the ranks compare, per
@@ -657,9 +766,13 @@ class GradientFlow:
             and not differ
             and bool((rows[:, head:] == rows[0, head:]).all())
         )
-        # (the same on every rank: the rows say every rank's forward used the same persistent entries)
+        # (the same on every rank: the rows say every rank's forward used the same persistent entries, and the
+        # same offloaded chunks)
         used_chunks = [st.index for st in persistent if st.expected] if self.overlap_persistent else []
-        self._order, self._issued, self._ready = sorted(used_chunks, reverse=True), 0, set()
+        used_offloaded = [st.index for st in offloaded if st.expected] if not differ else []
+        self._order = sorted(used_chunks + used_offloaded, reverse=True)
+        self._issued, self._unissued, self._ready = 0, set(self._order), set()
+        self._agreed = used_offloaded
         # ranks holding a gradient of each entry
         by_entry = rows[:, len(offloaded) : head].sum(dim=0).tolist()
         at = 0
@@ -676,6 +789,7 @@ class GradientFlow:
         self.deferred = True
         self.reduce = False
         self._deferred_chunks = [st.index for i, st in enumerate(offloaded) if rows[:, i].any()]
+        self._agreed = list(self._deferred_chunks)
         self.counters.deferred_backwards += 1
         log.debug(
             "memplan: the ranks' forwards used different offloaded chunks (%s): this backward's reductions wait "
@@ -693,22 +807,7 @@ class GradientFlow:
         self.deferred = False
         self.reduce = True
         for c in self._deferred_chunks:
-            st = self.states[c]
-            st.wait_host()
-            st.touched |= st.joined
-            if st.shard is not None:
-                if not st.local:
-                    user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
-                    if st.flushes == 0:
-                        user.zero_()
-                    st.local = True
-                    st.flushes = 0
-            elif not st.unaveraged:
-                assert st.host_grad is not None
-                if st.flushes == 0:
-                    st.host_grad.zero_()
-                    st.flushes = 1
-                st.unaveraged = True
+            self._join_zero(self.states[c])
         self._deferred_chunks = []
 
     def grad_views(self, st: ChunkState) -> list[torch.Tensor | None]:

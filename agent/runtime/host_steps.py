@@ -240,6 +240,16 @@ class HostSteps:
         st.user_grad_filled = False
         self.counters.host_step_undos += 1
 
+    def rejoin(self, st: ChunkState, *, undo: bool) -> None:
+        """End of a synchronising backward (`GradientFlow.agree`; every rank calls it for the same chunks): the
+        ranks held different entries of the chunk's averaged gradient. `undo`: this rank's touched entries grow
+        to their union, so a speculative step taken with fewer is undone (`step()` takes the chunk again). A
+        node-shared chunk gets the one barrier an undo queues on every rank, undone here or not."""
+        if undo and st.stepped:
+            self.undo(st, why="another rank's backward gave gradients to entries this rank's did not")
+        elif st.node_shared:
+            self._queue_barrier([st])
+
     def undo_for_evaluation(self, states: list[ChunkState]) -> None:
         """A forward under no_grad between backward and `optimizer.step()` (an evaluation, a metric) sees the
         parameters before the step, as in plain PyTorch: the speculative steps no `step()` confirmed are undone

@@ -522,16 +522,21 @@ class ModelStateManager:
         if aborted:
             self.gradients.deferred = False  # (its local gradients are reduced by the next synchronising one)
             self.gradients.settle_persistent()
-        if not aborted and self.host_steps is not None:
-            self.host_steps.backwards += 1
-            self.gradients.join_deferred()  # (reads `joined` of the chunks this rank did not complete)
-            self.gradients.average_stragglers()
-            self.gradients.expose()
+        if not aborted:
+            # a synchronising backward's collectives, in one order on every rank: the rest of the issue order
+            # (chunks this rank did not complete), the stragglers' averages, one agreement on the entries with a
+            # gradient, `.grad` (a sharded chunk's all-gather), the persistent chunks not averaged yet
+            self.gradients.issue_rest()  # (reads `joined` of the chunks this rank did not complete)
+            if self.host_steps is not None:
+                self.host_steps.backwards += 1
+                self.gradients.join_deferred()  # (reads `joined` too)
+                self.gradients.average_stragglers()
+            self.gradients.agree()
+            if self.host_steps is not None:
+                self.gradients.expose()
         for st in self.states:
             st.joined.clear()  # `check_same_use` sets them for one backward (merged at complete, join_deferred)
         if not aborted:
-            # after `expose`: every offloaded chunk's reduction (host worker) has finished, so collectives
-            # are issued in the same order on every rank
             self.gradients.reduce_persistent()
 
     # ================================================================================ module hooks

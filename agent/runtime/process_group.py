@@ -98,10 +98,11 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [float(v) for v in t.tolist()]
 
-    def union_(self, mask: torch.Tensor) -> None:
-        """`mask` (int32, 0 or 1, the same length on every rank) becomes the element-wise OR over the ranks (in place)."""
+    def count_(self, mask: torch.Tensor) -> None:
+        """`mask` (int32, 0 or 1, the same length on every rank) becomes, element-wise, how many ranks hold 1
+        (in place): above 0 where any rank does (their union), below `world_size` where some rank does not."""
         with _on_backend_device(mask, self.device) as t:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's `row` (1-D, the same length and dtype on every rank) as the rows of a host tensor, in

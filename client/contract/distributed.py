@@ -126,7 +126,7 @@ class CollectiveCurves(ContractModel):
         description="the same tiny collective timed after a compute span as long as a training phase (forward or "
         "backward) on a CPU device, where its time includes the wait for the rank that arrives later, which grows "
         "with the compute before it: what the checks at a phase's end pay (the same-use check at backward's start, "
-        "the persistent union at its end, the device-shard agreements at the ends of forward and backward); 0 = not "
+        "the agreement on the entries with a gradient at its end, the device-shard agreements at the ends of forward and backward); 0 = not "
         "measured (a GPU, older traces: `control_s` prices them)",
     )
 

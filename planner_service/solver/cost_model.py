@@ -152,9 +152,10 @@ Control checks (every multi-rank iteration, `control_checks_ns`): the runtime's 
   added to the iteration (no window hides them: each blocks its issuing thread). Those at a phase's end cost
   `phase_control_ns` (pctl: measured after a phase's worth of compute, the ranks' skew over it included), the
   device-shard agreements before each all-gather `control_ns` (ctl):
-    T_iter += pctl * ([any chunk offloaded] + [any chunk persistent] + 2 * [any dsh])
+    T_iter += pctl * ([any chunk offloaded] + 1 + 2 * [any dsh])
               + ctl * (2 * sum dsh[c] + [any chunk offloaded and any dsh])
-  (the same-use check at backward's start, the persistent union at its end, the device-shard agreements at the
+  (the same-use check at backward's start, the agreement on the entries with a gradient at its end (every
+  plan: persistent and offloaded chunks, `GradientFlow.agree`; policy-1.14), the device-shard agreements at the
   ends of forward and backward; the agreements before a device-sharded chunk's two all-gathers, and the one at
   backward's start that keeps a forward made on some ranks only from pairing the same-use check with another
   size: `DeviceShards.agree`).
@@ -309,16 +310,16 @@ def control_checks_ns(
 ) -> int:
     """The runtime's control checks of one multi-rank iteration, each one tiny synchronous collective. At a
     phase's end (`inst.phase_control_ns`): the same-use check at backward's start when
-    any chunk is offloaded (`GradientFlow.check_same_use`), the persistent chunks' union at backward's end when
-    any chunk is persistent (`_agree_on_persistent`; a persistent chunk without trained parameters skips it:
-    counted, cautious), and with device-sharded chunks one agreement at the end of forward and one at the end
+    any chunk is offloaded (`GradientFlow.check_same_use`), the agreement on the entries with a gradient at
+    backward's end in every plan (`GradientFlow.agree`: persistent chunks, and since policy-1.14 the offloaded
+    chunks backward averaged; a plan whose chunks hold no trained parameter skips it: counted, cautious), and with device-sharded chunks one agreement at the end of forward and one at the end
     of backward (`DeviceShards.agree`); and an agreement before each of a device-sharded chunk's two all-gathers
     per iteration and, with offloaded chunks too, one at backward's start before the same-use check
     (`inst.control_ns`). 0 at world size 1."""
     if not inst.control_ns:
         return 0
     n_dsh = sum(device_sharded)
-    at_phase_end = int(any(offloaded)) + int(not all(offloaded)) + (2 if n_dsh else 0)
+    at_phase_end = int(any(offloaded)) + 1 + (2 if n_dsh else 0)
     # with both kinds, the device-shard agreement at backward's start, before the same-use check (right after
     # forward's end agreement: the plain figure)
     at_backward_start = int(any(offloaded) and n_dsh > 0)

@@ -609,8 +609,8 @@ def _add_time_sharded(pm: PolicyModel) -> None:
 
 def _control_checks(pm: PolicyModel) -> LinearExpr:
     """`cost_model.control_checks_ns` as rows: at a phase's end (`phase_control_ns`) one
-    check when any chunk is offloaded (any_off = max off[c]), one when any is persistent (any_per = max
-    (1 - off[c])) and 2 with device-sharded chunks (any_dsh = max dsh[c]); `control_ns` for 2 per
+    check when any chunk is offloaded (any_off = max off[c]), one in every plan (the agreement at backward's
+    end) and 2 with device-sharded chunks (any_dsh = max dsh[c]); `control_ns` for 2 per
     device-sharded chunk and one when any_off and any_dsh; each indicator pinned both ways, so it is exact
     under every objective."""
     m, inst = pm.model, pm.inst
@@ -619,12 +619,8 @@ def _control_checks(pm: PolicyModel) -> LinearExpr:
         return 0
     pctl = inst.phase_control_ns
     any_off = m.new_bool_var("any_offloaded")
-    any_per = m.new_bool_var("any_persistent")
     m.add_max_equality(any_off, pm.off)
-    for c in range(C):
-        m.add(any_per >= 1 - pm.off[c])
-    m.add(any_per <= sum(1 - pm.off[c] for c in range(C)))
-    at_phase_end: LinearExpr = any_off + any_per
+    at_phase_end: LinearExpr = any_off + 1
     if not inst.device_shard_bytes_of:
         return pctl * at_phase_end
     # pm.dsh holds expressions (sh - osh)

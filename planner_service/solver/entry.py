@@ -76,7 +76,10 @@ from planner_service.solver.instance import (
 # 1.13: the runtime now averages each persistent chunk's gradient as backward completes it (`GradientFlow.
 #      average_early`, on the host worker's offload stream on CUDA, as DDP's buckets overlap backward): the
 #      backward windows hold every chunk's reduction again, as before 1.12 (session 25)
-SOLVER_VERSION = "policy-1.13"
+# 1.14: the agreement at backward's end on the entries with a gradient covers the offloaded chunks too, so it
+#      runs in every multi-rank plan (before: only with a persistent chunk); an all-offloaded plan pays one
+#      control check more (`cost_model.control_checks_ns`; session 26)
+SOLVER_VERSION = "policy-1.14"
 SOLVERS: tuple[str, ...] = ("cpsat", "protrain")
 
 _ACTIVATION = {

@@ -198,7 +198,7 @@ class PolicyInstance:
     # sharded chunks' next uploads wait on (charged once when any chunk is sharded); 0 with private copies
     step_barrier_ns: int = 0
     # one of the runtime's control checks per iteration (a tiny synchronous collective: the same-use check, the
-    # persistent union, the device-shard agreements; `cost_model.control_checks_ns` counts them); 0 at N = 1
+    # agreement at backward's end, the device-shard agreements; `cost_model.control_checks_ns` counts them); 0 at N = 1
     control_ns: int = 0
     # one control check at a phase's end (after forward's or backward's compute: the same-use check, the persistent
     # union, the device-shard agreements at the ends of forward and backward), whose wait for the later rank grows

@@ -168,7 +168,7 @@ def test_predict_vs_measure_ranks_stay_in_step_past_a_fraction_with_no_plan(pvm:
             "control",
         }
         assert bd["counters_ms"]["grad_reduction"] > 0  # every gradient is averaged across the 2 ranks
-        # the runtime's control checks (a same-use check or a persistent union every backward) are timed, and the
+        # the runtime's control checks (a same-use check and the agreement at its end every backward) are timed, and the
         # plan prices them (session 10)
         assert bd["counters_ms"]["control"] > 0 and bd["predicted_ms"]["control"] > 0
         assert bd["predicted_ms"]["iteration"] == pytest.approx(measured["predicted_iteration_s"] * 1e3)

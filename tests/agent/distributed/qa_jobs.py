@@ -32,7 +32,7 @@ import agent
 from agent.applied import Wrapped
 from agent.checkpoint import save_sharded
 from agent.runtime import RuntimeOptions, manual_plan
-from client.contract import Placement
+from client.contract import Placement, Plan
 from tests.agent.runtime.cuda_semantics.checker import StreamOrderError, simulated_cuda
 
 HIDDEN = 16
@@ -644,8 +644,28 @@ PATHS_CHUNKS = [
 ]
 
 
-def paths(rank: int, world: int, mode: str) -> dict[str, Any]:
-    """Every chunk persistent, averaged in backward (on the CPU too), 4 steps; `mode`: "order" (rank 1 runs `a`
+PATHS_PLACEMENTS = {
+    "persistent": [Placement.persistent] * 6,
+    "offloaded": [Placement.offloaded] * 6,
+    "sharded": [Placement.offloaded] * 6,
+    "mixed": [Placement.persistent, Placement.offloaded] * 3,
+}
+
+
+def _sharded(plan: Plan, world: int) -> Plan:
+    """`plan` for `world` ranks with its offloaded chunks sharded across them."""
+    assert plan.policy is not None
+    chunks = [
+        c.model_copy(update={"sharded": c.placement == Placement.offloaded}) for c in plan.policy.chunks
+    ]
+    policy = plan.policy.model_copy(update={"chunks": chunks, "world_size": world})
+    return plan.model_copy(update={"policy": policy})
+
+
+def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """`arg` is "mode" or "mode:placement". `placement` (`PATHS_PLACEMENTS`): every chunk "persistent" (the
+    default; averaged in backward, on the CPU too), every chunk "offloaded" (replicated on every rank), every chunk
+    offloaded and "sharded" across the ranks, or "mixed" (by turns). 4 steps; `mode`: "order" (rank 1 runs `a`
     and `b` in the opposite order, so its backward completes their chunks in the other order), "aux" (`aux` runs
     on every rank, its output joins the loss on rank 0 only: its chunk completes in backward there, never on rank
     1) or "cleared" (`extra` runs in the first step only, and the loop sets every `.grad` to None by hand after
@@ -654,6 +674,9 @@ def paths(rank: int, world: int, mode: str) -> dict[str, Any]:
     "cleared" stepped `extra` with a stale averaged gradient. The reference averages plain PyTorch's `.grad`
     after each backward (a missing one as zero where another rank has one, as DDP's
     `find_unused_parameters=True`). On the CPU and under the stream-ordering checker (the CUDA path)."""
+    mode, _, placement = arg.partition(":")
+    placement = placement or "persistent"
+    where = PATHS_PLACEMENTS[placement]
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(4)]
 
@@ -663,8 +686,11 @@ def paths(rank: int, world: int, mode: str) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = model
         if not ref:
-            plan = manual_plan(model, chunk_size_bytes=4096, offload="none", n_buffers=2)
-            plan = regrouped(plan, model, PATHS_CHUNKS, [Placement.persistent] * 6, torch.float32)
+            base = "none" if placement == "persistent" else "all"  # (buffers for the offloaded chunks)
+            plan = manual_plan(model, chunk_size_bytes=4096, offload=base, n_buffers=2)
+            plan = regrouped(plan, model, PATHS_CHUNKS, where, torch.float32)
+            if placement == "sharded":
+                plan = _sharded(plan, world)
             options = RuntimeOptions(persistent_reductions_in_backward=True)
             wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=options)
             step, opt = wrapped.model, wrapped.optimizer

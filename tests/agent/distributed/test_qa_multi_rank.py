@@ -84,6 +84,24 @@ def test_persistent_chunks_averaged_in_backward_pair_up_whatever_order_or_use_ea
         assert all(n > 0 for n in res["overlapped"]), res["overlapped"]
 
 
+@pytest.mark.parametrize("placement", ["offloaded", "sharded", "mixed"])
+@pytest.mark.parametrize("mode", ["order", "aux"])
+def test_offloaded_chunks_reductions_pair_up_whatever_order_or_use_each_rank_has(
+    tmp_path: Path, mode: str, placement: str
+) -> None:
+    """The same paths with offloaded chunks (replicated on every rank, sharded across them, or by turns with
+    persistent ones): each rank's backward completes `a` and `b` in another order ("order": before, their
+    averages paired one rank's chunk with the other's, silently), or `aux`'s chunk on rank 0 only ("aux": before,
+    rank 0 issued one collective more, and gloo aborted). Parameters equal plain PyTorch averaging `.grad`, a
+    missing one as zero, on the CPU and under the stream checker."""
+    codes, results = spawn("paths", 2, tmp_path, 120, f"{mode}:{placement}")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
+        assert res["violations"] == ""
+
+
 def test_a_tied_llama_under_reentrant_gradient_checkpointing_averages_each_chunk_in_backward_as_ddp(
     tmp_path: Path,
 ) -> None:

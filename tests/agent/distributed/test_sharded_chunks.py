@@ -50,9 +50,10 @@ def check(results: list[dict[str, Any]], *, clipped: bool = False) -> None:
 
 def check_no_sync(results: list[dict[str, Any]], *, tol: float = TOL, partial_flushes: bool = False) -> None:
     """Accumulation inside no_sync(): no collective of a sharded chunk (nor any gradient reduction) in a no_sync
-    backward, one reduce-scatter and one `.grad` all-gather per sharded chunk in the synchronising one (more
-    reduce-scatters only where a chunk was flushed in parts), and `.grad` after every backward is DDP's: the
-    local accumulated gradient after a no_sync one, the average after the others."""
+    backward, one reduce-scatter and one `.grad` all-gather per sharded chunk in the synchronising one (a chunk
+    flushed in parts, `partial_flushes`, too: since session 26 its parts before its turn stay on the rank and
+    its turn reduce-scatters them once; before, each part was a reduce-scatter), and `.grad` after every backward
+    is DDP's: the local accumulated gradient after a no_sync one, the average after the others."""
     for res in results:
         sharded = res["sharded_chunks"]
         backwards = res["backwards"]
@@ -61,10 +62,9 @@ def check_no_sync(results: list[dict[str, Any]], *, tol: float = TOL, partial_fl
             if not b["synced"]:
                 assert b["reduce_scatters"] == b["grad_gathers"] == b["grad_reductions"] == 0, b
                 assert b["grad_flushes"] >= sharded, b  # the local gradients went to the host
-            elif partial_flushes:
-                assert b["reduce_scatters"] > sharded and b["grad_gathers"] == sharded, b
             else:
                 assert b["reduce_scatters"] == b["grad_gathers"] == sharded, b
+                assert b["grad_flushes"] > sharded if partial_flushes else b["grad_flushes"] >= sharded, b
         assert res["grad_rel_diff"]["local"] <= tol and res["grad_rel_diff"]["synced"] <= tol, res[
             "grad_rel_diff"
         ]
@@ -147,16 +147,14 @@ def test_bf16_compute_with_sharded_fp32_masters_trains_alike_on_every_rank(tmp_p
 
 def test_no_sync_accumulation_with_chunks_flushed_in_parts_trains_as_ddp(tmp_path: Path) -> None:
     # chunks of modules far apart in backward, two buffers: a chunk is evicted with gradients pending and flushed
-    # again later in the same backward; its local sum is added into the first of those flushes only
+    # again later in the same backward. Since session 26 its parts stay on the rank (added to the no_sync
+    # backwards' local sum on the host) and its turn in the issue order reduce-scatters them once; before, the
+    # local sum went into the first part's reduce-scatter and every part was one
     results = spawn(
         ShardCase(kind="mlp", offload="all", steps=3, micro=2, no_sync=True, tight=True), 2, tmp_path
     )
     check(results)
     check_no_sync(results, partial_flushes=True)
-    for (
-        res
-    ) in results:  # every flush of a synchronising backward is a reduce-scatter (every chunk is sharded)
-        assert all(b["reduce_scatters"] == b["grad_flushes"] for b in res["backwards"] if b["synced"])
 
 
 def test_no_sync_edge_cases_average_as_ddp_would(tmp_path: Path) -> None:

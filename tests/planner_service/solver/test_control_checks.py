@@ -1,9 +1,9 @@
 """The runtime's control checks in a multi-rank plan (issue 20, session 10): `CollectiveCurves.control_s`.
 
 Every multi-rank iteration pays tiny synchronous collectives the runtime issues to keep the ranks' collectives
-paired: the same-use check at backward's start (any chunk offloaded), the union of the persistent chunks'
-gradients at its end (any chunk persistent), and around device-sharded chunks an agreement before each of
-their two all-gathers plus one at the end of forward and of backward. On the 2-core CPU VM one such call took
+paired: the same-use check at backward's start (any chunk offloaded), the agreement on the entries with a
+gradient at its end (every plan since policy-1.14; before, any chunk persistent), and around device-sharded
+chunks an agreement before each of their two all-gathers plus one at the end of forward and of backward. On the 2-core CPU VM one such call took
 0.5-2.5 ms after compute and the plans predicted none of it (docs/BENCHMARKS.md, session 10). The trace now
 carries their measured latency (optional: older traces keep their hash and read the smallest all-gather
 sample instead); the cost model, CP-SAT and the ProTrain timer charge it by decision, exactly alike.
@@ -75,12 +75,12 @@ def test_an_old_trace_without_control_s_loads_keeps_its_hash_and_reads_the_small
 @pytest.mark.parametrize(
     ("offloaded", "sharded", "checks"),
     [
-        ((True, True), (False, False), 1),  # the same-use check only
-        ((False, False), (False, False), 1),  # the persistent union only
+        ((True, True), (False, False), 2),  # the same-use check and the agreement at backward's end
+        ((False, False), (False, False), 1),  # the agreement only
         ((False, True), (False, True), 2),  # both
         ((True, False), (False, False), 2),
-        # chunk 1 persistent and sharded on the device: the union, 2 agreements before its gathers, 2 at the ends,
-        # 1 at backward's start (chunk 0 offloaded: before the same-use check)
+        # chunk 1 persistent and sharded on the device: the check and the agreement, 2 agreements before its
+        # gathers, 2 at the ends, 1 at backward's start (chunk 0 offloaded: before the same-use check)
         ((True, False), (True, True), 1 + 1 + 2 + 2 + 1),
         ((False, False), (True, True), 1 + 2 * 2 + 2),  # both device-sharded
     ],
@@ -163,8 +163,13 @@ def test_constraints_are_unchanged_by_the_term() -> None:
 @pytest.mark.parametrize(
     ("offloaded", "sharded", "at_phase_end", "before_gathers"),
     [
-        ((True, True), (False, False), 1, 0),  # the same-use check at backward's start
-        ((False, False), (False, False), 1, 0),  # the persistent union at its end
+        (
+            (True, True),
+            (False, False),
+            2,
+            0,
+        ),  # the same-use check at backward's start, the agreement at its end
+        ((False, False), (False, False), 1, 0),  # the agreement at its end
         ((True, False), (False, False), 2, 0),
         # chunk 1 device-sharded: the union and the agreements at forward's and backward's ends at a phase's end,
         # the agreements before its 2 all-gathers after a chunk's compute, and the one at backward's start right

@@ -433,10 +433,11 @@ def test_clipping_redoes_the_shard_steps_and_then_gathers(per_node: int, collect
     # nodes) both compute copies all-gathered, or (one node, a shared compute copy) one barrier: the 1 MB
     # all-gather sample's 20 us
     assert cost.host_redo_ns == 100 * ms + collectives
-    # and one control check (the same-use check at backward's start: every chunk offloaded, none persistent):
-    # the trace measured no `control_s`, so the 1 MB all-gather sample's 20 us
-    assert cost.control_ns == 20_000
-    assert cost.iteration_ns == 40 * ms + 141 * ms + 100 * ms + collectives + 20_000
+    # and two control checks (the same-use check at backward's start, every chunk offloaded; the agreement at its
+    # end, in every plan since policy-1.14): the trace measured no `control_s`, so the 1 MB all-gather sample's
+    # 20 us each
+    assert cost.control_ns == 2 * 20_000
+    assert cost.iteration_ns == 40 * ms + 141 * ms + 100 * ms + collectives + 2 * 20_000
     # the undo backup (12 bytes per element: master + Adam state) is a shard's too (beside 400 MB with a
     # private compute copy, 350 MB with a share of the node's: see the instance tests)
     assert inst.shard_host_bytes_of[0] == (400 if per_node == 1 else 350) * MB + 12 * 12_500_000
@@ -453,7 +454,7 @@ def test_on_a_serial_device_every_collective_adds(per_node: int, collectives: in
     assert cost.backward_ns == 20 * ms + 27 * ms + 4 * ms
     # then the device step of chunk 0 (1 ms), the `.grad` all-gather (2), the shard step (50) and the gather
     # (2 ms, two nodes) or the barrier (20 us, one node), serially; and two control checks (a chunk offloaded:
-    # the same-use check; one persistent: the union of its gradients), 20 us each
+    # the same-use check; the agreement on the entries with a gradient at backward's end), 20 us each
     assert cost.control_ns == 2 * 20_000
     assert cost.iteration_ns == 30 * ms + 51 * ms + ms + 2 * ms + 50 * ms + collectives + 40_000
 
