@@ -201,14 +201,18 @@ class GradientFlow:
         it (`_holds`), or that joins with zeros (`issue_rest`), is reduce-scattered from its host copy (its flush at
         completion did it otherwise); a replicated chunk's host gradient is averaged; then its speculative step."""
         if st.shard is not None and st.local:
-            assert self.worker is not None
-            st.wait_host()
-            st.local = False
-            st.flushes = 1
-            st.host_work = self.worker.submit(self._reduce_scatter_local, st)
-            self.counters.grad_reductions += 1
-            self.counters.reduce_scatters += 1
+            self._submit_local_reduce_scatter(st)
         self._reduced(st)
+
+    def _submit_local_reduce_scatter(self, st: ChunkState) -> None:
+        """Queue a sharded chunk's reduce-scatter of its local sum on the host (`_reduce_scatter_local`)."""
+        assert self.worker is not None
+        st.wait_host()
+        st.local = False
+        st.flushes = 1
+        st.host_work = self.worker.submit(self._reduce_scatter_local, st)
+        self.counters.grad_reductions += 1
+        self.counters.reduce_scatters += 1
 
     def issue_rest(self) -> None:
         """End of a synchronising backward: the chunks of the order this rank has not issued, in order, whether
@@ -576,13 +580,7 @@ class GradientFlow:
             if st.offloaded and st.unaveraged:
                 self._submit_average(st)
             elif st.local:
-                assert self.worker is not None
-                st.wait_host()
-                st.local = False
-                st.flushes = 1
-                st.host_work = self.worker.submit(self._reduce_scatter_local, st)
-                self.counters.grad_reductions += 1
-                self.counters.reduce_scatters += 1
+                self._submit_local_reduce_scatter(st)
 
     def _reduce_scatter_local(self, st: ChunkState) -> None:
         """Host worker: a sharded chunk's local sum (`user_grad`, host) reduce-scattered into its host gradient
