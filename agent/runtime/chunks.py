@@ -113,6 +113,10 @@ class ChunkState:
     late: bool = False
     recompute_pins: int = 0  # pins taken by recomputation in backward, held until gradients complete
     stepped: bool = False  # a speculative host step for this chunk ran since the last optimizer.step()
+    # backward used the chunk again after its speculative step (a recomputation of a block run several times
+    # under re-entrant checkpointing, a gradient after it): the step was undone, and the chunk is no longer
+    # stepped during backward (its step waits for optimizer.step())
+    reused: bool = False
     # speculation (offloaded only): the gradient `.grad` shows after backward, and what undoing a step needs
     user_grad: torch.Tensor | None = None  # host, compute dtype; the parameters' `.grad` are views of it
     user_grad_filled: bool = False  # filled from host_grad since this backward's end (or the step)

@@ -140,9 +140,7 @@ class GradientFlow:
         assert self.residency is not None and self.host_steps is not None
         if st.stepped:
             # a parameter used again after its chunk's speculative step (e.g. outside its module's forward)
-            self.host_steps.undo(
-                st, why=f"parameter {e.name!r} got a gradient after its chunk's speculative host step"
-            )
+            self.reuse(st, why=f"parameter {e.name!r} got a gradient after its chunk's speculative host step")
         if st.slot is None:
             self.residency.acquire(c)  # waits for the upload it starts
         else:
@@ -161,6 +159,14 @@ class GradientFlow:
         st.received.add(j)
         if st.expected and st.expected <= st.received:
             self.complete(st)
+
+    def reuse(self, st: ChunkState, *, why: str) -> None:
+        """Backward uses an offloaded chunk again after its speculative step: the step is undone, and the chunk
+        is not stepped during backward again (`ChunkState.reused`; optimizer.step() steps it), so a block run
+        several times does not step and undo once per pass."""
+        assert self.host_steps is not None
+        self.host_steps.undo(st, why=why)
+        st.reused = True
 
     def _slot(self, st: ChunkState, j: int) -> torch.Tensor:
         """Persistent chunk: entry j's view of the gradient area, the area widened first where it has no slot
@@ -389,6 +395,7 @@ class GradientFlow:
             # rank, with a gradient here or not (a rank its backward gave none steps no entry)
             and (st.touched or (st.shard is not None and self.reduce))
             and not st.stepped
+            and not st.reused  # backward used it again after a speculative step (`reuse`)
             and not st.local  # a sharded chunk's local sum inside no_sync(): nothing may step on it
             and not self.deferred  # its gradient is averaged at the end of this backward
             and self.host_steps.optimizer is not None

@@ -22,11 +22,25 @@ def hooked_parameters(module: nn.Module) -> list[nn.Parameter]:
     submodules its forward uses without calling them. Torch's `nn.MultiheadAttention` passes `out_proj.weight`
     and `.bias` to `F.multi_head_attention_forward`; the `out_proj` Linear's own forward never runs, so its
     hooks never fire (session 21: with out_proj in another chunk than `in_proj_weight` and one buffer, the
-    attention read out_proj's host copy, correct by accident on a CPU, a device mismatch on a GPU)."""
+    attention read out_proj's host copy, correct by accident on a CPU, a device mismatch on a GPU). Likewise
+    the parameters of submodules that cannot run at all (no forward of their own: `nn.ParameterList`,
+    `nn.ParameterDict`, a bare `nn.Module` holding parameters), reached through such submodules only: only this
+    module's forward can read them (session 26: a parent reading `self.aux.scale` of an offloaded chunk raced
+    the prefetch writing that buffer, under the stream checker; on a GPU, a device mismatch when not resident)."""
     params = [p for p in module._parameters.values() if p is not None]
     if isinstance(module, nn.MultiheadAttention):
         params += [p for p in module.out_proj._parameters.values() if p is not None]
-    return params
+    inert = [c for c in module.children() if _cannot_run(c)]
+    while inert:
+        child = inert.pop()
+        params += [p for p in child._parameters.values() if p is not None]
+        inert += [c for c in child.children() if _cannot_run(c)]
+    return list({id(p): p for p in params}.values())
+
+
+def _cannot_run(module: nn.Module) -> bool:
+    """The module has no forward of its own (calling it raises): a container of parameters or modules."""
+    return type(module).forward is nn.Module.forward
 
 
 class PlanMismatchError(ValueError):

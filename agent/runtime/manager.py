@@ -548,6 +548,13 @@ class ModelStateManager:
         if not self.phase.backward and torch.is_grad_enabled():
             self._backward_done = False  # a forward with gradients, also one of a submodule called on its own
         for c in chunks:
+            if self.phase.backward and self.states[c].stepped:
+                # a recomputation in backward of a module whose chunk was stepped speculatively (a block run
+                # several times under re-entrant checkpointing: its first pass completed the chunk): it must see
+                # the parameters before the step (before session 26 it recomputed with the stepped ones)
+                self.gradients.reuse(
+                    self.states[c], why="its module is recomputed in backward after the step"
+                )
             self.residency.acquire(c, pin=True)
             if self.phase.backward:
                 # a recomputation (activation checkpointing) inside backward: the tensors it saves

@@ -66,6 +66,21 @@ def test_persistent_chunks_averaged_during_backward_take_later_gradients_as_ddp(
             assert counts["reductions"] == 4 * 4, counts
 
 
+def test_a_block_run_three_times_under_reentrant_checkpointing_in_an_offloaded_chunk_trains_as_ddp(
+    tmp_path: Path,
+) -> None:
+    """The same looped block alone in an offloaded chunk: its chunk completes (and is averaged and stepped) at the
+    first pass's gradients; the next pass's recomputation must see the parameters before that step (until
+    session 26 it used the stepped ones, single-process too: 2-3% off), and the later passes' gradients are
+    averaged in. On the CPU and under the stream checker."""
+    codes, results = spawn("late", 2, tmp_path, 120, "offloaded")
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
+        assert res["violations"] == ""
+
+
 @pytest.mark.parametrize("mode", ["order", "aux", "cleared"])
 def test_persistent_chunks_averaged_in_backward_pair_up_whatever_order_or_use_each_rank_has(
     tmp_path: Path, mode: str
