@@ -109,6 +109,7 @@ class GradientFlow:
         # the ranks agree on at its end (`agree`); the persistent chunks averaged then
         self._agreed: list[int] = []
         self._now: list[ChunkState] = []
+        self._agreements = 0  # end-of-backward agreements so far (`agree`)
         # a parameter whose hand-assigned gradient a backward under a process group could not keep (`expose`):
         # refused at the next `optimizer.step()`
         self._assigned_lost: str | None = None
@@ -376,6 +377,14 @@ class GradientFlow:
             self._ready.add(st.index)
             self._issue_ready()
             return
+        if st.index in self._order and st.shard is None:
+            # complete again after its turn (a gradient after it): averaged again at the end of backward, on
+            # every rank where any rank's chunk is (`agree`), not now: a rank that held the chunk for its turn
+            # took this gradient into that average, so the ranks' collectives would pair differently (review).
+            # A sharded chunk's later gradient is still reduce-scattered at once (in its flush), which pairs only
+            # where every rank's backward gets it at the same point (the same graph everywhere)
+            st.again = True
+            return
         self._reduced(st)
 
     def _reduced(self, st: ChunkState) -> None:
@@ -396,6 +405,10 @@ class GradientFlow:
             and (st.touched or (st.shard is not None and self.reduce))
             and not st.stepped
             and not st.reused  # backward used it again after a speculative step (`reuse`)
+            # a node-shared sharded chunk speculates from the second synchronising backward on, once the ranks
+            # agreed on which chunks their backwards reuse: an undo's barrier where one rank reused the chunk and
+            # another (holding it for its turn) had not stepped it would pair with nothing
+            and not (st.node_shared and self._agreements == 0)
             and not st.local  # a sharded chunk's local sum inside no_sync(): nothing may step on it
             and not self.deferred  # its gradient is averaged at the end of this backward
             and self.host_steps.optimizer is not None
@@ -413,8 +426,17 @@ class GradientFlow:
         assert st.host_grad is not None and self.worker is not None
         st.wait_host()  # host work may still read host_grad or the staging buffer
         n = st.numel
-        local = st.local  # user_grad holds the local sum of no_sync backwards: added once, here
+        # user_grad holds part of the gradient since zero_grad, added into the area once, here: the local sum of
+        # no_sync backwards or of flushes held before its turn (`local`), or, at a sharded chunk's turn in a
+        # backward accumulating into an averaged gradient (flushes > 0: no zero_grad since a synchronising
+        # backward), that average as `.grad` showed it. Then the reduce-scatter carries the whole gradient and
+        # overwrites the host shard, the same meaning as the contribution of a rank reduce-scattering its held
+        # sum or joining with nothing (`_turn`, `_join_zero`); before (review, session 26) this rank sent its
+        # increment and added the result, the others their total, and the shard came out wrong
+        local = st.local or (st.shard is not None and st.flushes > 0 and st.index in self._unissued)
         st.local = False
+        if local:
+            st.flushes = 0
         first = st.flushes == 0  # (0 for a chunk with a local sum: the reduce-scatter moves all of it)
         direct = first and not st.mixed
         target = st.host_grad if direct else stage_for(st, self.ctx, self.compute_dtype)
@@ -584,7 +606,7 @@ class GradientFlow:
         if not self.reduce:
             return
         for st in self.states:
-            if st.offloaded and st.unaveraged:
+            if st.offloaded and st.unaveraged and not st.again:  # (`again`: averaged after `agree`)
                 self._submit_average(st)
             elif st.local:
                 self._submit_local_reduce_scatter(st)
@@ -634,6 +656,10 @@ class GradientFlow:
         self._end_early()
 
     def _end_early(self) -> None:
+        for st in self.states:
+            if st.again:  # (a backward that raised: its later gradients are dropped, `user_grad` refilled)
+                st.again = False
+                st.user_grad_filled = False
         self.overlap_persistent = False
         self._order, self._issued, self._unissued, self._ready = [], 0, set(), set()
         self._agreed, self._now = [], []
@@ -663,8 +689,8 @@ class GradientFlow:
         Offloaded chunks averaged in this backward (`_agreed`): an entry with a gradient on some ranks only (its
         forward ran everywhere, its output reached the loss on some ranks: `joined` covers only what the forwards
         used) counts as touched on every rank (before session 26 the ranks stepped different entries of an averaged
-        gradient and drifted apart); where the ranks' entries differed, a speculative step taken with fewer entries
-        is undone (`HostSteps.rejoin`, the same on every rank)."""
+        gradient and drifted apart); where the ranks' entries differed, the chunk's speculative step is undone on
+        every rank (`HostSteps.rejoin`; `step()` takes it with the union) and `.grad` is filled again."""
         self._now = []
         if not self.reduce:
             return
@@ -680,19 +706,23 @@ class GradientFlow:
             # (an early one's `.grad` are None until `_end_early`: adopted before its average)
             if not st.early:
                 self._adopt_user_grads(st)
-        # per persistent chunk: "average now", then its entries with a gradient; per offloaded chunk: its entries
+        # per persistent chunk: "average now", then its entries with a gradient; per offloaded chunk: its entries,
+        # then "a gradient after its turn" (`again`) and "reused after a speculative step" (`reused`)
         rows = [
             [
                 bool(st.touched) and (not st.early or st.late),
                 *(j in st.touched for j in range(len(st.spec.entries))),
             ]
             for st in persistent
-        ] + [[j in st.touched for j in range(len(st.spec.entries))] for st in offloaded]
+        ] + [
+            [*(j in st.touched for j in range(len(st.spec.entries))), st.again, st.reused] for st in offloaded
+        ]
         mask = torch.tensor([b for row in rows for b in row], dtype=torch.int32)
         t0 = time.perf_counter()
         self.group.count_(mask)
         self.counters.control_s += time.perf_counter() - t0
         self.counters.control_checks += 1
+        self._agreements += 1
         counts = mask.tolist()
         at = 0
         for st in persistent:
@@ -709,17 +739,35 @@ class GradientFlow:
                 st.touched.add(j)
         for st in offloaded:
             n = len(st.spec.entries)
-            held = counts[at : at + n]
-            at += n
-            if all(k in (0, self.group.world_size) for k in held):
-                continue
-            assert self.host_steps is not None
-            wanted = {j for j in range(n) if held[j]} - st.touched
-            self.host_steps.rejoin(st, undo=bool(wanted))
-            st.touched |= wanted
-            # `.grad` filled again at `expose` on every rank (a sharded chunk's fill is an all-gather: a rank that
-            # undid its step refills, so every rank does)
-            st.user_grad_filled = False
+            held, again, reused = counts[at : at + n], counts[at + n], counts[at + n + 1]
+            at += n + 2
+            st.reused = st.reused or reused > 0  # (the same on every rank: speculation decisions stay alike)
+            partial = not all(k in (0, self.group.world_size) for k in held)
+            if partial:
+                # a speculative step taken before the union of entries: undone (`step()` takes the chunk again)
+                assert self.host_steps is not None
+                union = {j for j in range(n) if held[j]}
+                self.host_steps.rejoin(st, changed=not union <= st.touched)
+                st.touched |= union
+            if again:
+                self._average_again(st)
+            if partial or again:
+                # `.grad` filled again at `expose` on every rank (a sharded chunk's fill is an all-gather: a rank
+                # that undid its step refills, so every rank does)
+                st.user_grad_filled = False
+
+    def _average_again(self, st: ChunkState) -> None:
+        """End of backward, every rank (`agree`): the replicated chunk got a gradient after its turn on some rank;
+        its host gradient (averaged, plus this rank's later gradients) is averaged again, which is exact. (A
+        speculative step of it was undone when the later gradient arrived, `reuse`; a replicated chunk's undo
+        issues no collective.)"""
+        assert self.host_steps is not None
+        if st.stepped:
+            self.host_steps.undo(st, why="another rank's chunk got a gradient after its turn")
+        st.wait_host()
+        st.again = False
+        st.unaveraged = True
+        self._submit_average(st)
 
     def check_same_use(self) -> None:
         """Start of a synchronising backward, before it issues any collective: the ranks compare, per

@@ -210,10 +210,13 @@ class HostSteps:
         self.group.all_gather(st.host_params, own)
         self.counters.param_gather_s += time.perf_counter() - t0
 
-    def _restore(self, st: ChunkState) -> None:
-        """Host worker: undo the chunk's speculative step (master, compute copy, optimizer state)."""
+    def _restore(self, st: ChunkState, read: Event = None) -> None:
+        """Host worker: undo the chunk's speculative step (master, compute copy, optimizer state), once the
+        chunk's last upload (`read`) has read the compute copy."""
         assert self.optimizer is not None
         assert st.master is not None and st.backup_master is not None and st.host_params is not None
+        if read is not None:
+            self.ctx.host_wait(read)
         st.master.copy_(st.backup_master)
         self.optimizer.steppers[st.index].restore()
         self._refresh_compute(st)
@@ -227,10 +230,13 @@ class HostSteps:
                 f"chunk runtime: {why}, and RuntimeOptions(undo_host_steps=False) keeps nothing to undo it with. "
                 "Use undo_host_steps=True (the default) or overlap_host_step=False."
             )
+        # an upload of the stepped values may still be reading the compute copy the restore rewrites (a prefetch
+        # in backward, before the recomputation that undoes the step: the stream checker's finding, session 26)
+        read = st.ready if st.slot is not None else None
         self.residency.evict_chunk(st)  # its buffer may hold the stepped values: upload the restored ones
         st.written = False  # the restore copies the backup, the user's writes there included
         st.wait_host()
-        st.host_work = self.worker.submit(self._restore, st)
+        st.host_work = self.worker.submit(self._restore, st, read)
         if st.node_shared:
             # this rank rewrote its shard of the node's copy: no rank may upload it before that finished (every
             # rank undoes the same chunks: the same graph, the same speculation decisions)
@@ -240,13 +246,19 @@ class HostSteps:
         st.user_grad_filled = False
         self.counters.host_step_undos += 1
 
-    def rejoin(self, st: ChunkState, *, undo: bool) -> None:
+    def rejoin(self, st: ChunkState, *, changed: bool) -> None:
         """End of a synchronising backward (`GradientFlow.agree`; every rank calls it for the same chunks): the
-        ranks held different entries of the chunk's averaged gradient. `undo`: this rank's touched entries grow
-        to their union, so a speculative step taken with fewer is undone (`step()` takes the chunk again). A
-        node-shared chunk gets the one barrier an undo queues on every rank, undone here or not."""
-        if undo and st.stepped:
-            self.undo(st, why="another rank's backward gave gradients to entries this rank's did not")
+        ranks held different entries of the chunk's averaged gradient. A speculative step is undone where this
+        rank's gradient `changed` (its entries grew to the union; `step()` takes the chunk again), and for a
+        sharded chunk on every rank: the ranks' speculative state
+        then stays the same, so later undos (the next forward's, of an accumulation) issue the same barriers
+        everywhere (review, session 26: undone on one rank, the next forward's undo waited in a barrier the other
+        never reached). A node-shared chunk gets the one barrier an undo queues, undone here or not. Without undo
+        backups (`RuntimeOptions(undo_host_steps=False)`) an undo that is needed raises (`undo`): on every rank for
+        a sharded chunk; for a replicated one only where this rank stepped fewer entries than the union (the others
+        then wait in their next collective: not guarded)."""
+        if st.stepped and (changed or st.shard is not None):
+            self.undo(st, why="the ranks' backwards gave gradients to different entries of the chunk")
         elif st.node_shared:
             self._queue_barrier([st])
 

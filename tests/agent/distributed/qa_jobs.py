@@ -555,7 +555,7 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
     the block's first gradient, before the block's other passes and the scale add theirs; two steps of two
     synchronising micro-steps each. `placement`: "persistent" (every chunk; no host worker, the training thread
     issues the averages), "mixed" (the embedding offloaded), "offloaded" (the block alone in an offloaded chunk,
-    the head offloaded too), or "llama" (`_llama`, every chunk persistent, in
+    the head offloaded too), "sharded" (the same, sharded across the ranks), or "llama" (`_llama`, every chunk persistent, in
     chunks of about a quarter of the model). The reference averages plain PyTorch's `.grad` after every backward,
     as DDP does (DDP itself refuses a parameter made ready twice in one backward, short of `static_graph=True`).
     Trained on the CPU and again under the stream-ordering checker (the CUDA path)."""
@@ -565,8 +565,9 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
         # the block's and the head's chunks offloaded; the LayerNorm's weight the root reads (outside its module's
         # forward: not made resident, docs/architecture/runtime.md) in the embedding's persistent chunk
         "offloaded": [Placement.persistent, Placement.offloaded, Placement.offloaded],
+        "sharded": [Placement.persistent, Placement.offloaded, Placement.offloaded],
     }.get(placement)
-    groups = LOOPED_CHUNKS if placement != "offloaded" else LOOPED_BLOCK_APART
+    groups = LOOPED_CHUNKS if placement not in ("offloaded", "sharded") else LOOPED_BLOCK_APART
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(4)]
 
@@ -585,6 +586,8 @@ def late(rank: int, world: int, placement: str) -> dict[str, Any]:
                 base = "none" if placement == "persistent" else "all"  # (buffers for the offloaded chunk)
                 plan = manual_plan(model, chunk_size_bytes=4096, offload=base, n_buffers=2)
                 plan = regrouped(plan, model, groups, where, torch.float32)
+                if placement == "sharded":
+                    plan = _sharded(plan, world)
             # on the CPU as on CUDA (the default averages a CPU device's persistent chunks after backward)
             options = RuntimeOptions(persistent_reductions_in_backward=True)
             wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=options)
@@ -641,13 +644,22 @@ class Paths(nn.Module):
         self.aux = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
-    def forward(self, x: torch.Tensor, swap: bool, extra: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, swap: bool, extra: bool, loop: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.embed(x)
-        h = self.a(self.b(h)) if swap else self.b(self.a(h))
+        if loop:  # `a` and `b` run twice under re-entrant checkpointing: their chunks get gradients twice
+            for _ in range(2):
+                h = checkpoint(lambda t: t + torch.tanh(self._ab(t, swap)), h, use_reentrant=True)
+        else:
+            h = self._ab(h, swap)
         if extra:
             h = h + self.extra(h)
         h = torch.tanh(h)
         return self.head(h), self.aux(h)
+
+    def _ab(self, h: torch.Tensor, swap: bool) -> torch.Tensor:
+        return self.a(self.b(h)) if swap else self.b(self.a(h))
 
 
 PATHS_CHUNKS = [
@@ -679,7 +691,9 @@ def _sharded(plan: Plan, world: int) -> Plan:
 
 
 def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
-    """`arg` is "mode" or "mode:placement". `placement` (`PATHS_PLACEMENTS`): every chunk "persistent" (the
+    """`arg` is "mode", "mode:placement" or "mode:placement:variant"; variant "accumulate": a step after every
+    second backward, both synchronising (the second accumulates into an averaged gradient); "loop": `a` and `b`
+    run twice under re-entrant checkpointing (their chunks complete, then get gradients again). `placement` (`PATHS_PLACEMENTS`): every chunk "persistent" (the
     default; averaged in backward, on the CPU too), every chunk "offloaded" (replicated on every rank), every chunk
     offloaded and "sharded" across the ranks, or "mixed" (by turns). 4 steps; `mode`: "order" (rank 1 runs `a`
     and `b` in the opposite order, so its backward completes their chunks in the other order), "aux" (`aux` runs
@@ -690,7 +704,7 @@ def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
     "cleared" stepped `extra` with a stale averaged gradient. The reference averages plain PyTorch's `.grad`
     after each backward (a missing one as zero where another rank has one, as DDP's
     `find_unused_parameters=True`). On the CPU and under the stream-ordering checker (the CUDA path)."""
-    mode, _, placement = arg.partition(":")
+    mode, placement, accumulate = (arg.split(":") + ["", ""])[:3]
     placement = placement or "persistent"
     where = PATHS_PLACEMENTS[placement]
     g = torch.Generator().manual_seed(rank)
@@ -711,7 +725,12 @@ def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
             wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=options)
             step, opt = wrapped.model, wrapped.optimizer
         for i, x in enumerate(data):
-            out, aux = step(x, swap=mode == "order" and rank == 1, extra=mode != "cleared" or i == 0)
+            out, aux = step(
+                x,
+                swap=mode == "order" and rank == 1,
+                extra=mode != "cleared" or i == 0,
+                loop=accumulate == "loop",
+            )
             loss = nn.functional.cross_entropy(out.flatten(0, 1), x.flatten())
             if mode != "aux" or rank == 0:
                 loss = loss + aux.pow(2).mean()
@@ -724,6 +743,8 @@ def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
                         p.grad = torch.zeros_like(p) if p.grad is None else p.grad
                         dist.all_reduce(p.grad)
                         p.grad.div_(world)
+            if accumulate == "accumulate" and i % 2 == 0:
+                continue  # two synchronising backwards per step, without no_sync
             opt.step()
             if mode == "cleared":
                 for p in model.parameters():
