@@ -17,6 +17,16 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TOL = 1e-5
 
 
+def _as_reference(codes: list[int | None], results: list[Any]) -> None:
+    """Every rank finished, and its parameters equal the plain PyTorch reference on the CPU and on the CUDA path
+    under the stream checker, which found no violation."""
+    assert codes == [0, 0], codes
+    for res in results:
+        assert res["error"] is None, res.get("trace")
+        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
+        assert res["violations"] == ""
+
+
 def _routed_trains_as_ddp(tmp_path: Path, placement: str) -> list[dict[str, Any]]:
     """The routed job (`qa_jobs.routed`) on 2 ranks: every rank's losses and parameters equal
     DistributedDataParallel(find_unused_parameters=True)'s within TOL; the ranks' results."""
@@ -75,12 +85,7 @@ def test_a_block_run_three_times_under_reentrant_checkpointing_in_an_offloaded_c
     session 26 it used the stepped ones, single-process too: 2-3% off), and the later passes' gradients are
     averaged in (replicated) or reduce-scattered in (sharded across the ranks). On the CPU and under the stream
     checker (which found the undo's restore racing a prefetch's upload of the stepped values)."""
-    codes, results = spawn("late", 2, tmp_path, 120, placement)
-    assert codes == [0, 0], codes
-    for res in results:
-        assert res["error"] is None, res.get("trace")
-        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
-        assert res["violations"] == ""
+    _as_reference(*spawn("late", 2, tmp_path, 120, placement))
 
 
 @pytest.mark.parametrize("mode", ["order", "aux", "cleared"])
@@ -93,11 +98,8 @@ def test_persistent_chunks_averaged_in_backward_pair_up_whatever_order_or_use_ea
     None by hand ("cleared": that gradient leaves the chunk, as at the step). Parameters equal plain PyTorch
     averaging `.grad` (a missing one as zero), on the CPU and under the stream checker."""
     codes, results = spawn("paths", 2, tmp_path, 120, mode)
-    assert codes == [0, 0], codes
+    _as_reference(codes, results)
     for res in results:
-        assert res["error"] is None, res.get("trace")
-        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
-        assert res["violations"] == ""
         assert all(n > 0 for n in res["overlapped"]), res["overlapped"]
 
 
@@ -128,12 +130,7 @@ def test_offloaded_chunks_reductions_pair_up_whatever_order_or_use_each_rank_has
     rank aborted gloo). Not covered, and not supported: a sharded chunk's gradient after its turn where the ranks'
     backwards differ (docs/architecture/runtime.md). Parameters equal plain PyTorch averaging `.grad`, a missing one
     as zero, on the CPU and under the stream checker."""
-    codes, results = spawn("paths", 2, tmp_path, 120, f"{mode}:{placement}")
-    assert codes == [0, 0], codes
-    for res in results:
-        assert res["error"] is None, res.get("trace")
-        assert res["param_rel_diff"] <= TOL and res["simulated_rel_diff"] <= TOL, res
-        assert res["violations"] == ""
+    _as_reference(*spawn("paths", 2, tmp_path, 120, f"{mode}:{placement}"))
 
 
 def test_a_tied_llama_under_reentrant_gradient_checkpointing_averages_each_chunk_in_backward_as_ddp(
