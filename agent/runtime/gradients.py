@@ -97,10 +97,9 @@ class GradientFlow:
         self.persistent_in_backward = ctx.is_cuda
         # a synchronising backward's one issue order (`check_same_use`), the same on every rank: the offloaded
         # chunks the forward used and, with `overlap_persistent`, the persistent ones, by descending index
-        # (backward's usual order); how many were issued, those not issued yet, those complete on this rank
+        # (backward's usual order); how many were issued, those complete on this rank
         self._order: list[int] = []
         self._issued = 0
-        self._unissued: set[int] = set()
         self._ready: set[int] = set()
         # the chunk whose completion is flushing it (`complete`): a sharded one at the head of the order
         # reduce-scatters in that flush; any other flush of an ordered sharded chunk stays on this rank
@@ -197,7 +196,6 @@ class GradientFlow:
         while self._issued < len(self._order) and self._order[self._issued] in self._ready:
             st = self.states[self._order[self._issued]]
             self._issued += 1
-            self._unissued.discard(st.index)
             if st.offloaded:
                 self._turn(st)
             else:
@@ -231,7 +229,6 @@ class GradientFlow:
             st = self.states[c]
             if st.offloaded and c not in self._ready:
                 self._join_zero(st)
-                st.complete = True
         self._ready.update(self._order)
         self._issue_ready()
 
@@ -373,7 +370,7 @@ class GradientFlow:
                 self._completing = None
         st.complete = True
         st.touched |= st.joined  # (zero where no gradient arrived here: the area is zeroed at upload)
-        if st.index in self._unissued:
+        if self._waiting(st):
             self._ready.add(st.index)
             self._issue_ready()
             return
@@ -433,7 +430,7 @@ class GradientFlow:
         # overwrites the host shard, the same meaning as the contribution of a rank reduce-scattering its held
         # sum or joining with nothing (`_turn`, `_join_zero`); before (review, session 26) this rank sent its
         # increment and added the result, the others their total, and the shard came out wrong
-        local = st.local or (st.shard is not None and st.flushes > 0 and st.index in self._unissued)
+        local = st.local or (st.shard is not None and st.flushes > 0 and self._waiting(st))
         st.local = False
         if local:
             st.flushes = 0
@@ -484,11 +481,15 @@ class GradientFlow:
         self.counters.grad_flushes += 1
         self.counters.grad_flush_bytes += (st.shard.size if st.shard is not None else n) * self._esize
 
+    def _waiting(self, st: ChunkState) -> bool:
+        """The chunk is in this backward's issue order and its turn has not come yet."""
+        return st.index in self._order[self._issued :]
+
     def _holds(self, st: ChunkState) -> bool:
         """An ordered chunk's flush before its turn (its completion with chunks ahead of it not issued, or a flush
         before its completion, e.g. its buffer taken for another chunk): no collective now (`_flush_local`); its
         reduce-scatter runs at its turn (`_turn`)."""
-        if st.index not in self._unissued:
+        if not self._waiting(st):
             return False
         return not (self._completing == st.index and self._order[self._issued] == st.index)
 
@@ -661,7 +662,7 @@ class GradientFlow:
                 st.again = False
                 st.user_grad_filled = False
         self.overlap_persistent = False
-        self._order, self._issued, self._unissued, self._ready = [], 0, set(), set()
+        self._order, self._issued, self._ready = [], 0, set()
         self._agreed, self._now = [], []
         for st in self.states:
             if not st.early:
@@ -824,7 +825,7 @@ class GradientFlow:
         used_chunks = [st.index for st in persistent if st.expected] if self.overlap_persistent else []
         used_offloaded = [st.index for st in offloaded if st.expected] if not differ else []
         self._order = sorted(used_chunks + used_offloaded, reverse=True)
-        self._issued, self._unissued, self._ready = 0, set(self._order), set()
+        self._issued, self._ready = 0, set()
         self._agreed = used_offloaded
         # ranks holding a gradient of each entry
         by_entry = rows[:, len(offloaded) : head].sum(dim=0).tolist()
