@@ -708,7 +708,8 @@ class GradientFlow:
             if not st.early:
                 self._adopt_user_grads(st)
         # per persistent chunk: "average now", then its entries with a gradient; per offloaded chunk: its entries,
-        # then "a gradient after its turn" (`again`) and "reused after a speculative step" (`reused`)
+        # then "a gradient after its turn" (`again`), "reused after a speculative step" (`reused`) and "stepped
+        # without an undo backup" (`RuntimeOptions(undo_host_steps=False)`)
         rows = [
             [
                 bool(st.touched) and (not st.early or st.late),
@@ -716,7 +717,13 @@ class GradientFlow:
             ]
             for st in persistent
         ] + [
-            [*(j in st.touched for j in range(len(st.spec.entries))), st.again, st.reused] for st in offloaded
+            [
+                *(j in st.touched for j in range(len(st.spec.entries))),
+                st.again,
+                st.reused,
+                st.stepped and not st.spec_backup,
+            ]
+            for st in offloaded
         ]
         mask = torch.tensor([b for row in rows for b in row], dtype=torch.int32)
         t0 = time.perf_counter()
@@ -740,10 +747,22 @@ class GradientFlow:
                 st.touched.add(j)
         for st in offloaded:
             n = len(st.spec.entries)
-            held, again, reused = counts[at : at + n], counts[at + n], counts[at + n + 1]
-            at += n + 2
+            held = counts[at : at + n]
+            again, reused, blind = counts[at + n : at + n + 3]
+            at += n + 3
             st.reused = st.reused or reused > 0  # (the same on every rank: speculation decisions stay alike)
             partial = not all(k in (0, self.group.world_size) for k in held)
+            if partial and blind:
+                # a rank stepped with fewer entries than the union and cannot undo it: every rank says so here (the
+                # rank that needed the undo alone raised before, and the others waited in their next collective;
+                # raised too where no rank needed one: a rank that did not step, the others stepping the union)
+                raise RuntimeError(
+                    f"chunk runtime: the ranks' backwards gave gradients to different parameters of offloaded chunk "
+                    f"{st.index} (an output that reaches the loss on some ranks only), so its overlapped host step "
+                    "must be taken again with every rank's parameters, and RuntimeOptions(undo_host_steps=False) "
+                    "keeps nothing to undo it with. Use undo_host_steps=True (the default) or "
+                    "overlap_host_step=False."
+                )
             if partial:
                 # a speculative step taken before the union of entries: undone (`step()` takes the chunk again)
                 assert self.host_steps is not None

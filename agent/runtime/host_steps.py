@@ -254,9 +254,7 @@ class HostSteps:
         then stays the same, so later undos (the next forward's, of an accumulation) issue the same barriers
         everywhere (review, session 26: undone on one rank, the next forward's undo waited in a barrier the other
         never reached). A node-shared chunk gets the one barrier an undo queues, undone here or not. Without undo
-        backups (`RuntimeOptions(undo_host_steps=False)`) an undo that is needed raises (`undo`): on every rank for
-        a sharded chunk; for a replicated one only where this rank stepped fewer entries than the union (the others
-        then wait in their next collective: not guarded)."""
+        backups (`RuntimeOptions(undo_host_steps=False)`) `agree` raises on every rank before this is called."""
         if st.stepped and (changed or st.shard is not None):
             self.undo(st, why="the ranks' backwards gave gradients to different entries of the chunk")
         elif st.node_shared:

@@ -693,7 +693,8 @@ def _sharded(plan: Plan, world: int) -> Plan:
 def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
     """`arg` is "mode", "mode:placement" or "mode:placement:variant"; variant "accumulate": a step after every
     second backward, both synchronising (the second accumulates into an averaged gradient); "loop": `a` and `b`
-    run twice under re-entrant checkpointing (their chunks complete, then get gradients again). `placement` (`PATHS_PLACEMENTS`): every chunk "persistent" (the
+    run twice under re-entrant checkpointing (their chunks complete, then get gradients again); "noundo": `aux` and
+    `head` share a chunk, under `RuntimeOptions(undo_host_steps=False)`. `placement` (`PATHS_PLACEMENTS`): every chunk "persistent" (the
     default; averaged in backward, on the CPU too), every chunk "offloaded" (replicated on every rank), every chunk
     offloaded and "sharded" across the ranks, or "mixed" (by turns). 4 steps; `mode`: "order" (rank 1 runs `a`
     and `b` in the opposite order, so its backward completes their chunks in the other order), "aux" (`aux` runs
@@ -718,10 +719,17 @@ def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
         if not ref:
             base = "none" if placement == "persistent" else "all"  # (buffers for the offloaded chunks)
             plan = manual_plan(model, chunk_size_bytes=4096, offload=base, n_buffers=2)
-            plan = regrouped(plan, model, PATHS_CHUNKS, where, torch.float32)
+            chunks = PATHS_CHUNKS
+            if (
+                accumulate == "noundo"
+            ):  # `aux` and `head` in one chunk: rank 1's backward gives it fewer entries
+                chunks = [*PATHS_CHUNKS[:4], ["aux.weight", "head.weight"]]
+            plan = regrouped(plan, model, chunks, where[: len(chunks)], torch.float32)
             if placement == "sharded":
                 plan = _sharded(plan, world)
-            options = RuntimeOptions(persistent_reductions_in_backward=True)
+            options = RuntimeOptions(
+                persistent_reductions_in_backward=True, undo_host_steps=accumulate != "noundo"
+            )
             wrapped = agent.wrap(model, opt, plan=plan, feedback_steps=None, options=options)
             step, opt = wrapped.model, wrapped.optimizer
         for i, x in enumerate(data):

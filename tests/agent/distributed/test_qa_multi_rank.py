@@ -133,6 +133,27 @@ def test_offloaded_chunks_reductions_pair_up_whatever_order_or_use_each_rank_has
     _as_reference(*spawn("paths", 2, tmp_path, 120, f"{mode}:{placement}"))
 
 
+@pytest.mark.parametrize("placement", ["offloaded", "sharded"])
+def test_a_step_without_undo_backup_taken_with_fewer_entries_is_the_same_error_on_every_rank(
+    tmp_path: Path, placement: str
+) -> None:
+    """Defect (known since session 26, fixed in 27): `aux` and `head` in one offloaded chunk, `aux`'s output in
+    the loss on rank 0 only, `RuntimeOptions(undo_host_steps=False)`. Rank 1 stepped the replicated chunk during
+    backward with `head`'s gradient only; the agreement at backward's end showed rank 0 had `aux`'s too, and rank 1
+    alone raised (it cannot undo the step) while rank 0 went on into its next collective (gloo: "Connection closed
+    by peer"; NCCL would hang). Now the agreement carries "stepped without a backup" and every rank raises the same
+    error, naming the chunk and the two options that avoid it."""
+    codes, results = spawn("paths", 2, tmp_path, 120, f"aux:{placement}:noundo")
+    assert codes == [0, 0], codes
+    errors = {res["error"] for res in results}
+    assert len(errors) == 1, errors  # the same verdict on every rank
+    error = errors.pop()
+    assert error is not None and error.startswith("RuntimeError: chunk runtime:"), error
+    assert (
+        "offloaded chunk 4" in error and "undo_host_steps=False" in error and "overlap_host_step" in error
+    ), error
+
+
 def test_a_tied_llama_under_reentrant_gradient_checkpointing_averages_each_chunk_in_backward_as_ddp(
     tmp_path: Path,
 ) -> None:
