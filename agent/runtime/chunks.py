@@ -117,10 +117,14 @@ class ChunkState:
     # under re-entrant checkpointing, a gradient after it): the step was undone, and the chunk is no longer
     # stepped during backward (its step waits for optimizer.step())
     reused: bool = False
-    # a replicated offloaded chunk's gradient arrived after its turn in a synchronising backward's issue order (a
-    # block run again under re-entrant checkpointing): averaged again at the end of backward on every rank
-    # (`GradientFlow.agree`)
+    # an offloaded chunk's gradient arrived after its turn in a synchronising backward's issue order (a block run
+    # again under re-entrant checkpointing): a replicated chunk's host gradient is averaged again at the end of
+    # backward on every rank, a sharded chunk's later gradients (`late_sum`) are reduce-scattered then and added
+    # to its shard (`GradientFlow.agree`)
     again: bool = False
+    # a sharded chunk: user_grad holds this rank's own gradients flushed after its turn (un-averaged), added to
+    # the averaged shard at the end of backward (`GradientFlow._add_late`)
+    late_sum: bool = False
     # speculation (offloaded only): the gradient `.grad` shows after backward, and what undoing a step needs
     user_grad: torch.Tensor | None = None  # host, compute dtype; the parameters' `.grad` are views of it
     user_grad_filled: bool = False  # filled from host_grad since this backward's end (or the step)

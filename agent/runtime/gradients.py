@@ -374,13 +374,15 @@ class GradientFlow:
             self._ready.add(st.index)
             self._issue_ready()
             return
-        if st.index in self._order and st.shard is None:
+        if st.index in self._order:
             # complete again after its turn (a gradient after it): averaged again at the end of backward, on
             # every rank where any rank's chunk is (`agree`), not now: a rank that held the chunk for its turn
             # took this gradient into that average, so the ranks' collectives would pair differently (review).
-            # A sharded chunk's later gradient is still reduce-scattered at once (in its flush), which pairs only
-            # where every rank's backward gets it at the same point (the same graph everywhere)
-            st.again = True
+            # A sharded chunk's later gradients wait in `user_grad` (its flush, `late`). Not stepped during backward
+            # from now on (`reused`, agreed at its end): a step at the turn would be undone again, and a node-shared
+            # copy's undos queue barriers that ranks completing chunks in other orders pair wrongly (a rank then
+            # uploaded a chunk before the other restored its shard: 0.003 off, session 27)
+            st.again = st.reused = True
             return
         self._reduced(st)
 
@@ -419,6 +421,9 @@ class GradientFlow:
         whole area into `user_grad` (`_flush_local`)."""
         if st.shard is not None and (self.local or self._holds(st)):
             self._flush_local(st, slot, keep=keep)
+            return
+        if st.shard is not None and self._after_turn(st):
+            self._flush_local(st, slot, keep=keep, late=True)
             return
         assert st.host_grad is not None and self.worker is not None
         st.wait_host()  # host work may still read host_grad or the staging buffer
@@ -485,6 +490,10 @@ class GradientFlow:
         """The chunk is in this backward's issue order and its turn has not come yet."""
         return st.index in self._order[self._issued :]
 
+    def _after_turn(self, st: ChunkState) -> bool:
+        """The chunk is in this backward's issue order and its turn has come (a gradient now is a later one)."""
+        return st.index in self._order[: self._issued]
+
     def _holds(self, st: ChunkState) -> bool:
         """An ordered chunk's flush before its turn (its completion with chunks ahead of it not issued, or a flush
         before its completion, e.g. its buffer taken for another chunk): no collective now (`_flush_local`); its
@@ -493,18 +502,29 @@ class GradientFlow:
             return False
         return not (self._completing == st.index and self._order[self._issued] == st.index)
 
-    def _flush_local(self, st: ChunkState, slot: Slot, *, keep: bool) -> None:
+    def _flush_local(self, st: ChunkState, slot: Slot, *, keep: bool, late: bool = False) -> None:
         """A sharded chunk's flush inside `no_sync()`, or before its turn in a synchronising backward's order
         (`_holds`; reduce-scattered from `user_grad` at its turn, `_turn`): no collective. Its whole gradient area
         (this rank's own, un-averaged) goes into `user_grad`: overwritten after zero_grad, else added (`user_grad`
         then holds the chunk's whole gradient since zero_grad: the averaged one the last exposure showed, or the
         local sum).
-        The host gradient is stale until the next synchronising flush overwrites it (`flushes` = 0)."""
+        The host gradient is stale until the next synchronising flush overwrites it (`flushes` = 0).
+
+        `late`: a flush after the chunk's turn (a block run again under re-entrant checkpointing): `user_grad`
+        gathers this rank's gradients since the turn (overwritten by the first), and every rank adds their
+        average to the shard at the end of backward (`_add_late`); the host gradient keeps the turn's average.
+        Before session 27 such a flush was reduce-scattered at once, which paired only where every rank's backward
+        got its later gradients in the same order: ranks running two blocks in opposite orders averaged one's
+        chunk with the other's (0.12 off, silently), an output in the loss on one rank only aborted gloo."""
         assert st.shard is not None and self.worker is not None
-        st.wait_host()  # host work may still read user_grad or the staging buffer
-        fresh = not st.local and st.flushes == 0
-        st.local = True
-        st.flushes = 0
+        st.wait_host()  # host work may still read user_grad or the staging buffer (a speculative step's fill)
+        if late:
+            fresh = not st.late_sum
+            st.late_sum = st.again = st.reused = True  # (`reused`: see `complete`)
+        else:
+            fresh = not st.local and st.flushes == 0
+            st.local = True
+            st.flushes = 0
         user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
         computed = self.ctx.record()
         stream = self.ctx.offload_stream
@@ -659,7 +679,7 @@ class GradientFlow:
     def _end_early(self) -> None:
         for st in self.states:
             if st.again:  # (a backward that raised: its later gradients are dropped, `user_grad` refilled)
-                st.again = False
+                st.again = st.late_sum = False
                 st.user_grad_filled = False
         self.overlap_persistent = False
         self._order, self._issued, self._ready = [], 0, set()
@@ -770,7 +790,10 @@ class GradientFlow:
                 self.host_steps.rejoin(st, changed=not union <= st.touched)
                 st.touched |= union
             if again:
-                self._average_again(st)
+                if st.shard is None:
+                    self._average_again(st)
+                else:
+                    self._add_late(st)
             if partial or again:
                 # `.grad` filled again at `expose` on every rank (a sharded chunk's fill is an all-gather: a rank
                 # that undid its step refills, so every rank does)
@@ -788,6 +811,38 @@ class GradientFlow:
         st.again = False
         st.unaveraged = True
         self._submit_average(st)
+
+    def _add_late(self, st: ChunkState) -> None:
+        """End of backward, every rank (`agree`): the sharded chunk got gradients after its turn on some rank; each
+        rank's since then (`late_sum`, zero where none) are reduce-scattered and their average added to the shard,
+        which held the turn's average: exact. A speculative step is undone first (on every rank: the steps taken
+        at the turn are alike; a rank whose backward reused the chunk undid its step then)."""
+        assert self.host_steps is not None and self.worker is not None
+        if st.stepped:
+            self.host_steps.undo(st, why="another rank's chunk got a gradient after its turn")
+        st.wait_host()
+        user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
+        if not st.late_sum:
+            user.zero_()
+        st.again = st.late_sum = False
+        events = st.pending_events
+        st.pending_events = []
+        st.host_work = self.worker.submit(self._reduce_scatter_late, st, events)
+        self.counters.grad_reductions += 1
+        self.counters.reduce_scatters += 1
+
+    def _reduce_scatter_late(self, st: ChunkState, events: list[Event]) -> None:
+        """Host worker: the average of the ranks' later gradients (`user_grad`) added to the chunk's shard of the
+        host gradient, through the staging buffer (the collective keeps the compute dtype)."""
+        for ev in events:
+            self.ctx.host_wait(ev)
+        assert st.shard is not None and st.user_grad is not None and st.host_grad is not None
+        assert self.group is not None
+        stage = stage_for(st, self.ctx, self.compute_dtype)
+        t0 = time.perf_counter()
+        self.group.reduce_scatter_mean(stage[: st.shard.size], st.user_grad)
+        self.counters.grad_reduction_s += time.perf_counter() - t0
+        st.host_grad[: st.shard.size].add_(stage[: st.shard.size])
 
     def check_same_use(self) -> None:
         """Start of a synchronising backward, before it issues any collective: the ranks compare, per

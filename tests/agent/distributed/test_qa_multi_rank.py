@@ -112,6 +112,7 @@ def test_persistent_chunks_averaged_in_backward_pair_up_whatever_order_or_use_ea
         "offloaded:accumulate",
         "sharded:accumulate",
         "offloaded:loop",
+        "sharded:loop",
         "mixed:loop",
     ],
 )
@@ -127,9 +128,10 @@ def test_offloaded_chunks_reductions_pair_up_whatever_order_or_use_each_rank_has
     nothing sent the averaged total; 4-8% off). ":loop": `a` and `b` run twice under re-entrant checkpointing, so
     their chunks get gradients after their turn; a rank that held a chunk for its turn took them into that
     average, so the later average waits for the end of backward on every rank (review: an extra all-reduce on one
-    rank aborted gloo). Not covered, and not supported: a sharded chunk's gradient after its turn where the ranks'
-    backwards differ (docs/architecture/runtime.md). Parameters equal plain PyTorch averaging `.grad`, a missing one
-    as zero, on the CPU and under the stream checker."""
+    rank aborted gloo); a sharded chunk's gradients after its turn were reduce-scattered at once (session 27: "order"
+    0.12 off silently, "aux" aborted gloo), and now wait in `user_grad` until every rank adds their average at the
+    end of backward. Parameters equal plain PyTorch averaging `.grad`, a missing one as zero, on the CPU and under
+    the stream checker."""
     _as_reference(*spawn("paths", 2, tmp_path, 120, f"{mode}:{placement}"))
 
 
