@@ -96,6 +96,9 @@ class Counters:
     # synchronising backwards whose reductions waited for their end: the ranks' forwards used different
     # offloaded chunks (`GradientFlow.check_same_use`); each is slower than planned (no overlap, no speculation)
     deferred_backwards: int = 0
+    # CUDA: ops that read a parameter of an offloaded chunk outside its module's forward, the chunk made resident
+    # for them (`foreign_reads.py`)
+    foreign_reads: int = 0
 
 
 @dataclass

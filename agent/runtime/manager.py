@@ -19,6 +19,7 @@ Over ~400 lines because it is the one place torch's hooks enter and the public s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -35,6 +36,7 @@ from agent.runtime.chunks import ChunkState, ViewCache, allocate, views
 from agent.runtime.device import DeviceContext, Event, element_size
 from agent.runtime.device_shards import DeviceShards, pre_backward_hook
 from agent.runtime.eager import eager
+from agent.runtime.foreign_reads import ForeignReads
 from agent.runtime.gradients import GradientFlow
 from agent.runtime.host_steps import HostSteps
 from agent.runtime.host_worker import HostWorker
@@ -50,6 +52,8 @@ from agent.runtime.schedule import AccessSchedule, Direction
 from agent.runtime.shards import Shard
 from agent.runtime.stepper import ChunkStepper
 from agent.runtime.timing import RuntimeTiming, section
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelStateManager", "SavedChunkView"]
 
@@ -131,6 +135,12 @@ class ModelStateManager:
             self.saved = SavedTensorRebinder(
                 self.residency, ctx, layout.compute_dtype, self.phase, self._ensure_backward, self.timing
             )
+        # CUDA: a parameter of an offloaded chunk read outside its module is made resident for that op
+        # (`foreign_reads.py`); entered for each root forward. On a CPU device the host copy reads right.
+        self._foreign: ForeignReads | None = None
+        self._foreign_on = False
+        if self.residency is not None and ctx.is_cuda:
+            self._foreign = ForeignReads(self._pos, self.states, self.residency, self.counters)
         self.gradients = GradientFlow(
             self.states,
             self._pos,
@@ -401,6 +411,9 @@ class ModelStateManager:
             self.device_shards.start(Direction.forward, self.backwards_started)
         if self.saved is not None:
             self.saved.enter_root_forward(training=training)
+        if self._foreign is not None and not self._foreign_on:
+            self._foreign.__enter__()
+            self._foreign_on = True
 
     def _check_bindings(self) -> None:
         """Every managed parameter still points where the runtime put it (a device buffer, the host copy, the
@@ -434,6 +447,8 @@ class ModelStateManager:
     def _after_root_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.saved is not None:
             self.saved.exit_root_forward()
+        if self._foreign_on:
+            self._end_foreign_reads()
         if self.phase.forward:
             if self.device_shards is not None:
                 # every rank ends the forward's gathers here: one that skipped the last module another ran raises
@@ -446,6 +461,22 @@ class ModelStateManager:
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(eager(self._on_output_grad))
+
+    def _end_foreign_reads(self) -> None:
+        """The root forward ended: leave the foreign-reads mode (it is the innermost torch-function mode unless
+        the forward entered one it did not leave: then it stays entered, said once) and drop its kept pins."""
+        assert self._foreign is not None
+        self._foreign_on = False
+        self._foreign.end()
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is self._foreign:
+            self._foreign.__exit__(None, None, None)
+        else:
+            self._foreign_on = True  # (not left: the next root forward does not enter it again)
+            log.warning(
+                "memplan: a torch function mode entered during the forward is still active at its end; the "
+                "runtime's foreign-reads mode stays entered under it"
+            )
 
     @section(timing.OUTPUT_GRAD)
     def _on_output_grad(self, grad: torch.Tensor) -> None:
