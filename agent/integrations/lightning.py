@@ -32,9 +32,10 @@ it also frees its gradient buckets before the profile), wraps the module under L
 (every rank profiles, rank 0 plans, offloaded chunks may be sharded across the ranks), and points the
 strategy's `block_backward_sync` (the `no_sync` Lightning enters on a non-final accumulation micro-step) at
 the runtime's `no_sync`. Checkpoints: Lightning calls `state_dict()` on every rank and writes rank 0's, which
-is the full, plain-PyTorch one. Differences from Lightning's DDP: the buffers are rank 0's at wrap, then each
-rank's own (DDP's `broadcast_buffers` re-broadcasts them before every forward: running statistics such as
-BatchNorm's, not a transformer's buffers); on an exception each rank undoes only its own guards (`unwrap` is a
+is the full, plain-PyTorch one. Buffers: rank 0's at wrap, and its persistent ones (BatchNorm's running
+statistics) again at the end of each synchronising backward (`RuntimeOptions.broadcast_buffers`), where DDP's
+`broadcast_buffers` sends them before the next forward: the same values for that forward. Differences from
+Lightning's DDP: on an exception each rank undoes only its own guards (`unwrap` is a
 collective the failed rank's peers may never join) and the module is left to the launcher; under
 `ddp_spawn`/`ddp_notebook` the callback is a pickled copy in each process, so the launching process's
 `callback.wrapped` and `callback.report` stay None.

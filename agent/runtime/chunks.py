@@ -141,6 +141,10 @@ class ChunkState:
     # the parameters' version counters when they were pointed at a device buffer: an in-place write by user code
     # there (an evaluation left the chunk resident, then `p.copy_(w)`) is copied back to the host at eviction
     slot_versions: tuple[int, ...] = ()
+    # a node-shared chunk (`node_shared.py`): the parameters' version counters when they were pointed at the host
+    # copy, which every rank of the node shares: an in-place write by user code there (`p.mul_(0.9)` after step())
+    # is applied once per rank; seen at the next upload and said once (`ChunkResidency.upload`)
+    host_versions: tuple[int, ...] | None = None
     host_work: Future[None] | None = None  # last host task touching this chunk (absorb or step)
     pending_events: list[Event] = field(default_factory=list)  # d2h copies the next host task must await
 

@@ -1098,6 +1098,46 @@ class GradientFlow:
             st.spec.entries[j].param.grad = gv[j]
         st.exposed = True
 
+    def _zero_some(self, st: ChunkState, kept: set[int], *, set_to_none: bool) -> bool:
+        """`zero` of the chunk's entries other than `kept` (parameters with a gradient the optimizer does not
+        hold), whose gradients stay and accumulate: the cleared entries' ranges of the gradient are zeroed, and
+        an offloaded chunk's next flush adds to its host gradient (`flushes` > 0, the `set_to_none=False` path's
+        state). False where this is not done (a device-sharded chunk; a host-sharded one whose `.grad` was not
+        shown since its last synchronising backward: its `user_grad` is the whole gradient the next turn's
+        reduce-scatter carries): the caller forgets every entry's gradient, as before session 27."""
+        cleared = st.touched - kept
+        if st.own is not None or (st.offloaded and st.shard is not None and (st.local or not st.exposed)):
+            return False
+        entries = st.spec.entries
+        if not st.offloaded:
+            views = self.grad_views(st)
+            for j in cleared:
+                view = views[j]
+                if set_to_none:
+                    entries[j].param.grad = None
+                elif view is not None:
+                    view.zero_()
+        else:
+            assert self.host_steps is not None and st.host_grad is not None
+            if st.stepped:
+                self.host_steps.undo(st, why="zero_grad() without optimizer.step()")
+            self._settle_host_grad(st)
+            lo, hi = (st.shard.start, st.shard.end) if st.shard is not None else (0, st.numel)
+            for j in cleared:
+                e = entries[j]
+                a, b = max(e.offset, lo), min(e.end, hi)
+                if a < b:
+                    st.host_grad[a - lo : b - lo].zero_()
+                if st.user_grad is not None:
+                    st.user_grad[e.offset : e.end].zero_()
+                if set_to_none and st.exposed:
+                    e.param.grad = None
+            st.flushes = max(st.flushes, 1)  # the next flush adds: the kept gradients stay
+            st.unaveraged = False
+        if set_to_none:
+            st.touched -= cleared
+        return True
+
     def _settle_host_grad(self, st: ChunkState) -> None:
         """Before the training thread writes an offloaded chunk's host gradient: the host work on the chunk and the
         gradient copies into it are done."""
@@ -1139,9 +1179,17 @@ class GradientFlow:
                 st.exposed = False
 
     @torch.no_grad()
-    def zero(self, *, set_to_none: bool = True) -> None:
-        """`zero_grad`: forget the gradients of every chunk (a speculative step no `step()` confirmed is undone)."""
+    def zero(self, *, set_to_none: bool = True, held: set[int] | None = None) -> None:
+        """`zero_grad`: forget the gradients of every chunk (a speculative step no `step()` confirmed is undone).
+        `held`: the ids of the parameters the optimizer holds (its `zero_grad`; None: `model.zero_grad()`, every
+        parameter). A parameter with a gradient that the optimizer does not hold keeps it, as in plain PyTorch
+        (`_zero_some`; before session 27 every chunk's gradients were forgotten, so `clip_grad_norm_` over
+        `model.parameters()` saw another norm than plain PyTorch's)."""
         for st in self.states:
+            if held is not None:
+                kept = {j for j in st.touched if id(st.spec.entries[j].param) not in held}
+                if kept and self._zero_some(st, kept, set_to_none=set_to_none):
+                    continue
             if set_to_none:
                 st.touched = set()
             # else: the parameters with a gradient keep it, zeroed (torch's zero_grad(set_to_none=False) leaves a

@@ -569,6 +569,25 @@ class ModelStateManager:
             st.joined.clear()  # `check_same_use` sets them for one backward (merged at complete, join_deferred)
         if not aborted:
             self.gradients.reduce_persistent()
+            if self.gradients.reduce and self.options.broadcast_buffers:
+                self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        """End of a synchronising backward, every rank, after the runtime's collectives (the host worker's work is
+        done: no other issuer): the persistent module buffers become rank 0's, as DDP's `broadcast_buffers=True`
+        makes them before the next forward (its default; review, session 27: a BatchNorm's running mean was 2.8e-2
+        off DDP on rank 1 after 3 steps, each rank keeping its own). Version counters are kept, as DDP keeps them."""
+        assert self.group is not None
+        buffers = [
+            b
+            for m in self.model.modules()
+            for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set
+        ]
+        if not buffers:
+            return
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            self.group.broadcast_coalesced_(buffers)
 
     # ================================================================================ module hooks
     @section(timing.MODULE_FORWARD)
@@ -709,9 +728,11 @@ class ModelStateManager:
                 st.wait_host()
 
     @section(timing.ZERO_GRAD)
-    def zero_grad(self, *, set_to_none: bool = True) -> None:
+    def zero_grad(self, *, set_to_none: bool = True, held: set[int] | None = None) -> None:
+        """Forget the chunks' gradients; `held`: the ids of the parameters the optimizer holds (its
+        `zero_grad` clears those only, as torch's does), None for every parameter (`model.zero_grad()`)."""
         self._recover_if_aborted()
-        self.gradients.zero(set_to_none=set_to_none)
+        self.gradients.zero(set_to_none=set_to_none, held=held)
 
     def _model_zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad(set_to_none=set_to_none)
@@ -837,6 +858,10 @@ class ModelStateManager:
     @torch.no_grad()
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         for st in self.states:
+            if (
+                st.node_shared
+            ):  # the load wrote the node's shared copy through the parameters: the runtime's path
+                st.host_versions = tuple(e.param._version for e in st.spec.entries)
             if st.own is not None:  # device-sharded persistent: every rank loaded the whole chunk
                 assert st.shard is not None and st.params is not None and st.master is not None
                 assert self.device_shards is not None

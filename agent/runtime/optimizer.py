@@ -41,7 +41,7 @@ class ChunkRuntime(Protocol):
 
     def step(self) -> None: ...
 
-    def zero_grad(self, *, set_to_none: bool = True) -> None: ...
+    def zero_grad(self, *, set_to_none: bool = True, held: set[int] | None = None) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -180,7 +180,8 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._runtime.zero_grad(set_to_none=set_to_none)
+        # this optimizer's parameters only, as torch's: a trainable parameter it does not hold keeps its gradient
+        self._runtime.zero_grad(set_to_none=set_to_none, held=set(self.group_of()))
 
     def param_state(self, p: torch.Tensor) -> dict[str, Any] | None:
         """Parameter p's optimizer state as plain PyTorch keeps it (views into the chunk's state)."""

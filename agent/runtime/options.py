@@ -63,6 +63,10 @@ class RuntimeOptions:
         (`optimizer.state_dict()`, `optimizer.load_state_dict()`, `agent.unwrap`) for every other rank to
         call it too, before raising an error that names the call and its fix (default 60 s). A DDP habit
         calls the state dict on rank 0 alone; without the check rank 0 would wait for the backend's timeout.
+    broadcast_buffers: in a job of several ranks, make every rank's persistent module buffers (BatchNorm's
+        running statistics) rank 0's at the end of each synchronising backward, as `DistributedDataParallel(
+        broadcast_buffers=True)` (its default) does before the next forward (default True). Non-persistent
+        buffers (rotary caches, masks: recomputed or constant) are not sent.
     """
 
     device: torch.device | str | None = None
@@ -76,6 +80,7 @@ class RuntimeOptions:
     shared_memory_dir: str = "/dev/shm"
     persistent_reductions_in_backward: bool | None = None
     rank_arrival_timeout_s: float = 60.0
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if not self.rank_arrival_timeout_s > 0:

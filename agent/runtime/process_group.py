@@ -63,6 +63,19 @@ class RankGroup:
                 t, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group
             )
 
+    def broadcast_coalesced_(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Every rank's `tensors` become rank `src`'s, one broadcast per dtype (flattened, then copied back)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            self.broadcast_(flat, src)
+            at = 0
+            for t in same:
+                t.copy_(flat[at : at + t.numel()].view_as(t))
+                at += t.numel()
+
     def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """`output` (s elements) = the mean over the ranks of `full[rank*s : (rank+1)*s]` (`full`: world_size*s
         elements, left unchanged). `output` must not overlap `full` (gloo is only documented for separate ones)."""

@@ -61,6 +61,7 @@ class ChunkResidency:
         self._node_chunks: set[int] = set()
         self._sample_offsets: dict[int, torch.Tensor] = {}  # per chunk: `_sample_at`
         self._warned_write_back = False
+        self._warned_shared_write = False
         self.upload_timings: list[tuple[Event, Event]] = []  # (start, end) of each upload
         self.stall_timings: list[tuple[Event, Event]] = []  # (compute reached the wait, upload done)
         self._esize = element_size(layout.compute_dtype)
@@ -154,6 +155,8 @@ class ChunkResidency:
         # shard must be in it: the all-gather into a private copy, or the barrier after which every rank has
         # written its shard of a node-shared copy, queued after the steps at optimizer.step())
         st.wait_host()
+        if st.node_shared:
+            self._check_shared_writes(st)
         n = st.numel
         stream = self.ctx.upload_stream
         for issued in slot.issued:
@@ -192,10 +195,33 @@ class ChunkResidency:
         if st.slot_versions != tuple(e.param._version for e in st.spec.entries):
             self._write_back(st, slot)
         bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
+        if st.node_shared:
+            st.host_versions = tuple(e.param._version for e in st.spec.entries)
         slot.chunk = None
         st.slot = None
         st.ready = None
         self.counters.evictions += 1
+
+    def _check_shared_writes(self, st: ChunkState) -> None:
+        """A node-shared chunk about to be uploaded: user code wrote one of its parameters in place while they
+        pointed at the node's shared host copy (`p.mul_(0.9)` after step(), outside forward). Every rank of the
+        node that runs that code writes the same memory, so the write is applied once per rank (0.9 became 0.81:
+        review, session 27), racing with the others. Said once (NOT CORRECTED: the write happened); an idempotent
+        write (`copy_`, `clamp_`) is right, and `load_state_dict` is the runtime's own path."""
+        before, st.host_versions = st.host_versions, None
+        if before is None or self._warned_shared_write:
+            return
+        for e, v in zip(st.spec.entries, before, strict=True):
+            if e.param._version != v:
+                self._warned_shared_write = True
+                log.warning(
+                    "memplan: parameter %r was written in place while it pointed at the compute copy this node's "
+                    "ranks share (RuntimeOptions.share_compute_copy): every rank's write lands in the same memory, "
+                    "so a write that is not idempotent (p.mul_(0.9)) is applied once per rank. Write through "
+                    "model.load_state_dict(), or use RuntimeOptions(share_compute_copy=False)",
+                    e.name,
+                )
+                return
 
     def _write_back(self, st: ChunkState, slot: Slot) -> None:
         """User code wrote a parameter in place while its chunk sat in `slot` (say `p.copy_(w)` after an

@@ -76,6 +76,9 @@ def _entry(job: str, rank: int, world: int, port: int, out: str, arg: str) -> No
         "rewrap": rewrap,
         "late": late,
         "paths": paths,
+        "subset": subset,
+        "inplace": inplace,
+        "batchnorm": batchnorm,
     }
     try:
         result = jobs[job](rank, world, arg)
@@ -770,4 +773,137 @@ def paths(rank: int, world: int, arg: str) -> dict[str, Any]:
         "simulated_rel_diff": rel_diff(simulated, ref)[0],
         "overlapped": [overlapped, simulated_overlapped],
         "violations": found,
+    }
+
+
+def subset(rank: int, world: int, placement: str) -> dict[str, Any]:
+    """An optimizer over the layers only (SGD with momentum), the embedding and head still trainable: plain
+    PyTorch's `zero_grad` leaves their `.grad` accumulating, and the clip over every parameter counts them
+    (review, session 27: memplan forgot them). 3 steps against DistributedDataParallel; `placement`: every chunk
+    "persistent", "offloaded" (replicated) or "sharded" on the host; each chunk mixes a layer with the embedding
+    or the head."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(ref)
+
+    def layers(m: nn.Module) -> list[nn.Parameter]:
+        return [p for n, p in m.named_parameters() if n.startswith("layers")]
+
+    ref_opt = torch.optim.SGD(layers(ref), lr=0.1, momentum=0.9)
+    # two chunks: the embedding and a layer, a layer and the head
+    plan = manual_plan(model, chunk_size_bytes=3300, offload="none" if placement == "persistent" else "all")
+    if placement == "sharded":
+        plan = _sharded(plan, world)
+    wrapped = agent.wrap(
+        model, torch.optim.SGD(layers(model), lr=0.1, momentum=0.9), plan=plan, feedback_steps=None
+    )
+    g = torch.Generator().manual_seed(rank)
+    norms: list[list[float]] = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (4, 8), generator=g)
+        pair = []
+        for run, m, opt in ((ddp, ref, ref_opt), (wrapped.model, model, wrapped.optimizer)):
+            run(input_ids=ids, labels=ids)["loss"].backward()
+            pair.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad()
+        norms.append(pair)
+    return {"error": None, "norms": norms, "param_rel_diff": rel_diff(model, ref)[0]}
+
+
+def inplace(rank: int, world: int, copy_kind: str) -> dict[str, Any]:
+    """Every chunk offloaded and sharded on the host, the compute copy node-shared (`copy_kind` "shared", the
+    default) or private: a `load_state_dict` of the model (every rank), then after each of 2 steps every rank scales
+    every parameter in place (`p.mul_(0.9)`, outside forward; not with ":noscale"). The warnings the runtime
+    logged."""
+    copy_kind, _, scale = copy_kind.partition(":")
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("agent").addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        model = TinyLM()
+        options = RuntimeOptions(share_compute_copy=copy_kind == "shared")
+        wrapped = agent.wrap(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            plan=sharded_plan(model, world, "all"),
+            feedback_steps=None,
+            options=options,
+        )
+        wrapped.model.load_state_dict(copy.deepcopy(wrapped.model.state_dict()))
+        x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            wrapped.model(input_ids=x, labels=x)["loss"].backward()
+            wrapped.optimizer.step()
+            wrapped.optimizer.zero_grad()
+            with torch.no_grad():
+                for p in model.parameters() if scale != "noscale" else []:
+                    p.mul_(0.9)
+        wrapped.model(input_ids=x, labels=x)
+    finally:
+        logging.getLogger("agent").removeHandler(handler)
+    return {"error": None, "warnings": [w for w in seen if "in place" in w]}
+
+
+class NormedLM(nn.Module):
+    """Residual layers with BatchNorm (running statistics: persistent buffers each rank's forward updates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU()) for _ in range(2)
+        )
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids).flatten(0, 1)
+        for layer in self.layers:
+            h = h + layer(h)
+        return {"loss": nn.functional.cross_entropy(self.head(h), labels.flatten())}
+
+
+def batchnorm(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """`NormedLM` against DistributedDataParallel (its default `broadcast_buffers=True`) for 3 steps, each rank on
+    its own batches; `arg` "persistent" or "offloaded" (every chunk), with ":accumulate" two micro-steps per step,
+    the first inside no_sync(). Then an evaluation in eval mode, through each wrapper. The largest difference of
+    the buffers, of the training and evaluation losses, and of the parameters."""
+    placement, _, accumulate = arg.partition(":")
+    torch.manual_seed(0)
+    model = NormedLM()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    plan = manual_plan(model, chunk_size_bytes=4096, offload="none" if placement == "persistent" else "all")
+    wrapped = agent.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan, feedback_steps=None)
+    micro = 2 if accumulate else 1
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, VOCAB, (4, 8), generator=g) for _ in range(3 * micro)]
+    ref_losses = _train(ddp, ddp.no_sync, ref_opt, data, micro)
+    losses = _train(wrapped.model, wrapped.no_sync, wrapped.optimizer, data, micro)
+    x = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(99))
+    ddp.eval()
+    wrapped.model.eval()
+    with torch.no_grad():
+        evals = [float(run(input_ids=x, labels=x)["loss"]) for run in (ddp, wrapped.model)]
+    buffers = max(
+        float((a - b).abs().max())
+        for a, b in zip(model.buffers(), ref.buffers(), strict=True)
+        if a.is_floating_point()
+    )
+    return {
+        "error": None,
+        "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+        "eval_diff": abs(evals[0] - evals[1]) / abs(evals[0]),
+        "buffer_diff": buffers,
+        "param_rel_diff": rel_diff(model, ref)[0],
     }

@@ -17,6 +17,7 @@ stream checker finds no violation (the read waits for the chunk's upload).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -102,10 +103,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, probe: HostReads | None
     losses = []
     for _ in range(3):
         ids = torch.randint(0, VOCAB, (2, 8), generator=g)
-        if probe is not None:
-            with probe:
-                loss = model(ids)
-        else:
+        with probe if probe is not None else contextlib.nullcontext():
             loss = model(ids)
         loss.backward()
         opt.step()
