@@ -152,6 +152,10 @@ class ChunkState:
     def index(self) -> int:
         return self.spec.index
 
+    def param_versions(self) -> tuple[int, ...]:
+        """The parameters' version counters (an in-place write through a parameter bumps its own)."""
+        return tuple(e.param._version for e in self.spec.entries)
+
     @property
     def offloaded(self) -> bool:
         return self.spec.offloaded

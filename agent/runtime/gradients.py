@@ -790,6 +790,12 @@ class GradientFlow:
                 self.host_steps.rejoin(st, changed=not union <= st.touched)
                 st.touched |= union
             if again:
+                # a step taken at the turn is undone on every rank (the steps taken there are alike; a rank whose
+                # backward reused the chunk undid its step then)
+                assert self.host_steps is not None
+                if st.stepped:
+                    self.host_steps.undo(st, why="another rank's chunk got a gradient after its turn")
+                st.wait_host()
                 if st.shard is None:
                     self._average_again(st)
                 else:
@@ -800,27 +806,18 @@ class GradientFlow:
                 st.user_grad_filled = False
 
     def _average_again(self, st: ChunkState) -> None:
-        """End of backward, every rank (`agree`): the replicated chunk got a gradient after its turn on some rank;
-        its host gradient (averaged, plus this rank's later gradients) is averaged again, which is exact. (A
-        speculative step of it was undone when the later gradient arrived, `reuse`; a replicated chunk's undo
-        issues no collective.)"""
-        assert self.host_steps is not None
-        if st.stepped:
-            self.host_steps.undo(st, why="another rank's chunk got a gradient after its turn")
-        st.wait_host()
+        """End of backward, every rank (`agree`, after undoing a step): the replicated chunk got a gradient after
+        its turn on some rank; its host gradient (averaged, plus this rank's later gradients) is averaged again,
+        which is exact."""
         st.again = False
         st.unaveraged = True
         self._submit_average(st)
 
     def _add_late(self, st: ChunkState) -> None:
-        """End of backward, every rank (`agree`): the sharded chunk got gradients after its turn on some rank; each
-        rank's since then (`late_sum`, zero where none) are reduce-scattered and their average added to the shard,
-        which held the turn's average: exact. A speculative step is undone first (on every rank: the steps taken
-        at the turn are alike; a rank whose backward reused the chunk undid its step then)."""
-        assert self.host_steps is not None and self.worker is not None
-        if st.stepped:
-            self.host_steps.undo(st, why="another rank's chunk got a gradient after its turn")
-        st.wait_host()
+        """End of backward, every rank (`agree`, after undoing a step): the sharded chunk got gradients after its
+        turn on some rank; each rank's since then (`late_sum`, zero where none) are reduce-scattered and their
+        average added to the shard, which held the turn's average: exact."""
+        assert self.worker is not None
         user = local_grads.whole_user_grad(st, self.ctx, self.compute_dtype)
         if not st.late_sum:
             user.zero_()
@@ -1179,7 +1176,7 @@ class GradientFlow:
                 st.exposed = False
 
     @torch.no_grad()
-    def zero(self, *, set_to_none: bool = True, held: set[int] | None = None) -> None:
+    def zero(self, *, set_to_none: bool = True, held: frozenset[int] | None = None) -> None:
         """`zero_grad`: forget the gradients of every chunk (a speculative step no `step()` confirmed is undone).
         `held`: the ids of the parameters the optimizer holds (its `zero_grad`; None: `model.zero_grad()`, every
         parameter). A parameter with a gradient that the optimizer does not hold keeps it, as in plain PyTorch

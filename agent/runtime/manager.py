@@ -728,7 +728,7 @@ class ModelStateManager:
                 st.wait_host()
 
     @section(timing.ZERO_GRAD)
-    def zero_grad(self, *, set_to_none: bool = True, held: set[int] | None = None) -> None:
+    def zero_grad(self, *, set_to_none: bool = True, held: frozenset[int] | None = None) -> None:
         """Forget the chunks' gradients; `held`: the ids of the parameters the optimizer holds (its
         `zero_grad` clears those only, as torch's does), None for every parameter (`model.zero_grad()`)."""
         self._recover_if_aborted()
@@ -858,10 +858,9 @@ class ModelStateManager:
     @torch.no_grad()
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         for st in self.states:
-            if (
-                st.node_shared
-            ):  # the load wrote the node's shared copy through the parameters: the runtime's path
-                st.host_versions = tuple(e.param._version for e in st.spec.entries)
+            if st.node_shared:
+                # the load wrote the node's shared copy through the parameters: the runtime's path, not a user's
+                st.host_versions = st.param_versions()
             if st.own is not None:  # device-sharded persistent: every rank loaded the whole chunk
                 assert st.shard is not None and st.params is not None and st.master is not None
                 assert self.device_shards is not None

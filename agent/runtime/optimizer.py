@@ -41,7 +41,7 @@ class ChunkRuntime(Protocol):
 
     def step(self) -> None: ...
 
-    def zero_grad(self, *, set_to_none: bool = True, held: set[int] | None = None) -> None: ...
+    def zero_grad(self, *, set_to_none: bool = True, held: frozenset[int] | None = None) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -148,6 +148,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     def bind_chunks(self, states: Sequence[ChunkState]) -> None:
         """Make one stepper of the user's class per chunk (the runtime calls this once it holds the chunks)."""
         group_of = self.group_of()
+        self._held_ids = frozenset(group_of)  # the parameters this optimizer holds (`zero_grad`)
         self.steppers = [
             ChunkStepper(st, self.user_class, self.param_groups, group_of, self.device_impl) for st in states
         ]
@@ -181,7 +182,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # this optimizer's parameters only, as torch's: a trainable parameter it does not hold keeps its gradient
-        self._runtime.zero_grad(set_to_none=set_to_none, held=set(self.group_of()))
+        self._runtime.zero_grad(set_to_none=set_to_none, held=self._held_ids)
 
     def param_state(self, p: torch.Tensor) -> dict[str, Any] | None:
         """Parameter p's optimizer state as plain PyTorch keeps it (views into the chunk's state)."""

@@ -179,7 +179,7 @@ class ChunkResidency:
         self._note_written(st)
         bind(slot.params, st.spec.entries, self.views.get(slot.index, st, slot.params))
         st.shown_backup = None
-        st.slot_versions = tuple(e.param._version for e in st.spec.entries)
+        st.slot_versions = st.param_versions()
         self.counters.uploads += 1
         self.counters.upload_bytes += n * self._esize
 
@@ -192,11 +192,11 @@ class ChunkResidency:
             self.flush(st, slot)
         slot.free_after.append(self.ctx.record())  # compute that read the buffer so far
         assert st.host_params is not None
-        if st.slot_versions != tuple(e.param._version for e in st.spec.entries):
+        if st.slot_versions != st.param_versions():
             self._write_back(st, slot)
         bind(st.host_params, st.spec.entries, self.views.get(ViewCache.HOST, st, st.host_params))
         if st.node_shared:
-            st.host_versions = tuple(e.param._version for e in st.spec.entries)
+            st.host_versions = st.param_versions()
         slot.chunk = None
         st.slot = None
         st.ready = None
@@ -211,8 +211,8 @@ class ChunkResidency:
         before, st.host_versions = st.host_versions, None
         if before is None or self._warned_shared_write:
             return
-        for e, v in zip(st.spec.entries, before, strict=True):
-            if e.param._version != v:
+        for e, v, now in zip(st.spec.entries, before, st.param_versions(), strict=True):
+            if now != v:
                 self._warned_shared_write = True
                 log.warning(
                     "memplan: parameter %r was written in place while it pointed at the compute copy this node's "
@@ -280,9 +280,7 @@ class ChunkResidency:
         assert st.slot is None and st.backup_master is not None
         bind(st.backup_master, st.spec.entries, self.views.get(ViewCache.BACKUP, st, st.backup_master))
         at = self._sample_at(st)
-        st.shown_backup = ShownBackup(
-            tuple(e.param._version for e in st.spec.entries), at, st.backup_master[at]
-        )
+        st.shown_backup = ShownBackup(st.param_versions(), at, st.backup_master[at])
 
     def _note_written(self, st: ChunkState) -> None:
         """Set `st.written` when user code wrote a parameter while it showed the values before the step: an
@@ -292,7 +290,7 @@ class ChunkResidency:
         if shown is None or st.written:
             return
         assert st.backup_master is not None
-        if shown.versions != tuple(e.param._version for e in st.spec.entries) or not torch.equal(
+        if shown.versions != st.param_versions() or not torch.equal(
             st.backup_master[shown.sample_at], shown.samples
         ):
             st.written = True
