@@ -14,6 +14,7 @@ import os
 import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,10 @@ class InvalidJson(ValueError):
     pass
 
 
+class IngestUnavailable(RuntimeError):
+    """An ingest process died under this upload on a fresh pool too (503: retry)."""
+
+
 class InvalidTrace(ValueError):
     def __init__(self, errors: list[dict[str, Any]]) -> None:
         super().__init__("invalid trace")
@@ -218,11 +223,31 @@ class Ingestor:
                 pool.submit(_ready)
 
     async def inspect(self, data: bytes, gzipped: bool, max_decompressed_bytes: int) -> Inspection:
-        """Small bodies in a thread of this process, large ones (size on the wire) in the pool."""
+        """Small bodies in a thread of this process, large ones (size on the wire) in the pool.
+
+        A pool whose process died (the OOM killer, an operator's kill, a crash in a C extension) is broken for
+        good: every later large upload would be a 500 until the service restarts. It is replaced, and the upload
+        tried once more on the new pool; a second death (the body itself kills the process, say) is
+        `IngestUnavailable`, a 503."""
         loop = asyncio.get_running_loop()
         large = len(data) * (4 if gzipped else 1) > self.inline_max_bytes
-        executor = self._executor() if self.processes and large else None
-        return await loop.run_in_executor(executor, _inspect_timed, data, gzipped, max_decompressed_bytes)
+        if not (self.processes and large):
+            return await loop.run_in_executor(None, _inspect_timed, data, gzipped, max_decompressed_bytes)
+        for _ in range(2):
+            pool = self._executor()
+            try:
+                return await loop.run_in_executor(pool, _inspect_timed, data, gzipped, max_decompressed_bytes)
+            except BrokenProcessPool:
+                self._replace(pool)
+        raise IngestUnavailable(
+            "an ingest process died while validating this upload, on a fresh pool too: retry later"
+        )
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        """Drop a broken pool (once, whichever upload finds it broken first); the next upload starts a new one."""
+        if self._pool is broken:
+            self._pool = None
+            broken.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -29,9 +29,17 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         415: "unsupported content encoding",
         422: "validation failed: `detail` lists field paths",
         429: "rate limited: see Retry-After",
-        503: "database unavailable: retry",
+        503: "unavailable (the database, or an ingest process that died): retry",
     }.items()
 }
+# A request the HTTP server cannot parse (a request line of about 64 KiB or more: the fuzz tests sent a 270 KB
+# cursor) is refused by uvicorn before the app sees it, with a plain-text 400 ("Invalid HTTP request received.");
+# the document says so, as it is what a client gets.
+ERROR_RESPONSES[400]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+ERROR_RESPONSES[400]["description"] = (
+    "malformed request (JSON; plain text when the HTTP server cannot parse the request: a request line of about "
+    "64 KiB or more)"
+)
 
 
 class ApiError(Exception):

@@ -23,7 +23,14 @@ from planner_service.api.params import (
 from planner_service.api.present import trace_summary
 from planner_service.db.keyset_cursor import BadCursor
 from planner_service.db.repositories import TraceRepository, UnreadableStoredTrace, decompress_trace
-from planner_service.ingest import BadGzip, GzipTooLarge, Ingestor, InvalidJson, InvalidTrace
+from planner_service.ingest import (
+    BadGzip,
+    GzipTooLarge,
+    Ingestor,
+    IngestUnavailable,
+    InvalidJson,
+    InvalidTrace,
+)
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
@@ -64,6 +71,8 @@ async def upload_trace(
         raise ApiError(400, str(exc)) from exc
     except InvalidTrace as exc:
         raise ApiError(422, "validation failed", validation_detail(exc.errors, ("body",))) from exc
+    except IngestUnavailable as exc:
+        raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
     repo = TraceRepository(session)  # database work off the event loop too
     t2 = time.perf_counter()
     row, created = await run_in_threadpool(repo.add, inspection.facts, principal.project_id)

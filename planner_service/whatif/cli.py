@@ -322,6 +322,8 @@ def whatif(
     seq_len: int = seq_n
     if batch is None:
         raise _fail("--batch: required with a model config (a number or 'max')")
+    # the measured traces first: a file that is no trace is said before the model config loads (seconds)
+    calibration_traces = [_read_trace(f, "--calibrate-with") for f in calibrate_with or []]
     cfg = _model_config(config, family, layers, hidden, heads, kv_heads, intermediate, vocab, seq_len)
     try:
         opt = OptimizerKind(optimizer)
@@ -331,7 +333,7 @@ def whatif(
     # local import: torch loads when a model is run, not for `memplan --help`
     from planner_service.whatif.modelled_trace import ModelledWorkload, iterate, trace_on
 
-    calibrations = _calibrations(cfg, calibrate_with or [], entries, dtype, exact)
+    calibrations = _calibrations(cfg, calibration_traces, entries, dtype, exact)
     iterations: dict[int, object] = {}
 
     def answer_at(b: int, e: CatalogEntry) -> Answer:
@@ -520,18 +522,15 @@ def _run_sweep(
 
 
 def _calibrations(
-    cfg: object, files: list[Path], entries: list[CatalogEntry], dtype: str, exact: bool
+    cfg: object, traces: list[Trace], entries: list[CatalogEntry], dtype: str, exact: bool
 ) -> dict[str, Calibration]:
-    """Each entry's calibration from the measured traces in `files` taken on its device (entries without one
-    are left out: their answers say uncalibrated)."""
-    if not files:
+    """Each entry's calibration from the measured `traces` taken on its device (entries without one are left
+    out: their answers say uncalibrated)."""
+    if not traces:
         return {}
     # local import: torch and scipy load when a calibration runs, not for `memplan --help`
     from planner_service.whatif.calibrate import CalibrationError, calibrate, samples_from_config
 
-    traces = []
-    for f in files:
-        traces.append(_read_trace(f, "--calibrate-with"))
     out: dict[str, Calibration] = {}
     for e in entries:
         try:

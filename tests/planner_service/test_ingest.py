@@ -34,6 +34,25 @@ def test_pool_path_stores_validates_and_rejects_like_the_inline_path(
         assert api.post("/v1/traces", content=b"{oops").status_code == 400
 
 
+def test_an_ingest_process_that_died_is_replaced_and_the_upload_stored(
+    settings: Settings, trace: Trace
+) -> None:
+    """Defect: a pool process killed (the OOM killer, an operator) left the pool broken for good: every later
+    large upload was a 500 ("A child process terminated abruptly") until the service restarted."""
+    pooled = settings.model_copy(update={"ingest_processes": 1, "ingest_inline_max_bytes": 0})
+    with TestClient(create_app(pooled)) as api:
+        ingestor: Ingestor = api.app.state.ingestor  # type: ignore[attr-defined]
+        assert ingestor._executor().submit(os.getpid).result(timeout=60)  # the pool is up
+        (dead,) = ingestor._executor()._processes.values()
+        dead.kill()
+        dead.join(30)
+        r = api.post("/v1/traces", content=trace.canonical_json())
+        assert r.status_code == 201, r.text
+        assert r.json()["content_hash"] == trace.content_hash()
+        (fresh,) = ingestor._executor()._processes.values()
+        assert fresh.pid != dead.pid and fresh.is_alive()
+
+
 def test_a_schema_1_upload_is_stored_in_the_current_form_under_the_same_hash(settings: Settings) -> None:
     current = trace_with_events()
     with TestClient(create_app(settings)) as api:
