@@ -21,7 +21,8 @@ from client.contract.common import NO_NUL_MESSAGE, NO_NUL_PATTERN
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
-        400: "malformed request",
+        400: "malformed request (JSON; plain text when the HTTP server cannot parse the request: a request line "
+        "of about 64 KiB or more)",
         401: "missing or invalid token",
         404: "not found (or not yours)",
         409: "conflict with the object's state",
@@ -34,12 +35,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 # A request the HTTP server cannot parse (a request line of about 64 KiB or more: the fuzz tests sent a 270 KB
 # cursor) is refused by uvicorn before the app sees it, with a plain-text 400 ("Invalid HTTP request received.");
-# the document says so, as it is what a client gets.
+# the document lists that content type beside the JSON error body, as it is what a client gets.
 ERROR_RESPONSES[400]["content"] = {"text/plain": {"schema": {"type": "string"}}}
-ERROR_RESPONSES[400]["description"] = (
-    "malformed request (JSON; plain text when the HTTP server cannot parse the request: a request line of about "
-    "64 KiB or more)"
-)
 
 
 class ApiError(Exception):
