@@ -294,8 +294,19 @@ def main() -> None:
         "hold): below ~1 the solver must shard offloaded chunks across the ranks (on a CPU it replicates them "
         "when the host has room, as they are faster there). Default: the machine's host memory",
     )
+    ap.add_argument(
+        "--whole-model-probe",
+        action="store_true",
+        help="run the offloaded whole-model probe (agent/profiler/offload_probe.py) in every CPU profile: sets "
+        "MEMPLAN_WHOLE_MODEL_PROBE=1 for this process and its ranks (by default it runs in jobs of several ranks "
+        "only, for its profile time)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if args.whole_model_probe:
+        from agent.profiler import offload_probe
+
+        os.environ[offload_probe.ENV] = "1"  # before the ranks start: they inherit it
     if args.world_size < 1:
         ap.error(f"--world-size: must be at least 1, got {args.world_size}")
     if args.batch % args.world_size:

@@ -26,6 +26,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+# the runtime's outermost sections: entry points torch or the loop calls (the moves run inside them)
+from agent.runtime.timing import ENTRY_POINTS
+
 
 def job_ratios(doc: dict[str, Any]) -> list[tuple[str, float, float]]:
     """(model, profile-only ratio, ratio a job pays) per row."""
@@ -46,23 +49,6 @@ def prediction_headline(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# the runtime's outermost sections (agent/runtime/timing.py): entry points torch or the loop calls; the moves
-# (upload, evict, flush) run inside them
-ENTRY_POINTS = frozenset(
-    {
-        "after_module_forward",
-        "after_root_forward",
-        "end_backward",
-        "grad_hook",
-        "module_forward",
-        "output_grad",
-        "pack_saved",
-        "root_forward",
-        "step",
-        "unpack_saved",
-        "zero_grad",
-    }
-)
 PHASES = ("iteration", "forward", "backward", "step")
 COUNTERS = ("host_step", "grad_reduction", "control")
 

@@ -24,21 +24,16 @@ user's optimizer are left as they were.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from agent.profiler.block_chunks import chunk_per_block, fresh_optimizer, runtime_for_probe
 from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.parameters import OrderedParameter
-from agent.runtime.device import DeviceContext
-from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
-from agent.runtime.manager import ModelStateManager
 from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError, check_supported
-from agent.runtime.options import RuntimeOptions
 from agent.runtime.timing import GRAD_HOOK, STEP, ZERO_GRAD
 from client.contract import Placement
 
@@ -75,73 +70,33 @@ def probe_persistent(
         check_supported(optimizer)
     except UnsupportedOptimizerError:
         return None
-    chunks: list[ChunkSpec] = []
-    by_param: dict[int, ParamEntry] = {}
-    block = None
-    offset = 0
-    for o in ordered:
-        if o.block != block:
-            block, offset = o.block, 0
-            chunks.append(ChunkSpec(index=len(chunks), placement=Placement.persistent))
-        e = ParamEntry(
-            name=o.name,
-            param=o.param,
-            chunk=len(chunks) - 1,
-            offset=offset,
-            numel=o.param.numel(),
-            shape=o.param.shape,
-        )
-        chunks[-1].entries.append(e)
-        by_param[id(o.param)] = e
-        offset += e.numel
-    layout = ChunkLayout(
-        chunk_numel=max(c.used_numel for c in chunks),
-        compute_dtype=params[0].dtype,
-        chunks=chunks,
-        n_buffers=0,
-        by_param=by_param,
-    )
-    data = [p.data for p in params]
-    grads = [p.grad for p in params]
-    group = optimizer.param_groups[0]
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    hyper = {k: group[k] for k in optimizer.defaults if k in group and k in accepted and k != "params"}
-    manager: Any = None
+    layout = chunk_per_block(ordered, Placement.persistent, 0)
+    chunks = layout.chunks
+    user = fresh_optimizer(optimizer, trainable)
+    if user is None:
+        return None  # the optimizer class cannot be rebuilt from its defaults: not probed
     try:
-        # the user's optimizer class and first group's hyper-parameters over the same parameters (a fresh one:
-        # the user's state is not touched)
-        try:
-            user = type(optimizer)(trainable, **hyper)
-        except (TypeError, ValueError):
-            return None  # the optimizer class cannot be rebuilt from its defaults: not probed
-        context = DeviceContext(device)
-        manager = ModelStateManager(model, layout, context, RuntimeOptions(device=device))
-        # the runtime's timing hook: the gradient hooks, `step` and `zero_grad`, each where torch calls it, on a
-        # clock over compute and the runtime's side streams
-        clock = DeviceClock.with_side_streams(
-            device, (context.upload_stream, context.offload_stream), cuda=context.is_cuda
-        )
-        spans = SectionSpans(clock, frozenset({GRAD_HOOK, STEP, ZERO_GRAD}))
-        manager.timing.add_marks(clock, spans)
-        chunked = ChunkedOptimizer(user, layout, manager)
-        manager.attach_optimizer(chunked)
-        chunked.zero_grad()  # as after a step: no gradients, backward's fresh ones are copied into the chunks
-        with torch.enable_grad():
-            torch.autograd.backward([p.sum() for p in trainable])
-        chunked.step()  # warm-up: the optimizer state is made by the first step
-        spans.clear(STEP)
-        chunked.step()  # timed, on the same gradients
-        chunked.zero_grad()
-        clock.synchronize()  # the end of the measured window: the marks can be read
-        hooks_s, step_s, zero_s = (spans.seconds(n) for n in (GRAD_HOOK, STEP, ZERO_GRAD))
+        with runtime_for_probe(model, layout, device) as (manager, context):
+            # the runtime's timing hook: the gradient hooks, `step` and `zero_grad`, each where torch calls it,
+            # on a clock over compute and the runtime's side streams
+            clock = DeviceClock.with_side_streams(
+                device, (context.upload_stream, context.offload_stream), cuda=context.is_cuda
+            )
+            spans = SectionSpans(clock, frozenset({GRAD_HOOK, STEP, ZERO_GRAD}))
+            manager.timing.add_marks(clock, spans)
+            chunked = ChunkedOptimizer(user, layout, manager)
+            manager.attach_optimizer(chunked)
+            chunked.zero_grad()  # as after a step: no gradients, backward's fresh ones are copied into the chunks
+            with torch.enable_grad():
+                torch.autograd.backward([p.sum() for p in trainable])
+            chunked.step()  # warm-up: the optimizer state is made by the first step
+            spans.clear(STEP)
+            chunked.step()  # timed, on the same gradients
+            chunked.zero_grad()
+            clock.synchronize()  # the end of the measured window: the marks can be read
+            hooks_s, step_s, zero_s = (spans.seconds(n) for n in (GRAD_HOOK, STEP, ZERO_GRAD))
     except UnsupportedOptimizerError:
         return None
-    finally:
-        if manager is not None:  # the parameters get their own storages back below: no copy of the values
-            manager.remove_hooks()
-        for p, d, g in zip(params, data, grads, strict=True):
-            p.data = d
-            p.grad = g
     return PersistentProbe(
         grad_hooks_s=hooks_s,
         step_s=step_s,

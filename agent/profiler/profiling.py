@@ -55,6 +55,8 @@ from agent.profiler.hooks import BlockHooks
 from agent.profiler.lockstep import Lockstep
 from agent.profiler.memory_tracking import track_memory
 from agent.profiler.model_config import hf_config
+from agent.profiler.offload_probe import OffloadProbe, probe_offloaded
+from agent.profiler.offload_probe import enabled as whole_model_probe_enabled
 from agent.profiler.optimizer_probe import (
     host_copy_throughput,
     host_step_overhead,
@@ -565,6 +567,23 @@ def _measure(
 
     stage("persistent_probe")
 
+    # 4d. CPU, in jobs of several ranks (`offload_probe.py`: not in single-process ones, for its profile time):
+    # the whole model with every chunk offloaded, the scale of the runtime probe's chunk costs
+    whole: OffloadProbe | None = None
+    if dev.type == "cpu" and probe is not None and whole_model_probe_enabled(hw.world_size):
+        try:
+            whole = probe_offloaded(model, res.ordered, step, opt, dev)
+        except (TypeError, ValueError):
+            raise  # a bug (the agent's or the model's), not a missing measurement
+        except Exception as e:
+            log.warning(
+                "offloaded whole-model probe skipped (%s: %s): chunk costs are the one block's, unscaled",
+                type(e).__name__,
+                e,
+            )
+
+    stage("offload_probe")
+
     # 5. tracked iteration: memory (after recompute, so no captured input is alive during it)
     act, inp, fwd_tr, bwd_tr, peak, alloc = track_memory(
         model, step, opt, batch, dev, repeated, res.ordered, want_trace
@@ -582,7 +601,7 @@ def _measure(
     )
     if probe is not None:
         swap_out, swap_in, recompute, offload, upload = runtime_costs(
-            probe, probed, act, recompute, res.ordered, hw
+            probe, probed, act, recompute, res.ordered, hw, whole
         )
     res.blocks = [
         BlockMeasurement(

@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import bisect
+import logging
 import math
+from collections.abc import Callable
 
+from agent.profiler.offload_probe import OffloadProbe
 from agent.profiler.optimizer_probe import host_step_overhead, host_step_throughput
 from agent.profiler.parameters import OrderedParameter
 from agent.profiler.runtime_probe import RuntimeProbe
 from client.contract import BandwidthSample, Hardware
+
+log = logging.getLogger(__name__)
 
 
 def runtime_costs(
@@ -19,6 +24,7 @@ def runtime_costs(
     recompute: list[float],
     ordered: list[OrderedParameter],
     hw: Hardware,
+    whole: OffloadProbe | None = None,
 ) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
     """Per-block runtime costs from the probe of block `probed` (see runtime_probe.py).
 
@@ -27,7 +33,8 @@ def runtime_costs(
     where the re-run alone misses the machinery). Every block, edges included: the chunk runtime's costs per
     parameter tensor (the probe's, less the copies and the host step that the cost model charges by bandwidth
     and throughput) times the block's parameter tensors: once per offloaded chunk (`offload_overhead_s`) and
-    per upload (`upload_overhead_s`).
+    per upload (`upload_overhead_s`). `whole` (CPU): the whole model offloaded (`offload_probe.py`), whose
+    entry-point time scales those chunk costs (`whole_model_scale`).
     """
     n = len(act)
     swap_out, swap_in = [0.0] * n, [0.0] * n
@@ -47,7 +54,12 @@ def runtime_costs(
     # the chunk's host step as the cost model charges it (one call: overhead + bytes / rate), so that the rest
     # is not charged twice
     rate = host_step_throughput()
-    step = host_step_overhead(rate) + probe.offload_bytes / rate if probe.offload_stepped else 0.0
+    overhead = host_step_overhead(rate)
+
+    def step_s(nbytes: int) -> float:  # one chunk's host step: per-call overhead + bytes over the rate
+        return overhead + nbytes / rate
+
+    step = step_s(probe.offload_bytes) if probe.offload_stepped else 0.0
     upload_rest = max(0.0, probe.upload_s - h2d)
     # plus what the offloaded block costs outside the runtime's entry points (CPU: autograd calling the
     # hooks, kernels after the chunk's copies and host step)
@@ -58,9 +70,46 @@ def runtime_costs(
         o
     ) in ordered:  # every parameter tensor, as the cost model spreads a block's figure over its parameters
         counts[o.block] += 1
-    upload = [upload_rest / n_params * counts[b] for b in range(n)]
-    offload = [once / n_params * counts[b] for b in range(n)]
+    scale = 1.0
+    if whole is not None:
+        # like with like: the one block's entry-point time (`offload_s`, without the cost outside the entry
+        # points, which only a difference of block runs gives) against the whole model's
+        inside = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)
+        scale = whole_model_scale(whole, inside / n_params, upload_rest / n_params, hw, step_of=step_s)
+        log.debug("chunk costs scaled by %.3f from the offloaded whole model: %s", scale, whole)
+    upload = [scale * upload_rest / n_params * counts[b] for b in range(n)]
+    offload = [scale * once / n_params * counts[b] for b in range(n)]
     return swap_out, swap_in, rec, offload, upload
+
+
+SCALE_BOUNDS = (0.5, 4.0)  # a whole-model figure outside these is a disturbed measurement, not the runtime's
+
+
+def whole_model_scale(
+    whole: OffloadProbe,
+    inside_per_param: float,
+    upload_per_param: float,
+    hw: Hardware,
+    step_of: Callable[[int], float],
+) -> float:
+    """The factor on the one-block probe's spread chunk costs from the whole model's (`offload_probe.py`):
+    the whole model's entry-point time less what the cost model charges apart (each upload and gradient copy
+    by bandwidth, each chunk's host step), over the same time spread from the one block (per parameter tensor,
+    per chunk and per upload), within `SCALE_BOUNDS`; 1.0 when the spread time is 0 (nothing to scale). Both
+    sides are timed directly in the entry points, out of the noise of the compute around them."""
+    chunks = len(whole.chunk_bytes)
+    per_chunk_uploads = whole.uploads / max(1, chunks)
+    spread = sum((inside_per_param + per_chunk_uploads * upload_per_param) * n for n in whole.chunk_params)
+    if spread <= 0:
+        return 1.0
+    apart = sum(
+        per_chunk_uploads * _copy_s(hw.bandwidth.h2d_pinned, b)
+        + _copy_s(hw.bandwidth.d2h_pinned, b)
+        + step_of(b)
+        for b in whole.chunk_bytes
+    )
+    lo, hi = SCALE_BOUNDS
+    return min(hi, max(lo, (whole.entry_points_s - apart) / spread))
 
 
 def _copy_s(curve: list[BandwidthSample], nbytes: int) -> float:

@@ -48,7 +48,6 @@ the assumption the `max_blocks` extrapolation makes). Parameters, gradients and 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -57,6 +56,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from agent.profiler.block_chunks import fresh_optimizer
 from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.tensors import iter_tensors
 from agent.runtime.device import DeviceContext
@@ -316,15 +316,8 @@ class _OffloadedChunk:
         if optimizer is not None and optimizer.param_groups:
             # the user's optimizer class and first group's hyper-parameters, over the probed parameters:
             # the chunk's host step runs inside the gradient hook that completes the chunk, as in training
-            group = optimizer.param_groups[0]
-            accepted = inspect.signature(type(optimizer).__init__).parameters
-            hyper = {
-                k: group[k] for k in optimizer.defaults if k in group and k in accepted and k != "params"
-            }
-            try:
-                inner: torch.optim.Optimizer | None = type(optimizer)(params, **hyper)
-            except (TypeError, ValueError):
-                inner = None  # the optimizer class cannot be rebuilt from its defaults: probed without a step
+            # (None: the optimizer class cannot be rebuilt from its defaults: probed without a step)
+            inner = fresh_optimizer(optimizer, params)
             if inner is not None:
                 try:
                     self.optimizer = ChunkedOptimizer(inner, layout, self.manager)

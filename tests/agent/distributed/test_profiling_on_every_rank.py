@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 from ddp_jobs import VOCAB, adamw, batches, build_model, free_port
 
 import agent
+from agent.profiler.runtime_costs import SCALE_BOUNDS
 from client.contract import Plan
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -82,6 +84,18 @@ def wrap_on_rank(rank: int, job: Job) -> dict[str, Any]:
             time.sleep(0.2)
 
     hook = model.register_forward_pre_hook(count)
+    scales: list[
+        float
+    ] = []  # the whole-model probe's scale of the chunk costs (offload_probe.py), per profile
+
+    class Scales(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("chunk costs scaled by"):
+                scales.append(float(record.args[0]))  # type: ignore[index]
+
+    costs_log = logging.getLogger("agent.profiler.runtime_costs")
+    costs_log.setLevel(logging.DEBUG)
+    costs_log.addHandler(Scales())
     try:
         wrapped = agent.wrap(
             model, adamw(model), sample_batch={"input_ids": batch, "labels": batch}, feedback_steps=None
@@ -99,6 +113,7 @@ def wrap_on_rank(rank: int, job: Job) -> dict[str, Any]:
         "origin": source.origin,
         "profiled_iteration_s": list(source.profiled_iteration_s),
         "trace_iteration_s": source.trace.measurements.iteration_s,
+        "scales": scales,
     }
     agent.unwrap(wrapped)
     return result
@@ -114,6 +129,11 @@ def test_every_rank_profiles_and_gets_the_plan_of_the_slowest_ranks_trace(tmp_pa
         times = r["profiled_iteration_s"]
         assert len(times) == 2 and all(t > 0 for t in times)
         assert r["trace_iteration_s"] == max(times)
+    # on a CPU every rank's profile scaled its chunk costs by the whole model's, once (session 30: on by default
+    # in jobs of several ranks)
+    assert all(
+        len(r["scales"]) == 1 and SCALE_BOUNDS[0] <= r["scales"][0] <= SCALE_BOUNDS[1] for r in ranks
+    ), [r["scales"] for r in ranks]
     # (b) one plan, for both ranks
     assert ranks[0]["plan"] == ranks[1]["plan"]
     assert ranks[0]["origin"] == ranks[1]["origin"] == "embedded"
