@@ -16,6 +16,7 @@ from agent.profiler.parameters import OrderedParameter
 from agent.runtime.device import DeviceContext
 from agent.runtime.layout import ChunkLayout, ChunkSpec, ParamEntry
 from agent.runtime.manager import ModelStateManager
+from agent.runtime.optimizer import UnsupportedOptimizerError, check_supported
 from agent.runtime.options import RuntimeOptions
 from client.contract import Placement
 
@@ -49,6 +50,17 @@ def chunk_per_block(ordered: Sequence[OrderedParameter], placement: Placement, n
         n_buffers=min(n_buffers, len(chunks)),
         by_param=by_param,
     )
+
+
+def supported_fresh_optimizer(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]
+) -> torch.optim.Optimizer | None:
+    """`fresh_optimizer`, None also where the chunk runtime does not support `optimizer`'s class."""
+    try:
+        check_supported(optimizer)
+    except UnsupportedOptimizerError:
+        return None
+    return fresh_optimizer(optimizer, params)
 
 
 def fresh_optimizer(

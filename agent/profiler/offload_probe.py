@@ -12,13 +12,13 @@ of every chunk), and one block's fastest-of-3 against a whole iteration's.
 So on a CPU device the profile also runs the whole (profiled) model through the runtime's own code: one
 offloaded chunk per block (prologue, each repeated block, epilogue: about the chunking the solver picks), two
 device buffers, a fresh optimizer of the user's class over the same parameters, and a few full iterations
-(forward, backward, `optimizer.step()`, `zero_grad()`) after a warm-up; the median one's wall seconds. The
-profile turns it into a factor on the spread chunk costs (`runtime_costs.whole_model_scale`): what the cost
-model would charge this configuration beside its compute, copies and host steps, against what it took.
-
-Timed in the runtime's entry points, as the runtime probe's `offload_s` (both out of the noise of the compute
-around them). On CUDA the copies overlap compute and the cost model reads these costs on a CPU device only (not
-run there). Parameters (values and storages), gradients and the user's optimizer are left as they were.
+(forward, backward, `optimizer.step()`, `zero_grad()`) after a warm-up; the median one's time in the runtime's
+entry points, timed directly as the runtime probe's `offload_s` is (both out of the noise of the compute around
+them). The profile turns it into a factor on the spread chunk costs (`runtime_costs.whole_model_scale`): the
+whole model's entry-point time less the copies and host steps the cost model charges apart, against the same
+time spread from the one block. On CUDA the copies overlap compute and the cost model reads these costs on a
+CPU device only (not run there). Parameters (values and storages), gradients and the user's optimizer are left
+as they were.
 
 **On by default in CPU profiles of a job of several ranks only** (session 30). The issue-20 benchmark on 2
 gloo ranks, Intel Xeon VM, alternated in one sitting: 6, 6 and 8 of 8 configurations within 10% by the median
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agent.profiler.block_chunks import chunk_per_block, fresh_optimizer, runtime_for_probe
+from agent.profiler.block_chunks import chunk_per_block, runtime_for_probe, supported_fresh_optimizer
 from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.parameters import OrderedParameter
 from agent.profiler.session import TrainingStep
-from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError, check_supported
+from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError
 from agent.runtime.timing import ENTRY_POINTS
 from client.contract import Placement
 
@@ -58,9 +58,7 @@ BUFFERS = 2  # device buffers: a chunk in use and the next one prefetched, as th
 class OffloadProbe:
     """One managed iteration of the whole model with every chunk offloaded."""
 
-    entry_points_s: (
-        float  # in the runtime's entry points over forward, backward, step() and zero_grad() (median)
-    )
+    entry_points_s: float  # in the runtime's entry points: forward, backward, step(), zero_grad() (median)
     chunk_bytes: tuple[int, ...]  # each chunk's parameter bytes (one chunk per block, in order)
     chunk_params: tuple[int, ...]  # each chunk's parameter tensors
     uploads: float  # chunk uploads per iteration (the runtime's counter)
@@ -95,15 +93,11 @@ def probe_offloaded(
         or any(p.device != device for p in params)
     ):
         return None
-    try:
-        check_supported(optimizer)
-    except UnsupportedOptimizerError:
-        return None
+    user = supported_fresh_optimizer(optimizer, params)
+    if user is None:
+        return None  # a class the runtime does not support, or cannot rebuild from its defaults: not probed
     layout = chunk_per_block(ordered, Placement.offloaded, BUFFERS)
     chunks = layout.chunks
-    user = fresh_optimizer(optimizer, params)
-    if user is None:
-        return None  # the optimizer class cannot be rebuilt from its defaults: not probed
     try:
         with runtime_for_probe(model, layout, device) as (manager, context):
             chunked = ChunkedOptimizer(user, layout, manager)

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agent.profiler.block_chunks import chunk_per_block, fresh_optimizer, runtime_for_probe
+from agent.profiler.block_chunks import chunk_per_block, runtime_for_probe, supported_fresh_optimizer
 from agent.profiler.device_clock import DeviceClock, SectionSpans
 from agent.profiler.parameters import OrderedParameter
-from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError, check_supported
+from agent.runtime.optimizer import ChunkedOptimizer, UnsupportedOptimizerError
 from agent.runtime.timing import GRAD_HOOK, STEP, ZERO_GRAD
 from client.contract import Placement
 
@@ -66,15 +66,11 @@ def probe_persistent(
     trainable = [p for p in params if p.requires_grad]
     if not trainable or len({p.dtype for p in params}) != 1 or any(p.device != device for p in params):
         return None
-    try:
-        check_supported(optimizer)
-    except UnsupportedOptimizerError:
-        return None
+    user = supported_fresh_optimizer(optimizer, trainable)
+    if user is None:
+        return None  # a class the runtime does not support, or cannot rebuild from its defaults: not probed
     layout = chunk_per_block(ordered, Placement.persistent, 0)
     chunks = layout.chunks
-    user = fresh_optimizer(optimizer, trainable)
-    if user is None:
-        return None  # the optimizer class cannot be rebuilt from its defaults: not probed
     try:
         with runtime_for_probe(model, layout, device) as (manager, context):
             # the runtime's timing hook: the gradient hooks, `step` and `zero_grad`, each where torch calls it,

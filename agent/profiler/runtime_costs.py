@@ -63,7 +63,8 @@ def runtime_costs(
     upload_rest = max(0.0, probe.upload_s - h2d)
     # plus what the offloaded block costs outside the runtime's entry points (CPU: autograd calling the
     # hooks, kernels after the chunk's copies and host step)
-    once = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step) + probe.offload_outside_s
+    inside = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)  # in the runtime's entry points
+    once = inside + probe.offload_outside_s
     n_params = max(1, probe.offload_params)
     counts = [0] * n
     for (
@@ -72,9 +73,8 @@ def runtime_costs(
         counts[o.block] += 1
     scale = 1.0
     if whole is not None:
-        # like with like: the one block's entry-point time (`offload_s`, without the cost outside the entry
+        # like with like: the one block's entry-point time (`inside`, without the cost outside the entry
         # points, which only a difference of block runs gives) against the whole model's
-        inside = max(0.0, probe.offload_s - h2d - upload_rest - d2h - step)
         scale = whole_model_scale(whole, inside / n_params, upload_rest / n_params, hw, step_of=step_s)
         log.debug("chunk costs scaled by %.3f from the offloaded whole model: %s", scale, whole)
     upload = [scale * upload_rest / n_params * counts[b] for b in range(n)]
