@@ -32,6 +32,20 @@ CI_ALLOWED_SKIPS: dict[str, str] = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`scripts/test.sh` runs the suite on several worker processes) each worker gets its
+    share of the cores for torch's intra-op threads: without it every worker's OpenMP pool spans all the
+    cores and the workers' spinning threads slow each other down. Set before any test imports torch; the
+    variables reach the processes the tests spawn (ranks, fresh interpreters). A value already in the
+    environment is the user's and is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or "1")
+    if workers <= 1:
+        return
+    threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, threads)
+
+
 def ci_skip_allowed(nodeid: str) -> str | None:
     """The reason a skip of this test is allowed in CI, or None."""
     return next((why for prefix, why in CI_ALLOWED_SKIPS.items() if nodeid.startswith(prefix)), None)
