@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 # the planned allocator's CUDA backend compiles against the CUDA runtime headers (no GPU needed)
 ./scripts/check_cuda_build.sh
 # one pytest worker per core, at most 4 (pytest-xdist; a file's tests stay on one worker, so its module
-# fixtures are built once); MEMPLAN_TEST_WORKERS=0 runs everything in this process
+# fixtures are built once); MEMPLAN_TEST_WORKERS=0 runs everything in this process. pytest-benchmark (present in
+# some system site-packages, unused here) is kept out: under xdist it only warns that it is disabled
 workers=${MEMPLAN_TEST_WORKERS:-$(($(nproc) < 4 ? $(nproc) : 4))}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -p no:benchmark -n "$workers" --dist loadfile "$@"
