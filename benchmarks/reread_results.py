@@ -56,9 +56,13 @@ COUNTERS = ("host_step", "grad_reduction", "control")
 def phase_errors(doc: dict[str, Any]) -> dict[str, Any] | None:
     """Medians over the file's rank-rows with a breakdown and a plan (None: none has both), in ms. The plan is
     kept on rank 0's row only (every rank runs it): the other ranks' rows read it from there."""
-    key = lambda r: (r.get("trial"), r.get("kind"), r.get("layers"), r.get("fraction"))  # noqa: E731
-    plans = {key(r): r["plan"] for r in doc["rows"] if r.get("plan")}
-    rows = [{**r, "plan": plans[key(r)]} for r in doc["rows"] if r.get("breakdown") and key(r) in plans]
+    config_of = lambda r: (r.get("trial"), r.get("kind"), r.get("layers"), r.get("fraction"))  # noqa: E731
+    plans = {config_of(r): r["plan"] for r in doc["rows"] if r.get("plan")}
+    rows = [
+        {**r, "plan": plans[config_of(r)]}
+        for r in doc["rows"]
+        if r.get("breakdown") and config_of(r) in plans
+    ]
     if not rows:
         return None
     diffs: dict[str, list[float]] = {}
