@@ -593,14 +593,9 @@ def _measure(
     stage("tracked")
     res.stages = stages
 
-    swap_out, swap_in, offload, upload = (
-        [0.0] * n_blocks,
-        [0.0] * n_blocks,
-        [0.0] * n_blocks,
-        [0.0] * n_blocks,
-    )
+    swap_out, swap_in, offload, upload, offload_forward = ([0.0] * n_blocks for _ in range(5))
     if probe is not None:
-        swap_out, swap_in, recompute, offload, upload = runtime_costs(
+        swap_out, swap_in, recompute, offload, upload, offload_forward = runtime_costs(
             probe, probed, act, recompute, res.ordered, hw, whole
         )
     res.blocks = [
@@ -617,6 +612,7 @@ def _measure(
             swap_in_s=swap_in[b],
             offload_overhead_s=offload[b],
             upload_overhead_s=upload[b],
+            offload_forward_s=offload_forward[b],
         )
         for b in range(n_blocks)
     ]

@@ -25,7 +25,7 @@ def runtime_costs(
     ordered: list[OrderedParameter],
     hw: Hardware,
     whole: OffloadProbe | None = None,
-) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float], list[float], list[float], list[float]]:
     """Per-block runtime costs from the probe of block `probed` (see runtime_probe.py).
 
     Repeated blocks (one module class): swap costs scale with the block's activation bytes, checkpointing's
@@ -34,7 +34,12 @@ def runtime_costs(
     parameter tensor (the probe's, less the copies and the host step that the cost model charges by bandwidth
     and throughput) times the block's parameter tensors: once per offloaded chunk (`offload_overhead_s`) and
     per upload (`upload_overhead_s`). `whole` (CPU): the whole model offloaded (`offload_probe.py`), whose
-    entry-point time scales those chunk costs (`whole_model_scale`).
+    entry-point time scales those chunk costs (`whole_model_scale`). The per-chunk cost's part paid in
+    forward (`offload_forward_s`, a CPU device) is the probed block's share of it (its forward beyond the plain
+    block's, less the moves inside it, over its whole per-chunk cost), applied to every block's.
+
+    Returns per block: swap-out, swap-in, recompute, per-chunk cost, per-upload cost, and the per-chunk cost's
+    forward part.
     """
     n = len(act)
     swap_out, swap_in = [0.0] * n, [0.0] * n
@@ -79,7 +84,9 @@ def runtime_costs(
         log.debug("chunk costs scaled by %.3f from the offloaded whole model: %s", scale, whole)
     upload = [scale * upload_rest / n_params * counts[b] for b in range(n)]
     offload = [scale * once / n_params * counts[b] for b in range(n)]
-    return swap_out, swap_in, rec, offload, upload
+    share = min(1.0, probe.offload_forward_s / once) if once > 0 else 0.0
+    forward = [share * x for x in offload]
+    return swap_out, swap_in, rec, offload, upload, forward
 
 
 SCALE_BOUNDS = (0.5, 4.0)  # a whole-model figure outside these is a disturbed measurement, not the runtime's

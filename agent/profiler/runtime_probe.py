@@ -100,6 +100,9 @@ class RuntimeProbe:
     )
     offload_outside_s: float = 0.0  # the offloaded block's forward + backward beyond the plain block's,
     # outside the runtime's entry points (wall clock only; 0.0 on CUDA and where not measured)
+    offload_forward_s: float = 0.0  # the offloaded block's forward beyond the plain block's, less its moves
+    # (the upload and release the cost model charges per upload): the forward's part of the per-chunk cost
+    # (wall clock only; 0.0 on CUDA and where not measured)
 
     @property
     def checkpoint_extra_s(self) -> float:
@@ -111,6 +114,7 @@ class _OffloadRun(NamedTuple):
     """One timed run of the offloaded block (seconds)."""
 
     block_s: float  # its forward + backward
+    forward_s: float  # of which its forward, less the moves (uploads, releases) inside it
     resident_s: float  # in the runtime's entry points (the settling step() and zero_grad included)
     resident_fb_s: float  # of those, inside the forward + backward
     move_s: float  # one upload and one release (`_OffloadedChunk.move_s`)
@@ -229,8 +233,16 @@ def probe_block(
         runs: list[_OffloadRun] = []
         for _ in range(OFFLOAD_RUNS):
             offload.reset()
-            block_s = sum(offload.run(block, plain))
-            runs.append(_OffloadRun(block_s, offload.resident_s(), offload.resident_fb_s(), offload.move_s()))
+            fwd_s, bwd_s = offload.run(block, plain)
+            runs.append(
+                _OffloadRun(
+                    fwd_s + bwd_s,
+                    fwd_s - offload.forward_moves_s,
+                    offload.resident_s(),
+                    offload.resident_fb_s(),
+                    offload.move_s(),
+                )
+            )
     except _NotProbed:
         return None
     finally:
@@ -244,9 +256,10 @@ def probe_block(
 
     fastest = min(runs, key=lambda r: r.resident_s)
     plain_s = min(sum(t) for t in plain_t)
-    outside = 0.0
+    outside = forward = 0.0
     if not clock.cuda:
         outside = max(0.0, min(r.block_s - r.resident_fb_s for r in runs) - plain_s)
+        forward = max(0.0, min(r.forward_s for r in runs) - min(t[0] for t in plain_t))
 
     # the fastest of the rounds: other work on the machine only ever adds time
     def best(xs: list[tuple[float, float]], i: int) -> float:
@@ -264,6 +277,7 @@ def probe_block(
         offload_s=fastest.resident_s,
         upload_s=fastest.move_s,
         offload_outside_s=outside,
+        offload_forward_s=forward,
         offload_params=len(params),
         offload_bytes=sum(p.numel() * p.element_size() for p in params),
         offload_stepped=offload.optimizer is not None,
@@ -312,6 +326,7 @@ class _OffloadedChunk:
         self.manager.timing.add_marks(self.clock, self.entries)
         self.manager.timing.add_marks(self.clock, self.moves)
         self._counts = (0, 0)
+        self.forward_moves_s = 0.0  # the last run's moves inside its forward (`_forward_ended`)
         self.optimizer: ChunkedOptimizer | None = None
         if optimizer is not None and optimizer.param_groups:
             # the user's optimizer class and first group's hyper-parameters, over the probed parameters:
@@ -351,9 +366,16 @@ class _OffloadedChunk:
         upload, evict, flush = (self.moves.seconds(k) for k in (UPLOAD, EVICT, FLUSH))
         return upload / n_up + (evict - flush) / n_ev
 
+    def _forward_ended(self) -> None:
+        """At the block's forward's end (wall clock: its marks readable now): the moves inside the forward, the
+        upload and any release, which the cost model charges per upload, not as the forward's part of the
+        per-chunk cost."""
+        self.forward_moves_s = self.moves.seconds(UPLOAD, EVICT) - self.moves.seconds(FLUSH)
+
     def run(self, block: _Block, forward: Callable[[], Any]) -> tuple[float, float]:
         """The block's forward and backward, then the settling step and `zero_grad` (all inside the window)."""
-        t = block.run(self.clock, forward)
+        self.forward_moves_s = 0.0
+        t = block.run(self.clock, forward, None if self.clock.cuda else self._forward_ended)
         if self.optimizer is not None:
             # the chunk was stepped in backward: step() settles the iteration (validates the speculative step),
             # a per-chunk cost of every managed step (0.4-1.2 ms per iteration over 5-6 chunks on the CPU, not in

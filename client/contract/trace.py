@@ -401,6 +401,23 @@ class BlockMeasurement(ContractModel):
         description="extra time of each upload of this block's parameters into a device buffer "
         "(release, buffer choice, bind), beyond the copy of their bytes (charged by bandwidth)",
     )
+    # Left out of the JSON when 0 (not measured: traces from before it keep their content hashes).
+    offload_forward_s: Seconds = Field(
+        default=0.0,
+        exclude_if=lambda v: v == 0.0,
+        description="the part of offload_overhead_s paid in forward (the residency hooks, and autograd's "
+        "saved-tensor hooks and slower kernels around them, beyond the uploads): the cost model reports it "
+        "in forward instead of backward; the iteration is the same. 0 = not measured (all of it in backward)",
+    )
+
+    @model_validator(mode="after")
+    def _forward_part_of_overhead(self) -> BlockMeasurement:
+        if self.offload_forward_s > self.offload_overhead_s:
+            raise ValueError(
+                f"offload_forward_s: {self.offload_forward_s} is more than offload_overhead_s "
+                f"{self.offload_overhead_s}, of which it is a part"
+            )
+        return self
 
 
 class OptimizerMeasurement(ContractModel):

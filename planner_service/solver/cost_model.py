@@ -60,6 +60,11 @@ Without copy/compute overlap (`CostParams.copy_overlap` False; the default for a
   T_host_end = T_bwd + T_dev_opt + o[0] * grad_offload(0) + sum over offloaded c of host_step(c)
   (the first chunk's gradient copy has no window after it; the host optimizer runs serially), so
   T_iter = T_fwd + T_bwd + T_dev_opt + o[0] * grad_offload(0) + T_host_optim.
+  On such a device grad_offload(c) holds the chunk runtime's measured per-chunk cost (the trace's
+  offload_overhead_s), and the part of it paid in forward (`offload_forward_s`: the residency hooks and what
+  autograd adds around them in the chunk's blocks' forward) moves from grad_offload(c) to Tf[c]: T_iter is the
+  same sum, T_fwd and T_bwd are where the runtime pays them (before, the 2-rank benchmark's forward ran over
+  its prediction in every saved run of sessions 30-32, by a median of +1.2 to +8.5 ms per run).
 
 Speculative host steps and clipping (`Workload.clips_gradients`, with undo backups kept): the host steps run
 during backward as above on the unclipped gradient; when clipping scales the gradients, optimizer.step()
@@ -490,6 +495,15 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     sharded = inst.sharded_job
     k = chunk_terms(inst, d)
     U, G, RS = k.upload, k.grad_offload, k.reduce
+    # an offloaded chunk's measured per-chunk cost (in G) paid in its forward window (serial devices only:
+    # moved, not added, so every sum, and the iteration, is the same; see "Serial devices" above)
+    OF = [
+        min(inst.offload_forward_ns[c], G[c]) if inst.offload_forward_ns and d.offloaded[c] else 0
+        for c in range(C)
+    ]
+    if any(OF):
+        assert not inst.copy_overlap, "measured on serial devices only (instance.build_instance)"
+        G = tuple(g - f for g, f in zip(G, OF, strict=True))
     windows = max(C, 1)
     F = [0] * windows
     Bk = [0] * windows
@@ -531,7 +545,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
     for c in range(windows):
         h2d = at(U, c + 1) + late[c]
         both = ((Ux[c + 1] if off(c + 1) else 0) + late_x[c], SOx[c]) if dx else None
-        t = _combine(F[c], h2d, SO[c], duplex, overlap, both)
+        t = _combine(F[c] + at(OF, c), h2d, SO[c], duplex, overlap, both)
         if nb == 1 and off(c) and off(c + 1):
             t = max(t, F[c] + U[c + 1])
         if nb == 1 and late[c]:  # demanded in the window: the one buffer holds the window's own chunk

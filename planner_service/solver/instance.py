@@ -234,6 +234,10 @@ class PolicyInstance:
     # (`late_uses.late_use_windows`): an offloaded chunk not resident after forward is uploaded again there and
     # displaces the first resident chunk for backward (cost_model); empty: no such parameter
     late_uses: tuple[tuple[int, int], ...] = field(default=())
+    # per chunk: the part of its measured per-chunk cost (in `grad_offload_ns`) paid in forward (a serial device:
+    # the trace's offload_forward_s of the chunk's parameters): `cost_model.evaluate_decision` reports it in the
+    # chunk's forward window instead of backward, the same sum; empty: not measured (all of it in backward)
+    offload_forward_ns: tuple[int, ...] = field(default=())
     # per chunk: holds a parameter used outside its owning module's forward (`ParameterInfo.used_outside_owner`):
     # never sharded on the device (its released placeholder would be read); empty: none
     no_device_shard: tuple[bool, ...] = field(default=())
@@ -373,6 +377,7 @@ def build_instance(
     host_limit = constraints.host_memory_bytes or trace.hardware.host_memory_bytes
     pinned = constraints.pinned_memory_bytes or trace.hardware.pinned_memory_limit_bytes
     serial = params.copy_overlap is False
+    offload_forward: tuple[int, ...] = ()  # serial devices only (see the field)
     swap_out = [transfer_ns(bw.d2h_pinned, x.activation_bytes) for x in meas]
     swap_in = [transfer_ns(bw.h2d_pinned, x.activation_bytes) for x in meas]
     grad_offload = [transfer_ns(bw.d2h_pinned, g) for g in grad_bytes]
@@ -394,6 +399,8 @@ def build_instance(
 
         grad_offload = [g + o for g, o in zip(grad_offload, spread("offload_overhead_s"), strict=True)]
         upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]
+        if any(x.offload_forward_s > 0 for x in meas):
+            offload_forward = tuple(spread("offload_forward_s"))
     duplex: dict[str, tuple[int, ...]] = {}
     # copies overlap: both ways at once is possible (single-rank jobs: the multi-rank windows use the collective
     # model of `sharding.py`, which has no duplex terms yet)
@@ -488,6 +495,7 @@ def build_instance(
         no_device_shard=tuple(
             any(p.used_outside_owner for p in params_list[a:b]) for a, b in layout.param_ranges
         ),
+        offload_forward_ns=offload_forward,
     )
     if trace.hardware.world_size == 1:
         return inst

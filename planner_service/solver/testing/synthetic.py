@@ -230,6 +230,7 @@ class BlockSpec:
     swap_in_s: float = 0.0
     offload_overhead_s: float = 0.0
     upload_overhead_s: float = 0.0
+    offload_forward_s: float = 0.0  # of offload_overhead_s, the part paid in forward
 
 
 def hand_trace(
@@ -293,6 +294,7 @@ def hand_trace(
                 swap_in_s=s.swap_in_s,
                 offload_overhead_s=s.offload_overhead_s,
                 upload_overhead_s=s.upload_overhead_s,
+                offload_forward_s=s.offload_forward_s,
             )
         )
     flat = lambda bw: [BandwidthSample(size_bytes=1, bytes_per_s=bw)]  # noqa: E731

@@ -275,6 +275,27 @@ def test_more_blocks_than_the_declared_limit_are_rejected() -> None:
     assert any(f.startswith("model.blocks") and "at most" in f for f in _error_fields(raw))
 
 
+def test_the_forward_part_of_the_per_chunk_cost_is_a_part_of_it_and_left_out_when_zero() -> None:
+    """`BlockMeasurement.offload_forward_s` (session 32): optional and additive, so traces from before it keep
+    their content hashes; never more than the `offload_overhead_s` it is a part of."""
+    raw = _raw()
+    block = raw["measurements"]["blocks"][1]
+    assert "offload_forward_s" not in block
+    before = Trace.model_validate(raw).content_hash()
+    block["offload_forward_s"] = 0.0
+    assert Trace.model_validate(raw).content_hash() == before
+    block["offload_overhead_s"], block["offload_forward_s"] = 0.002, 0.003
+    assert any(
+        f.startswith("measurements.blocks.1")
+        and "offload_forward_s: 0.003 is more than offload_overhead_s" in f
+        for f in _error_fields(raw)
+    )
+    block["offload_forward_s"] = 0.0005
+    split = Trace.model_validate(raw)
+    assert split.measurements.blocks[1].offload_forward_s == 0.0005
+    assert b'"offload_forward_s":0.0005' in split.canonical_json()
+
+
 def test_content_hash_ignores_key_order_but_not_content() -> None:
     t = synthetic_trace(n_blocks=2, hidden=64, vocab=100)
     shuffled = Trace.model_validate(dict(reversed(list(json.loads(t.model_dump_json()).items()))))

@@ -409,13 +409,45 @@ def test_cpu_offload_costs_once_per_chunk_and_upload_costs_per_upload():
     )
 
 
+def with_forward_part(trace, share: float):
+    """`trace` with `share` of every block's measured per-chunk cost paid in forward (`offload_forward_s`)."""
+    blocks = [
+        b.model_copy(update={"offload_forward_s": share * b.offload_overhead_s})
+        for b in trace.measurements.blocks
+    ]
+    return trace.model_copy(update={"measurements": trace.measurements.model_copy(update={"blocks": blocks})})
+
+
+def test_cpu_per_chunk_costs_forward_part_moves_from_backward_to_forward_and_the_iteration_stays():
+    # chunks 0, 2 and 4 offloaded (two buffers), 1 and 3 persistent: of each offloaded chunk's 0.5 ms, 0.2 ms
+    # is paid in its forward window; moved there from the gradient copy's window (or after backward, chunk 0)
+    args = (8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
+    base = measured_trace(DeviceType.cpu)
+    pol = policy(base, *args)
+    for chunk in (1, 3):
+        pol.chunks[chunk].placement = Placement.persistent
+    split = with_forward_part(base, 0.4)
+    p = evaluate(split, pol, ROOMY, NO_MARGIN)
+    q = evaluate(base, pol, ROOMY, NO_MARGIN)
+    assert p.iteration_s == q.iteration_s
+    assert round((p.forward_s - q.forward_s) * 1e9) == 3 * 200_000
+    # chunks 2 and 4 copy their gradients in backward windows; chunk 0's after backward (no window after it)
+    assert round((q.backward_s - p.backward_s) * 1e9) == 2 * 200_000
+    # persistent chunks pay none of it; on a GPU it is not measured (the trace's field changes nothing there)
+    for chunk in (0, 2, 4):
+        pol.chunks[chunk].placement = Placement.persistent
+    assert evaluate(split, pol, ROOMY, NO_MARGIN) == evaluate(base, pol, ROOMY, NO_MARGIN)
+    gpu = with_forward_part(measured_trace(DeviceType.cuda), 0.4)
+    assert build_instance(gpu, pack(gpu, 8 * MiB), ROOMY, NO_MARGIN).offload_forward_ns == ()
+
+
 def test_batch_timing_equals_the_reference_model_with_measured_runtime_costs():
     rng = np.random.default_rng(12)
-    trace = measured_trace(DeviceType.cpu)
-    for size in (8 * MiB, 16 * MiB):
-        inst = build_instance(trace, pack(trace, size), ROOMY, NO_MARGIN)
-        assert not inst.copy_overlap
-        assert_batch_matches_reference(rng, inst, draws=20)
+    for trace in (measured_trace(DeviceType.cpu), with_forward_part(measured_trace(DeviceType.cpu), 0.4)):
+        for size in (8 * MiB, 16 * MiB):
+            inst = build_instance(trace, pack(trace, size), ROOMY, NO_MARGIN)
+            assert not inst.copy_overlap
+            assert_batch_matches_reference(rng, inst, draws=20)
 
 
 def test_a_swapped_blocks_activations_count_through_the_next_forward_where_copies_overlap():

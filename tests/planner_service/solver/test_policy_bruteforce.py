@@ -136,7 +136,8 @@ def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
 
 
 def with_runtime_costs(rng: np.random.Generator, trace):
-    """The trace with runtime costs as the profiler's runtime probe measures them (random, per block)."""
+    """The trace with runtime costs as the profiler's runtime probe measures them (random, per block; the
+    per-chunk cost's forward part a random share of it)."""
     blocks = [
         b.model_copy(
             update={
@@ -146,8 +147,9 @@ def with_runtime_costs(rng: np.random.Generator, trace):
                 "swap_in_s": float(rng.uniform(0, 5e-3))
                 if 0 < i < len(trace.measurements.blocks) - 1
                 else 0.0,
-                "offload_overhead_s": float(rng.uniform(0, 2e-3)),
+                "offload_overhead_s": (overhead := float(rng.uniform(0, 2e-3))),
                 "upload_overhead_s": float(rng.uniform(0, 1e-3)),
+                "offload_forward_s": overhead * float(rng.uniform(0, 1)),
             }
         )
         for i, b in enumerate(trace.measurements.blocks)
