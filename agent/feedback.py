@@ -9,6 +9,13 @@ on the optimizer; both removed by `close()`):
   chunk runtime's uploads per iteration (its counters). Timed with the profiler's `DeviceClock`: wall time on
   CPU; on CUDA timing events on the compute stream, read after the synchronize that ends each step, so the
   phases add no synchronisation (events written for CUDA, run here under the stream-ordering checker only);
+- gradient accumulation: a step whose forwards with gradients hold clearly more than one planned batch
+  (their rows x sequence summed, at least `ACCUMULATION_BATCHES` of the batch the plan was made for) ran
+  several iterations of the plan; its iteration, phases and uploads are the last pass's (from its forward's
+  start to the step's end: the plan's iteration, the final micro-step's gradient work and optimizer step
+  included), and the feedback's notes say how many passes the steps ran. Micro-batches that together make
+  one planned batch are one iteration (the step, as without accumulation). Before (session 32), four
+  full-batch passes per step were measured as one iteration: ~4x the prediction, 4x its uploads;
 - peak device bytes: one iteration (the step after warm-up) runs under `DevicePeakMeter` (profiler
   semantics, see `measure.py`);
 - peak host bytes: the runtime's host memory (offloaded chunks' states) plus the swap store's peak of
@@ -42,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from agent.batch_guard import batch_shape
 from agent.measure import DevicePeakMeter, device_state_tensors
 from agent.profiler.device_clock import DeviceClock, Mark
 from agent.runtime.eager import eager
@@ -189,6 +197,7 @@ class Measured:
 
     iteration_s: list[float] = field(default_factory=list)
     forward_s: list[float] = field(default_factory=list)  # per timed step, as `iteration_s`
+    passes: list[int] = field(default_factory=list)  # per timed step: its passes when accumulating, else 1
     step_s: list[float] = field(default_factory=list)
     uploads: int | None = None  # the chunk runtime's uploads over the timed steps (None: no chunk runtime)
     peak_device_bytes: int | None = None
@@ -200,6 +209,14 @@ class Measured:
     def feedback(self, notes: str = "") -> Feedback | None:
         if not self.iteration_s or self.peak_device_bytes is None or self.peak_host_bytes is None:
             return None
+        passes = max(self.passes, default=1)
+        if passes > 1:
+            accumulation = (
+                f"gradient accumulation: up to {passes} forward/backward passes of the planned batch per "
+                "optimizer.step(); the iteration, phases and uploads are the last pass's (its forward to the "
+                "step's end)"
+            )
+            notes = f"{notes}; {accumulation}" if notes else accumulation
         return Feedback(
             iteration_s=float(statistics.median(self.iteration_s)),
             peak_device_bytes=self.peak_device_bytes,
@@ -229,6 +246,9 @@ class Measured:
 WARMUP_STEPS = 2
 """Steps the monitor lets pass before it measures (the first steps record access orders, fill caches)."""
 MIN_FEEDBACK_STEPS = WARMUP_STEPS + 2
+ACCUMULATION_BATCHES = 1.5
+"""A step whose forwards with gradients hold at least this many planned batches (rows x sequence) accumulates
+gradients over several iterations of the plan (see the module docstring); less is micro-batches of one."""
 """The fewest `wrap(feedback_steps=...)` the monitor can measure in: warm-up, a metered step, a timed step."""
 
 
@@ -259,6 +279,7 @@ class StepMonitor:
         notes: Callable[[], str] | None = None,
         group: RankGroup | None = None,
         recorder: StepRecorder | None = None,
+        planned_shape: tuple[int, int] | None = None,
     ) -> None:
         if steps < warmup + 2:
             raise ValueError(
@@ -283,9 +304,15 @@ class StepMonitor:
         self._forward_start: Mark | None = None
         self._forwards: list[tuple[Mark, Mark]] = []  # this step's forward calls (timed steps only)
         self._step_start: Mark | None = None
+        # the planned batch's rows x sequence (None: unknown, every step is one iteration), this step's passes'
+        self._planned = planned_shape[0] * planned_shape[1] if planned_shape is not None else None
+        self._pass_sizes: list[int] = []
+        self._pass_wall = 0.0  # when the step's latest forward with gradients started (wall clock)
+        self._pass_uploads = 0  # the runtime's upload count then
         self._uploads_at: int | None = None  # the runtime's upload count when the step's window opened
         self._eval_uploads_at: int | None = None  # ... when an evaluation forward (no grad) started
         self._eval_uploads = 0  # uploads of this step's evaluation forwards: not the training iteration's
+        self._pass_eval_uploads = 0  # ... of those after its latest forward with gradients started
         self._sender: threading.Thread | None = None
         self._wait_left_s = SEND_WAIT_S  # `wait_sent`'s budget over every call
         self._said_behind = False
@@ -314,6 +341,12 @@ class StepMonitor:
             return
         if self._timing() and torch.is_grad_enabled():  # an evaluation forward (no grad) is not the step's
             self._forward_start = self._clock.mark()
+            shape = batch_shape(kwargs) if kwargs else batch_shape(args)
+            self._pass_sizes.append(shape[0] * shape[1] if shape is not None else 0)
+            self._pass_wall = time.perf_counter()
+            if self.manager is not None:
+                self._pass_uploads = self.manager.counters.uploads
+                self._pass_eval_uploads = 0  # an evaluation before this pass is outside its window
         elif self._timing() and self.manager is not None:
             self._eval_uploads_at = self.manager.counters.uploads
         if self._metering or self.measured.steps != self.meter_step or not torch.is_grad_enabled():
@@ -331,7 +364,9 @@ class StepMonitor:
             self._forwards.append((self._forward_start, self._clock.mark()))
             self._forward_start = None
         if self._eval_uploads_at is not None and self.manager is not None:
-            self._eval_uploads += self.manager.counters.uploads - self._eval_uploads_at
+            uploads = self.manager.counters.uploads - self._eval_uploads_at
+            self._eval_uploads += uploads
+            self._pass_eval_uploads += uploads
             self._eval_uploads_at = None
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -352,25 +387,40 @@ class StepMonitor:
                 self.recorder.finish(self._meter.window)
         elif self._timing():
             assert self._last is not None
-            self.measured.iteration_s.append(now - self._last)
-            self._record_phases(end)
+            passes = self._accumulated_passes()
+            self.measured.passes.append(passes)
+            self.measured.iteration_s.append(now - (self._pass_wall if passes > 1 else self._last))
+            self._record_phases(end, last_pass=passes > 1)
         self._forwards, self._forward_start, self._step_start = [], None, None
-        self._eval_uploads_at, self._eval_uploads = None, 0
+        self._pass_sizes = []
+        self._eval_uploads_at, self._eval_uploads, self._pass_eval_uploads = None, 0, 0
         self.measured.steps += 1
         self._last = time.perf_counter()
         self._uploads_at = self.manager.counters.uploads if self.manager is not None else None
         if self.measured.steps == self.steps and self.measured.sent is None:
             self.flush()
 
-    def _record_phases(self, end: Mark | None) -> None:
-        """A timed step's forward and step seconds, and its uploads (the clock synchronised after `end`)."""
+    def _accumulated_passes(self) -> int:
+        """This step's forwards with gradients when they hold at least `ACCUMULATION_BATCHES` planned batches
+        (gradient accumulation over several iterations of the plan), else 1 (one iteration)."""
+        if len(self._pass_sizes) < 2 or not self._planned:
+            return 1
+        return len(self._pass_sizes) if sum(self._pass_sizes) >= ACCUMULATION_BATCHES * self._planned else 1
+
+    def _record_phases(self, end: Mark | None, *, last_pass: bool) -> None:
+        """A timed step's forward and step seconds, and its uploads (the clock synchronised after `end`); the
+        last pass's only (`last_pass`: gradient accumulation, see the module docstring)."""
         m = self.measured
-        m.forward_s.append(sum(self._clock.seconds(a, b) for a, b in self._forwards))
+        forwards = self._forwards[-1:] if last_pass else self._forwards
+        m.forward_s.append(sum(self._clock.seconds(a, b) for a, b in forwards))
         m.step_s.append(self._clock.seconds(self._step_start, end) if self._step_start and end else 0.0)
         if self.manager is not None and self._uploads_at is not None:
-            m.uploads = (
-                (m.uploads or 0) + self.manager.counters.uploads - self._uploads_at - self._eval_uploads
+            start, evals = (
+                (self._pass_uploads, self._pass_eval_uploads)
+                if last_pass
+                else (self._uploads_at, self._eval_uploads)
             )
+            m.uploads = (m.uploads or 0) + self.manager.counters.uploads - start - evals
 
     def _host_bytes(self) -> int:
         host = 0

@@ -390,6 +390,7 @@ def _finish(
             notes=lambda: f"memplan agent; plan origin {source.origin}; modes {strip}",
             group=group,
             recorder=recorder,
+            planned_shape=planned_shape,
         )
 
 

@@ -106,3 +106,31 @@ def test_each_phase_holds_its_own_time_and_not_the_others(job: dict[str, Any], t
     assert ph.backward_s >= 2 * 0.04 + naps["eval"], "user code and the evaluation forward belong to the rest"
     assert (tmp_path / "fb.jsonl").read_text().count('"phases"') == 1
     agent.unwrap(w)
+
+
+def test_with_gradient_accumulation_the_iteration_is_the_last_pass_of_the_planned_batch(
+    job: dict[str, Any], tmp_path: Path
+) -> None:
+    """Four passes of the whole planned batch per optimizer.step() (a Trainer's gradient_accumulation_steps,
+    whose sample batch is one micro-batch): four iterations of the plan, of which the feedback measures the last
+    (its forward to the step's end, the final micro-step's gradient work and the step included). Defect (session
+    32): the whole step was measured as one iteration, ~4x the prediction and 4x its uploads. User code between
+    the passes (a sleep longer than a pass takes here) is in none of it."""
+    w = wrapped(job, feedback_path=str(tmp_path / "fb.jsonl"))
+    nap, passes = 0.5, 4
+    for _step in range(STEPS):
+        for micro in range(passes):
+            (w.model(**job["batch"]).loss / passes).backward()
+            if micro < passes - 1:
+                time.sleep(nap)  # the user's code between passes (logging, the next batch's loading)
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+    fb = w.report().measured
+    assert fb is not None and fb.phases is not None
+    pred = w.plan.predictions
+    assert pred is not None and pred.uploads_per_iteration is not None and pred.uploads_per_iteration > 0
+    assert fb.phases.uploads_per_iteration == pred.uploads_per_iteration, "uploads of the last pass only"
+    assert fb.iteration_s < nap, "time between the passes was counted as the iteration's"
+    assert 0 < fb.phases.forward_s < fb.iteration_s
+    assert f"up to {passes} forward/backward passes" in fb.notes
+    agent.unwrap(w)
