@@ -216,8 +216,23 @@ class ModelStateManager:
             self._install_persistent_hooks()
         if not self.has_offload:
             return
-        for module, expected in self._modules_owning(lambda st: st.offloaded):
+        owning = list(self._modules_owning(lambda st: st.offloaded))
+        chunks_of = {id(module): set(expected) for module, expected in owning}
+        for module, expected in owning:
             assert len(expected) <= self.layout.n_buffers  # checked by ChunkLayout.from_policy
+            inside = set().union(*(chunks_of.get(id(d), ()) for d in module.modules() if d is not module))
+            if inside - set(expected) and len(expected) >= self.layout.n_buffers:
+                # its forward runs modules of other offloaded chunks (a root or container holding parameters of
+                # its own: timm's ViT `pos_embed`, a root-level temperature), and pinning its chunks for its
+                # whole forward would hold every buffer while each chunk inside needs one in turn (with one
+                # buffer the runtime refused the solver's plan in the first forward, session 32). Its
+                # parameters are read where their chunk is resident, else as any foreign read
+                # (`foreign_reads.py`: the host copy on a CPU device, an upload for the op on CUDA); their
+                # gradients are expected as before. With a buffer to spare it pins them (session 26).
+                self._handles.append(
+                    module.register_forward_pre_hook(eager(partial(self._before_persistent_module, expected)))
+                )
+                continue
             ordered = sorted(expected)
             self._handles.append(
                 module.register_forward_pre_hook(eager(partial(self._before_module, ordered, expected)))
