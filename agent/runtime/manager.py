@@ -198,7 +198,7 @@ class ModelStateManager:
 
     def _install_hooks(self) -> None:
         """Root forward, state-dict and gradient hooks; pre/post hooks on each module owning offloaded chunks."""
-        self._hooked: set[int] = set()
+        self._hooked: dict[int, int] = {}  # id(parameter) -> the id of its gradient hook's handle
         self._sync_grad_hooks()
         m = self.model
         self._handles.append(m.register_forward_pre_hook(eager(self._on_root_forward), prepend=True))
@@ -333,11 +333,28 @@ class ModelStateManager:
             ds.acquire(c)
 
     def _sync_grad_hooks(self) -> None:
-        """Gradient hooks on every parameter that requires grad now (also ones unfrozen after wrap)."""
+        """Gradient hooks on every parameter that requires grad now (also ones unfrozen after wrap), each after
+        the parameter's other post-accumulate-grad hooks.
+
+        The runtime's hook takes the gradient (an offloaded chunk's goes to the host, `p.grad` to None until the
+        step), so a hook the user registers after `wrap` (gradient logging, per-parameter clipping) saw
+        `p.grad` None (session 32, an exploratory run); torch calls them in the order of their dict, so the
+        runtime's is put behind them here, at every root forward (a length check per parameter)."""
         for e in self.layout.by_param.values():
-            if e.param.requires_grad and id(e.param) not in self._hooked:
-                self._handles.append(e.param.register_post_accumulate_grad_hook(eager(self._on_grad)))
-                self._hooked.add(id(e.param))
+            p = e.param
+            if not p.requires_grad:
+                continue
+            handle = self._hooked.get(id(p))
+            if handle is None:
+                h = p.register_post_accumulate_grad_hook(eager(self._on_grad))
+                self._handles.append(h)
+                self._hooked[id(p)] = h.id
+                continue
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is not None and len(hooks) > 1 and next(reversed(hooks)) != handle and handle in hooks:
+                # taken out and put back: last in the dict's own order too, the one torch's C++ side iterates
+                # (`OrderedDict.move_to_end` changes only the ordered view); the handle stays valid (same key)
+                hooks[handle] = hooks.pop(handle)
 
     def remove_hooks(self) -> None:
         """Remove every hook from the model and its parameters (the parameters stay bound to the chunks)."""
