@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -50,8 +51,10 @@ def byte_size(name: str, value: object) -> int | None:
         raise TypeError(
             f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {value!r}"
         )
-    if isinstance(value, int):
-        n = value
+    if isinstance(
+        value, numbers.Integral
+    ):  # int, and numpy's and torch's integer scalars (`np.int64(2**30)`)
+        n = int(value)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
             raise ValueError(
@@ -59,6 +62,8 @@ def byte_size(name: str, value: object) -> int | None:
             )
         n = int(value)
     elif isinstance(value, str):
+        if value.strip().startswith("-"):
+            raise ValueError(f"{name}: must be positive, got {value!r}")
         try:
             n = parse_bytes(value)
         except ValueError as exc:

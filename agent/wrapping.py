@@ -56,7 +56,7 @@ from agent.model_guards import (
 from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
 from agent.runtime.activations import apply_activation_policy, block_targets
-from agent.runtime.optimizer import check_supported
+from agent.runtime.optimizer import check_owned, check_supported
 from agent.runtime.options import RuntimeOptions
 from agent.runtime.process_group import check_same_job, resolve
 
@@ -159,6 +159,7 @@ def wrap(
     check_dense_gradients(model)
     check_one_dtype_and_device(model)
     check_supported(optimizer)
+    check_owned(optimizer, model)
     given = load_plan(plan) if plan is not None else None  # a path or dict too; an error names `plan`
 
     group = resolve(process_group)

@@ -87,6 +87,19 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
             raise UnsupportedOptimizerError(f"optimizer.param_groups[{i}].differentiable: must be False")
 
 
+def check_owned(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """Every parameter the optimizer holds is one of `model`'s (`wrap`'s check before anything is profiled: an
+    optimizer built over another model's parameters, or a copy's, was refused only after a whole profile)."""
+    own = {id(p) for p in model.parameters()}
+    for gi, g in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            if id(p) not in own:
+                raise ValueError(
+                    f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model (build "
+                    "the optimizer over model.parameters() of the model you wrap)"
+                )
+
+
 def check_parameters(optimizer: torch.optim.Optimizer, layout: ChunkLayout) -> None:
     """Every parameter the optimizer holds must be one the plan places."""
     for gi, g in enumerate(optimizer.param_groups):

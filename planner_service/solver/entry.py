@@ -278,9 +278,12 @@ def solve_with_gap(
             if min_bytes is not None
             else "no fitting device memory found in the time given"
         )
+        host = constraints.host_memory_bytes or trace.hardware.host_memory_bytes
+        given = "given" if constraints.host_memory_bytes else "the machine's"
         message = (
             f"nothing fits {constraints.device_memory_bytes} device bytes (alpha {params.alpha:.3f}) within the host "
-            f"limits; {smallest} (chunk sizes tried: {sizes})"
+            f"limit ({given} {host} bytes, which offloaded chunks must fit in); {smallest} (chunk sizes tried: "
+            f"{sizes})"
             if status == SolverStatus.infeasible
             else f"no policy found within {constraints.time_limit_s}s ({_per_size(by_size)})"
         )

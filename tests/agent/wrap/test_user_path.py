@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -97,7 +98,14 @@ def test_the_readme_call_runs_in_a_fresh_process_on_a_library_default_model() ->
 # ------------------------------------------------------------------------------------------- sizes
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [("1GiB", 2**30), ("2GB", 2 * 10**9), (3 * 10**9, 3 * 10**9), (80e9, 80 * 10**9), ("512MiB", 2**29)],
+    [
+        ("1GiB", 2**30),
+        ("2GB", 2 * 10**9),
+        (3 * 10**9, 3 * 10**9),
+        (80e9, 80 * 10**9),
+        ("512MiB", 2**29),
+        (np.int64(2**30), 2**30),  # a numpy integer (a size computed with numpy): refused before session 32
+    ],
 )
 def test_size_arguments_take_the_cli_strings_ints_and_whole_floats(given: object, expected: int) -> None:
     from agent.model_guards import byte_size
@@ -115,6 +123,7 @@ def test_size_arguments_take_the_cli_strings_ints_and_whole_floats(given: object
         ([80], "device_memory: expected bytes"),
         (True, "device_memory: expected bytes"),
         ("0GiB", "must be positive"),
+        ("-5GiB", "device_memory: must be positive"),  # said "not a byte size" before session 32
     ],
 )
 def test_bad_sizes_are_refused_by_wrap_naming_the_argument_before_anything_runs(
@@ -127,6 +136,26 @@ def test_bad_sizes_are_refused_by_wrap_naming_the_argument_before_anything_runs(
         agent.wrap(model, adamw(model), sample_batch=torch.randn(2, 4), device_memory=given)
     with pytest.raises((ValueError, TypeError), match=message.replace("device_memory", "host_memory")):
         agent.wrap(model, adamw(model), sample_batch=torch.randn(2, 4), host_memory=given)
+
+
+class NeverRun(nn.Sequential):
+    """Raises when called: a check that fires after profiling would meet this instead."""
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise AssertionError("wrap profiled the model before checking its arguments")
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused_before_anything_runs() -> None:
+    """Found by an exploratory run (session 32): the error came only after a whole profile, after a warning
+    that the managed iteration could not be recorded."""
+    import agent
+
+    model, other = NeverRun(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW([*model.parameters(), *other.parameters()])
+    with pytest.raises(
+        ValueError, match=r"optimizer.param_groups\[0\].params\[4\]: is not a parameter of the wrapped"
+    ):
+        agent.wrap(model, optimizer, sample_batch=torch.randn(2, 4), device_memory="1GiB")
 
 
 def test_wrap_takes_a_size_string(llama: tuple[nn.Module, dict[str, torch.Tensor], int]) -> None:
