@@ -94,7 +94,10 @@ def test_fuzzed_api_has_no_server_errors_or_schema_violations(
                 "--max-examples",
                 "60",
                 "--seed",
-                "20261125",
+                # a change of the schema reshuffles the generated cases: with session 32's new trace field, seed
+                # 20261125's stateful sequences fetched no plan by a real id (404/405/422 only); 20261202,
+                # 20261203, 7 and 42 each did
+                "20261202",
                 # no example database: hypothesis' .hypothesis/ replayed earlier runs' cases, so a checkout's runs
                 # differed from a clean clone's (what CI runs); with the seed every run sends the same requests
                 "--generation-database",
