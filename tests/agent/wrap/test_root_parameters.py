@@ -11,6 +11,7 @@ and otherwise as foreign reads (`agent/runtime/foreign_reads.py`), and their gra
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -121,18 +122,10 @@ def test_one_buffer_every_chunk_offloaded_with_root_parameters(job, simulated: b
     model, ids, expected, reference = job
     plan = manual_plan(model, chunk_size_bytes=2**20, offload="all", n_buffers=1)
     assert plan.policy is not None and len(plan.policy.chunks) >= 3
-    with simulated_cuda("caching") if simulated else _nothing() as sim:
+    with simulated_cuda("caching") if simulated else nullcontext() as sim:
         wrapped = agent.wrap(model, adamw(model), plan=plan, loss_fn=lm_loss, feedback_steps=None)
         losses = train(wrapped.model, wrapped.optimizer, ids)
         agent.unwrap(wrapped)
     if sim is not None:
         sim.check()
     check_same(model, losses, expected, reference)
-
-
-class _nothing:  # noqa: N801 - a context manager standing in for `simulated_cuda`
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
