@@ -77,6 +77,14 @@ def byte_size(name: str, value: object) -> int | None:
     return n
 
 
+def check_seconds(name: str, value: object) -> None:
+    """A duration argument: a finite number of seconds, at least 0; ValueError/TypeError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected seconds (a number), got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: must be a finite number of seconds, at least 0, got {value!r}")
+
+
 class CompiledModelError(TypeError):
     """The model or one of its modules was compiled with torch.compile before `wrap`."""
 

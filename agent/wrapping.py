@@ -52,6 +52,7 @@ from agent.model_guards import (
     check_dense_gradients,
     check_not_compiled,
     check_one_dtype_and_device,
+    check_seconds,
 )
 from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
@@ -153,6 +154,9 @@ def wrap(
     if allocation not in MODES:
         raise ValueError(f"allocation: must be one of {', '.join(MODES)}, got {allocation!r}")
     check_feedback_steps(feedback_steps)
+    check_seconds("wait_s", wait_s)
+    if service_budget_s is not None:
+        check_seconds("service_budget_s", service_budget_s)
     device_bytes = byte_size("device_memory", device_memory)
     host_bytes = byte_size("host_memory", host_memory)
     check_not_compiled(model)

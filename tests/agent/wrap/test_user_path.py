@@ -138,6 +138,24 @@ def test_bad_sizes_are_refused_by_wrap_naming_the_argument_before_anything_runs(
         agent.wrap(model, adamw(model), sample_batch=torch.randn(2, 4), host_memory=given)
 
 
+@pytest.mark.parametrize(
+    ("argument", "given", "message"),
+    [
+        ("wait_s", -1, "wait_s: must be a finite number of seconds, at least 0, got -1"),
+        ("wait_s", float("nan"), "wait_s: must be a finite number"),
+        ("wait_s", "60", "wait_s: expected seconds"),
+        ("service_budget_s", -0.5, "service_budget_s: must be a finite number"),
+    ],
+)
+def test_bad_durations_are_refused_naming_the_argument(argument: str, given: object, message: str) -> None:
+    """`wait_s=-1` was accepted silently (found by an exploratory run, session 32)."""
+    import agent
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises((ValueError, TypeError), match=message):
+        agent.wrap(model, adamw(model), sample_batch=torch.randn(2, 4), **{argument: given})
+
+
 class NeverRun(nn.Sequential):
     """Raises when called: a check that fires after profiling would meet this instead."""
 
