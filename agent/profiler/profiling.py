@@ -73,7 +73,7 @@ from agent.profiler.parameters import (
     parameter_infos,
 )
 from agent.profiler.persistent_probe import probe_persistent
-from agent.profiler.runtime_costs import runtime_costs
+from agent.profiler.runtime_costs import BlockRuntimeCosts, runtime_costs
 from agent.profiler.runtime_probe import RuntimeProbe, probe_block
 from agent.profiler.session import (
     LossFn,
@@ -593,26 +593,26 @@ def _measure(
     stage("tracked")
     res.stages = stages
 
-    swap_out, swap_in, offload, upload, offload_forward = ([0.0] * n_blocks for _ in range(5))
+    zero = [0.0] * n_blocks
+    costs = BlockRuntimeCosts(zero, zero, recompute, zero, zero, zero, zero)
     if probe is not None:
-        swap_out, swap_in, recompute, offload, upload, offload_forward = runtime_costs(
-            probe, probed, act, recompute, res.ordered, hw, whole
-        )
+        costs = runtime_costs(probe, probed, act, recompute, res.ordered, hw, whole)
     res.blocks = [
         BlockMeasurement(
             block=b,
             forward_s=fwd[b] * scale,
             backward_s=bwd[b] * scale,
-            recompute_s=recompute[b],
+            recompute_s=costs.recompute[b],
             activation_bytes=act[b],
             input_bytes=inp[b],
             forward_transient_peak_bytes=fwd_tr[b],
             backward_transient_peak_bytes=bwd_tr[b],
-            swap_out_s=swap_out[b],
-            swap_in_s=swap_in[b],
-            offload_overhead_s=offload[b],
-            upload_overhead_s=upload[b],
-            offload_forward_s=offload_forward[b],
+            swap_out_s=costs.swap_out[b],
+            swap_in_s=costs.swap_in[b],
+            offload_overhead_s=costs.offload[b],
+            upload_overhead_s=costs.upload[b],
+            offload_forward_s=costs.offload_forward[b],
+            offload_step_s=costs.offload_step[b],
         )
         for b in range(n_blocks)
     ]

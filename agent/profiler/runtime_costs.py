@@ -7,6 +7,7 @@ import bisect
 import logging
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from agent.profiler.offload_probe import OffloadProbe
 from agent.profiler.optimizer_probe import host_step_overhead, host_step_throughput
@@ -17,6 +18,18 @@ from client.contract import BandwidthSample, Hardware
 log = logging.getLogger(__name__)
 
 
+class BlockRuntimeCosts(NamedTuple):
+    """Per block, the runtime costs of the trace's `BlockMeasurement` fields of the same names (seconds)."""
+
+    swap_out: list[float]
+    swap_in: list[float]
+    recompute: list[float]
+    offload: list[float]  # per offloaded chunk, once per iteration (`offload_overhead_s`)
+    upload: list[float]  # per upload (`upload_overhead_s`)
+    offload_forward: list[float]  # of `offload`, the part paid in forward (`offload_forward_s`)
+    offload_step: list[float]  # of `offload`, the part paid in optimizer.step() (`offload_step_s`)
+
+
 def runtime_costs(
     probe: RuntimeProbe,
     probed: int,
@@ -25,7 +38,7 @@ def runtime_costs(
     ordered: list[OrderedParameter],
     hw: Hardware,
     whole: OffloadProbe | None = None,
-) -> tuple[list[float], list[float], list[float], list[float], list[float], list[float]]:
+) -> BlockRuntimeCosts:
     """Per-block runtime costs from the probe of block `probed` (see runtime_probe.py).
 
     Repeated blocks (one module class): swap costs scale with the block's activation bytes, checkpointing's
@@ -34,12 +47,10 @@ def runtime_costs(
     parameter tensor (the probe's, less the copies and the host step that the cost model charges by bandwidth
     and throughput) times the block's parameter tensors: once per offloaded chunk (`offload_overhead_s`) and
     per upload (`upload_overhead_s`). `whole` (CPU): the whole model offloaded (`offload_probe.py`), whose
-    entry-point time scales those chunk costs (`whole_model_scale`). The per-chunk cost's part paid in
-    forward (`offload_forward_s`, a CPU device) is the probed block's share of it (its forward beyond the plain
-    block's, less the moves inside it, over its whole per-chunk cost), applied to every block's.
-
-    Returns per block: swap-out, swap-in, recompute, per-chunk cost, per-upload cost, and the per-chunk cost's
-    forward part.
+    entry-point time scales those chunk costs (`whole_model_scale`). The per-chunk cost's parts paid in
+    forward and in `optimizer.step()` (`offload_forward_s`, `offload_step_s`, a CPU device) are the probed
+    block's shares of it (its forward beyond the plain block's less the moves inside it; its settling step's
+    section; each over its whole per-chunk cost, together at most all of it), applied to every block's.
     """
     n = len(act)
     swap_out, swap_in = [0.0] * n, [0.0] * n
@@ -84,9 +95,17 @@ def runtime_costs(
         log.debug("chunk costs scaled by %.3f from the offloaded whole model: %s", scale, whole)
     upload = [scale * upload_rest / n_params * counts[b] for b in range(n)]
     offload = [scale * once / n_params * counts[b] for b in range(n)]
-    share = min(1.0, probe.offload_forward_s / once) if once > 0 else 0.0
-    forward = [share * x for x in offload]
-    return swap_out, swap_in, rec, offload, upload, forward
+    forward_share = min(1.0, probe.offload_forward_s / once) if once > 0 else 0.0
+    step_share = min(1.0 - forward_share, probe.offload_step_s / once) if once > 0 else 0.0
+    return BlockRuntimeCosts(
+        swap_out,
+        swap_in,
+        rec,
+        offload,
+        upload,
+        offload_forward=[forward_share * x for x in offload],
+        offload_step=[step_share * x for x in offload],
+    )
 
 
 SCALE_BOUNDS = (0.5, 4.0)  # a whole-model figure outside these is a disturbed measurement, not the runtime's

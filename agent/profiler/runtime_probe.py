@@ -103,6 +103,9 @@ class RuntimeProbe:
     offload_forward_s: float = 0.0  # the offloaded block's forward beyond the plain block's, less its moves
     # (the upload and release the cost model charges per upload): the forward's part of the per-chunk cost
     # (wall clock only; 0.0 on CUDA and where not measured)
+    # in `optimizer.step()`'s settling of the chunk (its section): the step's part of the per-chunk cost (wall
+    # clock only; 0.0 on CUDA and where not measured)
+    offload_step_s: float = 0.0
 
     @property
     def checkpoint_extra_s(self) -> float:
@@ -115,6 +118,7 @@ class _OffloadRun(NamedTuple):
 
     block_s: float  # its forward + backward
     forward_s: float  # of which its forward, less the moves (uploads, releases) inside it
+    step_s: float  # in the settling `optimizer.step()` after it
     resident_s: float  # in the runtime's entry points (the settling step() and zero_grad included)
     resident_fb_s: float  # of those, inside the forward + backward
     move_s: float  # one upload and one release (`_OffloadedChunk.move_s`)
@@ -238,6 +242,7 @@ def probe_block(
                 _OffloadRun(
                     fwd_s + bwd_s,
                     fwd_s - offload.forward_moves_s,
+                    offload.entries.seconds(STEP),
                     offload.resident_s(),
                     offload.resident_fb_s(),
                     offload.move_s(),
@@ -256,10 +261,11 @@ def probe_block(
 
     fastest = min(runs, key=lambda r: r.resident_s)
     plain_s = min(sum(t) for t in plain_t)
-    outside = forward = 0.0
+    outside = forward = step = 0.0
     if not clock.cuda:
         outside = max(0.0, min(r.block_s - r.resident_fb_s for r in runs) - plain_s)
         forward = max(0.0, min(r.forward_s for r in runs) - min(t[0] for t in plain_t))
+        step = min(r.step_s for r in runs)
 
     # the fastest of the rounds: other work on the machine only ever adds time
     def best(xs: list[tuple[float, float]], i: int) -> float:
@@ -278,6 +284,7 @@ def probe_block(
         upload_s=fastest.move_s,
         offload_outside_s=outside,
         offload_forward_s=forward,
+        offload_step_s=step,
         offload_params=len(params),
         offload_bytes=sum(p.numel() * p.element_size() for p in params),
         offload_stepped=offload.optimizer is not None,

@@ -62,9 +62,12 @@ Without copy/compute overlap (`CostParams.copy_overlap` False; the default for a
   T_iter = T_fwd + T_bwd + T_dev_opt + o[0] * grad_offload(0) + T_host_optim.
   On such a device grad_offload(c) holds the chunk runtime's measured per-chunk cost (the trace's
   offload_overhead_s), and the part of it paid in forward (`offload_forward_s`: the residency hooks and what
-  autograd adds around them in the chunk's blocks' forward) moves from grad_offload(c) to Tf[c]: T_iter is the
-  same sum, T_fwd and T_bwd are where the runtime pays them (before, the 2-rank benchmark's forward ran over
-  its prediction in every saved run of sessions 30-32, by a median of +1.2 to +8.5 ms per run).
+  autograd adds around them in the chunk's blocks' forward) moves from grad_offload(c) to Tf[c], and the part
+  paid in optimizer.step() (`offload_step_s`: its settling of the chunk's speculative step) to the end of the
+  iteration, after T_host_end (in `settled_ns`, so the step's predicted phase holds it): T_iter is the same
+  sum, T_fwd, T_bwd and the step are where the runtime pays them (before, the 2-rank benchmark's forward ran
+  over its prediction in every saved run of sessions 30-32, by a median of +1.2 to +8.5 ms per run, and its
+  step by +1.3 to +2.0 ms).
 
 Speculative host steps and clipping (`Workload.clips_gradients`, with undo backups kept): the host steps run
 during backward as above on the unclipped gradient; when clipping scales the gradients, optimizer.step()
@@ -501,9 +504,14 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         min(inst.offload_forward_ns[c], G[c]) if inst.offload_forward_ns and d.offloaded[c] else 0
         for c in range(C)
     ]
-    if any(OF):
+    # ... and the part paid in optimizer.step() (its settling of the chunk), after every other term
+    OS = [
+        min(inst.offload_step_ns[c], G[c] - OF[c]) if inst.offload_step_ns and d.offloaded[c] else 0
+        for c in range(C)
+    ]
+    if any(OF) or any(OS):
         assert not inst.copy_overlap, "measured on serial devices only (instance.build_instance)"
-        G = tuple(g - f for g, f in zip(G, OF, strict=True))
+        G = tuple(g - f - s for g, f, s in zip(G, OF, OS, strict=True))
     windows = max(C, 1)
     F = [0] * windows
     Bk = [0] * windows
@@ -600,7 +608,7 @@ def evaluate_decision(inst: PolicyInstance, d: Decision) -> Cost:
         # serial: the first chunk's gradient copy (no window hides it) and the host optimizer follow
         # backward and the device optimizer, on the same cores
         host_end = bwd + dev_opt + (G[0] if C else 0) + sum(work)
-    settled = int(after_backward_ns(bwd + dev_opt, host_end, k.validate))
+    settled = int(after_backward_ns(bwd + dev_opt, host_end, k.validate)) + sum(OS)
     iteration = fwd + settled + redo + sum(k.device_gather) + k.control
 
     static = sum(k.device_bytes) + nb * inst.buffer_bytes + gathered_peak_bytes(k)

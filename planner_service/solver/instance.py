@@ -238,6 +238,9 @@ class PolicyInstance:
     # the trace's offload_forward_s of the chunk's parameters): `cost_model.evaluate_decision` reports it in the
     # chunk's forward window instead of backward, the same sum; empty: not measured (all of it in backward)
     offload_forward_ns: tuple[int, ...] = field(default=())
+    # per chunk: the part of it paid in optimizer.step() (settling the chunk's speculative host step: the trace's
+    # offload_step_s), reported after backward instead of in it, the same sum; empty: not measured
+    offload_step_ns: tuple[int, ...] = field(default=())
     # per chunk: holds a parameter used outside its owning module's forward (`ParameterInfo.used_outside_owner`):
     # never sharded on the device (its released placeholder would be read); empty: none
     no_device_shard: tuple[bool, ...] = field(default=())
@@ -377,7 +380,8 @@ def build_instance(
     host_limit = constraints.host_memory_bytes or trace.hardware.host_memory_bytes
     pinned = constraints.pinned_memory_bytes or trace.hardware.pinned_memory_limit_bytes
     serial = params.copy_overlap is False
-    offload_forward: tuple[int, ...] = ()  # serial devices only (see the field)
+    offload_forward: tuple[int, ...] = ()  # serial devices only (see the fields)
+    offload_step: tuple[int, ...] = ()
     swap_out = [transfer_ns(bw.d2h_pinned, x.activation_bytes) for x in meas]
     swap_in = [transfer_ns(bw.h2d_pinned, x.activation_bytes) for x in meas]
     grad_offload = [transfer_ns(bw.d2h_pinned, g) for g in grad_bytes]
@@ -401,6 +405,8 @@ def build_instance(
         upload = [u + o for u, o in zip(upload, spread("upload_overhead_s"), strict=True)]
         if any(x.offload_forward_s > 0 for x in meas):
             offload_forward = tuple(spread("offload_forward_s"))
+        if any(x.offload_step_s > 0 for x in meas):
+            offload_step = tuple(spread("offload_step_s"))
     duplex: dict[str, tuple[int, ...]] = {}
     # copies overlap: both ways at once is possible (single-rank jobs: the multi-rank windows use the collective
     # model of `sharding.py`, which has no duplex terms yet)
@@ -496,6 +502,7 @@ def build_instance(
             any(p.used_outside_owner for p in params_list[a:b]) for a, b in layout.param_ranges
         ),
         offload_forward_ns=offload_forward,
+        offload_step_ns=offload_step,
     )
     if trace.hardware.world_size == 1:
         return inst

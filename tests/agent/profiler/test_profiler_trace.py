@@ -179,7 +179,7 @@ def test_runtime_costs_are_measured_through_the_runtime(gpt2_trace: Trace) -> No
     for b in blocks[1:-1]:
         assert b.swap_out_s > 0 and b.swap_in_s > 0 and b.recompute_s > 0, b.block
         assert b.offload_overhead_s >= 0 and b.upload_overhead_s >= 0, b.block
-        assert 0 <= b.offload_forward_s <= b.offload_overhead_s, b.block
+        assert 0 <= b.offload_forward_s + b.offload_step_s <= b.offload_overhead_s * (1 + 1e-9), b.block
     assert blocks[1].swap_out_s == blocks[2].swap_out_s  # identical blocks: same bytes, same figure
     for edge in (blocks[0], blocks[-1]):  # never swapped; their parameters can be offloaded
         assert edge.swap_out_s == 0 and edge.swap_in_s == 0
@@ -225,24 +225,40 @@ def test_the_offloaded_blocks_cost_outside_the_runtimes_hooks_is_charged_per_par
     ]
     act, rec = [0, 100, 100, 0], [0.0, 0.002, 0.002, 0.0]
     hw = gpt2_trace.hardware
-    *_, offload, upload, forward = runtime_costs(probe, 1, act, rec, ordered, hw)
-    assert forward == [0.0] * len(counts)  # the forward's part not measured: all of it in backward
+    base = runtime_costs(probe, 1, act, rec, ordered, hw)
+    assert base.offload_forward == base.offload_step == [0.0] * len(counts)  # parts not measured: in backward
     outside = dataclasses.replace(probe, offload_outside_s=0.003)
-    *_, offload_out, upload_out, _ = runtime_costs(outside, 1, act, rec, ordered, hw)
-    assert upload_out == upload  # an upload's cost is not the outside cost
+    out = runtime_costs(outside, 1, act, rec, ordered, hw)
+    assert out.upload == base.upload  # an upload's cost is not the outside cost
     for b, n in enumerate(counts):
-        assert offload_out[b] - offload[b] == pytest.approx(0.003 / 4 * n, rel=1e-9), b
-    # the forward's part: the probed block's share of its per-chunk cost, the same share of every block's
-    once = sum(offload_out) / sum(counts) * 4  # the probed block's per-chunk cost (4 tensors)
-    split = dataclasses.replace(outside, offload_forward_s=once / 4)
-    *_, offload_split, upload_split, forward_split = runtime_costs(split, 1, act, rec, ordered, hw)
-    assert (offload_split, upload_split) == (offload_out, upload_out)  # only divided, nothing added
+        assert out.offload[b] - base.offload[b] == pytest.approx(0.003 / 4 * n, rel=1e-9), b
+    # the forward's and the step's parts: the probed block's shares of its per-chunk cost, the same shares of
+    # every block's
+    once = sum(out.offload) / sum(counts) * 4  # the probed block's per-chunk cost (4 tensors)
+    split = runtime_costs(
+        dataclasses.replace(outside, offload_forward_s=once / 4, offload_step_s=once / 2),
+        1,
+        act,
+        rec,
+        ordered,
+        hw,
+    )
+    assert (split.offload, split.upload) == (out.offload, out.upload)  # only divided, nothing added
     for b in range(len(counts)):
-        assert forward_split[b] == pytest.approx(offload_out[b] / 4, rel=1e-9), b
-    # more than the whole (noise: the forward's difference of two wall times): all of it, never more
-    over = dataclasses.replace(outside, offload_forward_s=10 * once)
-    *_, offload_over, _, forward_over = runtime_costs(over, 1, act, rec, ordered, hw)
-    assert forward_over == offload_over
+        assert split.offload_forward[b] == pytest.approx(out.offload[b] / 4, rel=1e-9), b
+        assert split.offload_step[b] == pytest.approx(out.offload[b] / 2, rel=1e-9), b
+    # more than the whole (noise: the forward's difference of two wall times): all of it, never more, the
+    # forward's part first
+    over = runtime_costs(
+        dataclasses.replace(outside, offload_forward_s=10 * once, offload_step_s=once),
+        1,
+        act,
+        rec,
+        ordered,
+        hw,
+    )
+    assert over.offload_forward == over.offload
+    assert over.offload_step == [0.0] * len(counts)
 
 
 def test_runtime_probe_runs_each_mode_and_leaves_the_block_as_it_was() -> None:
@@ -265,6 +281,7 @@ def test_runtime_probe_runs_each_mode_and_leaves_the_block_as_it_was() -> None:
     assert probe.offload_s > probe.upload_s > 0
     assert probe.offload_outside_s >= 0  # measured (a CPU device: wall clock), never negative
     assert probe.offload_forward_s >= 0  # the forward's part of it (wall clock), never negative
+    assert probe.offload_step_s > 0  # the step's: the settling of the chunk stepped in its hook
     assert probe.offload_params == 4 and probe.offload_bytes == sum(w.numel() * 4 for w in weights)
     # parameters (values and storages), gradients, hooks and the optimizer as before
     for p, w, ptr in zip(block.parameters(), weights, storages, strict=True):

@@ -275,24 +275,30 @@ def test_more_blocks_than_the_declared_limit_are_rejected() -> None:
     assert any(f.startswith("model.blocks") and "at most" in f for f in _error_fields(raw))
 
 
-def test_the_forward_part_of_the_per_chunk_cost_is_a_part_of_it_and_left_out_when_zero() -> None:
-    """`BlockMeasurement.offload_forward_s` (session 32): optional and additive, so traces from before it keep
-    their content hashes; never more than the `offload_overhead_s` it is a part of."""
+def test_the_forward_and_step_parts_of_the_per_chunk_cost_are_parts_of_it_and_left_out_when_zero() -> None:
+    """`BlockMeasurement.offload_forward_s`, `offload_step_s` (session 32): optional and additive, so traces from
+    before them keep their content hashes; together never more than the `offload_overhead_s` they are parts of."""
     raw = _raw()
     block = raw["measurements"]["blocks"][1]
-    assert "offload_forward_s" not in block
+    assert "offload_forward_s" not in block and "offload_step_s" not in block
     before = Trace.model_validate(raw).content_hash()
-    block["offload_forward_s"] = 0.0
+    block["offload_forward_s"] = block["offload_step_s"] = 0.0
     assert Trace.model_validate(raw).content_hash() == before
     block["offload_overhead_s"], block["offload_forward_s"] = 0.002, 0.003
     assert any(
         f.startswith("measurements.blocks.1")
-        and "offload_forward_s: 0.003 is more than offload_overhead_s" in f
+        and "offload_forward_s: offload_forward_s 0.003 + offload_step_s 0.0 is more than offload_overhead_s"
+        in f
         for f in _error_fields(raw)
     )
-    block["offload_forward_s"] = 0.0005
+    block["offload_forward_s"], block["offload_step_s"] = 0.0015, 0.001  # together more than the whole
+    assert any(
+        "offload_step_s: offload_forward_s 0.0015 + offload_step_s 0.001" in f for f in _error_fields(raw)
+    )
+    block["offload_forward_s"], block["offload_step_s"] = 0.0005, 0.0015
     split = Trace.model_validate(raw)
     assert split.measurements.blocks[1].offload_forward_s == 0.0005
+    assert split.measurements.blocks[1].offload_step_s == 0.0015
     assert b'"offload_forward_s":0.0005' in split.canonical_json()
 
 

@@ -409,10 +409,16 @@ def test_cpu_offload_costs_once_per_chunk_and_upload_costs_per_upload():
     )
 
 
-def with_forward_part(trace, share: float):
-    """`trace` with `share` of every block's measured per-chunk cost paid in forward (`offload_forward_s`)."""
+def with_forward_part(trace, share: float, step: float = 0.0):
+    """`trace` with `share` of every block's measured per-chunk cost paid in forward (`offload_forward_s`) and
+    `step` of it in optimizer.step() (`offload_step_s`)."""
     blocks = [
-        b.model_copy(update={"offload_forward_s": share * b.offload_overhead_s})
+        b.model_copy(
+            update={
+                "offload_forward_s": share * b.offload_overhead_s,
+                "offload_step_s": step * b.offload_overhead_s,
+            }
+        )
         for b in trace.measurements.blocks
     ]
     return trace.model_copy(update={"measurements": trace.measurements.model_copy(update={"blocks": blocks})})
@@ -441,9 +447,29 @@ def test_cpu_per_chunk_costs_forward_part_moves_from_backward_to_forward_and_the
     assert build_instance(gpu, pack(gpu, 8 * MiB), ROOMY, NO_MARGIN).offload_forward_ns == ()
 
 
+def test_cpu_per_chunk_costs_step_part_moves_from_backward_to_the_step_and_the_iteration_stays():
+    # chunks 0, 2 and 4 offloaded: of each one's 0.5 ms, 0.2 ms paid in forward and 0.1 ms in optimizer.step()
+    # (its settling); the step's predicted phase holds 0.3 ms more, backward 0.3 ms less (chunk 0's part was
+    # after backward, in the host end, before)
+    args = (8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
+    base = measured_trace(DeviceType.cpu)
+    pol = policy(base, *args)
+    for chunk in (1, 3):
+        pol.chunks[chunk].placement = Placement.persistent
+    p = evaluate(with_forward_part(base, 0.4, 0.2), pol, ROOMY, NO_MARGIN)
+    q = evaluate(with_forward_part(base, 0.4), pol, ROOMY, NO_MARGIN)
+    assert p.iteration_s == q.iteration_s and p.forward_s == q.forward_s
+    assert round((p.phases()["step_s"] - q.phases()["step_s"]) * 1e9) == 3 * 100_000
+    assert round((q.backward_s - p.backward_s) * 1e9) == 2 * 100_000
+    assert round((q.phases()["backward_s"] - p.phases()["backward_s"]) * 1e9) == 3 * 100_000
+
+
 def test_batch_timing_equals_the_reference_model_with_measured_runtime_costs():
     rng = np.random.default_rng(12)
-    for trace in (measured_trace(DeviceType.cpu), with_forward_part(measured_trace(DeviceType.cpu), 0.4)):
+    for trace in (
+        measured_trace(DeviceType.cpu),
+        with_forward_part(measured_trace(DeviceType.cpu), 0.4, 0.3),
+    ):
         for size in (8 * MiB, 16 * MiB):
             inst = build_instance(trace, pack(trace, size), ROOMY, NO_MARGIN)
             assert not inst.copy_overlap

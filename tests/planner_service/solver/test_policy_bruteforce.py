@@ -137,7 +137,7 @@ def test_cpsat_optimum_equals_brute_force_with_serial_copies(seed: int):
 
 def with_runtime_costs(rng: np.random.Generator, trace):
     """The trace with runtime costs as the profiler's runtime probe measures them (random, per block; the
-    per-chunk cost's forward part a random share of it)."""
+    per-chunk cost's forward and step parts random shares of it)."""
     blocks = [
         b.model_copy(
             update={
@@ -149,7 +149,8 @@ def with_runtime_costs(rng: np.random.Generator, trace):
                 else 0.0,
                 "offload_overhead_s": (overhead := float(rng.uniform(0, 2e-3))),
                 "upload_overhead_s": float(rng.uniform(0, 1e-3)),
-                "offload_forward_s": overhead * float(rng.uniform(0, 1)),
+                "offload_forward_s": overhead * (forward := float(rng.uniform(0, 1))),
+                "offload_step_s": overhead * (1 - forward) * float(rng.uniform(0, 1)),
             }
         )
         for i, b in enumerate(trace.measurements.blocks)
