@@ -596,7 +596,9 @@ def _measure(
     zero = [0.0] * n_blocks
     costs = BlockRuntimeCosts(zero, zero, recompute, zero, zero, zero, zero)
     if probe is not None:
-        costs = runtime_costs(probe, probed, act, recompute, res.ordered, hw, whole)
+        costs = runtime_costs(
+            probe, probed, act, recompute, res.ordered, hw, whole, plain_compute_s=compute_plain
+        )
     res.blocks = [
         BlockMeasurement(
             block=b,
