@@ -62,8 +62,6 @@ class OffloadProbe:
     chunk_bytes: tuple[int, ...]  # each chunk's parameter bytes (one chunk per block, in order)
     chunk_params: tuple[int, ...]  # each chunk's parameter tensors
     uploads: float  # chunk uploads per iteration (the runtime's counter)
-    # the managed iteration's wall time, zero_grad() to step() (median; 0: not timed)
-    iteration_s: float = 0.0
 
 
 def enabled(world_size: int) -> bool:
@@ -113,19 +111,17 @@ def probe_offloaded(
             manager.timing.add_marks(clock, spans)
             managed.timed(clock)  # warm-up: host buffers, the optimizer state, the allocator's free lists
             before = manager.counters.uploads
-            entries, walls = [], []
+            entries = []
             for _ in range(OFFLOADED_RUNS):
                 spans.clear()
-                wall, _, _ = managed.timed(clock)
+                managed.timed(clock)
                 clock.synchronize()  # the end of the timed window: its marks can be read
                 entries.append(spans.seconds())
-                walls.append(wall)
             uploads = (manager.counters.uploads - before) / OFFLOADED_RUNS
     except UnsupportedOptimizerError:
         return None
     return OffloadProbe(
         entry_points_s=statistics.median(entries),
-        iteration_s=statistics.median(walls),
         chunk_bytes=tuple(c.used_numel * params[0].element_size() for c in chunks),
         chunk_params=tuple(len(c.entries) for c in chunks),
         uploads=uploads,

@@ -596,9 +596,7 @@ def _measure(
     zero = [0.0] * n_blocks
     costs = BlockRuntimeCosts(zero, zero, recompute, zero, zero, zero, zero)
     if probe is not None:
-        costs = runtime_costs(
-            probe, probed, act, recompute, res.ordered, hw, whole, plain_compute_s=compute_plain
-        )
+        costs = runtime_costs(probe, probed, act, recompute, res.ordered, hw, whole)
     res.blocks = [
         BlockMeasurement(
             block=b,

@@ -38,7 +38,6 @@ def runtime_costs(
     ordered: list[OrderedParameter],
     hw: Hardware,
     whole: OffloadProbe | None = None,
-    plain_compute_s: float = 0.0,
 ) -> BlockRuntimeCosts:
     """Per-block runtime costs from the probe of block `probed` (see runtime_probe.py).
 
@@ -48,9 +47,7 @@ def runtime_costs(
     parameter tensor (the probe's, less the copies and the host step that the cost model charges by bandwidth
     and throughput) times the block's parameter tensors: once per offloaded chunk (`offload_overhead_s`) and
     per upload (`upload_overhead_s`). `whole` (CPU): the whole model offloaded (`offload_probe.py`), whose
-    entry-point time scales those chunk costs (`whole_model_scale`), and its time outside them (its iteration
-    less its entry points less `plain_compute_s`, the plain model's forward + backward) scales the part of the
-    per-chunk cost outside the entry points (`whole_model_outside_scale`). The per-chunk cost's parts paid in
+    entry-point time scales those chunk costs (`whole_model_scale`). The per-chunk cost's parts paid in
     forward and in `optimizer.step()` (`offload_forward_s`, `offload_step_s`, a CPU device) are the probed
     block's shares of it (its forward beyond the plain block's less the moves inside it; its settling step's
     section; each over its whole per-chunk cost, together at most all of it), applied to every block's.
@@ -90,21 +87,14 @@ def runtime_costs(
         o
     ) in ordered:  # every parameter tensor, as the cost model spreads a block's figure over its parameters
         counts[o.block] += 1
-    scale = outside_scale = 1.0
+    scale = 1.0
     if whole is not None:
         # like with like: the one block's entry-point time (`inside`, without the cost outside the entry
         # points, which only a difference of block runs gives) against the whole model's
         scale = whole_model_scale(whole, inside / n_params, upload_rest / n_params, hw, step_of=step_s)
-        outside_scale = whole_model_outside_scale(whole, probe.offload_outside_s / n_params, plain_compute_s)
-        log.debug(
-            "chunk costs scaled by %.3f (outside the entry points %.3f) from the offloaded whole model: %s",
-            scale,
-            outside_scale,
-            whole,
-        )
+        log.debug("chunk costs scaled by %.3f from the offloaded whole model: %s", scale, whole)
     upload = [scale * upload_rest / n_params * counts[b] for b in range(n)]
-    scaled = scale * inside + outside_scale * probe.offload_outside_s
-    offload = [scaled / n_params * counts[b] for b in range(n)]
+    offload = [scale * once / n_params * counts[b] for b in range(n)]
     forward_share = min(1.0, probe.offload_forward_s / once) if once > 0 else 0.0
     step_share = min(1.0 - forward_share, probe.offload_step_s / once) if once > 0 else 0.0
     return BlockRuntimeCosts(
@@ -146,22 +136,6 @@ def whole_model_scale(
     )
     lo, hi = SCALE_BOUNDS
     return min(hi, max(lo, (whole.entry_points_s - apart) / spread))
-
-
-def whole_model_outside_scale(whole: OffloadProbe, outside_per_param: float, plain_compute_s: float) -> float:
-    """The factor on the one-block probe's cost outside the runtime's entry points (autograd calling the hooks,
-    the kernels after the chunk's copies: `RuntimeProbe.offload_outside_s`) from the whole model's: its managed
-    iteration's wall time less its entry points less the plain model's forward + backward (`plain_compute_s`),
-    over the same cost spread from the block (per parameter tensor), within `SCALE_BOUNDS`; 1.0 where either
-    is not known (a trace from a probe without the iteration's time, no plain time, nothing outside).
-
-    Session 32: with the entry points alone scaled, the 2-rank benchmark's managed overhead stayed 2-3 ms per
-    iteration under its measure (9.4-10.6 ms of it outside the entry points), in backward."""
-    spread = outside_per_param * sum(whole.chunk_params)
-    if whole.iteration_s <= 0 or plain_compute_s <= 0 or spread <= 0:
-        return 1.0
-    lo, hi = SCALE_BOUNDS
-    return min(hi, max(lo, (whole.iteration_s - whole.entry_points_s - plain_compute_s) / spread))
 
 
 def _copy_s(curve: list[BandwidthSample], nbytes: int) -> float:

@@ -12,7 +12,7 @@ import torch
 from agent.profiler import offload_probe, profile
 from agent.profiler.offload_probe import OffloadProbe, probe_offloaded
 from agent.profiler.parameters import OrderedParameter
-from agent.profiler.runtime_costs import SCALE_BOUNDS, whole_model_outside_scale, whole_model_scale
+from agent.profiler.runtime_costs import SCALE_BOUNDS, whole_model_scale
 from agent.profiler.session import TrainingStep
 from agent.testing.model_zoo import build, build_with_library_defaults, sample_batch
 from client.contract import Hardware
@@ -87,24 +87,6 @@ def test_the_scale_is_the_whole_models_time_over_the_one_blocks_spread_within_bo
     ) == pytest.approx(1.0)
 
 
-def test_the_outside_scale_is_the_whole_models_time_outside_its_entry_points_over_the_one_blocks_spread() -> (
-    None
-):
-    # 8 parameter tensors at 1 ms outside the entry points each: 8 ms spread; the whole model's iteration of
-    # 50 ms, 30 ms in its entry points, 8 ms of plain compute: 12 ms outside them, a factor of 1.5
-    at = lambda iteration, plain: whole_model_outside_scale(  # noqa: E731
-        OffloadProbe(0.030, (0, 0), (3, 5), 3.0, iteration_s=iteration), 1e-3, plain
-    )
-    assert at(0.050, 0.008) == pytest.approx(1.5)
-    assert at(0.050, 0.030) == SCALE_BOUNDS[0]  # nothing left outside: the lower bound, never 0
-    assert at(1.0, 0.008) == SCALE_BOUNDS[1]
-    assert at(0.0, 0.008) == 1.0 and at(0.050, 0.0) == 1.0  # not timed: unscaled
-    assert (
-        whole_model_outside_scale(OffloadProbe(0.03, (0, 0), (3, 5), 3.0, iteration_s=0.05), 0.0, 0.008)
-        == 1.0
-    )
-
-
 @pytest.mark.parametrize("switch", ["1", "0", None])
 def test_a_single_process_cpu_profile_runs_it_only_when_switched_on(
     switch: str | None,
@@ -126,9 +108,8 @@ def test_a_single_process_cpu_profile_runs_it_only_when_switched_on(
         assert not scaled
         return
     assert len(scaled) == 1
-    scale, outside, whole = scaled[0].args  # type: ignore[misc]
+    scale, whole = scaled[0].args  # type: ignore[misc]
     assert SCALE_BOUNDS[0] <= scale <= SCALE_BOUNDS[1] and whole.entry_points_s > 0
-    assert SCALE_BOUNDS[0] <= outside <= SCALE_BOUNDS[1] and whole.iteration_s > whole.entry_points_s
     assert all(b.offload_overhead_s > 0 for b in trace.measurements.blocks)
 
 
