@@ -246,10 +246,10 @@ class Measured:
 WARMUP_STEPS = 2
 """Steps the monitor lets pass before it measures (the first steps record access orders, fill caches)."""
 MIN_FEEDBACK_STEPS = WARMUP_STEPS + 2
+"""The fewest `wrap(feedback_steps=...)` the monitor can measure in: warm-up, a metered step, a timed step."""
 ACCUMULATION_BATCHES = 1.5
 """A step whose forwards with gradients hold at least this many planned batches (rows x sequence) accumulates
 gradients over several iterations of the plan (see the module docstring); less is micro-batches of one."""
-"""The fewest `wrap(feedback_steps=...)` the monitor can measure in: warm-up, a metered step, a timed step."""
 
 
 def check_feedback_steps(steps: int | None) -> None:
@@ -304,9 +304,11 @@ class StepMonitor:
         self._forward_start: Mark | None = None
         self._forwards: list[tuple[Mark, Mark]] = []  # this step's forward calls (timed steps only)
         self._step_start: Mark | None = None
-        # the planned batch's rows x sequence (None: unknown, every step is one iteration), this step's passes'
+        # the planned batch's rows x sequence (None: unknown, every step is one iteration); this step's forwards
+        # with gradients (passes) and their rows x sequence summed
         self._planned = planned_shape[0] * planned_shape[1] if planned_shape is not None else None
-        self._pass_sizes: list[int] = []
+        self._passes = 0
+        self._pass_rows = 0
         self._pass_wall = 0.0  # when the step's latest forward with gradients started (wall clock)
         self._pass_uploads = 0  # the runtime's upload count then
         self._uploads_at: int | None = None  # the runtime's upload count when the step's window opened
@@ -342,7 +344,8 @@ class StepMonitor:
         if self._timing() and torch.is_grad_enabled():  # an evaluation forward (no grad) is not the step's
             self._forward_start = self._clock.mark()
             shape = batch_shape(kwargs) if kwargs else batch_shape(args)
-            self._pass_sizes.append(shape[0] * shape[1] if shape is not None else 0)
+            self._passes += 1
+            self._pass_rows += shape[0] * shape[1] if shape is not None else 0
             self._pass_wall = time.perf_counter()
             if self.manager is not None:
                 self._pass_uploads = self.manager.counters.uploads
@@ -392,7 +395,7 @@ class StepMonitor:
             self.measured.iteration_s.append(now - (self._pass_wall if passes > 1 else self._last))
             self._record_phases(end, last_pass=passes > 1)
         self._forwards, self._forward_start, self._step_start = [], None, None
-        self._pass_sizes = []
+        self._passes = self._pass_rows = 0
         self._eval_uploads_at, self._eval_uploads, self._pass_eval_uploads = None, 0, 0
         self.measured.steps += 1
         self._last = time.perf_counter()
@@ -403,9 +406,9 @@ class StepMonitor:
     def _accumulated_passes(self) -> int:
         """This step's forwards with gradients when they hold at least `ACCUMULATION_BATCHES` planned batches
         (gradient accumulation over several iterations of the plan), else 1 (one iteration)."""
-        if len(self._pass_sizes) < 2 or not self._planned:
+        if self._passes < 2 or not self._planned:
             return 1
-        return len(self._pass_sizes) if sum(self._pass_sizes) >= ACCUMULATION_BATCHES * self._planned else 1
+        return self._passes if self._pass_rows >= ACCUMULATION_BATCHES * self._planned else 1
 
     def _record_phases(self, end: Mark | None, *, last_pass: bool) -> None:
         """A timed step's forward and step seconds, and its uploads (the clock synchronised after `end`); the

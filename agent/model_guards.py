@@ -51,9 +51,8 @@ def byte_size(name: str, value: object) -> int | None:
         raise TypeError(
             f"{name}: expected bytes (int), a whole float or a size string such as '24GiB', got {value!r}"
         )
-    if isinstance(
-        value, numbers.Integral
-    ):  # int, and numpy's and torch's integer scalars (`np.int64(2**30)`)
+    # int, and numpy's integer scalars (`np.int64(2**30)`)
+    if isinstance(value, numbers.Integral):
         n = int(value)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):

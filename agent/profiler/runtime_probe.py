@@ -100,11 +100,10 @@ class RuntimeProbe:
     )
     offload_outside_s: float = 0.0  # the offloaded block's forward + backward beyond the plain block's,
     # outside the runtime's entry points (wall clock only; 0.0 on CUDA and where not measured)
-    offload_forward_s: float = 0.0  # the offloaded block's forward beyond the plain block's, less its moves
-    # (the upload and release the cost model charges per upload): the forward's part of the per-chunk cost
-    # (wall clock only; 0.0 on CUDA and where not measured)
-    # in `optimizer.step()`'s settling of the chunk (its section): the step's part of the per-chunk cost (wall
-    # clock only; 0.0 on CUDA and where not measured)
+    # the parts of the per-chunk cost (wall clock only; 0.0 on CUDA and where not measured): in forward, the
+    # offloaded block's forward beyond the plain block's less its moves (the upload and release the cost model
+    # charges per upload); in `optimizer.step()`, its settling of the chunk (its section)
+    offload_forward_s: float = 0.0
     offload_step_s: float = 0.0
 
     @property

@@ -91,22 +91,27 @@ def check_owned(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Non
     """Every parameter the optimizer holds is one of `model`'s (`wrap`'s check before anything is profiled: an
     optimizer built over another model's parameters, or a copy's, was refused only after a whole profile)."""
     own = {id(p) for p in model.parameters()}
-    for gi, g in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(g["params"]):
-            if id(p) not in own:
-                raise ValueError(
-                    f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model (build "
-                    "the optimizer over model.parameters() of the model you wrap)"
-                )
+    _check_each(
+        optimizer,
+        lambda p: id(p) in own,
+        " (build the optimizer over model.parameters() of the model you wrap)",
+    )
 
 
 def check_parameters(optimizer: torch.optim.Optimizer, layout: ChunkLayout) -> None:
     """Every parameter the optimizer holds must be one the plan places."""
+    _check_each(optimizer, lambda p: layout.entry(p) is not None)
+
+
+def _check_each(
+    optimizer: torch.optim.Optimizer, known: Callable[[torch.Tensor], bool], hint: str = ""
+) -> None:
+    """ValueError naming the first of the optimizer's parameters that is not `known`."""
     for gi, g in enumerate(optimizer.param_groups):
         for pi, p in enumerate(g["params"]):
-            if layout.entry(p) is None:
+            if not known(p):
                 raise ValueError(
-                    f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model"
+                    f"optimizer.param_groups[{gi}].params[{pi}]: is not a parameter of the wrapped model{hint}"
                 )
 
 

@@ -424,14 +424,19 @@ def with_forward_part(trace, share: float, step: float = 0.0):
     return trace.model_copy(update={"measurements": trace.measurements.model_copy(update={"blocks": blocks})})
 
 
+def every_other_chunk_offloaded(trace):
+    """One chunk per block, chunks 0, 2 and 4 offloaded (two buffers), 1 and 3 persistent, every block kept."""
+    pol = policy(trace, 8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
+    for chunk in (1, 3):
+        pol.chunks[chunk].placement = Placement.persistent
+    return pol
+
+
 def test_cpu_per_chunk_costs_forward_part_moves_from_backward_to_forward_and_the_iteration_stays():
     # chunks 0, 2 and 4 offloaded (two buffers), 1 and 3 persistent: of each offloaded chunk's 0.5 ms, 0.2 ms
     # is paid in its forward window; moved there from the gradient copy's window (or after backward, chunk 0)
-    args = (8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
     base = measured_trace(DeviceType.cpu)
-    pol = policy(base, *args)
-    for chunk in (1, 3):
-        pol.chunks[chunk].placement = Placement.persistent
+    pol = every_other_chunk_offloaded(base)
     split = with_forward_part(base, 0.4)
     p = evaluate(split, pol, ROOMY, NO_MARGIN)
     q = evaluate(base, pol, ROOMY, NO_MARGIN)
@@ -451,11 +456,8 @@ def test_cpu_per_chunk_costs_step_part_moves_from_backward_to_the_step_and_the_i
     # chunks 0, 2 and 4 offloaded: of each one's 0.5 ms, 0.2 ms paid in forward and 0.1 ms in optimizer.step()
     # (its settling); the step's predicted phase holds 0.3 ms more, backward 0.3 ms less (chunk 0's part was
     # after backward, in the host end, before)
-    args = (8 * MiB, [[0], [1], [2], [3], [4]], Placement.offloaded, 2, [K] * 5)
     base = measured_trace(DeviceType.cpu)
-    pol = policy(base, *args)
-    for chunk in (1, 3):
-        pol.chunks[chunk].placement = Placement.persistent
+    pol = every_other_chunk_offloaded(base)
     p = evaluate(with_forward_part(base, 0.4, 0.2), pol, ROOMY, NO_MARGIN)
     q = evaluate(with_forward_part(base, 0.4), pol, ROOMY, NO_MARGIN)
     assert p.iteration_s == q.iteration_s and p.forward_s == q.forward_s
