@@ -27,6 +27,17 @@ def machine(device: Any = None) -> dict[str, Any]:
     }
 
 
+# the agent's switches that change what a run measures, recorded as set (None: unset, the default); the other
+# MEMPLAN_* variables (server, token, paths) change where results go, not what they are, and a token must not be
+# saved in a result file
+MEASURING_SWITCHES = ("MEMPLAN_WHOLE_MODEL_PROBE",)
+
+
+def switches() -> dict[str, str | None]:
+    """Each of `MEASURING_SWITCHES` as this run's environment sets it (None: unset, the default)."""
+    return {name: os.environ.get(name) for name in MEASURING_SWITCHES}
+
+
 def stamped(path: Path, when: float | None = None) -> Path:
     """`results/<name>.json` -> `results/<name>-<UTC timestamp>.json`: the file one run writes."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when))
@@ -67,6 +78,7 @@ class Run:
             "solver_version": SOLVER_VERSION,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()},
             "machine": machine(device),
+            "switches": switches(),
             "load_average_before": self.load_before,
             "load_average_after": os.getloadavg(),
             "wall_s": time.perf_counter() - self.t0,

@@ -90,6 +90,8 @@ def phase_errors(doc: dict[str, Any]) -> dict[str, Any] | None:
         "cpu": doc["machine"]["cpu"],
         "world_size": doc["args"].get("world_size") or 1,
         "rank_rows": len(rows),
+        # what `_results.switches` recorded; None in files from before session 33 (not recorded)
+        "switches": doc.get("switches"),
         "median_ms": {k: statistics.median(v) for k, v in diffs.items()},
     }
 
@@ -115,9 +117,15 @@ def main() -> None:
                 print(f"{path}: no row with a breakdown and a plan")
                 continue
             m = errors["median_ms"]
+            switched = errors["switches"]
             print(
                 f"{path.name}: {errors['cpu']}, {errors['world_size']} rank(s), {errors['rank_rows']} rank-rows; "
-                "measured - predicted ms (medians): "
+                + (
+                    "switches not recorded; "
+                    if switched is None
+                    else "".join(f"{k}={'default' if v is None else v}; " for k, v in switched.items())
+                )
+                + "measured - predicted ms (medians): "
                 + ", ".join(f"{k} {m[k]:+.1f}" for k in (*PHASES, *COUNTERS))
                 + f"; overhead predicted {m['overhead_predicted']:.1f}, measured {m['overhead_measured']:.1f} = "
                 f"entry points {m['overhead_entry_points']:.1f} + outside {m['overhead_outside']:.1f}; plain "

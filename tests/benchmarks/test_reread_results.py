@@ -50,5 +50,32 @@ def test_the_command_prints_one_line_per_file() -> None:
         check=True,
     )
     (line,) = out.stdout.splitlines()
-    assert line.startswith(f"{RUN.name}: Intel(R) Xeon(R) Processor, 2 rank(s), 24 rank-rows;")
+    assert line.startswith(
+        f"{RUN.name}: Intel(R) Xeon(R) Processor, 2 rank(s), 24 rank-rows; switches not recorded;"
+    )
     assert "entry points" in line and "outside" in line
+
+
+def test_a_file_says_which_measuring_switches_it_ran_with(run: dict) -> None:  # type: ignore[type-arg]
+    from _results import MEASURING_SWITCHES
+
+    assert "switches" not in run  # session 30's file: recorded before the switches were
+    assert phase_errors(run)["switches"] is None  # type: ignore[index]
+    switched = {name: None for name in MEASURING_SWITCHES} | {"MEMPLAN_WHOLE_MODEL_PROBE": "0"}
+    assert phase_errors({**run, "switches": switched})["switches"] == switched  # type: ignore[index]
+
+
+def test_a_run_records_the_probe_switch_as_its_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from _results import Run
+
+    monkeypatch.setenv("MEMPLAN_WHOLE_MODEL_PROBE", "0")
+    monkeypatch.setenv("MEMPLAN_TOKEN", "secret")
+    doc = Run("predict_vs_measure", SimpleNamespace(world_size=2)).document()
+    assert doc["switches"] == {"MEMPLAN_WHOLE_MODEL_PROBE": "0"}
+    assert "secret" not in json.dumps(doc)
+    monkeypatch.delenv("MEMPLAN_WHOLE_MODEL_PROBE")
+    assert Run("predict_vs_measure", SimpleNamespace()).document()["switches"] == {
+        "MEMPLAN_WHOLE_MODEL_PROBE": None
+    }
