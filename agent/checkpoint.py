@@ -331,7 +331,7 @@ def load_sharded(wrapped: Wrapped, directory: str | os.PathLike[str]) -> None:
     if wrapped.unwrapped:
         raise CheckpointError("load_sharded: the model was unwrapped; load into it with plain PyTorch")
     model_sd, optim_sd = load_full(directory)
-    current = wrapped.model.state_dict()
+    current = wrapped.model.state_dict(keep_vars=True)  # keys and shapes only: no copy of the model
     if current.keys() != model_sd.keys():
         missing = sorted(current.keys() - model_sd.keys())[:5]
         unexpected = sorted(model_sd.keys() - current.keys())[:5]

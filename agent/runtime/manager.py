@@ -165,6 +165,7 @@ class ModelStateManager:
             self.device_shards.release_all()
         self.optimizer: ChunkedOptimizer | None = None
         self._handles: list[RemovableHandle] = []
+        self._state_dict_on_host_warned = False  # `_private_copy` fell back to the host once (warned once)
         self._root_grad = False
         self._backward_done = False  # a backward ended since the last forward with gradients
         self._esize = element_size(layout.compute_dtype)
@@ -206,11 +207,12 @@ class ModelStateManager:
         self._handles.append(m.register_state_dict_pre_hook(self._before_state_dict))
         self._handles.append(m.register_load_state_dict_pre_hook(self._before_load_state_dict))
         self._handles.append(m.register_load_state_dict_post_hook(self._after_load_state_dict))
+        # a partial: torch marks the hook with an attribute, which a bound method cannot take
+        self._handles.append(m.register_state_dict_post_hook(partial(self._after_state_dict)))
         # `model.zero_grad()` (what e.g. the Hugging Face Trainer calls) must reset the chunk gradients too:
         # offloaded parameters have no `.grad` for it to clear.
         m.zero_grad = self._model_zero_grad  # type: ignore[method-assign]
         if self.device_shards is not None:
-            self._handles.append(m.register_state_dict_post_hook(partial(self._after_state_dict)))
             self._install_device_shard_hooks()
         if self.group is not None and self.group.world_size > 1 and self.gradients.persistent_in_backward:
             self._install_persistent_hooks()
@@ -864,23 +866,52 @@ class ModelStateManager:
                 self.device_shards.release_all()
 
     def _after_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
-        """Values of device-sharded chunks become private copies (tied names share one), then the chunks are
-        released: the returned dict stays valid. With `keep_vars` the values are the parameters themselves."""
-        ds = self.device_shards
-        if ds is None:
-            return
-        storages = {st.params.untyped_storage().data_ptr() for st in ds.states.values() if st.gathered}  # type: ignore[union-attr]
-        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        """Every value that views a chunk's storage becomes a private copy (tied names share one), then
+        device-sharded chunks are released: the returned dict stays valid and each tensor owns its storage.
+
+        A chunk is one flat buffer (on the device, or its host copy for offloaded chunks, where `state_dict`
+        finds them after `evict_all`), so plain views of the parameters would each carry the whole chunk's
+        storage: `safetensors.torch.save_model` refuses them ("None is covering the entire storage"),
+        Accelerate's `save_model`/`save_state` drop all but one tensor per storage as if tied (6 of a llama-4L's
+        39 tensors kept, with a warning only), and `torch.save` of a few values writes whole chunks (a LoRA
+        adapter's state dict: 2.4 MB for 64 kB). FSDP1's full state dict clones for the same reason. The cost:
+        the dict holds a copy of the model (as FSDP's and DeepSpeed's consolidated state dicts do), and writing
+        into its values no longer changes the model (`load_state_dict` does). On CUDA a copy that does not fit
+        the device is made on the host, with a warning. With `keep_vars` the values are the parameters
+        themselves, left as they are."""
+        storages = {
+            t.untyped_storage().data_ptr()
+            for st in self.states
+            for t in (st.params, st.host_params)
+            if t is not None and t.numel() > 0
+        }
+        copies: dict[tuple[torch.device, int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
         for key, value in state.items():
             if isinstance(value, nn.Parameter) or not isinstance(value, torch.Tensor):
                 continue
             if value.untyped_storage().data_ptr() in storages:
-                k = (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
+                k = (value.device, value.data_ptr(), tuple(value.shape), tuple(value.stride()))
                 if k not in copies:
-                    copies[k] = value.detach().clone()
+                    copies[k] = self._private_copy(key, value)
                 state[key] = copies[k]
-        if not self.phase.forward and not self.phase.backward:
+        ds = self.device_shards
+        if ds is not None and not self.phase.forward and not self.phase.backward:
             ds.release_all()
+
+    def _private_copy(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` in a storage of its own, on its device; on the host when the device has no room for it."""
+        try:
+            return value.detach().clone()
+        except torch.OutOfMemoryError:
+            if not self._state_dict_on_host_warned:
+                self._state_dict_on_host_warned = True
+                log.warning(
+                    "memplan: model.state_dict(): no device memory left for a copy of %r (%d bytes): it and "
+                    "later such values are returned on the host (load_state_dict takes them as they are)",
+                    key,
+                    value.numel() * value.element_size(),
+                )
+            return value.detach().to("cpu", copy=True)
 
     def _before_load_state_dict(self, module: nn.Module, *args: Any) -> None:
         self.synchronize()
