@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from agent.allocator.install import install_allocator, plan_with_allocation
     from agent.profiler import profile
+    from agent.runtime import RuntimeOptions
     from agent.wrapping import unwrap, wrap
 
-__all__ = ["profile", "wrap", "unwrap", "install_allocator", "plan_with_allocation"]
+__all__ = ["profile", "wrap", "unwrap", "install_allocator", "plan_with_allocation", "RuntimeOptions"]
 
 _LAZY = {
     "profile": "agent.profiler",
@@ -28,6 +29,7 @@ _LAZY = {
     "unwrap": "agent.wrapping",
     "install_allocator": "agent.allocator.install",
     "plan_with_allocation": "agent.allocator.install",
+    "RuntimeOptions": "agent.runtime",  # `wrap(..., options=agent.RuntimeOptions(...))`, as the README writes it
 }
 
 

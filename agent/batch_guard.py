@@ -1,7 +1,8 @@
 """Batches larger than the plan's: the plan is made for one batch shape (the largest the user declares).
 
-`BatchShapeGuard` is a forward pre-hook on the wrapped model. A batch larger than planned (more rows or a
-longer sequence than `max_batch`, else `sample_batch`) uses more memory than the plan budgeted: on CPU it
+`BatchShapeGuard` is a forward pre-hook on the wrapped model. A batch larger than planned (`within_plan`: more
+tokens, rows x sequence, or a longer sequence than `max_batch`, else `sample_batch`) uses more memory than the
+plan budgeted: on CPU it
 warns once and runs; on a GPU a forward with gradients raises `BatchShapeError` before it runs, rather than
 letting the iteration run out of device memory halfway (with the runtime's state in between), and an evaluation
 (no gradients: no activations kept for a backward) warns once and runs. The message names the
@@ -37,6 +38,18 @@ def batch_shape(batch: Any) -> tuple[int, int] | None:
     return int(t.shape[0]), int(t.shape[1]) if t.dim() > 1 else 1
 
 
+def within_plan(shape: tuple[int, int], planned: tuple[int, int]) -> bool:
+    """Whether a batch of `shape` (rows, sequence) takes no more memory than the `planned` one: no more tokens
+    (rows x sequence) and no longer a sequence. A transformer's activations grow as rows x sequence (the
+    blocks' hidden states, logits) and rows x sequence^2 (eager attention scores) = tokens x sequence, so both
+    are then within the plan's (what grows with rows alone, a pooled head's output, is a row's hidden size).
+    The same order as the job's choice of trace among its ranks (`process_group.batch_order`: most tokens,
+    then the longer sequence): before session 33 each dimension was compared alone, so under a group whose
+    ranks' first batches were 4 x 32 and 2 x 64 the job planned for 2 x 64 and rank 0 was told its own 4 x 32
+    was larger than planned (refused on a GPU)."""
+    return shape[0] * shape[1] <= planned[0] * planned[1] and shape[1] <= planned[1]
+
+
 class BatchShapeGuard:
     """Warn once (CPU) or raise (GPU) when the model is called on a batch larger than `planned`."""
 
@@ -51,7 +64,7 @@ class BatchShapeGuard:
 
     def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         shape = batch_shape(kwargs) if kwargs else batch_shape(args)
-        if shape is None or (shape[0] <= self.planned[0] and shape[1] <= self.planned[1]):
+        if shape is None or within_plan(shape, self.planned):
             return
         message = (
             f"batch of {shape[0]} x {shape[1]} (rows x sequence) is larger than the {self.planned[0]} x "

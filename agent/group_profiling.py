@@ -75,12 +75,16 @@ class GroupTrace:
 def profile_on_every_rank(
     group: RankGroup,
     run: Callable[[Callable[[], None]], Trace],
+    meetings: int,
     prepare: Callable[[], object] | None = None,
     *,
     every_rank: bool = False,
 ) -> GroupTrace | None:
     """Profile this rank's model (`run`, given the group's barrier for its plain iterations' lockstep) together
-    with every other rank; the job's trace on rank 0, None on the others. Rank 0 calls it instead of profiling alone, which first tells the waiting ranks to profile; the
+    with every other rank; the job's trace on rank 0, None on the others. `meetings`: how often the profile `run`
+    makes meets the barrier (`profiler.lockstep.meetings(repeats)`): a rank whose `run` ends early, however
+    (an error before its profile started, say), holds the rest before telling the others, so no rank waits at
+    a barrier nobody else reaches. Rank 0 calls it instead of profiling alone, which first tells the waiting ranks to profile; the
     others call it when they receive `ProfileEveryRank`. `prepare`: what each rank does before the ranks start
     profiling together (the hardware probe, cached per process: rank 0 has it from the history look-up, and a
     rank that has none measures it here, not while the others profile). Raises `RankProfilingError` on every
@@ -97,10 +101,16 @@ def profile_on_every_rank(
     _exchange(group, None, failure)  # also the start line: every rank is ready, all profile at once
     started = time.perf_counter()
     trace: Trace | None = None
+    # local import: agent.profiler's package imports this module (profiling's group path) before it has lockstep
+    from agent.profiler.lockstep import Lockstep
+
+    steps = Lockstep(group.barrier, meetings)
     try:
-        trace = run(group.barrier)  # the ranks time their plain iterations in step (profiler/lockstep.py)
+        trace = run(steps.meet)  # the ranks time their plain iterations in step (profiler/lockstep.py)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
         failure = exc
+    finally:
+        steps.settle()
     outcomes = _exchange(group, _outcome(trace) if trace is not None else None, failure)
     assert trace is not None
     times = tuple(float(o[0]) if o else 0.0 for o in outcomes)

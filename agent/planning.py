@@ -33,8 +33,9 @@ import agent
 from agent.group_profiling import profile_on_every_rank
 from agent.profiler import parameters  # module attribute: tests replace parameters.fingerprint
 from agent.profiler.hardware import host_memory_bytes, in_group, probe_hardware
+from agent.profiler.lockstep import meetings
 from agent.profiler.optimizer_probe import optimizer_kind
-from agent.profiler.profiling import _PRECISION, _batch_shape, _majority_dtype
+from agent.profiler.profiling import _PRECISION, REPEATS, _batch_shape, _majority_dtype
 from agent.runtime.activations import ActivationPlanError, block_targets
 from agent.runtime.device import element_size
 from agent.runtime.layout import ChunkLayout, PlanMismatchError
@@ -416,7 +417,9 @@ def obtain_plan(
             trace = run()
             profiled_s: tuple[float, ...] = (trace.measurements.iteration_s,)
         else:  # every rank profiles its own model at once; the job's trace is the largest batch's
-            job = profile_on_every_rank(group, run, prepare=lambda: hw)  # rank 0 measured it above
+            job = profile_on_every_rank(
+                group, run, meetings(REPEATS), prepare=lambda: hw
+            )  # rank 0 measured it above
             assert job is not None  # rank 0 (the only rank that obtains the plan) holds the job's trace
             trace, profiled_s = job.trace, job.iteration_s
         # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions

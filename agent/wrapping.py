@@ -56,6 +56,9 @@ from agent.model_guards import (
 )
 from agent.planning import PlanSource, job_hardware, obtain_plan, profile_job
 from agent.profiler.collectives import probe_for_planning
+from agent.profiler.lockstep import meetings
+from agent.profiler.profiling import REPEATS
+from agent.profiler.session import check_grad_mode
 from agent.runtime.activations import apply_activation_policy, block_targets
 from agent.runtime.optimizer import check_owned, check_supported
 from agent.runtime.options import RuntimeOptions
@@ -153,6 +156,7 @@ def wrap(
         raise RuntimeError("model: is already wrapped; unwrap it first")
     if allocation not in MODES:
         raise ValueError(f"allocation: must be one of {', '.join(MODES)}, got {allocation!r}")
+    check_grad_mode("wrap")  # before the hardware probe, whose copies fail on inference tensors otherwise
     check_feedback_steps(feedback_steps)
     check_seconds("wait_s", wait_s)
     if service_budget_s is not None:
@@ -407,7 +411,7 @@ def _receive_plan(
     obtain one, or `RankProfilingError` (on every rank) when profiling failed on any rank."""
     received = group.broadcast_object(None)
     if isinstance(received, ProfileEveryRank):
-        profile_on_every_rank(group, profile, prepare=hardware)
+        profile_on_every_rank(group, profile, meetings(REPEATS), prepare=hardware)
         received = group.broadcast_object(None)
     if isinstance(received, str):
         raise RuntimeError(f"memplan: rank 0 could not obtain the plan: {received}")

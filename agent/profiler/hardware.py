@@ -139,6 +139,9 @@ def _threads_together(
     """Seconds of `dst.copy_(src)` for each (dst, src) pair, run on two threads started together (CPU)."""
     together = threading.Barrier(2)
     seconds = [0.0, 0.0]
+    failed: list[
+        BaseException
+    ] = []  # the other thread's error, raised here (not a time of 0: a bandwidth of 1e18)
 
     def copy(i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         together.wait()
@@ -146,10 +149,21 @@ def _threads_together(
         dst.copy_(src)  # torch releases the GIL while it copies
         seconds[i] = clock.seconds(t0, clock.mark())
 
-    other = threading.Thread(target=copy, args=(1, *second), name="memplan-d2h-probe")
+    def other_copy() -> None:
+        try:
+            copy(1, *second)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the probing thread below
+            failed.append(e)
+            together.abort()  # the probing thread, if still waiting, gets BrokenBarrierError, not a hang
+
+    other = threading.Thread(target=other_copy, name="memplan-d2h-probe")
     other.start()
-    copy(0, *first)
-    other.join()
+    try:
+        copy(0, *first)
+    finally:
+        other.join()
+        if failed:
+            raise failed[0]
     return seconds[0], seconds[1]
 
 

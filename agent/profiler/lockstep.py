@@ -19,6 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+# One meeting per plain iteration: `repeats` at the session's start and, on a CPU device in a job of several
+# ranks, `repeats` more after the probes (`profiling.late_plain_iterations`); a rank that times one moment (a
+# CUDA device) holds the other's meetings when its profiling ends (`Lockstep.settle`)
+PLAIN_MOMENTS_IN_GROUP = 2
+
+
+def meetings(repeats: int) -> int:
+    """The meetings of one profile of `repeats` plain iterations per moment, under a group's barrier."""
+    return repeats * PLAIN_MOMENTS_IN_GROUP
+
 
 class Lockstep:
     """`meetings` meetings at `barrier` (None: a single process, nothing to meet)."""

@@ -53,7 +53,7 @@ from agent.profiler.device_clock import DeviceClock
 from agent.profiler.extrapolation import block_kinds, blocks_that_fit, covering_prefix, extrapolate, truncated
 from agent.profiler.hardware import in_group, probe_hardware
 from agent.profiler.hooks import BlockHooks
-from agent.profiler.lockstep import Lockstep
+from agent.profiler.lockstep import Lockstep, meetings
 from agent.profiler.memory_tracking import track_memory
 from agent.profiler.model_config import hf_config
 from agent.profiler.offload_probe import OffloadProbe, probe_offloaded
@@ -80,6 +80,7 @@ from agent.profiler.session import (
     LossFn,
     ProfilerInputError,
     TrainingStep,
+    check_grad_mode,
     move_batch,
     preserved_training_state,
 )
@@ -104,10 +105,7 @@ from client.contract import (
 
 log = logging.getLogger(__name__)
 
-# Under a group barrier every rank meets once per plain iteration: `repeats` at the session's start and, on a
-# CPU device in a job of several ranks, `repeats` more after the probes (`late_plain_iterations`); a rank that
-# does not time the late ones (a CUDA device) holds their meetings when its profiling ends (`Lockstep.settle`)
-PLAIN_MOMENTS_IN_GROUP = 2
+REPEATS = 3  # plain iterations per moment (and hooked ones: `repeats - 1`, at least 2) by default
 
 
 def late_plain_iterations(device: torch.device, world_size: int) -> bool:
@@ -141,7 +139,7 @@ def profile(
     blocks: Sequence[nn.Module] | None = None,
     allocation_trace: bool = True,
     max_blocks: int | None = None,
-    repeats: int = 3,
+    repeats: int = REPEATS,
     hardware: Hardware | None = None,
     device_memory_limit: int | None = None,
     name: str | None = None,
@@ -166,10 +164,11 @@ def profile(
     model's states would not fit the device (see `extrapolation.blocks_that_fit`), fewer blocks are profiled
     automatically and the rest extrapolated. `lockstep`: the group's barrier, which the group paths (`wrap`,
     `process_group=`) pass for every rank to start each plain iteration together (`lockstep.py`); every rank
-    meets it `repeats` times per moment of plain iterations (`PLAIN_MOMENTS_IN_GROUP`), however its profiling ends.
+    meets it `lockstep.meetings(repeats)` times, however its profiling ends.
     """
-    steps = Lockstep(lockstep, repeats * PLAIN_MOMENTS_IN_GROUP)
+    steps = Lockstep(lockstep, meetings(repeats))
     try:
+        check_grad_mode("profile")  # inside: a rank that raises still meets the others (`steps.settle()`)
         return _profile(
             model,
             sample_batch,
@@ -246,7 +245,7 @@ def _profile(
                 lockstep=barrier,
             )
 
-        job = profile_on_every_rank(group, run, prepare=prepare, every_rank=True)
+        job = profile_on_every_rank(group, run, meetings(repeats), prepare=prepare, every_rank=True)
         assert job is not None  # every_rank: the job's trace on every rank
         return job.trace
     repeated_all = detect_blocks(model, blocks)

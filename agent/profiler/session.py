@@ -33,6 +33,21 @@ class ProfilerInputError(ValueError):
     """The model, batch or loss function cannot be profiled as given."""
 
 
+def check_grad_mode(call: str) -> None:
+    """Raise `ProfilerInputError` when `call` (profiling, or `wrap`, which profiles and trains) runs where no
+    iteration can train: under `torch.inference_mode()` or with gradients disabled (`torch.no_grad()`)."""
+    if torch.is_inference_mode_enabled():
+        raise ProfilerInputError(
+            f"{call}: called under torch.inference_mode(); it runs a real training iteration (forward and "
+            "backward): call it outside inference_mode, where the training loop runs"
+        )
+    if not torch.is_grad_enabled():
+        raise ProfilerInputError(
+            f"{call}: called with gradients disabled (torch.no_grad() or torch.set_grad_enabled(False)); it runs a "
+            "real training iteration (forward and backward): call it where gradients are enabled, as training runs"
+        )
+
+
 def default_loss(output: Any, batch: Any) -> torch.Tensor:
     """Hugging Face convention: the model computed the loss itself (`output.loss`)."""
     loss = getattr(output, "loss", None)
@@ -90,6 +105,13 @@ class TrainingStep:
             )
             raise
         loss = self.loss_fn(output, self.batch)
+        if isinstance(loss, torch.Tensor) and not loss.requires_grad:
+            if not any(p.requires_grad for p in self.model.parameters()):
+                raise ProfilerInputError(
+                    f"model: no parameter of {type(self.model).__name__} requires grad (every one is frozen): "
+                    "there is nothing to train; unfreeze the parameters to train before profiling"
+                )
+            check_grad_mode("profile")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ProfilerInputError(
                 "loss_fn: must return a scalar tensor that requires grad, got "

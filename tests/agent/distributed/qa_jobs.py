@@ -399,19 +399,27 @@ def generate(rank: int, world: int, how: str) -> dict[str, Any]:
 
 def unlike(rank: int, world: int, what: str) -> dict[str, Any]:
     """Rank 1 wraps another job than rank 0: `what` = "frozen" (its head frozen), "partial" (device_memory given
-    on rank 1 only) or "smaller" (a smaller device_memory on rank 1, the plan solved in-process: the job's plan
-    must be made for the smallest)."""
+    on rank 1 only), "smaller" (a smaller device_memory on rank 1, the plan solved in-process: the job's plan
+    must be made for the smallest) or "nobatch" (no sample_batch on rank 1: it fails before its profile
+    starts, while rank 0 profiles)."""
     torch.manual_seed(0)
     model = TinyLM()
     if what == "frozen" and rank == 1:
         model.head.requires_grad_(False)
-    limits = {"frozen": (2 << 30, 2 << 30), "partial": (None, 1 << 30), "smaller": (2 << 30, 1 << 30)}[what]
+    limits = {
+        "frozen": (2 << 30, 2 << 30),
+        "partial": (None, 1 << 30),
+        "smaller": (2 << 30, 1 << 30),
+        "nobatch": (2 << 30, 2 << 30),
+    }[what]
     x = torch.randint(0, VOCAB, (2, 8))
     how: dict[str, Any] = (
         {"sample_batch": {"input_ids": x, "labels": x}, "blocks": list(model.layers)}
-        if what == "smaller"
+        if what in ("smaller", "nobatch")
         else {"plan": manual_plan(model, chunk_size_bytes=4096, offload="all", n_buffers=2)}
     )
+    if what == "nobatch" and rank == 1:
+        del how["sample_batch"]
     try:
         wrapped = agent.wrap(
             model,

@@ -362,6 +362,21 @@ def test_the_job_is_planned_for_the_smallest_device_memory_any_rank_gave(tmp_pat
         assert res["planned_device_bytes"] == 1 << 30
 
 
+def test_a_rank_that_fails_before_its_profile_starts_fails_every_rank_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    """Defect (session 33): rank 1 calling `wrap` without `sample_batch` (rank 0 with one) hung both ranks until
+    gloo's 30-minute timeout: rank 1 raised before its profile started, so it never met the barriers before rank
+    0's plain iterations, and went on to the exchange of outcomes that rank 0, waiting at a barrier, never
+    reached. Now the group's profiling holds the meetings of a profile that ended early, however it ended, and
+    every rank raises `RankProfilingError` naming rank 1's error."""
+    codes, results = spawn("unlike", 2, tmp_path, 120, "nobatch")
+    assert codes == [0, 0], codes  # None: killed at the limit (the hang)
+    for res in results:
+        assert res["error"].startswith("RankProfilingError"), res
+        assert "rank 1:" in res["error"] and "sample_batch" in res["error"], res["error"]
+
+
 def test_the_accelerate_recipe_under_several_processes_trains_as_accelerate_with_ddp(tmp_path: Path) -> None:
     """Defect: README's Accelerate recipe (`accelerator.prepare(wrapped.model, wrapped.optimizer, ...)`) under
     `accelerate launch`/torchrun raised `WrappedModelDDPError` (Accelerate puts the model in DDP) with a message

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from agent.profiler import profile
-from agent.profiler.profiling import PLAIN_MOMENTS_IN_GROUP, late_plain_iterations
+from agent.profiler.lockstep import PLAIN_MOMENTS_IN_GROUP
+from agent.profiler.profiling import late_plain_iterations
 from agent.profiler.session import TrainingStep
 from agent.testing.model_zoo import build, sample_batch
 from client.contract import Hardware

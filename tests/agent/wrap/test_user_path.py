@@ -527,3 +527,71 @@ def test_a_larger_batch_than_planned_warns_once_and_max_batch_plans_for_it(
         guard._check(nn.Linear(2, 2), (), longer)
     said = [r.getMessage() for r in caplog.records if "larger than" in r.getMessage()]
     assert len(said) == 1 and "an evaluation without gradients" in said[0]
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "no_grad"])
+def test_wrap_where_no_iteration_can_train_says_so(
+    llama: tuple[nn.Module, dict[str, torch.Tensor], int], context: str
+) -> None:
+    """Defect (session 33): `agent.wrap` under `torch.inference_mode()` raised a pydantic error about a copy
+    bandwidth of 1e15 B/s (the hardware probe's second thread failed on inference tensors, its time stayed 0);
+    under `torch.no_grad()` it said "loss_fn: must return a scalar tensor that requires grad" to a user who passed
+    no loss_fn. Both now name the context, and the model is left unwrapped."""
+    import agent
+    from agent.profiler import ProfilerInputError
+
+    model, batch = copy.deepcopy(llama[0]), llama[1]
+    with (
+        getattr(torch, context)(),
+        pytest.raises(ProfilerInputError, match=f"called (under torch.{context}|with gradients disabled)"),
+    ):
+        agent.wrap(model, adamw(model), sample_batch=batch, device_memory="1GiB", feedback_steps=None)
+    assert not getattr(model, "_memplan_wrapped", False)
+    with getattr(torch, context)(), pytest.raises(ProfilerInputError, match=r"^profile: called "):
+        agent.profile(model, batch, repeats=1, allocation_trace=False)
+
+
+def test_a_model_with_every_parameter_frozen_is_refused_as_having_nothing_to_train(
+    llama: tuple[nn.Module, dict[str, torch.Tensor], int],
+) -> None:
+    """Defect (session 33): every parameter frozen gave "loss_fn: must return a scalar tensor that requires grad"."""
+    import agent
+    from agent.profiler import ProfilerInputError
+
+    model, batch = copy.deepcopy(llama[0]), llama[1]
+    model.requires_grad_(False)
+    with pytest.raises(ProfilerInputError, match="no parameter of LlamaForCausalLM requires grad"):
+        agent.profile(model, batch, optimizer=torch.optim.AdamW(model.parameters()), repeats=1)
+
+
+def test_runtime_options_are_where_the_readme_writes_them() -> None:
+    """Defect (session 33): README's `RuntimeOptions(fp32_master=False)` had no import path; `agent.RuntimeOptions`
+    raised AttributeError."""
+    import agent
+    from agent.runtime import RuntimeOptions
+
+    assert agent.RuntimeOptions is RuntimeOptions and "RuntimeOptions" in dir(agent)
+
+
+def test_a_batch_of_more_rows_but_no_more_tokens_and_no_longer_sequence_is_within_the_plan(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Defect (session 33): the guard compared rows and sequence alone, while a job of several ranks plans for the
+    rank batch with the most tokens, then the longest sequence: ranks whose first batches were 4 x 32 and 2 x 64
+    planned for 2 x 64, and rank 0's own 4 x 32 was "larger than planned" (refused on a GPU), though its
+    activations (tokens, and tokens x sequence for attention scores) are within the plan's."""
+    import logging
+
+    from agent.batch_guard import BatchShapeError, BatchShapeGuard, within_plan
+    from agent.runtime.process_group import batch_order
+
+    assert max([(4, 32), (2, 64)], key=batch_order) == (2, 64)
+    assert within_plan((4, 32), (2, 64)) and within_plan((2, 64), (2, 64)) and within_plan((1, 16), (2, 64))
+    assert not within_plan((2, 65), (2, 64)) and not within_plan((3, 64), (2, 64))
+    assert not within_plan((2, 64), (8, 32))  # fewer tokens, but a longer sequence: attention grows with it
+    guard = BatchShapeGuard(nn.Linear(2, 2), (2, 64), torch.device("cuda", 0))
+    caplog.set_level(logging.WARNING, logger="agent")
+    guard._check(nn.Linear(2, 2), (), {"input_ids": torch.zeros(4, 32, dtype=torch.long)})
+    assert not caplog.records
+    with pytest.raises(BatchShapeError):
+        guard._check(nn.Linear(2, 2), (), {"input_ids": torch.zeros(4, 64, dtype=torch.long)})
