@@ -95,3 +95,34 @@ def test_saving_a_few_values_writes_their_bytes_not_their_chunks() -> None:
     torch.save(norm, buffer)
     values = sum(v.numel() * v.element_size() for v in norm.values())
     assert buffer.tell() < values + 4096  # the values and pickle's framing (before: ~0.5 MB of chunk each)
+
+
+class _FullDevice(torch.Tensor):
+    """A tensor whose copies fail as a full CUDA device's do (`torch.OutOfMemoryError`), except to the host."""
+
+    def clone(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+def test_a_value_the_device_has_no_room_to_copy_is_copied_to_the_host_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The CUDA path of `_private_copy`, checked on the CPU: a persistent chunk's copy that does not fit the device
+    is made on the host (load_state_dict takes it as it is), and said once, not once per value."""
+    import logging
+    from types import SimpleNamespace
+
+    from agent.runtime.manager import ModelStateManager
+
+    manager = SimpleNamespace(_state_dict_on_host_warned=False)
+    caplog.set_level(logging.WARNING, logger="agent")
+    for key in ("a.weight", "b.weight"):
+        value = torch.arange(6.0).as_subclass(_FullDevice)
+        copy_ = ModelStateManager._private_copy(manager, key, value)  # type: ignore[arg-type]
+        assert (
+            copy_.device.type == "cpu"
+        )  # the host (here the CPU is the device too: the warning says which path ran)
+        assert copy_.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+        assert torch.equal(torch.Tensor(copy_), torch.arange(6.0))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "'a.weight'" in said[0] and "on the host" in said[0], said
