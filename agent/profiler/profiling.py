@@ -120,7 +120,7 @@ def late_plain_iterations(device: torch.device, world_size: int) -> bool:
     one spell can do to the median. Taking the later sample of the 31 saved 2-rank runs of the issue's command
     as the plain iteration timed before each managed run, the configurations within 10% by the median of 3
     went from 160 to 174 of 248 (docs/BENCHMARKS.md, session 33, says how); three runs of the issue's command
-    on the AMD EPYC VM then counted 7, 6 and 8 of 8 with it, 2, 6 and 7 of 8 without it that day. The cost is `repeats` plain
+    on the AMD EPYC VM then counted 7, 6, 8, 8 and 6 of 8 with it, 2, 6 and 7 of 8 without it that day. The cost is `repeats` plain
     iterations (0.1-0.2 s for the benchmark's models, whose 2-rank `wrap` takes 7-19 s on a CPU). Not in
     single-process profiles (issue 3's budget of ~10 iterations per profile, met at 4 of 4 within 10% without
     it) nor on CUDA (a GPU's iteration time does not swing in spells; its iterations are the expensive ones)."""
