@@ -139,9 +139,8 @@ def _threads_together(
     """Seconds of `dst.copy_(src)` for each (dst, src) pair, run on two threads started together (CPU)."""
     together = threading.Barrier(2)
     seconds = [0.0, 0.0]
-    failed: list[
-        BaseException
-    ] = []  # the other thread's error, raised here (not a time of 0: a bandwidth of 1e18)
+    # the other thread's error, raised here (not a time of 0, which became a bandwidth of ~1e15 B/s)
+    failed: list[BaseException] = []
 
     def copy(i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         together.wait()
