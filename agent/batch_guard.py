@@ -2,11 +2,10 @@
 
 `BatchShapeGuard` is a forward pre-hook on the wrapped model. A batch larger than planned (`within_plan`: more
 tokens, rows x sequence, or a longer sequence than `max_batch`, else `sample_batch`) uses more memory than the
-plan budgeted: on CPU it
-warns once and runs; on a GPU a forward with gradients raises `BatchShapeError` before it runs, rather than
-letting the iteration run out of device memory halfway (with the runtime's state in between), and an evaluation
-(no gradients: no activations kept for a backward) warns once and runs. The message names the
-shapes and the fix: pass the largest batch as `max_batch=` to `wrap`.
+plan budgeted: on CPU it warns once and runs; on a GPU a forward with gradients raises `BatchShapeError` before
+it runs, rather than letting the iteration run out of device memory halfway (with the runtime's state in
+between), and an evaluation (no gradients: no activations kept for a backward) warns once and runs. The
+message names the shapes and the fix: pass the largest batch as `max_batch=` to `wrap`.
 """
 
 from __future__ import annotations

@@ -85,9 +85,9 @@ def profile_on_every_rank(
     makes meets the barrier (`profiler.lockstep.meetings(repeats)`): a rank whose `run` ends early, however
     (an error before its profile started, say), holds the rest before telling the others, so no rank waits at
     a barrier nobody else reaches. Rank 0 calls it instead of profiling alone, which first tells the waiting
-    ranks to profile; the others call it when they receive `ProfileEveryRank`. `prepare`: what each rank does before the ranks start
-    profiling together (the hardware probe, cached per process: rank 0 has it from the history look-up, and a
-    rank that has none measures it here, not while the others profile). Raises `RankProfilingError` on every
+    ranks to profile; the others call it when they receive `ProfileEveryRank`. `prepare`: what each rank does
+    before the ranks start profiling together (the hardware probe, cached per process: rank 0 has it from the
+    history look-up, and a rank that has none measures it here, not while the others profile). Raises `RankProfilingError` on every
     rank when any rank's `prepare` or `run` raised. `every_rank` (`agent.profile(process_group=)`: every rank
     called it, none waits for a plan): nothing is announced, and every rank gets the job's trace."""
     if group.is_main and not every_rank:

@@ -417,9 +417,8 @@ def obtain_plan(
             trace = run()
             profiled_s: tuple[float, ...] = (trace.measurements.iteration_s,)
         else:  # every rank profiles its own model at once; the job's trace is the largest batch's
-            job = profile_on_every_rank(
-                group, run, meetings(REPEATS), prepare=lambda: hw
-            )  # rank 0 measured it above
+            # `prepare`: the hardware rank 0 measured above
+            job = profile_on_every_rank(group, run, meetings(REPEATS), prepare=lambda: hw)
             assert job is not None  # rank 0 (the only rank that obtains the plan) holds the job's trace
             trace, profiled_s = job.trace, job.iteration_s
         # what the runtime adds to the plain job (fp32 master, undo backups, clipping): see RuntimeOptions

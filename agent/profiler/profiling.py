@@ -119,9 +119,10 @@ def late_plain_iterations(device: torch.device, world_size: int) -> bool:
     plain iteration timed before its managed run. A second sample after the probes, seconds later, halves what
     one spell can do to the median. Taking the later sample of the 31 saved 2-rank runs of the issue's command
     as the plain iteration timed before each managed run, the configurations within 10% by the median of 3
-    went from 160 to 174 of 248 (docs/BENCHMARKS.md, session 33, says how); three runs of the issue's command
-    on the AMD EPYC VM then counted 7, 6, 8, 8 and 6 of 8 with it, 2, 6 and 7 of 8 without it that day. The cost is `repeats` plain
-    iterations (0.1-0.2 s for the benchmark's models, whose 2-rank `wrap` takes 7-19 s on a CPU). Not in
+    went from 160 to 174 of 248 (docs/BENCHMARKS.md, session 33, says how); five runs of the issue's command on
+    the AMD EPYC VM then counted 7, 6, 8, 8 and 6 of 8 with it, three without it that day 2, 6 and 7 of 8. The
+    cost is `repeats` plain iterations (0.1-0.2 s for the benchmark's models, whose 2-rank `wrap` takes 7-19 s
+    on a CPU). Not in
     single-process profiles (issue 3's budget of ~10 iterations per profile, met at 4 of 4 within 10% without
     it) nor on CUDA (a GPU's iteration time does not swing in spells; its iterations are the expensive ones)."""
     return device.type == "cpu" and world_size > 1
@@ -598,12 +599,13 @@ def _measure(
     # CPU: the optimizer's calls (step and zero_grad) are charged by the device optimizer throughput, not
     # spread over the blocks (the chunk runtime replaces both by its own, measured in 4c)
     zero_grad_s = statistics.median(zeros) if dev.type == "cpu" else 0.0
-    res.device_opt_bytes_per_s = stepped_bytes / max(opt_step_s + zero_grad_s, 1e-9)
-    if dev.type == "cpu" and persistent is not None and persistent.total_s > 0:
+    if persistent is not None and persistent.total_s > 0:  # (CPU: 4c) the runtime's own step and zero_grad
         res.device_opt_bytes_per_s = persistent.stepped_bytes / persistent.total_s
         log.debug(
             "persistent chunks: %s (plain step %.4fs, zero_grad %.4fs)", persistent, opt_step_s, zero_grad_s
         )
+    else:
+        res.device_opt_bytes_per_s = stepped_bytes / max(opt_step_s + zero_grad_s, 1e-9)
     # every block's forward and backward scaled so that they add up to the plain iteration's compute
     compute_plain = max(res.iteration_s - opt_step_s - zero_grad_s, 0.0)
     hooked_sum = sum(fwd) + sum(bwd)
