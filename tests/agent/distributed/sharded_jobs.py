@@ -238,7 +238,7 @@ def _alive(pid: int | None) -> bool:
     """The process runs (a zombie waiting for its parent to reap it counts as gone)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or reaped between open and read
         return False
     return state != "Z"
 
